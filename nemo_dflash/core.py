@@ -1,0 +1,375 @@
+"""The DFlash trainer module: anchors -> block inputs -> block attention mask -> draft -> loss.
+
+Training runs many blocks per sequence in one draft forward. Each block i starts at an
+anchor a_i (a supervised token), holds `[token[a_i], MASK, ..., MASK]` at positions
+a_i..a_i+B-1, sees the target context strictly before a_i plus its own block
+(bidirectionally), and slot k >= 1 predicts token[a_i + k] with weight exp(-(k-1)/gamma).
+This batched formulation must equal running each block alone, the way inference does
+(tests/test_core.py checks exactly that).
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nemo_dflash.target import DFlashTargetBatch
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment,misc]
+    create_block_mask = None  # type: ignore[assignment]
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to `num_anchors` anchors per row, uniformly without replacement.
+
+    Candidates are supervised, real tokens that leave room for a whole block
+    (a + block_size <= sequence length). Returns (anchors [B, A], valid [B, A]) sorted by
+    position; rows with fewer candidates are padded with invalid anchors (position 0).
+    A >= 1 always, so the draft runs (and its parameters join the graph) on every batch.
+    """
+    bsz, seq = loss_mask.shape
+    device = loss_mask.device
+    lengths = attention_mask.long().sum(dim=1, keepdim=True)
+    pos = torch.arange(seq, device=device).unsqueeze(0)
+    cand = loss_mask.bool() & attention_mask.bool() & (pos + block_size <= lengths)
+    n_anchors = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if cand.numel() else 0))
+    scores = torch.rand(bsz, seq, device=device, generator=generator)
+    scores = scores.masked_fill(~cand, -1.0)
+    top_scores, top_idx = scores.topk(min(n_anchors, seq), dim=1)
+    valid = top_scores >= 0
+    # Sort valid anchors by position; invalid ones go last at position 0.
+    key = torch.where(valid, top_idx, torch.full_like(top_idx, seq))
+    key, order = key.sort(dim=1)
+    valid = valid.gather(1, order)
+    anchors = torch.where(valid, key, torch.zeros_like(key))
+    if anchors.shape[1] < n_anchors:  # seq shorter than requested anchors
+        pad = n_anchors - anchors.shape[1]
+        anchors = F.pad(anchors, (0, pad))
+        valid = F.pad(valid, (0, pad), value=False)
+    return anchors, valid
+
+
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, A] anchors -> [B, A, block] absolute positions a_i + k."""
+    return anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
+
+
+def build_block_input_ids(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
+    """[B, A, block]: the anchor's real token in slot 0, the mask token elsewhere."""
+    block = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block[..., 0] = input_ids.gather(1, anchors)
+    return block
+
+
+def loss_decay_weights(block_size: int, gamma: Optional[float], device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k >= 1; slot 0 (the anchor) has weight 0; no decay if gamma unset."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    w = torch.exp(-(k - 1) / gamma) if gamma else torch.ones(block_size, device=device)
+    w[0] = 0.0
+    return w
+
+
+def build_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels: slot k predicts token[a + k]. Returns (labels, label_valid) [B, A, block].
+
+    Slot 0, unsupervised or padded targets, targets past the end and invalid blocks are invalid.
+    """
+    seq = input_ids.shape[1]
+    pos = block_positions(anchors, block_size)  # [B, A, blk]
+    in_range = pos < seq
+    flat = pos.clamp(max=seq - 1).flatten(1)
+    labels = input_ids.gather(1, flat).view_as(pos)
+    supervised = (loss_mask.bool() & attention_mask.bool()).gather(1, flat).view_as(pos)
+    slot = torch.arange(block_size, device=anchors.device)
+    label_valid = in_range & supervised & (slot >= 1) & valid.unsqueeze(-1)
+    return labels, label_valid
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def build_dense_block_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Dense boolean mask [B, 1, A*block, S + A*block] for SDPA (True = visible).
+
+    Context key j is visible to block i iff j < a_i and j is a real token; a block key is
+    visible iff it is in the same block; invalid blocks see nothing (their rows are empty,
+    which the attention turns into zeros, never NaN).
+    """
+    bsz, n_blk = anchors.shape
+    seq = key_valid.shape[1]
+    q_blk = torch.arange(n_blk * block_size, device=anchors.device) // block_size  # [Q]
+    a_q = anchors[:, q_blk]  # [B, Q]
+    v_q = valid[:, q_blk]  # [B, Q]
+    j = torch.arange(seq, device=anchors.device)
+    ctx = (j.view(1, 1, -1) < a_q.unsqueeze(-1)) & key_valid.bool().unsqueeze(1)  # [B, Q, S]
+    same = (q_blk.view(-1, 1) == q_blk.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)  # [B, Q, Q]
+    mask = torch.cat([ctx, same], dim=-1) & v_q.unsqueeze(-1)
+    return mask.unsqueeze(1)
+
+
+def build_flex_block_mask(
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    key_valid: torch.Tensor,
+    block_size: int,
+    compile_mask: Optional[bool] = None,
+):
+    """The same mask as `build_dense_block_mask`, as a flex_attention BlockMask.
+
+    The dense mask is O(Q * K) memory (GBs at 512 anchors x 3072 tokens); the BlockMask
+    stores only which 128x128 tiles are partly or fully visible, so the kernel skips the
+    (mostly invisible) rest.
+    """
+    if create_block_mask is None:  # pragma: no cover
+        raise RuntimeError("flex_attention needs torch >= 2.5; use attn_backend=sdpa")
+    bsz, n_blk = anchors.shape
+    seq = key_valid.shape[1]
+    q_len = n_blk * block_size
+    q_blk_all = torch.arange(q_len, device=anchors.device) // block_size
+    a_q = anchors[:, q_blk_all].contiguous()  # [B, Q]
+    v_q = valid[:, q_blk_all].contiguous()
+    kv_ok = key_valid.bool().contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        is_ctx = kv_idx < seq
+        ctx_vis = (kv_idx < a_q[b, q_idx]) & kv_ok[b, kv_idx.clamp(max=seq - 1)]
+        blk_vis = ((kv_idx - seq) // block_size) == (q_idx // block_size)
+        return v_q[b, q_idx] & torch.where(is_ctx, ctx_vis, blk_vis)
+
+    if compile_mask is None:
+        compile_mask = anchors.device.type == "cuda"
+    return create_block_mask(
+        mask_mod, B=bsz, H=None, Q_LEN=q_len, KV_LEN=seq + q_len, device=anchors.device, _compile=compile_mask
+    )
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+@dataclass
+class DFlashLossOutput:
+    """Sums, so ranks and accumulation micro-steps can be reduced before normalising."""
+
+    loss_sum: torch.Tensor  # sum_k w_k * loss_k (differentiable)
+    weight_sum: torch.Tensor  # sum_k w_k
+    correct: torch.Tensor  # argmax == label on valid label slots
+    num_labels: torch.Tensor
+    accept_sum: torch.Tensor  # sum over valid blocks of the simulated acceptance length
+    num_blocks: torch.Tensor
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.loss_sum / self.weight_sum.clamp(min=1e-12)
+
+    def metrics(self) -> dict[str, float]:
+        w = float(self.weight_sum)
+        return {
+            "loss": float(self.loss_sum.detach()) / w if w > 0 else 0.0,
+            "accuracy": float(self.correct) / max(float(self.num_labels), 1.0),
+            "accept_len": float(self.accept_sum) / max(float(self.num_blocks), 1.0),
+            "num_blocks": float(self.num_blocks),
+        }
+
+
+def _chunk_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: nn.Module,
+    teacher_logits: Optional[torch.Tensor],
+    distill_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float()
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    if teacher_logits is not None and distill_weight > 0:
+        soft = -(teacher_logits.float().softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        loss = (1.0 - distill_weight) * loss + distill_weight * soft
+    return loss, logits.argmax(-1)
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: nn.Module,
+    chunk_size: int,
+    teacher_logits: Optional[torch.Tensor] = None,
+    distill_weight: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and argmax over [N, H] hidden states, `chunk_size` rows at a time.
+
+    Each chunk is checkpointed, so the [N, vocab] fp32 logits never exist whole: only one
+    chunk's logits are alive in forward, and they are recomputed chunk by chunk in backward.
+    """
+    n = hidden.shape[0]
+    if n <= chunk_size or not torch.is_grad_enabled():
+        return _chunk_loss(hidden, labels, lm_head, teacher_logits, distill_weight)
+    losses, preds = [], []
+    for s in range(0, n, chunk_size):
+        t = teacher_logits[s : s + chunk_size] if teacher_logits is not None else None
+        l, p = checkpoint(
+            _chunk_loss, hidden[s : s + chunk_size], labels[s : s + chunk_size], lm_head, t, distill_weight,
+            use_reentrant=False,
+        )
+        losses.append(l)
+        preds.append(p)
+    return torch.cat(losses), torch.cat(preds)
+
+
+def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
+    """[B, A, block] -> [B, A]: 1 + length of the run of correct slots from slot 1."""
+    ok = (correct & label_valid)[..., 1:].long()
+    return 1 + ok.cumprod(dim=-1).sum(dim=-1)
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class DFlashTrainerModule(nn.Module):
+    """Wraps the draft with the target's frozen embedding and lm_head for one training step.
+
+    The embedding and lm_head are held by reference (not registered as submodules), so
+    DDP/FSDP wrapping, optimizers and checkpoints of this module see the draft only.
+    """
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        *,
+        num_anchors: int = 512,
+        loss_decay_gamma: Optional[float] = None,
+        attn_backend: str = "sdpa",
+        distill_weight: float = 0.0,
+        ce_chunk_size: int = 4096,
+    ) -> None:
+        super().__init__()
+        if attn_backend not in ("sdpa", "eager", "flex"):
+            raise ValueError(f"attn_backend must be 'sdpa', 'eager' or 'flex', got {attn_backend!r}")
+        self.draft = draft
+        self._frozen = (embed_tokens, lm_head)
+        self.block_size = int(draft.config.block_size)
+        self.mask_token_id = int(draft.config.mask_token_id)
+        self.num_anchors = int(num_anchors)
+        self.gamma = loss_decay_gamma
+        self.attn_backend = attn_backend
+        self.distill_weight = float(distill_weight)
+        self.ce_chunk_size = int(ce_chunk_size)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._frozen[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._frozen[1]
+
+    def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor):
+        if self.attn_backend == "flex":
+            return build_flex_block_mask(anchors, valid, key_valid, self.block_size)
+        return build_dense_block_mask(anchors, valid, key_valid, self.block_size)
+
+    def forward(
+        self,
+        batch: DFlashTargetBatch,
+        generator: Optional[torch.Generator] = None,
+        anchors: Optional[torch.Tensor] = None,
+        valid: Optional[torch.Tensor] = None,
+    ) -> DFlashLossOutput:
+        input_ids, attn, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
+        bsz, seq = input_ids.shape
+        blk = self.block_size
+        if anchors is None:
+            anchors, valid = sample_anchors(loss_mask, attn, blk, self.num_anchors, generator)
+        assert valid is not None
+        n_blk = anchors.shape[1]
+
+        block_ids = build_block_input_ids(input_ids, anchors, blk, self.mask_token_id)
+        with torch.no_grad():
+            noise = self.embed_tokens(block_ids.flatten(1))  # [B, A*blk, H], frozen
+        ctx_pos = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        pos = torch.cat([ctx_pos, block_positions(anchors, blk).flatten(1)], dim=1)
+        mask = self.build_mask(anchors, valid, attn)
+        hidden = self.draft(
+            noise_embedding=noise, target_hidden=batch.hidden_states, position_ids=pos,
+            attention_mask=mask, backend=self.attn_backend,
+        )  # [B, A*blk, H]
+
+        labels, label_valid = build_labels(input_ids, loss_mask, attn, anchors, valid, blk)
+        weights = loss_decay_weights(blk, self.gamma, input_ids.device) * label_valid
+        sel = label_valid.flatten().nonzero().squeeze(-1)
+        h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
+        teacher = None
+        if self.distill_weight > 0:
+            if batch.logits is None:
+                raise ValueError("distill_weight > 0 needs target logits: call generate_batch(return_logits=True)")
+            # The target predicts token[a+k] from position a+k-1.
+            src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
+            teacher = batch.logits.gather(1, src.unsqueeze(-1).expand(-1, -1, batch.logits.shape[-1]))
+            teacher = teacher.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
+        tok_loss, pred = chunked_lm_loss(
+            h_sel, labels.flatten().index_select(0, sel), self.lm_head, self.ce_chunk_size, teacher, self.distill_weight
+        )
+        w_sel = weights.flatten().index_select(0, sel)
+        # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
+        # so DDP/FSDP gradient collectives still run on this rank (no hang).
+        loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
+
+        with torch.no_grad():
+            correct = torch.zeros(bsz * n_blk * blk, dtype=torch.bool, device=input_ids.device)
+            correct[sel] = pred == labels.flatten().index_select(0, sel)
+            correct = correct.view(bsz, n_blk, blk)
+            block_ok = label_valid.any(-1)
+            acc_len = acceptance_lengths(correct, label_valid)
+            return_out = DFlashLossOutput(
+                loss_sum=loss_sum,
+                weight_sum=w_sel.sum(),
+                correct=(correct & label_valid).sum(),
+                num_labels=label_valid.sum(),
+                accept_sum=(acc_len * block_ok).sum().float(),
+                num_blocks=block_ok.sum(),
+            )
+        return return_out
+
+
+__all__ = [
+    "DFlashLossOutput",
+    "DFlashTrainerModule",
+    "acceptance_lengths",
+    "build_block_input_ids",
+    "build_dense_block_mask",
+    "build_flex_block_mask",
+    "build_labels",
+    "block_positions",
+    "chunked_lm_loss",
+    "loss_decay_weights",
+    "sample_anchors",
+]

@@ -1,0 +1,84 @@
+"""Typed data configuration (OmegaConf structured-config compatible)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+BATCHING_MODES = ("random", "length_grouped")
+
+
+@dataclass
+class DataSourceConfig:
+    """One local conversation file and how much of it goes into the mix."""
+
+    path: str = MISSING  # .jsonl, .json or .parquet (local file)
+    weight: float = 1.0  # mixing weight: 2.0 = every sample twice, 0.5 = a seeded half
+    max_samples: Optional[int] = None  # read at most this many valid conversations
+
+
+@dataclass
+class DataConfig:
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    max_length: int = 3072  # truncate tokenised conversations to this many tokens
+    max_bad_lines: int = 100  # more malformed records than this across the run -> error
+    holdout_fraction: float = 0.0  # seeded split of held-out conversations for evaluation
+    batching: str = "length_grouped"  # "random" or "length_grouped" (groups similar lengths to cut padding)
+    pad_to_multiple_of: int = 64
+    num_workers: int = 0
+    seed: int = 0
+
+
+def as_data_config(config: Any) -> DataConfig:
+    """Accept a DataConfig, an OmegaConf node or a plain dict and return a validated DataConfig.
+
+    Going through ``OmegaConf.structured`` gives type checking for free (e.g. a string weight
+    fails here with the offending key named, not deep inside the pipeline).
+    """
+    if isinstance(config, DataConfig):
+        cfg = config
+    else:
+        if isinstance(config, DictConfig):
+            config = OmegaConf.to_container(config, resolve=True)
+        if not isinstance(config, dict):
+            raise TypeError(f"expected a DataConfig, DictConfig or dict, got {type(config).__name__}")
+        merged = OmegaConf.merge(OmegaConf.structured(DataConfig), config)
+        cfg = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate_data_config(cfg)
+    return cfg
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Fail early with a message naming the key to fix."""
+    # Imported here: sources imports nothing from config, keep the module graph one-way.
+    from nemo_dflash.data.sources import DataError
+
+    if not cfg.sources:
+        raise DataError(
+            "data.sources is empty: add at least one source, e.g. "
+            "data.sources=[{path: /path/to/chats.jsonl}] (see docs/data.md); "
+            "nemo_dflash.data.default_sharegpt_path() gives the bundled ShareGPT file"
+        )
+    for i, src in enumerate(cfg.sources):
+        if not isinstance(src.path, str) or not src.path or src.path == MISSING:
+            raise DataError(f"data.sources[{i}].path is not set")
+        if not src.weight > 0:
+            raise DataError(
+                f"data.sources[{i}].weight must be > 0 (got {src.weight}); remove the source to disable it"
+            )
+        if src.max_samples is not None and src.max_samples <= 0:
+            raise DataError(f"data.sources[{i}].max_samples must be positive or null (got {src.max_samples})")
+    if cfg.max_length <= 0:
+        raise DataError(f"data.max_length must be positive (got {cfg.max_length})")
+    if cfg.max_bad_lines < 0:
+        raise DataError(f"data.max_bad_lines must be >= 0 (got {cfg.max_bad_lines})")
+    if not 0.0 <= cfg.holdout_fraction < 1.0:
+        raise DataError(f"data.holdout_fraction must be in [0, 1) (got {cfg.holdout_fraction})")
+    if cfg.batching not in BATCHING_MODES:
+        raise DataError(f"data.batching must be one of {BATCHING_MODES} (got {cfg.batching!r})")
+    if cfg.pad_to_multiple_of <= 0:
+        raise DataError(f"data.pad_to_multiple_of must be positive (got {cfg.pad_to_multiple_of})")
+    if cfg.num_workers < 0:
+        raise DataError(f"data.num_workers must be >= 0 (got {cfg.num_workers})")

@@ -1,0 +1,81 @@
+"""Config of the Qwen3-style DFlash draft.
+
+It *is* a Qwen3 config (the serving engines load the draft as `model_type: qwen3`) plus the
+DFlash fields of the serving contract: `block_size`, `num_target_layers` and
+`dflash_config = {mask_token_id, target_layer_ids}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import Qwen3Config
+
+
+class DFlashConfig(Qwen3Config):
+    model_type = "qwen3"
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_target_layers: int = 36,
+        dflash_config: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("architectures", ["DFlashDraftModel"])
+        super().__init__(**kwargs)
+        self.block_size = int(block_size)
+        self.num_target_layers = int(num_target_layers)
+        dflash_config = dict(dflash_config or {})
+        dflash_config.setdefault("mask_token_id", None)
+        dflash_config.setdefault("target_layer_ids", [])
+        self.dflash_config = dflash_config
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        return self.dflash_config.get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config.get("target_layer_ids") or [])
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config: Any,
+        *,
+        num_hidden_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        target_layer_ids: list[int],
+        **overrides: Any,
+    ) -> "DFlashConfig":
+        """Shape the draft like its target: the draft reuses the target's embeddings and
+        lm_head, so hidden size and vocab must match; heads/head_dim/rope follow by default."""
+        tc = getattr(target_config, "text_config", None) or target_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None)
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
+        fields: dict[str, Any] = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+            vocab_size=tc.vocab_size,
+            hidden_act=getattr(tc, "hidden_act", "silu"),
+            attention_bias=False,
+            rope_parameters=dict(rope),
+            tie_word_embeddings=False,
+        )
+        fields.update(overrides)
+        return cls(
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            num_target_layers=tc.num_hidden_layers,
+            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+            **fields,
+        )

@@ -1,0 +1,85 @@
+"""Which draft class serves which target family, keyed by the HF `architectures` string.
+
+Adding a family is a one-line append to `DFLASH_DRAFT_REGISTRY` (see docs/registry.md):
+
+    DFLASH_DRAFT_REGISTRY["MistralForCausalLM"] = DraftSpec(draft_cls=DFlashDraftModel)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from transformers import PreTrainedModel
+
+from nemo_dflash.model import DFlashConfig, DFlashDraftModel
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How to build the DFlash draft for one target family.
+
+    `default_mask_token_id` is the documented per-family mask token (the id the published
+    drafts and serving engines use); None means "take the tokenizer's mask token, the first
+    embedding row past the tokenizer, or an explicit id from the recipe".
+    """
+
+    draft_cls: type[PreTrainedModel] = DFlashDraftModel
+    config_cls: type[DFlashConfig] = DFlashConfig
+    default_mask_token_id: Optional[int] = None
+
+
+DFLASH_DRAFT_REGISTRY: dict[str, DraftSpec] = {
+    "Qwen3ForCausalLM": DraftSpec(default_mask_token_id=151669),
+    "Qwen3MoeForCausalLM": DraftSpec(default_mask_token_id=151669),
+    "Qwen2ForCausalLM": DraftSpec(),
+    "LlamaForCausalLM": DraftSpec(default_mask_token_id=128002),
+}
+
+
+def resolve_dflash_draft_spec(architectures: Sequence[str] | str | None) -> DraftSpec:
+    """Return the spec of the first registered architecture in `architectures`."""
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    for arch in architectures or ():
+        if arch in DFLASH_DRAFT_REGISTRY:
+            return DFLASH_DRAFT_REGISTRY[arch]
+    supported = ", ".join(sorted(DFLASH_DRAFT_REGISTRY))
+    raise ValueError(
+        f"No DFlash draft is registered for target architectures {list(architectures or [])}. "
+        f"Supported: {supported}. To add a family whose decoder is Qwen3/Llama-like, append one line: "
+        f"`DFLASH_DRAFT_REGISTRY['<YourArch>ForCausalLM'] = DraftSpec()` "
+        "(nemo_dflash.registry; see docs/registry.md)."
+    )
+
+
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default target layers to fuse: evenly from layer 1 to L-3 (the paper's choice).
+
+    Qwen3-8B (L=36, n=5) -> [1, 9, 17, 25, 33]. For shallow targets where that formula
+    would repeat or overflow ids, spread n distinct ids evenly over [0, L-1] instead.
+    """
+    L, n = int(num_target_layers), int(num_draft_layers)
+    if L < 1 or n < 1:
+        raise ValueError(f"num_target_layers ({L}) and num_draft_layers ({n}) must be >= 1")
+    if n > L:
+        raise ValueError(
+            f"Cannot pick {n} distinct target layers from a {L}-layer target: "
+            "use fewer draft layers or set `target_layer_ids` explicitly."
+        )
+    if n == 1:
+        return [L // 2]
+    if L > 4 and (L - 4) >= (n - 1):
+        ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+        if len(set(ids)) == n:
+            return ids
+    # Shallow target: spacing >= 1 over [0, L-1] with half-up rounding gives distinct ids.
+    return [_round_half_up(i * (L - 1) / (n - 1)) for i in range(n)]
+
+
+__all__ = ["DraftSpec", "DFLASH_DRAFT_REGISTRY", "resolve_dflash_draft_spec", "build_target_layer_ids"]
