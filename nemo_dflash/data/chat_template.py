@@ -1,0 +1,280 @@
+"""Tokenise conversations with the target model's own chat template and mask non-assistant tokens.
+
+The draft model must learn exactly what the target generates, so the loss covers, for each
+assistant turn, the tokens after the assistant header up to and including the end-of-turn token
+(``<|im_end|>``, ``<|eot_id|>``, ...), as the template RENDERS them (e.g. Qwen3's injected
+``<think>\\n\\n</think>\\n\\n`` in the last turn is supervised, reasoning stripped from earlier
+turns is not there to supervise).
+
+This works for any template, with or without ``{% generation %}`` markers:
+
+1. probe the template once for the assistant header (``add_generation_prompt=True`` minus
+   ``False``) and the end-of-turn marker (first special token after a probe reply);
+2. render the conversation to text and walk the assistant turns in order with a cursor:
+   header, then the first end-of-turn marker after it, gives the supervised character span;
+3. tokenise the text with offsets and mark the tokens that overlap a span.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nemo_dflash.data.sources import DataError
+
+logger = logging.getLogger(__name__)
+
+_PROBE_USER = "nemo-dflash-probe-question"
+_PROBE_ASSISTANT = "nemo-dflash-probe-answer"
+
+
+class ChatTemplateError(DataError):
+    """The chat template cannot render a conversation, or renders it in a way we cannot mask."""
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the target model generates the token
+    truncated: bool = False  # the conversation was longer than max_length
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The two template markers the masking needs, found by probing the template."""
+
+    assistant_header: str  # e.g. "<|im_start|>assistant\n"
+    end_of_turn: str  # e.g. "<|im_end|>"
+
+
+_FORMAT_CACHE: "weakref.WeakKeyDictionary[Any, tuple[Optional[str], ChatFormat]]" = weakref.WeakKeyDictionary()
+
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # jinja raises anything: TemplateError, TypeError, IndexError, ...
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def _generation_header(tokenizer: Any, context: Sequence[dict[str, str]]) -> Optional[str]:
+    """The text the template appends for ``add_generation_prompt=True`` after ``context``."""
+    with_prompt = _render(tokenizer, context, add_generation_prompt=True)
+    without = _render(tokenizer, context, add_generation_prompt=False)
+    if not with_prompt.startswith(without) or len(with_prompt) == len(without):
+        return None
+    return with_prompt[len(without) :]
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            specials.add(str(tok))
+    return sorted((s for s in specials if s), key=len, reverse=True)
+
+
+def detect_chat_format(tokenizer: Any) -> ChatFormat:
+    """Probe ``tokenizer``'s chat template for its assistant header and end-of-turn marker (cached)."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        cached = _FORMAT_CACHE.get(tokenizer)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] == template:
+        return cached[1]
+    if not template:
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+            "DFlash tokenises with the target model's own template: use the target's (instruct) tokenizer"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("a fast tokenizer (offset mapping) is needed: load it with AutoTokenizer(..., use_fast=True)")
+
+    user = [{"role": "user", "content": _PROBE_USER}]
+    header = _generation_header(tokenizer, user)
+    if not header:
+        raise DataError(
+            "the chat template adds nothing for add_generation_prompt=True, so the assistant header "
+            "cannot be found; use a chat template with a generation prompt"
+        )
+    text = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_ASSISTANT}])
+    at = text.rfind(_PROBE_ASSISTANT)
+    if at < 0:
+        raise DataError("the chat template drops the assistant content; cannot build a loss mask for it")
+    tail = text[at + len(_PROBE_ASSISTANT) :]
+    eot = None
+    best = len(tail)
+    for s in _special_strings(tokenizer):  # longest first, so ties keep the longest match
+        i = tail.find(s)
+        if 0 <= i < best:
+            best, eot = i, s
+    if eot is None or tail[:best].strip():
+        # No special token right after the reply: fall back to the literal text that ends the turn.
+        stripped = tail.strip()
+        if not stripped:
+            raise DataError(
+                "the chat template has no end-of-turn marker after an assistant reply, so the end of "
+                "each assistant turn cannot be found"
+            )
+        eot = stripped.split()[0]
+    fmt = ChatFormat(assistant_header=header, end_of_turn=eot)
+    logger.info("chat template: assistant header %r, end of turn %r", header, eot)
+    try:
+        _FORMAT_CACHE[tokenizer] = (template, fmt)
+    except TypeError:
+        pass
+    return fmt
+
+
+def _trim_to_last_assistant(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop trailing non-assistant turns: they carry no supervision and only cost context."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return list(messages[: last + 1])
+
+
+def render_with_spans(
+    tokenizer: Any, messages: Sequence[dict[str, str]], fmt: Optional[ChatFormat] = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages`` and return the text plus the supervised ``[start, end)`` char spans."""
+    fmt = fmt or detect_chat_format(tokenizer)
+    for m in messages:
+        for marker in (fmt.assistant_header, fmt.end_of_turn):
+            if marker in m["content"]:
+                raise ChatTemplateError(
+                    f"a {m['role']} message contains the chat-template marker {marker!r}, "
+                    "which makes the turn boundaries ambiguous"
+                )
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = text.find(fmt.assistant_header, cursor)
+        header = fmt.assistant_header
+        if start < 0 and i > 0:
+            # Templates whose header depends on the context: ask for this turn's header.
+            header = _generation_header(tokenizer, messages[:i]) or ""
+            start = text.find(header, cursor) if header else -1
+        if start < 0:
+            raise ChatTemplateError(f"assistant header {fmt.assistant_header!r} of turn {i} not found in the rendered text")
+        content_start = start + len(header)
+        eot = text.find(fmt.end_of_turn, content_start)
+        if eot < 0:
+            raise ChatTemplateError(f"end-of-turn marker {fmt.end_of_turn!r} of turn {i} not found in the rendered text")
+        end = eot + len(fmt.end_of_turn)
+        spans.append((content_start, end))
+        cursor = end
+    return text, spans
+
+
+def spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters overlap a span (offsets and spans sorted by position)."""
+    mask = [0] * len(offsets)
+    j = 0
+    for t, (ts, te) in enumerate(offsets):
+        while j < len(spans) and spans[j][1] <= ts:  # this span ended before the token
+            j += 1
+        if j == len(spans):
+            break
+        s, e = spans[j]
+        if (ts < e and te > s) or (ts == te and s <= ts < e):
+            mask[t] = 1
+    return mask
+
+
+def _finish(input_ids: list[int], mask: list[int], max_length: int) -> Optional[TokenizedConversation]:
+    truncated = len(input_ids) > max_length
+    input_ids, mask = list(input_ids[:max_length]), mask[:max_length]
+    if not any(mask):
+        return None
+    return TokenizedConversation(input_ids=input_ids, loss_mask=mask, truncated=truncated)
+
+
+def _template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False)
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return list(ids)
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    max_length: int,
+    *,
+    chat_format: Optional[ChatFormat] = None,
+    verify: bool = True,
+) -> Optional[TokenizedConversation]:
+    """Tokenise one conversation with the chat template; None if no supervised token is left.
+
+    ``verify`` checks that the ids equal ``apply_chat_template(tokenize=True)`` (one extra
+    tokenisation); a mismatch raises :class:`ChatTemplateError`.
+    """
+    return tokenize_conversations(tokenizer, [messages], max_length, chat_format=chat_format, verify=verify)[0]
+
+
+def tokenize_conversations(
+    tokenizer: Any,
+    conversations: Sequence[Sequence[dict[str, str]]],
+    max_length: int,
+    *,
+    chat_format: Optional[ChatFormat] = None,
+    verify: bool | int = False,
+    errors: Optional[list[Optional[ChatTemplateError]]] = None,
+) -> list[Optional[TokenizedConversation]]:
+    """Batch version of :func:`tokenize_conversation` (one batched fast-tokenizer call).
+
+    Without ``errors`` a template problem raises; with a list, it gets one entry per
+    conversation (the error or None) and the failed conversations come back as None.
+    ``verify`` may be an int: verify only the first that many conversations.
+    """
+    fmt = chat_format or detect_chat_format(tokenizer)
+    n_verify = len(conversations) if verify is True else int(verify)
+    results: list[Optional[TokenizedConversation]] = [None] * len(conversations)
+    errs: list[Optional[ChatTemplateError]] = [None] * len(conversations)
+    rendered: list[tuple[int, list[dict[str, str]], str, list[tuple[int, int]]]] = []
+    for k, messages in enumerate(conversations):
+        trimmed = _trim_to_last_assistant(messages)
+        if not trimmed:
+            continue  # no assistant turn: nothing to learn from
+        try:
+            text, spans = render_with_spans(tokenizer, trimmed, fmt)
+        except ChatTemplateError as e:
+            if errors is None:
+                raise
+            errs[k] = e
+            continue
+        rendered.append((k, trimmed, text, spans))
+    if rendered:
+        enc = tokenizer(
+            [r[2] for r in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
+        for (k, trimmed, _, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+            if k < n_verify:
+                expected = _template_ids(tokenizer, trimmed)
+                if expected != list(ids):
+                    err = ChatTemplateError(
+                        "tokenising the rendered chat text does not reproduce apply_chat_template(tokenize=True) "
+                        f"({len(ids)} vs {len(expected)} tokens); this tokenizer/template is not supported"
+                    )
+                    if errors is None:
+                        raise err
+                    errs[k] = err
+                    continue
+            results[k] = _finish(ids, spans_to_mask(offsets, spans), max_length)
+    if errors is not None:
+        errors[:] = errs
+    return results

