@@ -1,0 +1,279 @@
+"""The trainer module against independent references: brute-force masks, per-block inference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
+from nemo_dflash.core import (
+    DFlashTrainerModule,
+    acceptance_lengths,
+    build_block_input_ids,
+    build_dense_block_mask,
+    build_flex_block_mask,
+    build_labels,
+    loss_decay_weights,
+    sample_anchors,
+)
+from nemo_dflash.target import HFDFlashTargetModel
+
+
+def brute_force_mask(anchors, valid, key_valid, block):
+    """Written from the rules, one (query, key) pair at a time."""
+    bsz, n_blk = anchors.shape
+    seq = key_valid.shape[1]
+    q_len = n_blk * block
+    out = torch.zeros(bsz, 1, q_len, seq + q_len, dtype=torch.bool)
+    for b in range(bsz):
+        for q in range(q_len):
+            i = q // block
+            if not valid[b, i]:
+                continue
+            a = int(anchors[b, i])
+            for j in range(seq):
+                out[b, 0, q, j] = j < a and bool(key_valid[b, j])
+            for kk in range(q_len):
+                out[b, 0, q, seq + kk] = kk // block == i
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_mask_matches_brute_force(seed):
+    block = 4
+    ids, attn, lm = random_batch(bsz=3, seq=30, seed=seed, pad_last=8)
+    anchors, valid = sample_anchors(lm, attn, block, num_anchors=5, generator=torch.Generator().manual_seed(seed))
+    valid[0, -1] = False  # a padding block
+    anchors[1, 0] = 0  # the j < anchor edge: nothing of the context visible
+    mask = build_dense_block_mask(anchors, valid, attn, block)
+    assert torch.equal(mask, brute_force_mask(anchors, valid, attn, block))
+
+
+def test_mask_is_strict_at_the_anchor():
+    anchors = torch.tensor([[5]])
+    valid = torch.tensor([[True]])
+    mask = build_dense_block_mask(anchors, valid, torch.ones(1, 10), 3)
+    assert mask[0, 0, 0, :10].tolist() == [True] * 5 + [False] * 5  # key 5 == anchor is NOT visible
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_flex_block_mask_matches_dense(seed):
+    block = 4
+    ids, attn, lm = random_batch(bsz=2, seq=40, seed=seed)
+    anchors, valid = sample_anchors(lm, attn, block, num_anchors=6, generator=torch.Generator().manual_seed(seed))
+    valid[1, 2] = False
+    dense = build_dense_block_mask(anchors, valid, attn, block)
+    bm = build_flex_block_mask(anchors, valid, attn, block, compile_mask=False)
+    q_len, kv_len = dense.shape[-2:]
+    b, h, q, kv = torch.meshgrid(
+        torch.arange(2), torch.zeros(1, dtype=torch.long), torch.arange(q_len), torch.arange(kv_len), indexing="ij"
+    )
+    from_flex = bm.mask_mod(b, h, q, kv)
+    assert torch.equal(from_flex, dense)
+    # The BlockMask must not drop tiles that hold visible entries.
+    dense_from_bm = bm.to_dense()[..., :q_len, :kv_len].bool()  # tile-level coverage
+    tile = bm.BLOCK_SIZE[0]
+    for bb in range(2):
+        for qi in range(0, q_len, tile):
+            for ki in range(0, kv_len, bm.BLOCK_SIZE[1]):
+                if dense[bb, 0, qi : qi + tile, ki : ki + bm.BLOCK_SIZE[1]].any():
+                    assert dense_from_bm[bb, 0, qi // tile, ki // bm.BLOCK_SIZE[1]]
+
+
+def test_anchor_sampling_rules():
+    block = 4
+    ids, attn, lm = random_batch(bsz=2, seq=40, pad_last=10, prompt_len=7)
+    lengths = attn.sum(1)
+    seen = set()
+    for s in range(20):
+        anchors, valid = sample_anchors(lm, attn, block, num_anchors=8, generator=torch.Generator().manual_seed(s))
+        for b in range(2):
+            a = anchors[b][valid[b]]
+            assert len(set(a.tolist())) == len(a)  # without replacement
+            assert torch.all(lm[b, a] == 1)
+            assert torch.all(a + block <= lengths[b])
+            assert torch.equal(a, a.sort().values)
+            seen.update((b, int(x)) for x in a)
+    # uniform over every candidate: all candidates get drawn eventually
+    n_cand = sum(int(((lm[b] == 1) & (torch.arange(40) + block <= lengths[b])).sum()) for b in range(2))
+    assert len(seen) == n_cand
+    # more anchors requested than candidates: padded with invalid blocks
+    anchors, valid = sample_anchors(lm, attn, block, num_anchors=100)
+    assert valid.sum(1).tolist() == [40 - 7 - block + 1, 30 - 7 - block + 1]
+
+
+def test_block_inputs_labels_and_decay():
+    ids = torch.arange(10).unsqueeze(0) + 100
+    attn = torch.ones(1, 10, dtype=torch.long)
+    lm = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]])
+    anchors, valid = torch.tensor([[2, 7]]), torch.tensor([[True, True]])
+    blocks = build_block_input_ids(ids, anchors, 4, MASK_ID)
+    assert blocks.tolist() == [[[102, MASK_ID, MASK_ID, MASK_ID], [107, MASK_ID, MASK_ID, MASK_ID]]]
+    labels, lv = build_labels(ids, lm, attn, anchors, valid, 4)
+    assert labels[0, 0].tolist() == [102, 103, 104, 105]  # same-position labels
+    assert lv[0, 0].tolist() == [False, True, True, True]  # slot 0 never in the loss
+    assert lv[0, 1].tolist() == [False, True, True, False]  # pos 10 is past the end
+    w = loss_decay_weights(4, 7.0)
+    assert w.tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+    assert loss_decay_weights(3, None).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_acceptance_length_hand_computed():
+    correct = torch.tensor([[[False, True, True, False, True], [True, False, True, True, True]]])
+    lv = torch.tensor([[[False, True, True, True, True], [False, True, True, True, True]]])
+    assert acceptance_lengths(correct, lv).tolist() == [[3, 1]]
+
+
+def _trainer(target, draft, **kw):
+    return DFlashTrainerModule(
+        draft, target.get_input_embeddings(), target.get_output_embeddings(), loss_decay_gamma=kw.pop("gamma", 7.0),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_batched_loss_equals_per_block_inference(target_and_draft, backend):
+    """Each block run alone, as inference runs it: context truncated before the anchor,
+    positions anchor+k, no mask. Catches shifted labels and leaked context."""
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch(bsz=2, seq=40)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    trainer = _trainer(wrapper, draft, num_anchors=6, attn_backend=backend)
+    anchors, valid = sample_anchors(lm, attn, draft.block_size, 6, torch.Generator().manual_seed(3))
+    valid[0, 1] = False  # an invalid block must not count
+    out = trainer(batch, anchors=anchors, valid=valid)
+
+    blk = draft.block_size
+    w = [0.0] + [math.exp(-(k - 1) / 7.0) for k in range(1, blk)]
+    ref_sum, ref_w = 0.0, 0.0
+    embed, head = wrapper.get_input_embeddings(), wrapper.get_output_embeddings()
+    with torch.no_grad():
+        for b in range(2):
+            for i in range(anchors.shape[1]):
+                if not valid[b, i]:
+                    continue
+                a = int(anchors[b, i])
+                block_ids = torch.tensor([[int(ids[b, a])] + [MASK_ID] * (blk - 1)])
+                pos = torch.cat([torch.arange(a), a + torch.arange(blk)]).unsqueeze(0)
+                h = draft(embed(block_ids), batch.hidden_states[b : b + 1, :a], pos, None, backend=backend)
+                logits = head(h)[0]
+                for k in range(1, blk):  # slot k predicts token a+k, if it exists and is supervised
+                    if a + k < ids.shape[1] and lm[b, a + k] and attn[b, a + k]:
+                        ref_sum += w[k] * float(F.cross_entropy(logits[k : k + 1], ids[b, a + k : a + k + 1]))
+                        ref_w += w[k]
+    assert float(out.weight_sum) == pytest.approx(ref_w, rel=1e-6)
+    assert float(out.loss_sum.detach()) == pytest.approx(ref_sum, rel=1e-4)
+
+
+def test_shifted_labels_would_be_caught(target_and_draft):
+    """Sanity of the reference above: a context that includes the anchor changes the loss."""
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch(bsz=1, seq=30, pad_last=0)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = torch.tensor([[12]]), torch.tensor([[True]])
+    good = build_dense_block_mask(anchors, valid, attn, draft.block_size)
+    leaky = build_dense_block_mask(anchors + 1, valid, attn, draft.block_size)  # j <= anchor
+    embed = wrapper.get_input_embeddings()
+    noise = embed(build_block_input_ids(ids, anchors, draft.block_size, MASK_ID).flatten(1))
+    pos = torch.cat([torch.arange(30), 12 + torch.arange(draft.block_size)]).unsqueeze(0)
+    with torch.no_grad():
+        assert not torch.allclose(draft(noise, batch.hidden_states, pos, good), draft(noise, batch.hidden_states, pos, leaky))
+
+
+def test_gradients_reach_only_the_draft():
+    target = tiny_qwen3()
+    draft = make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    trainer = _trainer(wrapper, draft, num_anchors=8)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
+    assert {id(p) for p in trainer.parameters()} == {id(p) for p in draft.parameters()}
+    ids, attn, lm = random_batch()
+    for _ in range(2):
+        out = trainer(wrapper.generate_batch(ids, attn, lm))
+        out.loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
+        assert all(p.grad is None for p in target.parameters())
+        opt.step()
+        opt.zero_grad()
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_no_valid_anchor_gives_zero_loss_that_touches_every_parameter():
+    target = tiny_qwen3()
+    draft = make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, _ = random_batch()
+    lm = torch.zeros_like(attn)  # nothing supervised
+    out = _trainer(wrapper, draft, num_anchors=8)(wrapper.generate_batch(ids, attn, lm))
+    assert float(out.loss_sum) == 0.0 and float(out.weight_sum) == 0.0
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    for name, p in draft.named_parameters():
+        assert p.grad is not None, name
+        assert torch.all(p.grad == 0), name
+
+
+def test_fully_masked_rows_give_no_nan(target_and_draft):
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch()
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors = torch.tensor([[0, 10, 20], [0, 0, 0]])
+    valid = torch.tensor([[True, True, False], [False, False, False]])  # padding blocks, anchor at 0
+    for backend in ("sdpa", "eager"):
+        out = _trainer(wrapper, draft, attn_backend=backend)(batch, anchors=anchors, valid=valid)
+        assert torch.isfinite(out.loss_sum)
+        out.loss_sum.backward()
+        assert all(torch.isfinite(p.grad).all() for p in draft.parameters())
+        draft.zero_grad()
+
+
+def test_flex_forward_matches_dense_on_cpu(target_and_draft):
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch(seq=64)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, draft.block_size, 8, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = _trainer(wrapper, draft, attn_backend="sdpa")(batch, anchors=anchors, valid=valid)
+        flex = _trainer(wrapper, draft, attn_backend="flex")(batch, anchors=anchors, valid=valid)
+    assert float(flex.loss_sum) == pytest.approx(float(dense.loss_sum), rel=1e-5)
+
+
+def test_distillation_loss_against_target_distribution():
+    target = tiny_qwen3()
+    draft = make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=1, pad_last=0)
+    batch = wrapper.generate_batch(ids, attn, lm, return_logits=True)
+    anchors, valid = torch.tensor([[10]]), torch.tensor([[True]])
+    trainer = _trainer(wrapper, draft, distill_weight=1.0, gamma=None)
+    out = trainer(batch, anchors=anchors, valid=valid)
+    # reference: soft CE against the target's softmax at position a+k-1 for slots k=1..3
+    noise = wrapper.get_input_embeddings()(build_block_input_ids(ids, anchors, 4, MASK_ID).flatten(1))
+    pos = torch.cat([torch.arange(10), 10 + torch.arange(4)]).unsqueeze(0)
+    with torch.no_grad():
+        logp = wrapper.get_output_embeddings()(draft(noise, batch.hidden_states[:, :10], pos)).log_softmax(-1)[0]
+    ref = sum(-(batch.logits[0, 10 + k - 1].softmax(-1) * logp[k]).sum() for k in (1, 2, 3))
+    assert float(out.loss_sum) == pytest.approx(float(ref), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
+def test_flex_loss_and_grads_match_dense_on_gpu():
+    target = tiny_qwen3().cuda()
+    draft = make_draft(target).cuda()
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = (t.cuda() for t in random_batch(seq=256))
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, draft.block_size, 32, torch.Generator("cuda").manual_seed(0))
+    grads = {}
+    for backend in ("sdpa", "flex"):
+        draft.zero_grad()
+        out = _trainer(wrapper, draft, attn_backend=backend)(batch, anchors=anchors, valid=valid)
+        out.loss.backward()
+        grads[backend] = (float(out.loss), {n: p.grad.clone() for n, p in draft.named_parameters()})
+    assert grads["flex"][0] == pytest.approx(grads["sdpa"][0], rel=1e-4)
+    for n, g in grads["sdpa"][1].items():
+        torch.testing.assert_close(grads["flex"][1][n], g, rtol=1e-3, atol=1e-5)
