@@ -1,0 +1,399 @@
+"""Block-parallel speculative decoding with a DFlash draft, one prompt at a time.
+
+Each step the draft fills a whole block `[last token, MASK x (B-1)]` in ONE forward
+(conditioned on the target's features of the verified context), the target verifies all B
+tokens in ONE forward, and the longest agreeing prefix plus the target's own next token is
+kept. At temperature 0 the output is, token for token, the target's greedy decoding; at
+T > 0 standard speculative sampling keeps the output distributed exactly as the target's.
+
+Cache bookkeeping (the part that is easy to get wrong):
+- the target's DynamicCache is cropped back to the verified tokens after every verify, so
+  the rejected draft tokens leave no trace;
+- the draft's `DFlashContextCache` only ever receives the target features of *verified*
+  tokens (the block K/V are never stored), so it needs no rollback.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from nemo_dflash.model import DFlashContextCache, DFlashDraftModel
+from nemo_dflash.target import HFDFlashTargetModel
+
+logger = logging.getLogger(__name__)
+
+TokenIds = Union[torch.Tensor, Sequence[int]]
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's generation and what it cost.
+
+    `acceptance_lengths[i]` is the number of tokens step i produced (accepted draft tokens + the
+    target's bonus token) before truncation at a stop token / the token limit; the prefill's
+    first token is not a step. Times exclude the prefill.
+    """
+
+    output_ids: list[int]
+    num_target_forwards: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    decode_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    stopped: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens produced after the prefill (the prefill yields the first one)."""
+        return max(len(self.output_ids) - 1, 0)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def time_per_output_token(self) -> float:
+        return self.decode_time_s / self.num_decode_tokens if self.num_decode_tokens else 0.0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _as_input_ids(input_ids: TokenIds, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"Speculative decoding runs one prompt at a time; got a batch of {ids.shape[0]}.")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty 1-D token list or a [1, S] tensor, got shape {tuple(ids.shape)}")
+    return ids.unsqueeze(0)
+
+
+def _accepts_kwarg(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def crop_dynamic_cache(cache: DynamicCache, length: int) -> None:
+    """Crop a DynamicCache to its first `length` positions.
+
+    transformers >= 5 takes the number of tokens to *remove* (a negative int); older versions
+    took the length to keep. Both are handled.
+    """
+    current = cache.get_seq_length()
+    if length >= current:
+        return
+    params = list(inspect.signature(cache.crop).parameters)
+    if params and params[0] == "tokens_to_remove":
+        cache.crop(length - current)
+    else:  # pragma: no cover - transformers 4.x
+        cache.crop(length)
+    if cache.get_seq_length() != length:  # pragma: no cover
+        raise RuntimeError(f"DynamicCache.crop left {cache.get_seq_length()} positions, expected {length}")
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def select_tokens(
+    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[N, V] logits -> (tokens [N], probs [N, V] or None at T=0)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1), None
+    probs = _probs(logits, temperature)
+    return _sample(probs, generator), probs
+
+
+def verify_block(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float = 0.0,
+    draft_probs: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[int, int]:
+    """Decide how much of a drafted block to keep: returns (num_accepted, next_token).
+
+    draft_tokens: [K] proposals for block slots 1..K; target_logits: [K + 1, V], row k being
+    the target's prediction after slot k (row k judges draft_tokens[k]; row K gives the bonus).
+    T = 0: accept the longest prefix where draft == target argmax; the next token is the
+    target's argmax after it. T > 0: accept slot k with probability min(1, p/q); on the first
+    rejection sample from norm(max(p - q, 0)); if all pass, sample the bonus from p.
+    """
+    k_len = draft_tokens.shape[0]
+    if temperature <= 0:
+        target_tokens = target_logits.argmax(dim=-1)
+        match = (draft_tokens == target_tokens[:k_len]).long()
+        n_acc = int(match.cumprod(dim=0).sum()) if k_len else 0
+        return n_acc, int(target_tokens[n_acc])
+    if draft_probs is None and k_len:
+        raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
+    p = _probs(target_logits, temperature)  # [K + 1, V]
+    if k_len:
+        idx = draft_tokens.unsqueeze(-1)
+        p_tok = p[:-1].gather(-1, idx).squeeze(-1)
+        q_tok = draft_probs.float().gather(-1, idx).squeeze(-1)  # type: ignore[union-attr]
+        u = torch.rand(k_len, device=p.device, generator=generator)
+        accept = (u * q_tok < p_tok).long()  # u < p/q without dividing by a zero q
+        n_acc = int(accept.cumprod(dim=0).sum())
+    else:
+        n_acc = 0
+    if n_acc < k_len:
+        residual = (p[n_acc] - draft_probs[n_acc].float()).clamp(min=0)  # type: ignore[index]
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[n_acc]
+        return n_acc, int(_sample(dist, generator))
+    return n_acc, int(_sample(p[k_len], generator))
+
+
+def _truncate(tokens: list[int], stop_ids: set[int], room: int) -> tuple[list[int], bool]:
+    """Cut at the first stop token (kept) or at `room` tokens; say whether a stop was hit."""
+    tokens = tokens[:room]
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def _stop_set(stop_token_ids: Optional[Iterable[int]]) -> set[int]:
+    if stop_token_ids is None:
+        return set()
+    if isinstance(stop_token_ids, int):
+        return {int(stop_token_ids)}
+    return {int(t) for t in stop_token_ids}
+
+
+# ----------------------------------------------------------------------------- decoders
+
+
+class DFlashSpeculativeDecoder:
+    """Speculative decoding of one prompt with a frozen HF target and a DFlash draft.
+
+    `block_size` may be smaller than the draft was trained with (a block-16 draft works at
+    8); the block includes the last verified token, so B - 1 tokens are drafted per step.
+    """
+
+    def __init__(self, target_model: nn.Module, draft: DFlashDraftModel, block_size: Optional[int] = None) -> None:
+        from nemo_dflash.export import check_draft_fits_target
+
+        check_draft_fits_target(draft.config, target_model.config)
+        self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)
+        self.draft = draft.eval()
+        self.block_size = int(block_size or draft.config.block_size)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.block_size > draft.config.block_size:
+            logger.warning(
+                "Decoding with block_size %d > the draft's trained block_size %d: acceptance past slot %d is "
+                "untrained.", self.block_size, draft.config.block_size, draft.config.block_size - 1,
+            )
+        self.mask_token_id = int(draft.config.mask_token_id)
+        self.embed_tokens = self.target.get_input_embeddings()
+        self.lm_head = self.target.get_output_embeddings()
+        self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
+
+    @property
+    def device(self) -> torch.device:
+        return _device_of(self.target.model)
+
+    def draft_logits(
+        self,
+        last_token: torch.Tensor,
+        position: int,
+        context_features: torch.Tensor,
+        draft_cache: DFlashContextCache,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Draft one block; return the logits of slots 1..B-1, [B - 1, V].
+
+        last_token: [1] the last verified token, at `position`. context_features: [1, C, n*H]
+        target features of the verified tokens at positions position-C..position-1 (the ones
+        the draft cache has not seen yet); they are appended to `draft_cache`.
+        """
+        device = last_token.device
+        block_ids = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[0, 0] = last_token[0]
+        noise = self.embed_tokens(block_ids)
+        c_len = context_features.shape[1]
+        pos = torch.arange(position - c_len, position + block_size, device=device).unsqueeze(0)
+        hidden = self.draft(noise_embedding=noise, target_hidden=context_features, position_ids=pos, cache=draft_cache)
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: TokenIds,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        stop_token_ids: Optional[Iterable[int]] = None,
+        generator: Optional[torch.Generator] = None,
+        past_key_values: Optional[DynamicCache] = None,
+        draft_cache: Optional[DFlashContextCache] = None,
+    ) -> GenerationOutput:
+        """Generate up to `max_new_tokens` after `input_ids`.
+
+        `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        device = self.device
+        ids = _as_input_ids(input_ids, device)
+        stop_ids = _stop_set(stop_token_ids)
+        blk = self.block_size
+        cache = past_key_values if past_key_values is not None else DynamicCache()
+        dcache = draft_cache if draft_cache is not None else DFlashContextCache(len(self.draft.layers))
+
+        _sync(device)
+        t0 = time.perf_counter()
+        prompt_len = ids.shape[1]
+        feats, out = self.target.forward_features(
+            ids, need_logits=True, past_key_values=cache, use_cache=True,
+            position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **self._prefill_kwargs,
+        )
+        first, _ = select_tokens(out.logits[0, -1:], temperature, generator)
+        output = [int(first[0])]
+        _sync(device)
+        t1 = time.perf_counter()
+
+        stopped = output[0] in stop_ids
+        accept_lens: list[int] = []
+        pending = feats  # target features the draft has not seen: positions [prompt_len - C, position)
+        while not stopped and len(output) < max_new_tokens:
+            position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
+            last = torch.tensor([output[-1]], dtype=torch.long, device=device)
+            if blk > 1:
+                d_logits = self.draft_logits(last, position, pending, dcache, blk)
+                d_tokens, d_probs = select_tokens(d_logits, temperature, generator)
+            else:
+                d_tokens, d_probs = torch.empty(0, dtype=torch.long, device=device), None
+            block = torch.cat([last, d_tokens]).unsqueeze(0)  # [1, B]
+            feats, out = self.target.forward_features(
+                block, need_logits=True, past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(position, position + blk, device=device).unsqueeze(0),
+            )
+            n_acc, nxt = verify_block(d_tokens, out.logits[0], temperature, d_probs, generator)
+            new = d_tokens[:n_acc].tolist() + [nxt]
+            accept_lens.append(len(new))
+            # Keep the last token and the accepted drafts (positions position..position+n_acc).
+            crop_dynamic_cache(cache, position + n_acc + 1)
+            pending = feats[:, : n_acc + 1]
+            kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
+            output.extend(kept)
+        _sync(device)
+        t2 = time.perf_counter()
+        return GenerationOutput(
+            output_ids=output,
+            num_target_forwards=len(accept_lens),
+            acceptance_lengths=accept_lens,
+            decode_time_s=t2 - t1,
+            prefill_time_s=t1 - t0,
+            stopped=stopped,
+        )
+
+
+@torch.no_grad()
+def autoregressive_generate(
+    target_model: nn.Module,
+    input_ids: TokenIds,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    stop_token_ids: Optional[Iterable[int]] = None,
+    generator: Optional[torch.Generator] = None,
+    past_key_values: Optional[DynamicCache] = None,
+) -> GenerationOutput:
+    """Plain one-token-per-forward decoding with the same target and DynamicCache: the
+    speedup baseline (timed the same way, prefill excluded)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = _device_of(target_model)
+    ids = _as_input_ids(input_ids, device)
+    stop_ids = _stop_set(stop_token_ids)
+    cache = past_key_values if past_key_values is not None else DynamicCache()
+    extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
+
+    _sync(device)
+    t0 = time.perf_counter()
+    prompt_len = ids.shape[1]
+    out = target_model(
+        input_ids=ids, past_key_values=cache, use_cache=True,
+        position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **extra,
+    )
+    tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
+    output = [int(tok[0])]
+    _sync(device)
+    t1 = time.perf_counter()
+    stopped = output[0] in stop_ids
+    steps = 0
+    while not stopped and len(output) < max_new_tokens:
+        position = prompt_len + len(output) - 1
+        out = target_model(
+            input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True,
+            position_ids=torch.tensor([[position]], device=device),
+        )
+        tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
+        output.append(int(tok[0]))
+        steps += 1
+        stopped = output[-1] in stop_ids
+    _sync(device)
+    t2 = time.perf_counter()
+    return GenerationOutput(
+        output_ids=output,
+        num_target_forwards=steps,
+        acceptance_lengths=[1] * steps,
+        decode_time_s=t2 - t1,
+        prefill_time_s=t1 - t0,
+        stopped=stopped,
+    )
+
+
+def speculative_generate(
+    target_model: nn.Module,
+    draft: DFlashDraftModel,
+    input_ids: TokenIds,
+    *,
+    block_size: Optional[int] = None,
+    **kwargs,
+) -> GenerationOutput:
+    """One-shot helper around `DFlashSpeculativeDecoder(...).generate(...)`."""
+    return DFlashSpeculativeDecoder(target_model, draft, block_size).generate(input_ids, **kwargs)
+
+
+__all__ = [
+    "DFlashSpeculativeDecoder",
+    "GenerationOutput",
+    "autoregressive_generate",
+    "crop_dynamic_cache",
+    "select_tokens",
+    "speculative_generate",
+    "verify_block",
+]

