@@ -44,8 +44,17 @@ def as_data_config(config: Any) -> DataConfig:
             config = OmegaConf.to_container(config, resolve=True)
         if not isinstance(config, dict):
             raise TypeError(f"expected a DataConfig, DictConfig or dict, got {type(config).__name__}")
-        merged = OmegaConf.merge(OmegaConf.structured(DataConfig), config)
-        cfg = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        from omegaconf.errors import MissingMandatoryValue, ValidationError
+
+        from nemo_dflash.data.sources import DataError
+
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(DataConfig), config)
+            cfg = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        except MissingMandatoryValue as e:
+            raise DataError(f"data.{e.full_key} is not set") from None
+        except ValidationError as e:
+            raise DataError(f"invalid data config at '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
     validate_data_config(cfg)
     return cfg
 

