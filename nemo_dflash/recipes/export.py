@@ -1,0 +1,62 @@
+"""Export a trained draft for vLLM / SGLang.
+
+    python -m nemo_dflash.recipes.export --checkpoint RUN/final/draft --out DIR [--overwrite]
+        [--target PATH]
+
+`--checkpoint` may be a training draft dir, a checkpoint dir containing `draft/`, or a run
+dir (its `final/draft`, else its latest `checkpoints/step_N/draft`). With `--target`, the
+draft is checked against the target's config (and tokenizer) before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+logger = logging.getLogger("nemo_dflash.export")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="training draft dir, checkpoint dir with draft/, or run dir")
+    p.add_argument("--out", required=True, help="output directory (config.json + bf16 model.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--target", default=None,
+                   help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from nemo_dflash.export import check_draft_fits_target, export_draft, load_draft, resolve_draft_dir
+
+    try:
+        src = resolve_draft_dir(args.checkpoint)
+        draft = load_draft(src)
+        if args.target:
+            from transformers import AutoConfig
+
+            from nemo_dflash.loading import load_tokenizer, resolve_model_dir
+
+            target_dir = resolve_model_dir(args.target)
+            try:
+                tokenizer = load_tokenizer(target_dir)
+            except (OSError, ValueError):
+                logger.warning("No tokenizer in %s: checking the draft against the config only", target_dir)
+                tokenizer = None
+            check_draft_fits_target(draft.config, AutoConfig.from_pretrained(target_dir, local_files_only=True),
+                                    tokenizer)
+        out = export_draft(draft, args.out, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {src} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
