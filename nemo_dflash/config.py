@@ -1,0 +1,243 @@
+"""Typed recipe configuration: one YAML is the single source of truth of a run.
+
+`load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4"])` merges, in order: the dataclass defaults,
+the YAML (looked up in the working directory, then in the repo's `recipes/`) and the
+`key=value` overrides, and validates types with OmegaConf structured configs (the engine
+under hydra). An unknown key is an error that names the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+
+from nemo_dflash.data.config import DataConfig
+
+REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe problem the user fixes in the YAML or on the command line."""
+
+
+@dataclass
+class TargetConfig:
+    path: str = MISSING  # local HF dir, a .gguf file, or pkg:smollm2 (the bundled SmolLM2-135M-Instruct)
+    dtype: str = "bf16"  # dtype of the frozen target's weights
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DraftConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: Optional[list[int]] = None  # default: build_target_layer_ids(L, num_layers)
+    # Mask token: explicit id > the tokenizer's mask token > the family default in the registry
+    # > the first embedding row past the tokenizer's vocabulary. Must be < the target's vocab.
+    mask_token_id: Optional[int] = None
+    intermediate_size: Optional[int] = None  # default: the target's
+    init_from: Optional[str] = None  # a draft directory (training or exported) to start from
+
+
+@dataclass
+class LossConfig:
+    num_anchors: int = 512
+    gamma: Optional[float] = 7.0  # loss decay exp(-(k-1)/gamma); null = no decay
+    attn_backend: str = "auto"  # auto = flex on GPU, sdpa (dense mask) on CPU; or sdpa/eager/flex
+    distill_weight: float = 0.0  # > 0 mixes in soft CE against the target's distribution
+    ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "cosine"  # cosine | linear | constant (all with warmup; from transformers)
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    fused: Optional[bool] = None  # default: fused AdamW on CUDA
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0
+    max_steps: Optional[int] = None  # overrides epochs when set
+    max_minutes: Optional[float] = None  # stop (and save) after this much training time
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seed: int = 0
+    precision: str = "bf16"  # bf16 autocast on GPU; fp32 on CPU regardless
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 10
+    eval_every: Optional[int] = None  # held-out simulated acceptance every N steps
+    eval_batches: int = 8
+    max_bad_steps: int = 20  # consecutive non-finite steps before training stops
+    compile: bool = False  # torch.compile the draft layers (GPU)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = None
+    keep_last: int = 3
+    resume: str = "auto"  # auto (newest complete checkpoint in output_dir) | none | a checkpoint path
+
+
+@dataclass
+class DistributedConfig:
+    strategy: str = "auto"  # auto (ddp when WORLD_SIZE > 1) | none | ddp | fsdp2
+    backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
+    timeout_minutes: int = 30
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "nemo_dflash"
+    name: Optional[str] = None
+
+
+@dataclass
+class RecipeConfig:
+    output_dir: str = "outputs/run"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+_CHOICES = {
+    "loss.attn_backend": ("auto", "sdpa", "eager", "flex"),
+    "optim.scheduler": ("cosine", "linear", "constant"),
+    "train.precision": ("bf16", "fp32"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "distributed.strategy": ("auto", "none", "ddp", "fsdp2"),
+    "wandb.mode": ("online", "offline", "disabled"),
+    "target.dtype": ("bf16", "fp16", "fp32"),
+}
+
+
+def resolve_recipe_path(name: str | Path) -> Path:
+    """`--config NAME.yaml`: the working directory first, then the repo's recipes/."""
+    p = Path(name)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_RECIPES / p, REPO_RECIPES / f"{p}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    shipped = sorted(x.name for x in REPO_RECIPES.glob("*.yaml")) if REPO_RECIPES.is_dir() else []
+    raise ConfigError(f"Recipe {str(name)!r} not found in {Path.cwd()} or {REPO_RECIPES}. Shipped recipes: {shipped}")
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            full = f"{prefix}{k}"
+            keys.append(full)
+            keys.extend(_all_keys(node._get_node(k), full + "."))
+    return keys
+
+
+def _unknown_key_error(schema: DictConfig, key: str) -> ConfigError:
+    valid = _all_keys(schema)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:  # try the last component against the same level
+        leaf = key.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(leaf, [v.rsplit(".", 1)[-1] for v in valid], n=1, cutoff=0.5)
+        close = [v for v in valid if v.endswith("." + close[0]) or v == close[0]][:1] if close else []
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"Unknown config key '{key}'.{hint}")
+
+
+def _walk_unknown(schema: DictConfig, data: Any, prefix: str = "") -> None:
+    """Check user keys against the schema before merging, for a better message than OmegaConf's."""
+    if not isinstance(data, dict):
+        return
+    for k, v in data.items():
+        full = f"{prefix}{k}"
+        if k not in schema.keys():
+            raise _unknown_key_error(OmegaConf.structured(RecipeConfig), full)
+        child = schema._get_node(k)
+        if isinstance(child, DictConfig) and isinstance(v, dict):
+            _walk_unknown(child, v, full + ".")
+
+
+def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> RecipeConfig:
+    schema = OmegaConf.structured(RecipeConfig)
+    layers = []
+    if path is not None:
+        data = OmegaConf.to_container(OmegaConf.load(resolve_recipe_path(path)), resolve=False)
+        _walk_unknown(schema, data)
+        layers.append(OmegaConf.create(data))
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"Override {ov!r} is not key=value (e.g. optim.lr=1e-4)")
+        key = ov.split("=", 1)[0].lstrip("+")
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = OmegaConf.select(schema, parent) if parent else schema
+        if not isinstance(node, DictConfig) or key.rsplit(".", 1)[-1] not in node.keys():
+            raise _unknown_key_error(schema, key)
+        layers.append(OmegaConf.from_dotlist([ov.lstrip("+")]))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        raise _unknown_key_error(schema, str(e.full_key)) from None
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"'{e.full_key}' must be set (in the recipe or as {e.full_key}=...)") from None
+    except ValidationError as e:
+        raise ConfigError(f"Invalid value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RecipeConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if value not in choices:
+            raise ConfigError(f"'{key}' must be one of {list(choices)}, got {value!r}")
+    checks = [
+        (cfg.draft.num_layers >= 1, "draft.num_layers must be >= 1"),
+        (cfg.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
+        (cfg.loss.num_anchors >= 1, "loss.num_anchors must be >= 1"),
+        (cfg.loss.gamma is None or cfg.loss.gamma > 0, "loss.gamma must be > 0 or null"),
+        (0.0 <= cfg.loss.distill_weight <= 1.0, "loss.distill_weight must be in [0, 1]"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (0.0 <= cfg.optim.warmup_ratio < 1.0, "optim.warmup_ratio must be in [0, 1)"),
+        (len(cfg.optim.betas) == 2, "optim.betas must be two numbers"),
+        (cfg.train.micro_batch_size >= 1 and cfg.train.grad_accum >= 1, "train.micro_batch_size and grad_accum >= 1"),
+        (cfg.train.max_steps is None or cfg.train.max_steps >= 1, "train.max_steps must be >= 1 or null"),
+        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    if cfg.draft.target_layer_ids is not None and len(cfg.draft.target_layer_ids) == 0:
+        raise ConfigError("draft.target_layer_ids is empty: give layer ids or null for the default")
+    from nemo_dflash.data.config import validate_data_config
+
+    try:
+        validate_data_config(cfg.data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DistributedConfig", "DraftConfig", "LossConfig", "OptimConfig",
+    "RecipeConfig", "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "to_yaml",
+]

@@ -1,0 +1,1 @@
+"""Training: distributed setup, optimizer/schedule, checkpoints, metrics and the loop."""

@@ -1,0 +1,191 @@
+"""Checkpoints that never lose work: atomic, complete-marked, resumable exactly.
+
+Layout of `<output_dir>/checkpoints/step_00000100/`:
+  draft/            config.json + model.safetensors (full weights: usable by evaluate/export)
+  state/            model + optimizer through torch.distributed.checkpoint (sharded under FSDP2)
+  rank_<r>.json     dataloader position (StatefulDataLoader state), per rank
+  rng_<r>.safetensors  anchor-sampler and torch RNG states, per rank
+  meta.json         step and the run's identity (block size, mask token, layer ids, target arch)
+  COMPLETE          written last; a directory without it is ignored (and cleaned up)
+
+Everything is first written to `.tmp-step_...` and renamed into place once complete, so a
+kill at any moment leaves the previous checkpoint intact and no half-written one visible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from nemo_dflash.train.distributed import DistState
+
+logger = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+# Fields that must match between a checkpoint and the run resuming from it.
+IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
+
+
+class ResumeMismatchError(ValueError):
+    pass
+
+
+def _barrier(state: DistState) -> None:
+    if state.enabled:
+        dist.barrier()
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and (p / COMPLETE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def find_latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def full_draft_state_dict(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU weights (gathers FSDP2 shards; a no-op for plain modules)."""
+    sd = get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+
+
+def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState) -> None:
+    """config.json + model.safetensors (fp32) of the whole draft, written by rank 0."""
+    sd = full_draft_state_dict(draft)  # collective under FSDP2: every rank calls it
+    if state.is_main:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        draft.config.save_pretrained(out_dir)
+        save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    draft: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataloader: Any,
+    generator: torch.Generator,
+    meta: dict[str, Any],
+    state: DistState,
+    keep_last: int,
+) -> Path:
+    root = checkpoint_root(output_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
+    if state.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier(state)
+
+    save_draft_dir(draft, tmp / "draft", state)
+    model_sd, optim_sd = get_state_dict(draft, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    (tmp / f"rank_{state.rank}.json").write_text(json.dumps({"dataloader": dataloader.state_dict()}))
+    rng = {"anchor_generator": generator.get_state(), "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and state.device.type == "cuda":
+        rng["torch_cuda"] = torch.cuda.get_rng_state(state.device)
+    save_file(rng, str(tmp / f"rng_{state.rank}.safetensors"))
+    _barrier(state)
+
+    if state.is_main:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": state.world_size, **meta}, indent=2))
+        (tmp / COMPLETE).write_text("ok\n")
+        if final.exists():  # a complete checkpoint of the same step (e.g. re-save at the end)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(root, keep_last)
+        logger.info("Saved checkpoint %s", final)
+    _barrier(state)
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    ckpts = list_checkpoints(root.parent)
+    for old in ckpts[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):  # leftovers of a run killed while writing
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_identity(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    saved = json.loads((ckpt / "meta.json").read_text())
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r} vs this run {meta.get(k)!r}"
+        for k in IDENTITY_KEYS
+        if k in saved and saved.get(k) != meta.get(k)
+    ]
+    if diffs:
+        raise ResumeMismatchError(
+            f"Refusing to resume from {ckpt}: the run differs from the checkpoint ({'; '.join(diffs)}). "
+            "Restore the recipe's values, or start a fresh run with a new output_dir (or checkpoint.resume=none)."
+        )
+    return saved
+
+
+def load_checkpoint(
+    ckpt: Path,
+    draft: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataloader: Any,
+    generator: torch.Generator,
+    meta: dict[str, Any],
+    state: DistState,
+) -> int:
+    """Restore everything saved by `save_checkpoint`; returns the step to continue from."""
+    saved = check_identity(ckpt, meta)
+    if saved.get("world_size", state.world_size) != state.world_size:
+        raise ResumeMismatchError(
+            f"{ckpt} was written by {saved['world_size']} processes; resume with the same number "
+            f"(this run has {state.world_size}) so the data order stays exact."
+        )
+    model_sd, optim_sd = get_state_dict(draft, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(ckpt / "state"))
+    set_state_dict(draft, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    dataloader.load_state_dict(json.loads((ckpt / f"rank_{state.rank}.json").read_text())["dataloader"])
+    rng = load_file(str(ckpt / f"rng_{state.rank}.safetensors"))
+    generator.set_state(rng["anchor_generator"])
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and state.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["torch_cuda"], state.device)
+    logger.info("Resumed from %s (step %d)", ckpt, saved["step"])
+    return int(saved["step"])
+
+
+__all__ = [
+    "COMPLETE", "ResumeMismatchError", "check_identity", "find_latest_checkpoint", "full_draft_state_dict",
+    "list_checkpoints", "load_checkpoint", "save_checkpoint", "save_draft_dir",
+]

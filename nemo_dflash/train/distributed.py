@@ -1,0 +1,111 @@
+"""torch.distributed setup and the DDP / FSDP2 strategies (PyTorch's own engines, configured)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DistState:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", backend: Optional[str] = None, timeout_minutes: int = 30) -> DistState:
+    """Join the torchrun job if there is one (WORLD_SIZE > 1); NCCL on GPU, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistState(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, state: DistState) -> torch.Tensor:
+    if state.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def resolve_strategy(strategy: str, state: DistState) -> str:
+    if strategy == "auto":
+        return "ddp" if state.enabled else "none"
+    if strategy in ("ddp", "fsdp2") and not state.enabled:
+        logger.info("distributed.strategy=%s with one process: running unwrapped", strategy)
+        return "none"
+    return strategy
+
+
+def wrap_draft(trainer_module: nn.Module, strategy: str, state: DistState, param_dtype: Optional[torch.dtype]) -> nn.Module:
+    """DDP replicates the trainer module (it holds only the draft's parameters); FSDP2 shards
+    the draft per decoder layer with `param_dtype` compute and fp32 gradient reduction."""
+    if strategy == "none":
+        return trainer_module
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [state.device.index] if state.device.type == "cuda" else None
+        return DDP(trainer_module, device_ids=ids)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        draft = trainer_module.draft
+        for layer in draft.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(draft, mp_policy=mp)
+        return trainer_module
+    raise ValueError(f"Unknown distributed.strategy {strategy!r}")
+
+
+def shard_target_fsdp2(target: nn.Module, layers: nn.ModuleList) -> None:
+    """Shard the frozen target per decoder layer so a target larger than one GPU fits."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(target, reshard_after_forward=True)
+
+
+__all__ = ["DistState", "all_reduce_sum", "init_distributed", "resolve_strategy", "shutdown_distributed", "wrap_draft",
+           "shard_target_fsdp2", "pick_device"]

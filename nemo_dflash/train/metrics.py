@@ -1,0 +1,103 @@
+"""Where training metrics go: a tqdm bar on rank 0, metrics.jsonl, wandb, and a PNG curve."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def _has_network(host: str = "api.wandb.ai", port: int = 443, timeout: float = 1.0) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+class MetricsLogger:
+    """Rank-0 sink. wandb runs offline when asked for online without a network."""
+
+    def __init__(self, output_dir: Path, wandb_cfg: Any, config_dict: dict, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self.bar = None
+        self.wandb = None
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, disable=os.environ.get("NEMO_DFLASH_NO_BAR") == "1")
+        mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
+        if mode == "online" and not _has_network():
+            logger.warning("wandb.mode=online but api.wandb.ai is unreachable: logging offline instead")
+            mode = "offline"
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self.wandb = wandb.init(
+                    project=wandb_cfg.project, name=wandb_cfg.name, mode=mode, dir=str(output_dir), config=config_dict,
+                    reinit="finish_previous",
+                )
+            except Exception as e:  # a logging backend must never kill training
+                logger.warning("wandb disabled (%s)", e)
+
+    def set_progress(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def log(self, step: int, metrics: dict[str, float], bar: bool = True) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        self.records.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.bar is not None and bar:
+            self.bar.n = step
+            shown = {k: metrics[k] for k in ("loss", "accuracy", "accept_len", "tok_s") if k in metrics}
+            self.bar.set_postfix({k: (f"{v:.3g}" if k != "tok_s" else f"{v:.0f}") for k, v in shown.items()})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Optional[Path]:
+    """Loss and simulated acceptance length against training tokens."""
+    train = [r for r in records if "loss" in r and "tokens" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = [r["tokens"] for r in train]
+    ax1.plot(x, [r["loss"] for r in train], lw=1)
+    ax1.set_xlabel("training tokens")
+    ax1.set_ylabel("loss")
+    ax2.plot(x, [r["accept_len"] for r in train], lw=1, label="train (simulated)")
+    ev = [r for r in records if "eval_accept_len" in r]
+    if ev:
+        ax2.plot([r["tokens"] for r in ev], [r["eval_accept_len"] for r in ev], "o-", label="held-out (simulated)")
+    ax2.set_xlabel("training tokens")
+    ax2.set_ylabel("acceptance length")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,367 @@
+"""The training loop: data -> frozen target (hooks) -> trainer module -> AdamW -> checkpoints.
+
+The loss is normalised globally: every rank and accumulation micro-step backpropagates its
+*unnormalised* weighted loss sum, and the gradients are scaled once by
+world_size / (global sum of weights) before clipping. The update therefore does not depend on
+how the global batch is split across ranks and micro-steps, and a rank without any valid
+anchor still joins every collective with zero gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from nemo_dflash.build import build_draft_for_target
+from nemo_dflash.config import RecipeConfig, to_yaml
+from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule
+from nemo_dflash.data import build_dataloader, build_datasets
+from nemo_dflash.loading import load_target
+from nemo_dflash.target import HFDFlashTargetModel
+from nemo_dflash.train import checkpoint as ckpt_lib
+from nemo_dflash.train.distributed import (
+    DistState,
+    all_reduce_sum,
+    init_distributed,
+    resolve_strategy,
+    shutdown_distributed,
+    wrap_draft,
+)
+from nemo_dflash.train.metrics import MetricsLogger, plot_curves
+from nemo_dflash.train.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+# Index of each summed statistic in the per-step all-reduce.
+_W, _L, _C, _N, _A, _B, _T, _STOP = range(8)
+
+
+class _StopFlag:
+    """Set by SIGTERM (what schedulers send before preemption): checkpoint, then exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        try:
+            signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not in the main thread (e.g. tests calling train() from a thread)
+            pass
+
+    def _handler(self, signum, frame) -> None:
+        logger.warning("SIGTERM received: will checkpoint and stop after this step")
+        self.requested = True
+
+
+def _draft_from_config(cfg: RecipeConfig, target_model, tokenizer):
+    if cfg.draft.init_from:
+        from nemo_dflash.export import check_draft_fits_target, load_draft
+
+        draft = load_draft(cfg.draft.init_from, device="cpu", dtype=torch.float32)
+        check_draft_fits_target(draft.config, target_model.config, tokenizer)
+        return draft
+    return build_draft_for_target(
+        target_model,
+        tokenizer,
+        num_layers=cfg.draft.num_layers,
+        block_size=cfg.draft.block_size,
+        target_layer_ids=cfg.draft.target_layer_ids,
+        mask_token_id=cfg.draft.mask_token_id,
+        intermediate_size=cfg.draft.intermediate_size,
+    )
+
+
+def run_meta(draft, target_model) -> dict[str, Any]:
+    archs = getattr(target_model.config, "architectures", None) or [type(target_model).__name__]
+    return {
+        "block_size": int(draft.config.block_size),
+        "mask_token_id": int(draft.config.mask_token_id),
+        "target_layer_ids": list(draft.config.target_layer_ids),
+        "target_architecture": archs[0],
+        "num_draft_layers": int(draft.config.num_hidden_layers),
+    }
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless stream over epochs; the sampler advances its epoch by itself."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise RuntimeError("the training data loader produced no batch")
+
+
+class Trainer:
+    """Holds the pieces of one run; `fit()` trains, `evaluate()` measures held-out acceptance."""
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.cfg = cfg
+        self.state: DistState = init_distributed(cfg.train.device, cfg.distributed.backend, cfg.distributed.timeout_minutes)
+        self.device = self.state.device
+        torch.manual_seed(cfg.train.seed)
+        self.out = Path(cfg.output_dir)
+        if self.state.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(to_yaml(cfg))
+
+        target_dtype = cfg.target.dtype
+        self.target_model, self.tokenizer = load_target(
+            cfg.target.path, dtype=target_dtype, device=self.device, attn_implementation=cfg.target.attn_implementation
+        )
+        self.draft = _draft_from_config(cfg, self.target_model, self.tokenizer).to(self.device)
+        self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
+        self.meta = run_meta(self.draft, self.target_model)
+
+        self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
+        self.loader = build_dataloader(
+            self.train_ds, cfg.train.micro_batch_size, rank=self.state.rank, world_size=self.state.world_size,
+            seed=cfg.data.seed, batching=cfg.data.batching, num_workers=cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        steps_per_epoch = max(1, len(self.loader) // cfg.train.grad_accum)
+        self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+
+        backend = cfg.loss.attn_backend
+        if backend == "auto":
+            backend = "flex" if self.device.type == "cuda" else "sdpa"
+        if backend == "flex" and self.device.type != "cuda":
+            raise ValueError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
+        self.module = DFlashTrainerModule(
+            self.draft, self.target.get_input_embeddings(), self.target.get_output_embeddings(),
+            num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=backend,
+            distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
+        )
+        self.use_bf16 = cfg.train.precision == "bf16" and self.device.type == "cuda"
+        if cfg.train.compile and self.device.type == "cuda":
+            for layer in self.draft.layers:
+                layer.compile()
+        self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
+        self.model = wrap_draft(self.module, self.strategy, self.state, torch.bfloat16 if self.use_bf16 else None)
+        self.params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 100003 + self.state.rank)
+        self.step = 0
+        self.tokens_seen = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ pieces
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+
+    def _forward(self, batch: dict[str, torch.Tensor], module, generator) -> DFlashLossOutput:
+        tb = self.target.generate_batch(
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.cfg.loss.distill_weight > 0
+        )
+        with self._autocast():
+            return module(tb, generator=generator)
+
+    def maybe_resume(self) -> None:
+        mode = self.cfg.checkpoint.resume
+        if mode == "none":
+            return
+        path = ckpt_lib.find_latest_checkpoint(self.out) if mode == "auto" else Path(mode)
+        if path is None:
+            return
+        if not (path / ckpt_lib.COMPLETE).is_file():
+            raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
+        self.step = ckpt_lib.load_checkpoint(
+            path, self.draft, self.optimizer, self.loader, self.generator, self.meta, self.state
+        )
+        for _ in range(self.step):  # the schedule is a pure function of the step
+            self.scheduler.step()
+        saved = json.loads((path / "meta.json").read_text())
+        self.tokens_seen = int(saved.get("tokens_seen", 0))
+
+    def save(self) -> Path:
+        return ckpt_lib.save_checkpoint(
+            self.out, self.step, self.draft, self.optimizer, self.loader, self.generator,
+            {**self.meta, "tokens_seen": self.tokens_seen}, self.state, self.cfg.checkpoint.keep_last,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: Optional[int] = None) -> dict[str, float]:
+        """Simulated acceptance length on held-out data, with a fixed anchor seed."""
+        if self.holdout_ds is None:
+            return {}
+        loader = build_dataloader(
+            self.holdout_ds, self.cfg.train.micro_batch_size, rank=self.state.rank,
+            world_size=self.state.world_size, seed=12345, batching="random",
+        )
+        gen = torch.Generator(device=self.device).manual_seed(1234 + self.state.rank)
+        totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+        was_training = self.draft.training
+        self.draft.eval()
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            out = self._forward(_to_device(batch, self.device), self.module, gen)
+            totals += torch.stack([out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
+                                   out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
+                                   torch.zeros((), dtype=torch.float64, device=self.device),
+                                   torch.zeros((), dtype=torch.float64, device=self.device)])
+        self.draft.train(was_training)
+        all_reduce_sum(totals, self.state)
+        return {
+            "eval_loss": float(totals[_L] / totals[_W].clamp(min=1e-12)),
+            "eval_accuracy": float(totals[_C] / totals[_N].clamp(min=1)),
+            "eval_accept_len": float(totals[_A] / totals[_B].clamp(min=1)),
+        }
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        stop = _StopFlag()
+        stop.install()
+        self.maybe_resume()
+        metrics = MetricsLogger(
+            self.out, cfg.wandb, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps, self.state.is_main
+        )
+        metrics.set_progress(self.step)
+        data = _batches(self.loader)
+        self.draft.train()
+        t_start = time.perf_counter()
+        t_window, tok_window = time.perf_counter(), 0
+        last_metrics: dict[str, float] = {}
+        stopped_early = None
+        if self.step == 0 and cfg.train.eval_every:
+            ev = self.evaluate(cfg.train.eval_batches)
+            if ev:
+                metrics.log(0, {**ev, "tokens": 0}, bar=False)
+        while self.step < self.total_steps:
+            totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+            for micro in range(cfg.train.grad_accum):
+                batch = _to_device(next(data), self.device)
+                sync = micro == cfg.train.grad_accum - 1
+                ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
+                with ctx:
+                    out = self._forward(batch, self.model, self.generator)
+                    out.loss_sum.backward()
+                totals += torch.stack([
+                    out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
+                    out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
+                    batch["attention_mask"].sum().double(), torch.zeros((), dtype=torch.float64, device=self.device),
+                ])
+            minutes = (time.perf_counter() - t_start) / 60
+            if stop.requested or (cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes):
+                totals[_STOP] = 1.0
+            all_reduce_sum(totals, self.state)
+            self.tokens_seen += int(totals[_T])
+            tok_window += int(totals[_T])
+
+            if totals[_W] > 0:
+                scale = self.state.world_size / float(totals[_W])
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+                gnorm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+                if hasattr(gnorm, "full_tensor"):
+                    gnorm = gnorm.full_tensor()
+                gnorm = float(gnorm)
+            else:
+                gnorm = 0.0
+                self.skipped_steps += 1
+            loss = float(totals[_L] / totals[_W]) if totals[_W] > 0 else 0.0
+            if not (math.isfinite(gnorm) and math.isfinite(loss)):
+                self.bad_steps += 1
+                self.skipped_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", self.step, self.bad_steps)
+                if self.bad_steps > cfg.train.max_bad_steps:
+                    stopped_early = f"{self.bad_steps} consecutive non-finite steps"
+                    logger.error("Stopping: %s. The last good checkpoint is kept.", stopped_early)
+                    break
+                self.step += 1
+                self.scheduler.step()
+                continue
+            self.bad_steps = 0
+            if totals[_W] > 0:
+                self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+
+            last_metrics = {
+                "loss": loss,
+                "accuracy": float(totals[_C] / totals[_N].clamp(min=1)),
+                "accept_len": float(totals[_A] / totals[_B].clamp(min=1)),
+                "grad_norm": gnorm,
+                "lr": float(self.scheduler.get_last_lr()[0]),
+                "tokens": float(self.tokens_seen),
+            }
+            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
+                dt = time.perf_counter() - t_window
+                last_metrics["tok_s"] = tok_window / max(dt, 1e-9)
+                t_window, tok_window = time.perf_counter(), 0
+                metrics.log(self.step, last_metrics)
+            else:
+                metrics.set_progress(self.step)
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                ev = self.evaluate(cfg.train.eval_batches)
+                if ev:
+                    metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen)}, bar=False)
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save()
+            if totals[_STOP] > 0:
+                stopped_early = "SIGTERM" if stop.requested else "train.max_minutes reached"
+                logger.warning("Stopping at step %d (%s)", self.step, stopped_early)
+                break
+
+        if stopped_early is None or stopped_early in ("SIGTERM", "train.max_minutes reached"):
+            if cfg.checkpoint.every_steps or stopped_early == "SIGTERM":
+                latest = ckpt_lib.find_latest_checkpoint(self.out)
+                if latest is None or not latest.name.endswith(f"{self.step:08d}"):
+                    self.save()
+        final_eval = self.evaluate(cfg.train.eval_batches) if self.holdout_ds is not None else {}
+        ckpt_lib.save_draft_dir(self.draft, self.out / "final" / "draft", self.state)
+        if final_eval:
+            metrics.log(self.step, {**final_eval, "tokens": float(self.tokens_seen)}, bar=False)
+        metrics.close()
+        summary = {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "stopped_early": stopped_early,
+            "train_seconds": time.perf_counter() - t_start,
+            "final_draft": str(self.out / "final" / "draft"),
+            "data": {k: v for k, v in self.train_ds.stats.items() if k != "sources"},
+            **{f"last_{k}": v for k, v in last_metrics.items()},
+            **final_eval,
+        }
+        if self.state.is_main:
+            plot_curves(metrics.records, self.out / "curves.png")
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        shutdown_distributed()
+
+
+def train(cfg: RecipeConfig) -> dict[str, Any]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+__all__ = ["Trainer", "train", "run_meta"]
