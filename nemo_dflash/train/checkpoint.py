@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from nemo_dflash.train.distributed import DistState
 
 logger = logging.getLogger(__name__)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")

@@ -1,0 +1,175 @@
+"""Recipe config, the training loop end to end on a tiny target, checkpoints and exact resume."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+from conftest import make_draft, random_batch, tiny_qwen3
+from nemo_dflash.config import ConfigError, load_recipe
+from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+from nemo_dflash.target import HFDFlashTargetModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_shipped_recipes_carry_the_paper_settings():
+    for name in ("qwen3_8b.yaml", "qwen3_4b.yaml"):
+        cfg = load_recipe(name)
+        assert (cfg.draft.num_layers, cfg.draft.block_size, cfg.loss.num_anchors, cfg.loss.gamma) == (5, 16, 512, 7.0)
+        assert (cfg.optim.lr, cfg.optim.scheduler, cfg.optim.warmup_ratio, cfg.optim.grad_clip) == (6e-4, "cosine", 0.04, 1.0)
+        assert cfg.data.max_length == 3072 and cfg.train.precision == "bf16"
+        assert cfg.loss.attn_backend in ("auto", "flex") and cfg.distributed.strategy == "fsdp2"
+    llama = load_recipe("llama3_8b.yaml")
+    assert (llama.draft.block_size, llama.loss.gamma, llama.draft.mask_token_id) == (10, 5.0, 128002)
+    smol = load_recipe("smollm2_135m")
+    assert smol.target.path == "pkg:smollm2"
+
+
+def test_overrides_and_typed_values():
+    cfg = load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4", "train.max_steps=7", "draft.target_layer_ids=[2,4]"])
+    assert cfg.optim.lr == 1e-4 and cfg.train.max_steps == 7 and cfg.draft.target_layer_ids == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "override, hint",
+    [("optim.lrr=1e-4", "optim.lr"), ("trian.max_steps=3", "train"), ("loss.num_anchor=3", "loss.num_anchors")],
+)
+def test_unknown_key_names_the_nearest_valid_key(override, hint):
+    with pytest.raises(ConfigError, match="Unknown config key") as e:
+        load_recipe("qwen3_8b.yaml", [override])
+    assert hint in str(e.value)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("target:\n  path: x\ndraft:\n  blok_size: 4\ndata:\n  sources: [{path: a.jsonl}]\n")
+    with pytest.raises(ConfigError, match="draft.block_size"):
+        load_recipe(p)
+
+
+def test_bad_values_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_recipe("qwen3_8b.yaml", ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="distributed.strategy"):
+        load_recipe("qwen3_8b.yaml", ["distributed.strategy=zero3"])
+    with pytest.raises(ConfigError, match="block_size"):
+        load_recipe("qwen3_8b.yaml", ["draft.block_size=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_recipe("no_such_recipe.yaml")
+
+
+def test_recipe_found_in_working_dir_first(tmp_path, monkeypatch):
+    (tmp_path / "qwen3_8b.yaml").write_text("target:\n  path: mine\ndata:\n  sources: [{path: a.jsonl}]\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("qwen3_8b.yaml").target.path == "mine"
+
+
+# ------------------------------------------------------------------ optimisation
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
+    target = tiny_qwen3()
+    draft = make_draft(target, num_layers=1, block_size=4)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=2, seq=40)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, 4, 8, torch.Generator().manual_seed(0))
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), loss_decay_gamma=4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        out = module(batch, anchors=anchors, valid=valid)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < 0.7 * losses[0], losses  # a frozen 64-dim lm_head caps how fast it can fit
+
+
+# ------------------------------------------------------------------ CLI end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
+
+
+def _args(target, data, out, *extra):
+    return [
+        "--config", "qwen3_8b.yaml", f"target.path={target}", "target.dtype=fp32", "draft.num_layers=2",
+        "draft.block_size=4", f"data.sources=[{{path: {data}}}]", "data.max_length=96", "data.holdout_fraction=0.2",
+        "loss.num_anchors=8", "train.micro_batch_size=2", "train.log_every=1", "distributed.strategy=none",
+        "wandb.mode=disabled", f"output_dir={out}", "optim.lr=3e-3", *extra,
+    ]
+
+
+def _losses(out: Path) -> list:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_train_cli_end_to_end(tiny_assets, tmp_path):
+    from nemo_dflash.recipes.train import main
+
+    target, data = tiny_assets
+    out = tmp_path / "run"
+    summary = main(_args(target, data, out, "train.max_steps=6", "train.eval_every=3", "checkpoint.every_steps=4"))
+    assert summary["steps"] == 6
+    resolved = load_recipe(out / "config.yaml")  # the recorded config is itself a valid recipe
+    assert resolved.train.max_steps == 6 and resolved.target.path == str(target)
+    assert len(_losses(out)) == 6
+    assert (out / "final" / "draft" / "model.safetensors").is_file()
+    assert (out / "curves.png").stat().st_size > 1000
+    assert [p.name for p in (out / "checkpoints").iterdir()] and (out / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+    assert "eval_accept_len" in summary
+
+
+def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path):
+    from nemo_dflash.recipes.train import main
+
+    target, data = tiny_assets
+    full, part = tmp_path / "full", tmp_path / "part"
+    main(_args(target, data, full, "train.max_steps=8"))
+    main(_args(target, data, part, "train.max_steps=8", "train.max_minutes=0.0", "checkpoint.every_steps=100"))
+    # max_minutes=0 stops after the first step with a checkpoint; resume finishes the run.
+    assert [s for s, _ in _losses(part)] == [1]
+    main(_args(target, data, part, "train.max_steps=8"))
+    assert _losses(part) == _losses(full)  # bit-identical losses after resume on CPU
+    # A different block size or mask token is refused.
+    for bad in ("draft.block_size=5", "draft.mask_token_id=151670"):
+        with pytest.raises(ValueError, match="Refusing to resume"):
+            main(_args(target, data, part, "train.max_steps=9", bad))
+
+
+def test_half_written_checkpoint_is_ignored(tiny_assets, tmp_path):
+    from nemo_dflash.recipes.train import main
+    from nemo_dflash.train.checkpoint import find_latest_checkpoint
+
+    target, data = tiny_assets
+    out = tmp_path / "run"
+    main(_args(target, data, out, "train.max_steps=4", "checkpoint.every_steps=2"))
+    good = find_latest_checkpoint(out)
+    broken = out / "checkpoints" / "step_00000009"
+    shutil.copytree(good, broken)
+    (broken / "COMPLETE").unlink()  # killed before the marker
+    (out / "checkpoints" / ".tmp-step_00000010").mkdir()
+    assert find_latest_checkpoint(out) == good
+
+
+def test_train_via_subprocess_reports_config_errors(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", "optim.lr_=1"],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "Did you mean 'optim.lr'" in r.stderr
