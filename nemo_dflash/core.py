@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ def sample_anchors(
     block_size: int,
     num_anchors: int,
     generator: Optional[torch.Generator] = None,
+    row_seeds: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to `num_anchors` anchors per row, uniformly without replacement.
 
@@ -44,6 +45,10 @@ def sample_anchors(
     (a + block_size <= sequence length). Returns (anchors [B, A], valid [B, A]) sorted by
     position; rows with fewer candidates are padded with invalid anchors (position 0).
     A >= 1 always, so the draft runs (and its parameters join the graph) on every batch.
+
+    With `row_seeds`, each row draws from its own seeded stream, so a sample gets the same
+    anchors whatever batch, padding or rank it lands in (distributed runs then reproduce
+    single-process losses, and resume needs no generator state).
     """
     bsz, seq = loss_mask.shape
     device = loss_mask.device
@@ -51,7 +56,12 @@ def sample_anchors(
     pos = torch.arange(seq, device=device).unsqueeze(0)
     cand = loss_mask.bool() & attention_mask.bool() & (pos + block_size <= lengths)
     n_anchors = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if cand.numel() else 0))
-    scores = torch.rand(bsz, seq, device=device, generator=generator)
+    if row_seeds is not None:
+        scores = torch.stack([
+            torch.rand(seq, generator=torch.Generator().manual_seed(int(rs))) for rs in row_seeds
+        ]).to(device)
+    else:
+        scores = torch.rand(bsz, seq, device=device, generator=generator)
     scores = scores.masked_fill(~cand, -1.0)
     top_scores, top_idx = scores.topk(min(n_anchors, seq), dim=1)
     valid = top_scores >= 0
@@ -303,12 +313,13 @@ class DFlashTrainerModule(nn.Module):
         generator: Optional[torch.Generator] = None,
         anchors: Optional[torch.Tensor] = None,
         valid: Optional[torch.Tensor] = None,
+        row_seeds: Optional[Sequence[int]] = None,
     ) -> DFlashLossOutput:
         input_ids, attn, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
         bsz, seq = input_ids.shape
         blk = self.block_size
         if anchors is None:
-            anchors, valid = sample_anchors(loss_mask, attn, blk, self.num_anchors, generator)
+            anchors, valid = sample_anchors(loss_mask, attn, blk, self.num_anchors, generator, row_seeds)
         assert valid is not None
         n_blk = anchors.shape[1]
 

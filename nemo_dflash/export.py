@@ -263,6 +263,8 @@ def resolve_draft_dir(path: PathLike) -> Path:
         (d for d in (p / "checkpoints").glob("step_*") if (d / "draft" / CONFIG_NAME).is_file()),
         key=lambda d: int(d.name.split("_")[-1]) if d.name.split("_")[-1].isdigit() else -1,
     )
+    complete = [d for d in steps if (d / "COMPLETE").is_file()]  # the trainer marks finished checkpoints
+    steps = complete or steps
     if steps:
         logger.info("Using the latest checkpoint %s", steps[-1])
         return steps[-1] / "draft"

@@ -4,7 +4,7 @@ Layout of `<output_dir>/checkpoints/step_00000100/`:
   draft/            config.json + model.safetensors (full weights: usable by evaluate/export)
   state/            model + optimizer through torch.distributed.checkpoint (sharded under FSDP2)
   rank_<r>.json     dataloader position (StatefulDataLoader state), per rank
-  rng_<r>.safetensors  anchor-sampler and torch RNG states, per rank
+  rng_<r>.safetensors  torch RNG states, per rank (anchors are seeded per sample and step)
   meta.json         step and the run's identity (block size, mask token, layer ids, target arch)
   COMPLETE          written last; a directory without it is ignored (and cleaned up)
 
@@ -98,7 +98,6 @@ def save_checkpoint(
     draft: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     dataloader: Any,
-    generator: torch.Generator,
     meta: dict[str, Any],
     state: DistState,
     keep_last: int,
@@ -116,7 +115,7 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
     (tmp / f"rank_{state.rank}.json").write_text(json.dumps({"dataloader": dataloader.state_dict()}))
-    rng = {"anchor_generator": generator.get_state(), "torch_cpu": torch.get_rng_state()}
+    rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and state.device.type == "cuda":
         rng["torch_cuda"] = torch.cuda.get_rng_state(state.device)
     save_file(rng, str(tmp / f"rng_{state.rank}.safetensors"))
@@ -162,7 +161,6 @@ def load_checkpoint(
     draft: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     dataloader: Any,
-    generator: torch.Generator,
     meta: dict[str, Any],
     state: DistState,
 ) -> int:
@@ -179,7 +177,6 @@ def load_checkpoint(
     set_state_dict(draft, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     dataloader.load_state_dict(json.loads((ckpt / f"rank_{state.rank}.json").read_text())["dataloader"])
     rng = load_file(str(ckpt / f"rng_{state.rank}.safetensors"))
-    generator.set_state(rng["anchor_generator"])
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and state.device.type == "cuda":
         torch.cuda.set_rng_state(rng["torch_cuda"], state.device)

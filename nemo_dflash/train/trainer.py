@@ -155,7 +155,6 @@ class Trainer:
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 100003 + self.state.rank)
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0
@@ -166,12 +165,18 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
-    def _forward(self, batch: dict[str, torch.Tensor], module, generator) -> DFlashLossOutput:
+    def _row_seeds(self, base: int, micro_index: int, bsz: int) -> list[int]:
+        """Per-sample anchor seeds from (seed, micro-step, global row): the same sample gets the
+        same anchors whatever the process count, so DDP/FSDP runs match a single process."""
+        first = self.state.rank * bsz
+        return [((base * 1_000_003 + micro_index) * 10_007 + first + j) % (2**63 - 1) for j in range(bsz)]
+
+    def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int]) -> DFlashLossOutput:
         tb = self.target.generate_batch(
             batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.cfg.loss.distill_weight > 0
         )
         with self._autocast():
-            return module(tb, generator=generator)
+            return module(tb, row_seeds=row_seeds)
 
     def maybe_resume(self) -> None:
         mode = self.cfg.checkpoint.resume
@@ -183,7 +188,7 @@ class Trainer:
         if not (path / ckpt_lib.COMPLETE).is_file():
             raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
         self.step = ckpt_lib.load_checkpoint(
-            path, self.draft, self.optimizer, self.loader, self.generator, self.meta, self.state
+            path, self.draft, self.optimizer, self.loader, self.meta, self.state
         )
         for _ in range(self.step):  # the schedule is a pure function of the step
             self.scheduler.step()
@@ -192,7 +197,7 @@ class Trainer:
 
     def save(self) -> Path:
         return ckpt_lib.save_checkpoint(
-            self.out, self.step, self.draft, self.optimizer, self.loader, self.generator,
+            self.out, self.step, self.draft, self.optimizer, self.loader,
             {**self.meta, "tokens_seen": self.tokens_seen}, self.state, self.cfg.checkpoint.keep_last,
         )
 
@@ -205,14 +210,14 @@ class Trainer:
             self.holdout_ds, self.cfg.train.micro_batch_size, rank=self.state.rank,
             world_size=self.state.world_size, seed=12345, batching="random",
         )
-        gen = torch.Generator(device=self.device).manual_seed(1234 + self.state.rank)
         totals = torch.zeros(8, dtype=torch.float64, device=self.device)
         was_training = self.draft.training
         self.draft.eval()
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
-            out = self._forward(_to_device(batch, self.device), self.module, gen)
+            batch = _to_device(batch, self.device)
+            out = self._forward(batch, self.module, self._row_seeds(777, i, batch["input_ids"].shape[0]))
             totals += torch.stack([out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
                                    out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
                                    torch.zeros((), dtype=torch.float64, device=self.device),
@@ -253,7 +258,8 @@ class Trainer:
                 sync = micro == cfg.train.grad_accum - 1
                 ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
                 with ctx:
-                    out = self._forward(batch, self.model, self.generator)
+                    seeds = self._row_seeds(cfg.train.seed, self.step * cfg.train.grad_accum + micro, batch["input_ids"].shape[0])
+                    out = self._forward(batch, self.model, seeds)
                     out.loss_sum.backward()
                 totals += torch.stack([
                     out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
