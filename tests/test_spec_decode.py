@@ -4,6 +4,7 @@ bookkeeping, long acceptance with an oracle draft, and distribution-preserving s
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ from nemo_dflash.target import HFDFlashTargetModel
 from _spec_fixtures import make_draft, tiny_llama, tiny_qwen3
 
 PROMPT_LEN = 9
+
+
+@contextmanager
+def single_thread():
+    """Thousands of tiny ops: extra threads only add contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def hf_greedy(target, ids: torch.Tensor, n: int, eos=None) -> list[int]:
@@ -206,16 +218,17 @@ def test_bad_inputs(qwen):
 def test_verify_block_sampling_preserves_target_distribution():
     """Speculative sampling: the kept token at slot 1 is distributed as the target's p."""
     g = torch.Generator().manual_seed(0)
-    vocab, n = 6, 12000
+    vocab, n = 6, 8000
     p_logits = torch.randn(2, vocab, generator=g) * 1.5
     q = torch.softmax(torch.randn(1, vocab, generator=g) * 1.5, -1)
     counts = torch.zeros(vocab)
-    for _ in range(n):
-        d = torch.multinomial(q[0], 1, generator=g)
-        n_acc, nxt = verify_block(d, p_logits, temperature=1.0, draft_probs=q, generator=g)
-        counts[int(d) if n_acc == 1 else nxt] += 1
+    with single_thread():
+        for _ in range(n):
+            d = torch.multinomial(q[0], 1, generator=g)
+            n_acc, nxt = verify_block(d, p_logits, temperature=1.0, draft_probs=q, generator=g)
+            counts[int(d) if n_acc == 1 else nxt] += 1
     p = torch.softmax(p_logits[0], -1)
-    assert (counts / n - p).abs().max() < 0.025
+    assert (counts / n - p).abs().max() < 0.03
     # q == p: everything is accepted and the bonus comes from row 1.
     d = torch.tensor([2])
     n_acc, _ = verify_block(d, p_logits[:1].expand(2, -1), 1.0, torch.softmax(p_logits[:1], -1), g)
@@ -233,11 +246,12 @@ def test_sampling_end_to_end_distribution():
         p2 = (p1.unsqueeze(1) * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
     decoder = DFlashSpeculativeDecoder(target, draft)
     g = torch.Generator().manual_seed(0)
-    n, counts = 1500, torch.zeros(8)
-    for _ in range(n):
-        out = decoder.generate(ids, max_new_tokens=2, temperature=1.0, generator=g)
-        counts[out.output_ids[1]] += 1
-    assert (counts / n - p2).abs().max() < 0.05
+    n, counts = 800, torch.zeros(8)
+    with single_thread():
+        for _ in range(n):
+            out = decoder.generate(ids, max_new_tokens=2, temperature=1.0, generator=g)
+            counts[out.output_ids[1]] += 1
+    assert (counts / n - p2).abs().max() < 0.06
     # Same seed, same output; the AR baseline samples too.
     a = speculative_generate(target, draft, ids, max_new_tokens=12, temperature=0.7,
                              generator=torch.Generator().manual_seed(5))
