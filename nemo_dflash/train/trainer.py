@@ -95,6 +95,13 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def _micro_slice(batch: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
+    """Rows [start, start+size) trimmed to their own longest sequence (less padding)."""
+    part = {k: v[start : start + size] for k, v in batch.items()}
+    length = int(part["attention_mask"].sum(dim=1).max().item())
+    return {k: v[:, : max(length, 1)] for k, v in part.items()}
+
+
 def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
     """Endless stream over epochs; the sampler advances its epoch by itself."""
     while True:
@@ -128,12 +135,16 @@ class Trainer:
         self.meta = run_meta(self.draft, self.target_model)
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
+        # One loader batch = this rank's share of a global step (micro_batch_size x grad_accum rows),
+        # split into micro-batches in the loop: the global batch is then the same samples however
+        # it is divided between ranks and accumulation micro-steps.
         self.loader = build_dataloader(
-            self.train_ds, cfg.train.micro_batch_size, rank=self.state.rank, world_size=self.state.world_size,
+            self.train_ds, cfg.train.micro_batch_size * cfg.train.grad_accum, rank=self.state.rank,
+            world_size=self.state.world_size,
             seed=cfg.data.seed, batching=cfg.data.batching, num_workers=cfg.data.num_workers,
             pin_memory=self.device.type == "cuda",
         )
-        steps_per_epoch = max(1, len(self.loader) // cfg.train.grad_accum)
+        steps_per_epoch = max(1, len(self.loader))
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
 
         backend = cfg.loss.attn_backend
@@ -165,11 +176,11 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
-    def _row_seeds(self, base: int, micro_index: int, bsz: int) -> list[int]:
-        """Per-sample anchor seeds from (seed, micro-step, global row): the same sample gets the
-        same anchors whatever the process count, so DDP/FSDP runs match a single process."""
-        first = self.state.rank * bsz
-        return [((base * 1_000_003 + micro_index) * 10_007 + first + j) % (2**63 - 1) for j in range(bsz)]
+    @staticmethod
+    def _row_seeds(base: int, step: int, first_row: int, bsz: int) -> list[int]:
+        """Per-sample anchor seeds from (seed, step, row in the global batch): a sample gets the
+        same anchors however the global batch is split, so DDP/FSDP/accumulation match one process."""
+        return [((base * 1_000_003 + step) * 100_003 + first_row + j) % (2**63 - 1) for j in range(bsz)]
 
     def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int]) -> DFlashLossOutput:
         tb = self.target.generate_batch(
@@ -217,7 +228,8 @@ class Trainer:
             if max_batches is not None and i >= max_batches:
                 break
             batch = _to_device(batch, self.device)
-            out = self._forward(batch, self.module, self._row_seeds(777, i, batch["input_ids"].shape[0]))
+            bsz = batch["input_ids"].shape[0]
+            out = self._forward(batch, self.module, self._row_seeds(777, i, self.state.rank * bsz, bsz))
             totals += torch.stack([out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
                                    out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
                                    torch.zeros((), dtype=torch.float64, device=self.device),
@@ -253,12 +265,17 @@ class Trainer:
                 metrics.log(0, {**ev, "tokens": 0}, bar=False)
         while self.step < self.total_steps:
             totals = torch.zeros(8, dtype=torch.float64, device=self.device)
-            for micro in range(cfg.train.grad_accum):
-                batch = _to_device(next(data), self.device)
-                sync = micro == cfg.train.grad_accum - 1
+            step_batch = next(data)
+            rows = step_batch["input_ids"].shape[0]
+            mbs = cfg.train.micro_batch_size
+            n_micro = -(-rows // mbs)
+            for micro in range(n_micro):
+                batch = _to_device(_micro_slice(step_batch, micro * mbs, mbs), self.device)
+                sync = micro == n_micro - 1
                 ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
                 with ctx:
-                    seeds = self._row_seeds(cfg.train.seed, self.step * cfg.train.grad_accum + micro, batch["input_ids"].shape[0])
+                    first_row = self.state.rank * rows + micro * mbs
+                    seeds = self._row_seeds(cfg.train.seed, self.step, first_row, batch["input_ids"].shape[0])
                     out = self._forward(batch, self.model, seeds)
                     out.loss_sum.backward()
                 totals += torch.stack([

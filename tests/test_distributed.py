@@ -1,0 +1,132 @@
+"""2-process training under torchrun (gloo, CPU), kills, SIGTERM and exact resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
+
+
+def _cmd(nproc: int, target, data, out, *extra):
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return [
+        *launcher, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", f"target.path={target}",
+        "target.dtype=fp32", "draft.num_layers=2", "draft.block_size=4", f"data.sources=[{{path: {data}}}]",
+        "data.max_length=96", "data.holdout_fraction=0.0", "loss.num_anchors=8", "train.log_every=1",
+        "wandb.mode=disabled", "optim.lr=3e-3", f"output_dir={out}", *extra,
+    ]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "NEMO_DFLASH_NO_BAR": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd, timeout=240):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _losses(out: Path) -> dict:
+    """step -> loss; the last record of a step wins (a killed run may have logged it before)."""
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def test_ddp_and_fsdp2_match_single_process(assets, tmp_path):
+    target, data = assets
+    common = ("train.max_steps=4",)
+    _run(_cmd(1, target, data, tmp_path / "single", *common, "train.micro_batch_size=4", "distributed.strategy=none"))
+    single = _losses(tmp_path / "single")
+    for strategy in ("ddp", "fsdp2"):
+        out = tmp_path / strategy
+        _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", f"distributed.strategy={strategy}"))
+        got = _losses(out)
+        assert sorted(got) == [1, 2, 3, 4]
+        for step, loss in single.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (strategy, step)
+    # the global batch split over micro-steps instead of ranks gives the same losses too
+    out = tmp_path / "accum"
+    _run(_cmd(1, target, data, out, *common, "train.micro_batch_size=2", "train.grad_accum=2"))
+    got = _losses(out)
+    for step, loss in single.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), ("grad_accum", step)
+
+
+def test_rank_without_valid_anchor_does_not_hang(tmp_path):
+    target = make_tiny_target_dir(tmp_path)
+    data = tmp_path / "mixed.jsonl"
+    long_answer = " ".join(["alpha beta gamma"] * 10)
+    with open(data, "w") as f:  # one sample per rank per step: one has no room for a block
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "tell"}, {"role": "assistant", "content": long_answer}]}) + "\n")
+    out = tmp_path / "run"
+    _run(_cmd(2, target, data, out, "train.max_steps=3", "train.micro_batch_size=1", "distributed.strategy=ddp",
+              "draft.block_size=8"), timeout=180)
+    assert sorted(_losses(out)) == [1, 2, 3]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else "process exited"
+        assert time.time() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("where", ["training", "checkpoint_write"])
+def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path, where):
+    target, data = assets
+    args = ("train.max_steps=10", "train.micro_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
+    _run(_cmd(1, target, data, tmp_path / "full", *args))
+    full = _losses(tmp_path / "full")
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(1, target, data, out, *args), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    ckpts = out / "checkpoints"
+    if where == "training":
+        _wait_for(ckpts / "step_00000004" / "COMPLETE", proc)
+    else:  # the moment the step-6 checkpoint starts being written
+        _wait_for(ckpts / ".tmp-step_00000006", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    complete = sorted(p.name for p in ckpts.iterdir() if (p / "COMPLETE").exists())
+    assert "step_00000004" in complete and "step_00000002" in complete  # earlier checkpoints intact
+    _run(_cmd(1, target, data, out, *args))
+    resumed = _losses(out)
+    assert resumed == full  # bit-identical on CPU, no sample skipped or repeated
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_sigterm_leaves_a_complete_checkpoint(assets, tmp_path):
+    target, data = assets
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(1, target, data, out, "train.max_steps=400", "train.micro_batch_size=1",
+                                 "checkpoint.every_steps=2"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "checkpoints" / "step_00000002" / "COMPLETE", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_early"] == "SIGTERM" and summary["steps"] < 400
+    last = out / "checkpoints" / f"step_{summary['steps']:08d}"
+    assert (last / "COMPLETE").is_file() and (last / "draft" / "model.safetensors").is_file()
