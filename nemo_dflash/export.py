@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 from safetensors import safe_open

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from nemo_dflash.export import export_draft
@@ -22,6 +23,15 @@ from nemo_dflash.recipes.evaluate import (
 from _spec_fixtures import make_draft, save_tiny_qwen3_target
 
 QWEN3_MASK_ID = 151669
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Many tiny forwards: on a shared 2-core CPU extra threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def test_export_writes_exactly_the_contract(draft, tmp_path):
     out = export_draft(draft, tmp_path / "exp")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     w = read_weights(out / "model.safetensors")
-    assert set(w) == contract_names(2)
+    assert set(w) == contract_names(2) == set(serving_weight_shapes(draft.config))
     assert all(v.dtype == torch.bfloat16 for v in w.values())
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in w)
     for k, v in w.items():

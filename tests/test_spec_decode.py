@@ -37,6 +37,12 @@ def single_thread():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():
+        yield
+
+
 def hf_greedy(target, ids: torch.Tensor, n: int, eos=None) -> list[int]:
     out = target.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
