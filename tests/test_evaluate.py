@@ -89,7 +89,7 @@ def test_evaluate_acceptance(target_and_tokenizer, exported_draft):
     from nemo_dflash.export import load_draft
 
     target, tok = target_and_tokenizer
-    draft = load_draft(exported_draft, dtype="fp32")
+    draft = load_draft(exported_draft, dtype="fp32").train()  # as a training loop would pass it
     ids = encode_chat(tok, [{"role": "user", "content": "hello"}])
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     res = evaluate_acceptance(target, tok, draft, ["hello", [{"role": "user", "content": "hi"}]],
@@ -100,6 +100,7 @@ def test_evaluate_acceptance(target_and_tokenizer, exported_draft):
     taus = [p["acceptance_length"] for p in res["per_prompt"]]
     assert res["mean_acceptance_length"] == pytest.approx(sum(taus) / len(taus))
     assert res["speedup"] > 0 and res["spec"]["tokens_per_s"] > 0
+    assert draft.training  # mode restored
     # Sampling and a smaller block run too.
     res = evaluate_acceptance(target, tok, draft, ["hello"], max_new_tokens=6, temperature=1.0, block_size=2,
                               warmup=False)

@@ -206,7 +206,7 @@ class DFlashSpeculativeDecoder:
 
         check_draft_fits_target(draft.config, target_model.config)
         self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)
-        self.draft = draft.eval()
+        self.draft = draft  # no dropout in the draft: its train/eval mode does not matter here
         self.block_size = int(block_size or draft.config.block_size)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

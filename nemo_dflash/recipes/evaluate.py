@@ -207,8 +207,32 @@ def evaluate_acceptance(
     is the tokens produced per target forward (accepted + bonus), averaged over a prompt's
     steps, then over prompts. With `measure_speedup`, each turn is also decoded plainly with
     the same target and KV cache; speedup = AR time per output token / spec time per output
-    token (prefill excluded; a warm-up prompt is run first and not counted).
+    token (prefill excluded; a warm-up prompt is run first and not counted). The draft's
+    train/eval mode is restored afterwards, so a training loop can call this mid-run.
     """
+    was_training = draft.training
+    draft.eval()
+    try:
+        return _evaluate(target_model, tokenizer, draft, prompts, max_new_tokens, temperature, block_size,
+                         measure_speedup, multi_turn, warmup, use_chat_template, seed)
+    finally:
+        draft.train(was_training)
+
+
+def _evaluate(
+    target_model: nn.Module,
+    tokenizer: Any,
+    draft: DFlashDraftModel,
+    prompts: Iterable[PromptLike],
+    max_new_tokens: int,
+    temperature: float,
+    block_size: Optional[int],
+    measure_speedup: bool,
+    multi_turn: bool,
+    warmup: bool,
+    use_chat_template: bool,
+    seed: int,
+) -> dict[str, Any]:
     decoder = DFlashSpeculativeDecoder(target_model, draft, block_size)
     stops = stop_token_ids(tokenizer, target_model)
     device = decoder.device
