@@ -114,7 +114,8 @@ def build(shape_name: str, draft_layers: int, block: int, device, fsdp2: bool):
     return shape, target, wrapper, draft
 
 
-def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device, ddp_world: int, fsdp2: bool):
+def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device, ddp_world: int, fsdp2: bool,
+             breakdown: bool = True):
     block = draft.config.block_size
     for layer in draft.layers:
         layer._compiled_call_impl = None  # reset any previous compile
@@ -130,22 +131,30 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
     attn = torch.ones_like(ids)
     lm = torch.ones_like(ids)
     lm[:, : case.seq // 10] = 0  # a prompt
-    times = []
+    times, t_target, t_draft = [], [], []
     torch.cuda.reset_peak_memory_stats(device)
     out = None
     for it in range(warmup + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         batch = wrapper.generate_batch(ids, attn, lm)
+        if breakdown:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = module(batch, row_seeds=[it])
         (out.loss_sum / out.weight_sum.clamp(min=1)).backward()
+        if breakdown:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if it >= warmup:
             times.append(time.perf_counter() - t)
+            t_target.append(t1 - t)
+            t_draft.append(t2 - t1)
     n_valid = int(out.num_blocks)
     anchors_pos = sorted(torch.randperm(case.seq - case.seq // 10 - block, generator=g)[: min(case.anchors, n_valid)]
                          .add(case.seq // 10).tolist())
@@ -157,7 +166,8 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
         "anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
         "step_ms": med * 1e3, "tokens_s": case.seq / med, "samples_s": 1 / med,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, "tflops": flops["total"] / med / 1e12,
-        "flops": flops, "loss": float(out.loss),
+        "flops": flops, "loss": float(out.loss.detach()),
+        "target_ms": statistics.median(t_target) * 1e3, "draft_fwd_bwd_ms": statistics.median(t_draft) * 1e3,
     }
 
 
@@ -206,7 +216,7 @@ def main() -> None:
         print(f"\n{name} x{world}, {args.shape}, draft {args.draft_layers} layers, block {args.block}; "
               f"measured bf16 matmul {peak:.0f} TFLOP/s")
         hdr = f"{'anchors':>7} {'seq':>5} {'backend':>7} {'compile':>7} {'step ms':>8} {'tok/s/GPU':>10} " \
-              f"{'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6}"
+              f"{'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'target':>7} {'draft':>7}"
         print(hdr)
         print("-" * len(hdr))
         for r in rows:
@@ -214,7 +224,8 @@ def main() -> None:
                 print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} {r['error']:>8}")
                 continue
             print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} {r['step_ms']:>8.1f} "
-                  f"{r['tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%}")
+                  f"{r['tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
+                  f"{r['target_ms']:>7.1f} {r['draft_fwd_bwd_ms']:>7.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "world": world, "shape": args.shape, "matmul_tflops": peak, "rows": rows}, f,
