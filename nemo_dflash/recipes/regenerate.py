@@ -1,0 +1,358 @@
+r"""Regenerate chat data with the target model's own answers: the data a DFlash draft trains on.
+
+    python -m nemo_dflash.recipes.regenerate --target /models/Qwen3-8B --data sharegpt \
+        --out data/regen.jsonl --num-samples 20000 --max-new-tokens 2048 --batch-size 64 --holdout 200
+    python -m nemo_dflash.recipes.regenerate --target pkg:smollm2 --data sharegpt \
+        --out regen.jsonl --num-samples 32 --max-new-tokens 96 --batch-size 16
+
+Reads ShareGPT/OpenAI conversations (--data, repeatable; `sharegpt` is the bundled ShareGPT
+file), shuffles them with --seed, takes the first --num-samples usable ones and replaces their
+assistant turns with the target's answers. Writes OpenAI-layout JSONL, one conversation a line:
+    {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line"}
+The output is written to OUT.partial and renamed when complete; rerunning the same command
+after an interruption continues the partial file. --holdout N writes the prompts (no answers) of
+N further conversations to OUT_STEM.holdout.jsonl, for evaluation (`evaluate --datasets`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from nemo_dflash.recipes._cli import fail, setup_logging
+
+logger = logging.getLogger("nemo_dflash.regenerate")
+
+# Settings that change which conversations are picked or what is generated: a partial output
+# may only be continued with the same values.
+_RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tokens", "max_new_tokens",
+                "temperature", "top_p", "holdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.regenerate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target model: local HF dir, .gguf file or pkg:smollm2")
+    p.add_argument("--data", action="append", required=True, metavar="PATH",
+                   help="conversations (.jsonl/.json/.parquet, ShareGPT or OpenAI layout); repeatable; "
+                        "'sharegpt' = the bundled ShareGPT file")
+    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="regenerate the first N usable conversations after the seeded shuffle (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle (and sampling) seed")
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="first: [system?, user, assistant] only; all: answer every user turn, feeding the "
+                        "regenerated answers back as context")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip conversations whose prompt is longer (default: the model's context minus "
+                        "--max-new-tokens); with --turns all a conversation ends at the first turn over it")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (with --top-p)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when --temperature > 0")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (left-padded)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="cap rows x (longest prompt + --max-new-tokens) per batch, so a long prompt does not "
+                        "pad a whole batch to its length (default: no cap)")
+    p.add_argument("--sort-window", type=int, default=None,
+                   help="conversations sorted by prompt length together to cut padding, and the unit written "
+                        "to OUT.partial (default: 16 x --batch-size)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="auto: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="also write N more conversations' prompts (no answers) to OUT_STEM.holdout.jsonl")
+    p.add_argument("--max-bad-lines", type=int, default=100, help="malformed input records tolerated")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output (and any partial one)")
+    return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("num_samples", "max_new_tokens", "batch_size", "sort_window", "max_prompt_tokens",
+                 "max_batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.holdout < 0:
+        fail(f"--holdout must be >= 0 (got {args.holdout})")
+    if args.temperature < 0:
+        fail(f"--temperature must be >= 0 (got {args.temperature}); use 0 for greedy decoding")
+    if not 0 < args.top_p <= 1:
+        fail(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if not args.out.endswith(".jsonl"):
+        fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
+
+
+def holdout_path(out: Path) -> Path:
+    """``regen.jsonl`` -> ``regen.holdout.jsonl``."""
+    return out.with_name(out.name[: -len(".jsonl")] + ".holdout.jsonl")
+
+
+def resolve_data_paths(data: Sequence[str]) -> list[str]:
+    from nemo_dflash.data import default_sharegpt_path
+
+    paths = [default_sharegpt_path() if d == "sharegpt" else d for d in data]
+    seen: set[str] = set()
+    for p in paths:
+        key = os.path.realpath(p)
+        if key in seen:
+            fail(f"--data {p} is given twice; pass each file once")
+        seen.add(key)
+    return paths
+
+
+def read_pool(paths: Sequence[str], max_bad: int) -> list[Any]:
+    """All conversations of ``paths``, with locations unique across files (they key resuming)."""
+    from nemo_dflash.data import BadRecordCounter, read_conversations
+
+    bad = BadRecordCounter(max_bad)
+    names = [os.path.basename(p) for p in paths]
+    pool = []
+    for path, name in zip(paths, names):
+        n = 0
+        for conv in read_conversations(path, bad=bad):
+            if names.count(name) > 1:  # same file name in two folders: spell the location with the path
+                conv.location = path + conv.location[len(name):]
+            pool.append(conv)
+            n += 1
+        logger.info("%s: %d conversations", path, n)
+    if not pool:
+        fail(f"no conversations in {', '.join(paths)}")
+    return pool
+
+
+def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str,
+           max_prompt_tokens: Optional[int]) -> tuple[list[Any], dict[str, int], int]:
+    """The first ``count`` usable conversations after a seeded shuffle, the skip reasons of the
+    unusable ones seen on the way, and how many were examined."""
+    from collections import Counter
+
+    from nemo_dflash.regenerate import prompt_problem, special_token_strings, split_prompt
+
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    specials = special_token_strings(tokenizer)
+    chosen, skipped, examined = [], Counter(), 0
+    for i in order:
+        if len(chosen) >= count:
+            break
+        examined += 1
+        system, users = split_prompt(pool[i].messages, turns)
+        if not users:
+            skipped["no_user_turn"] += 1
+            continue
+        _, reason = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
+                                   max_prompt_tokens=max_prompt_tokens, specials=specials)
+        if reason is not None:
+            skipped[reason] += 1
+            continue
+        chosen.append(pool[i])
+    return chosen, dict(skipped), examined
+
+
+def _holdout_record(conv: Any, turns: str) -> dict[str, Any]:
+    from nemo_dflash.regenerate import split_prompt
+
+    system, users = split_prompt(conv.messages, turns)
+    return {"messages": system + [{"role": "user", "content": u} for u in users], "source": conv.location}
+
+
+def write_jsonl_atomic(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _resume_position(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> int:
+    """Index in ``train`` to continue from, after checking ``partial`` was made with ``settings``.
+
+    A torn last line (killed mid-write) is cut off; the conversations after the last one written
+    are redone (those the window skipped come back skipped again).
+    """
+    hint = f"pass --overwrite to start over, or delete {partial}"
+    try:
+        saved = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        fail(f"{partial} is a partial output without readable settings ({meta}); {hint}")
+    diff = [k for k in _RESUME_KEYS if saved.get(k) != settings.get(k)]
+    if diff:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {settings.get(k)!r}" for k in diff)
+        fail(f"{partial} was started with other settings ({details}); rerun with the same settings to "
+             f"continue it, or {hint}")
+    data = partial.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        logger.warning("%s: dropping a torn last line (%d bytes)", partial, len(data) - keep)
+        with open(partial, "r+b") as f:
+            f.truncate(keep)
+    position = {c.location: i for i, c in enumerate(train)}
+    last = -1
+    for lineno, line in enumerate(data[:keep].splitlines(), start=1):
+        try:
+            source = json.loads(line)["source"]
+            last = max(last, position[source])
+        except (ValueError, KeyError, TypeError):
+            fail(f"{partial}:{lineno} is not a record of this run; {hint}")
+    return last + 1
+
+
+def _pick_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but torch sees no GPU; use --device cpu (or auto)")
+    if dtype == "auto":
+        dtype = "bf16" if device == "cuda" else "fp32"
+    return device, dtype
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    _validate(args)
+    from tqdm import tqdm
+
+    from nemo_dflash.data import DataError
+    from nemo_dflash.loading import load_target
+    from nemo_dflash.regenerate import RegenStats, regenerate_conversations
+
+    wall0 = time.perf_counter()
+    out = Path(args.out)
+    partial, meta, held = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json"), None
+    if out.is_dir():
+        fail(f"--out {out} is a directory; name a .jsonl file")
+    if out.exists() and not args.overwrite:
+        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    if args.holdout:
+        held = holdout_path(out)
+        if held.exists() and not args.overwrite and not partial.exists():
+            fail(f"{held} already exists; pass --overwrite to replace it or choose another --out")
+    if args.overwrite:
+        for stale in (partial, meta):
+            stale.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    try:
+        paths = resolve_data_paths(args.data)
+        pool = read_pool(paths, args.max_bad_lines)
+    except DataError as e:
+        fail(str(e))
+    device, dtype = _pick_device_dtype(args.device, args.dtype)
+    logger.info("loading target %s (%s, %s)", args.target, device, dtype)
+    try:
+        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        fail(f"cannot load --target {args.target}: {e}")
+    if not getattr(tokenizer, "chat_template", None):
+        fail(f"the tokenizer of {args.target} has no chat template; regeneration prompts the target with its own "
+             "template: point --target at the instruct model")
+
+    max_prompt = args.max_prompt_tokens
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:
+        if max_prompt is None:
+            max_prompt = context - args.max_new_tokens
+        if max_prompt + args.max_new_tokens > context or max_prompt < 1:
+            fail(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                 f"context of {context} tokens; lower one of them")
+
+    want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
+    chosen, select_skipped, examined = select(pool, tokenizer, count=want, seed=args.seed, turns=args.turns,
+                                              max_prompt_tokens=max_prompt)
+    del pool
+    if len(chosen) <= args.holdout:
+        fail(f"only {len(chosen)} usable conversations (skipped: {select_skipped}); lower --holdout {args.holdout}")
+    if len(chosen) < want:
+        logger.warning("only %d usable conversations of %d wanted (skipped: %s)", len(chosen), want, select_skipped)
+    train, holdout = chosen[: len(chosen) - args.holdout], chosen[len(chosen) - args.holdout:]
+    logger.info("selected %d conversations to regenerate and %d held out (examined %d; skipped %s)",
+                len(train), len(holdout), examined, select_skipped or "none")
+
+    settings = {k: getattr(args, k) for k in _RESUME_KEYS}
+    settings.update(data=[os.path.realpath(p) for p in paths], max_prompt_tokens=max_prompt)
+    start = 0
+    if partial.exists():
+        start = _resume_position(partial, meta, settings, train)
+        logger.info("continuing %s: %d of %d conversations already done", partial, start, len(train))
+    else:
+        write_jsonl_atomic(meta, [settings])  # one JSON line: readable with json.loads
+
+    stats = RegenStats()
+    todo = train[start:]
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", file=sys.stderr, dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    t0 = time.perf_counter()
+
+    def progress(done: int, new_tokens: int) -> None:
+        bar.update(done)
+        elapsed = max(time.perf_counter() - t0, 1e-6)
+        bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tokens=stats.generated_tokens,
+                        refresh=False)
+
+    records = regenerate_conversations(
+        model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        batch_size=args.batch_size, turns=args.turns, seed=args.seed + start, max_prompt_tokens=max_prompt,
+        sort_window=args.sort_window, max_batch_tokens=args.max_batch_tokens, stats=stats, progress=progress,
+    )
+    try:
+        with open(partial, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        bar.close()
+        logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
+                     partial)
+        raise
+    bar.close()
+    if held is not None:
+        write_jsonl_atomic(held, [_holdout_record(c, args.turns) for c in holdout])
+    os.replace(partial, out)
+    meta.unlink(missing_ok=True)
+
+    with open(out, encoding="utf-8") as f:
+        total_written = sum(1 for line in f if line.strip())
+    wall = time.perf_counter() - wall0
+    gen_time = time.perf_counter() - t0
+    summary = {
+        "out": str(out),
+        "written": total_written,
+        "written_this_run": stats.written,
+        "resumed_from": start,
+        "holdout": str(held) if held is not None else None,
+        "holdout_written": len(holdout),
+        "turns": stats.turns,
+        "finish": dict(stats.finish),
+        "skipped_selection": select_skipped,
+        "skipped_generation": dict(stats.skipped),
+        "shortened": dict(stats.shortened),
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "generate_seconds": round(stats.seconds, 2),
+        "regenerate_seconds": round(gen_time, 2),
+        "wall_seconds": round(wall, 2),
+        "tokens_per_s": round(stats.generated_tokens / gen_time, 2) if gen_time > 0 else 0.0,
+        "conversations_per_s": round(len(todo) / gen_time, 3) if gen_time > 0 else 0.0,
+    }
+    logger.info("%s", stats.summary())
+    logger.info("wrote %d conversations to %s%s in %.1fs (regeneration %.1fs: %.2f conv/s, %.1f tokens/s)",
+                total_written, out, f" and {len(holdout)} held-out prompts to {held}" if held else "", wall,
+                gen_time, summary["conversations_per_s"], summary["tokens_per_s"])
+    return summary
+
+
+if __name__ == "__main__":
+    main()

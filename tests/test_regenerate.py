@@ -1,0 +1,276 @@
+"""Regeneration: batched greedy == unpadded HF generate, OpenAI-layout output, multi-turn, holdout,
+atomic writes, resuming and --overwrite protection (tiny random Qwen3 with the real Qwen3 tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+
+import nemo_dflash.loading
+import nemo_dflash.regenerate as regen
+from nemo_dflash.data import read_conversations
+from nemo_dflash.loading import load_target
+from nemo_dflash.recipes import regenerate as cli
+from nemo_dflash.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return make_tiny_target_dir(tmp_path_factory.mktemp("regen"))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(str(target_dir), dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", n=10)
+
+
+def _reference(model, tokenizer, messages, max_new_tokens: int) -> str:
+    """HF generate on one unpadded prompt: what the target answers on its own."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
+                         pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _forcing_generate(model, tokenizer, prompts_seen: list | None = None):
+    """``model.generate`` that answers every prompt with "Hello" + random tokens + <|im_end|>, stopping
+    after 2-4 tokens depending on the prompt, so batch rows stop at different steps (a random
+    model never emits <|im_end|> by itself)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    orig = model.generate
+    first = tokenizer.convert_tokens_to_ids("Hello")
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    class Force(LogitsProcessor):
+        def __init__(self, width: int, stop_at: list[int]) -> None:
+            self.width, self.stop_at = width, stop_at
+
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - self.width
+            for row, stop_at in enumerate(self.stop_at):
+                forced = first if step == 0 else eot if step >= stop_at else None
+                if forced is not None:
+                    scores[row] = float("-inf")
+                    scores[row, forced] = 0.0
+            return scores
+
+    def generate(input_ids, attention_mask, **kwargs):
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        if prompts_seen is not None:
+            prompts_seen.extend(tokenizer.decode(r) for r in rows)
+        stop_at = [2 + sum(r) % 3 for r in rows]
+        force = LogitsProcessorList([Force(input_ids.shape[1], stop_at)])
+        return orig(input_ids=input_ids, attention_mask=attention_mask, logits_processor=force, **kwargs)
+
+    return generate
+
+
+@pytest.fixture
+def cached_target(monkeypatch, target):
+    """The CLI loads the module's model instead of re-reading it from disk."""
+    monkeypatch.setattr(nemo_dflash.loading, "load_target", lambda *a, **k: target)
+    return target
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_split_prompt():
+    msgs = [{"role": "system", "content": "sys"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "  "}, {"role": "user", "content": "q2"}]
+    assert split_prompt(msgs, "first") == ([{"role": "system", "content": "sys"}], ["q1"])
+    assert split_prompt(msgs, "all") == ([{"role": "system", "content": "sys"}], ["q1", "q2"])
+    assert split_prompt(msgs[1:2], "all") == ([], [])
+
+
+def test_generate_batch_finish_reason_and_stop_token():
+    """Rows are left-padded; an answer ends before its first stop token (padding after it ignored)."""
+    stop, pad = 7, 0
+
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            assert input_ids.tolist() == [[5, 6, 8], [pad, pad, 9]]
+            assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+            new = torch.tensor([[11, 12, stop, pad], [13, 14, 15, 16]])
+            return torch.cat([input_ids, new], dim=1)
+
+    out = generate_batch(Fake(), [[5, 6, 8], [9]], pad_id=pad, stop_ids=[stop])
+    assert out == [([11, 12], "stop", 3), ([13, 14, 15, 16], "length", 4)]
+
+
+def test_greedy_batched_equals_unpadded_hf_generate(target, chat_file):
+    model, tokenizer = target
+    convs = list(read_conversations(str(chat_file), max_samples=7))
+    prompt_lens = {len(regen.encode_prompt(tokenizer, c.messages[:1])) for c in convs}
+    assert len(prompt_lens) > 1  # otherwise batching adds no padding to get wrong
+    outputs = {}
+    for bs in (1, 3):
+        stats = RegenStats()
+        outputs[bs] = list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, batch_size=bs,
+                                                    stats=stats))
+        assert stats.written + sum(stats.skipped.values()) == len(convs)
+        assert set(stats.skipped) <= {"empty_answer"}
+    assert outputs[1] == outputs[3]
+    by_source = {r["source"]: r for r in outputs[3]}
+    for conv in convs:
+        expected = _reference(model, tokenizer, conv.messages[:1], max_new_tokens=6)
+        if not expected.strip():
+            assert conv.location not in by_source  # empty answers are dropped
+            continue
+        record = by_source[conv.location]
+        assert record["messages"] == [conv.messages[0], {"role": "assistant", "content": expected}]
+        assert record["finish_reason"] == "length"
+    assert len(by_source) >= 3
+
+
+def test_cli_writes_openai_jsonl_and_holdout(tmp_path, target_dir, chat_file):
+    out = tmp_path / "regen.jsonl"
+    summary = cli.main(["--target", str(target_dir), "--data", str(chat_file), "--out", str(out),
+                        "--num-samples", "5", "--holdout", "2", "--max-new-tokens", "4", "--batch-size", "2",
+                        "--seed", "3"])
+    records = _read_jsonl(out)
+    assert summary["written"] == len(records) > 0
+    source = {c.location: c for c in read_conversations(str(chat_file))}
+    for r in records:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
+        assert r["messages"][0] == source[r["source"]].messages[0]
+        assert r["finish_reason"] in ("stop", "length")
+    # The training reader accepts the file (extra top-level keys are ignored).
+    assert [c.messages for c in read_conversations(str(out))] == [r["messages"] for r in records]
+    held = _read_jsonl(tmp_path / "regen.holdout.jsonl")
+    assert len(held) == 2 and all([m["role"] for m in h["messages"]] == ["user"] for h in held)
+    assert not {h["source"] for h in held} & {r["source"] for r in records}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
+
+
+def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target):
+    model, tokenizer = cached_target
+    prompts: list[str] = []
+    monkeypatch.setattr(model, "generate", _forcing_generate(model, tokenizer, prompts))
+    data = tmp_path / "multi.jsonl"
+    convs = [[{"role": "system", "content": f"be brief {i}"}]
+             + [{"role": r, "content": f"{r} {i} turn {t}"} for t in range(3) for r in ("user", "assistant")]
+             for i in range(3)]
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = tmp_path / "multi_out.jsonl"
+    summary = cli.main(["--target", "x", "--data", str(data), "--out", str(out), "--turns", "all",
+                        "--max-new-tokens", "8", "--batch-size", "2"])
+    records = _read_jsonl(out)
+    assert summary["turns"] == 9 and len(records) == 3
+    for r in records:
+        msgs = r["messages"]
+        i = msgs[0]["content"].split()[-1]
+        assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * 3
+        assert [m["content"] for m in msgs[1::2]] == [f"user {i} turn {t}" for t in range(3)]
+        answers = [m["content"] for m in msgs[2::2]]
+        assert all(a.startswith("Hello") for a in answers)
+        assert r["finish_reason"] == "stop"
+        # Turn 3's prompt holds the regenerated answers, not the source's.
+        last_prompt = next(p for p in prompts if f"user {i} turn 2" in p)
+        assert all(a in last_prompt for a in answers[:2]) and f"assistant {i}" not in last_prompt
+    assert len(prompts) == 9 and summary["shortened"] == {}
+
+
+def test_all_turns_stops_after_a_cut_answer(target):
+    """An answer cut by max_new_tokens ends the conversation (it would be a truncated context)."""
+    model, tokenizer = target
+    convs = [[{"role": "user", "content": f"question {i} number {t}"} for t in range(2)] for i in range(3)]
+    stats = RegenStats()
+    records = list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=3, turns="all", batch_size=2,
+                                            stats=stats))
+    assert all(r["finish_reason"] == "length" and len(r["messages"]) == 2 for r in records)
+    assert "source" not in records[0] and stats.shortened["length"] == len(records) == stats.written
+
+
+def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target, chat_file):
+    model, tokenizer = cached_target
+    monkeypatch.setattr(model, "generate", _forcing_generate(model, tokenizer))
+    args = ["--target", "x", "--data", str(chat_file), "--num-samples", "6", "--max-new-tokens", "8",
+            "--batch-size", "2", "--sort-window", "2"]
+    reference = tmp_path / "ref.jsonl"
+    cli.main(args + ["--out", str(reference)])
+
+    out = tmp_path / "run.jsonl"
+    real, calls = regen.generate_batch, []
+
+    def crash_on_second_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "generate_batch", crash_on_second_batch)
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(args + ["--out", str(out)])
+    monkeypatch.setattr(regen, "generate_batch", real)
+    partial = tmp_path / "run.jsonl.partial"
+    assert not out.exists() and len(_read_jsonl(partial)) == 2  # the first window only
+    with open(partial, "a") as f:
+        f.write('{"messages": [{"ro')  # killed mid-write
+
+    with pytest.raises(SystemExit):  # other settings: refused, partial kept
+        cli.main(args + ["--out", str(out), "--seed", "1"])
+    assert partial.exists()
+
+    summary = cli.main(args + ["--out", str(out)])
+    assert summary["resumed_from"] == 2
+    assert out.read_text() == reference.read_text()
+    assert not partial.exists() and not (tmp_path / "run.jsonl.partial.json").exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, capsys):
+    out = tmp_path / "regen.jsonl"
+    out.write_text("precious\n")
+    args = ["--target", "x", "--data", str(chat_file), "--out", str(out), "--num-samples", "1",
+            "--max-new-tokens", "2"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert out.read_text() == "precious\n"
+    cli.main(args + ["--overwrite"])
+    assert out.read_text() != "precious\n"
+
+
+@pytest.mark.parametrize("bad,message", [(["--out", "x.json"], ".jsonl"), (["--top-p", "0"], "--top-p"),
+                                         (["--temperature", "-1"], "--temperature")])
+def test_bad_arguments(bad, message, capsys):
+    args = ["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"]
+    with pytest.raises(SystemExit):
+        cli.main(args + bad)
+    assert message in capsys.readouterr().err
+
+
+def test_batches_respect_row_and_token_caps():
+    jobs = [regen._Job(source=None, messages=[], users=[], prompt_ids=[0] * n) for n in (100, 20, 18, 15, 10, 5)]
+    sizes = lambda cap: [[len(j.prompt_ids) for j in b] for b in regen._batches(jobs, 3, cap, 10)]  # noqa: E731
+    assert sizes(None) == [[100, 20, 18], [15, 10, 5]]
+    assert sizes(120) == [[100], [20, 18, 15], [10, 5]]  # a long prompt runs alone instead of padding others
+    assert sizes(1) == [[100], [20], [18], [15], [10], [5]]  # never an empty batch
+
+
+def test_sampling_is_seeded(target, chat_file):
+    model, tokenizer = target
+    convs = list(read_conversations(str(chat_file), max_samples=4))
+
+    def run(seed: int) -> list[dict]:
+        return list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=5, temperature=1.0, top_p=0.9,
+                                             batch_size=2, seed=seed))
+
+    assert run(0) == run(0) != run(1)
