@@ -31,12 +31,17 @@ _compiled_flex = None
 
 
 def _flex(q, k, v, block_mask, scale, enable_gqa):
-    """Compiled flex_attention on accelerators (the eager one materialises scores)."""
+    """Compiled flex_attention on accelerators (the eager one materialises the scores).
+
+    Compiled with automatic dynamic shapes: sequence length and anchor count change from
+    batch to batch, and a static compile would recompile per shape until it hits dynamo's
+    cache limit and silently falls back to the eager, memory-hungry kernel.
+    """
     global _compiled_flex
     if q.device.type == "cpu":
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
