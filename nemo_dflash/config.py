@@ -30,6 +30,7 @@ class TargetConfig:
     path: str = MISSING  # local HF dir, a .gguf file, or pkg:smollm2 (the bundled SmolLM2-135M-Instruct)
     dtype: str = "bf16"  # dtype of the frozen target's weights
     attn_implementation: str = "sdpa"
+    random_init: bool = False  # architecture from path/config.json, random weights (benchmarks, scaling runs)
 
 
 @dataclass

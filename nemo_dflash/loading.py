@@ -150,15 +150,39 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load_target(
-    path: str, dtype: str | torch.dtype = "bf16", device: str | torch.device = "cpu", attn_implementation: str = "sdpa"
+    path: str,
+    dtype: str | torch.dtype = "bf16",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    random_init: bool = False,
+    seed: int = 0,
 ) -> tuple[torch.nn.Module, Any]:
-    """(frozen causal LM in eval mode, tokenizer) from a local directory or GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(frozen causal LM in eval mode, tokenizer) from a local directory or GGUF file.
+
+    `random_init` builds the architecture from the directory's config.json with random
+    weights, directly on `device` (throughput and scaling runs: the values do not matter,
+    and no 16 GB checkpoint has to exist).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
-    )
+    if random_init:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model = model.to_empty(device=device).to(resolve_dtype(dtype))
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
+        )
     model.to(device).eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tok

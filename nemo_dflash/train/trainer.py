@@ -128,7 +128,8 @@ class Trainer:
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
-            cfg.target.path, dtype=target_dtype, device=self.device, attn_implementation=cfg.target.attn_implementation
+            cfg.target.path, dtype=target_dtype, device=self.device, attn_implementation=cfg.target.attn_implementation,
+            random_init=cfg.target.random_init, seed=cfg.train.seed,
         )
         self.draft = _draft_from_config(cfg, self.target_model, self.tokenizer).to(self.device)
         self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
@@ -256,7 +257,7 @@ class Trainer:
         data = _batches(self.loader)
         self.draft.train()
         t_start = time.perf_counter()
-        t_window, tok_window = time.perf_counter(), 0
+        t_window, tok_window, window_start = time.perf_counter(), 0, self.step
         last_metrics: dict[str, float] = {}
         stopped_early = None
         if self.step == 0 and cfg.train.eval_every:
@@ -333,7 +334,10 @@ class Trainer:
             if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
                 dt = time.perf_counter() - t_window
                 last_metrics["tok_s"] = tok_window / max(dt, 1e-9)
-                t_window, tok_window = time.perf_counter(), 0
+                last_metrics["step_s"] = dt / max(self.step - window_start, 1)
+                if self.device.type == "cuda":
+                    last_metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                t_window, tok_window, window_start = time.perf_counter(), 0, self.step
                 metrics.log(self.step, last_metrics)
             else:
                 metrics.set_progress(self.step)
