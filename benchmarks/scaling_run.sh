@@ -8,12 +8,12 @@ NPROC=${1:-2}; STEPS=${2:-200}; TOK=${3:?tokenizer dir}; OUT=${4:-outputs/scalin
 HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=$(mktemp -d)
 cp "$HERE/qwen3_8b_config/config.json" "$TOK"/* "$WORK/"
-python3 - "$WORK/chat.jsonl" <<'PY'
+python3 - "$WORK/chat.jsonl" "${NCONV:-200}" <<'PY'
 import json, random, sys
 rnd = random.Random(0)
 words = "the of and to in is that for it as with was on be by this are from or at an have not".split()
 with open(sys.argv[1], "w") as f:
-    for i in range(600):
+    for i in range(int(sys.argv[2])):
         q = " ".join(rnd.choice(words) for _ in range(rnd.randint(50, 300)))
         a = " ".join(rnd.choice(words) for _ in range(rnd.randint(1500, 3000)))
         f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
@@ -26,15 +26,17 @@ export NEMO_DFLASH_NO_BAR=1
 # First half, checkpoint, stop; then resume to the end (the resume is part of the measurement).
 torchrun --standalone --nproc-per-node "$NPROC" -m nemo_dflash.recipes.train "${COMMON[@]}" \
     train.max_steps="$STEPS" train.max_minutes=null checkpoint.every_steps="$HALF" train.epochs=1 \
-    2>&1 | grep -v -i warn | tail -n 4 &
+    > "$OUT.first.log" 2>&1 &
 PID=$!
 # stop the first run right after its mid-run checkpoint with SIGTERM (a scheduler's preemption)
-while [ ! -f "$OUT/checkpoints/step_$(printf %08d "$HALF")/COMPLETE" ]; do sleep 2; kill -0 $PID 2>/dev/null || break; done
+while [ ! -f "$OUT/checkpoints/step_$(printf %08d "$HALF")/COMPLETE" ]; do
+    sleep 2; kill -0 $PID 2>/dev/null || { echo "first run ended early:"; tail -n 30 "$OUT.first.log"; break; }
+done
 pkill -TERM -f "nemo_dflash.recipes.train" || true
 wait $PID || true
 echo "--- resumed"
 torchrun --standalone --nproc-per-node "$NPROC" -m nemo_dflash.recipes.train "${COMMON[@]}" \
-    train.max_steps="$STEPS" checkpoint.every_steps="$STEPS" 2>&1 | grep -v -i warn | tail -n 3
+    train.max_steps="$STEPS" checkpoint.every_steps="$STEPS" > "$OUT.resume.log" 2>&1 || tail -n 30 "$OUT.resume.log"
 python3 - "$OUT" <<'PY'
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl")]
