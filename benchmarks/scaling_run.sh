@@ -19,7 +19,7 @@ with open(sys.argv[1], "w") as f:
         f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
 PY
 COMMON=(--config qwen3_8b.yaml target.path="$WORK" target.random_init=true "data.sources=[{path: $WORK/chat.jsonl}]"
-        data.holdout_fraction=0.0 train.eval_every=null train.log_every=20 wandb.mode=disabled output_dir="$OUT"
+        data.holdout_fraction=0.0 train.eval_every=null train.log_every=${LOG_EVERY:-20} wandb.mode=disabled output_dir="$OUT"
         distributed.strategy=fsdp2 checkpoint.keep_last=2)
 HALF=$((STEPS / 2))
 export NEMO_DFLASH_NO_BAR=1
