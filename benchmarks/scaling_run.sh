@@ -7,6 +7,7 @@ set -euo pipefail
 NPROC=${1:-2}; STEPS=${2:-200}; TOK=${3:?tokenizer dir}; OUT=${4:-outputs/scaling}
 HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=$(mktemp -d)
+mkdir -p "$(dirname "$OUT")"
 cp "$HERE/qwen3_8b_config/config.json" "$TOK"/* "$WORK/"
 python3 - "$WORK/chat.jsonl" "${NCONV:-200}" <<'PY'
 import json, random, sys
