@@ -176,7 +176,9 @@ def build_flex_block_mask(
         return v_q[b, q_idx] & torch.where(is_ctx, ctx_vis, blk_vis)
 
     if compile_mask is None:
-        compile_mask = anchors.device.type == "cuda"
+        # Eager by default: a compiled builder recompiles for every new (sequence, anchors) shape,
+        # which costs tens of seconds per shape on variable-length data; eager costs milliseconds.
+        compile_mask = False
     return create_block_mask(
         mask_mod, B=bsz, H=None, Q_LEN=q_len, KV_LEN=seq + q_len, device=anchors.device, _compile=compile_mask
     )

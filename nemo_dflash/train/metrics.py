@@ -49,6 +49,10 @@ class MetricsLogger:
             except Exception as e:  # a logging backend must never kill training
                 logger.warning("wandb disabled (%s)", e)
 
+    @property
+    def bar_visible(self) -> bool:
+        return self.bar is not None and not self.bar.disable
+
     def set_progress(self, step: int) -> None:
         if self.bar is not None:
             self.bar.n = step

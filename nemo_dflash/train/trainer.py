@@ -339,6 +339,9 @@ class Trainer:
                     last_metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 t_window, tok_window, window_start = time.perf_counter(), 0, self.step
                 metrics.log(self.step, last_metrics)
+                if not metrics.bar_visible:
+                    logger.info("step %d/%d %s", self.step, self.total_steps,
+                                " ".join(f"{k}={v:.4g}" for k, v in last_metrics.items()))
             else:
                 metrics.set_progress(self.step)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
