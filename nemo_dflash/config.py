@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from nemo_dflash.data.config import DataConfig
 
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -74,7 +75,7 @@ class TrainConfig:
     micro_batch_size: int = 1
     grad_accum: int = 1
     seed: int = 0
-    precision: str = "bf16"  # bf16 autocast on GPU; fp32 on CPU regardless
+    precision: str = "bf16"  # bf16 autocast (GPU, and CPUs with bf16 matmul units) or fp32
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 10
     eval_every: Optional[int] = None  # held-out simulated acceptance every N steps
@@ -178,7 +179,15 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
     schema = OmegaConf.structured(RecipeConfig)
     layers = []
     if path is not None:
-        data = OmegaConf.to_container(OmegaConf.load(resolve_recipe_path(path)), resolve=False)
+        recipe = resolve_recipe_path(path)
+        data = OmegaConf.to_container(OmegaConf.load(recipe), resolve=False)
+        for piece in data.pop("defaults", None) or []:  # shared pieces, merged before the recipe body
+            piece_path = next((p for p in (recipe.parent / piece, REPO_CONFIGS / piece) if p.is_file()), None)
+            if piece_path is None:
+                raise ConfigError(f"{recipe}: defaults entry {piece!r} not found next to it or in {REPO_CONFIGS}")
+            piece_data = OmegaConf.to_container(OmegaConf.load(piece_path), resolve=False)
+            _walk_unknown(schema, piece_data)
+            layers.append(OmegaConf.create(piece_data))
         _walk_unknown(schema, data)
         layers.append(OmegaConf.create(data))
     for ov in overrides:

@@ -173,3 +173,15 @@ def test_train_via_subprocess_reports_config_errors(tmp_path):
         capture_output=True, text=True, env=env, cwd=tmp_path,
     )
     assert r.returncode == 2 and "Did you mean 'optim.lr'" in r.stderr
+
+
+def test_recipe_defaults_pieces(tmp_path):
+    (tmp_path / "piece.yaml").write_text("loss:\n  num_anchors: 7\n")
+    (tmp_path / "r.yaml").write_text(
+        "defaults: [piece.yaml, paper_block16.yaml]\ntarget:\n  path: x\ndata:\n  sources: [{path: a.jsonl}]\n"
+    )
+    cfg = load_recipe(tmp_path / "r.yaml")
+    assert cfg.loss.num_anchors == 512 and cfg.draft.block_size == 16  # later pieces win, repo configs/ found
+    (tmp_path / "bad.yaml").write_text("defaults: [nope.yaml]\ntarget:\n  path: x\n")
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_recipe(tmp_path / "bad.yaml")

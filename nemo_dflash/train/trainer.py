@@ -158,12 +158,14 @@ class Trainer:
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
         )
-        self.use_bf16 = cfg.train.precision == "bf16" and self.device.type == "cuda"
+        # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
+        self.use_bf16 = cfg.train.precision == "bf16"
         if cfg.train.compile and self.device.type == "cuda":
             for layer in self.draft.layers:
                 layer.compile()
         self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
-        self.model = wrap_draft(self.module, self.strategy, self.state, torch.bfloat16 if self.use_bf16 else None)
+        param_dtype = torch.bfloat16 if self.use_bf16 and self.device.type == "cuda" else None
+        self.model = wrap_draft(self.module, self.strategy, self.state, param_dtype)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -175,7 +177,7 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
     @staticmethod
     def _row_seeds(base: int, step: int, first_row: int, bsz: int) -> list[int]:
