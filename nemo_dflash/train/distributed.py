@@ -98,14 +98,5 @@ def wrap_draft(trainer_module: nn.Module, strategy: str, state: DistState, param
     raise ValueError(f"Unknown distributed.strategy {strategy!r}")
 
 
-def shard_target_fsdp2(target: nn.Module, layers: nn.ModuleList) -> None:
-    """Shard the frozen target per decoder layer so a target larger than one GPU fits."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=True)
-    fully_shard(target, reshard_after_forward=True)
-
-
 __all__ = ["DistState", "all_reduce_sum", "init_distributed", "resolve_strategy", "shutdown_distributed", "wrap_draft",
-           "shard_target_fsdp2", "pick_device"]
+           "pick_device"]
