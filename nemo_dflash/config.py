@@ -95,6 +95,7 @@ class CheckpointConfig:
 class DistributedConfig:
     strategy: str = "auto"  # auto (ddp when WORLD_SIZE > 1) | none | ddp | fsdp2
     backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
+    shard_target: bool = False  # fsdp2 only: also shard the frozen target's decoder layers
     timeout_minutes: int = 30
 
 

@@ -56,9 +56,9 @@ def test_ddp_and_fsdp2_match_single_process(assets, tmp_path):
     common = ("train.max_steps=4",)
     _run(_cmd(1, target, data, tmp_path / "single", *common, "train.micro_batch_size=4", "distributed.strategy=none"))
     single = _losses(tmp_path / "single")
-    for strategy in ("ddp", "fsdp2"):
-        out = tmp_path / strategy
-        _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", f"distributed.strategy={strategy}"))
+    for strategy, extra in (("ddp", ()), ("fsdp2", ()), ("fsdp2", ("distributed.shard_target=true",))):
+        out = tmp_path / f"{strategy}{len(extra)}"
+        _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", f"distributed.strategy={strategy}", *extra))
         got = _losses(out)
         assert sorted(got) == [1, 2, 3, 4]
         for step, loss in single.items():

@@ -98,5 +98,18 @@ def wrap_draft(trainer_module: nn.Module, strategy: str, state: DistState, param
     raise ValueError(f"Unknown distributed.strategy {strategy!r}")
 
 
-__all__ = ["DistState", "all_reduce_sum", "init_distributed", "resolve_strategy", "shutdown_distributed", "wrap_draft",
+def shard_target_layers(layers: nn.ModuleList) -> None:
+    """FSDP2-shard the frozen target's decoder layers, so a target larger than one GPU trains.
+
+    Only the layers: the embeddings, final norm and lm_head stay whole on every rank because the
+    draft uses them outside the target's forward. Each layer is gathered for its own forward
+    and resharded right after, so the early stop after the last captured layer stays valid.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True)
+
+
+__all__ = ["DistState", "shard_target_layers", "all_reduce_sum", "init_distributed", "resolve_strategy", "shutdown_distributed", "wrap_draft",
            "pick_device"]

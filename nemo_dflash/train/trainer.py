@@ -33,6 +33,7 @@ from nemo_dflash.train.distributed import (
     all_reduce_sum,
     init_distributed,
     resolve_strategy,
+    shard_target_layers,
     shutdown_distributed,
     wrap_draft,
 )
@@ -164,6 +165,12 @@ class Trainer:
             for layer in self.draft.layers:
                 layer.compile()
         self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
+        if cfg.distributed.shard_target:
+            if self.strategy != "fsdp2":
+                raise ValueError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
+            shard_target_layers(self.target.layers)
+            logger.info("FSDP2: sharded the target's %d decoder layers over %d ranks", len(self.target.layers),
+                        self.state.world_size)
         param_dtype = torch.bfloat16 if self.use_bf16 and self.device.type == "cuda" else None
         self.model = wrap_draft(self.module, self.strategy, self.state, param_dtype)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
