@@ -27,6 +27,7 @@ from torch import nn
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, GenerationOutput, autoregressive_generate
 from nemo_dflash.model import DFlashDraftModel
+from nemo_dflash.regenerate import stop_token_ids  # EOS + the template's end-of-turn, one definition
 
 logger = logging.getLogger(__name__)
 
@@ -149,18 +150,6 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], use_chat_templat
     return list(tokenizer(text)["input_ids"])
 
 
-def stop_token_ids(tokenizer: Any, target_model: Optional[nn.Module] = None) -> list[int]:
-    """The tokenizer's EOS plus the target's generation_config EOS ids."""
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(target_model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return sorted(ids)
-
-
 def _as_eval_prompt(p: PromptLike, i: int) -> EvalPrompt:
     if isinstance(p, EvalPrompt):
         return p
@@ -234,7 +223,7 @@ def _evaluate(
     seed: int,
 ) -> dict[str, Any]:
     decoder = DFlashSpeculativeDecoder(target_model, draft, block_size)
-    stops = stop_token_ids(tokenizer, target_model)
+    stops = stop_token_ids(target_model, tokenizer)
     device = decoder.device
     gen_device = device if device.type == "cuda" else torch.device("cpu")
     g_spec = torch.Generator(device=gen_device).manual_seed(seed)

@@ -163,8 +163,8 @@ def load_checkpoint(
     dataloader: Any,
     meta: dict[str, Any],
     state: DistState,
-) -> int:
-    """Restore everything saved by `save_checkpoint`; returns the step to continue from."""
+) -> dict[str, Any]:
+    """Restore everything saved by `save_checkpoint`; returns its meta (step, tokens_seen, ...)."""
     saved = check_identity(ckpt, meta)
     if saved.get("world_size", state.world_size) != state.world_size:
         raise ResumeMismatchError(
@@ -181,7 +181,7 @@ def load_checkpoint(
     if "torch_cuda" in rng and state.device.type == "cuda":
         torch.cuda.set_rng_state(rng["torch_cuda"], state.device)
     logger.info("Resumed from %s (step %d)", ckpt, saved["step"])
-    return int(saved["step"])
+    return saved
 
 
 __all__ = [

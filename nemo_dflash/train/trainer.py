@@ -208,13 +208,11 @@ class Trainer:
             return
         if not (path / ckpt_lib.COMPLETE).is_file():
             raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
-        self.step = ckpt_lib.load_checkpoint(
-            path, self.draft, self.optimizer, self.loader, self.meta, self.state
-        )
+        saved = ckpt_lib.load_checkpoint(path, self.draft, self.optimizer, self.loader, self.meta, self.state)
+        self.step = int(saved["step"])
+        self.tokens_seen = int(saved.get("tokens_seen", 0))
         for _ in range(self.step):  # the schedule is a pure function of the step
             self.scheduler.step()
-        saved = json.loads((path / "meta.json").read_text())
-        self.tokens_seen = int(saved.get("tokens_seen", 0))
 
     def save(self) -> Path:
         return ckpt_lib.save_checkpoint(
