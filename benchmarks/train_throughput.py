@@ -48,6 +48,7 @@ class Case:
     seq: int
     backend: str
     compile: bool
+    fused_ce: bool = True
 
 
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
@@ -123,7 +124,8 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
         for layer in draft.layers:
             layer.compile()
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend=case.backend)
+                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend=case.backend,
+                                 fused_ce=case.fused_ce)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
@@ -164,7 +166,7 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
     del opt
     return {
         "anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-        "step_ms": med * 1e3, "tokens_s": case.seq / med, "samples_s": 1 / med,
+        "fused_ce": case.fused_ce, "step_ms": med * 1e3, "tokens_s": case.seq / med, "samples_s": 1 / med,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, "tflops": flops["total"] / med / 1e12,
         "flops": flops, "loss": float(out.loss.detach()),
         "target_ms": statistics.median(t_target) * 1e3, "draft_fwd_bwd_ms": statistics.median(t_draft) * 1e3,
@@ -180,6 +182,7 @@ def main() -> None:
     p.add_argument("--seq", default="3072")
     p.add_argument("--backend", default="flex")
     p.add_argument("--compile", default="0")
+    p.add_argument("--fused-ce", default="1", help="1: lm_head gradient formed in forward; 0: checkpointed chunks")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp2", action="store_true", help="shard the draft with FSDP2 (run under torchrun)")
@@ -195,16 +198,16 @@ def main() -> None:
         torch.distributed.init_process_group("nccl", device_id=device)
     peak = measure_matmul_tflops(device)
     shape, target, wrapper, draft = build(args.shape, args.draft_layers, args.block, device, args.fsdp2)
-    cases = [Case(int(a), int(s), b, bool(int(c)))
+    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)))
              for a in args.anchors.split(",") for s in args.seq.split(",")
-             for b in args.backend.split(",") for c in args.compile.split(",")]
+             for b in args.backend.split(",") for c in args.compile.split(",") for f in args.fused_ce.split(",")]
     rows = []
     for case in cases:
         try:
             r = run_case(shape, wrapper, draft, case, args.steps, args.warmup, device, world, args.fsdp2)
         except torch.OutOfMemoryError:
             r = {"anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-                 "error": "OOM"}
+                 "fused_ce": case.fused_ce, "error": "OOM"}
         gc.collect()
         torch.cuda.empty_cache()
         r["mfu"] = r["tflops"] / peak if "tflops" in r else None
@@ -215,15 +218,17 @@ def main() -> None:
         name = torch.cuda.get_device_name(device)
         print(f"\n{name} x{world}, {args.shape}, draft {args.draft_layers} layers, block {args.block}; "
               f"measured bf16 matmul {peak:.0f} TFLOP/s")
-        hdr = f"{'anchors':>7} {'seq':>5} {'backend':>7} {'compile':>7} {'step ms':>8} {'tok/s/GPU':>10} " \
+        hdr = f"{'anchors':>7} {'seq':>5} {'backend':>7} {'compile':>7} {'fusedCE':>7} {'step ms':>8} {'tok/s/GPU':>10} " \
               f"{'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'target':>7} {'draft':>7}"
         print(hdr)
         print("-" * len(hdr))
         for r in rows:
             if "error" in r:
-                print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} {r['error']:>8}")
+                print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} "
+                      f"{str(r['fused_ce']):>7} {r['error']:>8}")
                 continue
-            print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} {r['step_ms']:>8.1f} "
+            print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} "
+                  f"{str(r['fused_ce']):>7} {r['step_ms']:>8.1f} "
                   f"{r['tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
                   f"{r['target_ms']:>7.1f} {r['draft_fwd_bwd_ms']:>7.1f}")
         if args.json:

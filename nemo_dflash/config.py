@@ -53,6 +53,7 @@ class LossConfig:
     attn_backend: str = "auto"  # auto = flex on GPU, sdpa (dense mask) on CPU; or sdpa/eager/flex
     distill_weight: float = 0.0  # > 0 mixes in soft CE against the target's distribution
     ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
+    fused_ce: bool = True  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
 
 
 @dataclass

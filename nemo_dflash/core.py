@@ -227,6 +227,56 @@ def _chunk_loss(
     return loss, logits.argmax(-1)
 
 
+class _FusedLinearCE(torch.autograd.Function):
+    """Cross-entropy of `hidden @ weight.T` whose input gradient is formed in the forward pass.
+
+    Chunk by chunk: logits -> per-row loss and argmax -> dL/dhidden = (softmax - onehot) @ W,
+    kept as one [N, H] fp32 tensor. Backward only scales it by the incoming per-row gradient,
+    so the lm_head matmul is never recomputed (the checkpointed path runs it twice) and no
+    [N, vocab] tensor outlives its chunk. `weight` is the frozen lm_head: it gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+        n = hidden.shape[0]
+        losses = hidden.new_empty(n, dtype=torch.float32)
+        preds = torch.empty(n, dtype=torch.long, device=hidden.device)
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        for s in range(0, n, chunk_size):
+            h = hidden[s : s + chunk_size]
+            y = labels[s : s + chunk_size]
+            logits = F.linear(h, weight).float()  # autocast (if on) picks the matmul dtype, as lm_head(h) would
+            lse = torch.logsumexp(logits, dim=-1)
+            losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+            preds[s : s + chunk_size] = logits.argmax(-1)
+            if need_grad:
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))
+                # bf16 under autocast, like the gradient the checkpointed path feeds back through lm_head
+                grad[s : s + chunk_size] = torch.matmul(probs.to(weight.dtype), weight).float()
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(preds)
+        return losses, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor]):
+        (grad,) = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None
+        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None
+
+
+def _fusable(lm_head: nn.Module, teacher_logits: Optional[torch.Tensor], distill_weight: float) -> bool:
+    return (
+        isinstance(lm_head, nn.Linear)
+        and lm_head.bias is None
+        and not lm_head.weight.requires_grad
+        and (teacher_logits is None or distill_weight <= 0)
+    )
+
+
 def chunked_lm_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -234,13 +284,17 @@ def chunked_lm_loss(
     chunk_size: int,
     teacher_logits: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and argmax over [N, H] hidden states, `chunk_size` rows at a time.
 
-    Each chunk is checkpointed, so the [N, vocab] fp32 logits never exist whole: only one
-    chunk's logits are alive in forward, and they are recomputed chunk by chunk in backward.
+    The [N, vocab] fp32 logits never exist whole. With `fused` (and a frozen, bias-free
+    Linear lm_head, no distillation) the gradient is formed in the forward pass
+    (`_FusedLinearCE`); otherwise each chunk is checkpointed and recomputed in backward.
     """
     n = hidden.shape[0]
+    if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
+        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size)
     if n <= chunk_size or not torch.is_grad_enabled():
         return _chunk_loss(hidden, labels, lm_head, teacher_logits, distill_weight)
     losses, preds = [], []
@@ -282,6 +336,7 @@ class DFlashTrainerModule(nn.Module):
         attn_backend: str = "sdpa",
         distill_weight: float = 0.0,
         ce_chunk_size: int = 4096,
+        fused_ce: bool = True,
     ) -> None:
         super().__init__()
         if attn_backend not in ("sdpa", "eager", "flex"):
@@ -295,6 +350,7 @@ class DFlashTrainerModule(nn.Module):
         self.attn_backend = attn_backend
         self.distill_weight = float(distill_weight)
         self.ce_chunk_size = int(ce_chunk_size)
+        self.fused_ce = bool(fused_ce)
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -349,7 +405,8 @@ class DFlashTrainerModule(nn.Module):
             teacher = batch.logits.gather(1, src.unsqueeze(-1).expand(-1, -1, batch.logits.shape[-1]))
             teacher = teacher.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
         tok_loss, pred = chunked_lm_loss(
-            h_sel, labels.flatten().index_select(0, sel), self.lm_head, self.ce_chunk_size, teacher, self.distill_weight
+            h_sel, labels.flatten().index_select(0, sel), self.lm_head, self.ce_chunk_size, teacher, self.distill_weight,
+            fused=self.fused_ce,
         )
         w_sel = weights.flatten().index_select(0, sel)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,

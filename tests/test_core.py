@@ -14,6 +14,7 @@ from nemo_dflash.core import (
     build_dense_block_mask,
     build_flex_block_mask,
     build_labels,
+    chunked_lm_loss,
     loss_decay_weights,
     sample_anchors,
 )
@@ -277,3 +278,56 @@ def test_flex_loss_and_grads_match_dense_on_gpu():
     assert grads["flex"][0] == pytest.approx(grads["sdpa"][0], rel=1e-4)
     for n, g in grads["sdpa"][1].items():
         torch.testing.assert_close(grads["flex"][1][n], g, rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- fused lm_head loss
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_fused_lm_loss_matches_naive_cross_entropy(chunk):
+    """Loss, argmax and dL/dhidden of the fused path against full-logits float64 cross-entropy."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 23, 16, 50
+    head = torch.nn.Linear(h, v, bias=False).requires_grad_(False)
+    head.weight.copy_(torch.randn(v, h, generator=g))
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    w = torch.rand(n, generator=g)  # per-row upstream weights, like the decay
+
+    loss, pred = chunked_lm_loss(hidden, labels, head, chunk, fused=True)
+    (loss * w).sum().backward()
+
+    h64 = hidden.detach().double().requires_grad_(True)
+    logits = h64 @ head.weight.double().T
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    (ref * w.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(pred, logits.argmax(-1))
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_lm_loss_matches_checkpointed_path_under_bf16_autocast():
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 40, 32, 70
+    head = torch.nn.Linear(h, v, bias=False).requires_grad_(False)
+    head.weight.copy_(torch.randn(v, h, generator=g) * 0.3)
+    labels = torch.randint(0, v, (n,), generator=g)
+    w = torch.rand(n, generator=g)
+    grads, losses = [], []
+    for fused in (True, False):
+        hidden = torch.randn(n, h, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = chunked_lm_loss(hidden, labels, head, 16, fused=fused)
+        (loss * w).sum().backward()
+        grads.append(hidden.grad)
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
+def test_fused_lm_loss_falls_back_when_lm_head_is_trainable():
+    head = torch.nn.Linear(8, 11, bias=False)  # trainable: the fused path gives it no gradient
+    hidden = torch.randn(6, 8, requires_grad=True)
+    loss, _ = chunked_lm_loss(hidden, torch.arange(6), head, 4, fused=True)
+    loss.sum().backward()
+    assert head.weight.grad is not None and hidden.grad is not None

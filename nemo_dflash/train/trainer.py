@@ -158,6 +158,7 @@ class Trainer:
             self.draft, self.target.get_input_embeddings(), self.target.get_output_embeddings(),
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
+            fused_ce=cfg.loss.fused_ce,
         )
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
