@@ -292,6 +292,10 @@ def chunked_lm_loss(
     Linear lm_head, no distillation) the gradient is formed in the forward pass
     (`_FusedLinearCE`); otherwise each chunk is checkpointed and recomputed in backward.
     """
+    weight = getattr(lm_head, "weight", None)
+    if (isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype
+            and not torch.is_autocast_enabled(hidden.device.type)):
+        hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target without autocast
     n = hidden.shape[0]
     if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
         return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size)

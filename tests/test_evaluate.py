@@ -132,6 +132,16 @@ def test_cli_end_to_end(tiny_target_dir, exported_draft, tmp_path, capsys):
         assert r["speedup"] > 0 and r["ar"]["decode_tokens"] == r["spec"]["decode_tokens"]
     assert (out / "acceptance_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # --first-prompt splits a set across processes: prompts 1..2 of MT-Bench are the next two ids.
+    rc = evaluate_main([
+        "--draft", str(exported_draft), "--target", str(tiny_target_dir), "--datasets", "mtbench",
+        "--max-new-tokens", "4", "--first-prompt", "1", "--num-prompts", "2", "--no-speedup",
+        "--out", str(tmp_path / "eval2"), "--device", "cpu",
+    ])
+    assert rc == 0
+    part = json.loads((tmp_path / "eval2" / "results.json").read_text())["datasets"]["mtbench"]["per_prompt"]
+    assert [p["id"] for p in part] == [p.id for p in load_mtbench(3)[1:3]]
+
     # A draft that does not fit the target fails before any decoding, with a clear message.
     rc = evaluate_main(["--draft", str(exported_draft), "--target", str(tiny_target_dir), "--datasets", "nope",
                         "--out", str(tmp_path / "x")])

