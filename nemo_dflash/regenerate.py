@@ -257,6 +257,7 @@ def regenerate_conversations(
     max_batch_tokens: Optional[int] = None,
     stats: Optional[RegenStats] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, in input order.
 
@@ -304,8 +305,11 @@ def regenerate_conversations(
         else:
             stats.skipped[reason] += 1
 
+    halted = False  # should_stop() said so: no new batch starts, what is answered is still yielded
+
     def run_window(jobs: list[_Job]) -> Iterator[dict[str, Any]]:
-        while True:
+        nonlocal halted
+        while not halted:
             active, dropped = [], 0
             for job in jobs:
                 if job.done:
@@ -352,6 +356,9 @@ def regenerate_conversations(
                 stats.generated_tokens += new_tokens
                 if progress is not None:
                     progress(finished, new_tokens)
+                if should_stop is not None and should_stop():
+                    halted = True
+                    break
         for job in jobs:
             if job.answered:
                 stats.written += 1
@@ -377,7 +384,9 @@ def regenerate_conversations(
             if len(pending) >= window:
                 yield from run_window(pending)
                 pending = []
-        if pending:
+                if halted:
+                    return
+        if pending and not halted:
             yield from run_window(pending)
 
     return run()

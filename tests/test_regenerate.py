@@ -238,11 +238,13 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
 def test_max_minutes_finishes_with_what_is_done(tmp_path, target_dir, chat_file):
     out = tmp_path / "regen.jsonl"
     summary = cli.main(["--target", str(target_dir), "--data", str(chat_file), "--out", str(out),
-                        "--num-samples", "6", "--holdout", "1", "--max-new-tokens", "4", "--batch-size", "1",
-                        "--sort-window", "1", "--max-minutes", "1e-6"])
+                        "--num-samples", "6", "--holdout", "1", "--max-new-tokens", "4", "--batch-size", "2",
+                        "--sort-window", "4", "--max-minutes", "1e-6"])
     records = _read_jsonl(out)
-    # the budget is spent before the first conversation: exactly one is written, then it stops
-    assert summary["stopped_at_max_minutes"] and summary["written"] == len(records) == 1
+    # The budget is spent by the time the first batch is done: that batch's two conversations are
+    # written (none generated and then dropped), no further batch starts.
+    assert summary["stopped_at_max_minutes"] and summary["written"] == len(records) == 2
+    assert all(r["messages"][-1]["role"] == "assistant" for r in records)
     assert len(_read_jsonl(tmp_path / "regen.holdout.jsonl")) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
 

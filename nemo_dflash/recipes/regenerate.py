@@ -306,21 +306,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tokens=stats.generated_tokens,
                         refresh=False)
 
+    budget_s = None if args.max_minutes is None else args.max_minutes * 60.0
+
+    def out_of_time() -> bool:
+        """Checked after each generated batch: no new batch starts once the budget is spent, and
+        every conversation already answered is still written (none is generated and dropped)."""
+        return budget_s is not None and time.perf_counter() - wall0 >= budget_s
+
     records = regenerate_conversations(
         model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         batch_size=args.batch_size, turns=args.turns, seed=args.seed + start, max_prompt_tokens=max_prompt,
         sort_window=args.sort_window, max_batch_tokens=args.max_batch_tokens, stats=stats, progress=progress,
+        should_stop=out_of_time,
     )
-    budget_s = None if args.max_minutes is None else args.max_minutes * 60.0
-    stopped_at_budget = False
     try:
         with open(partial, "a", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
-                if budget_s is not None and time.perf_counter() - wall0 >= budget_s:
-                    stopped_at_budget = True
-                    break
             os.fsync(f.fileno())
     except BaseException:
         bar.close()
@@ -328,6 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      partial)
         raise
     bar.close()
+    stopped_at_budget = out_of_time() and start + stats.written < len(train)
     if stopped_at_budget:
         logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
                        out, start + stats.written, len(train))
