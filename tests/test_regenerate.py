@@ -289,3 +289,47 @@ def test_sampling_is_seeded(target, chat_file):
                                              batch_size=2, seed=seed))
 
     assert run(0) == run(0) != run(1)
+
+
+def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
+    """benchmarks/sharegpt_first_turns.py: the cut file gives regenerate the same pool and picks."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location(
+        "sharegpt_first_turns", Path(__file__).parent.parent / "benchmarks" / "sharegpt_first_turns.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    rnd = random.Random(1)
+    words = "alpha beta gamma delta epsilon zeta".split()
+    say = lambda k: " ".join(rnd.choice(words) for _ in range(k))  # noqa: E731
+    rows = []
+    for i in range(40):
+        kind = i % 5
+        if kind == 0:  # the usual: human, gpt, human, gpt
+            conv = [{"from": "human", "value": say(5)}, {"from": "gpt", "value": say(9)},
+                    {"from": "human", "value": say(4)}, {"from": "gpt", "value": say(6)}]
+        elif kind == 1:  # starts with the assistant
+            conv = [{"from": "gpt", "value": say(3)}, {"from": "human", "value": say(6)}, {"from": "gpt", "value": say(5)}]
+        elif kind == 2:  # a system prompt first
+            conv = [{"from": "system", "value": say(4)}, {"from": "human", "value": say(5)}, {"from": "gpt", "value": say(5)}]
+        elif kind == 3:  # a long prompt that the length filter skips
+            conv = [{"from": "human", "value": say(300)}, {"from": "gpt", "value": say(5)}]
+        else:  # an empty first user turn
+            conv = [{"from": "human", "value": ""}, {"from": "gpt", "value": say(4)},
+                    {"from": "human", "value": say(5)}, {"from": "gpt", "value": say(4)}]
+        rows.append({"conversations": conv})
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cut = tmp_path / "cut.jsonl"
+    assert mod.write_first_turns(str(src), str(cut)) == len(list(read_conversations(str(src))))
+
+    _, tok = target
+    picks = []
+    for path in (src, cut):
+        pool = cli.read_pool([str(path)], 10)
+        chosen, skipped, examined = cli.select(pool, tok, count=25, seed=3, turns="first", max_prompt_tokens=64)
+        picks.append(([split_prompt(c.messages, "first") for c in chosen], skipped, examined))
+    assert picks[0] == picks[1]
+    assert picks[0][1].get("prompt_too_long")  # the filter did run on both
