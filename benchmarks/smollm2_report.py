@@ -115,25 +115,16 @@ def main() -> None:
 
     lines += ["Ablations (T=0, the first prompts of each set, same prompts in every row):", "",
               "| variant | MT-Bench tau | HumanEval tau | prompts |", "| --- | ---: | ---: | ---: |"]
-    abl = [("main: 5 layers, decay, block 16", "main_t0_block16", None)]
-    for name, label, prefix in [("layers1", "1 layer", "layers1_t0"), ("layers2", "2 layers", "layers2_t0"),
-                                ("nodecay", "5 layers, no loss decay", "nodecay_t0"),
-                                ("block8", "main draft, block 8 at inference", "main_t0_block8")]:
-        abl.append((label, prefix, name))
-    n_sub = None
-    for label, prefix, _ in abl[1:]:
-        r = merged(out, prefix, "mtbench")
-        if r:
-            n_sub = r["n"]
-            break
-    for label, prefix, name in abl:
-        if name is None:  # the main draft on the same subset, from its full-set runs
-            mt = subset_tau(merged(out, "main_t0_mtbench", "mtbench"), n_sub or 0)
-            he = subset_tau(merged(out, "main_t0_humaneval", "humaneval"), n_sub or 0)
-        else:
-            m, h = merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")
-            mt, he = (m or {}).get("tau"), (h or {}).get("tau")
-        lines.append(f"| {label} | {f(mt)} | {f(he)} | {n_sub or '-'} |")
+    variants = [("1 layer", "layers1_t0"), ("2 layers", "layers2_t0"), ("5 layers, no loss decay", "nodecay_t0"),
+                ("main draft, block 8 at inference", "main_t0_block8")]
+    rows = [(label, merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")) for label, prefix in variants]
+    n_sub = next((m["n"] for _, m, _ in rows if m), 0)
+    # the main draft on the same first prompts, taken from its full-set runs
+    lines.append(f"| main: 5 layers, decay, block 16 | "
+                 f"{f(subset_tau(merged(out, 'main_t0_mtbench', 'mtbench'), n_sub))} | "
+                 f"{f(subset_tau(merged(out, 'main_t0_humaneval', 'humaneval'), n_sub))} | {n_sub or '-'} |")
+    for label, m, h in rows:
+        lines.append(f"| {label} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | {n_sub or '-'} |")
     print("\n".join(lines))
 
     if args.png_prefix:

@@ -43,6 +43,7 @@ class RegenStats:
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
     seconds: float = 0.0  # time spent in generate
+    halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds else 0.0
@@ -305,11 +306,9 @@ def regenerate_conversations(
         else:
             stats.skipped[reason] += 1
 
-    halted = False  # should_stop() said so: no new batch starts, what is answered is still yielded
-
     def run_window(jobs: list[_Job]) -> Iterator[dict[str, Any]]:
-        nonlocal halted
-        while not halted:
+        # Once should_stop() says so no new batch starts; what is already answered is still yielded.
+        while not stats.halted:
             active, dropped = [], 0
             for job in jobs:
                 if job.done:
@@ -357,7 +356,7 @@ def regenerate_conversations(
                 if progress is not None:
                     progress(finished, new_tokens)
                 if should_stop is not None and should_stop():
-                    halted = True
+                    stats.halted = True
                     break
         for job in jobs:
             if job.answered:
@@ -384,9 +383,9 @@ def regenerate_conversations(
             if len(pending) >= window:
                 yield from run_window(pending)
                 pending = []
-                if halted:
+                if stats.halted:
                     return
-        if pending and not halted:
+        if pending:
             yield from run_window(pending)
 
     return run()

@@ -399,8 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "block_size": args.block_size or draft.config.block_size, "trained_block_size": draft.config.block_size,
-            "num_prompts": args.num_prompts, "first_prompt": args.first_prompt, "multi_turn": args.multi_turn, "device": args.device, "dtype": dtype,
-            "seed": args.seed, "chat_template": not args.no_chat_template,
+            "num_prompts": args.num_prompts, "first_prompt": args.first_prompt, "multi_turn": args.multi_turn,
+            "device": args.device, "dtype": dtype, "seed": args.seed, "chat_template": not args.no_chat_template,
         },
         "datasets": {},
     }

@@ -331,8 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      partial)
         raise
     bar.close()
-    stopped_at_budget = out_of_time() and start + stats.written < len(train)
-    if stopped_at_budget:
+    if stats.halted:
         logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
                        out, start + stats.written, len(train))
     if held is not None:
@@ -349,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "written": total_written,
         "written_this_run": stats.written,
         "resumed_from": start,
-        "stopped_at_max_minutes": stopped_at_budget,
+        "stopped_at_max_minutes": stats.halted,
         "holdout": str(held) if held is not None else None,
         "holdout_written": len(holdout),
         "turns": stats.turns,
