@@ -12,8 +12,12 @@
 #               writes one that gives exactly the same prompts
 #   NSAMPLES    conversations to regenerate (first turn of ShareGPT), HOLDOUT held-out prompts
 #   MAXNEW      regenerated answer length cap; REGEN_BS batch; REGEN_MIN regeneration time cap
-#   EPOCHS      training epochs (all runs); TRAIN_MIN training time cap of each run
-#   ABLATIONS   1: also train 1- and 2-layer drafts and a 5-layer draft without loss decay
+#   EPOCHS      training epochs (all runs); TRAIN_MIN training time cap of each run; STEPS, when set,
+#               fixes the step count instead (train.max_steps), so the cosine schedule ends in time
+#   RUNS        which drafts to train, side by side: main (the recipe, exported and fully evaluated),
+#               layers1, layers2, nodecay (5 layers, no loss decay) and layers5 (the recipe again:
+#               the ablations' reference when they run at a smaller budget than main).
+#               Default "main layers1 layers2 nodecay"; ABLATIONS=0 means RUNS=main
 #   EVAL_NEW    new tokens per prompt; SPEED_PROMPTS prompts per set for the speedup runs (run alone);
 #   EVAL_PROMPTS prompts per set for the main draft (empty = all); EVAL_PROMPTS_ABL for ablations
 #   EXTRA       overrides appended to every training run (e.g. "train.micro_batch_size=4")
@@ -22,7 +26,8 @@ OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
 TARGET=${TARGET:-pkg:smollm2}
 NSAMPLES=${NSAMPLES:-12000}; HOLDOUT=${HOLDOUT:-200}; MAXNEW=${MAXNEW:-384}
 REGEN_BS=${REGEN_BS:-512}; REGEN_MIN=${REGEN_MIN:-8}
-EPOCHS=${EPOCHS:-6}; TRAIN_MIN=${TRAIN_MIN:-20}; ABLATIONS=${ABLATIONS:-1}
+EPOCHS=${EPOCHS:-6}; TRAIN_MIN=${TRAIN_MIN:-20}; STEPS=${STEPS:-}; ABLATIONS=${ABLATIONS:-1}
+if [ -z "${RUNS:-}" ]; then RUNS=main; [ "$ABLATIONS" = 1 ] && RUNS="main layers1 layers2 nodecay"; fi
 EVAL_NEW=${EVAL_NEW:-128}; SPEED_PROMPTS=${SPEED_PROMPTS:-8}; EVAL_PROMPTS=${EVAL_PROMPTS:-}
 EVAL_PROMPTS_ABL=${EVAL_PROMPTS_ABL:-40}; EXTRA=${EXTRA:-}
 PY=${PYTHON:-python3}
@@ -50,19 +55,24 @@ train() {
         train.max_minutes="$TRAIN_MIN" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
         || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }
 }
-stage "train (epochs $EPOCHS, <= $TRAIN_MIN min each, ablations=$ABLATIONS)"
-train main &
-if [ "$ABLATIONS" = 1 ]; then
-    train layers1 draft.num_layers=1 &
-    train layers2 draft.num_layers=2 &
-    train nodecay loss.gamma=null &
-fi
+declare -A RUN_ARGS=([main]="" [layers5]="" [layers1]="draft.num_layers=1" [layers2]="draft.num_layers=2"
+                     [nodecay]="loss.gamma=null")
+STEP_ARG=(); [ -n "$STEPS" ] && STEP_ARG=(train.max_steps="$STEPS")
+stage "train $RUNS (epochs $EPOCHS, steps ${STEPS:-from epochs}, <= $TRAIN_MIN min each)"
+for name in $RUNS; do
+    [ -n "${RUN_ARGS[$name]+x}" ] || { echo "unknown run '$name' (main layers5 layers1 layers2 nodecay)"; exit 2; }
+    # shellcheck disable=SC2086
+    train "$name" "${STEP_ARG[@]}" ${RUN_ARGS[$name]} &
+done
 wait
 stage "trained: $(ls "$OUT/runs")"
 
 # 3. export the recipe's draft in the serving format (checked against the target)
-$PY -m nemo_dflash.recipes.export --checkpoint "$OUT/runs/main" --out "$OUT/export/main" --target "$TARGET" \
-    --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
+MAIN="$OUT/export/main"
+if [ -f "$OUT/runs/main/final/draft/config.json" ]; then
+    $PY -m nemo_dflash.recipes.export --checkpoint "$OUT/runs/main" --out "$MAIN" --target "$TARGET" \
+        --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
+fi
 
 # 4. evaluate. Speedup runs alone (timing); acceptance-only runs side by side (timing-free).
 evaluate() {  # name draft_dir datasets [evaluate args...]
@@ -72,27 +82,31 @@ evaluate() {  # name draft_dir datasets [evaluate args...]
         --max-new-tokens "$EVAL_NEW" --out "$OUT/eval/$name" "$@" > "$OUT/logs/eval_$name.log" 2>&1 \
         || { echo "evaluation $name failed:"; tail -n 20 "$OUT/logs/eval_$name.log"; }
 }
-MAIN="$OUT/export/main"
-stage "speedup runs (T=0, T=1; first $SPEED_PROMPTS prompts of each set)"
-evaluate speed_t0 "$MAIN" mtbench,humaneval --temperature 0 --num-prompts "$SPEED_PROMPTS"
-evaluate speed_t1 "$MAIN" mtbench,humaneval --temperature 1 --num-prompts "$SPEED_PROMPTS"
+if [ -f "$MAIN/config.json" ]; then
+    stage "speedup runs (T=0, T=1; first $SPEED_PROMPTS prompts of each set)"
+    evaluate speed_t0 "$MAIN" mtbench,humaneval --temperature 0 --num-prompts "$SPEED_PROMPTS"
+    evaluate speed_t1 "$MAIN" mtbench,humaneval --temperature 1 --num-prompts "$SPEED_PROMPTS"
+    [ -f "$OUT/eval/step_cost.json" ] || $PY benchmarks/spec_step_cost.py --target "$TARGET" --draft "$MAIN" \
+        --json "$OUT/eval/step_cost.json" > "$OUT/logs/step_cost.log" 2>&1 || tail -n 20 "$OUT/logs/step_cost.log"
+fi
 
 stage "acceptance runs"
 NP=(); [ -n "$EVAL_PROMPTS" ] && NP=(--num-prompts "$EVAL_PROMPTS")
 HALF=(--num-prompts 82); [ -n "$EVAL_PROMPTS" ] && HALF=(--num-prompts $(( (EVAL_PROMPTS + 1) / 2 )))
-for t in 0 1; do  # HumanEval (164) in two halves, so no process runs much longer than the others
-    evaluate "main_t${t}_mtbench" "$MAIN" mtbench --temperature "$t" --no-speedup "${NP[@]}" &
-    evaluate "main_t${t}_humaneval_a" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" &
-    evaluate "main_t${t}_humaneval_b" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" \
-        --first-prompt "${HALF[1]}" &
-done
-evaluate main_t0_block8 "$MAIN" mtbench,humaneval --temperature 0 --block-size 8 --no-speedup \
-    --num-prompts "$EVAL_PROMPTS_ABL" &
-if [ "$ABLATIONS" = 1 ]; then
-    for name in layers1 layers2 nodecay; do
-        evaluate "${name}_t0" "$OUT/runs/$name" mtbench,humaneval --temperature 0 --no-speedup \
-            --num-prompts "$EVAL_PROMPTS_ABL" &
+if [ -f "$MAIN/config.json" ]; then
+    for t in 0 1; do  # HumanEval (164) in two halves, so no process runs much longer than the others
+        evaluate "main_t${t}_mtbench" "$MAIN" mtbench --temperature "$t" --no-speedup "${NP[@]}" &
+        evaluate "main_t${t}_humaneval_a" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" &
+        evaluate "main_t${t}_humaneval_b" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" \
+            --first-prompt "${HALF[1]}" &
     done
+    evaluate main_t0_block8 "$MAIN" mtbench,humaneval --temperature 0 --block-size 8 --no-speedup \
+        --num-prompts "$EVAL_PROMPTS_ABL" &
 fi
+for name in layers5 layers1 layers2 nodecay; do
+    [ -f "$OUT/runs/$name/final/draft/config.json" ] || continue
+    evaluate "${name}_t0" "$OUT/runs/$name" mtbench,humaneval --temperature 0 --no-speedup \
+        --num-prompts "$EVAL_PROMPTS_ABL" &
+done
 wait
 stage "done"

@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-RUNS = {"main": "5 layers, decay gamma 7 (recipe)", "layers1": "1 layer", "layers2": "2 layers",
-        "nodecay": "5 layers, no loss decay"}
+RUNS = {"main": "5 layers, decay gamma 7 (recipe)", "layers5": "5 layers, decay (recipe, ablation budget)",
+        "layers1": "1 layer", "layers2": "2 layers", "nodecay": "5 layers, no loss decay"}
 
 
 def _load(path: Path) -> Optional[dict[str, Any]]:
@@ -113,18 +113,27 @@ def main() -> None:
                          f"{f(r.get('speedup'))} | {f(r.get('greedy_match'), '.0%')} |")
     lines.append("")
 
+    cost = _load(out / "eval" / "step_cost.json")
+    if cost:
+        lines += [f"One speculative step against one plain step (`benchmarks/spec_step_cost.py`, "
+                  f"{cost['prompt_tokens']}-token prompt, median ms):", "", "| part | ms |", "| --- | ---: |"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in cost["ms"].items()]
+        lines += [f"| break-even tau (verify + draft) / plain | {cost['break_even_tau']:.2f} |", ""]
+
     lines += ["Ablations (T=0, the first prompts of each set, same prompts in every row):", "",
               "| variant | MT-Bench tau | HumanEval tau | prompts |", "| --- | ---: | ---: | ---: |"]
-    variants = [("1 layer", "layers1_t0"), ("2 layers", "layers2_t0"), ("5 layers, no loss decay", "nodecay_t0"),
+    variants = [("5 layers, decay (the recipe at the ablation budget)", "layers5_t0"), ("1 layer", "layers1_t0"),
+                ("2 layers", "layers2_t0"), ("5 layers, no loss decay", "nodecay_t0"),
                 ("main draft, block 8 at inference", "main_t0_block8")]
     rows = [(label, merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")) for label, prefix in variants]
     n_sub = next((m["n"] for _, m, _ in rows if m), 0)
     # the main draft on the same first prompts, taken from its full-set runs
-    lines.append(f"| main: 5 layers, decay, block 16 | "
+    lines.append(f"| main draft, block 16 | "
                  f"{f(subset_tau(merged(out, 'main_t0_mtbench', 'mtbench'), n_sub))} | "
                  f"{f(subset_tau(merged(out, 'main_t0_humaneval', 'humaneval'), n_sub))} | {n_sub or '-'} |")
     for label, m, h in rows:
-        lines.append(f"| {label} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | {n_sub or '-'} |")
+        if m or h:
+            lines.append(f"| {label} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | {n_sub or '-'} |")
     print("\n".join(lines))
 
     if args.png_prefix:

@@ -1,0 +1,116 @@
+"""What one speculative step costs against one plain decoding step (explains a speedup figure).
+
+    python benchmarks/spec_step_cost.py --target pkg:smollm2 --draft OUT/export/main [--json F]
+
+Times, on a real prompt's KV cache and with the device synchronised around each repeat:
+the plain 1-token target forward, the B-token verify forward with the feature hooks, the same
+B tokens without hooks, and the draft's block forward (+ its lm_head). The speedup of a draft
+with acceptance length tau is about tau * plain / (verify + draft + bookkeeping): the table
+says how large tau must be before speculative decoding pays on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nemo_dflash.export import load_draft
+from nemo_dflash.inference import DFlashSpeculativeDecoder
+from nemo_dflash.inference.spec_decode import crop_dynamic_cache
+from nemo_dflash.loading import load_target
+from nemo_dflash.model import DFlashContextCache
+from nemo_dflash.recipes.evaluate import encode_chat, load_mtbench
+from transformers import DynamicCache
+
+
+def timed(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    """Median milliseconds of `fn` over `reps` synchronised repeats (after 3 warm-ups)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    target, tok = load_target(args.target, dtype=args.dtype, device=device)
+    draft = load_draft(args.draft, device=device, dtype=args.dtype)
+    dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
+    blk = dec.block_size
+    ids = torch.as_tensor(encode_chat(tok, [{"role": "user", "content": load_mtbench(1)[0].turns[0]}], True),
+                          device=device).view(1, -1)
+    plen = ids.shape[1]
+    cache = DynamicCache()
+    feats, _ = dec.target.forward_features(ids, need_logits=True, past_key_values=cache, use_cache=True,
+                                           position_ids=torch.arange(plen, device=device).unsqueeze(0))
+    block = torch.randint(0, target.config.vocab_size, (1, blk), device=device)
+    pos_b = torch.arange(plen, plen + blk, device=device).unsqueeze(0)
+    one, pos_1 = block[:, :1], pos_b[:, :1]
+
+    def plain() -> None:
+        target(input_ids=one, past_key_values=cache, use_cache=True, position_ids=pos_1)
+        crop_dynamic_cache(cache, plen)
+
+    def verify_hooks() -> None:
+        dec.target.forward_features(block, need_logits=True, past_key_values=cache, use_cache=True, position_ids=pos_b)
+        crop_dynamic_cache(cache, plen)
+
+    def verify_plain() -> None:
+        target(input_ids=block, past_key_values=cache, use_cache=True, position_ids=pos_b)
+        crop_dynamic_cache(cache, plen)
+
+    def draft_block() -> None:  # a fresh draft cache fed the whole prompt's features once, as at step 1
+        dec.draft_logits(one[0], plen, feats, DFlashContextCache(len(draft.layers)), blk)
+
+    last = feats[:, -1:]
+    steady = DFlashContextCache(len(draft.layers))
+    dec.draft_logits(one[0], plen - 1, feats[:, :-1], steady, blk)
+
+    def draft_step() -> None:  # the steady state: one new verified position per step
+        dec.draft_logits(one[0], plen, last, steady, blk)
+        steady.crop(plen - 1)
+
+    rows = {
+        "plain decode step (1 token)": timed(plain, device, args.reps),
+        f"verify {blk} tokens, feature hooks": timed(verify_hooks, device, args.reps),
+        f"verify {blk} tokens, no hooks": timed(verify_plain, device, args.reps),
+        "draft block forward, prompt as new context": timed(draft_block, device, args.reps),
+        "draft block forward, 1 new context position": timed(draft_step, device, args.reps),
+    }
+    spec = rows[f"verify {blk} tokens, feature hooks"] + rows["draft block forward, 1 new context position"]
+    ratio = spec / rows["plain decode step (1 token)"]
+    print(f"{'part':48s} {'ms':>8s}")
+    for k, v in rows.items():
+        print(f"{k:48s} {v:8.2f}")
+    print(f"{'speculative step (verify + draft) / plain step':48s} {ratio:8.2f}   (break-even tau)")
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; prompt {plen} tokens; "
+          f"target {type(target).__name__} {target.config.num_hidden_layers} layers; draft {len(draft.layers)} layers")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ms": rows, "break_even_tau": ratio, "block_size": blk,
+                                               "prompt_tokens": plen, "device": str(device)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
