@@ -71,7 +71,7 @@ def main() -> None:
 
     regen = out / "data" / "regen.jsonl"
     if regen.is_file():
-        rows = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in regen.read_text().split("\n") if line.strip()]
         fin = Counter(r.get("finish_reason") for r in rows)
         lines += [f"Data: {len(rows)} regenerated conversations (finish: {dict(fin)})", ""]
 
@@ -82,7 +82,7 @@ def main() -> None:
         s = _load(out / "runs" / name / "summary.json")
         if s is None:
             continue
-        recs = [json.loads(x) for x in (out / "runs" / name / "metrics.jsonl").read_text().splitlines() if x]
+        recs = [json.loads(x) for x in (out / "runs" / name / "metrics.jsonl").read_text().split("\n") if x]
         ev = [(r["tokens"], r["eval_accept_len"]) for r in recs if "eval_accept_len" in r]
         curves[name] = ev
         lines.append(f"| {name} | {label} | {s['steps']} / {s['total_steps']} | {s['tokens_seen'] / 1e6:.1f} M | "

@@ -71,11 +71,12 @@ def test_chat_files(tmp_path):
     got = load_chat_file(sharegpt)
     assert [p.turns for p in got] == [["hi", "more"]] and got[0].id == "sg/a"
     openai = tmp_path / "oa.jsonl"
-    openai.write_text("\n".join(json.dumps(r) for r in [
+    openai.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "part"}]}]},
-        {"messages": [{"role": "user", "content": "second"}]},
+        {"messages": [{"role": "user", "content": "second\u2028line"}]},
     ]) + "\n")
-    assert [p.turns[0] for p in load_chat_file(openai)] == ["part", "second"]
+    # a raw U+2028 inside a string is one JSONL line (str.splitlines() would cut it in two)
+    assert [p.turns[0] for p in load_chat_file(openai)] == ["part", "second\u2028line"]
     assert len(load_chat_file(openai, num_prompts=1)) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"foo": 1}) + "\n")

