@@ -93,15 +93,35 @@ def main() -> None:
         dec.draft_logits(one[0], plen, last, steady, blk)
         steady.crop(plen - 1)
 
-    rows = {
-        "plain decode step (1 token)": timed(plain, device, args.reps),
-        f"verify {blk} tokens, feature hooks": timed(verify_hooks, device, args.reps),
-        f"verify {blk} tokens, no hooks": timed(verify_plain, device, args.reps),
-        "draft block forward, prompt as new context": timed(draft_block, device, args.reps),
-        "draft block forward, 1 new context position": timed(draft_step, device, args.reps),
+    grow = {"len": plen}
+
+    def plain_growing() -> None:  # a new KV length every call, as in real decoding
+        pos = torch.tensor([[grow["len"]]], device=device)
+        target(input_ids=one, past_key_values=cache, use_cache=True, position_ids=pos)
+        grow["len"] += 1
+
+    def verify_growing() -> None:  # 16 new tokens, keep 1: the KV length grows by one per call
+        pos = torch.arange(grow["len"], grow["len"] + blk, device=device).unsqueeze(0)
+        dec.target.forward_features(block, need_logits=True, past_key_values=cache, use_cache=True, position_ids=pos)
+        grow["len"] += 1
+        crop_dynamic_cache(cache, grow["len"])
+
+    cases = {
+        "plain decode step (1 token), same KV length": plain,
+        "plain decode step, KV length +1 per call": plain_growing,
+        f"verify {blk} tokens, KV length +1 per call": verify_growing,
+        f"verify {blk} tokens, feature hooks": verify_hooks,
+        f"verify {blk} tokens, no hooks": verify_plain,
+        "draft block forward, prompt as new context": draft_block,
+        "draft block forward, 1 new context position": draft_step,
     }
+    rows = {}
+    for name, fn in cases.items():
+        crop_dynamic_cache(cache, plen)  # every case starts from the prompt's cache
+        grow["len"] = plen
+        rows[name] = timed(fn, device, args.reps)
     spec = rows[f"verify {blk} tokens, feature hooks"] + rows["draft block forward, 1 new context position"]
-    ratio = spec / rows["plain decode step (1 token)"]
+    ratio = spec / rows["plain decode step (1 token), same KV length"]
 
     # The whole loops on the same prompt: what a step costs beyond its two forwards (bookkeeping, syncs).
     for _ in range(2):  # the second pass is the one kept (the first warms every shape)
