@@ -77,7 +77,8 @@ def main() -> None:
 
     lines += ["| run | draft | steps | training tokens | train min | stopped | held-out sim. tau (first -> last) |",
               "| --- | --- | ---: | ---: | ---: | --- | --- |"]
-    curves = {}
+    curves: dict[str, list] = {}
+    ev_steps: dict[str, list] = {}
     for name, label in RUNS.items():
         s = _load(out / "runs" / name / "summary.json")
         if s is None:
@@ -85,6 +86,7 @@ def main() -> None:
         recs = [json.loads(x) for x in (out / "runs" / name / "metrics.jsonl").read_text().split("\n") if x]
         ev = [(r["tokens"], r["eval_accept_len"]) for r in recs if "eval_accept_len" in r]
         curves[name] = ev
+        ev_steps[name] = [(r["step"], r["eval_accept_len"]) for r in recs if "eval_accept_len" in r]
         lines.append(f"| {name} | {label} | {s['steps']} / {s['total_steps']} | {s['tokens_seen'] / 1e6:.1f} M | "
                      f"{s['train_seconds'] / 60:.1f} | {s.get('stopped_early') or 'no'} | "
                      f"{f(ev[0][1] if ev else None)} -> {f(ev[-1][1] if ev else None)} |")
@@ -120,20 +122,28 @@ def main() -> None:
         lines += [f"| {k} | {v:.2f} |" for k, v in cost["ms"].items()]
         lines += [f"| break-even tau (verify + draft) / plain | {cost['break_even_tau']:.2f} |", ""]
 
-    lines += ["Ablations (T=0, the first prompts of each set, same prompts in every row):", "",
-              "| variant | MT-Bench tau | HumanEval tau | prompts |", "| --- | ---: | ---: | ---: |"]
+    lines += ["Ablations (T=0, the first prompts of each set; each row next to the main draft on the same prompts):",
+              "", "| variant | prompts | MT-Bench tau | HumanEval tau | main draft, same prompts: MT-Bench / HumanEval |",
+              "| --- | ---: | ---: | ---: | --- |"]
     variants = [("5 layers, decay (the recipe at the ablation budget)", "layers5_t0"), ("1 layer", "layers1_t0"),
                 ("2 layers", "layers2_t0"), ("5 layers, no loss decay", "nodecay_t0"),
-                ("main draft, block 8 at inference", "main_t0_block8")]
-    rows = [(label, merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")) for label, prefix in variants]
-    n_sub = next((m["n"] for _, m, _ in rows if m), 0)
-    # the main draft on the same first prompts, taken from its full-set runs
-    lines.append(f"| main draft, block 16 | "
-                 f"{f(subset_tau(merged(out, 'main_t0_mtbench', 'mtbench'), n_sub))} | "
-                 f"{f(subset_tau(merged(out, 'main_t0_humaneval', 'humaneval'), n_sub))} | {n_sub or '-'} |")
-    for label, m, h in rows:
-        if m or h:
-            lines.append(f"| {label} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | {n_sub or '-'} |")
+                ("main draft, block 8 at inference", "main_t0_block8"),
+                ("main draft, 384 new tokens (128 elsewhere)", "main384_t0")]
+    main_mt, main_he = merged(out, "main_t0_mtbench", "mtbench"), merged(out, "main_t0_humaneval", "humaneval")
+    for label, prefix in variants:
+        m, h = merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")
+        if not (m or h):
+            continue
+        n = (m or h)["n"]
+        lines.append(f"| {label} | {n} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | "
+                     f"{f(subset_tau(main_mt, n))} / {f(subset_tau(main_he, n))} |")
+    lines.append("")
+    lines += ["Held-out simulated acceptance at equal steps (every run's curve; the ablations' common budget):", "",
+              "| run | " + " | ".join(f"step {s}" for s in (200, 400, 600)) + " |", "| --- | ---: | ---: | ---: |"]
+    for name, ev in curves.items():
+        at = {st: a for st, a in ev_steps.get(name, [])}
+        cells = [f(next((a for st, a in sorted(at.items()) if abs(st - s) <= 1), None)) for s in (200, 400, 600)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
 
     if args.png_prefix:
