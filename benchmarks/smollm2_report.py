@@ -57,6 +57,12 @@ def _prompt_index(pid: str) -> int:
     return int(digits) if digits else 0
 
 
+def args_new(out: Path) -> Any:
+    """max_new_tokens of the main draft's full-set runs."""
+    r = merged(out, "main_t0_mtbench", "mtbench")
+    return r["settings"]["max_new_tokens"] if r else "-"
+
+
 def f(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -128,13 +134,15 @@ def main() -> None:
     variants = [("5 layers, decay (the recipe at the ablation budget)", "layers5_t0"), ("1 layer", "layers1_t0"),
                 ("2 layers", "layers2_t0"), ("5 layers, no loss decay", "nodecay_t0"),
                 ("main draft, block 8 at inference", "main_t0_block8"),
-                ("main draft, 384 new tokens (128 elsewhere)", "main384_t0")]
+                ("main draft, longer answers", "mainlong_t0")]
     main_mt, main_he = merged(out, "main_t0_mtbench", "mtbench"), merged(out, "main_t0_humaneval", "humaneval")
     for label, prefix in variants:
         m, h = merged(out, prefix, "mtbench"), merged(out, prefix, "humaneval")
         if not (m or h):
             continue
         n = (m or h)["n"]
+        if prefix == "mainlong_t0":
+            label = f"main draft, {(m or h)['settings']['max_new_tokens']} new tokens (elsewhere {args_new(out)})"
         lines.append(f"| {label} | {n} | {f((m or {}).get('tau'))} | {f((h or {}).get('tau'))} | "
                      f"{f(subset_tau(main_mt, n))} / {f(subset_tau(main_he, n))} |")
     lines.append("")
