@@ -111,5 +111,13 @@ def shard_target_layers(layers: nn.ModuleList) -> None:
         fully_shard(layer, reshard_after_forward=True)
 
 
-__all__ = ["DistState", "shard_target_layers", "all_reduce_sum", "init_distributed", "resolve_strategy", "shutdown_distributed", "wrap_draft",
-           "pick_device"]
+__all__ = [
+    "DistState",
+    "all_reduce_sum",
+    "init_distributed",
+    "pick_device",
+    "resolve_strategy",
+    "shard_target_layers",
+    "shutdown_distributed",
+    "wrap_draft",
+]
