@@ -1,0 +1,80 @@
+"""Find where a generated answer degenerates into repetition.
+
+Small targets, greedy or sampled, often fall into a loop: the answer repeats a phrase or a
+paragraph until the token cap. Such tails are trivially easy to draft, so they teach a draft an
+easy, useless distribution (and inflate acceptance at evaluation). A loop is recognised on
+token ids, with no tokenizer:
+
+- token ``i`` is *repeated* when the ``ngram`` ids ending at ``i`` already occurred earlier in
+  the answer;
+- the answer loops from ``s`` when the suffix from ``s`` is at least ``min_ratio`` repeated
+  tokens, is at least ``min_tokens`` long, and holds at least ``min_copies`` copies of its own
+  material (suffix length / distinct n-grams in it).
+
+The last condition is what spares legitimate repetition: code quoting an earlier function again,
+a list whose items share a prefix, or a closing sentence said twice are repeated once, not many
+times, while a loop repeats the same few n-grams over and over. The loop's start is the first
+token of the first repeated copy, so cutting there keeps the original once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LoopDetector:
+    """Thresholds of :func:`find_loop_start` (the defaults are the recipe's)."""
+
+    ngram: int = 6
+    min_ratio: float = 0.8
+    min_tokens: int = 48
+    min_copies: float = 2.5
+
+    def __post_init__(self) -> None:
+        if self.ngram < 1 or self.min_tokens < 1 or not 0 < self.min_ratio <= 1 or self.min_copies < 1:
+            raise ValueError(
+                f"loop detector needs ngram >= 1, min_tokens >= 1, 0 < min_ratio <= 1 and min_copies >= 1 (got {self})"
+            )
+
+    def find(self, token_ids: Sequence[int]) -> Optional[int]:
+        """Index of the first token of the loop in ``token_ids``, or None if the answer does not loop."""
+        ids = list(token_ids)
+        n, length = self.ngram, len(ids)
+        if length < max(self.min_tokens, n + 1):
+            return None
+        seen: set[tuple[int, ...]] = set()
+        repeated = [False] * length
+        for i in range(n - 1, length):
+            gram = tuple(ids[i - n + 1 : i + 1])
+            repeated[i] = gram in seen
+            seen.add(gram)
+        # The longest suffix that starts on a repeated token and is mostly repeated tokens.
+        start, count = None, 0
+        for s in range(length - 1, n - 2, -1):
+            count += repeated[s]
+            if repeated[s] and count >= self.min_ratio * (length - s):
+                start = s
+        if start is None:
+            return None
+        start = max(start - (n - 1), 0)  # the repeated n-gram begins n - 1 tokens earlier
+        span = length - start
+        if span < self.min_tokens:
+            return None
+        distinct = len({tuple(ids[i - n + 1 : i + 1]) for i in range(start + n - 1, length)})
+        if span < self.min_copies * max(distinct, 1):
+            return None
+        return start
+
+
+DEFAULT_LOOP_DETECTOR = LoopDetector()
+
+
+def find_loop_start(token_ids: Sequence[int], detector: Optional[LoopDetector] = None) -> Optional[int]:
+    """Index of the first token of a degenerate repetition in ``token_ids``, or None.
+
+    Everything before the index is kept text, including one copy of the repeated material.
+    """
+    return (detector or DEFAULT_LOOP_DETECTOR).find(token_ids)
