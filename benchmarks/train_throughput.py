@@ -8,8 +8,17 @@ clip -> fused AdamW) on a random-weight target of a given shape, and prints one 
         --backend flex,sdpa --compile 0,1 --json out.json
     torchrun --nproc-per-node 4 benchmarks/train_throughput.py --shape qwen3_8b --fsdp2
 
-MFU = model FLOPs of a step / step time / the bf16 matmul rate measured in the same run
-(formula in docs/performance.md).
+The SmolLM2-135M shape (`--shape smollm2_135m`, a random Llama with SmolLM2's dimensions and the
+draft `recipes/smollm2_135m_gpu.yaml` builds) times the trainer's own step
+(`nemo_dflash.train.trainer.TrainStep`: micro-batches of variable-length rows, per-row anchor
+seeds, global loss normalisation, clipping, fused AdamW), because at this width the host-side
+work around the kernels is what decides the speed:
+
+    python benchmarks/train_throughput.py --shape smollm2_135m --mbs 16 --anchors 256 --seq 416 \
+        --compile 0 --profile 3 --json out.json
+
+Every knob takes a comma list; the cases are their product. MFU = model FLOPs of a step / step
+time / the bf16 matmul rate measured in the same run (formula in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -39,7 +48,11 @@ SHAPES = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "small": dict(num_hidden_layers=12, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=64, vocab_size=151936),
+    # SmolLM2-135M-Instruct (LlamaForCausalLM, tied embeddings)
+    "smollm2_135m": dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152),
 }
+LLAMA_SHAPES = {"smollm2_135m": dict(mask_token_id=3, rope_theta=100000.0, max_position_embeddings=8192)}
 
 
 @dataclass
@@ -173,6 +186,274 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
     }
 
 
+# ----------------------------------------------------------------------------- the trainer's step (small targets)
+
+
+def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
+    """A random-weight Llama target of `shape_name` and the draft the recipe builds for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nemo_dflash.build import build_draft_for_target
+
+    shape, extra = SHAPES[shape_name], LLAMA_SHAPES[shape_name]
+    cfg = LlamaConfig(**shape, max_position_embeddings=extra["max_position_embeddings"], tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": extra["rope_theta"]},
+                      architectures=["LlamaForCausalLM"])
+    cfg._attn_implementation = "sdpa"  # what load_target uses
+    with torch.device("meta"):
+        target = LlamaForCausalLM(cfg)
+    target = target.to_empty(device=device).to(torch.bfloat16)
+    target.tie_weights()
+    with torch.no_grad():
+        for name, prm in target.named_parameters():
+            prm.fill_(1.0) if name.endswith("norm.weight") else prm.normal_(0, 0.02)
+    target.eval().requires_grad_(False)
+    draft = build_draft_for_target(target, None, num_layers=draft_layers, block_size=block,
+                                   mask_token_id=extra["mask_token_id"]).to(device)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    return shape, target, wrapper, draft
+
+
+def make_step_batches(n: int, rows: int, seq: int, jitter: float, prompt_frac: float, vocab: int, seed: int = 0,
+                      pad_to: int = 64) -> list[dict[str, torch.Tensor]]:
+    """`n` loader batches like length-grouped ones: row lengths uniform in [(1-jitter)*seq, seq],
+    the first `prompt_frac` of each row unsupervised, padded to a multiple of `pad_to` (the loader's)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    width = -(-seq // pad_to) * pad_to
+    for _ in range(n):
+        lo = max(2, int(round((1 - jitter) * seq)))
+        lengths = torch.randint(lo, seq + 1, (rows,), generator=g)
+        ids = torch.randint(0, vocab - 1, (rows, width), generator=g)
+        pos = torch.arange(width).unsqueeze(0)
+        attn = (pos < lengths.unsqueeze(1)).long()
+        lm = attn * (pos >= (lengths.float() * prompt_frac).long().unsqueeze(1)).long()
+        out.append({"input_ids": ids * attn, "attention_mask": attn, "loss_mask": lm})
+    return out
+
+
+def batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int, seeds: list[int]) -> float:
+    """Model FLOPs of one loader batch: `step_flops` per row, with the row's own length and anchors."""
+    from nemo_dflash.core import build_labels, sample_anchors
+
+    block = draft.config.block_size
+    total = 0.0
+    length = int(batch["attention_mask"].sum(1).max())
+    ids, attn, lm = (batch[k][:, :length] for k in ("input_ids", "attention_mask", "loss_mask"))
+    anc, valid = sample_anchors(lm, attn, block, anchors, row_seeds=seeds)
+    _, label_valid = build_labels(ids, lm, attn, anc, valid, block)
+    for r in range(ids.shape[0]):
+        pos = anc[r][valid[r]].tolist()
+        total += step_flops(shape, draft.config.num_hidden_layers, block, length, pos, int(label_valid[r].sum()),
+                            max(wrapper.target_layer_ids))["total"]
+    return total
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if n.startswith("memcpy") or n.startswith("memset"):
+        return "memcpy/memset"
+    if "flex" in n or ("triton" in n and ("attention" in n or "tem_fused" in n)):
+        return "flex attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_", "sm80_", "wgmma")):
+        return "matmul"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer/foreach"
+    if "triton" in n:
+        return "triton (compiled fusions)"
+    if any(k in n for k in ("reduce", "logsumexp", "softmax", "argmax", "norm")):
+        return "reductions"
+    if any(k in n for k in ("index", "scatter", "gather", "nonzero", "sort", "topk", "cat", "where", "embedding")):
+        return "index/gather/scatter/cat"
+    if "elementwise" in n or "vectorized" in n:
+        return "elementwise"
+    return "other"
+
+
+def summarize_profile(prof, steps: int, wall_s: float, top: int = 20) -> dict:
+    """Compact numbers from a torch.profiler run of `steps` steps (no trace leaves the machine)."""
+    from collections import defaultdict
+
+    kern, cpu = [], defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if dt is not None and dt.name == "CUDA" and not getattr(e, "is_user_annotation", False):
+            kern.append((e.name, e.time_range.start, e.time_range.end))
+        elif e.name.startswith("cuda") or e.name in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero"):
+            cpu[e.name][0] += 1
+            cpu[e.name][1] += e.time_range.elapsed_us()
+    by_name, by_cat = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for name, a, b in kern:
+        by_name[name][0] += 1
+        by_name[name][1] += b - a
+        c = by_cat[_kernel_category(name)]
+        c[0] += 1
+        c[1] += b - a
+    busy, cur_a, cur_b = 0.0, None, None  # union of kernel intervals = time the GPU did anything
+    for _, a, b in sorted(kern, key=lambda t: t[1]):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        busy += cur_b - cur_a
+    ksum = sum(v[1] for v in by_name.values())
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_s * 1e3 / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "kernel_sum_ms_per_step": ksum / 1e3 / steps,
+        "kernels_per_step": len(kern) / steps,
+        "categories": sorted(([k, v[0] / steps, v[1] / 1e3 / steps] for k, v in by_cat.items()), key=lambda r: -r[2]),
+        "top_kernels": sorted(([k[:90], v[0] / steps, v[1] / 1e3 / steps] for k, v in by_name.items()),
+                              key=lambda r: -r[2])[:top],
+        "runtime_calls": sorted(([k, v[0] / steps, v[1] / 1e3 / steps] for k, v in cpu.items()), key=lambda r: -r[2]),
+    }
+
+
+def print_profile(label: str, s: dict) -> None:
+    print(f"\n== profile: {label} ({s['steps']} steps) ==")
+    print(f"wall {s['wall_ms_per_step']:.1f} ms/step | GPU busy (union of kernels) {s['gpu_busy_ms_per_step']:.1f} ms "
+          f"({s['gpu_busy_ms_per_step'] / s['wall_ms_per_step']:.0%}) | kernel sum {s['kernel_sum_ms_per_step']:.1f} ms "
+          f"| {s['kernels_per_step']:.0f} kernels/step")
+    print(f"{'category':<28} {'n/step':>8} {'ms/step':>8}")
+    for k, n, ms in s["categories"]:
+        print(f"{k:<28} {n:>8.0f} {ms:>8.2f}")
+    print(f"{'top kernels':<90} {'n/step':>7} {'ms/step':>8}")
+    for k, n, ms in s["top_kernels"]:
+        print(f"{k:<90} {n:>7.0f} {ms:>8.2f}")
+    print(f"{'host runtime calls':<40} {'n/step':>8} {'ms/step':>8}")
+    for k, n, ms in s["runtime_calls"][:10]:
+        print(f"{k:<40} {n:>8.0f} {ms:>8.2f}")
+    sys.stdout.flush()
+
+
+@dataclass
+class StepCase:
+    mbs: int
+    anchors: int
+    seq: int
+    compile: str  # "0" | "layers" (train.compile=true) | others the trainer supports
+    accum: int = 1
+
+
+def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
+                     profile_steps: int = 0) -> dict:
+    """Time `TrainStep`, the trainer's own step, on synthetic length-grouped batches."""
+    from nemo_dflash.config import OptimConfig
+    from nemo_dflash.core import DFlashTrainerModule
+    from nemo_dflash.train.distributed import DistState
+    from nemo_dflash.train.optim import build_optimizer
+    from nemo_dflash.train.trainer import TrainStep, apply_compile, row_seeds
+
+    for layer in draft.layers:
+        layer._compiled_call_impl = None  # undo a previous case's compile
+    cuda = device.type == "cuda"
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa")
+    module = apply_compile(module, case.compile)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    params = [q for q in draft.parameters() if q.requires_grad]
+    opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
+    state = DistState(rank=0, world_size=1, local_rank=0, device=device)
+    stepper = TrainStep(wrapper, module, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
+                        use_bf16=True)
+    batches = make_step_batches(args.distinct_batches, case.mbs * case.accum, case.seq, args.jitter, args.prompt_frac,
+                                shape["vocab_size"])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, tokens = [], []
+    t_first = time.perf_counter()
+    warm_s = 0.0
+    for it in range(warmup + steps):
+        sync()
+        t = time.perf_counter()
+        res = stepper(it, batches[it % len(batches)])
+        sync()
+        if it == warmup - 1:
+            warm_s = time.perf_counter() - t_first
+        if it >= warmup:
+            times.append(time.perf_counter() - t)
+            tokens.append(float(res.totals[6]))
+    med = statistics.median(times)
+    tok_step = statistics.mean(tokens)
+    flops = statistics.mean(
+        batch_flops(shape, draft, wrapper, batches[i % len(batches)], case.anchors,
+                    row_seeds(0, i, 0, case.mbs * case.accum)) for i in range(min(len(batches), 4)))
+    row = {"mbs": case.mbs, "accum": case.accum, "anchors": case.anchors, "seq": case.seq, "compile": case.compile,
+           "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
+           "block_tokens_s": case.mbs * case.accum * case.anchors * draft.config.block_size / med,
+           "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
+           "warmup_s": warm_s, "loss": res.loss}
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            sync()
+            t = time.perf_counter()
+            for it in range(profile_steps):
+                stepper(warmup + steps + it, batches[it % len(batches)])
+            sync()
+            wall = time.perf_counter() - t
+        row["profile"] = summarize_profile(prof, profile_steps, wall)
+    del opt, stepper
+    return row
+
+
+def main_trainer_step(args, device, peak: float) -> None:
+    shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
+    cases = [StepCase(int(m), int(a), int(s), c, int(g)) for m in args.mbs.split(",") for a in args.anchors.split(",")
+             for s in args.seq.split(",") for c in args.compile.split(",") for g in args.accum.split(",")]
+    rows = []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+    def table() -> None:
+        print(f"\n{name}, {args.shape}, draft {args.draft_layers} layers, block {args.block}, TrainStep; "
+              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
+              f"prompt {args.prompt_frac:.0%}")
+        hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'compile':>12} {'step ms':>8} {'tok/step':>8} "
+               f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in rows:
+            head = f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r['compile']:>12}"
+            if "error" in r:
+                print(f"{head} {r['error']}")
+                continue
+            print(f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
+                  f"{r['block_tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
+                  f"{r['warmup_s']:>7.1f}")
+        sys.stdout.flush()
+
+    for i, case in enumerate(cases):
+        try:
+            r = run_trainer_case(shape, wrapper, draft, case, args.steps, args.warmup, device, args,
+                                 profile_steps=args.profile if (i == 0 or args.profile_all) else 0)
+            r["mfu"] = r["tflops"] / peak
+        except torch.OutOfMemoryError:
+            r = {**vars(case), "error": "OOM"}
+        except Exception as e:  # one failing case must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            r = {**vars(case), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+        if "profile" in r:
+            print_profile(f"mbs {case.mbs} anchors {case.anchors} seq {case.seq} compile {case.compile}", r["profile"])
+        table()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "shape": args.shape, "matmul_tflops": peak, "args": vars(args), "rows": rows}, f,
+                      indent=2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3_8b", choices=sorted(SHAPES))
@@ -181,13 +462,30 @@ def main() -> None:
     p.add_argument("--anchors", default="512")
     p.add_argument("--seq", default="3072")
     p.add_argument("--backend", default="flex")
-    p.add_argument("--compile", default="0")
+    p.add_argument("--compile", default="0", help="0/1 (qwen shapes); smollm2: 0 | layers | ... (train.compile)")
     p.add_argument("--fused-ce", default="1", help="1: lm_head gradient formed in forward; 0: checkpointed chunks")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp2", action="store_true", help="shard the draft with FSDP2 (run under torchrun)")
     p.add_argument("--json", default=None)
+    g = p.add_argument_group("trainer step (smollm2_135m)")
+    g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size)")
+    g.add_argument("--accum", default="1", help="micro-batches per step (train.grad_accum)")
+    g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
+    g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
+    g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
+    g.add_argument("--profile", type=int, default=0, help="torch.profiler summary over this many steps (first case)")
+    g.add_argument("--profile-all", action="store_true", help="profile every case, not only the first")
+    g.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
+    if args.shape in LLAMA_SHAPES:
+        if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
+            args.anchors, args.seq = "256", "416"
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"))
+        return
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -215,7 +513,7 @@ def main() -> None:
         if rank == 0:
             print(json.dumps({k: v for k, v in r.items() if k != "flops"}), flush=True)
     if rank == 0:
-        name = torch.cuda.get_device_name(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"\n{name} x{world}, {args.shape}, draft {args.draft_layers} layers, block {args.block}; "
               f"measured bf16 matmul {peak:.0f} TFLOP/s")
         hdr = f"{'anchors':>7} {'seq':>5} {'backend':>7} {'compile':>7} {'fusedCE':>7} {'step ms':>8} {'tok/s/GPU':>10} " \

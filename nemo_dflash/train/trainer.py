@@ -15,6 +15,7 @@ import math
 import signal
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -114,6 +115,128 @@ def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
             raise RuntimeError("the training data loader produced no batch")
 
 
+COMPILE_MODES = ("0", "layers")
+
+
+def apply_compile(module: DFlashTrainerModule, mode: str) -> DFlashTrainerModule:
+    """`torch.compile` the parts of the trainer module that `mode` names (GPU only).
+
+    "0": eager; "layers": each draft decoder layer on its own (`train.compile=true`).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode == "layers":
+        for layer in module.draft.layers:
+            layer.compile()
+    return module
+
+
+def row_seeds(base: int, step: int, first_row: int, bsz: int) -> list[int]:
+    """Per-sample anchor seeds from (seed, step, row in the global batch): a sample gets the
+    same anchors however the global batch is split, so DDP/FSDP/accumulation match one process."""
+    return [((base * 1_000_003 + step) * 100_003 + first_row + j) % (2**63 - 1) for j in range(bsz)]
+
+
+@dataclass
+class StepResult:
+    """Host-side outcome of one optimizer step (already summed over ranks)."""
+
+    totals: torch.Tensor  # float64 [8] on the CPU, indexed by _W, _L, ...
+    grad_norm: float
+    loss: float
+    status: str  # "ok" | "no_labels" (nothing supervised anywhere: no update) | "nonfinite" (update skipped)
+
+
+class TrainStep:
+    """One optimizer step over this rank's share of a global batch: the training loop's hot path.
+
+    Shared with benchmarks/train_throughput.py so the benchmark times exactly what training
+    runs. The scheduler, counters, logging and checkpoints stay with `Trainer`.
+    """
+
+    def __init__(
+        self,
+        target: HFDFlashTargetModel,
+        model: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        state: DistState,
+        *,
+        micro_batch_size: int,
+        seed: int,
+        grad_clip: float,
+        use_bf16: bool,
+        return_logits: bool = False,
+    ) -> None:
+        self.target = target
+        self.model = model
+        self.params = params
+        self.optimizer = optimizer
+        self.state = state
+        self.device = state.device
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.grad_clip = grad_clip
+        self.use_bf16 = use_bf16
+        self.return_logits = return_logits
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor], module, seeds: list[int]) -> DFlashLossOutput:
+        tb = self.target.generate_batch(
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.return_logits
+        )
+        with self.autocast():
+            return module(tb, row_seeds=seeds)
+
+    def __call__(self, step: int, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
+        totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+        rows = step_batch["input_ids"].shape[0]
+        mbs = self.micro_batch_size
+        n_micro = -(-rows // mbs)
+        for micro in range(n_micro):
+            batch = _to_device(_micro_slice(step_batch, micro * mbs, mbs), self.device)
+            sync = micro == n_micro - 1
+            ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
+            with ctx:
+                first_row = self.state.rank * rows + micro * mbs
+                seeds = row_seeds(self.seed, step, first_row, batch["input_ids"].shape[0])
+                out = self.forward(batch, self.model, seeds)
+                out.loss_sum.backward()
+            totals += torch.stack([
+                out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
+                out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
+                batch["attention_mask"].sum().double(), torch.zeros((), dtype=torch.float64, device=self.device),
+            ])
+        if stop:
+            totals[_STOP] = 1.0
+        all_reduce_sum(totals, self.state)
+
+        if totals[_W] > 0:
+            scale = self.state.world_size / float(totals[_W])
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            if hasattr(gnorm, "full_tensor"):
+                gnorm = gnorm.full_tensor()
+            gnorm = float(gnorm)
+        else:
+            gnorm = 0.0
+        loss = float(totals[_L] / totals[_W]) if totals[_W] > 0 else 0.0
+        totals = totals.cpu()
+        if not (math.isfinite(gnorm) and math.isfinite(loss)):
+            status = "nonfinite"
+        elif totals[_W] > 0:
+            status = "ok"
+            self.optimizer.step()
+        else:
+            status = "no_labels"
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(totals=totals, grad_norm=gnorm, loss=loss, status=status)
+
+
 class Trainer:
     """Holds the pieces of one run; `fit()` trains, `evaluate()` measures held-out acceptance."""
 
@@ -162,9 +285,8 @@ class Trainer:
         )
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
-        if cfg.train.compile and self.device.type == "cuda":
-            for layer in self.draft.layers:
-                layer.compile()
+        if self.device.type == "cuda":
+            self.module = apply_compile(self.module, "layers" if cfg.train.compile else "0")
         self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
         if cfg.distributed.shard_target:
             if self.strategy != "fsdp2":
@@ -177,6 +299,11 @@ class Trainer:
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.stepper = TrainStep(
+            self.target, self.model, self.params, self.optimizer, self.state,
+            micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, grad_clip=cfg.optim.grad_clip,
+            use_bf16=self.use_bf16, return_logits=cfg.loss.distill_weight > 0,
+        )
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0
@@ -184,21 +311,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
-
-    @staticmethod
-    def _row_seeds(base: int, step: int, first_row: int, bsz: int) -> list[int]:
-        """Per-sample anchor seeds from (seed, step, row in the global batch): a sample gets the
-        same anchors however the global batch is split, so DDP/FSDP/accumulation match one process."""
-        return [((base * 1_000_003 + step) * 100_003 + first_row + j) % (2**63 - 1) for j in range(bsz)]
+    _row_seeds = staticmethod(row_seeds)
 
     def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int]) -> DFlashLossOutput:
-        tb = self.target.generate_batch(
-            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.cfg.loss.distill_weight > 0
-        )
-        with self._autocast():
-            return module(tb, row_seeds=row_seeds)
+        return self.stepper.forward(batch, module, row_seeds)
 
     def maybe_resume(self) -> None:
         mode = self.cfg.checkpoint.resume
@@ -273,49 +389,19 @@ class Trainer:
             if ev:
                 metrics.log(0, {**ev, "tokens": 0}, bar=False)
         while self.step < self.total_steps:
-            totals = torch.zeros(8, dtype=torch.float64, device=self.device)
             step_batch = next(data)
-            rows = step_batch["input_ids"].shape[0]
-            mbs = cfg.train.micro_batch_size
-            n_micro = -(-rows // mbs)
-            for micro in range(n_micro):
-                batch = _to_device(_micro_slice(step_batch, micro * mbs, mbs), self.device)
-                sync = micro == n_micro - 1
-                ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
-                with ctx:
-                    first_row = self.state.rank * rows + micro * mbs
-                    seeds = self._row_seeds(cfg.train.seed, self.step, first_row, batch["input_ids"].shape[0])
-                    out = self._forward(batch, self.model, seeds)
-                    out.loss_sum.backward()
-                totals += torch.stack([
-                    out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
-                    out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
-                    batch["attention_mask"].sum().double(), torch.zeros((), dtype=torch.float64, device=self.device),
-                ])
             minutes = (time.perf_counter() - t_start) / 60
-            if stop.requested or (cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes):
-                totals[_STOP] = 1.0
-            all_reduce_sum(totals, self.state)
+            stop_now = stop.requested or (cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes)
+            res = self.stepper(self.step, step_batch, stop=stop_now)
+            totals = res.totals
             self.tokens_seen += int(totals[_T])
             tok_window += int(totals[_T])
-
-            if totals[_W] > 0:
-                scale = self.state.world_size / float(totals[_W])
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-                gnorm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
-                if hasattr(gnorm, "full_tensor"):
-                    gnorm = gnorm.full_tensor()
-                gnorm = float(gnorm)
-            else:
-                gnorm = 0.0
+            gnorm, loss = res.grad_norm, res.loss
+            if res.status == "no_labels":
                 self.skipped_steps += 1
-            loss = float(totals[_L] / totals[_W]) if totals[_W] > 0 else 0.0
-            if not (math.isfinite(gnorm) and math.isfinite(loss)):
+            if res.status == "nonfinite":
                 self.bad_steps += 1
                 self.skipped_steps += 1
-                self.optimizer.zero_grad(set_to_none=True)
                 logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", self.step, self.bad_steps)
                 if self.bad_steps > cfg.train.max_bad_steps:
                     stopped_early = f"{self.bad_steps} consecutive non-finite steps"
@@ -325,10 +411,7 @@ class Trainer:
                 self.scheduler.step()
                 continue
             self.bad_steps = 0
-            if totals[_W] > 0:
-                self.optimizer.step()
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
 
             last_metrics = {
