@@ -476,7 +476,7 @@ def main() -> None:
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
     g.add_argument("--profile", type=int, default=0, help="torch.profiler summary over this many steps (first case)")
     g.add_argument("--profile-all", action="store_true", help="profile every case, not only the first")
-    g.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (sdpa instead of flex)")
+    g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
     if args.shape in LLAMA_SHAPES:
         if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
