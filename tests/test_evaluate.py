@@ -1,26 +1,37 @@
-"""Evaluation: prompt sets, evaluate_acceptance, and the CLI end to end on a tiny target."""
+"""Evaluation: prompt sets, two-turn conversations against HF's own greedy generate, the protocol
+bookkeeping (first-256 tau, loops), and the command end to end (resume, workers, user errors)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.export import export_draft
-from nemo_dflash.loading import load_target
-from nemo_dflash.recipes.evaluate import (
+from nemo_dflash.inference.evaluate import (
+    PROTOCOLS,
+    Answer,
+    ConversationDecoder,
+    EvalSettings,
+    dataset_result,
     encode_chat,
     evaluate_acceptance,
     load_chat_file,
     load_humaneval,
     load_mtbench,
     load_prompt_set,
-    main as evaluate_main,
+    steps_within,
+    summarize,
 )
+from nemo_dflash.loading import load_target
+from nemo_dflash.recipes import evaluate as evaluate_cmd
+from nemo_dflash.regenerate import stop_token_ids
 
-from _spec_fixtures import make_draft, save_tiny_qwen3_target
+from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_qwen3
 
 QWEN3_MASK_ID = 151669
 
@@ -36,7 +47,16 @@ def single_thread():
 
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
-    return save_tiny_qwen3_target(tmp_path_factory.mktemp("target"), num_layers=2, hidden=32)
+    """A tiny random Qwen3 with the real tokenizer; seed 4 answers MT-Bench with visible text
+    (most seeds answer newlines only, which would make "turn 2 holds the answer" a weak check)."""
+    out = tmp_path_factory.mktemp("target")
+    for f in qwen_tokenizer_files().iterdir():
+        shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = tiny_qwen3(num_layers=2, vocab=151936, hidden=32, seed=4)
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +65,23 @@ def target_and_tokenizer(tiny_target_dir):
 
 
 @pytest.fixture(scope="module")
-def exported_draft(target_and_tokenizer, tmp_path_factory):
+def draft(target_and_tokenizer):
     target, _ = target_and_tokenizer
-    draft = make_draft(target, num_layers=1, block_size=4, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
+    return make_draft(target, num_layers=1, block_size=4, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def exported_draft(draft, tmp_path_factory):
     return export_draft(draft, tmp_path_factory.mktemp("export") / "draft")
+
+
+# ----------------------------------------------------------------------------- prompt sets
 
 
 def test_builtin_prompt_sets():
     mt = load_mtbench()
-    assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt)
+    assert len(mt) == 80 and all(len(p.turns) == 2 and all(t.strip() for t in p.turns) for p in mt)
+    assert mt[0].id == "mtbench/81" and mt[0].turns[1] != mt[0].turns[0]
     he = load_humaneval()
     assert len(he) == 164 and "def " in he[0].turns[0] and he[0].id == "HumanEval/0"
     assert len(load_prompt_set("MT-Bench", 3)[1]) == 3
@@ -86,67 +114,213 @@ def test_chat_files(tmp_path):
         load_chat_file(tmp_path / "missing.jsonl")
 
 
-def test_evaluate_acceptance(target_and_tokenizer, exported_draft):
-    from nemo_dflash.export import load_draft
+# ----------------------------------------------------------------------------- two turns vs HF
 
+
+def _hf_greedy(model, ids: list[int], stops: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stops,
+                         pad_token_id=stops[0])
+    return out[0, len(ids):].tolist()
+
+
+def test_two_turn_mtbench_matches_hf_greedy(target_and_tokenizer, draft):
+    """Turn 2's prompt is the chat template over [turn 1, the answer produced, turn 2], and both
+    turns' T=0 answers are HF's own greedy generate on those prompts."""
     target, tok = target_and_tokenizer
-    draft = load_draft(exported_draft, dtype="fp32").train()  # as a training loop would pass it
+    stops = stop_token_ids(target, tok)
+    dec = ConversationDecoder(target, tok, draft, EvalSettings(max_new_tokens=8, turns=2))
+    texts = []
+    for conv in load_mtbench(2):
+        a1, a2 = dec.run(conv)
+        assert (a1.turn, a2.turn, a1.id) == (1, 2, conv.id)
+        msgs = [{"role": "user", "content": conv.turns[0]}]
+        ref_ids1 = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert a1.prompt_ids == tok(ref_ids1, add_special_tokens=False)["input_ids"]
+        ref1 = _hf_greedy(target, a1.prompt_ids, stops, 8)
+        assert a1.output_ids == ref1
+        answer = tok.decode([t for t in ref1 if t not in stops], skip_special_tokens=True)
+        texts.append(answer)
+        msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": conv.turns[1]}]
+        ref_text2 = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert a2.prompt_ids == tok(ref_text2, add_special_tokens=False)["input_ids"]
+        assert answer + "<|im_end|>" in tok.decode(a2.prompt_ids) and conv.turns[1] in tok.decode(a2.prompt_ids)
+        assert a2.output_ids == _hf_greedy(target, a2.prompt_ids, stops, 8)
+    assert any(t.strip() for t in texts), "precondition: some turn-1 answer has visible text"
+    # one turn only when asked
+    assert [a.turn for a in ConversationDecoder(target, tok, draft, EvalSettings(max_new_tokens=4)).run(
+        load_mtbench(1)[0])] == [1]
+
+
+def test_evaluate_acceptance(target_and_tokenizer, draft):
+    target, tok = target_and_tokenizer
+    draft.train()  # as a training loop would pass it
     ids = encode_chat(tok, [{"role": "user", "content": "hello"}])
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
-    res = evaluate_acceptance(target, tok, draft, ["hello", [{"role": "user", "content": "hi"}]],
-                              max_new_tokens=10, measure_speedup=True)
-    assert res["num_prompts"] == 2 and res["greedy_match"] == 1.0
+    res = evaluate_acceptance(target, tok, draft, ["hello", [{"role": "user", "content": "hi"}]] + load_mtbench(1),
+                              max_new_tokens=10, measure_speedup=True, turns=2)
+    assert res["num_prompts"] == 3 and res["answers"] == 4 and res["greedy_match"] == 1.0
+    assert res["per_turn"]["1"]["answers"] == 3 and res["per_turn"]["2"]["answers"] == 1
     assert sum(res["acceptance_histogram"].values()) == res["num_target_forwards"]
     assert list(res["acceptance_histogram"]) == ["1", "2", "3", "4"]
-    taus = [p["acceptance_length"] for p in res["per_prompt"]]
+    taus = [p["acceptance_length"] for p in res["per_answer"]]
     assert res["mean_acceptance_length"] == pytest.approx(sum(taus) / len(taus))
     assert res["speedup"] > 0 and res["spec"]["tokens_per_s"] > 0
     assert draft.training  # mode restored
+    draft.eval()
     # Sampling and a smaller block run too.
     res = evaluate_acceptance(target, tok, draft, ["hello"], max_new_tokens=6, temperature=1.0, block_size=2,
                               warmup=False)
     assert list(res["acceptance_histogram"]) == ["1", "2"] and "speedup" not in res
 
 
-def test_cli_end_to_end(tiny_target_dir, exported_draft, tmp_path, capsys):
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+def _answer(acc: list[int], ids: list[int] | None = None, stopped: bool = True, turn: int = 1) -> Answer:
+    ids = ids if ids is not None else list(range(1 + sum(acc)))
+    body = ids[:-1] if stopped else ids
+    return Answer(id="x", turn=turn, output_ids=ids, acceptance_lengths=acc, stopped=stopped,
+                  loop_start=find_loop_start(body))
+
+
+def test_first256_bookkeeping():
+    # The prefill gives token 0; steps of 16 start at 1, 17, ..., 225; then 241 (10 tokens) and
+    # 251 (5 tokens) still start inside the first 256; the step starting at 256 does not.
+    acc = [16] * 15 + [10, 5, 16, 1, 1]
+    assert steps_within(acc) == [16] * 15 + [10, 5]
+    assert steps_within([3, 251, 4, 9]) == [3, 251, 4]  # starts 1, 4, 255 | 259
+    assert steps_within([3, 252, 4]) == [3, 252]  # starts 1, 4 | 256
+    assert steps_within([]) == [] and steps_within([2, 2], first_tokens=3) == [2]  # starts 1 | 3
+    a = _answer(acc, stopped=False)
+    b = _answer([4, 4, 2], stopped=True)  # short: every step counts
+    s = summarize([a, b], block_size=16)
+    tau_a, first_a = sum(acc) / len(acc), (15 * 16 + 10 + 5) / 17  # 14.55, 15.0
+    assert s["mean_acceptance_length"] == pytest.approx((tau_a + 10 / 3) / 2)
+    assert s["mean_acceptance_length_first256"] == pytest.approx((first_a + 10 / 3) / 2)
+    assert s["acceptance_length_per_step"] == pytest.approx((sum(acc) + 10) / (len(acc) + 3))
+    assert s["acceptance_histogram"]["16"] == 16 and s["acceptance_histogram"]["4"] == 2
+    assert s["capped_share"] == 0.5 and s["num_target_forwards"] == len(acc) + 3
+
+
+def test_loop_share_on_hand_built_answers():
+    loop = list(range(1000, 1020)) + [7, 8, 9, 10] * 30  # 20 distinct tokens, then a 4-token cycle
+    plain = list(range(2000, 2150))  # no repetition at all
+    answers = [
+        _answer([4, 4, 4, 1], loop, stopped=False),
+        _answer([2, 2, 1], plain + [5], stopped=True),  # ends with its stop token
+        _answer([4, 4, 2], loop + [5], stopped=True, turn=2),
+    ]
+    # The 6-gram [7, 8, 9, 10, 7, 8] first recurs at index 24: the loop starts at the second copy.
+    assert [a.loop_start for a in answers] == [24, None, 24]
+    s = summarize(answers, block_size=4)
+    assert s["loop_share"] == pytest.approx(2 / 3) and s["answers_no_loop"] == 1
+    assert s["mean_acceptance_length_no_loop"] == pytest.approx(5 / 3)  # the plain answer alone
+    assert s["mean_acceptance_length"] == pytest.approx((13 / 4 + 5 / 3 + 10 / 3) / 3)
+    # tokens inside loops, stop tokens not counted: 116 + 116 of 140 + 150 + 140
+    assert s["loop_token_share"] == pytest.approx(232 / 430)
+    r = dataset_result(answers, block_size=4, temperature=0.0, max_new_tokens=140, num_prompts=2)
+    assert r["per_turn"]["1"]["loop_share"] == 0.5 and r["per_turn"]["2"]["loop_share"] == 1.0
+    assert [p["loop_start"] for p in r["per_answer"]] == [24, None, 24]
+    assert Answer.from_record(json.loads(json.dumps(answers[0].record()))).record() == answers[0].record()
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _cli(target_dir, draft_dir, out, *extra):
+    return evaluate_cmd.main(["--draft", str(draft_dir), "--target", str(target_dir), "--out", str(out),
+                              "--device", "cpu", "--threads", "1", *extra])
+
+
+def test_cli_protocol_resume_and_json(tiny_target_dir, exported_draft, tmp_path, capsys):
     chat = tmp_path / "chats.jsonl"
     chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"}]})
                               for i in range(3)) + "\n")
     out = tmp_path / "eval"
-    rc = evaluate_main([
-        "--draft", str(exported_draft), "--target", str(tiny_target_dir),
-        "--datasets", f"mtbench,humaneval,{chat}", "--max-new-tokens", "8", "--temperature", "0",
-        "--num-prompts", "2", "--multi-turn", "--out", str(out), "--device", "cpu",
-    ])
-    assert rc == 0
+    args = ["--protocol", "quick", "--datasets", f"mtbench,{chat}", "--num-prompts", "2", "--max-new-tokens", "6",
+            "--turns", "2", "--temperatures", "0,1", "--speedup-prompts", "1"]
+    assert _cli(tiny_target_dir, exported_draft, out, *args) == 0
     printed = capsys.readouterr().out
-    assert "mtbench" in printed and "humaneval" in printed and "chats" in printed and "speedup" in printed
+    assert "quick: 6 tok, 2 turns, T=0, B=4, eager" in printed and "quick: 6 tok, 1 turn, T=1, B=4, eager" in printed
     res = json.loads((out / "results.json").read_text())
-    assert set(res["datasets"]) == {"mtbench", "humaneval", "chats"}
-    assert res["settings"]["block_size"] == 4 and res["settings"]["dtype"] == "fp32"
-    mt = res["datasets"]["mtbench"]
-    assert mt["num_prompts"] == 2 and mt["num_generations"] == 4  # two turns each
-    for r in res["datasets"].values():
-        assert r["greedy_match"] == 1.0
-        assert 1.0 <= r["mean_acceptance_length"] <= 4.0
-        assert sum(r["acceptance_histogram"].values()) == r["num_target_forwards"]
-        assert r["speedup"] > 0 and r["ar"]["decode_tokens"] == r["spec"]["decode_tokens"]
+    pr = res["protocol"]
+    assert (pr["name"], pr["max_new_tokens"], pr["turns"], pr["temperatures"], pr["block_size"], pr["decode"]) == (
+        "quick", 6, 2, [0.0, 1.0], 4, "eager")
+    assert pr["datasets"] == {"mtbench": {"prompts": 2, "answers_per_temperature": 4},
+                              "chats": {"prompts": 2, "answers_per_temperature": 2}}
+    assert set(pr["overrides"]) == {"max_new_tokens", "turns", "temperatures", "num_prompts", "speedup_prompts",
+                                    "datasets"}
+    assert pr["first_tokens"] == 256 and res["complete"] is True
+    assert set(res["results"]) == {"0", "1"} and set(res["results"]["0"]) == {"mtbench", "chats"}
+    mt = res["results"]["0"]["mtbench"]
+    assert mt["num_prompts"] == 2 and mt["answers"] == 4 and set(mt["per_turn"]) == {"1", "2"}
+    assert res["results"]["0"]["chats"]["turns"] == 1
+    for t in ("0", "1"):
+        for r in res["results"][t].values():
+            assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["temperature"] == float(t)
+            assert sum(r["acceptance_histogram"].values()) == r["num_target_forwards"]
+    sp = res["speedup"]["0"]["mtbench"]
+    assert sp["num_prompts"] == 1 and sp["answers"] == 2 and sp["greedy_match"] == 1.0 and sp["speedup"] > 0
     assert (out / "acceptance_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # --first-prompt splits a set across processes: prompts 1..2 of MT-Bench are the next two ids.
-    rc = evaluate_main([
-        "--draft", str(exported_draft), "--target", str(tiny_target_dir), "--datasets", "mtbench",
-        "--max-new-tokens", "4", "--first-prompt", "1", "--num-prompts", "2", "--no-speedup",
-        "--out", str(tmp_path / "eval2"), "--device", "cpu",
-    ])
-    assert rc == 0
-    part = json.loads((tmp_path / "eval2" / "results.json").read_text())["datasets"]["mtbench"]["per_prompt"]
-    assert [p["id"] for p in part] == [p.id for p in load_mtbench(3)[1:3]]
+    # A second run continues from answers.jsonl: nothing is decoded again, the figures are the same.
+    journal = (out / "answers.jsonl").read_text()
+    lines = journal.split("\n")
+    (out / "answers.jsonl").write_text("\n".join(lines[:-3]) + "\n" + lines[-2][:40])  # a cut last line
+    assert _cli(tiny_target_dir, exported_draft, out, *args) == 0
+    assert (out / "answers.jsonl").read_text() == journal  # the cut conversation was redone, identically
+    again = json.loads((out / "results.json").read_text())
+    assert again["results"] == res["results"]
 
-    # A draft that does not fit the target fails before any decoding, with a clear message.
-    rc = evaluate_main(["--draft", str(exported_draft), "--target", str(tiny_target_dir), "--datasets", "nope",
-                        "--out", str(tmp_path / "x")])
-    assert rc == 1 and "Unknown dataset" in capsys.readouterr().err
+    # Answers of another protocol in the same --out are refused, in one line, before any model loads.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _cli(tiny_target_dir, exported_draft, out, *args[:-6], "--max-new-tokens", "7")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "max_new_tokens" in err and "--overwrite" in err and err.count("\n") == 1
+
+
+def test_workers_give_the_same_answers(tiny_target_dir, exported_draft, tmp_path):
+    args = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "3", "--max-new-tokens", "5",
+            "--turns", "2", "--temperatures", "0,1", "--no-speedup"]
+    assert _cli(tiny_target_dir, exported_draft, tmp_path / "w1", *args) == 0
+    assert _cli(tiny_target_dir, exported_draft, tmp_path / "w2", *args, "--workers", "2") == 0
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("w1", "w2"))
+    assert two["settings"]["workers"] == 2 and one["results"] == two["results"]
+    assert (tmp_path / "w1" / "answers.jsonl").read_text() == (tmp_path / "w2" / "answers.jsonl").read_text()
+    assert one["speedup"] == {} and one["protocol"]["speedup_prompts"] == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--protocol", "fast"], "--protocol 'fast' is unknown"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--temperatures", "0,x"], "--temperatures"),
+    (["--temperatures", "-1"], ">= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--datasets", "gsm9k"], "Unknown dataset"),
+    (["--datasets", ","], "--datasets is empty"),
+    (["--first-prompt", "500"], "no mtbench prompts left"),
+    (["--decode", "graphs"], "graphs"),
+])
+def test_user_errors_are_one_line_before_any_model(extra, message, tmp_path, capsys, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate_cmd, "load_models", no_load)
+    with pytest.raises(SystemExit) as e:
+        _cli(tmp_path / "no_target", tmp_path / "no_draft", tmp_path / "out", *extra)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_protocols():
+    paper = PROTOCOLS["paper"]
+    assert (paper.max_new_tokens, paper.turns, paper.temperatures, paper.num_prompts) == (2048, 2, (0.0, 1.0), None)
+    assert paper.datasets == ("mtbench", "humaneval")
+    quick = PROTOCOLS["quick"]
+    assert quick.turns == 1 and quick.temperatures == (0.0,) and quick.num_prompts and quick.max_new_tokens <= 128
+    changed = paper.with_overrides(max_new_tokens=256, turns=2, temperatures=None)
+    assert changed.max_new_tokens == 256 and changed.turns == 2 and changed.overrides == ("max_new_tokens",)
 
 
 def test_tokenizer_without_template(tiny_target_dir):

