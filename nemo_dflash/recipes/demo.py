@@ -15,9 +15,11 @@ import logging
 import time
 from pathlib import Path
 
+from nemo_dflash.inference.evaluate import PROTOCOLS
 from nemo_dflash.recipes._cli import setup_logging
 
 logger = logging.getLogger("nemo_dflash.demo")
+QUICK = PROTOCOLS["quick"]  # the acceptance figures are evaluate's quick protocol: one turn, T=0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,14 +28,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-conversations", type=int, default=320, help="ShareGPT prompts to regenerate")
     p.add_argument("--max-new-tokens", type=int, default=128, help="regenerated response length")
     p.add_argument("--train-minutes", type=float, default=7.0, help="training time budget")
-    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per benchmark (MT-Bench, HumanEval)")
-    p.add_argument("--eval-new-tokens", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=QUICK.num_prompts,
+                   help="held-out prompts per benchmark (MT-Bench, HumanEval); default: evaluate's quick protocol")
+    p.add_argument("--eval-new-tokens", type=int, default=QUICK.max_new_tokens)
     p.add_argument("overrides", nargs="*", help="recipe overrides for training, e.g. loss.num_anchors=32")
     return p.parse_args(argv)
 
 
 def _acceptance(target, tokenizer, draft, prompt_sets, max_new_tokens) -> dict[str, float]:
-    from nemo_dflash.recipes.evaluate import evaluate_acceptance
+    from nemo_dflash.inference.evaluate import evaluate_acceptance
 
     return {
         name: evaluate_acceptance(target, tokenizer, draft, prompts, max_new_tokens=max_new_tokens, warmup=False)[
@@ -64,7 +67,7 @@ def main(argv=None) -> dict:
 
     # 3. train with the recipe (its config, metrics and checkpoints land in <out>/run)
     from nemo_dflash.config import load_recipe
-    from nemo_dflash.recipes.evaluate import load_humaneval, load_mtbench
+    from nemo_dflash.inference.evaluate import load_humaneval, load_mtbench
     from nemo_dflash.train.trainer import Trainer
 
     cfg = load_recipe("smollm2_135m.yaml", [
@@ -102,7 +105,8 @@ def main(argv=None) -> dict:
     for name in prompt_sets:
         lines.append(f"{name:<11} acceptance length {before[name]:.2f} -> {after[name]:.2f}")
     lines.append(
-        f"Mean acceptance length on held-out prompts (speculative decoding, T=0, block {cfg.draft.block_size}): "
+        f"Mean acceptance length on held-out prompts (speculative decoding, up to {args.eval_new_tokens} new tokens, "
+        f"1 turn, T=0, block {cfg.draft.block_size}): "
         f"before {mean(before):.2f} -> after {mean(after):.2f}"
     )
     print("\n".join(lines), flush=True)  # the demo's report, on stdout by design
