@@ -74,3 +74,16 @@ def save_tiny_qwen3_target(out: Path, num_layers: int = 2, hidden: int = 32) -> 
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
     return out
+
+
+def hf_greedy(target: torch.nn.Module, ids: torch.Tensor, n: int, eos: Optional[int] = None) -> list[int]:
+    """HF's own greedy decoding: the reference every decode mode must reproduce at T=0."""
+    out = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+        eos_token_id=eos,
+    )
+    return out[0, ids.shape[1]:].tolist()
+
+
+def prompt(seed: int, vocab: int = 250, n: int = 9) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))

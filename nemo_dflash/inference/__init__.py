@@ -1,5 +1,10 @@
-"""Speculative decoding with a DFlash draft (one prompt at a time) and its AR baseline."""
+"""Speculative decoding with a DFlash draft (one prompt at a time) and its AR baseline.
 
+Two decode modes: "eager" (HF DynamicCache) and "graphs" (static cache + CUDA graphs, as
+serving engines run); `check_decode_mode` validates one before any model is loaded.
+"""
+
+from nemo_dflash.inference.graphs import DECODE_MODES, check_decode_mode
 from nemo_dflash.inference.spec_decode import (
     DFlashSpeculativeDecoder,
     GenerationOutput,
@@ -11,9 +16,11 @@ from nemo_dflash.inference.spec_decode import (
 )
 
 __all__ = [
+    "DECODE_MODES",
     "DFlashSpeculativeDecoder",
     "GenerationOutput",
     "autoregressive_generate",
+    "check_decode_mode",
     "crop_dynamic_cache",
     "select_tokens",
     "speculative_generate",

@@ -11,6 +11,12 @@ Cache bookkeeping (the part that is easy to get wrong):
   the rejected draft tokens leave no trace;
 - the draft's `DFlashContextCache` only ever receives the target features of *verified*
   tokens (the block K/V are never stored), so it needs no rollback.
+
+Two decode modes (`decode=`): "eager" is this module's loop on HF's DynamicCache; "graphs" is
+the fixed-shape loop of `static_decode` (StaticCache, CUDA graphs), what serving engines run.
+The eager loop keeps its per-step host work small: the feature hooks stay registered for the
+whole generation, the verify mask is built directly (not by HF's mask utilities), and at T=0
+a step reads the device once (accepted length and tokens in one copy).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from nemo_dflash.inference.graphs import check_decode_mode
+from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -97,22 +106,34 @@ def _accepts_kwarg(model: nn.Module, name: str) -> bool:
         return False
 
 
+def _crop_takes_tokens_to_remove(cache: DynamicCache) -> bool:
+    params = list(inspect.signature(cache.crop).parameters)
+    return bool(params) and params[0] == "tokens_to_remove"
+
+
 def crop_dynamic_cache(cache: DynamicCache, length: int) -> None:
     """Crop a DynamicCache to its first `length` positions.
 
-    transformers >= 5 takes the number of tokens to *remove* (a negative int); older versions
-    took the length to keep. Both are handled.
+    Plain DynamicLayers are sliced directly (a view per layer: this runs every decoding step,
+    and the per-layer `crop` goes through a deprecation wrapper). Otherwise the cache's own
+    `crop`: transformers >= 5 takes the number of tokens to *remove* (a negative int), older
+    versions took the length to keep.
     """
     current = cache.get_seq_length()
     if length >= current:
         return
-    params = list(inspect.signature(cache.crop).parameters)
-    if params and params[0] == "tokens_to_remove":
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        for layer in layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+    elif _crop_takes_tokens_to_remove(cache):
         cache.crop(length - current)
     else:  # pragma: no cover - transformers 4.x
         cache.crop(length)
     if cache.get_seq_length() != length:  # pragma: no cover
-        raise RuntimeError(f"DynamicCache.crop left {cache.get_seq_length()} positions, expected {length}")
+        raise RuntimeError(f"DynamicCache crop left {cache.get_seq_length()} positions, expected {length}")
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -199,6 +220,7 @@ class DFlashSpeculativeDecoder:
 
     `block_size` may be smaller than the draft was trained with (a block-16 draft works at
     8); the block includes the last verified token, so B - 1 tokens are drafted per step.
+    The "graphs" mode's captured steps are kept on the decoder and reused across prompts.
     """
 
     def __init__(self, target_model: nn.Module, draft: DFlashDraftModel, block_size: Optional[int] = None) -> None:
@@ -219,6 +241,7 @@ class DFlashSpeculativeDecoder:
         self.embed_tokens = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
+        self._static_runners: dict = {}  # (greedy, use_graphs) -> static_decode.StaticSpecRunner
 
     @property
     def device(self) -> torch.device:
@@ -239,9 +262,8 @@ class DFlashSpeculativeDecoder:
         the draft cache has not seen yet); they are appended to `draft_cache`.
         """
         device = last_token.device
-        block_ids = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)
-        block_ids[0, 0] = last_token[0]
-        noise = self.embed_tokens(block_ids)
+        masks = torch.full((block_size - 1,), self.mask_token_id, dtype=torch.long, device=device)
+        noise = self.embed_tokens(torch.cat([last_token.view(1), masks]).unsqueeze(0))
         c_len = context_features.shape[1]
         pos = torch.arange(position - c_len, position + block_size, device=device).unsqueeze(0)
         hidden = self.draft(noise_embedding=noise, target_hidden=context_features, position_ids=pos, cache=draft_cache)
@@ -258,58 +280,102 @@ class DFlashSpeculativeDecoder:
         generator: Optional[torch.Generator] = None,
         past_key_values: Optional[DynamicCache] = None,
         draft_cache: Optional[DFlashContextCache] = None,
+        decode: str = "eager",
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` after `input_ids`.
 
-        `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards.
+        `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards
+        (eager mode only). `decode`: "eager" (HF DynamicCache) or "graphs" (static cache + CUDA
+        graphs, CUDA only); both give the target's greedy output at T=0.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         device = self.device
+        check_decode_mode(decode, device)
         ids = _as_input_ids(input_ids, device)
         stop_ids = _stop_set(stop_token_ids)
+        if decode == "graphs":
+            if past_key_values is not None or draft_cache is not None:
+                raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
+            from nemo_dflash.inference.static_decode import static_speculative_generate
+
+            return static_speculative_generate(self, ids, max_new_tokens, temperature, stop_ids, generator, True)
+        return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache)
+
+    def _verify_mask(self, q_pos: torch.Tensor, kv_len: int) -> dict:
+        """The verify forward's causal mask, built directly when we know the attention's mask
+        format (HF's mask utilities cost Python time every step); otherwise left to HF."""
+        impl = attn_implementation(self.target.model)
+        if impl not in SUPPORTED_ATTN:
+            return {}
+        return {"attention_mask": causal_mask(q_pos, kv_len, impl, self.lm_head.weight.dtype)}
+
+    def _generate_eager(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        stop_ids: set[int],
+        generator: Optional[torch.Generator],
+        past_key_values: Optional[DynamicCache],
+        draft_cache: Optional[DFlashContextCache],
+    ) -> GenerationOutput:
+        device, model = self.device, self.target.model
         blk = self.block_size
+        greedy = temperature <= 0
         cache = past_key_values if past_key_values is not None else DynamicCache()
         dcache = draft_cache if draft_cache is not None else DFlashContextCache(len(self.draft.layers))
+        no_draft = torch.empty(0, dtype=torch.long, device=device)
 
-        _sync(device)
-        t0 = time.perf_counter()
-        prompt_len = ids.shape[1]
-        feats, out = self.target.forward_features(
-            ids, need_logits=True, past_key_values=cache, use_cache=True,
-            position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **self._prefill_kwargs,
-        )
-        first, _ = select_tokens(out.logits[0, -1:], temperature, generator)
-        output = [int(first[0])]
-        _sync(device)
-        t1 = time.perf_counter()
-
-        stopped = output[0] in stop_ids
-        accept_lens: list[int] = []
-        pending = feats  # target features the draft has not seen: positions [prompt_len - C, position)
-        while not stopped and len(output) < max_new_tokens:
-            position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
-            last = torch.tensor([output[-1]], dtype=torch.long, device=device)
-            if blk > 1:
-                d_logits = self.draft_logits(last, position, pending, dcache, blk)
-                d_tokens, d_probs = select_tokens(d_logits, temperature, generator)
-            else:
-                d_tokens, d_probs = torch.empty(0, dtype=torch.long, device=device), None
-            block = torch.cat([last, d_tokens]).unsqueeze(0)  # [1, B]
-            feats, out = self.target.forward_features(
-                block, need_logits=True, past_key_values=cache, use_cache=True,
-                position_ids=torch.arange(position, position + blk, device=device).unsqueeze(0),
+        # One set of feature hooks for the whole generation (not registered per forward).
+        with self.target.capture(stop_early=False) as captured:
+            _sync(device)
+            t0 = time.perf_counter()
+            prompt_len = ids.shape[1]
+            out = model(
+                input_ids=ids, past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **self._prefill_kwargs,
             )
-            n_acc, nxt = verify_block(d_tokens, out.logits[0], temperature, d_probs, generator)
-            new = d_tokens[:n_acc].tolist() + [nxt]
-            accept_lens.append(len(new))
-            # Keep the last token and the accepted drafts (positions position..position+n_acc).
-            crop_dynamic_cache(cache, position + n_acc + 1)
-            pending = feats[:, : n_acc + 1]
-            kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
-            output.extend(kept)
-        _sync(device)
-        t2 = time.perf_counter()
+            pending = self.target.concat(captured)  # features the draft has not seen: [prompt_len - C, position)
+            last, _ = select_tokens(out.logits[0, -1:], temperature, generator)  # [1], on the device
+            output = [int(last[0])]
+            _sync(device)
+            t1 = time.perf_counter()
+
+            stopped = output[0] in stop_ids
+            accept_lens: list[int] = []
+            while not stopped and len(output) < max_new_tokens:
+                position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
+                if blk > 1:
+                    d_logits = self.draft_logits(last, position, pending, dcache, blk)
+                    d_tokens, d_probs = select_tokens(d_logits, temperature, generator)
+                else:
+                    d_tokens, d_probs = no_draft, None
+                q_pos = torch.arange(position, position + blk, device=device)
+                out = model(
+                    input_ids=torch.cat([last, d_tokens]).unsqueeze(0), past_key_values=cache, use_cache=True,
+                    position_ids=q_pos.unsqueeze(0), **self._verify_mask(q_pos, position + blk),
+                )
+                feats = self.target.concat(captured)
+                if greedy:
+                    tgt = out.logits[0].argmax(dim=-1)  # [B]
+                    n_acc_t = (d_tokens == tgt[:-1]).long().cumprod(dim=0).sum()
+                    res = torch.cat([n_acc_t.view(1), tgt]).tolist()  # the step's one host sync
+                    n_acc = res[0]
+                    new = res[1: n_acc + 2]  # accepted proposals equal the target's own tokens
+                    last = tgt[n_acc: n_acc + 1]
+                else:
+                    n_acc, nxt = verify_block(d_tokens, out.logits[0], temperature, d_probs, generator)
+                    new = d_tokens[:n_acc].tolist() + [nxt]
+                    last = torch.full((1,), nxt, dtype=torch.long, device=device)
+                accept_lens.append(len(new))
+                # Keep the last token and the accepted drafts (positions position..position+n_acc).
+                crop_dynamic_cache(cache, position + n_acc + 1)
+                pending = feats[:, : n_acc + 1]
+                kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
+                output.extend(kept)
+            _sync(device)
+            t2 = time.perf_counter()
         return GenerationOutput(
             output_ids=output,
             num_target_forwards=len(accept_lens),
@@ -330,14 +396,23 @@ def autoregressive_generate(
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
     past_key_values: Optional[DynamicCache] = None,
+    decode: str = "eager",
 ) -> GenerationOutput:
-    """Plain one-token-per-forward decoding with the same target and DynamicCache: the
-    speedup baseline (timed the same way, prefill excluded)."""
+    """Plain one-token-per-forward decoding with the same target: the speedup baseline (timed
+    the same way, prefill excluded). `decode` as in `DFlashSpeculativeDecoder.generate`, so that
+    both sides of a speedup run in the same mode."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = _device_of(target_model)
+    check_decode_mode(decode, device)
     ids = _as_input_ids(input_ids, device)
     stop_ids = _stop_set(stop_token_ids)
+    if decode == "graphs":
+        if past_key_values is not None:
+            raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")
+        from nemo_dflash.inference.static_decode import static_autoregressive_generate
+
+        return static_autoregressive_generate(target_model, ids, max_new_tokens, temperature, stop_ids, generator, True)
     cache = past_key_values if past_key_values is not None else DynamicCache()
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
 
@@ -358,10 +433,10 @@ def autoregressive_generate(
         position = prompt_len + len(output) - 1
         out = target_model(
             input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True,
-            position_ids=torch.tensor([[position]], device=device),
+            position_ids=torch.arange(position, position + 1, device=device).unsqueeze(0),  # no host->device copy
         )
         tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
-        output.append(int(tok[0]))
+        output.append(int(tok[0]))  # the step's one host sync
         steps += 1
         stopped = output[-1] in stop_ids
     _sync(device)
@@ -384,12 +459,14 @@ def speculative_generate(
     block_size: Optional[int] = None,
     **kwargs,
 ) -> GenerationOutput:
-    """One-shot helper around `DFlashSpeculativeDecoder(...).generate(...)`."""
+    """One-shot helper around `DFlashSpeculativeDecoder(...).generate(...)` (`decode=` included;
+    a new decoder per call, so "graphs" captures anew each time: keep a decoder to reuse them)."""
     return DFlashSpeculativeDecoder(target_model, draft, block_size).generate(input_ids, **kwargs)
 
 
 __all__ = [
     "DFlashSpeculativeDecoder",
+    "check_decode_mode",
     "GenerationOutput",
     "autoregressive_generate",
     "crop_dynamic_cache",

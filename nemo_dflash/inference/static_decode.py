@@ -1,0 +1,336 @@
+"""Fixed-shape decoding loops (the "graphs" mode), plain and speculative.
+
+Every decode step has the same shapes and reads its inputs from static device buffers, so each
+step is captured once as a CUDA graph and replayed (`use_graphs=True`), or run eagerly with the
+very same code (`use_graphs=False`: CPU, tests). At T=0 a step also does its own bookkeeping on
+the device (argmax, accepted length, next block's first token, next positions), so the host
+only reads back the new tokens: one small device-to-host copy per step and nothing else.
+
+Per speculative step (block size B, position p of the last verified token):
+1. draft: new context features (padded to B) -> draft context cache at their positions,
+   block `[last, MASK x (B-1)]` at p..p+B-1 -> B-1 proposals written into the verify input;
+2. verify: the target runs the B tokens at p..p+B-1 against its StaticCache (writing their
+   K/V there), its features of the B tokens go to the draft's next input, and the accepted
+   length n, the next first token and p + n + 1 are computed in place.
+Rejected tokens' K/V stay in both caches, hidden by the masks, until overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from nemo_dflash.inference.graphs import CapturedStep, EagerStep
+from nemo_dflash.inference.spec_decode import (
+    GenerationOutput,
+    _probs,
+    _sample,
+    _sync,
+    _truncate,
+    select_tokens,
+    verify_block,
+)
+from nemo_dflash.inference.static_cache import (
+    StaticDraftContextCache,
+    TargetStaticCache,
+    attn_implementation,
+    causal_mask,
+    check_static_target,
+)
+
+logger = logging.getLogger(__name__)
+
+LENGTH_BUCKET = 256  # cache lengths are rounded up to this, so most prompts reuse the captured graphs
+
+
+def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Positions a generation can write (a verify writes B past the last token), rounded up."""
+    need = prompt_len + max_new_tokens + block_size
+    return -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool) -> Any:
+    return CapturedStep(fn, device) if use_graphs else EagerStep(fn)
+
+
+# ----------------------------------------------------------------------------- plain decoding
+
+
+class StaticPlainRunner:
+    """One-token decoding of a target on a StaticCache, one captured graph per token."""
+
+    def __init__(self, model: nn.Module, max_len: int, greedy: bool, use_graphs: bool) -> None:
+        check_static_target(model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = _model_dtype(model)
+        self.attn = attn_implementation(model)
+        self.max_len, self.greedy, self.use_graphs = int(max_len), greedy, use_graphs
+        self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype)
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros((), dtype=torch.long, device=self.device)
+        if use_graphs:
+            logger.info("Capturing the target's 1-token step as a CUDA graph (cache length %d)", self.max_len)
+        self.step = _make_step(self._step, self.device, use_graphs)
+
+    def _step(self) -> torch.Tensor:
+        self.kv.set_length(self.pos)
+        q_pos = self.pos.view(1)
+        out = self.model(
+            input_ids=self.tok, position_ids=q_pos.view(1, 1), past_key_values=self.kv.cache, use_cache=True,
+            attention_mask=causal_mask(q_pos, self.max_len, self.attn, self.dtype),
+        )
+        logits = out.logits[0, -1:]
+        if self.greedy:  # advance on the device: next input token and position
+            self.tok.copy_(logits.argmax(dim=-1).view(1, 1))
+            self.pos.add_(1)
+        return logits
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Eager prompt forward into the static cache; returns the last position's logits [1, V]."""
+        plen = ids.shape[1]
+        self.pos.zero_()
+        self.kv.set_length(self.pos)
+        positions = torch.arange(plen, device=self.device)
+        out = self.model(
+            input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
+            attention_mask=causal_mask(positions, self.max_len, self.attn, self.dtype),
+        )
+        return out.logits[0, -1:]
+
+    @torch.no_grad()
+    def generate(
+        self, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+        generator: Optional[torch.Generator],
+    ) -> GenerationOutput:
+        device = self.device
+        _sync(device)
+        t0 = time.perf_counter()
+        tok, _ = select_tokens(self.prefill(ids), temperature, generator)
+        output = [int(tok[0])]
+        self.tok.copy_(tok.view(1, 1))
+        self.pos.fill_(ids.shape[1])
+        _sync(device)
+        t1 = time.perf_counter()
+        stopped = output[0] in stop_ids
+        steps = 0
+        while not stopped and len(output) < max_new_tokens:
+            logits = self.step.replay()
+            if self.greedy:
+                nxt = int(self.tok)  # the step's one host sync
+            else:
+                tok, _ = select_tokens(logits, temperature, generator)
+                self.tok.copy_(tok.view(1, 1))
+                self.pos.add_(1)
+                nxt = int(tok[0])
+            output.append(nxt)
+            steps += 1
+            stopped = nxt in stop_ids
+        _sync(device)
+        t2 = time.perf_counter()
+        return GenerationOutput(
+            output_ids=output, num_target_forwards=steps, acceptance_lengths=[1] * steps,
+            decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=stopped,
+        )
+
+
+# One runner per (target, greedy), reused across calls: capture costs far more than a step.
+_PLAIN_RUNNERS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, bool], StaticPlainRunner]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def static_autoregressive_generate(
+    model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    generator: Optional[torch.Generator], use_graphs: bool,
+) -> GenerationOutput:
+    """Plain decoding on the static path; captures (or re-captures for a longer cache) as needed."""
+    greedy = temperature <= 0
+    need = cache_length_for(ids.shape[1], max_new_tokens, 1)
+    runners = _PLAIN_RUNNERS.setdefault(model, {})
+    runner = runners.get((greedy, use_graphs))
+    if runner is None or runner.max_len < need:
+        runners.pop((greedy, use_graphs), None)  # free the old graphs and cache first
+        runner = StaticPlainRunner(model, need, greedy, use_graphs)
+        runners[(greedy, use_graphs)] = runner
+    return runner.generate(ids, max_new_tokens, temperature, stop_ids, generator)
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+
+
+class StaticSpecRunner:
+    """Fixed-shape speculative decoding for one `DFlashSpeculativeDecoder` (see the module doc)."""
+
+    def __init__(self, decoder: Any, max_len: int, greedy: bool, use_graphs: bool) -> None:
+        model = decoder.target.model
+        check_static_target(model)
+        self.dec = decoder
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = _model_dtype(model)
+        self.attn = attn_implementation(model)
+        self.B = decoder.block_size
+        self.max_len, self.greedy, self.use_graphs = int(max_len), greedy, use_graphs
+        self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype)
+        self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len)
+        dev, B = self.device, self.B
+        self.blk = torch.zeros(1, B, dtype=torch.long, device=dev)  # verify input [last, proposals]
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)  # position of blk[0, 0]
+        self.ctx_start = torch.zeros((), dtype=torch.long, device=dev)  # first position of the draft's new context
+        self.arange_b = torch.arange(B, device=dev)
+        self.mask_ids = torch.full((B - 1,), decoder.mask_token_id, dtype=torch.long, device=dev)
+        self.key_index = torch.arange(self.max_len, device=dev)
+        self.block_visible = torch.ones(B, dtype=torch.bool, device=dev)
+        n_feat = len(decoder.target.target_layer_ids) * model.config.hidden_size
+        self.feats = torch.zeros(1, B, n_feat, dtype=self.dtype, device=dev)  # verified features, padded to B
+        self.result = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [n_accepted, target tokens...]
+        self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
+        if use_graphs:
+            logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d)",
+                        B, self.max_len)
+        self.draft_step = _make_step(lambda: self._draft(self.feats), dev, use_graphs) if B > 1 else None
+        self.verify_step = _make_step(self._verify, dev, use_graphs)
+
+    # -- the two captured steps
+
+    def _draft(self, feats: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B-1, V] for the block at self.pos, given new context `feats` [1, C, n*H]
+        at positions ctx_start.. (C = B padded in the captured step; the prompt at step 1)."""
+        B, c_len = self.B, feats.shape[1]
+        ctx_pos = self.ctx_start + (self.arange_b if c_len == B else torch.arange(c_len, device=self.device))
+        self.dcache.write_positions = ctx_pos
+        position_ids = torch.cat([ctx_pos, self.pos + self.arange_b]).unsqueeze(0)
+        noise = self.dec.embed_tokens(torch.cat([self.blk[0, :1], self.mask_ids]).unsqueeze(0))
+        # Context slot j is visible iff j < pos (verified); block keys are all visible.
+        visible = torch.cat([self.key_index < self.pos, self.block_visible]).view(1, 1, 1, -1)
+        hidden = self.dec.draft(noise_embedding=noise, target_hidden=feats, position_ids=position_ids,
+                                attention_mask=visible, cache=self.dcache)
+        logits = self.dec.lm_head(hidden[0, 1:].to(self.dec.lm_head.weight.dtype))
+        if self.greedy:
+            self.blk[0, 1:].copy_(logits.argmax(dim=-1))
+        return logits
+
+    def _verify(self) -> torch.Tensor:
+        """Target logits [B, V] of the block; at T=0 also accept and advance, on the device."""
+        B = self.B
+        self.kv.set_length(self.pos)
+        q_pos = self.pos + self.arange_b
+        with self.dec.target.capture(stop_early=False) as captured:
+            out = self.model(
+                input_ids=self.blk, position_ids=q_pos.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
+                attention_mask=causal_mask(q_pos, self.max_len, self.attn, self.dtype),
+            )
+        self.feats.copy_(self.dec.target.concat(captured))
+        logits = out.logits[0]
+        if self.greedy:
+            tgt = logits.argmax(dim=-1)  # [B]
+            n_acc = (self.blk[0, 1:] == tgt[:-1]).long().cumprod(dim=0).sum()
+            self.result[0].copy_(n_acc)
+            self.result[1:].copy_(tgt)
+            self.ctx_start.copy_(self.pos)
+            self.pos.add_(n_acc + 1)
+            self.blk[0, :1].copy_(tgt.gather(0, n_acc.view(1)))
+        return logits
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager prompt forward: (last logits [1, V], prompt features [1, P, n*H])."""
+        plen = ids.shape[1]
+        self.pos.zero_()
+        self.kv.set_length(self.pos)
+        positions = torch.arange(plen, device=self.device)
+        with self.dec.target.capture(stop_early=False) as captured:
+            out = self.model(
+                input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
+                attention_mask=causal_mask(positions, self.max_len, self.attn, self.dtype),
+            )
+        return out.logits[0, -1:], self.dec.target.concat(captured)
+
+    # -- the loop
+
+    @torch.no_grad()
+    def generate(
+        self, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+        generator: Optional[torch.Generator],
+    ) -> GenerationOutput:
+        device, B = self.device, self.B
+        _sync(device)
+        t0 = time.perf_counter()
+        logits, prompt_feats = self.prefill(ids)
+        first, _ = select_tokens(logits, temperature, generator)
+        output = [int(first[0])]
+        plen = ids.shape[1]
+        self.blk[0, :1].copy_(first)
+        self.pos.fill_(plen)
+        self.ctx_start.zero_()
+        _sync(device)
+        t1 = time.perf_counter()
+
+        stopped = output[0] in stop_ids
+        accept_lens: list[int] = []
+        step_one = True
+        while not stopped and len(output) < max_new_tokens:
+            d_logits = None
+            if B > 1:  # step 1 drafts against the whole prompt (eager); later steps replay the graph
+                d_logits = self._draft(prompt_feats) if step_one else self.draft_step.replay()
+                step_one = False
+            d_tokens, d_probs = self.blk[0, 1:], None
+            if not self.greedy and B > 1:
+                d_probs = _probs(d_logits, temperature)
+                self.blk[0, 1:].copy_(_sample(d_probs, generator))
+            if self.after_draft is not None:
+                self.after_draft()
+            logits = self.verify_step.replay()
+            if self.greedy:
+                res = self.result.tolist()  # the step's one host sync
+                n_acc = res[0]
+                new = res[1: n_acc + 2]  # accepted proposals equal the target's tokens
+            else:
+                n_acc, nxt = verify_block(d_tokens, logits, temperature, d_probs, generator)
+                new = d_tokens[:n_acc].tolist() + [nxt]
+                self.ctx_start.copy_(self.pos)
+                self.pos.add_(n_acc + 1)
+                self.blk[0, 0].fill_(nxt)
+            accept_lens.append(len(new))
+            kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
+            output.extend(kept)
+        _sync(device)
+        t2 = time.perf_counter()
+        return GenerationOutput(
+            output_ids=output, num_target_forwards=len(accept_lens), acceptance_lengths=accept_lens,
+            decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=stopped,
+        )
+
+
+def static_speculative_generate(
+    decoder: Any, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    generator: Optional[torch.Generator], use_graphs: bool,
+) -> GenerationOutput:
+    """Speculative decoding on the static path, reusing the decoder's runner when it fits."""
+    greedy = temperature <= 0
+    need = cache_length_for(ids.shape[1], max_new_tokens, decoder.block_size)
+    runner = decoder._static_runners.get((greedy, use_graphs))
+    if runner is None or runner.max_len < need:
+        decoder._static_runners.pop((greedy, use_graphs), None)
+        runner = StaticSpecRunner(decoder, need, greedy, use_graphs)
+        decoder._static_runners[(greedy, use_graphs)] = runner
+    return runner.generate(ids, max_new_tokens, temperature, stop_ids, generator)
+
+
+__all__ = [
+    "LENGTH_BUCKET",
+    "StaticPlainRunner",
+    "StaticSpecRunner",
+    "cache_length_for",
+    "static_autoregressive_generate",
+    "static_speculative_generate",
+]

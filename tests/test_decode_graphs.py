@@ -1,0 +1,294 @@
+"""The fixed-shape ("graphs") decoding path, run eagerly on CPU: the same step functions that
+are captured as CUDA graphs on a GPU, checked against HF's own greedy decoding, against the
+eager path's draft proposals, and against from-scratch recomputation of both caches. Capture
+itself needs a GPU: `benchmarks/decode_speed.py` checks the captured path there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode
+from nemo_dflash.inference.static_cache import (
+    StaticDraftContextCache,
+    TargetStaticCache,
+    causal_mask,
+    check_static_target,
+)
+from nemo_dflash.inference.static_decode import (
+    LENGTH_BUCKET,
+    cache_length_for,
+    static_autoregressive_generate,
+    static_speculative_generate,
+)
+from nemo_dflash.model.modeling import apply_rope
+from nemo_dflash.target import HFDFlashTargetModel
+
+from _spec_fixtures import hf_greedy, make_draft, prompt, tiny_llama, tiny_qwen3
+
+PROMPT_LEN = 9
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: extra threads only add contention
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama-eager-attn"])
+def target(request):
+    if request.param == "qwen3":
+        return tiny_qwen3()
+    model = tiny_llama()
+    model.config._attn_implementation = "eager"  # the float-mask branch
+    return model
+
+
+def spec_static(decoder, ids, n, temperature=0.0, stop=(), generator=None):
+    return static_speculative_generate(decoder, ids, n, temperature, set(stop), generator, use_graphs=False)
+
+
+def runner_of(decoder, greedy=True):
+    return decoder._static_runners[(greedy, False)]
+
+
+# ----------------------------------------------------------------------------- modes and bad input
+
+
+def test_check_decode_mode():
+    check_decode_mode("eager", "cpu")
+    check_decode_mode("eager", None)
+    with pytest.raises(ValueError, match="Unknown decode mode 'fast'"):
+        check_decode_mode("fast", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device.*decode='eager'") as err:
+        check_decode_mode("graphs", torch.device("cpu"))
+    assert "\n" not in str(err.value)
+
+
+def test_graphs_on_cpu_fails_before_decoding(monkeypatch):
+    target = tiny_qwen3(num_layers=2)
+    draft = make_draft(target, layer_ids=[0, 1])
+
+    def boom(*a, **k):  # the error must come before any forward
+        raise AssertionError("model called")
+
+    monkeypatch.setattr(target, "forward", boom)
+    with pytest.raises(ValueError, match="CUDA"):
+        autoregressive_generate(target, [1, 2, 3], decode="graphs")
+    with pytest.raises(ValueError, match="CUDA"):
+        DFlashSpeculativeDecoder(target, draft).generate([1, 2, 3], decode="graphs")
+    with pytest.raises(ValueError, match="Unknown decode mode"):
+        autoregressive_generate(target, [1, 2, 3], decode="static")
+
+
+def test_static_target_rejects_what_it_cannot_mask():
+    model = tiny_qwen3(num_layers=2)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        check_static_target(model)
+    model.config._attn_implementation = "sdpa"
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="full-attention targets only.*decode='eager'"):
+        check_static_target(model)
+
+
+def test_causal_mask_matches_definition():
+    q = torch.tensor([3, 4, 5])
+    m = causal_mask(q, 8, "sdpa", torch.float32)
+    want = torch.tensor([[j <= p for j in range(8)] for p in (3, 4, 5)])
+    assert m.shape == (1, 1, 3, 8) and torch.equal(m[0, 0], want)
+    f = causal_mask(q, 8, "eager", torch.float32)[0, 0]
+    assert torch.equal(f == 0, want) and (f[~want] == torch.finfo(torch.float32).min).all()
+
+
+def test_cache_length_is_bucketed():
+    assert cache_length_for(9, 30, 8) == LENGTH_BUCKET
+    assert cache_length_for(200, 50, 16) == 2 * LENGTH_BUCKET
+
+
+# ----------------------------------------------------------------------------- greedy exactness
+
+
+def test_static_plain_matches_hf_greedy(target):
+    for seed in range(2):
+        ids = prompt(seed)
+        out = static_autoregressive_generate(target, ids, 25, 0.0, set(), None, use_graphs=False)
+        assert out.output_ids == hf_greedy(target, ids, 25)
+        assert out.num_target_forwards == 24 and out.decode_time_s > 0
+
+
+@pytest.mark.parametrize("block_size", [8, 3, 1])
+def test_static_spec_matches_hf_greedy(target, block_size):
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block_size)
+    for seed in range(2):
+        ids = prompt(seed)
+        out = spec_static(decoder, ids, 30)
+        assert out.output_ids == hf_greedy(target, ids, 30)
+        assert all(1 <= a <= block_size for a in out.acceptance_lengths)
+        assert out.num_target_forwards == len(out.acceptance_lengths)
+
+
+def test_static_draft_matches_the_eager_draft(target):
+    """Padded context, preallocated cache and masks must not change the draft's logits."""
+    draft = make_draft(target, block_size=6)
+    ids = prompt(4)
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    eager_logits = []
+    real = decoder.draft_logits
+
+    def record(*args):
+        eager_logits.append(real(*args))
+        return eager_logits[-1]
+
+    decoder.draft_logits = record
+    eager = decoder.generate(ids, max_new_tokens=20)
+    del decoder.draft_logits
+
+    decoder2 = DFlashSpeculativeDecoder(target, draft)
+    spec_static(decoder2, ids, 2)  # builds the runner; the wrapper records the next generation
+    runner = runner_of(decoder2)
+    static_logits = []
+    real_static = runner._draft
+    runner._draft = lambda feats: static_logits.append(real_static(feats)) or static_logits[-1]
+    static = spec_static(decoder2, ids, 20)
+    assert static.output_ids == eager.output_ids
+    assert len(static_logits) == len(eager_logits) > 3
+    for got, want in zip(static_logits, eager_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def _oracle_hook(runner, full, good=None):
+    """Overwrite the proposals with the target's greedy continuation (right for the first
+    `good(step)` slots, then wrong), as a perfect or partly right draft would propose."""
+    calls = {"n": 0}
+
+    def hook():
+        calls["n"] += 1
+        p = int(runner.pos)
+        k_good = runner.B - 1 if good is None else good(calls["n"])
+        toks = []
+        for k in range(1, runner.B):
+            j = p + k
+            tok = full[j] if j < len(full) else 0
+            toks.append(tok if k <= k_good else (tok + 1) % 250)
+        runner.blk[0, 1:] = torch.tensor(toks)
+
+    runner.after_draft = hook
+
+
+@pytest.mark.parametrize("block_size", [8, 4])
+def test_static_oracle_accepts_whole_blocks(target, block_size):
+    ids = prompt(5)
+    n = 1 + 4 * block_size
+    ref = hf_greedy(target, ids, n + block_size)
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block_size)
+    spec_static(decoder, ids, 2)
+    _oracle_hook(runner_of(decoder), ids[0].tolist() + ref)
+    out = spec_static(decoder, ids, n)
+    assert out.output_ids == ref[:n]
+    assert out.acceptance_lengths == [block_size] * 4
+
+
+def test_static_caches_equal_recomputation():
+    """After partially accepted blocks, the verified part of the target's StaticCache and of the
+    draft's static context cache equals a from-scratch computation over the verified tokens."""
+    target = tiny_qwen3()
+    draft = make_draft(target, block_size=6)
+    ids = prompt(7)
+    ref = hf_greedy(target, ids, 40)
+    full = ids[0].tolist() + ref
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    spec_static(decoder, ids, 2)
+    runner = runner_of(decoder)
+    _oracle_hook(runner, full, good=lambda n: n % 4)
+    out = spec_static(decoder, ids, 30)
+    assert out.output_ids == ref[:30]
+    assert sorted(set(out.acceptance_lengths)) == [1, 2, 3, 4]
+
+    seq = torch.tensor([full])
+    n_kv = int(runner.pos)  # verified positions [0, pos) hold verified K/V
+    assert PROMPT_LEN + 28 <= n_kv <= len(full)
+    fresh = DynamicCache()
+    target(input_ids=seq[:, :n_kv], past_key_values=fresh, use_cache=True)
+    for got, want in zip(runner.kv.cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys[:, :, :n_kv], want.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values[:, :, :n_kv], want.values, atol=1e-5, rtol=1e-4)
+
+    n_ctx = int(runner.ctx_start)  # the last draft step saw context [0, ctx_start)
+    assert PROMPT_LEN < n_ctx < n_kv
+    feats, _ = HFDFlashTargetModel(target, draft.target_layer_ids).forward_features(seq[:, :n_ctx])
+    ctx = draft.fuse_context(feats)
+    cos, sin = draft.rotary_emb(torch.arange(n_ctx).unsqueeze(0), ctx.dtype)
+    for i, layer in enumerate(draft.layers):
+        k, v = layer.self_attn._kv(ctx)
+        torch.testing.assert_close(runner.dcache.keys[i][:, :, :n_ctx], apply_rope(k, cos, sin), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(runner.dcache.values[i][:, :, :n_ctx], v, atol=1e-5, rtol=1e-4)
+
+
+def test_static_stop_tokens_and_longer_requests():
+    target = tiny_qwen3()
+    draft = make_draft(target, block_size=8)
+    ids = prompt(11)
+    ref = hf_greedy(target, ids, 40)
+    stop = ref[6]
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    out = spec_static(decoder, ids, 40, stop=[stop, 10**6])
+    assert out.output_ids == ref[: ref.index(stop) + 1] and out.stopped
+    plain = static_autoregressive_generate(target, ids, 40, 0.0, {stop}, None, use_graphs=False)
+    assert plain.output_ids == out.output_ids and plain.stopped
+    # A request that no longer fits the cache gets a longer one (a new capture on a GPU).
+    small = runner_of(decoder).max_len
+    long_ids = prompt(12, n=LENGTH_BUCKET - 20)
+    out = spec_static(decoder, long_ids, 40)
+    assert runner_of(decoder).max_len > small
+    assert out.output_ids == hf_greedy(target, long_ids, 40)
+
+
+# ----------------------------------------------------------------------------- the caches
+
+
+def test_static_draft_cache_writes_at_positions():
+    cache = StaticDraftContextCache(num_layers=1, max_len=6)
+    k = torch.arange(2 * 3 * 2, dtype=torch.float32).view(1, 2, 3, 2)
+    cache.write_positions = torch.tensor([2, 3, 4])
+    keys, values = cache.update(0, k, -k)
+    assert keys.shape == (1, 2, 6, 2)
+    torch.testing.assert_close(keys[:, :, 2:5], k)
+    assert (keys[:, :, :2] == 0).all() and (keys[:, :, 5:] == 0).all()
+    torch.testing.assert_close(values[:, :, 2:5], -k)
+
+
+def test_target_static_cache_set_length():
+    model = tiny_qwen3(num_layers=2)
+    kv = TargetStaticCache(model, 32, torch.device("cpu"), torch.float32)
+    kv.set_length(torch.tensor(7))
+    assert [int(layer.cumulative_length) for layer in kv.cache.layers] == [7, 7]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_static_sampling_end_to_end_distribution():
+    """Second generated token's marginal at T=1 (static path) vs the exact one from the target."""
+    target = tiny_qwen3(num_layers=2, vocab=8, hidden=32, seed=3)
+    draft = make_draft(target, block_size=4, layer_ids=[0, 1])
+    ids = torch.tensor([[1, 5, 2, 3]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        nxt = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
+        p2 = (p1.unsqueeze(1) * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    g = torch.Generator().manual_seed(0)
+    n, counts = 600, torch.zeros(8)
+    for _ in range(n):
+        out = spec_static(decoder, ids, 2, temperature=1.0, generator=g)
+        counts[out.output_ids[1]] += 1
+    assert (counts / n - p2).abs().max() < 0.07
+    a = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
+    b = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 12
+    plain = static_autoregressive_generate(target, ids, 12, 0.7, set(), g, use_graphs=False)
+    assert len(plain.output_ids) == 12
