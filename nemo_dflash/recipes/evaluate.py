@@ -348,7 +348,8 @@ class EvalRun:
                          for n, c in pr["datasets"].items())
         head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
-                f"T in {pr['temperatures']}, block {pr['block_size']}, decode {pr['decode']}; {sets}")
+                f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
+                f"decode {pr['decode']}; {sets}")
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 
 
