@@ -348,8 +348,8 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     from nemo_dflash.train.optim import build_optimizer
     from nemo_dflash.train.trainer import TrainStep, apply_compile, row_seeds
 
-    for layer in draft.layers:
-        layer._compiled_call_impl = None  # undo a previous case's compile
+    for m in (draft, *draft.layers):
+        m._compiled_call_impl = None  # undo a previous case's compile
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa")

@@ -122,6 +122,49 @@ def build_labels(
     return labels, label_valid
 
 
+@dataclass
+class BlockPlan:
+    """Which blocks a batch trains and which of their slots carry a label.
+
+    Everything here follows from the token ids, masks and anchor seeds alone, so the trainer
+    builds it on the CPU from the loader's batch and ships it with the tokens: the GPU step
+    then never waits on a data-dependent size (`nonzero`, anchor counts) mid-forward.
+    """
+
+    anchors: torch.Tensor  # [B, A] long, sorted; invalid ones at 0
+    valid: torch.Tensor  # [B, A] bool
+    label_valid: torch.Tensor  # [B, A, block] bool
+    sel: torch.Tensor  # [N] long: flat indices (into B*A*block) of the valid label slots
+    labels: torch.Tensor  # [N] long: their labels
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "BlockPlan":
+        pin = non_blocking and device.type == "cuda" and self.anchors.device.type == "cpu"
+        return BlockPlan(*(
+            (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
+            for t in (self.anchors, self.valid, self.label_valid, self.sel, self.labels)
+        ))
+
+
+def plan_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: Optional[torch.Generator] = None,
+    row_seeds: Optional[Sequence[int]] = None,
+    anchors: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None,
+) -> BlockPlan:
+    """Anchors (sampled unless given) and the valid label slots, on the inputs' device."""
+    if anchors is None:
+        anchors, valid = sample_anchors(loss_mask, attention_mask, block_size, num_anchors, generator, row_seeds)
+    assert valid is not None
+    labels, label_valid = build_labels(input_ids, loss_mask, attention_mask, anchors, valid, block_size)
+    sel = label_valid.flatten().nonzero().squeeze(-1)
+    return BlockPlan(anchors, valid, label_valid, sel, labels.flatten().index_select(0, sel))
+
+
 # ----------------------------------------------------------------------------- masks
 
 
@@ -227,6 +270,41 @@ def _chunk_loss(
     return loss, logits.argmax(-1)
 
 
+def _ce_chunk(
+    h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, mm_dtype: torch.dtype, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk of `_FusedLinearCE`: per-row loss, argmax and (softmax - onehot) @ W, in fp32.
+
+    Written for `torch.compile` (the onehot as a `where`, no in-place ops), which fuses the
+    reductions over the [rows, vocab] logits into one pass and the softmax, onehot and cast
+    into another: the eager loop reads and writes those logits about ten times.
+    The matmuls run in `mm_dtype` (what autocast would pick), the rest in fp32, as in the loop.
+    """
+    logits = F.linear(h.to(mm_dtype), weight.to(mm_dtype)).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    pred = logits.argmax(-1)
+    if not need_grad:
+        return loss, pred, None
+    probs = torch.exp(logits - lse.unsqueeze(1))
+    onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == y.unsqueeze(1)
+    probs = torch.where(onehot, probs - 1.0, probs)
+    return loss, pred, torch.matmul(probs.to(mm_dtype), weight.to(mm_dtype)).float()
+
+
+_compiled_ce_chunk = None
+
+
+def _ce_chunk_fn(device: torch.device):
+    """The compiled chunk on GPUs; None elsewhere (the eager loop, in place, uses less memory)."""
+    global _compiled_ce_chunk
+    if device.type != "cuda":
+        return None
+    if _compiled_ce_chunk is None:
+        _compiled_ce_chunk = torch.compile(_ce_chunk)
+    return _compiled_ce_chunk
+
+
 class _FusedLinearCE(torch.autograd.Function):
     """Cross-entropy of `hidden @ weight.T` whose input gradient is formed in the forward pass.
 
@@ -243,18 +321,31 @@ class _FusedLinearCE(torch.autograd.Function):
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        for s in range(0, n, chunk_size):
-            h = hidden[s : s + chunk_size]
-            y = labels[s : s + chunk_size]
-            logits = F.linear(h, weight).float()  # autocast (if on) picks the matmul dtype, as lm_head(h) would
-            lse = torch.logsumexp(logits, dim=-1)
-            losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            preds[s : s + chunk_size] = logits.argmax(-1)
-            if need_grad:
-                probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-                probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))
-                # bf16 under autocast, like the gradient the checkpointed path feeds back through lm_head
-                grad[s : s + chunk_size] = torch.matmul(probs.to(weight.dtype), weight).float()
+        compiled = _ce_chunk_fn(hidden.device)
+        if compiled is not None:
+            dev = hidden.device.type
+            mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+            with torch.autocast(dev, enabled=False):
+                for s in range(0, n, chunk_size):
+                    loss, pred, g = compiled(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
+                                             need_grad)
+                    losses[s : s + chunk_size] = loss
+                    preds[s : s + chunk_size] = pred
+                    if need_grad:
+                        grad[s : s + chunk_size] = g
+        else:
+            for s in range(0, n, chunk_size):
+                h = hidden[s : s + chunk_size]
+                y = labels[s : s + chunk_size]
+                logits = F.linear(h, weight).float()  # autocast (if on) picks the matmul dtype, as lm_head(h) would
+                lse = torch.logsumexp(logits, dim=-1)
+                losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+                preds[s : s + chunk_size] = logits.argmax(-1)
+                if need_grad:
+                    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                    probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))
+                    # bf16 under autocast, like the gradient the checkpointed path feeds back through lm_head
+                    grad[s : s + chunk_size] = torch.matmul(probs.to(weight.dtype), weight).float()
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(preds)
@@ -369,6 +460,17 @@ class DFlashTrainerModule(nn.Module):
             return build_flex_block_mask(anchors, valid, key_valid, self.block_size)
         return build_dense_block_mask(anchors, valid, key_valid, self.block_size)
 
+    def plan(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generator: Optional[torch.Generator] = None,
+        row_seeds: Optional[Sequence[int]] = None,
+    ) -> BlockPlan:
+        """This module's `plan_blocks` (its block size and anchor count), e.g. on the CPU batch."""
+        return plan_blocks(input_ids, loss_mask, attention_mask, self.block_size, self.num_anchors, generator, row_seeds)
+
     def forward(
         self,
         batch: DFlashTargetBatch,
@@ -376,13 +478,14 @@ class DFlashTrainerModule(nn.Module):
         anchors: Optional[torch.Tensor] = None,
         valid: Optional[torch.Tensor] = None,
         row_seeds: Optional[Sequence[int]] = None,
+        plan: Optional[BlockPlan] = None,
     ) -> DFlashLossOutput:
         input_ids, attn, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
         bsz, seq = input_ids.shape
         blk = self.block_size
-        if anchors is None:
-            anchors, valid = sample_anchors(loss_mask, attn, blk, self.num_anchors, generator, row_seeds)
-        assert valid is not None
+        if plan is None:
+            plan = plan_blocks(input_ids, loss_mask, attn, blk, self.num_anchors, generator, row_seeds, anchors, valid)
+        anchors, valid, label_valid, sel = plan.anchors, plan.valid, plan.label_valid, plan.sel
         n_blk = anchors.shape[1]
 
         block_ids = build_block_input_ids(input_ids, anchors, blk, self.mask_token_id)
@@ -396,9 +499,8 @@ class DFlashTrainerModule(nn.Module):
             attention_mask=mask, backend=self.attn_backend,
         )  # [B, A*blk, H]
 
-        labels, label_valid = build_labels(input_ids, loss_mask, attn, anchors, valid, blk)
-        weights = loss_decay_weights(blk, self.gamma, input_ids.device) * label_valid
-        sel = label_valid.flatten().nonzero().squeeze(-1)
+        # sel holds only valid label slots, whose weight is the slot's decay weight
+        w_sel = loss_decay_weights(blk, self.gamma, input_ids.device)[sel % blk]
         h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
         teacher = None
         if self.distill_weight > 0:
@@ -409,17 +511,15 @@ class DFlashTrainerModule(nn.Module):
             teacher = batch.logits.gather(1, src.unsqueeze(-1).expand(-1, -1, batch.logits.shape[-1]))
             teacher = teacher.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
         tok_loss, pred = chunked_lm_loss(
-            h_sel, labels.flatten().index_select(0, sel), self.lm_head, self.ce_chunk_size, teacher, self.distill_weight,
-            fused=self.fused_ce,
+            h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
         )
-        w_sel = weights.flatten().index_select(0, sel)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
         loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
 
         with torch.no_grad():
             correct = torch.zeros(bsz * n_blk * blk, dtype=torch.bool, device=input_ids.device)
-            correct[sel] = pred == labels.flatten().index_select(0, sel)
+            correct[sel] = pred == plan.labels
             correct = correct.view(bsz, n_blk, blk)
             block_ok = label_valid.any(-1)
             acc_len = acceptance_lengths(correct, label_valid)
@@ -435,6 +535,7 @@ class DFlashTrainerModule(nn.Module):
 
 
 __all__ = [
+    "BlockPlan",
     "DFlashLossOutput",
     "DFlashTrainerModule",
     "acceptance_lengths",
@@ -445,5 +546,6 @@ __all__ = [
     "block_positions",
     "chunked_lm_loss",
     "loss_decay_weights",
+    "plan_blocks",
     "sample_anchors",
 ]

@@ -172,9 +172,19 @@ class HFDFlashTargetModel:
         attention_mask: torch.Tensor,
         loss_mask: torch.Tensor,
         return_logits: bool = False,
+        right_padded: bool = False,
     ) -> DFlashTargetBatch:
-        """Run the frozen target and package the context features for the trainer module."""
-        hidden, outputs = self.forward_features(input_ids, need_logits=return_logits, attention_mask=attention_mask)
+        """Run the frozen target and package the context features for the trainer module.
+
+        `right_padded=True` (the caller checked that every row's padding is at its end) runs the
+        target causally without the padding mask: no real position can see a later padded one,
+        so the features at real positions are the same, and HF's mask builder is skipped
+        along with its host sync (`mask.all()` on the GPU) and the masked attention kernel.
+        Padded positions get different features, which the draft never uses (masked keys, no labels).
+        """
+        hidden, outputs = self.forward_features(
+            input_ids, need_logits=return_logits, attention_mask=None if right_padded else attention_mask
+        )
         return DFlashTargetBatch(
             hidden_states=hidden,
             input_ids=input_ids,

@@ -205,6 +205,12 @@ class DFlashAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if backend == "flex":
+            if torch.is_autocast_enabled(q.device.type):
+                # flex_attention is not on autocast's list, and the fp32 norm weights leave q/k in fp32:
+                # without this cast the kernel runs in fp32, several times slower (docs/performance.md).
+                # SDPA under autocast computes in the autocast dtype too, so both backends agree.
+                dt = torch.get_autocast_dtype(q.device.type)
+                q, k, v = q.to(dt), k.to(dt), v.to(dt)
             out = _flex(q, k, v, mask, self.scale, self.num_heads != self.num_kv_heads)
         else:
             out = dense_attention(q, k, v, mask, self.scale, use_sdpa=backend == "sdpa")

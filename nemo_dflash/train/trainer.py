@@ -94,14 +94,27 @@ def run_meta(draft, target_model) -> dict[str, Any]:
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Copy from pinned memory without blocking the host (a pageable copy may wait for the GPU)."""
+    pin = device.type == "cuda"
+    return {
+        k: (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v).to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
 
 
 def _micro_slice(batch: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
     """Rows [start, start+size) trimmed to their own longest sequence (less padding)."""
     part = {k: v[start : start + size] for k, v in batch.items()}
     length = int(part["attention_mask"].sum(dim=1).max().item())
-    return {k: v[:, : max(length, 1)] for k, v in part.items()}
+    return {k: v[:, : max(length, 1)].contiguous() for k, v in part.items()}
+
+
+def _right_padded(attention_mask: torch.Tensor) -> bool:
+    """True when every row is real tokens then padding (what the collator builds); a CPU check."""
+    if attention_mask.device.type != "cpu":
+        return False  # deciding would cost a host sync; the masked path is always correct
+    m = attention_mask.bool()
+    return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
 
 
 def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
@@ -115,19 +128,22 @@ def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
             raise RuntimeError("the training data loader produced no batch")
 
 
-COMPILE_MODES = ("0", "layers")
+COMPILE_MODES = ("0", "layers", "draft")
 
 
 def apply_compile(module: DFlashTrainerModule, mode: str) -> DFlashTrainerModule:
     """`torch.compile` the parts of the trainer module that `mode` names (GPU only).
 
-    "0": eager; "layers": each draft decoder layer on its own (`train.compile=true`).
+    "0": eager; "layers": each draft decoder layer on its own (`train.compile=true`);
+    "draft": the draft's whole forward (context fusion, RoPE, all layers, final norm) as one graph.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "layers":
         for layer in module.draft.layers:
             layer.compile()
+    elif mode == "draft":
+        module.draft.compile()
     return module
 
 
@@ -152,6 +168,11 @@ class TrainStep:
 
     Shared with benchmarks/train_throughput.py so the benchmark times exactly what training
     runs. The scheduler, counters, logging and checkpoints stay with `Trainer`.
+
+    The GPU never waits for the host mid-step: anchors and label slots are planned on the CPU
+    from the loader's batch (`DFlashTrainerModule.plan`) and copied with it from pinned memory,
+    the target runs without the padding mask (rows are right-padded), and the gradient scale,
+    clipping and statistics stay on the GPU until one copy to the host before the update.
     """
 
     def __init__(
@@ -170,6 +191,7 @@ class TrainStep:
     ) -> None:
         self.target = target
         self.model = model
+        self.module: DFlashTrainerModule = getattr(model, "module", model)  # unwrapped (DDP keeps it in .module)
         self.params = params
         self.optimizer = optimizer
         self.state = state
@@ -184,19 +206,26 @@ class TrainStep:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
     def forward(self, batch: dict[str, torch.Tensor], module, seeds: list[int]) -> DFlashLossOutput:
+        """Target features, then the trainer module, for one CPU (or device) batch."""
+        plan = self.module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], row_seeds=seeds)
+        right_padded = _right_padded(batch["attention_mask"])
+        batch = _to_device(batch, self.device)
+        plan = plan.to(self.device, non_blocking=True)
         tb = self.target.generate_batch(
-            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.return_logits
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.return_logits,
+            right_padded=right_padded,
         )
         with self.autocast():
-            return module(tb, row_seeds=seeds)
+            return module(tb, plan=plan)
 
     def __call__(self, step: int, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
-        totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+        stats = []
         rows = step_batch["input_ids"].shape[0]
         mbs = self.micro_batch_size
         n_micro = -(-rows // mbs)
         for micro in range(n_micro):
-            batch = _to_device(_micro_slice(step_batch, micro * mbs, mbs), self.device)
+            batch = _micro_slice(step_batch, micro * mbs, mbs)
+            n_tok = float(batch["attention_mask"].sum())  # on the CPU
             sync = micro == n_micro - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
             with ctx:
@@ -204,28 +233,40 @@ class TrainStep:
                 seeds = row_seeds(self.seed, step, first_row, batch["input_ids"].shape[0])
                 out = self.forward(batch, self.model, seeds)
                 out.loss_sum.backward()
-            totals += torch.stack([
+            stats.append(torch.stack([
                 out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
                 out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
-                batch["attention_mask"].sum().double(), torch.zeros((), dtype=torch.float64, device=self.device),
-            ])
-        if stop:
-            totals[_STOP] = 1.0
+            ]))
+            stats.append(torch.tensor([n_tok, 0.0], dtype=torch.float64))
+        dev_stats = torch.stack(stats[0::2]).sum(0)
+        host_stats = torch.stack(stats[1::2]).sum(0)
+        host_stats[1] = 1.0 if stop else 0.0
+        totals = torch.cat([dev_stats, host_stats.to(self.device)])  # indexed by _W, _L, ..., _T, _STOP
         all_reduce_sum(totals, self.state)
 
-        if totals[_W] > 0:
-            scale = self.state.world_size / float(totals[_W])
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            if hasattr(gnorm, "full_tensor"):
-                gnorm = gnorm.full_tensor()
-            gnorm = float(gnorm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if any(hasattr(g, "full_tensor") for g in grads):  # FSDP2 DTensors: scale with a host float
+            totals = totals.cpu()
+            if totals[_W] > 0:
+                scale = self.state.world_size / float(totals[_W])
+                for g in grads:
+                    g.mul_(scale)
+                gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip).full_tensor()
+            else:
+                gnorm_t = torch.zeros((), device=self.device)
+            host = torch.cat([totals, gnorm_t.double().cpu().view(1)])
         else:
-            gnorm = 0.0
-        loss = float(totals[_L] / totals[_W]) if totals[_W] > 0 else 0.0
-        totals = totals.cpu()
+            # No-op on zero gradients when nothing is supervised (W = 0): the update is skipped then.
+            scale = self.state.world_size / totals[_W].clamp(min=1e-30)
+            if grads:
+                torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+            gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            host = torch.cat([totals, gnorm_t.double().view(1)]).cpu()  # the step's one host sync
+        totals = host[:8]
+        if totals[_W] > 0:
+            gnorm, loss = float(host[8]), float(totals[_L] / totals[_W])
+        else:
+            gnorm, loss = 0.0, 0.0
         if not (math.isfinite(gnorm) and math.isfinite(loss)):
             status = "nonfinite"
         elif totals[_W] > 0:
@@ -352,7 +393,6 @@ class Trainer:
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
-            batch = _to_device(batch, self.device)
             bsz = batch["input_ids"].shape[0]
             out = self._forward(batch, self.module, self._row_seeds(777, i, self.state.rank * bsz, bsz))
             totals += torch.stack([out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
