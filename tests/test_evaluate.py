@@ -106,6 +106,9 @@ def test_chat_files(tmp_path):
     # a raw U+2028 inside a string is one JSONL line (str.splitlines() would cut it in two)
     assert [p.turns[0] for p in load_chat_file(openai)] == ["part", "second\u2028line"]
     assert len(load_chat_file(openai, num_prompts=1)) == 1
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("".join(json.dumps({"id": 7, "prompt": p}) + "\n" for p in ("a", "b")))
+    assert [p.id for p in load_chat_file(dup)] == ["dup/#0", "dup/#1"]  # ids name answers: unique
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"foo": 1}) + "\n")
     with pytest.raises(ValueError, match="No user turn"):
@@ -272,6 +275,15 @@ def test_cli_protocol_resume_and_json(tiny_target_dir, exported_draft, tmp_path,
     again = json.loads((out / "results.json").read_text())
     assert again["results"] == res["results"]
 
+    # More prompts later: only the new conversations are decoded (one per temperature and set).
+    more = list(args)
+    more[more.index("--num-prompts") + 1] = "3"
+    assert _cli(tiny_target_dir, exported_draft, out, *more) == 0
+    assert (out / "answers.jsonl").read_text().startswith(journal)
+    assert (out / "answers.jsonl").read_text().count("\n") == journal.count("\n") + 4
+    grown = json.loads((out / "results.json").read_text())
+    assert grown["results"]["0"]["mtbench"]["num_prompts"] == 3 and grown["complete"]
+
     # Answers of another protocol in the same --out are refused, in one line, before any model loads.
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -301,6 +313,7 @@ def test_workers_give_the_same_answers(tiny_target_dir, exported_draft, tmp_path
     (["--datasets", ","], "--datasets is empty"),
     (["--first-prompt", "500"], "no mtbench prompts left"),
     (["--decode", "graphs"], "graphs"),
+    (["--datasets", "humaneval"], "no_draft does not exist"),
 ])
 def test_user_errors_are_one_line_before_any_model(extra, message, tmp_path, capsys, monkeypatch):
     def no_load(*a, **k):

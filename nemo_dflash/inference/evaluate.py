@@ -175,6 +175,8 @@ def load_chat_file(path: Union[str, Path], num_prompts: Optional[int] = None) ->
         turns = [t for t in _user_turns(row) if t.strip()] if isinstance(row, dict) else []
         if turns:
             prompts.append(EvalPrompt(turns=turns, id=f"{p.stem}/{row.get('id', i)}"))
+    if len({q.id for q in prompts}) < len(prompts):  # ids name answers (and their seeds): keep them unique
+        prompts = [replace(q, id=f"{p.stem}/#{i}") for i, q in enumerate(prompts)]
     if not prompts:
         raise ValueError(
             f"No user turn found in {p}: expected ShareGPT rows {{'conversations': [{{'from': 'human', 'value': ...}}]}} "
@@ -504,7 +506,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
     results / speedup: {temperature key: {dataset: dataset_result / speedup_metrics}}.
     """
     speedup = speedup or {}
-    head = (f"{'dataset':<12}{'turn':>5}{'answers':>8}{'tau':>7}{'tau@256':>8}{'tau noloop':>11}{'loops':>7}"
+    head = (f"{'dataset':<12}{'turn':>5}{'prompts':>8}{'answers':>8}{'tau':>7}{'tau@256':>8}{'tau noloop':>11}{'loops':>7}"
             f"{'capped':>7}{'speedup':>9}  protocol")
     lines = [head, "-" * (len(head) + 40)]
     hists = []
@@ -516,7 +518,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
             rows = [("all", r, sp_txt)] + ([(t, pt, "") for t, pt in r["per_turn"].items()] if r["turns"] > 1 else [])
             for turn, s, sp_cell in rows:
                 lines.append(
-                    f"{name[:11]:<12}{turn:>5}{s['answers']:>8}{_fmt(s['mean_acceptance_length'], '.2f'):>7}"
+                    f"{name[:11]:<12}{turn:>5}{r['num_prompts']:>8}{s['answers']:>8}{_fmt(s['mean_acceptance_length'], '.2f'):>7}"
                     f"{_fmt(s['mean_acceptance_length_first256'], '.2f'):>8}"
                     f"{_fmt(s['mean_acceptance_length_no_loop'], '.2f'):>11}{_fmt(s['loop_share'], '.0%'):>7}"
                     f"{_fmt(s['capped_share'], '.0%'):>7}{sp_cell:>9}  {label}"

@@ -118,6 +118,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--device cuda but no CUDA device is visible: pass --device cpu")
 
 
+def check_paths(draft: str, target: str) -> None:
+    """The draft's and target's paths exist (a worker would otherwise fail with a traceback)."""
+    from nemo_dflash.export import resolve_draft_dir
+    from nemo_dflash.loading import resolve_target_path
+
+    resolve_draft_dir(draft)
+    if not Path(resolve_target_path(target)).exists():
+        raise FileNotFoundError(f"--target {target} does not exist: pass a local HF dir, a .gguf file or pkg:smollm2")
+
+
 def check_decode(decode: str, device: str) -> None:
     """The decoder's own check of a decode mode on this device, before any model loads."""
     import nemo_dflash.inference as inference
@@ -179,7 +189,7 @@ def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
     return _decode(_WORKER["models"], _WORKER["decoders"], *job)
 
 
-Key = tuple[str, str, int]  # (temperature, dataset, prompt index)
+Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
 
 
 class Journal:
@@ -199,14 +209,14 @@ class Journal:
                 raise ValueError(f"{path} holds answers of another evaluation ({', '.join(diff) or 'header'} "
                                  "differ): pass --overwrite or another --out")
             for row in filter(None, map(_json_or_none, lines[1:])):
-                if {"temperature", "dataset", "index", "answers"} <= set(row):
-                    self.rows[(row["temperature"], row["dataset"], int(row["index"]))] = row
+                if {"temperature", "dataset", "id", "answers"} <= set(row):
+                    self.rows[(row["temperature"], row["dataset"], row["id"])] = row
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in [{"header": header}, *self.rows.values()]))
         os.replace(tmp, path)
 
     def add(self, key: Key, row: dict[str, Any]) -> None:
-        row = {"temperature": key[0], "dataset": key[1], "index": key[2], **row}
+        row = {"temperature": key[0], "dataset": key[1], "id": key[2], **row}
         self.rows[key] = row
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -239,6 +249,7 @@ class EvalRun:
             if display in dict(self.sets):
                 raise ValueError(f"two datasets are named {display!r}: rename one file")
             self.sets.append((display, prompts))
+        check_paths(str(args.draft), str(args.target))
         self.model_spec = ModelSpec(str(args.draft), str(args.target), args.device, dtype, args.threads)
         header = {"draft": str(args.draft), "target": str(args.target), "device": args.device, "dtype": dtype,
                   "seed": args.seed, "chat_template": not args.no_chat_template, "max_new_tokens": protocol.max_new_tokens,
@@ -257,8 +268,8 @@ class EvalRun:
 
     def _items(self, journal: Journal, timed: bool) -> list[tuple[Key, EvalSettings, EvalPrompt]]:
         k = self.protocol.speedup_prompts if timed else None
-        return [((f"{t:g}", name, i), self.settings(t, timed), p) for t in self.protocol.temperatures
-                for name, prompts in self.sets for i, p in enumerate(prompts[:k]) if (f"{t:g}", name, i) not in journal.rows]
+        return [((f"{t:g}", name, p.id), self.settings(t, timed), p) for t in self.protocol.temperatures
+                for name, prompts in self.sets for p in prompts[:k] if (f"{t:g}", name, p.id) not in journal.rows]
 
     def _expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -316,7 +327,7 @@ class EvalRun:
         for t in p.temperatures:
             tkey = f"{t:g}"
             for name, prompts in self.sets:
-                keys = [(tkey, name, i) for i in range(len(prompts))]
+                keys = [(tkey, name, x.id) for x in prompts]
                 done = [k for k in keys if k in self.journal.rows]
                 complete &= len(done) == len(keys)
                 if done:
