@@ -292,3 +292,19 @@ def test_static_sampling_end_to_end_distribution():
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
     plain = static_autoregressive_generate(target, ids, 12, 0.7, set(), g, use_graphs=False)
     assert len(plain.output_ids) == 12
+
+
+def test_fused_rms_norms_same_output_then_removed():
+    """The capture-time norm patch computes the models' own norms and leaves no trace."""
+    from nemo_dflash.inference.graphs import fused_rms_norms
+
+    target = tiny_qwen3()
+    draft = make_draft(target)
+    x = prompt(3)
+    ref = target(x).logits
+    with fused_rms_norms(target, draft) as n:
+        got = target(x).logits
+    # 4 per target layer (input, post-attention, q, k) + the final norm; the draft's likewise + hidden_norm
+    assert n == 4 * 4 + 1 + 4 * len(draft.layers) + 2
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    assert not any("forward" in m.__dict__ for m in list(target.modules()) + list(draft.modules()))

@@ -145,7 +145,8 @@ def _text(content: Any) -> str:
 def _user_turns(row: dict) -> list[str]:
     if "conversations" in row or "messages" in row:
         conv = row.get("conversations") or row.get("messages") or []
-        return [_text(m.get("value", m.get("content"))) for m in conv if m.get("from", m.get("role")) in ("human", "user")]
+        return [_text(m.get("value", m.get("content"))) for m in conv
+                if m.get("from", m.get("role")) in ("human", "user")]
     if "turns" in row:
         return [_text(t) for t in row["turns"]]
     for key in ("prompt", "instruction", "question", "text"):
@@ -330,7 +331,8 @@ class ConversationDecoder:
                 id=prompt.id, turn=t + 1, output_ids=out.output_ids, acceptance_lengths=list(out.acceptance_lengths),
                 stopped=out.stopped, loop_start=find_loop_start(body), prompt_ids=list(ids),
                 decode_time_s=out.decode_time_s if ar else None, ar_decode_time_s=ar.decode_time_s if ar else None,
-                ar_new_tokens=ar.num_new_tokens if ar else None, ar_match=ar.output_ids == out.output_ids if ar else None,
+                ar_new_tokens=ar.num_new_tokens if ar else None,
+                ar_match=ar.output_ids == out.output_ids if ar else None,
             ))
             if t + 1 < turns:
                 history.append({"role": "assistant", "content": self.answer_text(out.output_ids)})
@@ -404,7 +406,8 @@ def summarize(answers: Sequence[Answer], block_size: int) -> dict[str, Any]:
 
 
 def _timing(time_s: float, tokens: int) -> dict[str, Any]:
-    return {"decode_time_s": time_s, "decode_tokens": tokens, "time_per_token_ms": 1e3 * time_s / tokens if tokens else None,
+    return {"decode_time_s": time_s, "decode_tokens": tokens,
+            "time_per_token_ms": 1e3 * time_s / tokens if tokens else None,
             "tokens_per_s": tokens / time_s if time_s > 0 else None}
 
 
@@ -415,11 +418,10 @@ def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, 
     spec = _timing(sum(a.decode_time_s for a in timed), sum(max(len(a.output_ids) - 1, 0) for a in timed))
     ar = _timing(sum(a.ar_decode_time_s for a in timed), sum(max(a.ar_new_tokens - 1, 0) for a in timed))
     taus = [_mean(a.acceptance_lengths) for a in timed]
-    res: dict[str, Any] = {
-        "answers": len(timed), "mean_acceptance_length": _mean([t for t in taus if t is not None]),
-        "spec": spec, "ar": ar, "speedup": (ar["time_per_token_ms"] / spec["time_per_token_ms"]
-                                            if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None else None),
-    }
+    ratio = (ar["time_per_token_ms"] / spec["time_per_token_ms"]
+             if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None else None)
+    res: dict[str, Any] = {"answers": len(timed), "mean_acceptance_length": _mean([t for t in taus if t is not None]),
+                           "spec": spec, "ar": ar, "speedup": ratio}
     if temperature <= 0:
         matches = sum(bool(a.ar_match) for a in timed)
         res["greedy_match"] = matches / len(timed) if timed else None
@@ -506,8 +508,8 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
     results / speedup: {temperature key: {dataset: dataset_result / speedup_metrics}}.
     """
     speedup = speedup or {}
-    head = (f"{'dataset':<12}{'turn':>5}{'prompts':>8}{'answers':>8}{'tau':>7}{'tau@256':>8}{'tau noloop':>11}{'loops':>7}"
-            f"{'capped':>7}{'speedup':>9}  protocol")
+    head = (f"{'dataset':<12}{'turn':>5}{'prompts':>8}{'answers':>8}{'tau':>7}{'tau@256':>8}{'tau noloop':>11}"
+            f"{'loops':>7}{'capped':>7}{'speedup':>9}  protocol")
     lines = [head, "-" * (len(head) + 40)]
     hists = []
     for tkey, sets in results.items():
@@ -518,7 +520,8 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
             rows = [("all", r, sp_txt)] + ([(t, pt, "") for t, pt in r["per_turn"].items()] if r["turns"] > 1 else [])
             for turn, s, sp_cell in rows:
                 lines.append(
-                    f"{name[:11]:<12}{turn:>5}{r['num_prompts']:>8}{s['answers']:>8}{_fmt(s['mean_acceptance_length'], '.2f'):>7}"
+                    f"{name[:11]:<12}{turn:>5}{r['num_prompts']:>8}{s['answers']:>8}"
+                    f"{_fmt(s['mean_acceptance_length'], '.2f'):>7}"
                     f"{_fmt(s['mean_acceptance_length_first256'], '.2f'):>8}"
                     f"{_fmt(s['mean_acceptance_length_no_loop'], '.2f'):>11}{_fmt(s['loop_share'], '.0%'):>7}"
                     f"{_fmt(s['capped_share'], '.0%'):>7}{sp_cell:>9}  {label}"

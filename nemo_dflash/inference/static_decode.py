@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.inference.graphs import CapturedStep, EagerStep
+from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_rms_norms
 from nemo_dflash.inference.spec_decode import (
     GenerationOutput,
     _probs,
@@ -46,6 +46,7 @@ from nemo_dflash.inference.static_cache import (
 logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 256  # cache lengths are rounded up to this, so most prompts reuse the captured graphs
+FUSE_NORMS = True  # captured steps use one compiled kernel per RMSNorm (graphs.fused_rms_norms)
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -58,8 +59,13 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool) -> Any:
-    return CapturedStep(fn, device) if use_graphs else EagerStep(fn)
+def _make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module) -> Any:
+    if not use_graphs:
+        return EagerStep(fn)
+    if not FUSE_NORMS:
+        return CapturedStep(fn, device)
+    with fused_rms_norms(*models):
+        return CapturedStep(fn, device)
 
 
 # ----------------------------------------------------------------------------- plain decoding
@@ -80,7 +86,7 @@ class StaticPlainRunner:
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)
         if use_graphs:
             logger.info("Capturing the target's 1-token step as a CUDA graph (cache length %d)", self.max_len)
-        self.step = _make_step(self._step, self.device, use_graphs)
+        self.step = _make_step(self._step, self.device, use_graphs, model)
 
     def _step(self) -> torch.Tensor:
         self.kv.set_length(self.pos)
@@ -198,8 +204,8 @@ class StaticSpecRunner:
         if use_graphs:
             logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d)",
                         B, self.max_len)
-        self.draft_step = _make_step(lambda: self._draft(self.feats), dev, use_graphs) if B > 1 else None
-        self.verify_step = _make_step(self._verify, dev, use_graphs)
+        self.draft_step = _make_step(lambda: self._draft(self.feats), dev, use_graphs, decoder.draft) if B > 1 else None
+        self.verify_step = _make_step(self._verify, dev, use_graphs, model)
 
     # -- the two captured steps
 

@@ -1,0 +1,496 @@
+"""Decode speed: plain vs speculative, eager vs graphs, on random-weight target shapes.
+
+    python benchmarks/decode_speed.py                       # Qwen3-8B and SmolLM2-135M shapes, both modes
+    python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --json out.json
+    python benchmarks/decode_speed.py --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
+
+Per shape and mode (one prompt at a time, bf16, random weights, a random 5-layer draft unless
+--draft): the plain decoding loop's ms per token and the speculative loop's ms per step (both
+`generate` calls, prefill excluded, the second of two runs), and, timed alone, the target's
+B-token verify and the draft's block forward, both as the loop runs them. A random draft is
+accepted ~never, so the loop's step cost is measured at tau ~1; the speedup at a given tau is
+then PROJECTED as tau * plain_ms_per_token / spec_ms_per_step (acceptance does not change a
+step's cost: the same B tokens are verified either way). With --target (a real target and
+its --draft), the real tau and the real speedup on MT-Bench prompts are measured as well.
+
+T=0 exactness is checked on the GPU as well: every mode's plain output against eager HF
+decoding, and the speculative output with an oracle draft (proposals = the target's own
+greedy continuation, so whole blocks are accepted and the caches roll back across blocks),
+in fp32 where near-ties do not flip argmaxes (bf16 outputs are compared and reported too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
+from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
+from nemo_dflash.model import DFlashContextCache  # noqa: E402
+
+TAUS = (2.0, 4.24, 6.5)  # 4.24 / 6.5: the paper's Qwen3-8B MT-Bench / HumanEval tau (T=0)
+QWEN3_8B_CONFIG = Path(__file__).parent / "qwen3_8b_config"
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight target of `shape`, made on the device directly (meta init, no HF init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if shape == "qwen3_8b":
+        cfg = AutoConfig.from_pretrained(QWEN3_8B_CONFIG)
+    elif shape == "smollm2_135m":
+        cfg = LlamaConfig(**SMOLLM2, architectures=["LlamaForCausalLM"])
+    elif shape == "tiny":  # a smoke test of this script on CPU
+        cfg = LlamaConfig(**dict(SMOLLM2, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512),
+                          architectures=["LlamaForCausalLM"])
+    else:
+        raise ValueError(f"unknown shape {shape!r}: use qwen3_8b, smollm2_135m or tiny")
+    cfg._attn_implementation = "sdpa"  # what load_target uses
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if getattr(cfg, "tie_word_embeddings", False):
+        model.tie_weights()
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
+    # to_empty left the rotary tables (non-persistent buffers) uninitialised: rebuild them, in fp32.
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            parent_name, _, child = name.rpartition(".")
+            fresh = type(module)(config=module.config).to(device)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
+    return model.eval().requires_grad_(False)
+
+
+def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str]):
+    from nemo_dflash.build import build_draft_for_target
+
+    device = next(target.parameters()).device
+    if draft_dir:
+        from nemo_dflash.export import check_draft_fits_target, load_draft
+
+        draft = load_draft(draft_dir, device=device, dtype=dtype)
+        check_draft_fits_target(draft.config, target.config)
+        return draft.eval()
+    mask_id = target.config.vocab_size - 1
+    with torch.device(device):  # initialised where it runs (a 1B-parameter draft for the 8B shape)
+        draft = build_draft_for_target(target, None, num_layers=layers, block_size=block, mask_token_id=mask_id)
+    return draft.to(dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, reps: int, setup: Callable[[], Any] = lambda: None) -> float:
+    """Median ms of `fn` over `reps` synchronised repeats after 3 warm-ups; `setup` runs untimed."""
+    times = []
+    for i in range(reps + 3):
+        setup()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= 3:
+            times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def eager_parts(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reps: int) -> dict[str, float]:
+    """The eager loop's verify (B tokens, hooks, mask, crop back) and draft block (1 new context
+    position, lm_head, argmax), each alone at the prompt's KV length."""
+    from transformers import DynamicCache
+
+    device, model, blk = dec.device, dec.target.model, dec.block_size
+    plen = ids.shape[1]
+    cache = DynamicCache()
+    with dec.target.capture(stop_early=False) as captured:
+        model(input_ids=ids, past_key_values=cache, use_cache=True,
+              position_ids=torch.arange(plen, device=device).unsqueeze(0))
+        feats = dec.target.concat(captured)
+        block = ids[:, -blk:].clone()
+        one = ids[:, -1:].clone()
+        q_pos = torch.arange(plen, plen + blk, device=device)
+
+        def verify() -> None:
+            out = model(input_ids=block, past_key_values=cache, use_cache=True, position_ids=q_pos.unsqueeze(0),
+                        **dec._verify_mask(q_pos, plen + blk))
+            dec.target.concat(captured)
+            out.logits[0].argmax(-1)
+            crop_dynamic_cache(cache, plen)
+
+        def plain() -> None:
+            out = model(input_ids=one, past_key_values=cache, use_cache=True, position_ids=q_pos[:1].unsqueeze(0))
+            out.logits[0, -1:].argmax(-1)
+            crop_dynamic_cache(cache, plen)
+
+        verify_ms = timed(verify, device, reps)
+        plain_ms = timed(plain, device, reps)
+    steady = DFlashContextCache(len(dec.draft.layers))
+    dec.draft_logits(one[0], plen - 1, feats[:, :-1], steady, blk)
+
+    def draft() -> None:
+        dec.draft_logits(one[0], plen, feats[:, -1:], steady, blk).argmax(-1)
+        steady.crop(plen - 1)
+
+    return {"verify_ms": verify_ms, "draft_ms": timed(draft, device, reps), "plain_step_ms": plain_ms}
+
+
+def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: int, reps: int) -> dict[str, float]:
+    """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone."""
+    from nemo_dflash.inference.static_decode import _PLAIN_RUNNERS
+
+    device = dec.device
+    runner = dec._static_runners[(True, True)]
+    plain = _PLAIN_RUNNERS[target][(True, True)]
+
+    def at_prompt() -> None:
+        runner.pos.fill_(plen)
+        runner.ctx_start.fill_(plen - 1)
+
+    def plain_at_prompt() -> None:
+        plain.pos.fill_(plen)
+
+    out = {"verify_ms": timed(runner.verify_step.replay, device, reps, at_prompt),
+           "plain_step_ms": timed(plain.step.replay, device, reps, plain_at_prompt)}
+    out["draft_ms"] = timed(runner.draft_step.replay, device, reps, at_prompt) if runner.draft_step else 0.0
+    return out
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def oracle_spec(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reference: list[int], n: int, mode: str):
+    """Speculative decoding whose proposals are the target's own continuation `reference`."""
+    device, blk = dec.device, dec.block_size
+    full = torch.tensor(ids[0].tolist() + reference + [0] * (blk + 1), device=device)
+    if mode == "graphs":
+        dec.generate(ids, max_new_tokens=2, decode="graphs")  # build the runner, then hook it
+        runner = dec._static_runners[(True, True)]
+        offsets = torch.arange(1, blk, device=device)
+        runner.after_draft = lambda: runner.blk[0, 1:].copy_(full[runner.pos + offsets])
+        try:
+            return dec.generate(ids, max_new_tokens=n, decode="graphs")
+        finally:
+            runner.after_draft = None
+    real = dec.draft_logits
+
+    def forced(last, position, feats, cache, block_size):
+        logits = real(last, position, feats, cache, block_size)
+        return torch.zeros_like(logits).scatter_(1, full[position + 1: position + block_size].view(-1, 1), 1.0)
+
+    dec.draft_logits = forced
+    try:
+        return dec.generate(ids, max_new_tokens=n)
+    finally:
+        del dec.draft_logits
+
+
+def exactness(shape: str, modes: list[str], device: torch.device, args) -> list[dict[str, Any]]:
+    """fp32 target + draft: HF's greedy generate vs each mode's plain and oracle-speculative output."""
+    target = build_target(shape, device, torch.float32)
+    draft = build_draft(target, args.draft_layers, args.block_size, torch.float32, None)
+    dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
+    n = args.exact_tokens
+    rows = []
+    for seed in range(2):
+        ids = torch.randint(0, target.config.vocab_size - 1, (1, args.prompt_tokens), device=device,
+                            generator=torch.Generator(device=device).manual_seed(100 + seed))
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        for mode in modes:
+            plain = autoregressive_generate(target, ids, max_new_tokens=n, decode=mode).output_ids
+            spec = oracle_spec(dec, ids, ref, n, mode)
+            rows.append({"shape": shape, "dtype": "fp32", "prompt_seed": 100 + seed, "mode": mode, "tokens": n,
+                         "plain_equals_hf": plain == ref, "oracle_spec_equals_hf": spec.output_ids == ref,
+                         "oracle_tau": spec.mean_acceptance_length})
+            print(f"exactness {shape} fp32 seed {100 + seed} {mode:6s}: plain == HF greedy {plain == ref}, "
+                  f"oracle spec == HF greedy {spec.output_ids == ref} (tau {spec.mean_acceptance_length:.2f})",
+                  flush=True)
+    del dec, draft, target
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+# ----------------------------------------------------------------------------- one shape
+
+
+def load_baseline(path: str):
+    """A spec_decode.py from another revision (`git show REV:nemo_dflash/inference/spec_decode.py`),
+    timed as an extra eager row on the same machine."""
+    spec = importlib.util.spec_from_file_location("baseline_spec_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    target = build_target(shape, device, dtype)
+    draft = build_draft(target, args.draft_layers, args.block_size, dtype, args.draft)
+    dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
+    print(f"[{shape}] built in {time.perf_counter() - t0:.1f}s; draft {len(draft.layers)} layers, "
+          f"block {dec.block_size}", flush=True)
+    ids = torch.randint(0, target.config.vocab_size - 1, (1, args.prompt_tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    n = args.new_tokens
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    variants = [(m, None) for m in modes]
+    if args.baseline:
+        variants.append(("eager", load_baseline(args.baseline)))
+    rows = []
+    for mode, baseline in variants:
+        label = mode if baseline is None else "eager (baseline module)"
+        try:
+            t0 = time.perf_counter()
+            if baseline is None:
+                run_plain = lambda: autoregressive_generate(target, ids, max_new_tokens=n, decode=mode)  # noqa: E731
+                run_spec = lambda: dec.generate(ids, max_new_tokens=n, decode=mode)  # noqa: E731
+            else:
+                bdec = baseline.DFlashSpeculativeDecoder(target, draft, args.block_size)
+                run_plain = lambda: baseline.autoregressive_generate(target, ids, max_new_tokens=n)  # noqa: E731
+                run_spec = lambda: bdec.generate(ids, max_new_tokens=n)  # noqa: E731
+            for _ in range(2):  # the first run captures / warms every shape; the second is kept
+                plain = run_plain()
+                spec = run_spec()
+            setup_s = time.perf_counter() - t0
+            if baseline is not None:
+                parts: dict[str, float] = {}
+            elif mode == "graphs":
+                parts = graph_parts(dec, target, ids.shape[1], args.reps)
+            else:
+                parts = eager_parts(dec, ids, args.reps)
+            plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
+            spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
+            row = {
+                "device": dev_name, "shape": shape, "mode": label, "dtype": "bf16",
+                "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
+                "draft_layers": len(draft.layers), "draft": args.draft or "random",
+                "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
+                "verify_ms": parts.get("verify_ms"), "draft_ms": parts.get("draft_ms"),
+                "plain_step_alone_ms": parts.get("plain_step_ms"),
+                "spec_steps": spec.num_target_forwards, "spec_tau_measured": spec.mean_acceptance_length,
+                "bf16_spec_output_equals_plain": spec.output_ids == plain.output_ids,
+                "bf16_spec_plain_common_prefix": agree(spec.output_ids, plain.output_ids),
+                "projected_speedup_at_tau": {str(t): t * plain_ms / spec_ms for t in TAUS},
+                "projection_note": "projection: tau * plain_ms_per_token / spec_ms_per_step, step costs measured "
+                                   "with a random draft (tau ~1); not a measured speedup",
+                "setup_s": setup_s,
+            }
+            if parts:
+                row["step_overhead_ms"] = spec_ms - parts["verify_ms"] - parts["draft_ms"]
+            rows.append(row)
+            print_row(row)
+        except Exception as e:  # one failing case must not lose the others
+            print(f"[{shape}] {label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  flush=True)
+            rows.append({"device": dev_name, "shape": shape, "mode": label, "error": f"{type(e).__name__}: {e}"[:500]})
+    if args.interleave:
+        rows.extend(interleaved(dec, target, modes, device, args, dev_name, shape))
+    if args.profile and "eager" in modes:
+        profile_eager(dec, ids, args.profile, shape)
+    del dec, draft, target
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def interleaved(dec, target, modes, device, args, dev_name, shape) -> list[dict[str, Any]]:
+    """`evaluate`'s pattern: prompts of different lengths, speculative and plain alternating
+    prompt by prompt, times summed; its step ratio next to the single-prompt loop's."""
+    rows = []
+    lengths = [53, 97, 140, 75, 210]
+    for mode in modes:
+        spec_t = spec_steps = plain_t = plain_steps = 0.0
+        for i, plen in enumerate(lengths):
+            ids = torch.randint(0, target.config.vocab_size - 1, (1, plen), device=device,
+                                generator=torch.Generator(device=device).manual_seed(10 + i))
+            s = dec.generate(ids, max_new_tokens=args.interleave, decode=mode)
+            p = autoregressive_generate(target, ids, max_new_tokens=args.interleave, decode=mode)
+            spec_t += s.decode_time_s
+            spec_steps += s.num_target_forwards
+            plain_t += p.decode_time_s
+            plain_steps += p.num_target_forwards
+        row = {"device": dev_name, "shape": shape, "mode": mode, "pattern": "interleaved prompts",
+               "prompt_tokens": lengths, "new_tokens": args.interleave,
+               "plain_ms_per_token": 1000 * plain_t / plain_steps, "spec_ms_per_step": 1000 * spec_t / spec_steps}
+        row["spec_step_over_plain_step"] = row["spec_ms_per_step"] / row["plain_ms_per_token"]
+        print(f"[{shape}] {mode} interleaved {len(lengths)} prompts: plain {row['plain_ms_per_token']:.2f} ms/token, "
+              f"spec {row['spec_ms_per_step']:.2f} ms/step, ratio {row['spec_step_over_plain_step']:.2f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def profile_eager(dec, ids, path: str, shape: str) -> None:
+    """torch.profiler over one eager speculative generation: where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dec.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = dec.generate(ids, max_new_tokens=64)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    with open(path, "a") as f:
+        f.write(f"## {shape}: eager speculative generate, {out.num_target_forwards} steps\n{table}\n")
+    print(f"[{shape}] profile of the eager loop appended to {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------- real target + draft
+
+
+def measure_real(args, device: torch.device, modes: list[str]) -> list[dict[str, Any]]:
+    """Real tau and real speedup: `--target` + its `--draft`, MT-Bench first turns."""
+    from nemo_dflash.inference.evaluate import encode_chat, load_mtbench
+    from nemo_dflash.loading import load_target
+    from nemo_dflash.regenerate import stop_token_ids
+
+    target, tok = load_target(args.target, dtype="bf16", device=device)
+    draft = build_draft(target, 0, 0, torch.bfloat16, args.draft)
+    dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
+    stops = stop_token_ids(target, tok)
+    prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}]) for p in load_mtbench(args.real_prompts)]
+    rows = []
+    for mode in modes:
+        dec.generate(prompts[0], max_new_tokens=16, decode=mode)
+        autoregressive_generate(target, prompts[0], max_new_tokens=16, decode=mode)
+        s_t = s_tok = p_t = p_tok = 0.0
+        taus = []
+        for ids in prompts:
+            s = dec.generate(ids, max_new_tokens=args.new_tokens, stop_token_ids=stops, decode=mode)
+            p = autoregressive_generate(target, ids, max_new_tokens=args.new_tokens, stop_token_ids=stops, decode=mode)
+            s_t, s_tok = s_t + s.decode_time_s, s_tok + s.num_decode_tokens
+            p_t, p_tok = p_t + p.decode_time_s, p_tok + p.num_decode_tokens
+            taus.append(s.mean_acceptance_length)
+        row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "shape": f"real:{args.target}", "mode": mode, "draft": args.draft, "dtype": "bf16",
+               "protocol": f"MT-Bench first turns, {len(prompts)} prompts, T=0, up to {args.new_tokens} new tokens, "
+                           f"block {dec.block_size}",
+               "tau_measured": sum(taus) / len(taus),
+               "plain_ms_per_token": 1000 * p_t / p_tok, "spec_ms_per_token": 1000 * s_t / s_tok,
+               "speedup_measured": (p_t / p_tok) / (s_t / s_tok)}
+        print(f"[real] {mode}: tau {row['tau_measured']:.2f}, measured speedup {row['speedup_measured']:.2f}x "
+              f"({row['protocol']})", flush=True)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_row(r: dict[str, Any]) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    proj = " ".join(f"{float(t):g}:{v:.2f}x" for t, v in r["projected_speedup_at_tau"].items())
+    print(f"{r['shape']:14s} {r['mode']:24s} plain {f(r['plain_ms_per_token']):>7s} ms/tok | spec step "
+          f"{f(r['spec_ms_per_step']):>7s} ms = verify {f(r['verify_ms'])} + draft {f(r['draft_ms'])} + "
+          f"{f(r.get('step_overhead_ms'))} | projected speedup at tau {proj} | bf16 spec==plain "
+          f"{r['bf16_spec_plain_common_prefix']}/{r['new_tokens']} tokens", flush=True)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'shape':14s} {'mode':24s} {'plain ms/tok':>12s} {'spec ms/step':>12s} {'verify ms':>9s} "
+            f"{'draft ms':>8s} {'overhead':>8s} " + " ".join(f"{'x@tau ' + format(t, 'g'):>10s}" for t in TAUS))
+    print("\n" + head)
+    print("-" * len(head))
+    for r in rows:
+        if "projected_speedup_at_tau" not in r:
+            continue
+
+        def f(x, w):
+            return f"{'-':>{w}s}" if x is None else f"{x:{w}.2f}"
+
+        proj = " ".join(f(r["projected_speedup_at_tau"][str(t)], 10) for t in TAUS)
+        print(f"{r['shape']:14s} {r['mode']:24s} {f(r['plain_ms_per_token'], 12)} {f(r['spec_ms_per_step'], 12)} "
+              f"{f(r['verify_ms'], 9)} {f(r['draft_ms'], 8)} {f(r.get('step_overhead_ms'), 8)} {proj}")
+    print("x@tau: PROJECTED speedup = tau * plain ms/token / spec ms/step (step costs measured, tau assumed)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3_8b,smollm2_135m")
+    p.add_argument("--modes", default="eager,graphs")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--draft", default=None, help="an exported draft (its architecture on the random shapes; "
+                                                 "with --target, real tau and speedup)")
+    p.add_argument("--target", default=None, help="a real target for --draft (HF dir or pkg:smollm2)")
+    p.add_argument("--real-prompts", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--exact", default="smollm2_135m", help="shapes for the fp32 exactness check ('' to skip)")
+    p.add_argument("--exact-tokens", type=int, default=96)
+    p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
+    p.add_argument("--baseline", default=None, help="a spec_decode.py of another revision, timed as an extra row")
+    p.add_argument("--profile", default=None, help="append a torch.profiler table of the eager loop to this file")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        check_decode_mode(m, device)
+    rows: list[dict[str, Any]] = []
+    exact: list[dict[str, Any]] = []
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "command": "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:]),
+                "torch": torch.__version__, "rows": rows, "exactness": exact}, indent=2))
+
+    for shape in [s for s in args.exact.split(",") if s]:
+        try:
+            exact.extend(exactness(shape, modes, device, args))
+        except Exception as e:
+            print(f"exactness {shape}: FAILED {type(e).__name__}: {e}", flush=True)
+            exact.append({"shape": shape, "error": f"{type(e).__name__}: {e}"[:500]})
+        save()
+    if args.target:
+        rows.extend(measure_real(args, device, modes))
+        save()
+    for shape in [s for s in args.shapes.split(",") if s]:
+        rows.extend(measure_shape(shape, modes, device, args))
+        save()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
