@@ -4,7 +4,8 @@ the share of looping answers, and speedup over plain decoding.
     python -m nemo_dflash.recipes.evaluate --draft DIR --target PATH --out DIR \
         [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
         [--turns N] [--temperatures 0,1] [--block-size B] [--num-prompts K] [--first-prompt I]
-        [--speedup-prompts K] [--workers N] [--decode eager|graphs] [--device cuda] [--dtype bf16]
+        [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
+        [--device cuda] [--dtype bf16] [--threads N]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
@@ -22,6 +23,7 @@ Metric definitions: docs/evaluation.md. The library: nemo_dflash.inference.evalu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the first K prompts of each dataset against plain decoding, alone on the device "
                         "before any worker starts (0: no speedup)")
     p.add_argument("--no-speedup", action="store_true", help="same as --speedup-prompts 0")
-    p.add_argument("--decode", default=None, choices=["eager", "graphs"], help="decoder mode, both sides (default eager)")
+    p.add_argument("--decode", default=None, choices=["eager", "graphs"],
+                   help="decoder mode, for both the speculative and the plain side (default eager)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device for the acceptance runs, each with its own target + draft; "
                         "a conversation's turns stay in one process; results are merged in prompt order. "
@@ -252,8 +255,9 @@ class EvalRun:
         check_paths(str(args.draft), str(args.target))
         self.model_spec = ModelSpec(str(args.draft), str(args.target), args.device, dtype, args.threads)
         header = {"draft": str(args.draft), "target": str(args.target), "device": args.device, "dtype": dtype,
-                  "seed": args.seed, "chat_template": not args.no_chat_template, "max_new_tokens": protocol.max_new_tokens,
-                  "turns": protocol.turns, "block_size": protocol.block_size, "decode": protocol.decode}
+                  "seed": args.seed, "chat_template": not args.no_chat_template,
+                  "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
+                  "block_size": protocol.block_size, "decode": protocol.decode}
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out / "answers.jsonl", header, args.overwrite)
@@ -294,6 +298,7 @@ class EvalRun:
                     self.journal.add(key, _decode(models, decoders, s, p))
             else:
                 del models, decoders
+                gc.collect()  # the parent's models leave the device before the workers load theirs
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 self._run_workers(items)
@@ -379,7 +384,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # a draft that does not fit the target, a bad checkpoint
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     print(run.table(results))
-    print(f"results: {Path(args.out) / 'results.json'}" + ("" if results["complete"] else "  (partial: run again to continue)"))
+    partial = "" if results["complete"] else "  (partial: run the same command again to continue)"
+    print(f"results: {Path(args.out) / 'results.json'}{partial}")
     return 0
 
 
