@@ -24,7 +24,7 @@ from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_gener
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache
 from nemo_dflash.loading import load_target
 from nemo_dflash.model import DFlashContextCache
-from nemo_dflash.recipes.evaluate import encode_chat, load_mtbench
+from nemo_dflash.inference.evaluate import encode_chat, load_mtbench
 from transformers import DynamicCache
 
 
