@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
+from nemo_dflash.inference import static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.model import DFlashContextCache  # noqa: E402
 
@@ -272,15 +273,22 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
                         generator=torch.Generator(device=device).manual_seed(0))
     n = args.new_tokens
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    variants = [(m, None) for m in modes]
+    variants: list[tuple[str, Any]] = [(m, None) for m in modes]
+    if args.unfused and "graphs" in modes:
+        variants.append(("graphs", "unfused"))
     if args.baseline:
         variants.append(("eager", load_baseline(args.baseline)))
     rows = []
     for mode, baseline in variants:
-        label = mode if baseline is None else "eager (baseline module)"
+        label = {None: mode, "unfused": "graphs (norms unfused)"}.get(baseline, "eager (baseline module)")
+        fuse = static_decode.FUSE_NORMS
         try:
             t0 = time.perf_counter()
-            if baseline is None:
+            if baseline == "unfused":  # re-capture without the fused norms
+                static_decode.FUSE_NORMS = False
+                dec._static_runners.clear()
+                static_decode._PLAIN_RUNNERS.pop(target, None)
+            if baseline is None or baseline == "unfused":
                 run_plain = lambda: autoregressive_generate(target, ids, max_new_tokens=n, decode=mode)  # noqa: E731
                 run_spec = lambda: dec.generate(ids, max_new_tokens=n, decode=mode)  # noqa: E731
             else:
@@ -291,7 +299,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
                 plain = run_plain()
                 spec = run_spec()
             setup_s = time.perf_counter() - t0
-            if baseline is not None:
+            if baseline is not None and baseline != "unfused":
                 parts: dict[str, float] = {}
             elif mode == "graphs":
                 parts = graph_parts(dec, target, ids.shape[1], args.reps)
@@ -322,6 +330,11 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
             print(f"[{shape}] {label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   flush=True)
             rows.append({"device": dev_name, "shape": shape, "mode": label, "error": f"{type(e).__name__}: {e}"[:500]})
+        finally:
+            if baseline == "unfused":
+                static_decode.FUSE_NORMS = fuse
+                dec._static_runners.clear()
+                static_decode._PLAIN_RUNNERS.pop(target, None)
     if args.interleave:
         rows.extend(interleaved(dec, target, modes, device, args, dev_name, shape))
     if args.profile and "eager" in modes:
@@ -458,6 +471,7 @@ def main() -> None:
     p.add_argument("--exact", default="smollm2_135m", help="shapes for the fp32 exactness check ('' to skip)")
     p.add_argument("--exact-tokens", type=int, default=96)
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
+    p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused RMSNorms")
     p.add_argument("--baseline", default=None, help="a spec_decode.py of another revision, timed as an extra row")
     p.add_argument("--profile", default=None, help="append a torch.profiler table of the eager loop to this file")
     p.add_argument("--json", default=None)
