@@ -1,0 +1,232 @@
+"""Regeneration throughput: the pipeline's slot engine against plain batched ``model.generate``.
+
+    python benchmarks/regen_throughput.py --target pkg:smollm2 --prompts sharegpt --num-prompts 4096 \
+        --max-new-tokens 1024 --batch-size 1024 --json OUT.json
+    python benchmarks/regen_throughput.py --random-shape smollm2 --num-prompts 2048   # no weights needed
+
+Both sides answer the same prompts (ShareGPT first user turns through the target's chat
+template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
+counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
+``slots`` (nemo_dflash.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
+(model.generate on left-padded batches of --batch-size, prompts sorted by length, what
+`--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
+Prints a table; --json writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+
+def smollm2_shape(device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        lens = torch.randint(16, min(400, args.max_prompt_tokens) + 1, (args.num_prompts,), generator=g)
+        return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lens]
+    from nemo_dflash.data import default_sharegpt_path, read_conversations
+    from nemo_dflash.regenerate import prompt_problem, special_token_strings, split_prompt
+
+    path = default_sharegpt_path() if args.prompts == "sharegpt" else args.prompts
+    specials = special_token_strings(tokenizer)
+    prompts = []
+    for conv in read_conversations(path):
+        system, users = split_prompt(conv.messages, "first")
+        if not users:
+            continue
+        ids, problem = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
+                                      max_prompt_tokens=args.max_prompt_tokens, specials=specials)
+        if problem is None:
+            prompts.append(ids)
+        if len(prompts) >= args.num_prompts:
+            break
+    return prompts
+
+
+def run_slots(model, prompts, args, stop_ids) -> dict:
+    from nemo_dflash.data.loops import LoopDetector
+    from nemo_dflash.generation import Request, SlotEngine
+
+    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens,
+                        loop_detector=LoopDetector() if args.stop_loops else None, stop_on_loop=args.stop_loops)
+    warm = collections.deque(Request(i, p) for i, p in enumerate(prompts[: min(len(prompts), 64)]))
+    for _ in engine.generate(warm):  # compile / warm up
+        pass
+    engine.generated_tokens = engine.steps = 0
+    pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
+    finish = collections.Counter()
+    _sync()
+    t0 = time.perf_counter()
+    for c in engine.generate(pending):
+        finish[c.finish] += 1
+    _sync()
+    dt = time.perf_counter() - t0
+    return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "finish": dict(finish)}
+
+
+def run_step(model, prompts, args, stop_ids) -> dict:
+    """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
+    from nemo_dflash.generation import Request, SlotEngine
+
+    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False)
+    S = args.batch_size
+    reqs = [Request(i, prompts[i % len(prompts)]) for i in range(S)]
+    engine._active = torch.ones(S, dtype=torch.long, device=engine.device)
+    chunk = max(1, args.max_prefill_tokens // args.max_prompt_tokens)
+    for k in range(0, S, chunk):
+        engine._prefill(list(range(k, min(S, k + chunk))), reqs[k: k + chunk])
+    tokens = torch.randint(3, 1000, (S,), device=engine.device)
+    keys = torch.arange(S, device=engine.device)
+    pos = torch.full((S,), 5, device=engine.device)
+
+    def timed(fn, n=20) -> float:
+        fn()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    out = {"eager_forward_ms": timed(lambda: engine._decode_logits(tokens))}
+    logits = engine._decode_logits(tokens)
+    out["sample_ms"] = timed(lambda: engine._sample(logits, keys, pos))
+    out["argmax_ms"] = timed(lambda: logits.argmax(-1))
+    out["tolist_ms"] = timed(lambda: tokens.tolist())
+    if torch.cuda.is_available():
+        engine.cuda_graph = True
+        engine._capture()
+        out["graph_forward_ms"] = timed(lambda: engine._graph.replay())
+    out["mean_fill"] = float(engine.cache.lengths.float().mean())
+    return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
+
+
+def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
+    from nemo_dflash.regenerate import _generation_kwargs, generate_batch
+
+    kwargs = _generation_kwargs(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, stop_ids=stop_ids, pad_id=pad_id)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # less padding
+    generate_batch(model, [prompts[i] for i in order[:8]], pad_id=pad_id, stop_ids=stop_ids,
+                   **{**kwargs, "max_new_tokens": 8})
+    tokens, finish = 0, collections.Counter()
+    _sync()
+    t0 = time.perf_counter()
+    for k in range(0, len(order), args.batch_size):
+        batch = [prompts[i] for i in order[k: k + args.batch_size]]
+        for _, reason, n in generate_batch(model, batch, pad_id=pad_id, stop_ids=stop_ids, **kwargs):
+            tokens += n
+            finish[reason] += 1
+    _sync()
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "finish": dict(finish)}
+
+
+def run_hf_cb(model, prompts, args, stop_ids, pad_id) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gc = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                          do_sample=args.temperature > 0, temperature=args.temperature or None,
+                          top_p=args.top_p if args.temperature > 0 else None, top_k=0 if args.temperature > 0 else None)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.batch_size, seed=0)
+    _sync()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+    _sync()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tokens": tokens, "seconds": dt, "finish": {"done": len(out)}}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="pkg:smollm2, a .gguf or an HF dir (real weights, real stops)")
+    p.add_argument("--random-shape", choices=("smollm2",), default=None, help="random weights instead of --target")
+    p.add_argument("--prompts", default="sharegpt", help="sharegpt or a chat file (with --target)")
+    p.add_argument("--num-prompts", type=int, default=2048)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens", type=int, default=65536)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
+    p.add_argument("--modes", default="slots,generate", help="comma list of slots, generate, hf_cb, step (the "
+                   "parts of one decode step)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.random_shape:
+        model, tokenizer = smollm2_shape(device, dtype), None
+        stop_ids, pad_id = [2], 2
+    else:
+        from nemo_dflash.loading import load_target
+        from nemo_dflash.regenerate import _pad_id, stop_token_ids
+
+        model, tokenizer = load_target(args.target or "pkg:smollm2", dtype="bf16" if device == "cuda" else "fp32",
+                                       device=device)
+        stop_ids = stop_token_ids(model, tokenizer)
+        pad_id = _pad_id(tokenizer, stop_ids)
+    prompts = load_prompts(args, tokenizer)
+    prompt_tokens = sum(len(x) for x in prompts)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    rows = []
+    print(f"# {len(prompts)} prompts ({prompt_tokens / len(prompts):.0f} tokens avg), <= {args.max_new_tokens} new, "
+          f"T={args.temperature} top_p={args.top_p}, batch {args.batch_size}, {name}", flush=True)
+    print(f"{'mode':<10} {'new tokens':>11} {'seconds':>8} {'tokens/s':>10}  finish", flush=True)
+    for mode in args.modes.split(","):
+        try:
+            if mode == "slots":
+                r = run_slots(model, prompts, args, stop_ids)
+            elif mode == "step":
+                r = run_step(model, prompts, args, stop_ids)
+            elif mode == "generate":
+                r = run_generate(model, prompts, args, stop_ids, pad_id)
+            elif mode == "hf_cb":
+                r = run_hf_cb(model, prompts, args, stop_ids, pad_id)
+            else:
+                raise ValueError(f"unknown mode {mode}")
+        except Exception as e:  # one failing mode must not hide the others
+            print(f"{mode:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, prompts=len(prompts),
+                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+                 top_p=args.top_p, target=args.target or args.random_shape)
+        rows.append(r)
+        print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f}  {r['finish']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+"""Continuous-batching generation for regeneration: every batch slot stays busy until the last prompt.
+
+A slot is one row of a static KV cache. When an answer ends (stop token, token cap, or a loop),
+its slot is refilled at once with the next prompt, so finished rows never idle the batch as they
+do in ``model.generate``. The model's own forward is used unchanged (embeddings, norms, RoPE,
+MLP, lm_head); only its attention is swapped, through transformers' ``AttentionInterface``, for
+one that writes into the slot cache and reads each slot's filled prefix: flex_attention decoding
+on a GPU (it skips the unfilled KV blocks of every slot), SDPA with a length mask elsewhere.
+
+Why not transformers' own continuous batching (``generate_batch``, 5.17 on the lent GPUs): its
+fast decode path needs flash-attn's paged kernel, which those machines do not have and cannot
+download; without it, ``paged|sdpa`` packs the whole batch into one row with a dense
+[all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen_throughput.py``
+measures both.
+
+Sampling is keyed: the Gumbel noise of token ``v`` at answer position ``t`` of request ``key`` is
+a hash of ``(seed, key, t, v)``. An answer therefore does not depend on which other requests
+share its batch, on the slot it lands in, or on whether the run was interrupted and resumed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_dflash.data.loops import LoopDetector
+
+logger = logging.getLogger(__name__)
+
+ATTN_NAME = "nemo_dflash_slots"
+_KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
+_MASK32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------- keyed sampling
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values (a cheap, well-mixed hash)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), one per (row, token): a pure function of (seed, key, position, token id).
+
+    ``token_ids`` is [N, K] (the candidates of each row) or [V] (the whole vocabulary, every row).
+    """
+    row = _fmix32((keys.to(torch.int64) * 0x9E3779B1 + seed) & _MASK32)
+    row = _fmix32((row ^ (positions.to(torch.int64) * 0x85EBCA77)) & _MASK32)
+    cols = token_ids.to(torch.int64) * 0xC2B2AE3D
+    h = _fmix32((row[:, None] + (cols if cols.dim() == 2 else cols[None, :])) & _MASK32)
+    return ((h.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` with the tokens outside the smallest set of probability >= top_p set to -inf."""
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    probs = sorted_scores.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop_sorted = before >= top_p  # the first token always stays (before == 0)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    return (top_p_filter(scores, top_p) + _gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
+
+
+def keyed_sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    seed: int,
+    temperature: float,
+    top_p: float,
+    candidates: int = 256,
+) -> torch.Tensor:
+    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within top-p.
+
+    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
+    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn for
+    those only (the same noise the whole-vocabulary path draws for them); a row whose nucleus is
+    wider takes the whole-vocabulary path. Both give the same token.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_p >= 1.0 or candidates >= scores.shape[-1]:
+        return _sample_full(scores, keys, positions, seed, top_p)
+    values, ids = scores.topk(candidates, dim=-1)
+    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    cum = probs.cumsum(dim=-1)
+    keep = (cum - probs) < top_p
+    noisy = values + _gumbel(keyed_uniform(seed, keys, positions, ids))
+    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
+    wide = cum[:, -1] < top_p
+    if bool(wide.any()):
+        rows = wide.nonzero()[:, 0]
+        out[rows] = _sample_full(scores[rows], keys[rows], positions[rows], seed, top_p)
+    return out
+
+
+# ----------------------------------------------------------------------------- slot attention
+
+
+@dataclass
+class _Pass:
+    """What the swapped-in attention needs to know about the forward in flight."""
+
+    cache: "SlotKVCache"
+    slots: Optional[torch.Tensor]  # [R] slot of each row of a prefill; None: a decode pass over every slot
+    decode: bool  # one token per slot at position ``lengths[slot]``; else a prefill from position 0
+    block_mask: Any = None  # flex BlockMask of a decode pass on GPU
+    kv_mask: Optional[torch.Tensor] = None  # [R, 1, 1, T] bool of a decode pass without flex
+
+
+def _slot_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    slot_pass: Optional[_Pass] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [R, H, S, D], k/v [R, KVH, S, D] -> ([R, S, H, D], None)."""
+    if slot_pass is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside SlotEngine")
+    cache, layer = slot_pass.cache, module.layer_idx
+    if slot_pass.decode:
+        rows = torch.arange(key.shape[0], device=key.device)
+        cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
+        cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
+        k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
+        if slot_pass.block_mask is not None:
+            out = cache.flex(query, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
+            )
+    else:
+        width = key.shape[2]
+        cache.k[layer][slot_pass.slots, :, :width] = key
+        cache.v[layer][slot_pass.slots, :, :width] = value
+        # prompts are right-padded and start at position 0: causal attention over the new keys only
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError (one line, naming the fix) if the slot engine cannot run ``model`` exactly."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = type(model).__name__
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"{name} has {sorted(kinds)} layers; the slot engine handles full attention only: "
+                         "use --engine generate")
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        raise ValueError(f"{name} uses sliding-window attention; the slot engine does not: use --engine generate")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"{name} does not take transformers' attention interface: use --engine generate")
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _slot_attention)
+
+
+class SlotKVCache:
+    """Per-layer K/V of ``num_slots`` sequences of up to ``width`` tokens, and each slot's fill."""
+
+    def __init__(self, config: Any, num_slots: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        shape = (num_slots, kv_heads, width, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.width = width
+        self.flex: Optional[Callable[..., torch.Tensor]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class Request:
+    """One prompt to answer. ``key`` keys the sampling noise: give each request its own."""
+
+    key: int
+    prompt_ids: list[int]
+    tag: Any = None  # the caller's handle, returned with the completion
+
+
+@dataclass
+class Completion:
+    """An answer: ``token_ids`` exclude the stop token and, for a loop, everything from its start."""
+
+    request: Request
+    token_ids: list[int]
+    finish: str  # "stop" | "length" | "loop"
+    generated: int  # tokens generated for it (stop token and cut loop included)
+    loop_start: Optional[int] = None
+
+
+@dataclass
+class _Slot:
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    next_check: int = 0
+
+
+class SlotEngine:
+    """Continuous batching over a static slot cache; see the module docstring.
+
+    ``loop_detector``, if given, fills ``Completion.loop_start`` of every answer. With
+    ``stop_on_loop`` it is also checked every ``loop_check_every`` tokens of a growing answer, and
+    a looping answer is stopped there and returned with ``finish="loop"``, cut at the loop's start
+    (a loop runs to the token cap otherwise: stopping it early saves that compute).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_slots: int,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        stop_ids: list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        loop_detector: Optional[LoopDetector] = None,
+        stop_on_loop: bool = False,
+        loop_check_every: int = 128,
+        max_prefill_tokens: int = 65536,
+        use_flex: Optional[bool] = None,
+        cuda_graph: Optional[bool] = None,
+    ) -> None:
+        if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
+            raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+        check_supported(model)
+        _register_attention()
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        param = next(model.parameters())
+        self.device = param.device
+        self.num_slots = num_slots
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        width = _KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / _KV_BLOCK)
+        self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
+        self.stop_ids = set(stop_ids)
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
+        self.stop_on_loop = stop_on_loop and loop_detector is not None
+        self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
+        self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
+        self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
+        if self.cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs a CUDA device")
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.generated_tokens = 0
+        self.steps = 0
+        if self.use_flex:
+            self._setup_flex()
+        logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
+                    self.cache.nbytes / 1e9, "flex" if self.use_flex else "sdpa",
+                    ", CUDA graph" if self.cuda_graph else "")
+
+    def _setup_flex(self) -> None:
+        """One BlockMask for every decode pass: its tensors are updated in place from the fills, so
+        the pass has fixed shapes and fixed tensors (what a CUDA graph needs)."""
+        import inspect
+
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        n_blocks = self.cache.width // _KV_BLOCK
+        self._kv_len = torch.ones(self.num_slots, dtype=torch.int32, device=self.device)
+        self._kv_blocks = torch.ones((self.num_slots, 1, 1), dtype=torch.int32, device=self.device)
+        kv_indices = (
+            torch.arange(n_blocks, dtype=torch.int32, device=self.device)
+            .view(1, 1, 1, n_blocks).expand(self.num_slots, 1, 1, n_blocks).contiguous()
+        )
+        kv_len = self._kv_len
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx < kv_len[b]
+
+        extra = {}
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            extra["compute_q_blocks"] = False  # only the backward pass reads them
+        self._block_mask = BlockMask.from_kv_blocks(
+            self._kv_blocks, kv_indices, BLOCK_SIZE=_KV_BLOCK, mask_mod=mask_mod,
+            seq_lengths=(1, self.cache.width), **extra,
+        )
+        self.cache.flex = flex_attention if self.device.type != "cuda" else torch.compile(flex_attention, dynamic=False)
+
+    # -- forwards
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def _prefill(self, slots: list[int], requests: list[Request]) -> torch.Tensor:
+        """Fill ``slots`` with the prompts; the first answer token of each."""
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        ids = ids.to(self.device)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(len(requests), width)
+        hidden = self.decoder(
+            input_ids=ids, position_ids=positions, use_cache=False, slot_pass=_Pass(self.cache, slot_t, decode=False)
+        ).last_hidden_state
+        lengths = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long, device=self.device)
+        last = hidden[torch.arange(len(requests), device=self.device), lengths - 1]
+        self.cache.lengths[slot_t] = lengths
+        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
+        return self._sample(self._logits(last), keys, torch.zeros_like(keys))
+
+    def _decode_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The forward of a decode pass: ``tokens`` [S] at each slot's fill position -> logits [S, V].
+
+        Reads and writes only fixed tensors (the cache, its fills, the block mask), so it can be
+        replayed as a CUDA graph."""
+        lengths = self.cache.lengths
+        slot_pass = _Pass(self.cache, None, decode=True)
+        if self.use_flex:
+            self._kv_len.copy_(lengths + 1)
+            self._kv_blocks.copy_(((lengths + _KV_BLOCK) // _KV_BLOCK).view(-1, 1, 1))
+            slot_pass.block_mask = self._block_mask
+        else:
+            visible = torch.arange(self.cache.width, device=self.device)[None, :] <= lengths[:, None]
+            slot_pass.kv_mask = visible[:, None, None, :]
+        hidden = self.decoder(
+            input_ids=tokens[:, None], position_ids=lengths[:, None], use_cache=False, slot_pass=slot_pass
+        ).last_hidden_state[:, 0]
+        return self._logits(hidden)
+
+    def _capture(self) -> None:
+        """Record the decode forward as a CUDA graph (the small model is launch-bound without one)."""
+        self._graph_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles flex, settles the allocator
+                self._decode_logits(self._graph_tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_logits = self._decode_logits(self._graph_tokens)
+        self._graph = graph
+
+    @torch.no_grad()
+    def _decode(self, tokens: torch.Tensor, keys: torch.Tensor, answer_pos: torch.Tensor) -> torch.Tensor:
+        """One token for every slot: feed ``tokens`` [S] at each slot's fill position."""
+        if self.cuda_graph and self._graph is None:
+            try:
+                self._capture()
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say so once
+                logger.warning("CUDA graph capture of the decode pass failed (%s: %s); decoding eagerly",
+                               type(e).__name__, str(e)[:200])
+                self.cuda_graph = False
+                torch.cuda.synchronize()
+        if self._graph is not None:
+            self._graph_tokens.copy_(tokens)
+            self._graph.replay()
+            logits = self._graph_logits
+        else:
+            logits = self._decode_logits(tokens)
+        self.cache.lengths += self._active  # free slots stay empty (they decode garbage at position 0)
+        return self._sample(logits, keys, answer_pos)
+
+    def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return keyed_sample(logits, keys, positions, seed=self.seed, temperature=self.temperature, top_p=self.top_p)
+
+    # -- the loop
+
+    def _finish(self, slot: _Slot, token: int) -> Optional[Completion]:
+        """The completion of ``slot`` if its newest token ``token`` ends it."""
+        n = len(slot.tokens)
+        stopped = token in self.stop_ids
+        if not stopped and n < self.max_new_tokens and not (self.stop_on_loop and n >= slot.next_check):
+            return None
+        answer = slot.tokens[:-1] if stopped else slot.tokens
+        start = None
+        if self.loop_detector is not None:
+            slot.next_check = n + self.loop_check_every
+            start = self.loop_detector.find(answer)
+        if start is not None and self.stop_on_loop:
+            return Completion(slot.request, answer[:start], "loop", n, loop_start=start)
+        if stopped or n >= self.max_new_tokens:
+            return Completion(slot.request, answer, "stop" if stopped else "length", n, loop_start=start)
+        return None
+
+    def generate(self, pending: collections.deque) -> Iterator[Completion]:
+        """Answer the requests of ``pending`` (popped from the left), yielding completions as they end.
+
+        The caller may append requests to ``pending`` while it consumes completions (the next turn
+        of a conversation); the generator ends when ``pending`` is empty and every slot is free.
+        """
+        text = self.model.config
+        saved = text._attn_implementation
+        text._attn_implementation = ATTN_NAME
+        try:
+            yield from self._generate(pending)
+        finally:
+            text._attn_implementation = saved
+
+    def _generate(self, pending: collections.deque) -> Iterator[Completion]:
+        active: dict[int, _Slot] = {}
+        free = list(range(self.num_slots - 1, -1, -1))
+        dev = self.device
+        tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        keys = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        answer_pos = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        self._active = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        self.cache.lengths.zero_()
+        while True:
+            done: list[Completion] = []
+            while free and pending:  # refill: as many prompts as there are free slots, in prefill chunks
+                chunk_slots, chunk = [], []
+                while free and pending:
+                    req = pending[0]
+                    if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
+                        raise ValueError(f"request {req.key}: prompt of {len(req.prompt_ids)} tokens; the engine "
+                                         f"takes 1..{self.max_prompt_tokens}")
+                    widest = max([len(req.prompt_ids)] + [len(r.prompt_ids) for r in chunk])
+                    if chunk and widest * (len(chunk) + 1) > self.max_prefill_tokens:
+                        break
+                    chunk.append(pending.popleft())
+                    chunk_slots.append(free.pop())
+                first = self._prefill(chunk_slots, chunk).tolist()
+                started = []
+                for s, req, tok in zip(chunk_slots, chunk, first):
+                    slot = _Slot(req, [tok], next_check=self.loop_check_every)
+                    self.generated_tokens += 1
+                    end = self._finish(slot, tok)
+                    if end is not None:
+                        done.append(end)
+                        free.append(s)
+                        self.cache.lengths[s] = 0
+                    else:
+                        active[s] = slot
+                        started.append((s, req.key, tok))
+                if started:
+                    idx = torch.tensor([s for s, _, _ in started], dtype=torch.long, device=dev)
+                    tokens[idx] = torch.tensor([t for _, _, t in started], dtype=torch.long, device=dev)
+                    keys[idx] = torch.tensor([k for _, k, _ in started], dtype=torch.long, device=dev)
+                    answer_pos[idx] = 1
+                    self._active[idx] = 1
+            if not active:
+                yield from done
+                if not pending:
+                    return
+                continue
+            new = self._decode(tokens, keys, answer_pos)
+            self.steps += 1
+            tokens, answer_pos = new, answer_pos + 1
+            new_host = new.tolist()
+            ended = []
+            for s in list(active):
+                slot = active[s]
+                slot.tokens.append(new_host[s])
+                self.generated_tokens += 1
+                end = self._finish(slot, new_host[s])
+                if end is not None:
+                    done.append(end)
+                    del active[s]
+                    free.append(s)
+                    ended.append(s)
+            if ended:
+                idx = torch.tensor(ended, dtype=torch.long, device=dev)
+                self._active[idx] = 0
+                self.cache.lengths[idx] = 0
+            yield from done
