@@ -12,8 +12,10 @@ and sorts them by length inside a window to cut padding; results come back in in
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,13 +23,20 @@ from typing import Any, Optional, Union
 
 import torch
 
+from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.data.sources import Conversation
+from nemo_dflash.generation import Completion, Request, SlotEngine
 
 logger = logging.getLogger(__name__)
 
 TURNS = ("first", "all")
 
 ConversationLike = Union[Conversation, Sequence[dict[str, str]]]
+
+
+LOOP_POLICIES = ("cut", "drop", "keep")
+CAPPED_POLICIES = ("keep", "drop")
+ENGINES = ("slots", "generate")
 
 
 @dataclass
@@ -37,21 +46,30 @@ class RegenStats:
     conversations: int = 0  # conversations given to regenerate_conversations
     written: int = 0  # conversations yielded (at least one regenerated turn)
     turns: int = 0  # assistant turns generated and kept
-    prompt_tokens: int = 0  # prompt tokens of the generate calls (padding excluded)
-    generated_tokens: int = 0  # new tokens, stop token included, dropped answers included
-    finish: Counter = field(default_factory=Counter)  # per written conversation: "stop" / "length"
+    prompt_tokens: int = 0  # prompt tokens of the generated turns
+    generated_tokens: int = 0  # new tokens, stop token included, dropped answers and cut loops included
+    answer_tokens: int = 0  # tokens of the answers kept (what the draft trains on)
+    answers: int = 0  # answers generated (kept or not)
+    looping_before: int = 0  # answers the loop detector flagged, before the loop policy
+    looping_after: int = 0  # kept answers the detector still flags (0 unless the policy is "keep")
+    capped_before: int = 0  # answers that hit max_new_tokens without looping
+    capped_after: int = 0  # of those, kept
+    finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
-    seconds: float = 0.0  # time spent in generate
+    seconds: float = 0.0  # time spent generating
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds else 0.0
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        finish = ", ".join(f"{k}={v}" for k, v in sorted(self.finish.items())) or "none"
         text = (
-            f"written {self.written} conversations ({self.turns} assistant turns; finish: "
-            f"stop={self.finish['stop']}, length={self.finish['length']}); skipped {sum(self.skipped.values())} "
-            f"({skipped}); generated {self.generated_tokens} tokens in {self.seconds:.1f}s ({rate:.1f} tokens/s)"
+            f"written {self.written} conversations ({self.turns} assistant turns, {self.answer_tokens} answer tokens; "
+            f"last turn finish: {finish}); skipped {sum(self.skipped.values())} ({skipped}); "
+            f"looping answers {self.looping_before} -> {self.looping_after}, capped {self.capped_before} -> "
+            f"{self.capped_after} of {self.answers}; generated {self.generated_tokens} tokens in {self.seconds:.1f}s "
+            f"({rate:.1f} tokens/s)"
         )
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
@@ -62,17 +80,22 @@ class RegenStats:
 class _Job:
     """One conversation being regenerated: the context built so far and the user turns still to answer."""
 
+    index: int
     source: Optional[str]
     messages: list[dict[str, str]]
     users: list[str]
     next_user: int = 0
     finish_reason: Optional[str] = None
-    done: bool = False
     prompt_ids: list[int] = field(default_factory=list)
 
     @property
     def answered(self) -> int:
         return sum(m["role"] == "assistant" for m in self.messages)
+
+    def request_key(self) -> int:
+        """The sampling key of the turn being asked: stable across runs, batches and resumes."""
+        name = self.source if self.source is not None else f"#{self.index}"
+        return zlib.crc32(f"{name}\x00{self.next_user}".encode()) & 0x7FFFFFFF
 
 
 def split_prompt(messages: Sequence[dict[str, str]], turns: str = "first") -> tuple[list[dict[str, str]], list[str]]:
@@ -212,33 +235,41 @@ def generate_batch(
     return results
 
 
-def _batches(
-    jobs: list[_Job], batch_size: int, max_batch_tokens: Optional[int], max_new_tokens: int
-) -> Iterator[list[_Job]]:
-    """Cut length-sorted (longest first) jobs into batches of at most ``batch_size`` rows and, if
-    set, ``max_batch_tokens`` padded tokens: one very long prompt then runs alone instead of
-    padding ``batch_size - 1`` short ones to its length."""
-    batch: list[_Job] = []
-    for job in jobs:
-        if batch and (
-            len(batch) >= batch_size
-            or (max_batch_tokens and (len(batch) + 1) * (len(batch[0].prompt_ids) + max_new_tokens) > max_batch_tokens)
-        ):
-            yield batch
-            batch = []
-        batch.append(job)
-    if batch:
-        yield batch
+class BatchedGenerateEngine:
+    """``model.generate`` on successive batches of the pending requests: the fallback for models the
+    slot engine cannot run (recurrent or sliding-window layers). Finished rows idle until the
+    longest answer of their batch ends, and sampling follows torch's global RNG, so samples
+    depend on the batch composition (the slot engine's do not)."""
+
+    def __init__(self, model: Any, *, batch_size: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                 temperature: float, top_p: float, seed: int, loop_detector: Optional[LoopDetector]) -> None:
+        self.model, self.batch_size, self.stop_ids, self.pad_id = model, batch_size, stop_ids, pad_id
+        self.gen_kwargs = _generation_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                             stop_ids=stop_ids, pad_id=pad_id)
+        self.loop_detector = loop_detector
+        self.generated_tokens = 0
+        if temperature > 0:
+            torch.manual_seed(seed)
+
+    def generate(self, pending: collections.deque) -> Iterator[Completion]:
+        while pending:
+            batch = [pending.popleft() for _ in range(min(self.batch_size, len(pending)))]
+            results = generate_batch(self.model, [r.prompt_ids for r in batch], pad_id=self.pad_id,
+                                     stop_ids=self.stop_ids, **self.gen_kwargs)
+            for req, (ids, reason, n_new) in zip(batch, results):
+                self.generated_tokens += n_new
+                start = self.loop_detector.find(ids) if self.loop_detector is not None else None
+                yield Completion(req, ids, reason, n_new, loop_start=start)
 
 
-def _as_job(conv: ConversationLike, turns: str) -> tuple[_Job, Optional[str]]:
+def _as_job(index: int, conv: ConversationLike, turns: str) -> tuple[_Job, Optional[str]]:
     """A job for ``conv`` and None, or a dummy job and the reason to skip it."""
     if isinstance(conv, Conversation):
         messages, source = conv.messages, conv.location
     else:
         messages, source = list(conv), None
     system, users = split_prompt(messages, turns)
-    job = _Job(source=source, messages=system, users=users)
+    job = _Job(index=index, source=source, messages=system, users=users)
     return job, (None if users else "no_user_turn")
 
 
@@ -254,43 +285,64 @@ def regenerate_conversations(
     turns: str = "first",
     seed: int = 0,
     max_prompt_tokens: Optional[int] = None,
-    sort_window: Optional[int] = None,
-    max_batch_tokens: Optional[int] = None,
+    engine: str = "slots",
+    loops: str = "cut",
+    capped: str = "keep",
+    loop_detector: Optional[LoopDetector] = None,
+    max_prefill_tokens: int = 65536,
     stats: Optional[RegenStats] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     should_stop: Optional[Callable[[], bool]] = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, in input order.
+    """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
     ``conversations`` are :class:`Conversation` objects or plain ``[{"role", "content"}]`` lists;
-    their assistant turns are replaced by the target's answers (greedy for ``temperature=0``).
+    their assistant turns are replaced by the target's answers (greedy for ``temperature=0``,
+    else sampled with ``temperature``/``top_p``, keyed by ``seed``, the conversation and the turn).
     ``turns="first"`` answers the first user turn only (``[system?, user, assistant]``);
-    ``turns="all"`` answers every user turn, feeding the regenerated answers back as context.
-    A conversation stops at an answer cut by ``max_new_tokens`` (``finish_reason="length"``), an
-    empty answer (dropped) or a prompt over ``max_prompt_tokens``; if no turn survives it is skipped
-    and counted in ``stats.skipped``. ``sort_window`` (default ``16 * batch_size``) conversations
-    are regenerated together, sorted by prompt length, in batches of ``batch_size`` rows and at
-    most ``max_batch_tokens`` (rows x (longest prompt + max_new_tokens));
-    ``progress(conversations_done, new_tokens)`` is called after each batch. Sampling seeds torch's
-    global RNG with ``seed``. Arguments are checked at the call, before iteration starts.
+    ``turns="all"`` answers every user turn, with the target's own earlier answers as context.
+
+    ``engine="slots"`` keeps ``batch_size`` answers in flight and refills a slot as soon as its
+    answer ends (:class:`~nemo_dflash.generation.SlotEngine`); ``"generate"`` runs
+    ``model.generate`` batch after batch. An answer that loops (``loop_detector``, default
+    :class:`LoopDetector`) is cut at the loop's start (``loops="cut"``), dropped (``"drop"``) or kept
+    (``"keep"``); an answer cut by ``max_new_tokens`` is kept (``capped="keep"``) or dropped. A
+    cut, capped or dropped answer, an empty answer, or a next prompt over ``max_prompt_tokens``
+    ends the conversation there; if no turn survives it is skipped and counted in
+    ``stats.skipped``. ``progress(conversations_done, new_tokens)`` is called as answers end.
+    Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
+    unfinished are not yielded (a resumed run redoes them). Arguments are checked at the call.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    if engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES:
+        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     stats = stats if stats is not None else RegenStats()
+    detector = loop_detector or LoopDetector()
     stop_ids = stop_token_ids(model, tokenizer)
-    pad_id = _pad_id(tokenizer, stop_ids)
-    gen_kwargs = _generation_kwargs(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
-    )
     specials = special_token_strings(tokenizer)
-    window = sort_window or 16 * batch_size
+    if max_prompt_tokens is None:
+        context = getattr(model.config, "max_position_embeddings", None) or 4096
+        max_prompt_tokens = max(context - max_new_tokens, 1)
+    if engine == "slots":
+        gen: Any = SlotEngine(
+            model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
+            stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens,
+        )
+    else:
+        gen = BatchedGenerateEngine(
+            model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+            pad_id=_pad_id(tokenizer, stop_ids), temperature=temperature, top_p=top_p, seed=seed,
+            loop_detector=detector,
+        )
 
-    def prepare(job: _Job) -> Optional[str]:
-        """Append the next user turn and tokenise the prompt; the reason it cannot be used, if any."""
+    def ask(job: _Job) -> Optional[str]:
+        """Append the next user turn and tokenise the prompt; the reason it cannot be asked, if any."""
         job.messages.append({"role": "user", "content": job.users[job.next_user]})
         job.prompt_ids, reason = prompt_problem(
             tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens, specials=specials
@@ -299,93 +351,105 @@ def regenerate_conversations(
             job.messages.pop()
         return reason
 
-    def stop(job: _Job, reason: str) -> None:
-        job.done = True
-        if job.answered:
-            stats.shortened[reason] += 1
-        else:
-            stats.skipped[reason] += 1
-
-    def run_window(jobs: list[_Job]) -> Iterator[dict[str, Any]]:
-        # Once should_stop() says so no new batch starts; what is already answered is still yielded.
-        while not stats.halted:
-            active, dropped = [], 0
-            for job in jobs:
-                if job.done:
-                    continue
-                reason = prepare(job)
-                if reason is None:
-                    active.append(job)
-                else:
-                    stop(job, reason)
-                    dropped += 1
-            if dropped and progress is not None:
-                progress(dropped, 0)
-            if not active:
-                break
-            active.sort(key=lambda j: len(j.prompt_ids), reverse=True)  # longest first: OOM shows up early
-            for batch in _batches(active, batch_size, max_batch_tokens, max_new_tokens):
-                t0 = time.perf_counter()
-                results = generate_batch(
-                    model, [j.prompt_ids for j in batch], pad_id=pad_id, stop_ids=stop_ids, **gen_kwargs
-                )
-                stats.seconds += time.perf_counter() - t0
-                new_tokens = finished = 0
-                for job, (ids, reason, n_new) in zip(batch, results):
-                    stats.prompt_tokens += len(job.prompt_ids)
-                    new_tokens += n_new
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    job.next_user += 1
-                    problem = "empty_answer" if not text.strip() else None
-                    if problem is None and any(s in text for s in specials):
-                        problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
-                    if problem is not None:
-                        job.messages.pop()
-                        stop(job, problem)
-                    else:
-                        job.messages.append({"role": "assistant", "content": text})
-                        job.finish_reason = reason
-                        stats.turns += 1
-                        job.done = job.next_user >= len(job.users)
-                        if reason == "length" and not job.done:
-                            # An answer cut by max_new_tokens is a poor context for the next turn: end there.
-                            job.done = True
-                            stats.shortened["length"] += 1
-                    finished += job.done
-                stats.generated_tokens += new_tokens
-                if progress is not None:
-                    progress(finished, new_tokens)
-                if should_stop is not None and should_stop():
-                    stats.halted = True
-                    break
-        for job in jobs:
-            if job.answered:
-                stats.written += 1
-                stats.finish[job.finish_reason] += 1
-                record: dict[str, Any] = {"messages": job.messages, "finish_reason": job.finish_reason}
-                if job.source is not None:
-                    record["source"] = job.source
-                yield record
+    def end(job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
+        """The record of a finished conversation (None if no turn survived); counts why it ended."""
+        if reason is not None:
+            (stats.shortened if job.answered else stats.skipped)[reason] += 1
+        if progress is not None:
+            progress(1, 0)
+        if not job.answered:
+            return None
+        stats.written += 1
+        stats.finish[job.finish_reason] += 1
+        record: dict[str, Any] = {"messages": job.messages, "finish_reason": job.finish_reason}
+        if job.source is not None:
+            record["source"] = job.source
+        return record
 
     def run() -> Iterator[dict[str, Any]]:
-        if temperature > 0:
-            torch.manual_seed(seed)
-        pending: list[_Job] = []
-        for conv in conversations:
-            stats.conversations += 1
-            job, reason = _as_job(conv, turns)
-            if reason is not None:
-                stats.skipped[reason] += 1
-                if progress is not None:
-                    progress(1, 0)
-                continue
-            pending.append(job)
-            if len(pending) >= window:
-                yield from run_window(pending)
-                pending = []
-                if stats.halted:
-                    return
-        if pending:
-            yield from run_window(pending)
+        pending: collections.deque[Request] = collections.deque()
+        source = enumerate(conversations)
+        exhausted = False
 
+        def admit() -> None:
+            """Top up ``pending`` with first turns of new conversations (2 x batch_size queued)."""
+            nonlocal exhausted
+            while not exhausted and len(pending) < 2 * batch_size and not stats.halted:
+                try:
+                    index, conv = next(source)
+                except StopIteration:
+                    exhausted = True
+                    return
+                stats.conversations += 1
+                job, reason = _as_job(index, conv, turns)
+                reason = reason or ask(job)
+                if reason is not None:
+                    stats.skipped[reason] += 1
+                    if progress is not None:
+                        progress(1, 0)
+                    continue
+                pending.append(Request(job.request_key(), job.prompt_ids, tag=job))
+
+        admit()
+        t0 = time.perf_counter()
+        generated0 = gen.generated_tokens
+        for done in gen.generate(pending):
+            job: _Job = done.request.tag
+            stats.answers += 1
+            stats.prompt_tokens += len(job.prompt_ids)
+            looped = done.finish == "loop" or done.loop_start is not None
+            stats.looping_before += looped
+            capped = done.finish == "length" and not looped
+            stats.capped_before += capped
+            ids = done.token_ids
+            if done.finish == "loop" and loops == "drop":
+                ids = None
+            elif looped and loops == "cut" and done.loop_start is not None:
+                ids = ids[: done.loop_start]
+            if capped and capped_policy_drops:
+                ids = None
+            text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+            job.next_user += 1
+            problem = None
+            if ids is None:
+                problem = "loop" if looped else "length"
+            elif not text.strip():
+                problem = "empty_answer"
+            elif any(s in text for s in specials):
+                problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
+            record = None
+            if problem is not None:
+                job.messages.pop()
+                record = end(job, problem)
+            else:
+                job.messages.append({"role": "assistant", "content": text})
+                job.finish_reason = "loop" if looped and loops != "keep" else done.finish
+                stats.turns += 1
+                stats.answer_tokens += len(ids)
+                stats.capped_after += capped
+                stats.looping_after += looped and loops == "keep"
+                if job.next_user >= len(job.users):
+                    record = end(job, None)
+                elif job.finish_reason != "stop":
+                    record = end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
+                elif not stats.halted:  # (once halted, an unfinished conversation is left for a resume)
+                    reason = ask(job)
+                    if reason is not None:
+                        record = end(job, reason)
+                    else:
+                        pending.append(Request(job.request_key(), job.prompt_ids, tag=job))
+            stats.seconds = time.perf_counter() - t0
+            stats.generated_tokens = gen.generated_tokens - generated0
+            if progress is not None:
+                progress(0, done.generated)
+            if record is not None:
+                yield record
+            if not stats.halted and should_stop is not None and should_stop():
+                stats.halted = True
+                pending.clear()
+            admit()
+        stats.seconds = time.perf_counter() - t0
+        stats.generated_tokens = gen.generated_tokens - generated0
+
+    capped_policy_drops = capped == "drop"
     return run()

@@ -42,38 +42,32 @@ def _reference(model, tokenizer, messages, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def _forcing_generate(model, tokenizer, prompts_seen: list | None = None):
-    """``model.generate`` that answers every prompt with "Hello" + random tokens + <|im_end|>, stopping
-    after 2-4 tokens depending on the prompt, so batch rows stop at different steps (a random
-    model never emits <|im_end|> by itself)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, stop_at=lambda key: 2 + key % 3):
+    """The slot engine answers every prompt with "Hello" + the model's tokens + <|im_end|>, ending
+    after ``stop_at(key)`` tokens, so answers end at different steps (a random model never emits
+    <|im_end|> by itself). ``prompts_seen`` collects the decoded prompts of the prefills."""
+    from nemo_dflash.generation import SlotEngine
 
-    orig = model.generate
     first = tokenizer.convert_tokens_to_ids("Hello")
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    real_sample, real_prefill = SlotEngine._sample, SlotEngine._prefill
 
-    class Force(LogitsProcessor):
-        def __init__(self, width: int, stop_at: list[int]) -> None:
-            self.width, self.stop_at = width, stop_at
+    def sample(self, logits, keys, positions):
+        out = real_sample(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            if pos == 0:
+                out[row] = first
+            elif pos >= stop_at(key):
+                out[row] = eot
+        return out
 
-        def __call__(self, input_ids, scores):
-            step = input_ids.shape[1] - self.width
-            for row, stop_at in enumerate(self.stop_at):
-                forced = first if step == 0 else eot if step >= stop_at else None
-                if forced is not None:
-                    scores[row] = float("-inf")
-                    scores[row, forced] = 0.0
-            return scores
-
-    def generate(input_ids, attention_mask, **kwargs):
-        rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+    def prefill(self, slots, requests):
         if prompts_seen is not None:
-            prompts_seen.extend(tokenizer.decode(r) for r in rows)
-        stop_at = [2 + sum(r) % 3 for r in rows]
-        force = LogitsProcessorList([Force(input_ids.shape[1], stop_at)])
-        return orig(input_ids=input_ids, attention_mask=attention_mask, logits_processor=force, **kwargs)
+            prompts_seen.extend(tokenizer.decode(r.prompt_ids) for r in requests)
+        return real_prefill(self, slots, requests)
 
-    return generate
+    monkeypatch.setattr(SlotEngine, "_sample", sample)
+    monkeypatch.setattr(SlotEngine, "_prefill", prefill)
 
 
 @pytest.fixture
@@ -121,14 +115,15 @@ def test_greedy_batched_equals_unpadded_hf_generate(target, chat_file):
     prompt_lens = {len(regen.encode_prompt(tokenizer, c.messages[:1])) for c in convs}
     assert len(prompt_lens) > 1  # otherwise batching adds no padding to get wrong
     outputs = {}
-    for bs in (1, 3):
+    for engine, bs in (("slots", 1), ("slots", 3), ("generate", 3)):
         stats = RegenStats()
-        outputs[bs] = list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, batch_size=bs,
-                                                    stats=stats))
+        records = regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, batch_size=bs, stats=stats,
+                                           engine=engine)
+        outputs[engine, bs] = sorted(records, key=lambda r: r["source"])
         assert stats.written + sum(stats.skipped.values()) == len(convs)
         assert set(stats.skipped) <= {"empty_answer"}
-    assert outputs[1] == outputs[3]
-    by_source = {r["source"]: r for r in outputs[3]}
+    assert outputs["slots", 1] == outputs["slots", 3] == outputs["generate", 3]
+    by_source = {r["source"]: r for r in outputs["slots", 3]}
     for conv in convs:
         expected = _reference(model, tokenizer, conv.messages[:1], max_new_tokens=6)
         if not expected.strip():
@@ -163,7 +158,7 @@ def test_cli_writes_openai_jsonl_and_holdout(tmp_path, target_dir, chat_file):
 def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target):
     model, tokenizer = cached_target
     prompts: list[str] = []
-    monkeypatch.setattr(model, "generate", _forcing_generate(model, tokenizer, prompts))
+    _forcing_sampler(monkeypatch, tokenizer, prompts)
     data = tmp_path / "multi.jsonl"
     convs = [[{"role": "system", "content": f"be brief {i}"}]
              + [{"role": r, "content": f"{r} {i} turn {t}"} for t in range(3) for r in ("user", "assistant")]
@@ -200,28 +195,34 @@ def test_all_turns_stops_after_a_cut_answer(target):
 
 
 def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target, chat_file):
+    """Sampled multi-turn answers; a crash mid-run, a torn last line, a refused change of settings,
+    then a resume: the final file is the uninterrupted run's, byte for byte (keyed sampling does not
+    depend on which conversations share the batch)."""
+    from nemo_dflash.generation import SlotEngine
+
     model, tokenizer = cached_target
-    monkeypatch.setattr(model, "generate", _forcing_generate(model, tokenizer))
-    args = ["--target", "x", "--data", str(chat_file), "--num-samples", "6", "--max-new-tokens", "8",
-            "--batch-size", "2", "--sort-window", "2"]
+    _forcing_sampler(monkeypatch, tokenizer, stop_at=lambda key: 2 + key % 5)
+    args = ["--target", "x", "--data", str(chat_file), "--num-samples", "8", "--max-new-tokens", "8",
+            "--batch-size", "2", "--turns", "all", "--sampling", "given", "--temperature", "1.0", "--top-p", "0.9"]
     reference = tmp_path / "ref.jsonl"
     cli.main(args + ["--out", str(reference)])
 
     out = tmp_path / "run.jsonl"
-    real, calls = regen.generate_batch, []
+    real, calls = SlotEngine._decode, []
 
-    def crash_on_second_batch(*a, **k):
+    def crash_later(self, *a, **k):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 12:
             raise RuntimeError("boom")
-        return real(*a, **k)
+        return real(self, *a, **k)
 
-    monkeypatch.setattr(regen, "generate_batch", crash_on_second_batch)
+    monkeypatch.setattr(SlotEngine, "_decode", crash_later)
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(args + ["--out", str(out)])
-    monkeypatch.setattr(regen, "generate_batch", real)
+    monkeypatch.setattr(SlotEngine, "_decode", real)
     partial = tmp_path / "run.jsonl.partial"
-    assert not out.exists() and len(_read_jsonl(partial)) == 2  # the first window only
+    written = _read_jsonl(partial)
+    assert not out.exists() and 0 < len(written) < 8
     with open(partial, "a") as f:
         f.write('{"messages": [{"ro')  # killed mid-write
 
@@ -230,7 +231,7 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     assert partial.exists()
 
     summary = cli.main(args + ["--out", str(out)])
-    assert summary["resumed_from"] == 2
+    assert summary["resumed_done"] == len(written)
     assert out.read_text() == reference.read_text()
     assert not partial.exists() and not (tmp_path / "run.jsonl.partial.json").exists()
 
@@ -239,7 +240,7 @@ def test_max_minutes_finishes_with_what_is_done(tmp_path, target_dir, chat_file)
     out = tmp_path / "regen.jsonl"
     summary = cli.main(["--target", str(target_dir), "--data", str(chat_file), "--out", str(out),
                         "--num-samples", "6", "--holdout", "1", "--max-new-tokens", "4", "--batch-size", "2",
-                        "--sort-window", "4", "--max-minutes", "1e-6"])
+                        "--max-minutes", "1e-6"])
     records = _read_jsonl(out)
     # The budget is spent by the time the first batch is done: that batch's two conversations are
     # written (none generated and then dropped), no further batch starts.
@@ -264,20 +265,14 @@ def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, cap
 
 @pytest.mark.parametrize("bad,message", [(["--out", "x.json"], ".jsonl"), (["--top-p", "0"], "--top-p"),
                                          (["--temperature", "-1"], "--temperature"),
-                                         (["--max-minutes", "0"], "--max-minutes")])
+                                         (["--max-minutes", "0"], "--max-minutes"),
+                                         (["--top-p", "1.5"], "--top-p"),
+                                         (["--max-prefill-tokens", "0"], "--max-prefill-tokens")])
 def test_bad_arguments(bad, message, capsys):
     args = ["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"]
     with pytest.raises(SystemExit):
         cli.main(args + bad)
     assert message in capsys.readouterr().err
-
-
-def test_batches_respect_row_and_token_caps():
-    jobs = [regen._Job(source=None, messages=[], users=[], prompt_ids=[0] * n) for n in (100, 20, 18, 15, 10, 5)]
-    sizes = lambda cap: [[len(j.prompt_ids) for j in b] for b in regen._batches(jobs, 3, cap, 10)]  # noqa: E731
-    assert sizes(None) == [[100, 20, 18], [15, 10, 5]]
-    assert sizes(120) == [[100], [20, 18, 15], [10, 5]]  # a long prompt runs alone instead of padding others
-    assert sizes(1) == [[100], [20], [18], [15], [10], [5]]  # never an empty batch
 
 
 def test_sampling_is_seeded(target, chat_file):
@@ -289,6 +284,89 @@ def test_sampling_is_seeded(target, chat_file):
                                              batch_size=2, seed=seed))
 
     assert run(0) == run(0) != run(1)
+
+
+def test_sampling_does_not_depend_on_the_batch(target, chat_file):
+    """Keyed sampling: the same answers with 1 or 3 answers in flight (other batch neighbours)."""
+    model, tokenizer = target
+    convs = list(read_conversations(str(chat_file), max_samples=5))
+
+    def run(bs: int) -> list[dict]:
+        records = regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, temperature=0.8, top_p=0.95,
+                                           batch_size=bs, seed=4)
+        return sorted(records, key=lambda r: r["source"])
+
+    assert run(1) == run(3)
+
+
+def _looping_sampler(monkeypatch, tokenizer, loop_from: int):
+    """Answers "Hello" + the model's tokens, then from ``loop_from`` the same 5 tokens over and over."""
+    from nemo_dflash.generation import SlotEngine
+
+    unit = [tokenizer.convert_tokens_to_ids(t) for t in ("Hello", "Ġworld", ",", "Ġagain", ".")]
+    real = SlotEngine._sample
+
+    def sample(self, logits, keys, positions):
+        out = real(self, logits, keys, positions)
+        for row, pos in enumerate(positions.tolist()):
+            if pos >= loop_from:
+                out[row] = unit[(pos - loop_from) % len(unit)]
+        return out
+
+    monkeypatch.setattr(SlotEngine, "_sample", sample)
+    return unit
+
+
+@pytest.mark.parametrize("policy", ["cut", "drop", "keep"])
+def test_loop_policies(monkeypatch, target, policy):
+    model, tokenizer = target
+    unit = _looping_sampler(monkeypatch, tokenizer, loop_from=10)
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "x"},
+              {"role": "user", "content": f"follow-up {i}"}] for i in range(3)]
+    stats = RegenStats()
+    records = list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=400, turns="all", batch_size=2,
+                                            loops=policy, stats=stats))
+    assert stats.answers == 3 and stats.looping_before == 3 and stats.capped_before == 0
+    if policy == "drop":
+        assert records == [] and stats.skipped["loop"] == 3 and stats.looping_after == 0
+        return
+    assert len(records) == 3 and all(len(r["messages"]) == 2 for r in records)  # the loop ends the conversation
+    assert stats.shortened[records[0]["finish_reason"]] == 3
+    for r in records:
+        ids = tokenizer(r["messages"][1]["content"], add_special_tokens=False)["input_ids"]
+        if policy == "cut":  # 10 tokens of the model's, then the unit once: the repeats are gone
+            assert r["finish_reason"] == "loop" and len(ids) <= 10 + len(unit) + 2
+        else:
+            assert r["finish_reason"] == "length" and len(ids) > 100
+    assert stats.looping_after == (3 if policy == "keep" else 0)
+    if policy == "cut":  # stopped at the first check (128 tokens), not at the cap
+        assert stats.generated_tokens <= 3 * 128
+
+
+def test_capped_answers_can_be_dropped(target):
+    model, tokenizer = target
+    convs = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
+    stats = RegenStats()
+    records = list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=4, batch_size=2, capped="drop",
+                                            stats=stats))
+    assert records == [] and stats.capped_before == 2 and stats.capped_after == 0 and stats.skipped["length"] == 2
+
+
+def test_sampling_settings_come_from_the_target(capsys):
+    from types import SimpleNamespace
+
+    args = cli.build_parser().parse_args(["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"])
+    sampling = SimpleNamespace(do_sample=True, temperature=0.6, top_p=0.9)
+    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (0.6, 0.9, "target generation_config")
+    plain = SimpleNamespace(generation_config=SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0))
+    assert cli.resolve_sampling(args, plain) == (0.7, 0.95, "command line")
+    args.sampling = "greedy"
+    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling))[:2] == (0.0, 1.0)
+    args.sampling = "target"
+    bad = SimpleNamespace(generation_config=SimpleNamespace(do_sample=True, temperature=0.7, top_p=0.0))
+    with pytest.raises(SystemExit) as exc:
+        cli.resolve_sampling(args, bad)
+    assert exc.value.code == 2 and "top_p" in capsys.readouterr().err
 
 
 def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):

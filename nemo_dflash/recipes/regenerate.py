@@ -33,7 +33,7 @@ logger = logging.getLogger("nemo_dflash.regenerate")
 # Settings that change which conversations are picked or what is generated: a partial output
 # may only be continued with the same values.
 _RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tokens", "max_new_tokens",
-                "temperature", "top_p", "holdout")
+                "temperature", "top_p", "holdout", "engine", "loops", "capped")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,15 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip conversations whose prompt is longer (default: the model's context minus "
                         "--max-new-tokens); with --turns all a conversation ends at the first turn over it")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (with --top-p)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when --temperature > 0")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (left-padded)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="cap rows x (longest prompt + --max-new-tokens) per batch, so a long prompt does not "
-                        "pad a whole batch to its length (default: no cap)")
-    p.add_argument("--sort-window", type=int, default=None,
-                   help="conversations sorted by prompt length together to cut padding, and the unit written "
-                        "to OUT.partial (default: 16 x --batch-size)")
+    p.add_argument("--sampling", choices=("target", "given", "greedy"), default="target",
+                   help="target: the target's generation_config sampling settings when it has them, else "
+                        "--temperature/--top-p; given: --temperature/--top-p; greedy: temperature 0")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (see --sampling); 0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (see --sampling)")
+    p.add_argument("--engine", choices=("slots", "generate"), default="slots",
+                   help="slots: continuous batching, a finished answer's row refilled at once (full-attention "
+                        "models); generate: model.generate batch after batch (any model)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="answers in flight (slots: rows of the KV cache; generate: prompts per call)")
+    p.add_argument("--max-prefill-tokens", type=int, default=65536,
+                   help="slots: cap on rows x longest prompt of one refill's prefill")
+    p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
+                   help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
+                        "ends there), drop the turn, or keep it")
+    p.add_argument("--capped", choices=("keep", "drop"), default="keep",
+                   help="an answer that hits --max-new-tokens without looping: keep it (the conversation ends "
+                        "there) or drop the turn")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="auto: bf16 on cuda, fp32 on cpu")
@@ -77,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("num_samples", "max_new_tokens", "batch_size", "sort_window", "max_prompt_tokens",
-                 "max_batch_tokens"):
+    for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
@@ -86,12 +94,34 @@ def _validate(args: argparse.Namespace) -> None:
         fail(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.holdout < 0:
         fail(f"--holdout must be >= 0 (got {args.holdout})")
-    if args.temperature < 0:
-        fail(f"--temperature must be >= 0 (got {args.temperature}); use 0 for greedy decoding")
-    if not 0 < args.top_p <= 1:
-        fail(f"--top-p must be in (0, 1] (got {args.top_p})")
+    check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not args.out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
+
+
+def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
+    """Refuse a sampling configuration that makes no sense (one line naming the fix, exit 2)."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        fail(f"{t_name} must be a number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        fail(f"{p_name} must be in (0, 1] (got {top_p!r}); use 1 for no nucleus cut")
+
+
+def resolve_sampling(args: argparse.Namespace, model: Any) -> tuple[float, float, str]:
+    """(temperature, top_p, where they came from): the target's recommended sampling when it has
+    one (``generation_config`` with ``do_sample``), else the command line's."""
+    if args.sampling == "greedy":
+        return 0.0, 1.0, "greedy"
+    gen = getattr(model, "generation_config", None)
+    if args.sampling == "target" and gen is not None and getattr(gen, "do_sample", False):
+        temperature = getattr(gen, "temperature", None)
+        top_p = getattr(gen, "top_p", None)
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        check_sampling(temperature, top_p, "the target's generation_config temperature",
+                       "the target's generation_config top_p")
+        return float(temperature), float(top_p), "target generation_config"
+    return args.temperature, args.top_p, "command line"
 
 
 def holdout_path(out: Path) -> Path:
@@ -178,11 +208,12 @@ def write_jsonl_atomic(path: Path, records: Sequence[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def _resume_position(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> int:
-    """Index in ``train`` to continue from, after checking ``partial`` was made with ``settings``.
+def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> set[str]:
+    """Sources of the conversations ``partial`` already holds, after checking it was made with ``settings``.
 
-    A torn last line (killed mid-write) is cut off; the conversations after the last one written
-    are redone (those the window skipped come back skipped again).
+    A torn last line (killed mid-write) is cut off. Conversations are written as they end, so the
+    ones not in the file (in flight at the kill) are simply redone: with keyed sampling a redone
+    answer is the one the interrupted run would have written.
     """
     hint = f"pass --overwrite to start over, or delete {partial}"
     try:
@@ -200,15 +231,32 @@ def _resume_position(partial: Path, meta: Path, settings: dict[str, Any], train:
         logger.warning("%s: dropping a torn last line (%d bytes)", partial, len(data) - keep)
         with open(partial, "r+b") as f:
             f.truncate(keep)
-    position = {c.location: i for i, c in enumerate(train)}
-    last = -1
-    for lineno, line in enumerate(data[:keep].splitlines(), start=1):
+    known = {c.location for c in train}
+    done: set[str] = set()
+    for lineno, line in enumerate(data[:keep].split(b"\n")[:-1], start=1):
         try:
             source = json.loads(line)["source"]
-            last = max(last, position[source])
         except (ValueError, KeyError, TypeError):
+            source = None
+        if source not in known or source in done:
             fail(f"{partial}:{lineno} is not a record of this run; {hint}")
-    return last + 1
+        done.add(source)
+    return done
+
+
+def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
+    """Write ``out`` atomically from ``partial``, in selection order (so a resumed run's file is the
+    uninterrupted run's); the number of conversations."""
+    lines = [line for line in partial.read_text(encoding="utf-8").split("\n") if line]
+    lines.sort(key=lambda line: order[json.loads(line)["source"]])
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    partial.unlink()
+    return len(lines)
 
 
 def _pick_device_dtype(device: str, dtype: str) -> tuple[str, str]:
@@ -285,23 +333,27 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     logger.info("selected %d conversations to regenerate and %d held out (examined %d; skipped %s)",
                 len(train), len(holdout), examined, select_skipped or "none")
 
+    temperature, top_p, sampling_from = resolve_sampling(args, model)
+    logger.info("sampling: temperature %s, top_p %s (%s)", temperature, top_p, sampling_from)
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
-    settings.update(data=[os.path.realpath(p) for p in paths], max_prompt_tokens=max_prompt)
-    start = 0
+    settings.update(data=[os.path.realpath(p) for p in paths], max_prompt_tokens=max_prompt,
+                    temperature=temperature, top_p=top_p)
+    done: set[str] = set()
     if partial.exists():
-        start = _resume_position(partial, meta, settings, train)
-        logger.info("continuing %s: %d of %d conversations already done", partial, start, len(train))
+        done = _resume_done(partial, meta, settings, train)
+        logger.info("continuing %s: %d of %d conversations already done", partial, len(done), len(train))
     else:
         write_jsonl_atomic(meta, [settings])  # one JSON line: readable with json.loads
 
     stats = RegenStats()
-    todo = train[start:]
+    todo = [c for c in train if c.location not in done]
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", file=sys.stderr, dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     t0 = time.perf_counter()
 
-    def progress(done: int, new_tokens: int) -> None:
-        bar.update(done)
+    def progress(finished: int, new_tokens: int) -> None:
+        if finished:
+            bar.update(finished)
         elapsed = max(time.perf_counter() - t0, 1e-6)
         bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tokens=stats.generated_tokens,
                         refresh=False)
@@ -309,16 +361,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     budget_s = None if args.max_minutes is None else args.max_minutes * 60.0
 
     def out_of_time() -> bool:
-        """Checked after each generated batch: no new batch starts once the budget is spent, and
-        every conversation already answered is still written (none is generated and dropped)."""
+        """Checked as answers end: once the budget is spent no new conversation or turn starts, and
+        the conversations that are complete are written."""
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
-    records = regenerate_conversations(
-        model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        batch_size=args.batch_size, turns=args.turns, seed=args.seed + start, max_prompt_tokens=max_prompt,
-        sort_window=args.sort_window, max_batch_tokens=args.max_batch_tokens, stats=stats, progress=progress,
-        should_stop=out_of_time,
-    )
+    try:
+        records = regenerate_conversations(
+            model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
+            batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
+            engine=args.engine, loops=args.loops, capped=args.capped, max_prefill_tokens=args.max_prefill_tokens,
+            stats=stats, progress=progress, should_stop=out_of_time,
+        )
+    except ValueError as e:  # the engine cannot run this target
+        fail(str(e))
     try:
         with open(partial, "a", encoding="utf-8") as f:
             for record in records:
@@ -333,25 +388,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     bar.close()
     if stats.halted:
         logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
-                       out, start + stats.written, len(train))
+                       out, len(done) + stats.written, len(train))
     if held is not None:
         write_jsonl_atomic(held, [_holdout_record(c, args.turns) for c in holdout])
-    os.replace(partial, out)
+    total_written = _finish_output(partial, out, {c.location: i for i, c in enumerate(train)})
     meta.unlink(missing_ok=True)
 
-    with open(out, encoding="utf-8") as f:
-        total_written = sum(1 for line in f if line.strip())
     wall = time.perf_counter() - wall0
     gen_time = time.perf_counter() - t0
     summary = {
         "out": str(out),
         "written": total_written,
         "written_this_run": stats.written,
-        "resumed_from": start,
+        "resumed_done": len(done),
         "stopped_at_max_minutes": stats.halted,
         "holdout": str(held) if held is not None else None,
         "holdout_written": len(holdout),
         "turns": stats.turns,
+        "answers": stats.answers,
+        "answer_tokens": stats.answer_tokens,
+        "looping_before": stats.looping_before,
+        "looping_after": stats.looping_after,
+        "capped_before": stats.capped_before,
+        "capped_after": stats.capped_after,
+        "sampling": {"temperature": temperature, "top_p": top_p, "from": sampling_from},
+        "engine": args.engine,
+        "loops": args.loops,
+        "capped": args.capped,
         "finish": dict(stats.finish),
         "skipped_selection": select_skipped,
         "skipped_generation": dict(stats.skipped),
