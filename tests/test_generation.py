@@ -1,0 +1,111 @@
+"""The slot engine against HF's own greedy generate, and keyed sampling against the softmax it samples."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from nemo_dflash.generation import Request, SlotEngine, keyed_sample
+
+STOP = 2
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _prompts(n: int = 11) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=STOP,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    return out[: out.index(STOP)] if STOP in out else out
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen3])
+@pytest.mark.parametrize("use_flex", [False, True])
+def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex):
+    """4 slots for 11 prompts of 1-39 tokens: slots are refilled mid-run, prefills are chunked and
+    right-padded; every answer must be HF's unbatched greedy answer (flex: its CPU reference path)."""
+    model, prompts = make(), _prompts()
+    engine = SlotEngine(model, num_slots=4, max_prompt_tokens=64, max_new_tokens=24, stop_ids=[STOP],
+                        use_flex=use_flex, max_prefill_tokens=80)
+    done = {c.request.key: c for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+    assert sorted(done) == list(range(len(prompts)))
+    for i, p in enumerate(prompts):
+        assert done[i].token_ids == _hf_greedy(model, p, 24), i
+        assert done[i].finish == ("stop" if len(done[i].token_ids) < 24 else "length")
+    assert engine.steps < len(prompts) * 24  # answers overlapped in the batch
+
+
+def test_requests_added_while_running_are_answered():
+    """The caller appends follow-up requests as completions arrive (multi-turn)."""
+    model, prompts = _llama(), _prompts(4)
+    engine = SlotEngine(model, num_slots=2, max_prompt_tokens=128, max_new_tokens=8, stop_ids=[STOP])
+    pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
+    answers = {}
+    for c in engine.generate(pending):
+        answers[c.request.key] = c.token_ids
+        if c.request.key < 4:  # a second turn: the prompt, the answer, a new user token
+            pending.append(Request(c.request.key + 100, c.request.prompt_ids + c.token_ids + [7]))
+    assert len(answers) == 8
+    for i, p in enumerate(prompts):
+        assert answers[i + 100] == _hf_greedy(model, p + answers[i] + [7], 8)
+
+
+def test_keyed_sampling_follows_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 40000
+    rows = logits.expand(n, 6)
+    keys, pos = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    freq = torch.bincount(keyed_sample(rows, keys, pos, seed=1, temperature=1.0, top_p=1.0), minlength=6) / n
+    assert torch.allclose(freq, logits.softmax(0), atol=0.01)
+    # top-p 0.8 keeps the 3 most likely tokens (cumulative 0.56, 0.77, 0.89), renormalised
+    freq = torch.bincount(keyed_sample(rows, keys, pos, seed=1, temperature=1.0, top_p=0.8, candidates=3),
+                          minlength=6) / n
+    p = logits.softmax(0)[:3]
+    assert torch.allclose(freq[:3], p / p.sum(), atol=0.01) and freq[3:].sum() == 0
+    # temperature 0.5 sharpens as softmax(logits / 0.5)
+    freq = torch.bincount(keyed_sample(rows, keys, pos, seed=2, temperature=0.5, top_p=1.0), minlength=6) / n
+    assert torch.allclose(freq, (logits / 0.5).softmax(0), atol=0.01)
+
+
+def test_keyed_sampling_is_a_function_of_its_key():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 500) * 3
+    logits[:8] = torch.randn(8, 500) * 0.01  # flat rows: the nucleus is wider than the candidates
+    keys, pos = torch.arange(64), torch.arange(64) * 7
+    fast = keyed_sample(logits, keys, pos, seed=3, temperature=0.8, top_p=0.9, candidates=32)
+    full = keyed_sample(logits, keys, pos, seed=3, temperature=0.8, top_p=0.9, candidates=500)
+    assert torch.equal(fast, full)
+    # a row's token does not depend on the other rows, their order, or the batch size
+    perm = torch.randperm(64)
+    assert torch.equal(keyed_sample(logits[perm], keys[perm], pos[perm], seed=3, temperature=0.8, top_p=0.9)[:5],
+                       fast[perm][:5])
+    assert not torch.equal(fast, keyed_sample(logits, keys, pos, seed=4, temperature=0.8, top_p=0.9))
+    assert torch.equal(keyed_sample(logits, keys, pos, seed=3, temperature=0.0, top_p=0.9), logits.argmax(-1))
+
+
+def test_unsupported_models_are_refused_in_one_line():
+    model = _llama()
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="--engine generate"):
+        SlotEngine(model, num_slots=2, max_prompt_tokens=8, max_new_tokens=8, stop_ids=[STOP])
+    with pytest.raises(ValueError, match="cuda"):
+        SlotEngine(_llama(), num_slots=2, max_prompt_tokens=8, max_new_tokens=8, stop_ids=[STOP], cuda_graph=True)
