@@ -16,6 +16,7 @@ work around the kernels is what decides the speed:
 
     python benchmarks/train_throughput.py --shape smollm2_135m --mbs 16 --anchors 256 --seq 416 \
         --compile 0 --profile 3 --json out.json
+    python benchmarks/train_throughput.py --shape smollm2_135m --cases "16:256:416:layers:1 64:256:416:layers:1"
 
 Every knob takes a comma list; the cases are their product. MFU = model FLOPs of a step / step
 time / the bf16 matmul rate measured in the same run (formula in docs/performance.md).
@@ -337,6 +338,7 @@ class StepCase:
     seq: int
     compile: str  # "0" | "layers" (train.compile=true) | others the trainer supports
     accum: int = 1
+    compile_target: bool = False  # train.compile_target
 
 
 def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
@@ -350,6 +352,10 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
 
     for m in (draft, *draft.layers):
         m._compiled_call_impl = None  # undo a previous case's compile
+    for layer in wrapper.layers:
+        layer.__dict__.pop("forward", None)
+    if case.compile_target:
+        wrapper.compile_layers()
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa")
@@ -383,6 +389,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         batch_flops(shape, draft, wrapper, batches[i % len(batches)], case.anchors,
                     row_seeds(0, i, 0, case.mbs * case.accum)) for i in range(min(len(batches), 4)))
     row = {"mbs": case.mbs, "accum": case.accum, "anchors": case.anchors, "seq": case.seq, "compile": case.compile,
+           "compile_target": case.compile_target,
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
@@ -403,30 +410,135 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     return row
 
 
+def _cuda_ms(fn, reps: int = 10) -> tuple[float, float]:
+    """(host ms per call without waiting, GPU-inclusive wall ms per call)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) / reps
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / reps
+    return host * 1e3, wall * 1e3
+
+
+def probe(args, device) -> None:
+    """Where one step's time goes at the recipe's shape: flex_attention variants in isolation,
+    and host vs GPU time of the target forward and of the draft's forward + backward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from nemo_dflash.core import DFlashTrainerModule, build_flex_block_mask
+    from nemo_dflash.train.trainer import _right_padded, row_seeds
+
+    shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
+    mbs, anchors, seq = int(args.mbs.split(",")[0]), int(args.anchors.split(",")[0]), int(args.seq.split(",")[0])
+    batch = make_step_batches(1, mbs, seq, args.jitter, args.prompt_frac, shape["vocab_size"])[0]
+    length = int(batch["attention_mask"].sum(1).max())
+    batch = {k: v[:, :length].contiguous() for k, v in batch.items()}
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=anchors, loss_decay_gamma=7.0, attn_backend="flex")
+    seeds = row_seeds(0, 0, 0, mbs)
+    plan = module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], row_seeds=seeds)
+    dev_batch = {k: v.to(device) for k, v in batch.items()}
+    dplan = plan.to(device)
+    blk = args.block
+    host_ms, wall_ms = _cuda_ms(lambda: build_flex_block_mask(dplan.anchors, dplan.valid, dev_batch["attention_mask"], blk))
+    bm = build_flex_block_mask(dplan.anchors, dplan.valid, dev_batch["attention_mask"], blk)
+    n_q_tiles, n_kv_tiles = bm.kv_num_blocks.shape[-1], -(-bm.seq_lengths[1] // bm.BLOCK_SIZE[1])
+    print(f"\n== probe: mbs {mbs}, anchors {anchors}, length {length}: Q {bm.seq_lengths[0]}, KV {bm.seq_lengths[1]} ==")
+    print(f"block mask (eager build): host {host_ms:.1f} ms, wall {wall_ms:.1f} ms; tiles per q-tile: partial "
+          f"{bm.kv_num_blocks.float().mean():.2f}, full {bm.full_kv_num_blocks.float().mean():.2f} of {n_kv_tiles} "
+          f"({n_q_tiles} q-tiles); sparsity {bm.sparsity():.1f}%")
+    hq, hkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    q_len, kv_len = bm.seq_lengths
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(mbs, hq, q_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(mbs, hkv, kv_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(mbs, hkv, kv_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    go = torch.randn(mbs, hq, q_len, hd, device=device, dtype=torch.bfloat16, generator=g)
+
+    def variant(name, compile_kw=None, kernel_options=None, gqa=True, mask=bm):
+        torch._dynamo.reset()
+        fn = torch.compile(flex_attention, **(compile_kw or {}))
+        kk, vv = (k, v) if gqa else (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1))
+        kw = dict(block_mask=mask, enable_gqa=gqa, kernel_options=kernel_options)
+        try:
+            t0 = time.perf_counter()
+            fn(q, kk, vv, **kw).backward(go)
+            torch.cuda.synchronize()
+            c = time.perf_counter() - t0
+            with torch.no_grad():
+                _, fwd = _cuda_ms(lambda: fn(q, kk, vv, **kw))
+            _, both = _cuda_ms(lambda: fn(q, kk, vv, **kw).backward(go))
+            print(f"  {name:<52} fwd {fwd:7.2f} ms  fwd+bwd {both:7.2f} ms  (compile {c:5.1f} s)", flush=True)
+        except Exception as e:  # one variant failing must not stop the rest
+            print(f"  {name:<52} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
+
+    print("flex_attention alone (bf16), one layer:")
+    variant("default (as _flex: torch.compile(flex_attention))")
+    variant("dynamic=True", {"dynamic": True})
+    variant("BLOCK_M=64 BLOCK_N=64", kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    variant("BLOCK_M=128 BLOCK_N=64 warps 8 stages 2",
+            kernel_options={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2})
+    variant("BLOCK_M=64 BLOCK_N=128 warps 4 stages 3",
+            kernel_options={"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3})
+    variant("no GQA (k/v heads repeated)", gqa=False)
+    variant("mode=max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"})
+    torch._dynamo.reset()
+
+    # host vs GPU time of the step's parts (eager draft, as compile=0; compiled CE and flex)
+    tb_fn = lambda: wrapper.generate_batch(dev_batch["input_ids"], dev_batch["attention_mask"],
+                                           dev_batch["loss_mask"], right_padded=_right_padded(batch["attention_mask"]))
+    with torch.no_grad():
+        h, w = _cuda_ms(tb_fn)
+    print(f"target forward (layers 0..{max(wrapper.target_layer_ids)}): host {h:.1f} ms, wall {w:.1f} ms")
+    tb = tb_fn()
+    for mode in ("0", "layers"):
+        from nemo_dflash.train.trainer import apply_compile
+
+        for m in (draft, *draft.layers):
+            m._compiled_call_impl = None
+        apply_compile(module, mode)
+
+        def fb():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = module(tb, plan=dplan)
+            out.loss_sum.backward()
+
+        for _ in range(3):
+            fb()
+        h, w = _cuda_ms(fb, reps=5)
+        print(f"draft forward+backward, compile {mode}: host {h:.1f} ms, wall {w:.1f} ms")
+        draft.zero_grad(set_to_none=True)
+    sys.stdout.flush()
+
+
 def main_trainer_step(args, device, peak: float) -> None:
     shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
-    cases = [StepCase(int(m), int(a), int(s), c, int(g)) for m in args.mbs.split(",") for a in args.anchors.split(",")
-             for s in args.seq.split(",") for c in args.compile.split(",") for g in args.accum.split(",")]
+    if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target" separated by spaces
+        cases = [StepCase(int(m), int(a), int(s), c, 1, bool(int(t)))
+                 for m, a, s, c, t in (x.split(":") for x in args.cases.split())]
+    else:
+        cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t))) for m in args.mbs.split(",")
+                 for a in args.anchors.split(",") for s in args.seq.split(",") for c in args.compile.split(",")
+                 for g in args.accum.split(",") for t in args.compile_target.split(",")]
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
-    def table() -> None:
-        print(f"\n{name}, {args.shape}, draft {args.draft_layers} layers, block {args.block}, TrainStep; "
-              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
-              f"prompt {args.prompt_frac:.0%}")
-        hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'compile':>12} {'step ms':>8} {'tok/step':>8} "
-               f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
-        print(hdr)
-        print("-" * len(hdr))
-        for r in rows:
-            head = f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r['compile']:>12}"
-            if "error" in r:
-                print(f"{head} {r['error']}")
-                continue
-            print(f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
-                  f"{r['block_tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
-                  f"{r['warmup_s']:>7.1f}")
-        sys.stdout.flush()
+    title = (f"{name}, {args.shape}, draft {args.draft_layers} layers, block {args.block}, TrainStep; "
+             f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
+             f"prompt {args.prompt_frac:.0%}")
+    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'compile':>7} {'tgt':>3} {'step ms':>8} {'tok/step':>8} "
+           f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
+
+    def line(r: dict) -> str:
+        head = f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r['compile']:>7} {int(r['compile_target']):>3}"
+        if "error" in r:
+            return f"{head} {r['error']}"
+        return (f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
+                f"{r['block_tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
+                f"{r['warmup_s']:>7.1f}")
 
     for i, case in enumerate(cases):
         try:
@@ -444,10 +556,16 @@ def main_trainer_step(args, device, peak: float) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+        if args.verbose:
+            print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
         if "profile" in r:
-            print_profile(f"mbs {case.mbs} anchors {case.anchors} seq {case.seq} compile {case.compile}", r["profile"])
-        table()
+            print_profile(f"mbs {case.mbs} anchors {case.anchors} seq {case.seq} compile {case.compile} "
+                          f"target {int(case.compile_target)}", r["profile"])
+        print(f"[{i + 1}/{len(cases)}] {line(r)}", flush=True)
+    print(f"\n{title}\n{hdr}\n{'-' * len(hdr)}")
+    for r in rows:
+        print(line(r))
+    sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "shape": args.shape, "matmul_tflops": peak, "args": vars(args), "rows": rows}, f,
@@ -471,11 +589,15 @@ def main() -> None:
     g = p.add_argument_group("trainer step (smollm2_135m)")
     g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size)")
     g.add_argument("--accum", default="1", help="micro-batches per step (train.grad_accum)")
+    g.add_argument("--compile-target", default="0", help="1: compile the target's layers (train.compile_target)")
+    g.add_argument("--cases", default=None, help='instead of the product: "MBS:ANCHORS:SEQ:COMPILE:TARGET ..."')
     g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
     g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
     g.add_argument("--profile", type=int, default=0, help="torch.profiler summary over this many steps (first case)")
     g.add_argument("--profile-all", action="store_true", help="profile every case, not only the first")
+    g.add_argument("--verbose", action="store_true", help="a JSON line per case as it finishes")
+    g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
     if args.shape in LLAMA_SHAPES:
@@ -484,6 +606,9 @@ def main() -> None:
         device = torch.device(args.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if args.probe:
+            probe(args, device)
+            return
         main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"))
         return
 

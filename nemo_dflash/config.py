@@ -83,6 +83,7 @@ class TrainConfig:
     eval_batches: int = 8
     max_bad_steps: int = 20  # consecutive non-finite steps before training stops
     compile: bool = False  # torch.compile the draft layers (GPU)
+    compile_target: bool = False  # torch.compile the frozen target's decoder layers (GPU; launch-bound small targets)
 
 
 @dataclass

@@ -110,6 +110,16 @@ class HFDFlashTargetModel:
             )
         return ids
 
+    def compile_layers(self, **compile_kwargs: Any) -> None:
+        """`torch.compile` the forward of each decoder layer up to the last captured one.
+
+        A small target's eager forward is bound by Python and kernel launches (tens of small
+        ops per layer). Only `layer.forward` is compiled, so the capture hooks (and the early
+        stop they raise) still run eagerly around it in `nn.Module.__call__`.
+        """
+        for layer in list(self.layers)[: max(self.target_layer_ids) + 1]:
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
+
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
 

@@ -331,3 +331,102 @@ def test_fused_lm_loss_falls_back_when_lm_head_is_trainable():
     loss, _ = chunked_lm_loss(hidden, torch.arange(6), head, 4, fused=True)
     loss.sum().backward()
     assert head.weight.grad is not None and hidden.grad is not None
+
+
+# ----------------------------------------------------------------------------- host-side plan, compiled loss chunk
+
+
+def test_plan_built_on_the_cpu_gives_the_same_step_as_sampling_inside(target_and_draft):
+    """The trainer plans anchors and label slots on the CPU batch; the module must then compute
+    exactly what it computes when it samples the same row-seeded anchors itself."""
+    from nemo_dflash.core import plan_blocks
+
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch(bsz=3, seq=40)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    trainer = _trainer(wrapper, draft, num_anchors=6)
+    seeds = [11, 12, 13]
+    inside = trainer(batch, row_seeds=seeds)
+    plan = plan_blocks(ids, lm, attn, draft.block_size, 6, row_seeds=seeds)
+    planned = trainer(batch, plan=plan)
+    for f in ("loss_sum", "weight_sum", "correct", "num_labels", "accept_sum", "num_blocks"):
+        assert torch.equal(getattr(planned, f), getattr(inside, f)), f
+    # the plan against its definition: sel = the valid label slots, labels = token[a + k] there
+    lab, lv = build_labels(ids, lm, attn, plan.anchors, plan.valid, draft.block_size)
+    assert torch.equal(plan.sel, lv.flatten().nonzero().squeeze(-1))
+    assert torch.equal(plan.labels, lab.flatten()[lv.flatten()])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
+    """`_ce_chunk` (what the GPU compiles) against the in-place eager loop and float64 cross-entropy."""
+    from nemo_dflash.core import _ce_chunk
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 37, 16, 90
+    head = torch.nn.Linear(h, v, bias=False).requires_grad_(False)
+    head.weight.copy_(torch.randn(v, h, generator=g) * 0.5)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss_loop, pred_loop = chunked_lm_loss(hidden, labels, head, 16, fused=True)
+    loss_loop.sum().backward()
+    mm = torch.bfloat16 if autocast else torch.float32
+    loss_c, pred_c, grad_c = _ce_chunk(hidden.detach(), head.weight, labels, mm, True)
+    torch.testing.assert_close(loss_c, loss_loop.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(pred_c, pred_loop)
+    torch.testing.assert_close(grad_c, hidden.grad, rtol=1e-6, atol=1e-6)
+    if not autocast:  # and both against the definition
+        h64 = hidden.detach().double().requires_grad_(True)
+        ref = F.cross_entropy(h64 @ head.weight.double().T, labels, reduction="none")
+        ref.sum().backward()
+        torch.testing.assert_close(loss_c.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_c.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    _, _, no_grad = _ce_chunk(hidden.detach(), head.weight, labels, mm, False)
+    assert no_grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on GPUs")
+def test_compiled_loss_chunk_matches_eager_on_gpu():
+    from nemo_dflash.core import _ce_chunk, _ce_chunk_fn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 300, 64, 5000
+    w = (torch.randn(v, h, device="cuda", generator=g) * 0.3).bfloat16()
+    hidden = torch.randn(n, h, device="cuda", generator=g)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    for rows in (n, 77):  # a second shape: the last chunk of a loss is shorter
+        ref = _ce_chunk(hidden[:rows], w, labels[:rows], torch.bfloat16, True)
+        got = _ce_chunk_fn(hidden.device)(hidden[:rows], w, labels[:rows], torch.bfloat16, True)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], ref[1])
+        torch.testing.assert_close(got[2], ref[2], rtol=1e-2, atol=1e-4)  # bf16 matmul, same inputs
+
+
+def test_target_without_padding_mask_on_right_padded_rows(target_and_draft):
+    """Causal attention alone gives the same features at every real position of right-padded rows."""
+    wrapper, _ = target_and_draft
+    ids, attn, lm = random_batch(bsz=3, seq=30, pad_last=11)
+    masked = wrapper.generate_batch(ids, attn, lm)
+    causal = wrapper.generate_batch(ids, attn, lm, right_padded=True)
+    real = attn.bool()
+    torch.testing.assert_close(causal.hidden_states[real], masked.hidden_states[real], rtol=1e-5, atol=1e-5)
+    assert causal.attention_mask is attn  # the draft still masks padded keys
+
+
+def test_compiled_target_layers_keep_the_captured_features(target_and_draft):
+    """`compile_layers` compiles each layer's forward only: the capture hooks and the early stop
+    still run, and the features match the eager target (dynamo's eager backend: no C++ on CI)."""
+    import copy
+
+    wrapper, draft = target_and_draft
+    ids, attn, lm = random_batch(bsz=2, seq=24, pad_last=5)
+    ref = wrapper.generate_batch(ids, attn, lm, right_padded=True).hidden_states
+    compiled = HFDFlashTargetModel(copy.deepcopy(wrapper.model), wrapper.target_layer_ids)
+    compiled.compile_layers(backend="eager")
+    for seq in (24, 17):  # a second shape, as every training batch has
+        got = compiled.generate_batch(ids[:, :seq], attn[:, :seq], lm[:, :seq], right_padded=True).hidden_states
+        torch.testing.assert_close(got, ref[:, :seq], rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -119,3 +119,31 @@ def test_config_roundtrip(tmp_path):
     again = DFlashDraftModel.from_pretrained(tmp_path)
     for (n, a), (_, b) in zip(draft.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_flex_attention_runs_in_the_autocast_dtype(monkeypatch):
+    """Under autocast the fp32 norm weights leave q/k in fp32; flex_attention (not on autocast's
+    list) must get the autocast dtype, as SDPA would, and the same output as SDPA under autocast."""
+    from nemo_dflash.core import build_flex_block_mask, build_dense_block_mask
+    from nemo_dflash.model import modeling
+
+    draft = make_draft(tiny_qwen3(), num_layers=1, block_size=4)
+    seen = []
+    real_flex = modeling._flex
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_flex(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(modeling, "_flex", spy)
+    torch.manual_seed(0)
+    hidden, c_len = draft.config.hidden_size, 12
+    anchors, valid = torch.tensor([[3, 7]]), torch.tensor([[True, True]])
+    noise, th = torch.randn(1, 8, hidden), torch.randn(1, c_len, len(draft.config.target_layer_ids) * hidden)
+    pos = torch.cat([torch.arange(c_len), torch.tensor([3, 4, 5, 6, 7, 8, 9, 10])]).unsqueeze(0)
+    key_valid = torch.ones(1, c_len)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        flex = draft(noise, th, pos, build_flex_block_mask(anchors, valid, key_valid, 4), backend="flex")
+        dense = draft(noise, th, pos, build_dense_block_mask(anchors, valid, key_valid, 4), backend="eager")
+    assert seen == [(torch.bfloat16,) * 3]
+    torch.testing.assert_close(flex.float(), dense.float(), rtol=0.05, atol=0.05)  # bf16 attention either way

@@ -185,3 +185,81 @@ def test_recipe_defaults_pieces(tmp_path):
     (tmp_path / "bad.yaml").write_text("defaults: [nope.yaml]\ntarget:\n  path: x\n")
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_recipe(tmp_path / "bad.yaml")
+
+
+# ------------------------------------------------------------------ the training step
+
+
+def _step_pieces(seed: int = 0):
+    from nemo_dflash.config import OptimConfig
+    from nemo_dflash.train.distributed import DistState
+    from nemo_dflash.train.optim import build_optimizer
+
+    target = tiny_qwen3()
+    draft = make_draft(target, num_layers=1, block_size=4, seed=seed)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=6, loss_decay_gamma=4.0)
+    params = [p for p in draft.parameters()]
+    opt = build_optimizer(params, OptimConfig(lr=1e-2), torch.device("cpu"))
+    state = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return wrapper, draft, module, params, opt, state
+
+
+def test_train_step_matches_a_hand_written_step():
+    """TrainStep (CPU-planned anchors, grads scaled and clipped without leaving the device)
+    against the textbook sequence: loss sum -> backward -> grads / W -> clip -> AdamW."""
+    from nemo_dflash.train.trainer import TrainStep, row_seeds
+
+    ids, attn, lm = random_batch(bsz=4, seq=40)
+    step_batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": lm}
+    wrapper, draft, module, params, opt, state = _step_pieces()
+    res = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=5, grad_clip=0.05,
+                    use_bf16=False)(3, step_batch)
+    got = [p.detach().clone() for p in params]
+
+    wrapper, draft, module, params, opt, state = _step_pieces()
+    w_sum, l_sum, tokens = 0.0, 0.0, 0
+    for first in (0, 2):
+        rows = {k: v[first : first + 2] for k, v in step_batch.items()}
+        n = int(rows["attention_mask"].sum(1).max())
+        rows = {k: v[:, :n] for k, v in rows.items()}
+        out = module(wrapper.generate_batch(rows["input_ids"], rows["attention_mask"], rows["loss_mask"]),
+                     row_seeds=row_seeds(5, 3, first, 2))
+        out.loss_sum.backward()
+        w_sum += float(out.weight_sum)
+        l_sum += float(out.loss_sum.detach())
+        tokens += int(rows["attention_mask"].sum())
+    for p in params:
+        p.grad.mul_(1.0 / w_sum)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, 0.05))
+    opt.step()
+    assert res.status == "ok" and norm > 0.05  # the clip was active
+    assert res.grad_norm == pytest.approx(norm, rel=1e-5)
+    assert res.loss == pytest.approx(l_sum / w_sum, rel=1e-6)
+    assert int(res.totals[6]) == tokens
+    for a, b in zip(got, params):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_without_labels_leaves_the_draft_alone():
+    from nemo_dflash.train.trainer import TrainStep
+
+    ids, attn, _ = random_batch(bsz=2, seq=30)
+    step_batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": torch.zeros_like(attn)}
+    wrapper, draft, module, params, opt, state = _step_pieces()
+    before = [p.detach().clone() for p in params]
+    res = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=0, grad_clip=1.0,
+                    use_bf16=False)(0, step_batch)
+    assert res.status == "no_labels" and res.loss == 0.0 and res.grad_norm == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(p.grad is None for p in params)
+
+
+def test_right_padded_check():
+    from nemo_dflash.train.trainer import _right_padded
+
+    assert _right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert not _right_padded(torch.tensor([[1, 1, 0], [0, 1, 1]]))  # left padding
+    assert not _right_padded(torch.tensor([[1, 0, 1]]))  # a hole
+    assert _right_padded(torch.tensor([[1]]))

@@ -30,6 +30,13 @@ AttnMask = Union[torch.Tensor, "BlockMask", None]
 _compiled_flex = None
 
 
+# Forward tiles for head_dim <= 64. Inductor's H100/H200 default for bf16 at head_dim 64 is
+# 128x128 with 4 warps: on the SmolLM2 draft's shape its forward took 12 ms per layer against
+# 0.8 ms for 64x64 (the max-autotune pick), six times its own backward (docs/performance.md).
+# BLOCK_M/BLOCK_N name forward tiles only; the backward keeps its defaults.
+_SMALL_HEAD_FWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
+
+
 def _flex(q, k, v, block_mask, scale, enable_gqa):
     """Compiled flex_attention on accelerators (the eager one materialises the scores).
 
@@ -42,7 +49,8 @@ def _flex(q, k, v, block_mask, scale, enable_gqa):
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    options = _SMALL_HEAD_FWD_TILES if q.shape[-1] <= 64 else None
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options)
 
 
 class RMSNorm(nn.Module):

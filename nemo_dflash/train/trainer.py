@@ -328,6 +328,8 @@ class Trainer:
         self.use_bf16 = cfg.train.precision == "bf16"
         if self.device.type == "cuda":
             self.module = apply_compile(self.module, "layers" if cfg.train.compile else "0")
+            if cfg.train.compile_target:
+                self.target.compile_layers()
         self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
         if cfg.distributed.shard_target:
             if self.strategy != "fsdp2":
