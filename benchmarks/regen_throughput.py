@@ -90,20 +90,20 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
 
 def run_step(model, prompts, args, stop_ids) -> dict:
     """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
-    from nemo_dflash.generation import Request, SlotEngine
+    from nemo_dflash.generation import Request, SlotEngine, keyed_sample_candidates
 
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
                         top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False)
     S = args.batch_size
+    engine._start_state()
     reqs = [Request(i, prompts[i % len(prompts)]) for i in range(S)]
-    engine._active = torch.ones(S, dtype=torch.long, device=engine.device)
     chunk = max(1, args.max_prefill_tokens // args.max_prompt_tokens)
     for k in range(0, S, chunk):
         engine._prefill(list(range(k, min(S, k + chunk))), reqs[k: k + chunk])
-    tokens = torch.randint(3, 1000, (S,), device=engine.device)
-    keys = torch.arange(S, device=engine.device)
-    pos = torch.full((S,), 5, device=engine.device)
+    engine._active.fill_(1)
+    engine._answer_pos.fill_(5)
+    keys, pos = engine._keys, engine._answer_pos
 
     def timed(fn, n=20) -> float:
         fn()
@@ -114,20 +114,18 @@ def run_step(model, prompts, args, stop_ids) -> dict:
         _sync()
         return (time.perf_counter() - t0) / n * 1e3
 
-    out = {"eager_forward_ms": timed(lambda: engine._decode_logits(tokens))}
-    logits = engine._decode_logits(tokens)
-    out["sample_ms"] = timed(lambda: engine._sample(logits, keys, pos))
-    from nemo_dflash.generation import keyed_sample
-
+    out = {"eager_forward_ms": timed(lambda: engine._decode_logits())}
+    logits = engine._decode_logits()
+    out["eager_step_ms"] = timed(lambda: engine._step())
     for k in (16, 64, 256):
-        out[f"sample_ms_T0.2_k{k}"] = timed(lambda: keyed_sample(logits, keys, pos, seed=0, temperature=0.2, top_p=0.9,
-                                                                  candidates=k))
+        out[f"sample_ms_k{k}"] = timed(lambda: keyed_sample_candidates(
+            logits, keys, pos, seed=0, temperature=args.temperature, top_p=args.top_p, candidates=k))
     out["argmax_ms"] = timed(lambda: logits.argmax(-1))
-    out["tolist_ms"] = timed(lambda: tokens.tolist())
     if torch.cuda.is_available():
         engine.cuda_graph = True
         engine._capture()
-        out["graph_forward_ms"] = timed(lambda: engine._graph.replay())
+        out["graph_step_ms"] = timed(lambda: engine._graph.replay())
+        out["graph_decode_ms"] = timed(lambda: engine._decode())
     out["mean_fill"] = float(engine.cache.lengths.float().mean())
     return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
 

@@ -86,6 +86,31 @@ def _sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     return (top_p_filter(scores, top_p) + _gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
 
 
+def keyed_sample_candidates(
+    logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, seed: int, temperature: float,
+    top_p: float, candidates: int = 64,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(next token per row, rows whose nucleus is wider than ``candidates`` or None), branch-free.
+
+    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
+    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn
+    for those only (the same noise the whole-vocabulary path draws for them). The token of a
+    "wide" row is not exact: :func:`keyed_sample` redoes those rows over the whole vocabulary.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1), None
+    scores = logits.float() / temperature
+    if top_p >= 1.0 or candidates >= scores.shape[-1]:
+        return _sample_full(scores, keys, positions, seed, top_p), None
+    values, ids = scores.topk(candidates, dim=-1)
+    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    cum = probs.cumsum(dim=-1)
+    keep = (cum - probs) < top_p
+    noisy = values + _gumbel(keyed_uniform(seed, keys, positions, ids))
+    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
+    return out, cum[:, -1] < top_p
+
+
 def keyed_sample(
     logits: torch.Tensor,
     keys: torch.Tensor,
@@ -96,28 +121,13 @@ def keyed_sample(
     top_p: float,
     candidates: int = 64,
 ) -> torch.Tensor:
-    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within top-p.
-
-    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
-    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn for
-    those only (the same noise the whole-vocabulary path draws for them); a row whose nucleus is
-    wider takes the whole-vocabulary path. Both give the same token.
-    """
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
-    if top_p >= 1.0 or candidates >= scores.shape[-1]:
-        return _sample_full(scores, keys, positions, seed, top_p)
-    values, ids = scores.topk(candidates, dim=-1)
-    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
-    cum = probs.cumsum(dim=-1)
-    keep = (cum - probs) < top_p
-    noisy = values + _gumbel(keyed_uniform(seed, keys, positions, ids))
-    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
-    wide = cum[:, -1] < top_p
-    if bool(wide.any()):
+    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within
+    top-p, a pure function of (seed, key, position, logits); see :func:`keyed_sample_candidates`."""
+    out, wide = keyed_sample_candidates(logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p,
+                                        candidates=candidates)
+    if wide is not None and bool(wide.any()):
         rows = wide.nonzero()[:, 0]
-        out[rows] = _sample_full(scores[rows], keys[rows], positions[rows], seed, top_p)
+        out[rows] = _sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
     return out
 
 
@@ -231,13 +241,6 @@ class Completion:
     finish: str  # "stop" | "length" | "loop"
     generated: int  # tokens generated for it (stop token and cut loop included)
     loop_start: Optional[int] = None
-
-
-@dataclass
-class _Slot:
-    request: Request
-    tokens: list[int] = field(default_factory=list)
-    next_check: int = 0
 
 
 class SlotEngine:
@@ -354,11 +357,8 @@ class SlotEngine:
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
         return self._sample(self._logits(last), keys, torch.zeros_like(keys))
 
-    def _decode_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The forward of a decode pass: ``tokens`` [S] at each slot's fill position -> logits [S, V].
-
-        Reads and writes only fixed tensors (the cache, its fills, the block mask), so it can be
-        replayed as a CUDA graph."""
+    def _decode_logits(self) -> torch.Tensor:
+        """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
         lengths = self.cache.lengths
         slot_pass = _Pass(self.cache, None, decode=True)
         if self.use_flex:
@@ -369,65 +369,98 @@ class SlotEngine:
             visible = torch.arange(self.cache.width, device=self.device)[None, :] <= lengths[:, None]
             slot_pass.kv_mask = visible[:, None, None, :]
         hidden = self.decoder(
-            input_ids=tokens[:, None], position_ids=lengths[:, None], use_cache=False, slot_pass=slot_pass
+            input_ids=self._tokens[:, None], position_ids=lengths[:, None], use_cache=False, slot_pass=slot_pass
         ).last_hidden_state[:, 0]
         return self._logits(hidden)
 
+    def _step(self) -> None:
+        """One decode step on the engine's fixed tensors: forward, keyed sample, bookkeeping.
+
+        Free slots run too (fixed shapes) and their results are ignored. Sets ``_wide`` (rows
+        whose sample must be redone exactly, or None) and ``_flags`` = [any slot ended, any wide]."""
+        logits = self._decode_logits()
+        new, wide = self._pick(logits, self._keys, self._answer_pos)
+        active = self._active.bool()
+        self._tokens.copy_(torch.where(active, new, self._tokens))
+        rows = torch.arange(self.num_slots, device=self.device)
+        self._out[rows, self._answer_pos.clamp(max=self.max_new_tokens)] = self._tokens
+        self._answer_pos.add_(self._active)
+        self.cache.lengths.add_(self._active)  # free slots stay empty (they decode garbage at position 0)
+        ended = active & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self.max_new_tokens))
+        self._ended.copy_(ended)
+        self._wide = None if wide is None else (wide & active)
+        any_wide = self._wide.any() if self._wide is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+        self._flags = torch.stack([ended.any(), any_wide])
+        self._logits_out = logits
+
     def _capture(self) -> None:
-        """Record the decode forward as a CUDA graph (the small model is launch-bound without one)."""
-        self._graph_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+        """Record the decode step as a CUDA graph (the small model is launch-bound without one)."""
+        saved = [t.clone() for t in (self._tokens, self._answer_pos, self._out, self.cache.lengths)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles flex, settles the allocator
-                self._decode_logits(self._graph_tokens)
+                self._step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._graph_logits = self._decode_logits(self._graph_tokens)
+            self._step()
+        for t, v in zip((self._tokens, self._answer_pos, self._out, self.cache.lengths), saved):
+            t.copy_(v)  # the warm-up and capture steps advanced the state: undo
         self._graph = graph
 
     @torch.no_grad()
-    def _decode(self, tokens: torch.Tensor, keys: torch.Tensor, answer_pos: torch.Tensor) -> torch.Tensor:
-        """One token for every slot: feed ``tokens`` [S] at each slot's fill position."""
+    def _decode(self) -> tuple[bool, bool]:
+        """One token for every slot (graph replay on GPU); (any slot ended, any sample redone)."""
         if self.cuda_graph and self._graph is None:
             try:
                 self._capture()
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say so once
-                logger.warning("CUDA graph capture of the decode pass failed (%s: %s); decoding eagerly",
+                logger.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly",
                                type(e).__name__, str(e)[:200])
                 self.cuda_graph = False
                 torch.cuda.synchronize()
         if self._graph is not None:
-            self._graph_tokens.copy_(tokens)
             self._graph.replay()
-            logits = self._graph_logits
         else:
-            logits = self._decode_logits(tokens)
-        self.cache.lengths += self._active  # free slots stay empty (they decode garbage at position 0)
-        return self._sample(logits, keys, answer_pos)
+            self._step()
+        any_ended, any_wide = self._flags.tolist()
+        if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
+            rows = self._wide.nonzero()[:, 0]
+            pos = self._answer_pos[rows] - 1
+            fixed = _sample_full(self._logits_out[rows].float() / self.temperature, self._keys[rows], pos,
+                                 self.seed, self.top_p)
+            self._tokens[rows] = fixed
+            self._out[rows, pos] = fixed
+            ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
+            self._ended[rows] = ended
+            any_ended = any_ended or bool(ended.any())
+        return any_ended, any_wide
+
+    def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
+        """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
+        return keyed_sample_candidates(logits, keys, positions, seed=self.seed, temperature=self.temperature,
+                                       top_p=self.top_p)
 
     def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return keyed_sample(logits, keys, positions, seed=self.seed, temperature=self.temperature, top_p=self.top_p)
+        """The exact keyed sample (eager: the prefill's first tokens)."""
+        out, wide = self._pick(logits, keys, positions)
+        if wide is not None and bool(wide.any()):
+            rows = wide.nonzero()[:, 0]
+            out[rows] = _sample_full(logits[rows].float() / self.temperature, keys[rows], positions[rows], self.seed,
+                                     self.top_p)
+        return out
 
     # -- the loop
 
-    def _finish(self, slot: _Slot, token: int) -> Optional[Completion]:
-        """The completion of ``slot`` if its newest token ``token`` ends it."""
-        n = len(slot.tokens)
-        stopped = token in self.stop_ids
-        if not stopped and n < self.max_new_tokens and not (self.stop_on_loop and n >= slot.next_check):
-            return None
-        answer = slot.tokens[:-1] if stopped else slot.tokens
-        start = None
-        if self.loop_detector is not None:
-            slot.next_check = n + self.loop_check_every
-            start = self.loop_detector.find(answer)
-        if start is not None and self.stop_on_loop:
-            return Completion(slot.request, answer[:start], "loop", n, loop_start=start)
-        if stopped or n >= self.max_new_tokens:
-            return Completion(slot.request, answer, "stop" if stopped else "length", n, loop_start=start)
-        return None
+    def _completion(self, request: Request, answer: list[int], stopped: bool, loop_start: Optional[int]) -> Completion:
+        n = len(answer) + stopped
+        if loop_start is not None and self.stop_on_loop:
+            return Completion(request, answer[:loop_start], "loop", n, loop_start=loop_start)
+        return Completion(request, answer, "stop" if stopped else "length", n, loop_start=loop_start)
+
+    def _find_loop(self, answer: list[int]) -> Optional[int]:
+        return self.loop_detector.find(answer) if self.loop_detector is not None else None
 
     def generate(self, pending: collections.deque) -> Iterator[Completion]:
         """Answer the requests of ``pending`` (popped from the left), yielding completions as they end.
@@ -435,23 +468,33 @@ class SlotEngine:
         The caller may append requests to ``pending`` while it consumes completions (the next turn
         of a conversation); the generator ends when ``pending`` is empty and every slot is free.
         """
-        text = self.model.config
-        saved = text._attn_implementation
-        text._attn_implementation = ATTN_NAME
+        config = self.model.config
+        saved = config._attn_implementation
+        config._attn_implementation = ATTN_NAME
         try:
             yield from self._generate(pending)
         finally:
-            text._attn_implementation = saved
+            config._attn_implementation = saved
+
+    def _start_state(self) -> None:
+        dev, S = self.device, self.num_slots
+        if getattr(self, "_tokens", None) is None:  # fixed tensors: a captured graph reads them
+            self._tokens = torch.zeros(S, dtype=torch.long, device=dev)
+            self._keys = torch.zeros(S, dtype=torch.long, device=dev)
+            self._answer_pos = torch.zeros(S, dtype=torch.long, device=dev)
+            self._active = torch.zeros(S, dtype=torch.long, device=dev)
+            self._ended = torch.zeros(S, dtype=torch.bool, device=dev)
+            self._out = torch.zeros((S, self.max_new_tokens + 1), dtype=torch.long, device=dev)
+            self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
+        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self.cache.lengths):
+            t.zero_()
 
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
-        active: dict[int, _Slot] = {}
-        free = list(range(self.num_slots - 1, -1, -1))
+        self._start_state()
         dev = self.device
-        tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
-        keys = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
-        answer_pos = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
-        self._active = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
-        self.cache.lengths.zero_()
+        requests: dict[int, Request] = {}  # slot -> its request
+        free = list(range(self.num_slots - 1, -1, -1))
+        since_check = 0
         while True:
             done: list[Completion] = []
             while free and pending:  # refill: as many prompts as there are free slots, in prefill chunks
@@ -467,51 +510,66 @@ class SlotEngine:
                     chunk.append(pending.popleft())
                     chunk_slots.append(free.pop())
                 t0 = time.perf_counter()
-                first = self._prefill(chunk_slots, chunk).tolist()
+                first = self._prefill(chunk_slots, chunk)
+                first_host = first.tolist()
                 self.seconds["prefill"] += time.perf_counter() - t0
+                self.generated_tokens += len(chunk)
                 started = []
-                for s, req, tok in zip(chunk_slots, chunk, first):
-                    slot = _Slot(req, [tok], next_check=self.loop_check_every)
-                    self.generated_tokens += 1
-                    end = self._finish(slot, tok)
-                    if end is not None:
-                        done.append(end)
+                for s, req, tok in zip(chunk_slots, chunk, first_host):
+                    if tok in self.stop_ids or self.max_new_tokens == 1:
+                        answer = [] if tok in self.stop_ids else [tok]
+                        done.append(self._completion(req, answer, tok in self.stop_ids, None))
                         free.append(s)
-                        self.cache.lengths[s] = 0
                     else:
-                        active[s] = slot
-                        started.append((s, req.key, tok))
+                        requests[s] = req
+                        started.append(s)
+                self.cache.lengths[torch.tensor([s for s in chunk_slots if s not in requests], dtype=torch.long,
+                                                device=dev)] = 0
                 if started:
-                    idx = torch.tensor([s for s, _, _ in started], dtype=torch.long, device=dev)
-                    tokens[idx] = torch.tensor([t for _, _, t in started], dtype=torch.long, device=dev)
-                    keys[idx] = torch.tensor([k for _, k, _ in started], dtype=torch.long, device=dev)
-                    answer_pos[idx] = 1
+                    idx = torch.tensor(started, dtype=torch.long, device=dev)
+                    pick = torch.tensor([chunk_slots.index(s) for s in started], dtype=torch.long, device=dev)
+                    self._tokens[idx] = first[pick]
+                    self._out[idx, 0] = first[pick]
+                    self._keys[idx] = torch.tensor([requests[s].key for s in started], dtype=torch.long, device=dev)
+                    self._answer_pos[idx] = 1
                     self._active[idx] = 1
-            if not active:
+            if not requests:
                 yield from done
                 if not pending:
                     return
                 continue
             t0 = time.perf_counter()
-            new = self._decode(tokens, keys, answer_pos)
+            any_ended, _ = self._decode()
             self.steps += 1
-            tokens, answer_pos = new, answer_pos + 1
-            new_host = new.tolist()
+            self.generated_tokens += len(requests)
+            since_check += 1
             t1 = time.perf_counter()
             self.seconds["decode"] += t1 - t0
-            ended = []
-            for s in list(active):
-                slot = active[s]
-                slot.tokens.append(new_host[s])
-                self.generated_tokens += 1
-                end = self._finish(slot, new_host[s])
-                if end is not None:
-                    done.append(end)
-                    del active[s]
+            finished: dict[int, tuple[list[int], bool, Optional[int]]] = {}
+            if any_ended:
+                ended = self._ended.nonzero()[:, 0].tolist()
+                lengths = self._answer_pos[ended].tolist()
+                rows = self._out[ended].cpu().numpy()
+                for s, n, row in zip(ended, lengths, rows):
+                    stopped = int(row[n - 1]) in self.stop_ids
+                    answer = row[: n - 1 if stopped else n].tolist()
+                    finished[s] = (answer, stopped, self._find_loop(answer))
+            if self.stop_on_loop and since_check >= self.loop_check_every:
+                since_check = 0
+                live = [s for s in requests if s not in finished]
+                lengths = self._answer_pos[live].tolist()
+                rows = self._out[live].cpu().numpy()
+                for s, n, row in zip(live, lengths, rows):
+                    if n >= self.loop_detector.min_tokens:
+                        answer = row[:n].tolist()
+                        start = self._find_loop(answer)
+                        if start is not None:
+                            finished[s] = (answer, False, start)
+            if finished:
+                for s, (answer, stopped, start) in finished.items():
+                    done.append(self._completion(requests.pop(s), answer, stopped, start))
                     free.append(s)
-                    ended.append(s)
-            if ended:
-                idx = torch.tensor(ended, dtype=torch.long, device=dev)
+                idx = torch.tensor(list(finished), dtype=torch.long, device=dev)
                 self._active[idx] = 0
                 self.cache.lengths[idx] = 0
             self.seconds["host"] += time.perf_counter() - t1

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class LoopDetector:
@@ -41,30 +43,26 @@ class LoopDetector:
 
     def find(self, token_ids: Sequence[int]) -> Optional[int]:
         """Index of the first token of the loop in ``token_ids``, or None if the answer does not loop."""
-        ids = list(token_ids)
+        ids = np.asarray(token_ids, dtype=np.int64)
         n, length = self.ngram, len(ids)
         if length < max(self.min_tokens, n + 1):
             return None
-        seen: set[tuple[int, ...]] = set()
-        repeated = [False] * length
-        for i in range(n - 1, length):
-            gram = tuple(ids[i - n + 1 : i + 1])
-            repeated[i] = gram in seen
-            seen.add(gram)
-        # The longest suffix that starts on a repeated token and is mostly repeated tokens.
-        start, count = None, 0
-        for s in range(length - 1, n - 2, -1):
-            count += repeated[s]
-            if repeated[s] and count >= self.min_ratio * (length - s):
-                start = s
-        if start is None:
+        grams = np.lib.stride_tricks.sliding_window_view(ids, n)  # gram i ends at token i + n - 1
+        _, first, inverse = np.unique(grams, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        repeated = first[inverse] < np.arange(len(grams))  # this n-gram occurred earlier
+        # The longest suffix that starts on a repeated n-gram and is mostly repeated n-grams.
+        suffix = np.cumsum(repeated[::-1])[::-1]
+        span_grams = len(grams) - np.arange(len(grams))
+        ok = repeated & (suffix >= self.min_ratio * span_grams)
+        if not ok.any():
             return None
-        start = max(start - (n - 1), 0)  # the repeated n-gram begins n - 1 tokens earlier
-        span = length - start
-        if span < self.min_tokens:
+        gram = int(np.argmax(ok))  # the first (smallest) such start
+        start = gram  # gram i's first token is token i: the repeated copy begins there
+        if length - start < self.min_tokens:
             return None
-        distinct = len({tuple(ids[i - n + 1 : i + 1]) for i in range(start + n - 1, length)})
-        if span < self.min_copies * max(distinct, 1):
+        distinct = len(np.unique(inverse[gram:]))
+        if length - start < self.min_copies * distinct:
             return None
         return start
 
