@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
-from nemo_dflash.inference import static_decode  # noqa: E402
+from nemo_dflash.inference import graphs, static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.model import DFlashContextCache  # noqa: E402
 
@@ -261,6 +261,52 @@ def load_baseline(path: str):
     return module
 
 
+class Variant:
+    """One way of decoding, timed on the same models: a mode plus the library switches it sets."""
+
+    def __init__(self, label: str, mode: str, dec, target, baseline=None, cudnn: bool = False,
+                 unfused: bool = False) -> None:
+        self.label, self.mode, self.baseline, self.cudnn, self.unfused = label, mode, baseline, cudnn, unfused
+        self.target = target
+        self.dec = baseline.DFlashSpeculativeDecoder(target, dec.draft, dec.block_size) if baseline else dec
+        self._saved: tuple = ()
+
+    def __enter__(self) -> "Variant":
+        self._saved = (graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE)
+        graphs.AVOID_CUDNN_ATTENTION = not self.cudnn
+        if self.unfused:  # re-capture without the fused kernels
+            static_decode.FUSE_ELEMENTWISE = False
+            self._drop_graphs()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE = self._saved
+        if self.unfused:
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        self.dec._static_runners.clear()
+        static_decode._PLAIN_RUNNERS.pop(self.target, None)
+
+    def plain(self, ids, n: int):
+        if self.baseline:
+            return self.baseline.autoregressive_generate(self.target, ids, max_new_tokens=n)
+        return autoregressive_generate(self.target, ids, max_new_tokens=n, decode=self.mode)
+
+    def spec(self, ids, n: int):
+        if self.baseline:
+            return self.dec.generate(ids, max_new_tokens=n)
+        return self.dec.generate(ids, max_new_tokens=n, decode=self.mode)
+
+    def parts(self, ids, reps: int) -> dict[str, float]:
+        if self.baseline:
+            return {}
+        if self.mode == "graphs":
+            return graph_parts(self.dec, self.target, ids.shape[1], reps)
+        with graphs.eager_attention_backends(self.dec.device):
+            return eager_parts(self.dec, ids, reps)
+
+
 def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> list[dict[str, Any]]:
     dtype = torch.bfloat16
     t0 = time.perf_counter()
@@ -273,102 +319,78 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
                         generator=torch.Generator(device=device).manual_seed(0))
     n = args.new_tokens
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    variants: list[tuple[str, Any]] = [(m, None) for m in modes]
+    variants = [Variant(m, m, dec, target) for m in modes]
     if args.unfused and "graphs" in modes:
-        variants.append(("graphs", "unfused"))
+        variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
+    if args.cudnn and "eager" in modes:
+        variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
     if args.baseline:
-        variants.append(("eager", load_baseline(args.baseline)))
+        variants.append(Variant("eager (baseline module)", "eager", dec, target, baseline=load_baseline(args.baseline)))
     rows = []
-    for mode, baseline in variants:
-        label = {None: mode, "unfused": "graphs (norms unfused)"}.get(baseline, "eager (baseline module)")
-        fuse = static_decode.FUSE_NORMS
+    for v in variants:
         try:
-            t0 = time.perf_counter()
-            if baseline == "unfused":  # re-capture without the fused norms
-                static_decode.FUSE_NORMS = False
-                dec._static_runners.clear()
-                static_decode._PLAIN_RUNNERS.pop(target, None)
-            if baseline is None or baseline == "unfused":
-                run_plain = lambda: autoregressive_generate(target, ids, max_new_tokens=n, decode=mode)  # noqa: E731
-                run_spec = lambda: dec.generate(ids, max_new_tokens=n, decode=mode)  # noqa: E731
-            else:
-                bdec = baseline.DFlashSpeculativeDecoder(target, draft, args.block_size)
-                run_plain = lambda: baseline.autoregressive_generate(target, ids, max_new_tokens=n)  # noqa: E731
-                run_spec = lambda: bdec.generate(ids, max_new_tokens=n)  # noqa: E731
-            for _ in range(2):  # the first run captures / warms every shape; the second is kept
-                plain = run_plain()
-                spec = run_spec()
-            setup_s = time.perf_counter() - t0
-            if baseline is not None and baseline != "unfused":
-                parts: dict[str, float] = {}
-            elif mode == "graphs":
-                parts = graph_parts(dec, target, ids.shape[1], args.reps)
-            else:
-                parts = eager_parts(dec, ids, args.reps)
-            plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
-            spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
-            row = {
-                "device": dev_name, "shape": shape, "mode": label, "dtype": "bf16",
-                "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
-                "draft_layers": len(draft.layers), "draft": args.draft or "random",
-                "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
-                "verify_ms": parts.get("verify_ms"), "draft_ms": parts.get("draft_ms"),
-                "plain_step_alone_ms": parts.get("plain_step_ms"),
-                "spec_steps": spec.num_target_forwards, "spec_tau_measured": spec.mean_acceptance_length,
-                "bf16_spec_output_equals_plain": spec.output_ids == plain.output_ids,
-                "bf16_spec_plain_common_prefix": agree(spec.output_ids, plain.output_ids),
-                "projected_speedup_at_tau": {str(t): t * plain_ms / spec_ms for t in TAUS},
-                "projection_note": "projection: tau * plain_ms_per_token / spec_ms_per_step, step costs measured "
-                                   "with a random draft (tau ~1); not a measured speedup",
-                "setup_s": setup_s,
-            }
-            if parts:
-                row["step_overhead_ms"] = spec_ms - parts["verify_ms"] - parts["draft_ms"]
-            rows.append(row)
-            print_row(row)
+            with v:
+                t0 = time.perf_counter()
+                for _ in range(2):  # the first run captures / warms every shape; the second is kept
+                    plain = v.plain(ids, n)
+                    spec = v.spec(ids, n)
+                setup_s = time.perf_counter() - t0
+                parts = v.parts(ids, args.reps)
+                plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
+                spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
+                row = {
+                    "device": dev_name, "shape": shape, "mode": v.label, "dtype": "bf16",
+                    "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
+                    "draft_layers": len(draft.layers), "draft": args.draft or "random",
+                    "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
+                    "verify_ms": parts.get("verify_ms"), "draft_ms": parts.get("draft_ms"),
+                    "plain_step_alone_ms": parts.get("plain_step_ms"),
+                    "spec_steps": spec.num_target_forwards, "spec_tau_measured": spec.mean_acceptance_length,
+                    "bf16_spec_output_equals_plain": spec.output_ids == plain.output_ids,
+                    "bf16_spec_plain_common_prefix": agree(spec.output_ids, plain.output_ids),
+                    "projected_speedup_at_tau": {str(t): t * plain_ms / spec_ms for t in TAUS},
+                    "projection_note": "projection: tau * plain_ms_per_token / spec_ms_per_step, step costs "
+                                       "measured with a random draft (tau ~1); not a measured speedup",
+                    "setup_s": setup_s,
+                }
+                if parts:
+                    row["step_overhead_ms"] = spec_ms - parts["verify_ms"] - parts["draft_ms"]
+                if args.interleave and not v.unfused:
+                    row.update(interleaved(v, target, device, args.interleave))
+                rows.append(row)
+                print_row(row)
         except Exception as e:  # one failing case must not lose the others
-            print(f"[{shape}] {label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            print(f"[{shape}] {v.label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   flush=True)
-            rows.append({"device": dev_name, "shape": shape, "mode": label, "error": f"{type(e).__name__}: {e}"[:500]})
-        finally:
-            if baseline == "unfused":
-                static_decode.FUSE_NORMS = fuse
-                dec._static_runners.clear()
-                static_decode._PLAIN_RUNNERS.pop(target, None)
-    if args.interleave:
-        rows.extend(interleaved(dec, target, modes, device, args, dev_name, shape))
+            rows.append({"device": dev_name, "shape": shape, "mode": v.label, "error": f"{type(e).__name__}: {e}"[:500]})
     if args.profile and "eager" in modes:
-        profile_eager(dec, ids, args.profile, shape)
-    del dec, draft, target
+        with graphs.eager_attention_backends(device):
+            profile_eager(dec, ids, args.profile, shape)
+    del dec, draft, target, variants
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
 
 
-def interleaved(dec, target, modes, device, args, dev_name, shape) -> list[dict[str, Any]]:
-    """`evaluate`'s pattern: prompts of different lengths, speculative and plain alternating
-    prompt by prompt, times summed; its step ratio next to the single-prompt loop's."""
-    rows = []
-    lengths = [53, 97, 140, 75, 210]
-    for mode in modes:
-        spec_t = spec_steps = plain_t = plain_steps = 0.0
-        for i, plen in enumerate(lengths):
-            ids = torch.randint(0, target.config.vocab_size - 1, (1, plen), device=device,
-                                generator=torch.Generator(device=device).manual_seed(10 + i))
-            s = dec.generate(ids, max_new_tokens=args.interleave, decode=mode)
-            p = autoregressive_generate(target, ids, max_new_tokens=args.interleave, decode=mode)
-            spec_t += s.decode_time_s
-            spec_steps += s.num_target_forwards
-            plain_t += p.decode_time_s
-            plain_steps += p.num_target_forwards
-        row = {"device": dev_name, "shape": shape, "mode": mode, "pattern": "interleaved prompts",
-               "prompt_tokens": lengths, "new_tokens": args.interleave,
-               "plain_ms_per_token": 1000 * plain_t / plain_steps, "spec_ms_per_step": 1000 * spec_t / spec_steps}
-        row["spec_step_over_plain_step"] = row["spec_ms_per_step"] / row["plain_ms_per_token"]
-        print(f"[{shape}] {mode} interleaved {len(lengths)} prompts: plain {row['plain_ms_per_token']:.2f} ms/token, "
-              f"spec {row['spec_ms_per_step']:.2f} ms/step, ratio {row['spec_step_over_plain_step']:.2f}", flush=True)
-        rows.append(row)
-    return rows
+INTERLEAVE_LENGTHS = (53, 97, 140, 75, 210)
+
+
+def interleaved(v: Variant, target, device, n: int) -> dict[str, Any]:
+    """`evaluate`'s pattern: prompts of lengths not seen before, speculative and plain decoding
+    alternating prompt by prompt, times summed. Its step ratio is the one `evaluate` implies."""
+    spec_t = spec_steps = plain_t = plain_steps = 0.0
+    for i, plen in enumerate(INTERLEAVE_LENGTHS):
+        ids = torch.randint(0, target.config.vocab_size - 1, (1, plen), device=device,
+                            generator=torch.Generator(device=device).manual_seed(10 + i))
+        s = v.spec(ids, n)
+        p = v.plain(ids, n)
+        spec_t, spec_steps = spec_t + s.decode_time_s, spec_steps + s.num_target_forwards
+        plain_t, plain_steps = plain_t + p.decode_time_s, plain_steps + p.num_target_forwards
+    out = {"interleaved_prompt_tokens": list(INTERLEAVE_LENGTHS), "interleaved_new_tokens": n,
+           "interleaved_plain_ms_per_token": 1000 * plain_t / plain_steps,
+           "interleaved_spec_ms_per_step": 1000 * spec_t / spec_steps}
+    out["interleaved_step_ratio"] = out["interleaved_spec_ms_per_step"] / out["interleaved_plain_ms_per_token"]
+    return out
 
 
 def profile_eager(dec, ids, path: str, shape: str) -> None:
@@ -435,6 +457,11 @@ def print_row(r: dict[str, Any]) -> None:
           f"{f(r['spec_ms_per_step']):>7s} ms = verify {f(r['verify_ms'])} + draft {f(r['draft_ms'])} + "
           f"{f(r.get('step_overhead_ms'))} | projected speedup at tau {proj} | bf16 spec==plain "
           f"{r['bf16_spec_plain_common_prefix']}/{r['new_tokens']} tokens", flush=True)
+    if "interleaved_step_ratio" in r:
+        print(f"{'':14s} {'':24s} interleaved new-length prompts: plain {r['interleaved_plain_ms_per_token']:.2f} "
+              f"ms/tok, spec {r['interleaved_spec_ms_per_step']:.2f} ms/step, step ratio "
+              f"{r['interleaved_step_ratio']:.2f} (single prompt: {r['spec_ms_per_step'] / r['plain_ms_per_token']:.2f})",
+              flush=True)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -471,7 +498,8 @@ def main() -> None:
     p.add_argument("--exact", default="smollm2_135m", help="shapes for the fp32 exactness check ('' to skip)")
     p.add_argument("--exact-tokens", type=int, default=96)
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
-    p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused RMSNorms")
+    p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
+    p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
     p.add_argument("--baseline", default=None, help="a spec_decode.py of another revision, timed as an extra row")
     p.add_argument("--profile", default=None, help="append a torch.profiler table of the eager loop to this file")
     p.add_argument("--json", default=None)

@@ -22,6 +22,7 @@ from nemo_dflash.inference.static_decode import (
     static_autoregressive_generate,
     static_speculative_generate,
 )
+from nemo_dflash.model import DFlashContextCache
 from nemo_dflash.model.modeling import apply_rope
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -261,11 +262,16 @@ def test_static_draft_cache_writes_at_positions():
     torch.testing.assert_close(values[:, :, 2:5], -k)
 
 
-def test_target_static_cache_set_length():
+def test_target_static_cache_writes_at_positions():
     model = tiny_qwen3(num_layers=2)
     kv = TargetStaticCache(model, 32, torch.device("cpu"), torch.float32)
-    kv.set_length(torch.tensor(7))
-    assert [int(layer.cumulative_length) for layer in kv.cache.layers] == [7, 7]
+    k = torch.randn(1, 2, 3, 16)
+    kv.write_positions = torch.tensor([5, 6, 7])
+    keys, values = kv.cache.update(k, 2 * k, 1)  # what HF's attention calls
+    assert keys.shape == (1, 2, 32, 16)
+    torch.testing.assert_close(keys[:, :, 5:8], k)
+    torch.testing.assert_close(values[:, :, 5:8], 2 * k)
+    assert (keys[:, :, :5] == 0).all() and (kv.cache.layers[0].keys == 0).all()
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -294,17 +300,27 @@ def test_static_sampling_end_to_end_distribution():
     assert len(plain.output_ids) == 12
 
 
-def test_fused_rms_norms_same_output_then_removed():
-    """The capture-time norm patch computes the models' own norms and leaves no trace."""
-    from nemo_dflash.inference.graphs import fused_rms_norms
+def test_fused_elementwise_same_output_then_removed():
+    """The capture-time fusion computes the models' own norms, RoPE and MLPs, and leaves no trace."""
+    import transformers.models.qwen3.modeling_qwen3 as hf_qwen3
+
+    import nemo_dflash.model.modeling as draft_modeling
+    from nemo_dflash.inference.graphs import fused_elementwise
 
     target = tiny_qwen3()
     draft = make_draft(target)
     x = prompt(3)
-    ref = target(x).logits
-    with fused_rms_norms(target, draft) as n:
-        got = target(x).logits
-    # 4 per target layer (input, post-attention, q, k) + the final norm; the draft's likewise + hidden_norm
-    assert n == 4 * 4 + 1 + 4 * len(draft.layers) + 2
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    ref_target = target(x).logits
+    ref_draft = decoder.draft_logits(x[0, -1:], 9, torch.randn(1, 9, 128), DFlashContextCache(2), 8)
+    originals = (hf_qwen3.apply_rotary_pos_emb, draft_modeling.apply_rope)
+    with fused_elementwise(target, draft) as counts:
+        assert hf_qwen3.apply_rotary_pos_emb is not originals[0] and draft_modeling.apply_rope is not originals[1]
+        got_target = target(x).logits
+        got_draft = decoder.draft_logits(x[0, -1:], 9, torch.randn(1, 9, 128), DFlashContextCache(2), 8)
+    # norms: 4 per target layer + final; the draft's 4 per layer + hidden_norm + final
+    assert counts == {"rms_norm": 4 * 4 + 1 + 4 * 2 + 2, "silu_mul": 4 + 2, "rope": 2}
+    torch.testing.assert_close(got_target, ref_target, atol=1e-5, rtol=1e-4)
+    assert got_draft.shape == ref_draft.shape
+    assert (hf_qwen3.apply_rotary_pos_emb, draft_modeling.apply_rope) == originals
     assert not any("forward" in m.__dict__ for m in list(target.modules()) + list(draft.modules()))

@@ -10,8 +10,9 @@ an 8B model whose weights read in ~3.4 ms), so its speedups differ from a servin
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Union
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -37,6 +38,24 @@ def check_decode_mode(decode: str, device: Union[str, torch.device, None]) -> No
             )
         if not torch.cuda.is_available():
             raise ValueError("decode='graphs' needs CUDA but torch sees no GPU: use decode='eager' (--decode eager).")
+
+
+# Eager decoding changes the attention's key length every step. cuDNN's SDPA (which PyTorch
+# picks first for these calls on Hopper) builds and caches an execution plan per new shape, so
+# an eager decode step on a never-seen length pays a plan build: measured on an H200, Qwen3-8B
+# shape, interleaved prompts of new lengths ran at 55 ms per plain token against 26 ms once the
+# same lengths had been seen (docs/performance.md). Flash / memory-efficient attention have no
+# per-shape cost. Captured graphs have fixed shapes and keep PyTorch's choice.
+AVOID_CUDNN_ATTENTION = True
+
+
+def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
+    """The SDPA backends for an eager decoding loop on `device` (all but cuDNN on CUDA)."""
+    if device.type != "cuda" or not AVOID_CUDNN_ATTENTION:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class CapturedStep:
@@ -68,7 +87,8 @@ class CapturedStep:
 # RMSNorm classes computing exactly `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)` (HF's
 # Llama-family norm and the draft's); others (e.g. Gemma's 1 + weight) are left alone.
 _RMSNORM_CLASSES = {"RMSNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
-_compiled_rms_norm: Optional[Callable[..., torch.Tensor]] = None
+_SILU_CLASSES = {"SiLU", "SiLUActivation"}
+_compiled: dict[str, Callable[..., Any]] = {}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,42 +98,121 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
-@contextmanager
-def fused_rms_norms(*models: nn.Module) -> Iterator[int]:
-    """While capturing: each RMSNorm of `models` runs as one compiled kernel instead of seven.
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
-    Eager RMSNorm is 7 kernels; at batch 1 a captured 8B decode step is ~60 tiny kernels per
-    layer, so the norms are over a third of the replay's kernel count. The patch is an instance
-    attribute that is removed on exit: the recorded graph keeps the fused kernels, while eager
-    code (the prefill) runs the models' own norms. Same arithmetic in fp32; the compiled
-    reduction may round differently in the last bit.
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's `apply_rotary_pos_emb` (rotate-half RoPE), cos/sin already unsqueezed."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The draft's `apply_rope`: x [B, heads, P, D], cos/sin [B, P, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _compiled[name]
+
+
+def _same_rope(original: Callable[..., Any], ours: Callable[..., Any], *args: torch.Tensor) -> bool:
+    """Check, on a small random case, that a model's RoPE function is the formula we fuse."""
+    try:
+        with torch.no_grad():
+            want, got = original(*args), ours(*args)
+        want = want if isinstance(want, (tuple, list)) else (want,)
+        got = got if isinstance(got, (tuple, list)) else (got,)
+        return all(torch.allclose(w, g, atol=1e-5, rtol=1e-5) for w, g in zip(want, got))
+    except Exception:  # a different signature: not ours to fuse
+        return False
+
+
+@contextmanager
+def fused_elementwise(*models: nn.Module) -> Iterator[dict[str, int]]:
+    """While capturing: RMSNorms, RoPE and SiLU*up of `models` run as compiled (fused) kernels.
+
+    At batch 1 a captured decode step of HF's eager code is ~60 tiny kernels per decoder layer
+    (an RMSNorm alone is 7, RoPE of q and k 10), each costing ~2 us of replay even when it
+    moves almost no data. Inductor fuses each of these pieces into one kernel. The patches are
+    instance attributes (norms, MLPs) and module globals (the RoPE functions) set only for the
+    duration: the recorded graph keeps the fused kernels, eager code (the prefill) runs the
+    models' own code. A RoPE function is replaced only after a numeric check that it is the
+    rotate-half formula. Same arithmetic in fp32; a fused kernel may round the last bit
+    differently from the eager chain of ops.
     """
-    global _compiled_rms_norm
-    if _compiled_rms_norm is None:
-        _compiled_rms_norm = torch.compile(_rms_norm, dynamic=False, fullgraph=True)
-    fn = _compiled_rms_norm
-    patched: list[nn.Module] = []
-    # One compile per (shape, dtype): a target and its draft have ~6 norm shapes, more than
-    # dynamo's default recompile limit (8) once a second model or dtype is captured.
+    rms = _compile("rms", _rms_norm)
+    silu_mul = _compile("silu_mul", _silu_mul)
+    undo: list[Callable[[], None]] = []
+    counts = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
+    # One compile per (shape, dtype): a target and its draft have more norm shapes than dynamo's
+    # default recompile limit (8) once a second model or dtype is captured.
     dynamo_cfg = torch._dynamo.config
     limit_key = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
     old_limit = getattr(dynamo_cfg, limit_key)
     setattr(dynamo_cfg, limit_key, max(old_limit, 256))
     try:
+        seen_modules: set[str] = set()
         for model in models:
             for m in model.modules():
-                if type(m).__name__ not in _RMSNORM_CLASSES or not isinstance(getattr(m, "weight", None), torch.Tensor):
+                name = type(m).__name__
+                if name in _RMSNORM_CLASSES and isinstance(getattr(m, "weight", None), torch.Tensor):
+                    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+                    if isinstance(eps, float):
+                        m.forward = (lambda w, e: (lambda x: rms(x, w, e)))(m.weight, eps)  # type: ignore[method-assign]
+                        undo.append(lambda m=m: delattr(m, "forward"))
+                        counts["rms_norm"] += 1
+                elif all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")) \
+                        and type(getattr(m, "act_fn", None)).__name__ in _SILU_CLASSES:
+                    m.forward = (lambda mm: (lambda x: mm.down_proj(silu_mul(mm.gate_proj(x), mm.up_proj(x)))))(m)  # type: ignore[method-assign]
+                    undo.append(lambda m=m: delattr(m, "forward"))
+                    counts["silu_mul"] += 1
+                module_name = type(m).__module__
+                if module_name in seen_modules:
                     continue
-                eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-                if not isinstance(eps, float):
-                    continue
-                m.forward = (lambda w, e: (lambda x: fn(x, w, e)))(m.weight, eps)  # type: ignore[method-assign]
-                patched.append(m)
-        yield len(patched)
+                seen_modules.add(module_name)
+                module = sys.modules.get(module_name)
+                undo.extend(_patch_rope(module, counts))
+        yield counts
     finally:
         setattr(dynamo_cfg, limit_key, old_limit)
-        for m in patched:
-            del m.forward
+        for fn in reversed(undo):
+            fn()
+
+
+def _patch_rope(module: Any, counts: dict[str, int]) -> list[Callable[[], None]]:
+    """Swap a modeling module's RoPE function for the fused one, if it computes the same."""
+    undo: list[Callable[[], None]] = []
+    if module is None:
+        return undo
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    hf = getattr(module, "apply_rotary_pos_emb", None)
+    if callable(hf) and _same_rope(hf, lambda q, k, c, s: _rope_qk(q, k, c.unsqueeze(1), s.unsqueeze(1)), q, k, cos, sin):
+        fused = _compile("rope_qk", _rope_qk)
+
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            return fused(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+
+        module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        undo.append(lambda: setattr(module, "apply_rotary_pos_emb", hf))
+        counts["rope"] += 1
+    ours = getattr(module, "apply_rope", None)
+    if callable(ours) and _same_rope(ours, _rope_one, q, cos, sin):
+        fused_one = _compile("rope_one", _rope_one)
+        module.apply_rope = fused_one
+        undo.append(lambda: setattr(module, "apply_rope", ours))
+        counts["rope"] += 1
+    return undo
 
 
 class EagerStep:
@@ -126,4 +225,12 @@ class EagerStep:
         return self.fn()
 
 
-__all__ = ["DECODE_MODES", "CapturedStep", "EagerStep", "check_decode_mode", "fused_rms_norms"]
+__all__ = [
+    "AVOID_CUDNN_ATTENTION",
+    "DECODE_MODES",
+    "CapturedStep",
+    "EagerStep",
+    "check_decode_mode",
+    "eager_attention_backends",
+    "fused_elementwise",
+]

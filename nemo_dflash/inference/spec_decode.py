@@ -32,6 +32,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from nemo_dflash.inference import graphs
 from nemo_dflash.inference.graphs import check_decode_mode
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.model import DFlashContextCache, DFlashDraftModel
@@ -327,8 +328,9 @@ class DFlashSpeculativeDecoder:
         dcache = draft_cache if draft_cache is not None else DFlashContextCache(len(self.draft.layers))
         no_draft = torch.empty(0, dtype=torch.long, device=device)
 
-        # One set of feature hooks for the whole generation (not registered per forward).
-        with self.target.capture(stop_early=False) as captured:
+        # One set of feature hooks for the whole generation (not registered per forward); SDPA
+        # backends without a per-shape cost (graphs.eager_attention_backends).
+        with self.target.capture(stop_early=False) as captured, graphs.eager_attention_backends(device):
             _sync(device)
             t0 = time.perf_counter()
             prompt_len = ids.shape[1]
@@ -415,7 +417,15 @@ def autoregressive_generate(
         return static_autoregressive_generate(target_model, ids, max_new_tokens, temperature, stop_ids, generator, True)
     cache = past_key_values if past_key_values is not None else DynamicCache()
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
+    with graphs.eager_attention_backends(device):
+        return _autoregressive_eager(target_model, ids, max_new_tokens, temperature, stop_ids, generator, cache, extra)
 
+
+def _autoregressive_eager(
+    target_model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    generator: Optional[torch.Generator], cache: DynamicCache, extra: dict,
+) -> GenerationOutput:
+    device = ids.device
     _sync(device)
     t0 = time.perf_counter()
     prompt_len = ids.shape[1]

@@ -11,7 +11,7 @@ is how its exactness is tested without a GPU.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -74,27 +74,41 @@ def _kv_shape(model: nn.Module) -> tuple[int, int]:
 
 
 class TargetStaticCache:
-    """HF `StaticCache` for one prompt, plus the one operation speculative decoding needs on
-    top of it: set every layer's write position (its `cumulative_length`) from a device tensor,
-    in one kernel, so that a captured step writes where the verified sequence ends."""
+    """HF `StaticCache` (preallocated per-layer K/V) written at explicit positions.
+
+    HF's StaticLayer writes at its own running length (`cumulative_length`, a tensor per layer
+    since transformers 5; a `cache_position` argument before), which speculative decoding would
+    have to rewind after every verify. Here every layer's `update` writes at `write_positions`,
+    a [Q] long tensor the caller sets once per forward (the same for all layers): 2 kernels per
+    layer instead of 5, no rewind, and no dependence on how a transformers version counts.
+    """
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
         check_static_target(model)
         self.max_len = int(max_len)
         self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
         heads, head_dim = _kv_shape(model)
-        self.cache.early_initialization(1, heads, head_dim, dtype, device)
-        lengths = [getattr(layer, "cumulative_length", None) for layer in self.cache.layers]
-        if any(t is None or t.device != device for t in lengths):
-            raise ValueError(
-                "decode='graphs' needs a transformers StaticCache whose layers track `cumulative_length` on the "
-                "device (transformers >= 5): use decode='eager'."
-            )
-        self._lengths: list[torch.Tensor] = lengths  # type: ignore[assignment]
+        try:
+            self.cache.early_initialization(1, heads, head_dim, dtype, device)
+        except AttributeError as e:  # pragma: no cover - transformers < 5
+            raise ValueError(f"decode='graphs' needs transformers >= 5 ({e}): use decode='eager'.") from None
+        self.write_positions: Optional[torch.Tensor] = None
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (1, heads, self.max_len, head_dim):
+                raise ValueError(
+                    f"decode='graphs' could not preallocate a StaticCache for {type(model).__name__} "
+                    f"(layer keys {getattr(keys, 'shape', None)}): use decode='eager'."
+                )
+            layer.update = self._writer(layer)  # our cache object: an instance attribute, not a patch of HF's class
 
-    def set_length(self, length: torch.Tensor) -> None:
-        """Next write at position `length` (a 0-d long tensor on the device); no host sync."""
-        torch._foreach_copy_(self._lengths, [length] * len(self._lengths))
+    def _writer(self, layer: Any) -> Any:
+        def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            layer.keys.index_copy_(2, self.write_positions, key_states)
+            layer.values.index_copy_(2, self.write_positions, value_states)
+            return layer.keys, layer.values
+
+        return update
 
 
 class StaticDraftContextCache:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_rms_norms
+from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.spec_decode import (
     GenerationOutput,
     _probs,
@@ -46,7 +46,7 @@ from nemo_dflash.inference.static_cache import (
 logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 256  # cache lengths are rounded up to this, so most prompts reuse the captured graphs
-FUSE_NORMS = True  # captured steps use one compiled kernel per RMSNorm (graphs.fused_rms_norms)
+FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -62,9 +62,9 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 def _make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module) -> Any:
     if not use_graphs:
         return EagerStep(fn)
-    if not FUSE_NORMS:
+    if not FUSE_ELEMENTWISE:
         return CapturedStep(fn, device)
-    with fused_rms_norms(*models):
+    with fused_elementwise(*models):
         return CapturedStep(fn, device)
 
 
@@ -89,8 +89,8 @@ class StaticPlainRunner:
         self.step = _make_step(self._step, self.device, use_graphs, model)
 
     def _step(self) -> torch.Tensor:
-        self.kv.set_length(self.pos)
         q_pos = self.pos.view(1)
+        self.kv.write_positions = q_pos
         out = self.model(
             input_ids=self.tok, position_ids=q_pos.view(1, 1), past_key_values=self.kv.cache, use_cache=True,
             attention_mask=causal_mask(q_pos, self.max_len, self.attn, self.dtype),
@@ -104,9 +104,8 @@ class StaticPlainRunner:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Eager prompt forward into the static cache; returns the last position's logits [1, V]."""
         plen = ids.shape[1]
-        self.pos.zero_()
-        self.kv.set_length(self.pos)
         positions = torch.arange(plen, device=self.device)
+        self.kv.write_positions = positions
         out = self.model(
             input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
             attention_mask=causal_mask(positions, self.max_len, self.attn, self.dtype),
@@ -229,8 +228,8 @@ class StaticSpecRunner:
     def _verify(self) -> torch.Tensor:
         """Target logits [B, V] of the block; at T=0 also accept and advance, on the device."""
         B = self.B
-        self.kv.set_length(self.pos)
         q_pos = self.pos + self.arange_b
+        self.kv.write_positions = q_pos
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(
                 input_ids=self.blk, position_ids=q_pos.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
@@ -251,9 +250,8 @@ class StaticSpecRunner:
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager prompt forward: (last logits [1, V], prompt features [1, P, n*H])."""
         plen = ids.shape[1]
-        self.pos.zero_()
-        self.kv.set_length(self.pos)
         positions = torch.arange(plen, device=self.device)
+        self.kv.write_positions = positions
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(
                 input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
