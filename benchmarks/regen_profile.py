@@ -22,6 +22,7 @@ from regen_throughput import smollm2_shape  # noqa: E402
 from nemo_dflash.generation import Request, SlotEngine  # noqa: E402
 
 
+@torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=1024)
