@@ -166,7 +166,13 @@ def _slot_attention(
         cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
         k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
         if slot_pass.block_mask is not None:
-            out = cache.flex(query, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling, enable_gqa=True)
+            # The query heads that share a KV head become that head's query rows: no GQA for flex
+            # (its decoding kernel takes only power-of-two GQA ratios; SmolLM2's is 3), and q_len < 128
+            # picks the decoding kernel, which reads each slot's filled KV blocks once for the group.
+            rows, heads, _, dim = query.shape
+            grouped = query.reshape(rows, k_all.shape[1], heads // k_all.shape[1], dim)
+            out = cache.flex(grouped, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling)
+            out = out.reshape(rows, heads, 1, dim)
         else:
             out = F.scaled_dot_product_attention(
                 query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
@@ -327,9 +333,11 @@ class SlotEngine:
         extra = {}
         if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
             extra["compute_q_blocks"] = False  # only the backward pass reads them
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         self._block_mask = BlockMask.from_kv_blocks(
             self._kv_blocks, kv_indices, BLOCK_SIZE=_KV_BLOCK, mask_mod=mask_mod,
-            seq_lengths=(1, self.cache.width), **extra,
+            seq_lengths=(group, self.cache.width), **extra,
         )
         self.cache.flex = flex_attention if self.device.type != "cuda" else torch.compile(flex_attention, dynamic=False)
 
