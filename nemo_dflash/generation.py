@@ -403,19 +403,23 @@ class SlotEngine:
 
     def _capture(self) -> None:
         """Record the decode step as a CUDA graph (the small model is launch-bound without one)."""
-        saved = [t.clone() for t in (self._tokens, self._answer_pos, self._out, self.cache.lengths)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles flex, settles the allocator
+        state = (self._tokens, self._answer_pos, self._out, self.cache.lengths)
+        saved = [t.clone() for t in state]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles flex, settles the allocator
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step()
-        for t, v in zip((self._tokens, self._answer_pos, self._out, self.cache.lengths), saved):
-            t.copy_(v)  # the warm-up and capture steps advanced the state: undo
-        self._graph = graph
+            self._graph = graph
+        finally:
+            torch.cuda.synchronize()
+            for t, v in zip(state, saved):
+                t.copy_(v)  # the warm-up and capture steps advanced the state: undo
 
     @torch.no_grad()
     def _decode(self) -> tuple[bool, bool]:
@@ -431,7 +435,15 @@ class SlotEngine:
         if self._graph is not None:
             self._graph.replay()
         else:
-            self._step()
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - flex could not compile here: the SDPA path, said once
+                if not self.use_flex:
+                    raise
+                logger.warning("flex_attention decoding failed (%s: %s); using SDPA over the whole cache width",
+                               type(e).__name__, str(e)[:200])
+                self.use_flex = False
+                self._step()
         any_ended, any_wide = self._flags.tolist()
         if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
             rows = self._wide.nonzero()[:, 0]
