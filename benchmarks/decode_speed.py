@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -307,7 +308,7 @@ class Variant:
             return eager_parts(self.dec, ids, reps)
 
 
-def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> list[dict[str, Any]]:
+def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows: list, save: Callable[[], None]) -> None:
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     target = build_target(shape, device, dtype)
@@ -326,7 +327,6 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
         variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
     if args.baseline:
         variants.append(Variant("eager (baseline module)", "eager", dec, target, baseline=load_baseline(args.baseline)))
-    rows = []
     for v in variants:
         try:
             with v:
@@ -339,7 +339,8 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
                 plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
                 spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
                 row = {
-                    "device": dev_name, "shape": shape, "mode": v.label, "dtype": "bf16",
+                    "device": dev_name, "shape": shape, "mode": v.label, "dtype": "bf16", "date": time.strftime("%Y-%m-%d"),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
                     "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
                     "draft_layers": len(draft.layers), "draft": args.draft or "random",
                     "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
@@ -355,21 +356,22 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args) -> l
                 }
                 if parts:
                     row["step_overhead_ms"] = spec_ms - parts["verify_ms"] - parts["draft_ms"]
-                if args.interleave and not v.unfused:
+                if args.interleave and not (v.unfused or v.baseline):
                     row.update(interleaved(v, target, device, args.interleave))
                 rows.append(row)
                 print_row(row)
+                save()
         except Exception as e:  # one failing case must not lose the others
             print(f"[{shape}] {v.label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   flush=True)
             rows.append({"device": dev_name, "shape": shape, "mode": v.label, "error": f"{type(e).__name__}: {e}"[:500]})
+            save()
     if args.profile and "eager" in modes:
         with graphs.eager_attention_backends(device):
             profile_eager(dec, ids, args.profile, shape)
     del dec, draft, target, variants
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    return rows
 
 
 INTERLEAVE_LENGTHS = (53, 97, 140, 75, 210)
@@ -529,8 +531,7 @@ def main() -> None:
         rows.extend(measure_real(args, device, modes))
         save()
     for shape in [s for s in args.shapes.split(",") if s]:
-        rows.extend(measure_shape(shape, modes, device, args))
-        save()
+        measure_shape(shape, modes, device, args, rows, save)
     print_table(rows)
 
 
