@@ -31,9 +31,9 @@ _compiled_flex = None
 
 
 # Forward tiles for head_dim <= 64. Inductor's H100/H200 default for bf16 at head_dim 64 is
-# 128x128 with 4 warps: on the SmolLM2 draft's shape its forward took 12 ms per layer against
-# 0.8 ms for 64x64 (the max-autotune pick), six times its own backward (docs/performance.md).
-# BLOCK_M/BLOCK_N name forward tiles only; the backward keeps its defaults.
+# 128x128 with 4 warps: in the SmolLM2 draft's training step its forward took 12 ms per layer,
+# six times its own backward, against 0.65 ms with 64x64 tiles (max-autotune's pick; H200,
+# docs/performance.md). BLOCK_M/BLOCK_N name forward tiles only; the backward keeps its defaults.
 _SMALL_HEAD_FWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
@@ -214,9 +214,9 @@ class DFlashAttention(nn.Module):
         v = torch.cat([v_ctx, v_blk], dim=2)
         if backend == "flex":
             if torch.is_autocast_enabled(q.device.type):
-                # flex_attention is not on autocast's list, and the fp32 norm weights leave q/k in fp32:
-                # without this cast the kernel runs in fp32, several times slower (docs/performance.md).
-                # SDPA under autocast computes in the autocast dtype too, so both backends agree.
+                # flex_attention is not on autocast's list, and the fp32 norm weights leave q/k in fp32
+                # (v in bf16): without this cast the kernel's dot products run in fp32, off the tensor
+                # cores. SDPA under autocast computes in the autocast dtype, so both backends now agree.
                 dt = torch.get_autocast_dtype(q.device.type)
                 q, k, v = q.to(dt), k.to(dt), v.to(dt)
             out = _flex(q, k, v, mask, self.scale, self.num_heads != self.num_kv_heads)
