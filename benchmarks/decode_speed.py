@@ -229,7 +229,7 @@ def exactness(shape: str, modes: list[str], device: torch.device, args) -> list[
     dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
     n = args.exact_tokens
     rows = []
-    for seed in range(2):
+    for seed in range(args.exact_seeds):
         ids = torch.randint(0, target.config.vocab_size - 1, (1, args.prompt_tokens), device=device,
                             generator=torch.Generator(device=device).manual_seed(100 + seed))
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -499,6 +499,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--exact", default="smollm2_135m", help="shapes for the fp32 exactness check ('' to skip)")
     p.add_argument("--exact-tokens", type=int, default=96)
+    p.add_argument("--exact-seeds", type=int, default=2, help="prompts for the exactness check")
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
     p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
