@@ -297,6 +297,7 @@ class SlotEngine:
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
+        self.min_refill = max(1, num_slots // 16)  # free slots that trigger a refill
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
@@ -517,7 +518,10 @@ class SlotEngine:
         since_check = 0
         while True:
             done: list[Completion] = []
-            while free and pending:  # refill: as many prompts as there are free slots, in prefill chunks
+            # Refill once enough slots are free: a prefill is one eager forward, and refilling one
+            # or two slots per step would spend more time in prefills than in decoding.
+            refill = len(free) >= self.min_refill or len(free) >= len(pending) or not requests
+            while refill and free and pending:  # as many prompts as there are free slots, in prefill chunks
                 chunk_slots, chunk = [], []
                 while free and pending:
                     req = pending[0]
