@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import StaticCache
 
-# Target attention implementations whose masks we can build (both take an additive float mask).
+# Target attention implementations whose masks we can build: SDPA takes a boolean mask
+# (True = visible), HF's eager attention adds a float mask.
 SUPPORTED_ATTN = ("sdpa", "eager")
 
 
@@ -26,17 +27,15 @@ def attn_implementation(model: nn.Module) -> str:
 
 
 def visible_to_mask(visible: torch.Tensor, attn_impl: str, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean visibility [..., Q, K] -> the 4D additive float mask HF passes straight to its
-    attention (a 4D mask skips HF's own mask construction: Python work every step).
-
-    Additive rather than boolean: SDPA turns a boolean mask into this very tensor inside every
-    layer's call (one more kernel per layer); built once, it is shared by all layers. SDPA gets
-    -inf where hidden (what its own conversion writes), HF's eager attention dtype-min.
-    """
+    """Boolean visibility [..., Q, K] -> the 4D mask HF passes straight to its attention
+    (a 4D mask skips HF's own mask construction, which is Python work and host syncs)."""
     while visible.dim() < 4:
         visible = visible.unsqueeze(0)
-    hidden = float("-inf") if attn_impl == "sdpa" else torch.finfo(dtype).min
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, hidden)
+    if attn_impl == "sdpa":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )
 
 
 def causal_mask(query_positions: torch.Tensor, kv_len: int, attn_impl: str, dtype: torch.dtype) -> torch.Tensor:
