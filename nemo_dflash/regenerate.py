@@ -45,15 +45,15 @@ class RegenStats:
 
     conversations: int = 0  # conversations given to regenerate_conversations
     written: int = 0  # conversations yielded (at least one regenerated turn)
-    turns: int = 0  # assistant turns generated and kept
+    turns: int = 0  # assistant turns written (a halted run's unfinished conversations are not)
     prompt_tokens: int = 0  # prompt tokens of the generated turns
     generated_tokens: int = 0  # new tokens, stop token included, dropped answers and cut loops included
-    answer_tokens: int = 0  # tokens of the answers kept (what the draft trains on)
+    answer_tokens: int = 0  # tokens of the answers written (what the draft trains on)
     answers: int = 0  # answers generated (kept or not)
     looping_before: int = 0  # answers the loop detector flagged, before the loop policy
-    looping_after: int = 0  # kept answers the detector still flags (0 unless the policy is "keep")
+    looping_after: int = 0  # written answers the detector flags (0 unless the policy is "keep")
     capped_before: int = 0  # answers that hit max_new_tokens without looping
-    capped_after: int = 0  # of those, kept
+    capped_after: int = 0  # of those, written
     finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
@@ -87,6 +87,7 @@ class _Job:
     next_user: int = 0
     finish_reason: Optional[str] = None
     prompt_ids: list[int] = field(default_factory=list)
+    kept: Counter = field(default_factory=Counter)  # tokens / loops / capped of the answers kept so far
 
     @property
     def answered(self) -> int:
@@ -360,6 +361,10 @@ def regenerate_conversations(
         if not job.answered:
             return None
         stats.written += 1
+        stats.turns += job.answered
+        stats.answer_tokens += job.kept["tokens"]
+        stats.looping_after += job.kept["loops"]
+        stats.capped_after += job.kept["capped"]
         stats.finish[job.finish_reason] += 1
         record: dict[str, Any] = {"messages": job.messages, "finish_reason": job.finish_reason}
         if job.source is not None:
@@ -424,10 +429,7 @@ def regenerate_conversations(
             else:
                 job.messages.append({"role": "assistant", "content": text})
                 job.finish_reason = "loop" if looped and loops != "keep" else done.finish
-                stats.turns += 1
-                stats.answer_tokens += len(ids)
-                stats.capped_after += capped
-                stats.looping_after += looped and loops == "keep"
+                job.kept.update(tokens=len(ids), capped=int(capped), loops=int(looped and loops == "keep"))
                 if job.next_user >= len(job.users):
                     record = end(job, None)
                 elif job.finish_reason != "stop":

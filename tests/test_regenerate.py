@@ -245,6 +245,7 @@ def test_max_minutes_finishes_with_what_is_done(tmp_path, target_dir, chat_file)
     # The budget is spent by the time the first batch is done: that batch's two conversations are
     # written (none generated and then dropped), no further batch starts.
     assert summary["stopped_at_max_minutes"] and summary["written"] == len(records) == 2
+    assert summary["turns"] == sum(m["role"] == "assistant" for r in records for m in r["messages"])
     assert all(r["messages"][-1]["role"] == "assistant" for r in records)
     assert len(_read_jsonl(tmp_path / "regen.holdout.jsonl")) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]

@@ -62,6 +62,8 @@ def main(argv=None) -> dict:
             "--target", "pkg:smollm2", "--data", "sharegpt", "--out", str(data_file), "--dtype", "bf16",
             "--num-samples", str(args.num_conversations), "--max-prompt-tokens", "192",
             "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--seed", "0",
+            # SmolLM2's model card sampling, as the GPU recipe (its generation_config has none)
+            "--sampling", "given", "--temperature", "0.2", "--top-p", "0.9",
         ])
     timings["regenerate_s"] = time.perf_counter() - t0
 
