@@ -227,7 +227,6 @@ class StaticSpecRunner:
 
     def _verify(self) -> torch.Tensor:
         """Target logits [B, V] of the block; at T=0 also accept and advance, on the device."""
-        B = self.B
         q_pos = self.pos + self.arange_b
         self.kv.write_positions = q_pos
         with self.dec.target.capture(stop_early=False) as captured:
