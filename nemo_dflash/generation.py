@@ -297,7 +297,9 @@ class SlotEngine:
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
-        self.min_refill = max(1, num_slots // 16)  # free slots that trigger a refill
+        # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
+        # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
+        self.min_refill = max(1, num_slots // 16 if self.device.type == "cuda" else num_slots // 2)
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
