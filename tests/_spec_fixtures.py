@@ -87,3 +87,16 @@ def hf_greedy(target: torch.nn.Module, ids: torch.Tensor, n: int, eos: Optional[
 
 def prompt(seed: int, vocab: int = 250, n: int = 9) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def second_token_case() -> tuple[torch.nn.Module, DFlashDraftModel, torch.Tensor, torch.Tensor]:
+    """An 8-token target, a draft, a prompt, and the exact marginal of the 2nd generated token at T=1
+    (summed over the first token): the reference the sampling tests compare frequencies with."""
+    target = tiny_qwen3(num_layers=2, vocab=8, hidden=32, seed=3)
+    draft = make_draft(target, block_size=4, layer_ids=[0, 1])
+    ids = torch.tensor([[1, 5, 2, 3]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        nxt = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
+        p2 = (p1.unsqueeze(1) * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
+    return target, draft, ids, p2

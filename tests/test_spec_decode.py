@@ -21,7 +21,7 @@ from nemo_dflash.model import DFlashContextCache
 from nemo_dflash.model.modeling import apply_rope
 from nemo_dflash.target import HFDFlashTargetModel
 
-from _spec_fixtures import make_draft, tiny_llama, tiny_qwen3
+from _spec_fixtures import make_draft, second_token_case, tiny_llama, tiny_qwen3
 
 PROMPT_LEN = 9
 
@@ -243,13 +243,7 @@ def test_verify_block_sampling_preserves_target_distribution():
 
 def test_sampling_end_to_end_distribution():
     """Second generated token's marginal at T=1 vs the exact one from the target."""
-    target = tiny_qwen3(num_layers=2, vocab=8, hidden=32, seed=3)
-    draft = make_draft(target, block_size=4, layer_ids=[0, 1])
-    ids = torch.tensor([[1, 5, 2, 3]])
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1], -1)
-        nxt = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
-        p2 = (p1.unsqueeze(1) * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
+    target, draft, ids, p2 = second_token_case()
     decoder = DFlashSpeculativeDecoder(target, draft)
     g = torch.Generator().manual_seed(0)
     n, counts = 800, torch.zeros(8)
