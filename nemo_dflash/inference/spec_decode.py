@@ -10,7 +10,11 @@ Cache bookkeeping (the part that is easy to get wrong):
 - the target's DynamicCache is cropped back to the verified tokens after every verify, so
   the rejected draft tokens leave no trace;
 - the draft's `DFlashContextCache` only ever receives the target features of *verified*
-  tokens (the block K/V are never stored), so it needs no rollback.
+  tokens (the block K/V are never stored), so it needs no rollback;
+- targets with recurrent state (Qwen3.5 / Qwen3-Next Gated-DeltaNet, Mamba hybrids) get the
+  cache transformers builds for them (`DynamicCache(config=...)`), and their conv / recurrent
+  states are snapshotted before each verify and re-advanced over the kept tokens after a
+  partial acceptance (`recurrent_cache` says why this rollback).
 
 Two decode modes (`decode=`): "eager" is this module's loop on HF's DynamicCache; "graphs" is
 the fixed-shape loop of `static_decode` (StaticCache, CUDA graphs), what serving engines run.
@@ -32,7 +36,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from nemo_dflash.inference import graphs
+from nemo_dflash.inference import graphs, recurrent_cache
 from nemo_dflash.inference.graphs import check_decode_mode
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.model import DFlashContextCache, DFlashDraftModel
@@ -135,6 +139,27 @@ def crop_dynamic_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(length)
     if cache.get_seq_length() != length:  # pragma: no cover
         raise RuntimeError(f"DynamicCache crop left {cache.get_seq_length()} positions, expected {length}")
+
+
+def _new_cache(model: nn.Module, recurrent: bool) -> DynamicCache:
+    """The target's cache: the one transformers builds for it where it has recurrent layers (a
+    bare DynamicCache has no conv / recurrent state); a plain DynamicCache otherwise, whose
+    cropping the decoder relies on (sliding layers of a config-built cache refuse to crop past
+    their window)."""
+    return recurrent_cache.make_target_cache(model) if recurrent else DynamicCache()
+
+
+def _refuse_static_for_recurrent(decode: str, model: nn.Module, recurrent: Optional[bool] = None) -> None:
+    """decode='graphs' runs on StaticCache with crop-only rollback: refuse recurrent targets in one line."""
+    if decode != "graphs":
+        return
+    if recurrent is None:
+        recurrent = recurrent_cache.model_has_recurrent_layers(model)
+    if recurrent:
+        raise ValueError(
+            f"decode='graphs' cannot roll back the recurrent (linear-attention) state of {type(model).__name__}; "
+            "use decode='eager'."
+        )
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -243,6 +268,7 @@ class DFlashSpeculativeDecoder:
         self.lm_head = self.target.get_output_embeddings()
         self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
         self._static_runners: dict = {}  # (greedy, use_graphs) -> static_decode.StaticSpecRunner
+        self._recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
 
     @property
     def device(self) -> torch.device:
@@ -292,6 +318,7 @@ class DFlashSpeculativeDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         device = self.device
+        _refuse_static_for_recurrent(decode, self.target.model, self._recurrent)
         check_decode_mode(decode, device)
         ids = _as_input_ids(input_ids, device)
         stop_ids = _stop_set(stop_token_ids)
@@ -307,9 +334,23 @@ class DFlashSpeculativeDecoder:
         """The verify forward's causal mask, built directly when we know the attention's mask
         format (HF's mask utilities cost Python time every step); otherwise left to HF."""
         impl = attn_implementation(self.target.model)
-        if impl not in SUPPORTED_ATTN:
+        if impl not in SUPPORTED_ATTN or self._recurrent:  # hybrids need HF's per-layer-type mask dict
             return {}
         return {"attention_mask": causal_mask(q_pos, kv_len, impl, self.lm_head.weight.dtype)}
+
+    def _rollback_recurrent(
+        self, cache: DynamicCache, snap: recurrent_cache.StateSnapshot, kept_ids: torch.Tensor, kept_pos: torch.Tensor
+    ) -> None:
+        """After a partial acceptance: restore the pre-verify conv / recurrent states, drop the
+        whole block from the attention K/V, and re-advance the target over the kept tokens. The
+        feature hooks fire again here; the caller has already taken the verify's features (the
+        kept positions' features are the same, the forward being causal)."""
+        recurrent_cache.restore_states(snap)
+        recurrent_cache.crop_attention(cache, int(kept_pos[0]))
+        self.target.model(
+            input_ids=kept_ids.unsqueeze(0), past_key_values=cache, use_cache=True,
+            position_ids=kept_pos.unsqueeze(0), **self._prefill_kwargs,
+        )
 
     def _generate_eager(
         self,
@@ -324,7 +365,13 @@ class DFlashSpeculativeDecoder:
         device, model = self.device, self.target.model
         blk = self.block_size
         greedy = temperature <= 0
-        cache = past_key_values if past_key_values is not None else DynamicCache()
+        cache = past_key_values if past_key_values is not None else _new_cache(model, self._recurrent)
+        recurrent = recurrent_cache.has_recurrent_state(cache)
+        if self._recurrent and not recurrent:
+            raise ValueError(
+                "This target has recurrent (linear-attention) layers but past_key_values has no state for them; "
+                "pass recurrent_cache.make_target_cache(target) or None."
+            )
         dcache = draft_cache if draft_cache is not None else DFlashContextCache(len(self.draft.layers))
         no_draft = torch.empty(0, dtype=torch.long, device=device)
 
@@ -354,8 +401,10 @@ class DFlashSpeculativeDecoder:
                 else:
                     d_tokens, d_probs = no_draft, None
                 q_pos = torch.arange(position, position + blk, device=device)
+                snap = recurrent_cache.snapshot_states(cache) if recurrent else None
+                block_ids = torch.cat([last, d_tokens])
                 out = model(
-                    input_ids=torch.cat([last, d_tokens]).unsqueeze(0), past_key_values=cache, use_cache=True,
+                    input_ids=block_ids.unsqueeze(0), past_key_values=cache, use_cache=True,
                     position_ids=q_pos.unsqueeze(0), **self._verify_mask(q_pos, position + blk),
                 )
                 feats = self.target.concat(captured)
@@ -372,7 +421,11 @@ class DFlashSpeculativeDecoder:
                     last = torch.full((1,), nxt, dtype=torch.long, device=device)
                 accept_lens.append(len(new))
                 # Keep the last token and the accepted drafts (positions position..position+n_acc).
-                crop_dynamic_cache(cache, position + n_acc + 1)
+                if snap is not None:
+                    if n_acc + 1 < blk:
+                        self._rollback_recurrent(cache, snap, block_ids[: n_acc + 1], q_pos[: n_acc + 1])
+                else:
+                    crop_dynamic_cache(cache, position + n_acc + 1)
                 pending = feats[:, : n_acc + 1]
                 kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
                 output.extend(kept)
@@ -406,6 +459,8 @@ def autoregressive_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = _device_of(target_model)
+    recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
+    _refuse_static_for_recurrent(decode, target_model, recurrent)
     check_decode_mode(decode, device)
     ids = _as_input_ids(input_ids, device)
     stop_ids = _stop_set(stop_token_ids)
@@ -415,7 +470,7 @@ def autoregressive_generate(
         from nemo_dflash.inference.static_decode import static_autoregressive_generate
 
         return static_autoregressive_generate(target_model, ids, max_new_tokens, temperature, stop_ids, generator, True)
-    cache = past_key_values if past_key_values is not None else DynamicCache()
+    cache = past_key_values if past_key_values is not None else _new_cache(target_model, recurrent)
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
     with graphs.eager_attention_backends(device):
         return _autoregressive_eager(target_model, ids, max_new_tokens, temperature, stop_ids, generator, cache, extra)

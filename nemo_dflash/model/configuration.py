@@ -57,9 +57,15 @@ class DFlashConfig(Qwen3Config):
         rope = getattr(tc, "rope_parameters", None)
         if not rope:
             rope = {"rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
+        # MoE targets without a dense FFN width (Qwen3.5-MoE) need `intermediate_size` in overrides.
+        ffn = overrides.get("intermediate_size") or getattr(tc, "intermediate_size", None)
+        if not ffn:
+            raise ValueError(
+                f"{type(tc).__name__} has no intermediate_size (an MoE target): set draft.intermediate_size in the recipe"
+            )
         fields: dict[str, Any] = dict(
             hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
+            intermediate_size=ffn,
             num_attention_heads=tc.num_attention_heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
             head_dim=head_dim,
