@@ -181,3 +181,27 @@ def test_bare_dynamic_cache_is_refused(qwen3_5):
     draft = make_draft(qwen3_5, block_size=4)
     with pytest.raises(ValueError, match="make_target_cache"):
         DFlashSpeculativeDecoder(qwen3_5, draft).generate(prompt(0), max_new_tokens=4, past_key_values=DynamicCache())
+
+
+def test_sampling_keeps_target_distribution_across_rollbacks():
+    """T=1, block 2: the 3rd token follows a rollback whenever step 1 rejects its draft. Its
+    marginal must equal the exact one computed from the target over all 8 x 8 prefixes."""
+    target = tiny_qwen3_5(vocab=8, seed=3)
+    draft = make_draft(target, block_size=2, mask_token_id=7, layer_ids=[0, 3])
+    ids = torch.tensor([[1, 5, 2, 3]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        two = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
+        p2 = torch.softmax(target(two).logits[:, -1], -1)  # [t1, t2]
+        three = torch.cat([two.repeat_interleave(8, 0), torch.arange(8).repeat(8).view(64, 1)], 1)
+        p3 = torch.softmax(target(three).logits[:, -1], -1).view(8, 8, 8)  # [t1, t2, t3]
+        want = (p1.view(8, 1, 1) * p2.view(8, 8, 1) * p3).sum((0, 1))
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    g = torch.Generator().manual_seed(0)
+    n, counts, rejected = 800, torch.zeros(8), 0
+    for _ in range(n):
+        out = decoder.generate(ids, max_new_tokens=3, temperature=1.0, generator=g)
+        counts[out.output_ids[2]] += 1
+        rejected += out.acceptance_lengths[0] == 1
+    assert rejected > n // 5  # the rollback path is actually taken
+    assert (counts / n - want).abs().max() < 0.06
