@@ -205,3 +205,20 @@ def test_sampling_keeps_target_distribution_across_rollbacks():
         rejected += out.acceptance_lengths[0] == 1
     assert rejected > n // 5  # the rollback path is actually taken
     assert (counts / n - want).abs().max() < 0.06
+
+
+def test_multimodal_qwen3_5_text_path_equals_greedy():
+    """Qwen3_5ForConditionalGeneration: the draft is shaped from `text_config`, decoding runs the
+    language model on text-only prompts."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5Config(
+        text_config=dict(SMALL, vocab_size=256),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
+    target = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    dcfg = DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=2, block_size=4, mask_token_id=255, target_layer_ids=[1, 2]
+    )
+    draft = DFlashDraftModel(dcfg).float().eval()
+    ids = prompt(0)
+    assert DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=12).output_ids == hf_greedy(target, ids, 12)
