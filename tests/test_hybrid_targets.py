@@ -58,6 +58,15 @@ def tiny_qwen3_next(vocab: int = 256, seed: int = 0) -> torch.nn.Module:
     return transformers.Qwen3NextForCausalLM(cfg).float().eval()
 
 
+def draft_for(target: torch.nn.Module, num_layers: int = 2, block_size: int = 4) -> DFlashDraftModel:
+    torch.manual_seed(1)
+    cfg = DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=num_layers, block_size=block_size, mask_token_id=255,
+        target_layer_ids=[1, 2], intermediate_size=128,  # Qwen3.5-MoE has no dense FFN width to copy
+    )
+    return DFlashDraftModel(cfg).float().eval()
+
+
 @pytest.fixture(scope="module")
 def qwen3_5():
     return tiny_qwen3_5()
@@ -148,12 +157,7 @@ def test_oracle_draft_accepts_whole_blocks(qwen3_5, monkeypatch):
 @pytest.mark.parametrize("build", [tiny_qwen3_5_moe, tiny_qwen3_next], ids=["qwen3_5_moe", "qwen3_next"])
 def test_other_hybrid_families_equal_greedy(build, monkeypatch):
     target = build()
-    torch.manual_seed(1)
-    cfg = DFlashConfig.from_target_config(
-        target.config, num_hidden_layers=2, block_size=4, mask_token_id=255, target_layer_ids=[1, 2],
-        intermediate_size=128,  # Qwen3.5-MoE has no dense FFN width to copy
-    )
-    draft = DFlashDraftModel(cfg).float().eval()
+    draft = draft_for(target)
     ids = prompt(11)
     ref = hf_greedy(target, ids, 16)
     decoder = DFlashSpeculativeDecoder(target, draft)
@@ -222,3 +226,37 @@ def test_multimodal_qwen3_5_text_path_equals_greedy():
     draft = DFlashDraftModel(dcfg).float().eval()
     ids = prompt(0)
     assert DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=12).output_ids == hf_greedy(target, ids, 12)
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_next],
+                         ids=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_draft_learns_the_targets_greedy_answer(build):
+    """Train a 1-layer draft on the target's own greedy continuation of one prompt (features from
+    the hybrid target, no cache), then decode that prompt: still exactly greedy, and the draft's
+    blocks are now accepted (tau > 1.5 at block 4; an untrained draft gets 1.0 here)."""
+    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+    from nemo_dflash.target import HFDFlashTargetModel
+
+    target = build()
+    draft = draft_for(target, num_layers=1)
+    ids = prompt(4)
+    ref = hf_greedy(target, ids, 40)
+    seq = torch.tensor([ids[0].tolist() + ref])
+    attn = torch.ones_like(seq)
+    loss_mask = attn.clone()
+    loss_mask[:, : ids.shape[1]] = 0
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    batch = wrapper.generate_batch(seq, attn, loss_mask)
+    before = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), loss_decay_gamma=4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
+        module(batch, anchors=anchors, valid=valid).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    draft.eval()
+    after = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
+    assert before.output_ids == after.output_ids == ref
+    assert after.mean_acceptance_length > 1.5 > before.mean_acceptance_length
