@@ -30,11 +30,23 @@ class DraftSpec:
     default_mask_token_id: Optional[int] = None
 
 
+# Qwen3.5's mask id is the one z-lab's published Qwen3.5 drafts carry in `dflash_config`
+# (docs/registry.md cites where). Qwen3-Next uses the Qwen3 tokenizer and has no published id we
+# could confirm: the resolver's rule (first row past the tokenizer) applies.
+QWEN3_5_MASK_TOKEN_ID = 248070
+
 DFLASH_DRAFT_REGISTRY: dict[str, DraftSpec] = {
     "Qwen3ForCausalLM": DraftSpec(default_mask_token_id=151669),
     "Qwen3MoeForCausalLM": DraftSpec(default_mask_token_id=151669),
     "Qwen2ForCausalLM": DraftSpec(),
     "LlamaForCausalLM": DraftSpec(default_mask_token_id=128002),
+    # Hybrid Gated-DeltaNet + full attention: decoded with the recurrent-state rollback
+    # (nemo_dflash.inference.recurrent_cache); decode="graphs" refuses them.
+    "Qwen3_5ForCausalLM": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),
+    "Qwen3_5MoeForCausalLM": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),
+    "Qwen3_5ForConditionalGeneration": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),  # text path
+    "Qwen3_5MoeForConditionalGeneration": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),  # text path
+    "Qwen3NextForCausalLM": DraftSpec(),
 }
 
 

@@ -211,21 +211,27 @@ def test_sampling_keeps_target_distribution_across_rollbacks():
     assert (counts / n - want).abs().max() < 0.06
 
 
-def test_multimodal_qwen3_5_text_path_equals_greedy():
-    """Qwen3_5ForConditionalGeneration: the draft is shaped from `text_config`, decoding runs the
-    language model on text-only prompts."""
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_qwen3_5_text_path_equals_greedy(moe, monkeypatch):
+    """Qwen3_5(Moe)ForConditionalGeneration, the class the published Qwen3.5 checkpoints name: the
+    draft is shaped from `text_config`, decoding runs the language model on text-only prompts."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3_5Config(
-        text_config=dict(SMALL, vocab_size=256),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
-    )
-    target = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
-    dcfg = DFlashConfig.from_target_config(
-        target.config, num_hidden_layers=2, block_size=4, mask_token_id=255, target_layer_ids=[1, 2]
-    )
-    draft = DFlashDraftModel(dcfg).float().eval()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    if moe:
+        text = dict({k: v for k, v in SMALL.items() if k != "intermediate_size"}, vocab_size=256,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+        target = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+    else:
+        cfg = transformers.Qwen3_5Config(text_config=dict(SMALL, vocab_size=256), vision_config=vision)
+        target = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    draft = draft_for(target)
     ids = prompt(0)
-    assert DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=12).output_ids == hf_greedy(target, ids, 12)
+    ref = hf_greedy(target, ids, 12)
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    half_oracle(decoder, ids[0].tolist() + ref + [0] * 8, monkeypatch)
+    out = decoder.generate(ids, max_new_tokens=12)
+    assert out.output_ids == ref and max(out.acceptance_lengths) > 1
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_next],

@@ -25,9 +25,13 @@ def test_too_many_draft_layers():
         build_target_layer_ids(3, 4)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("arch", sorted(DFLASH_DRAFT_REGISTRY))
 def test_registered_families(arch):
+    import transformers
+
     assert resolve_dflash_draft_spec([arch]).draft_cls is DFlashDraftModel
+    # Every key is a real transformers class name: a typo would never match a checkpoint's `architectures`.
+    assert hasattr(transformers, arch), arch
 
 
 def test_unknown_architecture_lists_supported_and_fix():
@@ -45,3 +49,15 @@ def test_adding_a_family_is_one_line(monkeypatch):
 def test_per_family_mask_defaults():
     assert resolve_dflash_draft_spec("Qwen3ForCausalLM").default_mask_token_id == 151669
     assert resolve_dflash_draft_spec("LlamaForCausalLM").default_mask_token_id == 128002
+
+
+@pytest.mark.parametrize("arch", [
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+])
+def test_qwen3_5_mask_default_is_the_published_drafts_id(arch):
+    # z-lab's Qwen3.5 drafts carry dflash_config.mask_token_id 248070 (docs/registry.md gives sources).
+    assert resolve_dflash_draft_spec(arch).default_mask_token_id == 248070
+
+
+def test_qwen3_next_takes_the_resolver_rule():
+    assert resolve_dflash_draft_spec("Qwen3NextForCausalLM").default_mask_token_id is None
