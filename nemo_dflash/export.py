@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nemo_dflash.files import apply_umask
 from nemo_dflash.model import DFlashConfig, DFlashDraftModel
 
 logger = logging.getLogger(__name__)
@@ -348,6 +349,7 @@ def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None
     try:
         for name, writer in files.items():
             writer(tmp / name)
+        apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock out a server running as another user
         if out.exists():
             old = out.parent / f".{out.name}.old.{os.getpid()}"
             os.replace(out, old)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,24 @@ def test_export_cli(draft, tmp_path, capsys):
     assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--target",
                         str(tmp_path / "llama")]) == 1
     assert "hidden_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_and_training_drafts_honour_the_umask(draft, tmp_path, umask):
+    """A server running as another user must be able to read an export (mkdtemp makes 0700 dirs,
+    safetensors 0600 files): modes follow the umask, as a plain open()/mkdir() would."""
+    import stat
+
+    from nemo_dflash.train.checkpoint import save_draft_dir
+    from nemo_dflash.train.distributed import DistState
+
+    old = os.umask(umask)
+    try:
+        out = export_draft(draft, tmp_path / "exp")
+        save_draft_dir(draft, tmp_path / "train_draft", DistState())
+    finally:
+        os.umask(old)
+    for root in (out, tmp_path / "train_draft"):
+        assert stat.S_IMODE(root.stat().st_mode) == 0o777 & ~umask
+        for f in root.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from nemo_dflash.files import apply_umask
 from nemo_dflash.train.distributed import DistState
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState
         out_dir.mkdir(parents=True, exist_ok=True)
         draft.config.save_pretrained(out_dir)
         save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        apply_umask(out_dir)  # safetensors writes 0600
 
 
 def save_checkpoint(
