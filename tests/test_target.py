@@ -84,3 +84,20 @@ def test_target_is_frozen_and_exposes_embeddings():
     assert not any(p.requires_grad for p in model.parameters())
     assert wrapper.get_input_embeddings() is model.get_input_embeddings()
     assert wrapper.get_output_embeddings() is model.get_output_embeddings()
+
+
+def test_unknown_packaged_target_names_the_known_ones(tmp_path, capsys):
+    """A mistyped pkg: name gets the list of packaged targets, not 'not a local directory' (one line, exit 2)."""
+    import pytest
+
+    from nemo_dflash.loading import resolve_target_path
+    from nemo_dflash.recipes import regenerate
+
+    with pytest.raises(FileNotFoundError, match="pkg:smollm2"):
+        resolve_target_path("pkg:smollm3")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(SystemExit) as exc:
+        regenerate.main(["--target", "pkg:smollm3", "--data", str(data), "--out", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "packaged targets are: pkg:smollm2" in err and "Traceback" not in err
