@@ -63,6 +63,15 @@ def model_has_recurrent_layers(model: nn.Module) -> bool:
     return bool(types & recurrent) or has_recurrent_state(make_target_cache(model))
 
 
+def has_windowed_layers(model: nn.Module) -> bool:
+    """Whether any attention layer sees a window (sliding / chunked) rather than the full causal past."""
+    cfg = model.config.get_text_config(decoder=True)
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if types & {"sliding_attention", "chunked_attention", "hybrid_sliding"}:
+        return True
+    return bool(getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)) and not types
+
+
 def snapshot_states(cache: Cache) -> StateSnapshot:
     """Copies of every initialised conv / recurrent state (fixed-size tensors, no K/V)."""
     snap: StateSnapshot = []
@@ -111,6 +120,7 @@ __all__ = [
     "attention_length",
     "crop_attention",
     "has_recurrent_state",
+    "has_windowed_layers",
     "make_target_cache",
     "model_has_recurrent_layers",
     "restore_states",

@@ -269,6 +269,9 @@ class DFlashSpeculativeDecoder:
         self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
         self._static_runners: dict = {}  # (greedy, use_graphs) -> static_decode.StaticSpecRunner
         self._recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
+        # Our direct verify mask is plain causal: targets with recurrent, sliding or chunked layers
+        # need HF's per-layer-type masks (a full causal mask past the window changes the output).
+        self._hf_masks = self._recurrent or recurrent_cache.has_windowed_layers(target_model)
 
     @property
     def device(self) -> torch.device:
@@ -334,7 +337,7 @@ class DFlashSpeculativeDecoder:
         """The verify forward's causal mask, built directly when we know the attention's mask
         format (HF's mask utilities cost Python time every step); otherwise left to HF."""
         impl = attn_implementation(self.target.model)
-        if impl not in SUPPORTED_ATTN or self._recurrent:  # hybrids need HF's per-layer-type mask dict
+        if impl not in SUPPORTED_ATTN or self._hf_masks:
             return {}
         return {"attention_mask": causal_mask(q_pos, kv_len, impl, self.lm_head.weight.dtype)}
 
