@@ -47,6 +47,16 @@ DFLASH_DRAFT_REGISTRY: dict[str, DraftSpec] = {
     "Qwen3_5ForConditionalGeneration": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),  # text path
     "Qwen3_5MoeForConditionalGeneration": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),  # text path
     "Qwen3NextForCausalLM": DraftSpec(),
+    # Plain appends, each trained and decoded on a tiny target in tests/test_registry.py; mask by
+    # the resolver's rule (no published id confirmed). Gemma scales its embeddings inside the
+    # model, the draft reads the raw embedding row: the trained draft learns that scale.
+    "MistralForCausalLM": DraftSpec(),
+    "Phi3ForCausalLM": DraftSpec(),
+    "Gemma2ForCausalLM": DraftSpec(),
+    "Gemma3ForCausalLM": DraftSpec(),
+    "GptOssForCausalLM": DraftSpec(),
+    "DeepseekV3ForCausalLM": DraftSpec(),
+    "Llama4ForCausalLM": DraftSpec(),
 }
 
 

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from nemo_dflash import DFLASH_DRAFT_REGISTRY, DFlashDraftModel, DraftSpec, build_target_layer_ids, resolve_dflash_draft_spec
 
@@ -42,8 +43,8 @@ def test_unknown_architecture_lists_supported_and_fix():
 
 
 def test_adding_a_family_is_one_line(monkeypatch):
-    monkeypatch.setitem(DFLASH_DRAFT_REGISTRY, "MistralForCausalLM", DraftSpec(draft_cls=DFlashDraftModel))
-    assert resolve_dflash_draft_spec(["Foo", "MistralForCausalLM"]).draft_cls is DFlashDraftModel
+    monkeypatch.setitem(DFLASH_DRAFT_REGISTRY, "StarcoderForCausalLM", DraftSpec(draft_cls=DFlashDraftModel))
+    assert resolve_dflash_draft_spec(["Foo", "StarcoderForCausalLM"]).draft_cls is DFlashDraftModel
 
 
 def test_per_family_mask_defaults():
@@ -61,3 +62,85 @@ def test_qwen3_5_mask_default_is_the_published_drafts_id(arch):
 
 def test_qwen3_next_takes_the_resolver_rule():
     assert resolve_dflash_draft_spec("Qwen3NextForCausalLM").default_mask_token_id is None
+
+
+# ------------------------------------------------------------------ plain-append families, end to end
+
+_C = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def _family_target(arch: str):
+    """A tiny random target of `arch`, with windows (16) shorter than the 49-token test sequence."""
+    import transformers as T
+
+    no_ffn = {k: v for k, v in _C.items() if k != "intermediate_size"}
+    builders = {
+        "MistralForCausalLM": lambda: T.MistralConfig(**_C, head_dim=16, sliding_window=16),
+        "Phi3ForCausalLM": lambda: T.Phi3Config(**_C, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        "Gemma2ForCausalLM": lambda: T.Gemma2Config(**_C, head_dim=16, sliding_window=16),
+        "Gemma3ForCausalLM": lambda: T.Gemma3TextConfig(**_C, head_dim=16, sliding_window=16),
+        "GptOssForCausalLM": lambda: T.GptOssConfig(
+            **no_ffn, intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+        "DeepseekV3ForCausalLM": lambda: T.DeepseekV3Config(  # MLA
+            **dict(_C, num_key_value_heads=4), moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16),
+        "Llama4ForCausalLM": lambda: T.Llama4TextConfig(
+            **_C, intermediate_size_mlp=128, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, attention_chunk_size=16),
+    }
+    torch.manual_seed(0)
+    return getattr(T, arch)(builders[arch]()).float().eval()
+
+
+PLAIN_FAMILIES = ["MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                  "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", PLAIN_FAMILIES)
+def test_plain_append_families_train_and_decode(arch):
+    """Each registered plain-append family: a 1-layer draft trained on the target's own greedy
+    continuation is accepted (tau > 1.5 at block 4), and decoding equals HF greedy, also past the
+    sliding / chunked window (the verify must use the target's per-layer masks there)."""
+    from _spec_fixtures import hf_greedy, prompt
+    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+    from nemo_dflash.inference import DFlashSpeculativeDecoder
+    from nemo_dflash.model import DFlashConfig
+    from nemo_dflash.target import HFDFlashTargetModel
+
+    assert arch in DFLASH_DRAFT_REGISTRY
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = _family_target(arch)
+        assert target.config.architectures in (None, [arch]) and type(target).__name__ == arch
+        torch.manual_seed(1)
+        cfg = DFlashConfig.from_target_config(
+            target.config, num_hidden_layers=1, block_size=4, mask_token_id=255, target_layer_ids=[1, 2],
+            intermediate_size=128,
+        )
+        draft = resolve_dflash_draft_spec(arch).draft_cls(cfg).float().eval()
+        ids = prompt(4)
+        ref = hf_greedy(target, ids, 40)
+        seq = torch.tensor([ids[0].tolist() + ref])
+        attn = torch.ones_like(seq)
+        loss_mask = attn.clone()
+        loss_mask[:, : ids.shape[1]] = 0
+        wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+        batch = wrapper.generate_batch(seq, attn, loss_mask)
+        module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                     loss_decay_gamma=4)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(200):
+            anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
+            module(batch, anchors=anchors, valid=valid).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        draft.eval()
+        out = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.output_ids == ref
+    assert out.mean_acceptance_length > 1.5
