@@ -49,6 +49,20 @@ class MetricsLogger:
             except Exception as e:  # a logging backend must never kill training
                 logger.warning("wandb disabled (%s)", e)
 
+    def resume_at(self, step: int) -> None:
+        """Keep the rows of steps <= ``step`` (atomically) and plot them too: the steps after the
+        checkpoint are redone, so their old rows would appear twice."""
+        if not self.enabled or not self.path.is_file():
+            return
+        rows = [json.loads(line) for line in self.path.read_text().split("\n") if line.strip()]
+        kept = [r for r in rows if r.get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self.records = kept + self.records
+        if len(kept) < len(rows):
+            logger.info("metrics.jsonl: dropped %d rows past the resumed step %d", len(rows) - len(kept), step)
+
     @property
     def bar_visible(self) -> bool:
         return self.bar is not None and not self.bar.disable

@@ -419,6 +419,8 @@ class Trainer:
         metrics = MetricsLogger(
             self.out, cfg.wandb, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps, self.state.is_main
         )
+        if self.step > 0:
+            metrics.resume_at(self.step)
         metrics.set_progress(self.step)
         data = _batches(self.loader)
         self.draft.train()
