@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 import torch
@@ -12,22 +13,50 @@ from nemo_dflash.registry import build_target_layer_ids, resolve_dflash_draft_sp
 
 logger = logging.getLogger(__name__)
 
+# Vocabulary rows that exist only to pad or reserve the table: never produced by the tokenizer on text.
+_PLACEHOLDER = re.compile(r"^(\[PAD\d+\]|<\|?(reserved|unused|extra)[\w-]*\|?>|<unused\d+>|\[unused\d+\])$", re.IGNORECASE)
+
+
+class MaskTokenError(ValueError):
+    """A mask token the user must fix in the recipe (one line, names the key)."""
+
+
+def placeholder_token_id(tokenizer: Any, vocab: int) -> Optional[int]:
+    """The first never-used placeholder row (``[PAD151643]``, ``<|reserved_special_token_0|>``,
+    ``<unused0>``) of ``tokenizer`` below ``vocab``: a safe mask token where the tokenizer fills the table."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    found = [i for t, i in tokenizer.get_vocab().items() if i < vocab and _PLACEHOLDER.match(t)]
+    return min(found) if found else None
+
 
 def target_vocab_size(target_model: torch.nn.Module) -> int:
     return int(target_model.get_input_embeddings().weight.shape[0])
 
 
-def resolve_mask_token_id(
-    target_model: torch.nn.Module, tokenizer: Any, explicit: Optional[int] = None
-) -> int:
-    """explicit id > tokenizer's mask token > the family's documented default > first row past the tokenizer.
+def _meant_for(spec: str, archs: list[str], vocab: int) -> bool:
+    """``spec`` is ``ARCH`` or ``ARCH/VOCAB`` (the target the id was chosen for)."""
+    arch, _, size = spec.partition("/")
+    return arch in archs and (not size or int(size) == vocab)
 
-    The id must index the target's embedding table (the mask embedding IS that row); a
-    wrong id silently ruins acceptance, so every choice is logged.
+
+def resolve_mask_token_id(
+    target_model: torch.nn.Module, tokenizer: Any, explicit: Optional[int] = None, explicit_for: Optional[str] = None
+) -> int:
+    """explicit id > tokenizer's mask token > the family's documented default > first row past the
+    tokenizer > the first placeholder row ([PADn], reserved, unused) inside the tokenizer.
+
+    An explicit id given ``explicit_for`` another target (``ARCH`` or ``ARCH/VOCAB``) is ignored:
+    a recipe reused for another family must not carry its id over. The id must index the target's embedding table (the mask
+    embedding IS that row); a wrong id silently ruins acceptance, so every choice is logged.
     """
     vocab = target_vocab_size(target_model)
     archs = getattr(target_model.config, "architectures", None) or [type(target_model).__name__]
     source, mask_id = "", None
+    if explicit is not None and explicit_for and not _meant_for(explicit_for, archs, vocab):
+        logger.warning("draft.mask_token_id %s was set for %s, not for this %s (vocab %d) target: resolving this "
+                       "target's own", explicit, explicit_for, archs[0], vocab)
+        explicit = None
     if explicit is not None:
         source, mask_id = "draft.mask_token_id", int(explicit)
     elif tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
@@ -38,14 +67,16 @@ def resolve_mask_token_id(
             source, mask_id = f"the {archs[0]} default", spec.default_mask_token_id
         elif tokenizer is not None and len(tokenizer) < vocab:
             source, mask_id = "the first embedding row past the tokenizer", len(tokenizer)
+        elif (placeholder := placeholder_token_id(tokenizer, vocab)) is not None:
+            source, mask_id = f"the placeholder row {tokenizer.convert_ids_to_tokens(placeholder)!r}", placeholder
     if mask_id is None:
-        raise ValueError(
+        raise MaskTokenError(
             f"No mask token for this target ({archs[0]}, vocab {vocab}): the tokenizer has no mask token and "
             "every embedding row is a real token. Set draft.mask_token_id to an id the chat data never uses "
             "(e.g. a reserved or unused special token)."
         )
     if not 0 <= mask_id < vocab:
-        raise ValueError(
+        raise MaskTokenError(
             f"Mask token id {mask_id} (from {source}) is outside the target's embedding table [0, {vocab}). "
             "Set draft.mask_token_id to a valid row (a reserved/unused special token)."
         )
@@ -62,6 +93,7 @@ def build_draft_for_target(
     target_layer_ids: Optional[list[int]] = None,
     mask_token_id: Optional[int] = None,
     intermediate_size: Optional[int] = None,
+    mask_token_for: Optional[str] = None,
 ) -> DFlashDraftModel:
     """A fresh (randomly initialised, fp32) draft shaped like `target_model`."""
     tcfg = getattr(target_model.config, "text_config", None) or target_model.config
@@ -79,11 +111,12 @@ def build_draft_for_target(
         tcfg,
         num_hidden_layers=num_layers,
         block_size=block_size,
-        mask_token_id=resolve_mask_token_id(target_model, tokenizer, mask_token_id),
+        mask_token_id=resolve_mask_token_id(target_model, tokenizer, mask_token_id, mask_token_for),
         target_layer_ids=ids,
         **overrides,
     )
     return spec.draft_cls(cfg).float()
 
 
-__all__ = ["build_draft_for_target", "resolve_mask_token_id", "target_vocab_size"]
+__all__ = ["MaskTokenError", "build_draft_for_target", "placeholder_token_id", "resolve_mask_token_id",
+           "target_vocab_size"]

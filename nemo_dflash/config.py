@@ -42,6 +42,11 @@ class DraftConfig:
     # Mask token: explicit id > the tokenizer's mask token > the family default in the registry
     # > the first embedding row past the tokenizer's vocabulary. Must be < the target's vocab.
     mask_token_id: Optional[int] = None
+    # The target mask_token_id was chosen for, "ARCH" or "ARCH/VOCAB" (e.g. LlamaForCausalLM/49152): another
+    # target ignores the id and resolves its own, so a recipe reused for another target cannot carry a wrong id.
+    mask_token_for: Optional[str] = None
+    # Training refuses a mask token that occurs in the training data (an ordinary token); true allows it.
+    allow_mask_token_in_data: bool = False
     intermediate_size: Optional[int] = None  # default: the target's
     init_from: Optional[str] = None  # a draft directory (training or exported) to start from
 

@@ -133,6 +133,10 @@ class ChatDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def count_token(self, token_id: int) -> int:
+        """How often ``token_id`` occurs in this dataset's samples (e.g. a would-be mask token)."""
+        return int(sum(np.count_nonzero(self._store.get(int(i))[0] == token_id) for i in self.indices))
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, mask = self._store.get(int(self.indices[i]))
         return {

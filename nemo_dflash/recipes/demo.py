@@ -25,7 +25,7 @@ QUICK = PROTOCOLS["quick"]  # the acceptance figures are evaluate's quick protoc
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/smollm2_demo", help="working directory of the demo")
-    p.add_argument("--num-conversations", type=int, default=320, help="ShareGPT prompts to regenerate")
+    p.add_argument("--num-conversations", type=int, default=256, help="ShareGPT prompts to regenerate")
     p.add_argument("--max-new-tokens", type=int, default=128, help="regenerated response length")
     p.add_argument("--train-minutes", type=float, default=7.0, help="training time budget")
     p.add_argument("--eval-prompts", type=int, default=QUICK.num_prompts,

@@ -38,9 +38,13 @@ def main(argv=None) -> dict:
 
         sys.stdout.write(to_yaml(cfg))
         return {}
+    from nemo_dflash.build import MaskTokenError
     from nemo_dflash.train.trainer import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except MaskTokenError as e:
+        fail(str(e))
     logger.info("summary: %s", json.dumps(summary))
     return summary
 

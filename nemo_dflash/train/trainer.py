@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import OmegaConf
 
-from nemo_dflash.build import build_draft_for_target
+from nemo_dflash.build import MaskTokenError, build_draft_for_target
 from nemo_dflash.config import RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule
 from nemo_dflash.data import build_dataloader, build_datasets
@@ -79,6 +79,7 @@ def _draft_from_config(cfg: RecipeConfig, target_model, tokenizer):
         target_layer_ids=cfg.draft.target_layer_ids,
         mask_token_id=cfg.draft.mask_token_id,
         intermediate_size=cfg.draft.intermediate_size,
+        mask_token_for=cfg.draft.mask_token_for,
     )
 
 
@@ -301,6 +302,14 @@ class Trainer:
         self.meta = run_meta(self.draft, self.target_model)
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
+        mask_id = self.draft.config.mask_token_id
+        uses = self.train_ds.count_token(mask_id)
+        if uses and not cfg.draft.allow_mask_token_in_data:
+            raise MaskTokenError(
+                f"the mask token {mask_id} ({self.tokenizer.convert_ids_to_tokens(mask_id)!r}) occurs {uses} times in the "
+                "training data, so the draft cannot tell a masked slot from that token: set draft.mask_token_id to a "
+                "reserved/unused row (or draft.mask_token_id=null), or draft.allow_mask_token_in_data=true"
+            )
         # One loader batch = this rank's share of a global step (micro_batch_size x grad_accum rows),
         # split into micro-batches in the loop: the global batch is then the same samples however
         # it is divided between ranks and accumulation micro-steps.
