@@ -77,3 +77,15 @@ def test_training_refuses_a_mask_token_seen_in_the_data(tmp_path, capsys):
     summary = main(args + ["draft.allow_mask_token_in_data=true"])  # the user's explicit choice
     assert summary["steps"] == 1
     assert json.loads(json.dumps(summary))["steps"] == 1
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_8b.yaml", "qwen3_4b.yaml", "llama3_8b.yaml", "smollm2_135m.yaml",
+                                    "smollm2_135m_gpu.yaml", "qwen3_5_27b.yaml", "qwen3_5_35b_a3b.yaml"])
+def test_shipped_recipes_load(recipe):
+    from nemo_dflash.config import load_recipe
+
+    cfg = load_recipe(recipe, ["target.path=/x"])
+    assert cfg.draft.block_size in (8, 10, 16) and cfg.data.sources
+    if recipe.startswith("qwen3_5"):  # the family default applies; the MoE names its FFN width
+        assert cfg.draft.mask_token_id is None and cfg.draft.num_layers == 5
+        assert (cfg.draft.intermediate_size is not None) == ("a3b" in recipe)
