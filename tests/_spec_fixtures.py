@@ -100,3 +100,15 @@ def second_token_case() -> tuple[torch.nn.Module, DFlashDraftModel, torch.Tensor
         nxt = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
         p2 = (p1.unsqueeze(1) * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
     return target, draft, ids, p2
+
+
+def export_round_trip(draft: DFlashDraftModel, tmp_path: Path) -> DFlashDraftModel:
+    """Export in the serving format and load it back: the same config, the bf16-rounded weights."""
+    from nemo_dflash.export import export_draft, load_draft
+
+    loaded = load_draft(export_draft(draft, tmp_path / "export"), dtype="fp32")
+    assert loaded.config.target_layer_ids == draft.config.target_layer_ids
+    assert (loaded.config.mask_token_id, loaded.config.block_size) == (draft.config.mask_token_id, draft.config.block_size)
+    for k, v in draft.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v.to(torch.bfloat16).float(), atol=0, rtol=0)
+    return loaded.eval()

@@ -12,7 +12,7 @@ from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_gener
 from nemo_dflash.inference.recurrent_cache import make_target_cache
 from nemo_dflash.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
 
-from _spec_fixtures import hf_greedy, make_draft, prompt
+from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):  # pragma: no cover
@@ -236,7 +236,7 @@ def test_multimodal_qwen3_5_text_path_equals_greedy(moe, monkeypatch):
 
 @pytest.mark.parametrize("build", [tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_next],
                          ids=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_draft_learns_the_targets_greedy_answer(build):
+def test_draft_learns_the_targets_greedy_answer(build, tmp_path):
     """Train a 1-layer draft on the target's own greedy continuation of one prompt (features from
     the hybrid target, no cache), then decode that prompt: still exactly greedy, and the draft's
     blocks are now accepted (tau > 1.5 at block 4; an untrained draft gets 1.0 here)."""
@@ -259,10 +259,14 @@ def test_draft_learns_the_targets_greedy_answer(build):
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
-        module(batch, anchors=anchors, valid=valid).loss.backward()
+        step = module(batch, anchors=anchors, valid=valid)
+        step.loss.backward()
         opt.step()
         opt.zero_grad()
+    sim_tau = float(step.accept_sum) / max(float(step.num_blocks), 1.0)  # the trainer's simulated tau
     draft.eval()
     after = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
     assert before.output_ids == after.output_ids == ref
-    assert after.mean_acceptance_length > 1.5 > before.mean_acceptance_length
+    assert after.mean_acceptance_length > 1.5 > before.mean_acceptance_length and sim_tau > 1.5
+    exported = export_round_trip(draft, tmp_path)  # the serving format round-trips for this family too
+    assert DFlashSpeculativeDecoder(target, exported).generate(ids, max_new_tokens=40).output_ids == ref

@@ -99,11 +99,11 @@ PLAIN_FAMILIES = ["MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", 
 
 
 @pytest.mark.parametrize("arch", PLAIN_FAMILIES)
-def test_plain_append_families_train_and_decode(arch):
+def test_plain_append_families_train_and_decode(arch, tmp_path):
     """Each registered plain-append family: a 1-layer draft trained on the target's own greedy
     continuation is accepted (tau > 1.5 at block 4), and decoding equals HF greedy, also past the
     sliding / chunked window (the verify must use the target's per-layer masks there)."""
-    from _spec_fixtures import hf_greedy, prompt
+    from _spec_fixtures import export_round_trip, hf_greedy, prompt
     from nemo_dflash.core import DFlashTrainerModule, sample_anchors
     from nemo_dflash.inference import DFlashSpeculativeDecoder
     from nemo_dflash.model import DFlashConfig
@@ -135,12 +135,16 @@ def test_plain_append_families_train_and_decode(arch):
         g = torch.Generator().manual_seed(0)
         for _ in range(200):
             anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
-            module(batch, anchors=anchors, valid=valid).loss.backward()
+            step = module(batch, anchors=anchors, valid=valid)
+            step.loss.backward()
             opt.step()
             opt.zero_grad()
+        sim_tau = float(step.accept_sum) / max(float(step.num_blocks), 1.0)  # the trainer's simulated tau
         draft.eval()
         out = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
+        exported = export_round_trip(draft, tmp_path)
+        again = DFlashSpeculativeDecoder(target, exported).generate(ids, max_new_tokens=40)
     finally:
         torch.set_num_threads(threads)
-    assert out.output_ids == ref
-    assert out.mean_acceptance_length > 1.5
+    assert out.output_ids == ref == again.output_ids
+    assert out.mean_acceptance_length > 1.5 and sim_tau > 1.5

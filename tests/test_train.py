@@ -134,7 +134,7 @@ def test_train_cli_end_to_end(tiny_assets, tmp_path):
     assert "eval_accept_len" in summary
 
 
-def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path):
+def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
     from nemo_dflash.recipes.train import main
 
     target, data = tiny_assets
@@ -147,10 +147,37 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path):
         f.write(json.dumps({"step": 5, "loss": 123.0, "tokens": 1.0}) + "\n")
     main(_args(target, data, part, "train.max_steps=8"))
     assert _losses(part) == _losses(full)  # bit-identical losses after resume on CPU, no row twice
-    # A different block size or mask token is refused.
+    # A different block size or mask token is refused: one line, exit 2, the run's config.yaml untouched.
+    config = (part / "config.yaml").read_text()
     for bad in ("draft.block_size=5", "draft.mask_token_id=151670"):
-        with pytest.raises(ValueError, match="Refusing to resume"):
+        with pytest.raises(SystemExit) as exc:
             main(_args(target, data, part, "train.max_steps=9", bad))
+        assert exc.value.code == 2
+        assert "Refusing to resume" in capsys.readouterr().err
+        assert (part / "config.yaml").read_text() == config
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("data.sources=[{path: /nope/missing.jsonl}]", "data.sources[0].path /nope/missing.jsonl does not exist"),
+    ("target.path=/nope/model", "neither a local model directory nor a .gguf file"),
+    ("target.path=pkg:smollm3", "packaged targets are: pkg:smollm2"),
+])
+def test_user_errors_are_one_line_before_any_load(tiny_assets, tmp_path, monkeypatch, capsys, bad, message):
+    """A missing data file or target is found before the target loads; one line, exit 2, no traceback,
+    and no config.yaml of a run that never happened."""
+    import nemo_dflash.loading
+    from nemo_dflash.recipes.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the paths were checked")
+
+    monkeypatch.setattr(nemo_dflash.loading, "load_target", no_load)
+    target, data = tiny_assets
+    with pytest.raises(SystemExit) as exc:
+        main(_args(target, data, tmp_path / "run", bad))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_half_written_checkpoint_is_ignored(tiny_assets, tmp_path):

@@ -20,6 +20,8 @@ from torch.utils.data import Sampler
 
 from nemo_dflash.data.config import BATCHING_MODES
 
+from nemo_dflash.data.sources import DataError
+
 logger = logging.getLogger(__name__)
 
 
@@ -150,7 +152,7 @@ class _BatchIterator(Iterator[list[int]]):
         saved = {k: state_dict[k] for k in self.sampler._signature() if k in state_dict}
         current = {k: v for k, v in self.sampler._signature().items() if k in saved}
         if saved != current:
-            raise ValueError(
+            raise DataError(
                 f"data loader state was saved with {saved} but this run has {current}; "
                 "resume with the same data, batch size and number of ranks, or start the data from scratch"
             )

@@ -26,6 +26,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_paths(cfg) -> None:
+    """Every data file and the target are checked before anything loads (an 8B target takes minutes)."""
+    from pathlib import Path
+
+    from nemo_dflash.loading import resolve_target_path
+
+    for i, src in enumerate(cfg.data.sources):
+        if not Path(src.path).is_file():
+            fail(f"data.sources[{i}].path {src.path} does not exist; point it at a regenerated .jsonl/.json/.parquet file")
+    try:
+        target = resolve_target_path(cfg.target.path)
+    except FileNotFoundError as e:
+        fail(str(e))
+    if not (Path(target).is_dir() or (target.endswith(".gguf") and Path(target).is_file())):
+        fail(f"target.path {cfg.target.path} is neither a local model directory nor a .gguf file; nemo_dflash "
+             "never downloads: download the model first and point target.path at it")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     setup_logging()
@@ -38,13 +56,16 @@ def main(argv=None) -> dict:
 
         sys.stdout.write(to_yaml(cfg))
         return {}
+    check_paths(cfg)
     from nemo_dflash.build import MaskTokenError
+    from nemo_dflash.data import DataError
+    from nemo_dflash.train.checkpoint import ResumeMismatchError
     from nemo_dflash.train.trainer import train
 
     try:
         summary = train(cfg)
-    except MaskTokenError as e:
-        fail(str(e))
+    except (MaskTokenError, DataError, ResumeMismatchError, FileNotFoundError) as e:  # the user's to fix
+        fail(str(e).replace("\n", " "))
     logger.info("summary: %s", json.dumps(summary))
     return summary
 

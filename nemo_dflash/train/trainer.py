@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import math
 import signal
 import time
@@ -290,7 +291,6 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         if self.state.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(to_yaml(cfg))
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
@@ -425,6 +425,10 @@ class Trainer:
         stop = _StopFlag()
         stop.install()
         self.maybe_resume()
+        if self.state.is_main:  # only once the run is accepted: a refused run leaves the old config in place
+            tmp = self.out / "config.yaml.tmp"
+            tmp.write_text(to_yaml(cfg))
+            os.replace(tmp, self.out / "config.yaml")
         metrics = MetricsLogger(
             self.out, cfg.wandb, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps, self.state.is_main
         )
