@@ -112,3 +112,31 @@ def export_round_trip(draft: DFlashDraftModel, tmp_path: Path) -> DFlashDraftMod
     for k, v in draft.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v.to(torch.bfloat16).float(), atol=0, rtol=0)
     return loaded.eval()
+
+
+def train_on_greedy_answer(target: torch.nn.Module, draft: DFlashDraftModel, ids: torch.Tensor,
+                           new_tokens: int = 40, steps: int = 200) -> tuple[list[int], float]:
+    """Train ``draft`` (block 4) on ``target``'s own greedy continuation of ``ids``; (that
+    continuation, the trainer's simulated tau at the last step). The draft is left in eval mode."""
+    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+    from nemo_dflash.target import HFDFlashTargetModel
+
+    ref = hf_greedy(target, ids, new_tokens)
+    seq = torch.tensor([ids[0].tolist() + ref])
+    attn = torch.ones_like(seq)
+    loss_mask = attn.clone()
+    loss_mask[:, : ids.shape[1]] = 0
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    batch = wrapper.generate_batch(seq, attn, loss_mask)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 loss_decay_gamma=4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
+        step = module(batch, anchors=anchors, valid=valid)
+        step.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    draft.eval()
+    return ref, float(step.accept_sum) / max(float(step.num_blocks), 1.0)

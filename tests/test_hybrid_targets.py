@@ -12,7 +12,7 @@ from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_gener
 from nemo_dflash.inference.recurrent_cache import make_target_cache
 from nemo_dflash.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
 
-from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt
+from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt, train_on_greedy_answer
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):  # pragma: no cover
@@ -240,31 +240,11 @@ def test_draft_learns_the_targets_greedy_answer(build, tmp_path):
     """Train a 1-layer draft on the target's own greedy continuation of one prompt (features from
     the hybrid target, no cache), then decode that prompt: still exactly greedy, and the draft's
     blocks are now accepted (tau > 1.5 at block 4; an untrained draft gets 1.0 here)."""
-    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
-    from nemo_dflash.target import HFDFlashTargetModel
-
     target = build()
     draft = draft_for(target, num_layers=1)
     ids = prompt(4)
-    ref = hf_greedy(target, ids, 40)
-    seq = torch.tensor([ids[0].tolist() + ref])
-    attn = torch.ones_like(seq)
-    loss_mask = attn.clone()
-    loss_mask[:, : ids.shape[1]] = 0
-    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
-    batch = wrapper.generate_batch(seq, attn, loss_mask)
     before = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
-    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), loss_decay_gamma=4)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
-        step = module(batch, anchors=anchors, valid=valid)
-        step.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    sim_tau = float(step.accept_sum) / max(float(step.num_blocks), 1.0)  # the trainer's simulated tau
-    draft.eval()
+    ref, sim_tau = train_on_greedy_answer(target, draft, ids)
     after = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
     assert before.output_ids == after.output_ids == ref
     assert after.mean_acceptance_length > 1.5 > before.mean_acceptance_length and sim_tau > 1.5

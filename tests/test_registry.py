@@ -103,11 +103,9 @@ def test_plain_append_families_train_and_decode(arch, tmp_path):
     """Each registered plain-append family: a 1-layer draft trained on the target's own greedy
     continuation is accepted (tau > 1.5 at block 4), and decoding equals HF greedy, also past the
     sliding / chunked window (the verify must use the target's per-layer masks there)."""
-    from _spec_fixtures import export_round_trip, hf_greedy, prompt
-    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+    from _spec_fixtures import export_round_trip, prompt, train_on_greedy_answer
     from nemo_dflash.inference import DFlashSpeculativeDecoder
     from nemo_dflash.model import DFlashConfig
-    from nemo_dflash.target import HFDFlashTargetModel
 
     assert arch in DFLASH_DRAFT_REGISTRY
     threads = torch.get_num_threads()
@@ -122,25 +120,7 @@ def test_plain_append_families_train_and_decode(arch, tmp_path):
         )
         draft = resolve_dflash_draft_spec(arch).draft_cls(cfg).float().eval()
         ids = prompt(4)
-        ref = hf_greedy(target, ids, 40)
-        seq = torch.tensor([ids[0].tolist() + ref])
-        attn = torch.ones_like(seq)
-        loss_mask = attn.clone()
-        loss_mask[:, : ids.shape[1]] = 0
-        wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
-        batch = wrapper.generate_batch(seq, attn, loss_mask)
-        module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                     loss_decay_gamma=4)
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(0)
-        for _ in range(200):
-            anchors, valid = sample_anchors(loss_mask, attn, 4, 16, g)
-            step = module(batch, anchors=anchors, valid=valid)
-            step.loss.backward()
-            opt.step()
-            opt.zero_grad()
-        sim_tau = float(step.accept_sum) / max(float(step.num_blocks), 1.0)  # the trainer's simulated tau
-        draft.eval()
+        ref, sim_tau = train_on_greedy_answer(target, draft, ids)
         out = DFlashSpeculativeDecoder(target, draft).generate(ids, max_new_tokens=40)
         exported = export_round_trip(draft, tmp_path)
         again = DFlashSpeculativeDecoder(target, exported).generate(ids, max_new_tokens=40)
