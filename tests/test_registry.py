@@ -76,6 +76,9 @@ def _family_target(arch: str):
 
     no_ffn = {k: v for k, v in _C.items() if k != "intermediate_size"}
     builders = {
+        "Qwen2ForCausalLM": lambda: T.Qwen2Config(**_C),
+        "Qwen3MoeForCausalLM": lambda: T.Qwen3MoeConfig(
+            **_C, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
         "MistralForCausalLM": lambda: T.MistralConfig(**_C, head_dim=16, sliding_window=16),
         "Phi3ForCausalLM": lambda: T.Phi3Config(**_C, pad_token_id=0, eos_token_id=1, bos_token_id=2),
         "Gemma2ForCausalLM": lambda: T.Gemma2Config(**_C, head_dim=16, sliding_window=16),
@@ -94,7 +97,7 @@ def _family_target(arch: str):
     return getattr(T, arch)(builders[arch]()).float().eval()
 
 
-PLAIN_FAMILIES = ["MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+PLAIN_FAMILIES = ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                   "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM"]
 
 
