@@ -9,11 +9,12 @@ under hydra). An unknown key is an error that names the closest valid key.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
 from nemo_dflash.data.config import DataConfig
@@ -159,7 +160,25 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+def _list_item_error(schema: DictConfig, key: str) -> Optional[ConfigError]:
+    """``a.b[0].c``: suggest among the keys of the list item's own schema (not the whole recipe's)."""
+    m = re.fullmatch(r"(.+?)\[(\d+)\]\.([^.\[\]]+)", key)
+    if m is None:
+        return None
+    node = OmegaConf.select(schema, m.group(1))
+    element = getattr(getattr(node, "_metadata", None), "element_type", None)
+    if not isinstance(node, ListConfig) or element is None or not hasattr(element, "__dataclass_fields__"):
+        return None
+    fields = list(element.__dataclass_fields__)
+    close = difflib.get_close_matches(m.group(3), fields, n=1, cutoff=0.5)
+    hint = f" Did you mean '{m.group(1)}[{m.group(2)}].{close[0]}'?" if close else ""
+    return ConfigError(f"Unknown config key '{key}'.{hint} The keys of an item are: {', '.join(fields)}")
+
+
 def _unknown_key_error(schema: DictConfig, key: str) -> ConfigError:
+    item = _list_item_error(schema, key)
+    if item is not None:
+        return item
     valid = _all_keys(schema)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not close:  # try the last component against the same level
@@ -181,6 +200,12 @@ def _walk_unknown(schema: DictConfig, data: Any, prefix: str = "") -> None:
         child = schema._get_node(k)
         if isinstance(child, DictConfig) and isinstance(v, dict):
             _walk_unknown(child, v, full + ".")
+        element = getattr(getattr(child, "_metadata", None), "element_type", None)
+        if isinstance(child, ListConfig) and hasattr(element, "__dataclass_fields__") and isinstance(v, list):
+            for i, item in enumerate(v):  # list items (data.sources): checked against the item's own schema
+                for name in item if isinstance(item, dict) else ():
+                    if name not in element.__dataclass_fields__:
+                        raise _unknown_key_error(OmegaConf.structured(RecipeConfig), f"{full}[{i}].{name}")
 
 
 def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -206,7 +231,9 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
         node = OmegaConf.select(schema, parent) if parent else schema
         if not isinstance(node, DictConfig) or key.rsplit(".", 1)[-1] not in node.keys():
             raise _unknown_key_error(schema, key)
-        layers.append(OmegaConf.from_dotlist([ov.lstrip("+")]))
+        layer = OmegaConf.from_dotlist([ov.lstrip("+")])
+        _walk_unknown(schema, OmegaConf.to_container(layer, resolve=False))
+        layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
         cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]

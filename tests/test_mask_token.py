@@ -89,3 +89,4 @@ def test_shipped_recipes_load(recipe):
     if recipe.startswith("qwen3_5"):  # the family default applies; the MoE names its FFN width
         assert cfg.draft.mask_token_id is None and cfg.draft.num_layers == 5
         assert (cfg.draft.intermediate_size is not None) == ("a3b" in recipe)
+

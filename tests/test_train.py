@@ -292,3 +292,17 @@ def test_right_padded_check():
     assert not _right_padded(torch.tensor([[1, 1, 0], [0, 1, 1]]))  # left padding
     assert not _right_padded(torch.tensor([[1, 0, 1]]))  # a hole
     assert _right_padded(torch.tensor([[1]]))
+
+
+@pytest.mark.parametrize("override,suggestion", [("data.sources=[{pth: x.jsonl}]", "data.sources[0].path"),
+                                                 ("data.sources=[{path: x.jsonl, wieght: 2}]", "data.sources[0].weight")])
+def test_typos_inside_list_items_suggest_the_items_keys(override, suggestion, tmp_path):
+    """A typo in a data source suggests among the source's own keys (it suggested 'optim')."""
+    import re
+
+    with pytest.raises(ConfigError, match=rf"Did you mean '{re.escape(suggestion)}'"):
+        load_recipe("qwen3_8b.yaml", [override])
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("defaults: [paper_block16.yaml]\ntarget: {path: x}\ndata:\n  sources:\n    - {pth: a.jsonl}\n")
+    with pytest.raises(ConfigError, match=re.escape("data.sources[0].path")):
+        load_recipe(recipe)

@@ -22,3 +22,15 @@ def setup_logging(level: str | None = None) -> None:
 def fail(msg: str, code: int = 2) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
     sys.stderr.write(f"error: {msg}\n")
     raise SystemExit(code)
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads N`` of the CPU commands: torch's default (every core) can run many times slower on a
+    machine whose cores are shared with another process (docs/performance.md)."""
+    if threads is None:
+        return
+    if threads < 1:
+        fail(f"--threads must be >= 1 (got {threads})")
+    import torch
+
+    torch.set_num_threads(threads)

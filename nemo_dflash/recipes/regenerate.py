@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from nemo_dflash.recipes._cli import fail, setup_logging
+from nemo_dflash.recipes._cli import fail, set_threads, setup_logging
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an answer that hits --max-new-tokens without looping: keep it (the conversation ends "
                         "there) or drop the turn")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, every core)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="auto: bf16 on cuda, fp32 on cpu")
     p.add_argument("--holdout", type=int, default=0,
@@ -275,6 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     _validate(args)
+    set_threads(args.threads)
     from tqdm import tqdm
 
     from nemo_dflash.data import DataError

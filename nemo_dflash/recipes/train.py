@@ -13,7 +13,7 @@ import logging
 import sys
 
 from nemo_dflash.config import ConfigError, load_recipe
-from nemo_dflash.recipes._cli import fail, setup_logging
+from nemo_dflash.recipes._cli import fail, set_threads, setup_logging
 
 logger = logging.getLogger("nemo_dflash.train")
 
@@ -23,6 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", "-c", required=True, help="recipe YAML (working dir first, then the repo's recipes/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4 train.max_steps=100")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
     return p.parse_args(argv)
 
 
@@ -47,6 +48,7 @@ def check_paths(cfg) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     setup_logging()
+    set_threads(args.threads)
     try:
         cfg = load_recipe(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
