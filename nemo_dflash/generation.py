@@ -125,10 +125,20 @@ def keyed_sample(
     top-p, a pure function of (seed, key, position, logits); see :func:`keyed_sample_candidates`."""
     out, wide = keyed_sample_candidates(logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p,
                                         candidates=candidates)
-    if wide is not None and bool(wide.any()):
-        rows = wide.nonzero()[:, 0]
-        out[rows] = _sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
+    redo_wide_rows(out, wide, logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p)
     return out
+
+
+def redo_wide_rows(
+    out: torch.Tensor, wide: Optional[torch.Tensor], logits: torch.Tensor, keys: torch.Tensor,
+    positions: torch.Tensor, *, seed: int, temperature: float, top_p: float,
+) -> Optional[torch.Tensor]:
+    """Redo, in ``out``, the rows of ``wide`` over the whole vocabulary (exact); the rows redone, or None."""
+    if wide is None or not bool(wide.any()):
+        return None
+    rows = wide.nonzero()[:, 0]
+    out[rows] = _sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
+    return rows
 
 
 # ----------------------------------------------------------------------------- slot attention
@@ -449,12 +459,10 @@ class SlotEngine:
                 self._step()
         any_ended, any_wide = self._flags.tolist()
         if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
-            rows = self._wide.nonzero()[:, 0]
-            pos = self._answer_pos[rows] - 1
-            fixed = _sample_full(self._logits_out[rows].float() / self.temperature, self._keys[rows], pos,
-                                 self.seed, self.top_p)
-            self._tokens[rows] = fixed
-            self._out[rows, pos] = fixed
+            rows = redo_wide_rows(self._tokens, self._wide, self._logits_out, self._keys, self._answer_pos - 1,
+                                  seed=self.seed, temperature=self.temperature, top_p=self.top_p)
+            fixed = self._tokens[rows]
+            self._out[rows, self._answer_pos[rows] - 1] = fixed
             ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
             self._ended[rows] = ended
             any_ended = any_ended or bool(ended.any())
@@ -468,10 +476,8 @@ class SlotEngine:
     def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The exact keyed sample (eager: the prefill's first tokens)."""
         out, wide = self._pick(logits, keys, positions)
-        if wide is not None and bool(wide.any()):
-            rows = wide.nonzero()[:, 0]
-            out[rows] = _sample_full(logits[rows].float() / self.temperature, keys[rows], positions[rows], self.seed,
-                                     self.top_p)
+        redo_wide_rows(out, wide, logits, keys, positions, seed=self.seed, temperature=self.temperature,
+                       top_p=self.top_p)
         return out
 
     # -- the loop

@@ -324,6 +324,7 @@ def regenerate_conversations(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     stats = stats if stats is not None else RegenStats()
     detector = loop_detector or LoopDetector()
+    drop_capped = capped == "drop"
     stop_ids = stop_token_ids(model, tokenizer)
     specials = special_token_strings(tokenizer)
     if max_prompt_tokens is None:
@@ -411,7 +412,7 @@ def regenerate_conversations(
                 ids = None
             elif looped and loops == "cut" and done.loop_start is not None:
                 ids = ids[: done.loop_start]
-            if capped and capped_policy_drops:
+            if capped and drop_capped:
                 ids = None
             text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
             job.next_user += 1
@@ -453,5 +454,4 @@ def regenerate_conversations(
         stats.seconds = time.perf_counter() - t0
         stats.generated_tokens = gen.generated_tokens - generated0
 
-    capped_policy_drops = capped == "drop"
     return run()
