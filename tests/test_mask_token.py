@@ -90,3 +90,14 @@ def test_shipped_recipes_load(recipe):
         assert cfg.draft.mask_token_id is None and cfg.draft.num_layers == 5
         assert (cfg.draft.intermediate_size is not None) == ("a3b" in recipe)
 
+
+
+def test_count_token_counts_only_the_datasets_own_samples():
+    from nemo_dflash.data.dataset import ChatDataset, _TokenStore
+
+    store = _TokenStore.from_samples([SimpleNamespace(input_ids=ids, loss_mask=[1] * len(ids))
+                                      for ids in ([1, 5, 5], [5, 2], [3])])
+    make = lambda idx: ChatDataset(store, None if idx is None else __import__("numpy").asarray(idx),  # noqa: E731
+                                   pad_token_id=0, max_length=8)
+    assert make(None).count_token(5) == 3 and make([0, 2]).count_token(5) == 2
+    assert make([1]).count_token(5) == 1 and make([2]).count_token(5) == 0 and make(None).count_token(9) == 0

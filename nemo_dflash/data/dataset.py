@@ -135,7 +135,9 @@ class ChatDataset(Dataset):
 
     def count_token(self, token_id: int) -> int:
         """How often ``token_id`` occurs in this dataset's samples (e.g. a would-be mask token)."""
-        return int(sum(np.count_nonzero(self._store.get(int(i))[0] == token_id) for i in self.indices))
+        hits = np.flatnonzero(self._store.ids == token_id)
+        samples = np.searchsorted(self._store.offsets, hits, side="right") - 1
+        return int(np.count_nonzero(np.isin(samples, self.indices)))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, mask = self._store.get(int(self.indices[i]))
