@@ -225,6 +225,7 @@ def main() -> None:
             print(f"{mode:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, prompts=len(prompts),
+                 weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                  top_p=args.top_p, target=args.target or args.random_shape)
         rows.append(r)

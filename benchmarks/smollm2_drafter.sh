@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/smollm2_drafter.sh OUT_DIR          # ~28 min on one H200
 #   python benchmarks/smollm2_report.py OUT_DIR         # tables + plots (docs/results.md)
+#   (OUT_DIR/regen_summary.json and drafter_summary.json: benchmarks/smollm2_summaries.py, run at the end)
 #
 # Every phase is skipped when its output exists, so the script can be re-run to continue (the
 # training resumes exactly from its last checkpoint; regenerate and evaluate continue their files).
@@ -108,4 +109,7 @@ for name in $ABL; do  # the ablations on the first 24 prompts of each set, T=0, 
         --workers "$EVAL_WORKERS" &
 done
 wait
+# 5. the JSON summaries, read from this run's files (docs/bench/regen_summary.json, drafter_summary.json)
+$PY benchmarks/smollm2_summaries.py "$OUT" --device "$($PY -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")')" \
+    --regen-json "$OUT/regen_summary.json" --drafter-json "$OUT/drafter_summary.json" || echo "summaries failed"
 stage "done"

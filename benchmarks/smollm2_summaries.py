@@ -1,0 +1,122 @@
+"""The JSON summaries of a `benchmarks/smollm2_drafter.sh` run, read from the run's own files.
+
+    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200 ..." \
+        [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
+        [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
+
+regen_summary: the regenerated set (counted in the data file), the loop/cap counts and the
+throughput of the regeneration (from its log), and the rows of any `regen_throughput.py --json`
+files given. drafter_summary: training tokens and held-out simulated tau (the run's summary),
+tau per dataset and temperature, first-256 tau, loop share and speedup (evaluate's results.json),
+with evaluate's protocol. Nothing is typed in: a value the run did not produce is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _load(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def regen_summary(out: Path, data: Optional[Path], throughput: list[Path], device: str) -> dict[str, Any]:
+    log = (out / "logs" / "regenerate.log").read_text()
+    done = re.findall(r"looping answers (\d+) -> (\d+), capped (\d+) -> (\d+) of (\d+); generated (\d+) tokens in "
+                      r"([\d.]+)s \(([\d.]+) tokens/s\)", log)
+    selected = re.findall(r"selected (\d+) conversations to regenerate and (\d+) held out \(examined (\d+); "
+                          r"skipped (\{.*?\}|none)\)", log)
+    short = re.findall(r"conversations cut short: (.*)", log)
+    sampling = re.findall(r"sampling: temperature ([\d.]+), top_p ([\d.]+) \((.*?)\)", log)
+    res: dict[str, Any] = {"device": device, "source": str(out / "logs" / "regenerate.log")}
+    if done:
+        lb, la, cb, ca, answers, gen, secs, rate = done[-1]
+        res.update(pipeline_tokens_per_s=float(rate), generated_tokens=int(gen), generate_seconds=float(secs),
+                   answers_generated=int(answers), looping_before=int(lb), looping_after=int(la),
+                   capped_before=int(cb), capped_after=int(ca))
+    if selected:
+        n, held, examined, skipped = selected[-1]
+        res.update(conversations_selected=int(n), holdout_conversations=int(held), examined=int(examined),
+                   skipped_selection=ast.literal_eval(skipped) if skipped != "none" else {})
+    if short:
+        res["conversations_cut_short"] = {k: int(v) for k, v in (x.split("=") for x in short[-1].split(", "))}
+    if sampling:
+        t, p, origin = sampling[-1]
+        res["sampling"] = {"temperature": float(t), "top_p": float(p), "from": origin}
+    if data is not None:
+        conversations = turns = 0
+        with _open(data) as f:
+            for line in f:
+                if line.strip():
+                    conversations += 1
+                    turns += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
+        res.update(conversations=conversations, turns=turns)
+    train = _load(out / "runs" / "main" / "summary.json")
+    if train:
+        res.update(tokens=train["data"]["tokens"], supervised_tokens=train["data"]["supervised_tokens"])
+    rows = []
+    for path in throughput:
+        for row in (_load(path) or {}).get("rows", []):
+            rows.append({**row, "file": str(path)})
+    plain = [r for r in rows if r["mode"] == "generate"]
+    res["plain_generate_tokens_per_s"] = plain[-1]["tokens_per_s"] if plain else None
+    res["throughput_rows"] = rows
+    return res
+
+
+def drafter_summary(out: Path, device: str) -> dict[str, Any]:
+    ev = _load(out / "eval" / "main" / "results.json") or {}
+    train = _load(out / "runs" / "main" / "summary.json") or {}
+    res: dict[str, Any] = {"target": "SmolLM2-135M-Instruct", "device": device, "protocol": ev.get("protocol"),
+                           "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
+                           "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
+                           "sim_tau_heldout": train.get("eval_accept_len")}
+    for t in ("0", "1"):
+        for ds in ("humaneval", "mtbench"):
+            r = ev.get("results", {}).get(t, {}).get(ds, {})
+            s = ev.get("speedup", {}).get(t, {}).get(ds, {})
+            res[f"{ds}_t{t}_answers"] = r.get("answers", s.get("answers"))
+            res[f"{ds}_t{t}_tau"] = r.get("mean_acceptance_length", s.get("mean_acceptance_length"))
+            res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
+            res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
+            res[f"{ds}_t{t}_speedup"] = s.get("speedup")
+            res[f"{ds}_t{t}_plain_ms_per_token"] = s.get("ar", {}).get("time_per_token_ms")
+            res[f"{ds}_t{t}_spec_ms_per_token"] = s.get("spec", {}).get("time_per_token_ms")
+    speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
+    res["speedup_t0"] = min(speedups) if speedups else None
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--device", required=True, help="the machine, as the device tool names it")
+    p.add_argument("--data", type=Path, default=None, help="the regenerated .jsonl (or .jsonl.gz); default OUT/data")
+    p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
+    p.add_argument("--regen-json", type=Path, default=None)
+    p.add_argument("--drafter-json", type=Path, default=None)
+    args = p.parse_args()
+    data = args.data or (args.out / "data" / "regen.jsonl")
+    throughput = args.throughput or [x for x in [args.out / "regen_throughput.json"] if x.is_file()]
+    regen = regen_summary(args.out, data if data.is_file() else None, throughput, args.device)
+    drafter = drafter_summary(args.out, args.device)
+    for path, obj in ((args.regen_json, regen), (args.drafter_json, drafter)):
+        text = json.dumps(obj, indent=1)
+        if path is None:
+            print(text)
+        else:
+            path.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
