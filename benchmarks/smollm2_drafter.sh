@@ -19,7 +19,9 @@
 #   TEMP, TOPP   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); SAMPLING=target takes the
 #                target's generation_config when it has sampling settings (SmolLM2's has none)
 #   LOOPS        cut | drop | keep; REGEN_BS answers in flight; REGEN_MIN regeneration time cap
-#   STEPS        train.max_steps (the cosine schedule ends in time); TRAIN_MIN time cap behind it
+#   STEPS        train.max_steps; "auto" (default) times CAL_STEPS steps of a throw-away run first and
+#                sets the number of steps that fits TRAIN_MIN, so the cosine schedule ends in time
+#   TRAIN_MIN    the training time cap (also the budget that STEPS=auto fills)
 #   EXTRA        overrides appended to the training run (e.g. "train.micro_batch_size=32")
 #   ABL          also train the data ablations side by side at ABL_STEPS (empty: none):
 #                "greedy" = the old data (greedy first turns, <= 384 tokens, loops kept, 10,240
@@ -32,7 +34,7 @@ TARGET=${TARGET:-pkg:smollm2}
 NSAMPLES=${NSAMPLES:-}; HOLDOUT=${HOLDOUT:-200}; TURNS=${TURNS:-all}
 MAXNEW=${MAXNEW:-1024}; MAXPROMPT=${MAXPROMPT:-1536}; TEMP=${TEMP:-0.2}; TOPP=${TOPP:-0.9}
 SAMPLING=${SAMPLING:-given}; LOOPS=${LOOPS:-cut}; REGEN_BS=${REGEN_BS:-1024}; REGEN_MIN=${REGEN_MIN:-5}
-STEPS=${STEPS:-1500}; TRAIN_MIN=${TRAIN_MIN:-9}; EXTRA=${EXTRA:-}
+STEPS=${STEPS:-auto}; TRAIN_MIN=${TRAIN_MIN:-12}; CAL_STEPS=${CAL_STEPS:-150}; EXTRA=${EXTRA:-}
 ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}
 EVAL_WORKERS=${EVAL_WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-3}; DECODE=${DECODE:-graphs}
 PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-6}
@@ -73,6 +75,20 @@ train() {  # name data steps minutes [overrides...]
         train.max_minutes="$minutes" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
         || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }
 }
+if [ "$STEPS" = auto ]; then  # time a short run of the same recipe (its compile is cached for the real one)
+    [ -f "$OUT/runs/calib/metrics.jsonl" ] || train calib "$DATA" "$CAL_STEPS" 5 checkpoint.every_steps=100000 \
+        train.eval_every=100000
+    STEPS=$($PY - "$OUT/runs/calib/metrics.jsonl" "$TRAIN_MIN" "$CAL_STEPS" <<'PYEOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_s"' in l]
+minutes, cal = float(sys.argv[2]), int(sys.argv[3])
+late = [r["step_s"] for r in rows if r["step"] > cal // 3] or [r["step_s"] for r in rows]
+# 90 s for loading and compile, 5% for the held-out evaluations the calibration skipped
+print(max(100, int((minutes * 60 - 90) / (statistics.median(late) * 1.05))))
+PYEOF
+)
+    stage "calibrated: $STEPS steps fit $TRAIN_MIN min"
+fi
 stage "train main ($STEPS steps, <= $TRAIN_MIN min)${ABL:+; ablations $ABL ($ABL_STEPS steps, <= $ABL_MIN min)}"
 train main "$DATA" "$STEPS" "$TRAIN_MIN" &
 for name in $ABL; do
