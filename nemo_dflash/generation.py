@@ -13,6 +13,13 @@ download; without it, ``paged|sdpa`` packs the whole batch into one row with a d
 [all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen_throughput.py``
 measures both.
 
+A conversation keeps its slot between turns: a request marked ``hold`` parks its slot when its
+answer ends, and a follow-up ``Request(after=completion)`` continues in it. The slot's KV already
+holds the previous prompt and the answer, so only what the new prompt adds after the longest
+common prefix with those tokens is prefilled (the chat template's end of turn, the next user
+turn, the generation prompt). A prefix is correct by causality whatever follows it, so a shorter
+common prefix (a cut answer, a template that rewrites earlier turns) only costs prefill.
+
 Sampling is keyed: the Gumbel noise of token ``v`` at answer position ``t`` of request ``key`` is
 a hash of ``(seed, key, t, v)``. An answer therefore does not depend on which other requests
 share its batch, on the slot it lands in, or on whether the run was interrupted and resumed.
@@ -21,6 +28,7 @@ share its batch, on the slot it lands in, or on whether the run was interrupted 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import time
@@ -28,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -153,6 +162,9 @@ class _Pass:
     decode: bool  # one token per slot at position ``lengths[slot]``; else a prefill from position 0
     block_mask: Any = None  # flex BlockMask of a decode pass on GPU
     kv_mask: Optional[torch.Tensor] = None  # [R, 1, 1, T] bool of a decode pass without flex
+    # a prefill that continues slots whose KV already holds a prefix (None: every row starts at 0)
+    prefix_mask: Optional[torch.Tensor] = None  # [R, 1, S, T] bool: key k visible to query q of row r
+    write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
 
 
 def _slot_attention(
@@ -187,6 +199,18 @@ def _slot_attention(
             out = F.scaled_dot_product_attention(
                 query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
             )
+    elif slot_pass.prefix_mask is not None:
+        # rows continue at their own offsets: write the real tokens' K/V after each slot's kept
+        # prefix, then attend over the slot rows up to the longest (the mask bounds each row)
+        row, col, slot, pos = slot_pass.write_at
+        cache.k[layer][slot, :, pos] = key.transpose(1, 2)[row, col]
+        cache.v[layer][slot, :, pos] = value.transpose(1, 2)[row, col]
+        span = slot_pass.prefix_mask.shape[-1]
+        k_all = cache.k[layer][slot_pass.slots, :, :span]
+        v_all = cache.v[layer][slot_pass.slots, :, :span]
+        out = F.scaled_dot_product_attention(
+            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=True
+        )
     else:
         width = key.shape[2]
         cache.k[layer][slot_pass.slots, :, :width] = key
@@ -241,11 +265,19 @@ class SlotKVCache:
 
 @dataclass
 class Request:
-    """One prompt to answer. ``key`` keys the sampling noise: give each request its own."""
+    """One prompt to answer. ``key`` keys the sampling noise: give each request its own.
+
+    ``hold``: a follow-up may continue this conversation, so keep the slot (and its KV) when the
+    answer ends. ``after``: the completion this request follows; if its slot is still held, the
+    request continues there and only the part of ``prompt_ids`` past the common prefix with the
+    slot's tokens is prefilled. ``prompt_ids`` is always the whole prompt.
+    """
 
     key: int
     prompt_ids: list[int]
     tag: Any = None  # the caller's handle, returned with the completion
+    hold: bool = False
+    after: Optional["Completion"] = None
 
 
 @dataclass
@@ -257,6 +289,7 @@ class Completion:
     finish: str  # "stop" | "length" | "loop"
     generated: int  # tokens generated for it (stop token and cut loop included)
     loop_start: Optional[int] = None
+    slot: Optional[int] = None  # the slot held for a follow-up (``Request.hold``), else None
 
 
 class SlotEngine:
@@ -266,6 +299,10 @@ class SlotEngine:
     ``stop_on_loop`` it is also checked every ``loop_check_every`` tokens of a growing answer, and
     a looping answer is stopped there and returned with ``finish="loop"``, cut at the loop's start
     (a loop runs to the token cap otherwise: stopping it early saves that compute).
+
+    Multi-turn: a completion of a ``hold`` request keeps its slot until the generator is resumed;
+    a ``Request(after=completion)`` appended to ``pending`` before that continues in the slot
+    (see :class:`Request`); a held slot without a follow-up is freed then.
     """
 
     def __init__(
@@ -317,6 +354,10 @@ class SlotEngine:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.generated_tokens = 0
         self.steps = 0
+        self.prefill_tokens = 0  # tokens run through a prefill forward (padding excluded)
+        self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
+        self.continued = 0  # follow-ups that continued in their conversation's slot
+        self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
         self.seconds: collections.Counter = collections.Counter()  # wall time by phase: prefill, decode, host
         if self.use_flex:
             self._setup_flex()
@@ -360,22 +401,36 @@ class SlotEngine:
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def _prefill(self, slots: list[int], requests: list[Request]) -> torch.Tensor:
-        """Fill ``slots`` with the prompts; the first answer token of each."""
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.zeros((len(requests), width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        ids = ids.to(self.device)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(len(requests), width)
+    def _prefill(self, slots: list[int], requests: list[Request], starts: Optional[list[int]] = None) -> torch.Tensor:
+        """Fill ``slots`` with the prompts (from ``starts``: the K/V before it is already in the
+        slot); the first answer token of each."""
+        dev, rows = self.device, len(requests)
+        starts = [0] * rows if starts is None else starts
+        lens = np.fromiter((len(r.prompt_ids) - s for r, s in zip(requests, starts)), dtype=np.int64, count=rows)
+        width = int(lens.max())
+        real = np.arange(width)[None, :] < lens[:, None]  # [R, W]: the prompt tokens of the right-padded rows
+        ids = np.zeros((rows, width), dtype=np.int64)
+        ids[real] = np.fromiter(
+            itertools.chain.from_iterable(r.prompt_ids[s:] if s else r.prompt_ids for r, s in zip(requests, starts)),
+            dtype=np.int64, count=int(lens.sum()),
+        )
+        self.prefill_tokens += int(lens.sum())
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        len_t = torch.from_numpy(lens).to(dev)
+        positions = start_t[:, None] + torch.arange(width, device=dev)[None, :]
+        slot_pass = _Pass(self.cache, slot_t, decode=False)
+        if any(starts):
+            row, col = (torch.from_numpy(a).to(dev) for a in np.nonzero(real))
+            slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
+            span = int((start_t + len_t).max())
+            slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
         hidden = self.decoder(
-            input_ids=ids, position_ids=positions, use_cache=False, slot_pass=_Pass(self.cache, slot_t, decode=False)
+            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
         ).last_hidden_state
-        lengths = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long, device=self.device)
-        last = hidden[torch.arange(len(requests), device=self.device), lengths - 1]
-        self.cache.lengths[slot_t] = lengths
-        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=self.device)
+        last = hidden[torch.arange(rows, device=dev), len_t - 1]
+        self.cache.lengths[slot_t] = start_t + len_t
+        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
         return self._sample(self._logits(last), keys, torch.zeros_like(keys))
 
     def _decode_logits(self) -> torch.Tensor:
@@ -482,11 +537,12 @@ class SlotEngine:
 
     # -- the loop
 
-    def _completion(self, request: Request, answer: list[int], stopped: bool, loop_start: Optional[int]) -> Completion:
+    def _completion(self, request: Request, answer: list[int], stopped: bool, loop_start: Optional[int],
+                    slot: Optional[int] = None) -> Completion:
         n = len(answer) + stopped
         if loop_start is not None and self.stop_on_loop:
-            return Completion(request, answer[:loop_start], "loop", n, loop_start=loop_start)
-        return Completion(request, answer, "stop" if stopped else "length", n, loop_start=loop_start)
+            return Completion(request, answer[:loop_start], "loop", n, loop_start=loop_start, slot=slot)
+        return Completion(request, answer, "stop" if stopped else "length", n, loop_start=loop_start, slot=slot)
 
     def _find_loop(self, answer: list[int]) -> Optional[int]:
         return self.loop_detector.find(answer) if self.loop_detector is not None else None
@@ -518,56 +574,84 @@ class SlotEngine:
         for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self.cache.lengths):
             t.zero_()
 
+    def _check(self, req: Request) -> None:
+        if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
+            raise ValueError(f"request {req.key}: prompt of {len(req.prompt_ids)} tokens; the engine "
+                             f"takes 1..{self.max_prompt_tokens}")
+
+    def _claim_follow_ups(self, pending: collections.deque, held: dict[int, tuple[Completion, np.ndarray]],
+                          ready: list[tuple[int, Request, int]], free: list[int]) -> None:
+        """Move the follow-ups of ``held`` slots from ``pending`` to ``ready`` (slot, request, tokens
+        of the slot's KV to keep); free the held slots nobody follows."""
+        claimed: set[int] = set()
+        if any(r.after is not None for r in pending):
+            rest = []
+            for req in pending:
+                after = req.after
+                slot = None if after is None else after.slot
+                if slot is None or slot in claimed or slot not in held or held[slot][0] is not after:
+                    rest.append(req)  # not a follow-up of a held slot: a fresh prefill
+                    continue
+                self._check(req)
+                kv = held[slot][1]
+                new = np.asarray(req.prompt_ids[: len(kv)], dtype=np.int64)
+                differ = np.flatnonzero(new != kv[: len(new)])
+                common = int(differ[0]) if len(differ) else len(new)
+                self.prefix_short += common < len(kv)
+                # at least the prompt's last token is run: its logits give the first answer token
+                ready.append((slot, req, min(common, len(req.prompt_ids) - 1)))
+                claimed.add(slot)
+            if claimed:
+                pending.clear()
+                pending.extend(rest)
+        unclaimed = [s for s in held if s not in claimed]
+        if unclaimed:
+            free.extend(unclaimed)
+            self.cache.lengths[torch.tensor(unclaimed, dtype=torch.long, device=self.device)] = 0
+        held.clear()
+
+    def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
+        """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
+        (a fresh chunk attends over its own keys only), sorted by the tokens to prefill so rows of
+        one chunk pad little, each within ``max_prefill_tokens`` (rows x longest)."""
+        items = sorted(items, key=lambda it: (it[2] > 0, len(it[1].prompt_ids) - it[2]))
+        chunk: list[tuple[int, Request, int]] = []
+        for it in items:
+            n = len(it[1].prompt_ids) - it[2]
+            if chunk and ((it[2] > 0) != (chunk[0][2] > 0) or n * (len(chunk) + 1) > self.max_prefill_tokens):
+                yield chunk
+                chunk = []
+            chunk.append(it)
+        if chunk:
+            yield chunk
+
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
         self._start_state()
         dev = self.device
         requests: dict[int, Request] = {}  # slot -> its request
         free = list(range(self.num_slots - 1, -1, -1))
+        held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
+        ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
         since_check = 0
         while True:
             done: list[Completion] = []
-            # Refill once enough slots are free: a prefill is one eager forward, and refilling one
+            if held:
+                self._claim_follow_ups(pending, held, ready, free)
+            # Refill once enough slots are idle: a prefill is one eager forward, and refilling one
             # or two slots per step would spend more time in prefills than in decoding.
-            refill = len(free) >= self.min_refill or len(free) >= len(pending) or not requests
-            while refill and free and pending:  # as many prompts as there are free slots, in prefill chunks
-                chunk_slots, chunk = [], []
+            idle = len(free) + len(ready)
+            refill = idle >= self.min_refill or len(free) >= len(pending) or not requests
+            if refill and (ready or (free and pending)):
+                items, ready = ready, []
+                self.continued += len(items)
                 while free and pending:
-                    req = pending[0]
-                    if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
-                        raise ValueError(f"request {req.key}: prompt of {len(req.prompt_ids)} tokens; the engine "
-                                         f"takes 1..{self.max_prompt_tokens}")
-                    widest = max([len(req.prompt_ids)] + [len(r.prompt_ids) for r in chunk])
-                    if chunk and widest * (len(chunk) + 1) > self.max_prefill_tokens:
-                        break
-                    chunk.append(pending.popleft())
-                    chunk_slots.append(free.pop())
-                t0 = time.perf_counter()
-                first = self._prefill(chunk_slots, chunk)
-                first_host = first.tolist()
-                self.seconds["prefill"] += time.perf_counter() - t0
-                self.generated_tokens += len(chunk)
-                started = []
-                for s, req, tok in zip(chunk_slots, chunk, first_host):
-                    if tok in self.stop_ids or self.max_new_tokens == 1:
-                        answer = [] if tok in self.stop_ids else [tok]
-                        done.append(self._completion(req, answer, tok in self.stop_ids, None))
-                        free.append(s)
-                    else:
-                        requests[s] = req
-                        started.append(s)
-                self.cache.lengths[torch.tensor([s for s in chunk_slots if s not in requests], dtype=torch.long,
-                                                device=dev)] = 0
-                if started:
-                    idx = torch.tensor(started, dtype=torch.long, device=dev)
-                    pick = torch.tensor([chunk_slots.index(s) for s in started], dtype=torch.long, device=dev)
-                    self._tokens[idx] = first[pick]
-                    self._out[idx, 0] = first[pick]
-                    self._keys[idx] = torch.tensor([requests[s].key for s in started], dtype=torch.long, device=dev)
-                    self._answer_pos[idx] = 1
-                    self._active[idx] = 1
+                    self._check(pending[0])
+                    items.append((free.pop(), pending.popleft(), 0))
+                for chunk in self._chunks(items):
+                    done.extend(self._start(chunk, requests, held, free))
             if not requests:
                 yield from done
-                if not pending:
+                if not pending and not ready and not held:
                     return
                 continue
             t0 = time.perf_counter()
@@ -578,6 +662,7 @@ class SlotEngine:
             t1 = time.perf_counter()
             self.seconds["decode"] += t1 - t0
             finished: dict[int, tuple[list[int], bool, Optional[int]]] = {}
+            rows_of: dict[int, np.ndarray] = {}
             if any_ended:
                 ended = self._ended.nonzero()[:, 0].tolist()
                 lengths = self._answer_pos[ended].tolist()
@@ -586,6 +671,7 @@ class SlotEngine:
                     stopped = int(row[n - 1]) in self.stop_ids
                     answer = row[: n - 1 if stopped else n].tolist()
                     finished[s] = (answer, stopped, self._find_loop(answer))
+                    rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
             if self.stop_on_loop and since_check >= self.loop_check_every:
                 since_check = 0
                 live = [s for s in requests if s not in finished]
@@ -597,12 +683,56 @@ class SlotEngine:
                         start = self._find_loop(answer)
                         if start is not None:
                             finished[s] = (answer, False, start)
+                            rows_of[s] = row[: n - 1]
             if finished:
+                gone = []
                 for s, (answer, stopped, start) in finished.items():
-                    done.append(self._completion(requests.pop(s), answer, stopped, start))
-                    free.append(s)
+                    req = requests.pop(s)
+                    done.append(self._completion(req, answer, stopped, start, s if req.hold else None))
+                    if req.hold:
+                        held[s] = (done[-1], np.concatenate([np.asarray(req.prompt_ids, dtype=np.int64), rows_of[s]]))
+                    else:
+                        free.append(s)
+                        gone.append(s)
                 idx = torch.tensor(list(finished), dtype=torch.long, device=dev)
                 self._active[idx] = 0
-                self.cache.lengths[idx] = 0
+                if gone:  # a held slot keeps its fill: decode steps write past it, never into it
+                    self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
             self.seconds["host"] += time.perf_counter() - t1
             yield from done
+
+    def _start(self, chunk: list[tuple[int, Request, int]], requests: dict[int, Request],
+               held: dict[int, tuple[Completion, np.ndarray]], free: list[int]) -> list[Completion]:
+        """Prefill one chunk and start its answers; the completions of answers that ended at once."""
+        dev = self.device
+        slots = [it[0] for it in chunk]
+        t0 = time.perf_counter()
+        first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
+        first_host = first.tolist()
+        self.seconds["prefill"] += time.perf_counter() - t0
+        self.generated_tokens += len(chunk)
+        self.reused_tokens += sum(it[2] for it in chunk)
+        done, started, gone = [], [], []
+        for k, ((s, req, _), tok) in enumerate(zip(chunk, first_host)):
+            if tok in self.stop_ids or self.max_new_tokens == 1:
+                answer = [] if tok in self.stop_ids else [tok]
+                done.append(self._completion(req, answer, tok in self.stop_ids, None, s if req.hold else None))
+                if req.hold:
+                    held[s] = (done[-1], np.asarray(req.prompt_ids, dtype=np.int64))
+                else:
+                    gone.append(s)
+            else:
+                requests[s] = req
+                started.append(k)
+        if gone:
+            free.extend(gone)
+            self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
+        if started:
+            pick = torch.tensor(started, dtype=torch.long, device=dev)
+            idx = torch.tensor([slots[k] for k in started], dtype=torch.long, device=dev)
+            self._tokens[idx] = first[pick]
+            self._out[idx, 0] = first[pick]
+            self._keys[idx] = torch.tensor([chunk[k][1].key for k in started], dtype=torch.long, device=dev)
+            self._answer_pos[idx] = 1
+            self._active[idx] = 1
+        return done
