@@ -36,6 +36,7 @@ ConversationLike = Union[Conversation, Sequence[dict[str, str]]]
 
 LOOP_POLICIES = ("cut", "drop", "keep")
 CAPPED_POLICIES = ("keep", "drop")
+AFTER_CUT = ("end", "continue")
 ENGINES = ("slots", "generate")
 
 
@@ -57,6 +58,9 @@ class RegenStats:
     finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
+    prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
+    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a later turn's history reused from its slot is not)
+    reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
     seconds: float = 0.0  # time spent generating
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
@@ -71,6 +75,9 @@ class RegenStats:
             f"{self.capped_after} of {self.answers}; generated {self.generated_tokens} tokens in {self.seconds:.1f}s "
             f"({rate:.1f} tokens/s)"
         )
+        if self.prefill_tokens or self.reused_tokens:
+            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the slot "
+                     f"({self.prefix_mismatch} later turns not a prefix extension)")
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
         return text
@@ -87,6 +94,7 @@ class _Job:
     next_user: int = 0
     finish_reason: Optional[str] = None
     prompt_ids: list[int] = field(default_factory=list)
+    last: Optional[Completion] = None  # the answer of the turn before the one being asked
     kept: Counter = field(default_factory=Counter)  # tokens / loops / capped of the answers kept so far
 
     @property
@@ -289,6 +297,7 @@ def regenerate_conversations(
     engine: str = "slots",
     loops: str = "cut",
     capped: str = "keep",
+    after_cut: str = "end",
     loop_detector: Optional[LoopDetector] = None,
     max_prefill_tokens: int = 65536,
     stats: Optional[RegenStats] = None,
@@ -308,16 +317,22 @@ def regenerate_conversations(
     ``model.generate`` batch after batch. An answer that loops (``loop_detector``, default
     :class:`LoopDetector`) is cut at the loop's start (``loops="cut"``), dropped (``"drop"``) or kept
     (``"keep"``); an answer cut by ``max_new_tokens`` is kept (``capped="keep"``) or dropped. A
-    cut, capped or dropped answer, an empty answer, or a next prompt over ``max_prompt_tokens``
-    ends the conversation there; if no turn survives it is skipped and counted in
-    ``stats.skipped``. ``progress(conversations_done, new_tokens)`` is called as answers end.
+    dropped answer, an empty answer, or a next prompt over ``max_prompt_tokens`` ends the
+    conversation there, and so does a cut or capped answer unless ``after_cut="continue"`` (the
+    next turn then sees the cut answer in its history); if no turn survives it is skipped and counted in
+    ``stats.skipped``. With the slot engine a conversation keeps its slot between turns and a later
+    turn prefills only what its prompt adds to the slot's tokens (``stats.prefill_tokens`` /
+    ``reused_tokens``; ``prefix_mismatch`` counts the turns whose prompt rewrote earlier tokens:
+    they reuse only the common prefix). ``progress(conversations_done, new_tokens)`` is called as answers end.
     Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
     unfinished are not yielded (a resumed run redoes them). Arguments are checked at the call.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    if engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES:
-        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}")
+    if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
+            or after_cut not in AFTER_CUT):
+        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, "
+                         f"after_cut in {AFTER_CUT}")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -394,11 +409,18 @@ def regenerate_conversations(
                     if progress is not None:
                         progress(1, 0)
                     continue
-                pending.append(Request(job.request_key(), job.prompt_ids, tag=job))
+                pending.append(request(job))
+
+        def request(job: _Job) -> Request:
+            """The request of the turn just asked: its slot is held while later turns remain, and it
+            continues in the slot of the conversation's previous answer."""
+            return Request(job.request_key(), job.prompt_ids, tag=job, hold=job.next_user + 1 < len(job.users),
+                           after=job.last)
 
         admit()
         t0 = time.perf_counter()
         generated0 = gen.generated_tokens
+        prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
         for done in gen.generate(pending):
             job: _Job = done.request.tag
             stats.answers += 1
@@ -433,16 +455,21 @@ def regenerate_conversations(
                 job.kept.update(tokens=len(ids), capped=int(capped), loops=int(looped and loops == "keep"))
                 if job.next_user >= len(job.users):
                     record = end(job, None)
-                elif job.finish_reason != "stop":
+                elif job.finish_reason != "stop" and after_cut == "end":
                     record = end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
                 elif not stats.halted:  # (once halted, an unfinished conversation is left for a resume)
+                    history = job.prompt_ids + ids  # what the slot holds, as far as this answer was kept
                     reason = ask(job)
                     if reason is not None:
                         record = end(job, reason)
                     else:
-                        pending.append(Request(job.request_key(), job.prompt_ids, tag=job))
+                        stats.prefix_mismatch += job.prompt_ids[: len(history)] != history
+                        job.last = done
+                        pending.append(request(job))
             stats.seconds = time.perf_counter() - t0
             stats.generated_tokens = gen.generated_tokens - generated0
+            stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
+            stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
             if progress is not None:
                 progress(0, done.generated)
             if record is not None:
@@ -453,5 +480,7 @@ def regenerate_conversations(
             admit()
         stats.seconds = time.perf_counter() - t0
         stats.generated_tokens = gen.generated_tokens - generated0
+        stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
+        stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
 
     return run()

@@ -61,10 +61,10 @@ def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, s
                 out[row] = eot
         return out, None
 
-    def prefill(self, slots, requests):
+    def prefill(self, slots, requests, starts=None):
         if prompts_seen is not None:
             prompts_seen.extend(tokenizer.decode(r.prompt_ids) for r in requests)
-        return real_prefill(self, slots, requests)
+        return real_prefill(self, slots, requests, starts)
 
     monkeypatch.setattr(SlotEngine, "_pick", pick)
     monkeypatch.setattr(SlotEngine, "_prefill", prefill)

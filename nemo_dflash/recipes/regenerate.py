@@ -33,7 +33,9 @@ logger = logging.getLogger("nemo_dflash.regenerate")
 # Settings that change which conversations are picked or what is generated: a partial output
 # may only be continued with the same values.
 _RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tokens", "max_new_tokens",
-                "temperature", "top_p", "holdout", "engine", "loops", "capped")
+                "temperature", "top_p", "holdout", "engine", "loops", "capped", "after_cut")
+# Keys added later, with the value a partial output written before them was made with.
+_RESUME_DEFAULTS = {"after_cut": "end"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capped", choices=("keep", "drop"), default="keep",
                    help="an answer that hits --max-new-tokens without looping: keep it (the conversation ends "
                         "there) or drop the turn")
+    p.add_argument("--after-cut", choices=("end", "continue"), default="end",
+                   help="--turns all: an answer cut by --loops cut or by the token cap ends its conversation "
+                        "(end), or the next turn is asked with the cut answer in its history (continue)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, every core)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
@@ -221,9 +226,10 @@ def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: lis
         saved = json.loads(meta.read_text())
     except (OSError, ValueError):
         fail(f"{partial} is a partial output without readable settings ({meta}); {hint}")
-    diff = [k for k in _RESUME_KEYS if saved.get(k) != settings.get(k)]
+    saved = {k: saved.get(k, _RESUME_DEFAULTS.get(k)) for k in _RESUME_KEYS}
+    diff = [k for k in _RESUME_KEYS if saved[k] != settings.get(k)]
     if diff:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {settings.get(k)!r}" for k in diff)
+        details = ", ".join(f"{k}: {saved[k]!r} -> {settings.get(k)!r}" for k in diff)
         fail(f"{partial} was started with other settings ({details}); rerun with the same settings to "
              f"continue it, or {hint}")
     data = partial.read_bytes()
@@ -371,7 +377,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         records = regenerate_conversations(
             model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
-            engine=args.engine, loops=args.loops, capped=args.capped, max_prefill_tokens=args.max_prefill_tokens,
+            engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
+            max_prefill_tokens=args.max_prefill_tokens,
             stats=stats, progress=progress, should_stop=out_of_time,
         )
     except ValueError as e:  # the engine cannot run this target
@@ -417,11 +424,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "engine": args.engine,
         "loops": args.loops,
         "capped": args.capped,
+        "after_cut": args.after_cut,
         "finish": dict(stats.finish),
         "skipped_selection": select_skipped,
         "skipped_generation": dict(stats.skipped),
         "shortened": dict(stats.shortened),
         "prompt_tokens": stats.prompt_tokens,
+        "prefill_tokens": stats.prefill_tokens,
+        "reused_tokens": stats.reused_tokens,
+        "prefix_mismatch": stats.prefix_mismatch,
         "generated_tokens": stats.generated_tokens,
         "generate_seconds": round(stats.seconds, 2),
         "regenerate_seconds": round(gen_time, 2),
