@@ -11,7 +11,7 @@ This batched formulation must equal running each block alone, the way inference 
 from __future__ import annotations
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -230,6 +230,49 @@ def build_flex_block_mask(
 # ----------------------------------------------------------------------------- loss
 
 
+@dataclass(frozen=True)
+class LossSums:
+    """The loss output's sums on the host, after reducing over micro-steps and ranks.
+
+    Rates (loss, accuracy, acceptance length) are formed only from these global sums, so they
+    do not depend on how a batch was split between ranks and accumulation micro-steps.
+    """
+
+    weight_sum: float = 0.0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    num_labels: float = 0.0
+    accept_sum: float = 0.0
+    num_blocks: float = 0.0
+
+    @classmethod
+    def size(cls) -> int:
+        """Length of the vector `DFlashLossOutput.sums()` returns."""
+        return len(fields(cls))
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor) -> "LossSums":
+        """Read back a (reduced) `DFlashLossOutput.sums()` vector."""
+        return cls(*(float(x) for x in vec[: cls.size()].tolist()))
+
+    @staticmethod
+    def weight_of(vec: torch.Tensor) -> torch.Tensor:
+        """The weight sum inside a sums vector, left on its device (the step decides on it without a sync)."""
+        return vec[0]
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.weight_sum if self.weight_sum > 0 else 0.0
+
+    def rates(self, prefix: str = "") -> dict[str, float]:
+        """Loss per unit weight, label accuracy and simulated acceptance length per block."""
+        return {
+            f"{prefix}loss": self.loss,
+            f"{prefix}accuracy": self.correct / max(self.num_labels, 1.0),
+            f"{prefix}accept_len": self.accept_sum / max(self.num_blocks, 1.0),
+        }
+
+
 @dataclass
 class DFlashLossOutput:
     """Sums, so ranks and accumulation micro-steps can be reduced before normalising."""
@@ -245,14 +288,10 @@ class DFlashLossOutput:
     def loss(self) -> torch.Tensor:
         return self.loss_sum / self.weight_sum.clamp(min=1e-12)
 
-    def metrics(self) -> dict[str, float]:
-        w = float(self.weight_sum)
-        return {
-            "loss": float(self.loss_sum.detach()) / w if w > 0 else 0.0,
-            "accuracy": float(self.correct) / max(float(self.num_labels), 1.0),
-            "accept_len": float(self.accept_sum) / max(float(self.num_blocks), 1.0),
-            "num_blocks": float(self.num_blocks),
-        }
+    def sums(self) -> torch.Tensor:
+        """The detached sums as one float64 vector in `LossSums` order, on the loss's device:
+        added over micro-steps and all-reduced in one call, then read with `LossSums.from_vector`."""
+        return torch.stack([getattr(self, f.name).detach().double() for f in fields(LossSums)])
 
 
 def _chunk_loss(
@@ -538,6 +577,7 @@ __all__ = [
     "BlockPlan",
     "DFlashLossOutput",
     "DFlashTrainerModule",
+    "LossSums",
     "acceptance_lengths",
     "build_block_input_ids",
     "build_dense_block_mask",

@@ -251,27 +251,30 @@ def check_draft_fits_target(draft_config: DFlashConfig, target_config: Any, toke
 
 def resolve_draft_dir(path: PathLike) -> Path:
     """The directory holding the draft's config.json: the path itself, `<path>/draft`,
-    `<run>/final/draft`, or the latest `<run>/checkpoints/step_N/draft`."""
+    `<run>/final/draft`, or the latest `<run>/checkpoints/step_N/draft` (the trainer's layout)."""
+    from nemo_dflash.train.checkpoint import COMPLETE, DRAFT_DIR, STEP_PREFIX, checkpoint_root, final_draft_dir
+
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"Draft path {p} does not exist")
     if p.is_file():
         raise ValueError(f"Draft path {p} is a file; pass the directory that holds config.json and {WEIGHTS_NAME}")
-    for cand in (p, p / "draft", p / "final" / "draft"):
+    for cand in (p, p / DRAFT_DIR, final_draft_dir(p)):
         if (cand / CONFIG_NAME).is_file():
             return cand
     steps = sorted(
-        (d for d in (p / "checkpoints").glob("step_*") if (d / "draft" / CONFIG_NAME).is_file()),
+        (d for d in checkpoint_root(p).glob(f"{STEP_PREFIX}*") if (d / DRAFT_DIR / CONFIG_NAME).is_file()),
         key=lambda d: int(d.name.split("_")[-1]) if d.name.split("_")[-1].isdigit() else -1,
     )
-    complete = [d for d in steps if (d / "COMPLETE").is_file()]  # the trainer marks finished checkpoints
+    complete = [d for d in steps if (d / COMPLETE).is_file()]  # the trainer marks finished checkpoints
     steps = complete or steps
     if steps:
         logger.info("Using the latest checkpoint %s", steps[-1])
-        return steps[-1] / "draft"
+        return steps[-1] / DRAFT_DIR
     raise FileNotFoundError(
-        f"No {CONFIG_NAME} in {p}, {p}/draft, {p}/final/draft or {p}/checkpoints/step_*/draft: pass an exported "
-        "draft, a training draft dir (save_pretrained) or a checkpoint dir containing draft/."
+        f"No {CONFIG_NAME} in {p}, {p}/{DRAFT_DIR}, {final_draft_dir(p)} or {checkpoint_root(p)}/{STEP_PREFIX}*/"
+        f"{DRAFT_DIR}: pass an exported draft, a training draft dir (save_pretrained) or a checkpoint dir containing "
+        f"{DRAFT_DIR}/."
     )
 
 

@@ -1,5 +1,13 @@
 """Checkpoints that never lose work: atomic, complete-marked, resumable exactly.
 
+`Checkpointer` owns a run's directory: when to save, the on-disk layout, the run's identity
+(what must match to resume) and the resume itself. `export.resolve_draft_dir` reads the same
+layout through the constants here.
+
+Layout of `<output_dir>/`:
+  checkpoints/step_00000100/   one checkpoint (below)
+  final/draft/                 the draft at the end of the run (config.json + model.safetensors)
+
 Layout of `<output_dir>/checkpoints/step_00000100/`:
   draft/            config.json + model.safetensors (full weights: usable by evaluate/export)
   state/            model + optimizer through torch.distributed.checkpoint (sharded under FSDP2)
@@ -40,9 +48,14 @@ from nemo_dflash.train.distributed import DistState
 logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-COMPLETE = "COMPLETE"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# Fields that must match between a checkpoint and the run resuming from it.
+# The on-disk layout (export.resolve_draft_dir reads it too).
+CHECKPOINTS_DIR = "checkpoints"
+STEP_PREFIX = "step_"
+DRAFT_DIR = "draft"  # inside a checkpoint, and inside FINAL_DIR
+FINAL_DIR = "final"
+COMPLETE = "COMPLETE"  # written last: a checkpoint without it is ignored
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+# Fields that must match between a checkpoint and the run resuming from it (see `run_identity`).
 IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
 
 
@@ -56,7 +69,28 @@ def _barrier(state: DistState) -> None:
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def final_draft_dir(output_dir: str | Path) -> Path:
+    """Where a finished run leaves its draft."""
+    return Path(output_dir) / FINAL_DIR / DRAFT_DIR
+
+
+def run_identity(draft_config: Any, target_config: Any) -> dict[str, Any]:
+    """The `IDENTITY_KEYS` of a run: what a checkpoint's weights only make sense with."""
+    archs = getattr(target_config, "architectures", None) or [type(target_config).__name__]
+    return {
+        "block_size": int(draft_config.block_size),
+        "mask_token_id": int(draft_config.mask_token_id),
+        "target_layer_ids": list(draft_config.target_layer_ids),
+        "target_architecture": archs[0],
+        "num_draft_layers": int(draft_config.num_hidden_layers),
+    }
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -105,15 +139,15 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     root = checkpoint_root(output_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}"
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
     if state.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier(state)
 
-    save_draft_dir(draft, tmp / "draft", state)
+    save_draft_dir(draft, tmp / DRAFT_DIR, state)
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
     (tmp / f"rank_{state.rank}.json").write_text(json.dumps({"dataloader": dataloader.state_dict()}))
@@ -139,7 +173,7 @@ def _prune(root: Path, keep_last: int) -> None:
     ckpts = list_checkpoints(root.parent)
     for old in ckpts[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # leftovers of a run killed while writing
+    for stale in root.glob(f".tmp-{STEP_PREFIX}*"):  # leftovers of a run killed while writing
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -182,11 +216,91 @@ def load_checkpoint(
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and state.device.type == "cuda":
         torch.cuda.set_rng_state(rng["torch_cuda"], state.device)
-    logger.info("Resumed from %s (step %d)", ckpt, saved["step"])
     return saved
 
 
+class Checkpointer:
+    """A run's checkpoints: when to save, where (the layout above), what must match, and resume.
+
+    `maybe_save` after every step, `save_last` when the loop ends, `save_final` for the draft a
+    finished run leaves, `resume` before the first step. Every rank calls them (collectives).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        every_steps: Optional[int],
+        keep_last: int,
+        resume: str,
+        draft: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataloader: Any,
+        identity: dict[str, Any],
+        state: DistState,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.every_steps = every_steps
+        self.keep_last = keep_last
+        self.resume_mode = resume
+        self.draft = draft
+        self.optimizer = optimizer
+        self.dataloader = dataloader
+        self.identity = identity
+        self.state = state
+
+    @property
+    def final_draft(self) -> Path:
+        return final_draft_dir(self.output_dir)
+
+    def save(self, step: int, tokens_seen: int) -> Path:
+        return save_checkpoint(
+            self.output_dir, step, self.draft, self.optimizer, self.dataloader,
+            {**self.identity, "tokens_seen": tokens_seen}, self.state, self.keep_last,
+        )
+
+    def maybe_save(self, step: int, tokens_seen: int) -> Optional[Path]:
+        """Save on the `every_steps` schedule."""
+        if self.every_steps and step % self.every_steps == 0:
+            return self.save(step, tokens_seen)
+        return None
+
+    def save_last(self, step: int, tokens_seen: int, *, always: bool = False) -> Optional[Path]:
+        """At the end of the loop: save `step` unless it is already saved. Only runs that save
+        periodically do so, unless `always` (a preemption: the next job resumes from it)."""
+        if not (self.every_steps or always):
+            return None
+        latest = find_latest_checkpoint(self.output_dir)
+        if latest is not None and latest.name == step_dir_name(step):
+            return None
+        return self.save(step, tokens_seen)
+
+    def save_final(self) -> Path:
+        save_draft_dir(self.draft, self.final_draft, self.state)
+        return self.final_draft
+
+    def resume(self) -> Optional[dict[str, Any]]:
+        """Restore the checkpoint `resume` names ("auto": the newest complete one, "none": none).
+
+        Returns its meta (step, tokens_seen, ...) or None for a fresh start. Every check (complete,
+        identity, world size, data-loader state) passes before "Resumed from" is logged.
+        """
+        mode = self.resume_mode
+        if mode == "none":
+            return None
+        path = find_latest_checkpoint(self.output_dir) if mode == "auto" else Path(mode)
+        if path is None:
+            return None
+        if not (path / COMPLETE).is_file():
+            raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
+        saved = load_checkpoint(path, self.draft, self.optimizer, self.dataloader, self.identity, self.state)
+        logger.info("Resumed from %s (step %d)", path, saved["step"])
+        return saved
+
+
 __all__ = [
-    "COMPLETE", "ResumeMismatchError", "check_identity", "find_latest_checkpoint", "full_draft_state_dict",
-    "list_checkpoints", "load_checkpoint", "save_checkpoint", "save_draft_dir",
+    "CHECKPOINTS_DIR", "COMPLETE", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS", "STEP_PREFIX",
+    "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir", "find_latest_checkpoint",
+    "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "run_identity", "save_checkpoint", "save_draft_dir",
+    "step_dir_name",
 ]

@@ -40,12 +40,21 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto", backend: Optional[str] = None, timeout_minutes: int = 30) -> DistState:
-    """Join the torchrun job if there is one (WORLD_SIZE > 1); NCCL on GPU, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = pick_device(device, local_rank)
+def launch_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain process."""
+    return (
+        int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    )
+
+
+def init_distributed(
+    device: str | torch.device = "auto", backend: Optional[str] = None, timeout_minutes: int = 30
+) -> DistState:
+    """Join the torchrun job if there is one (WORLD_SIZE > 1); NCCL on GPU, gloo on CPU.
+
+    `device` is a resolved device, or a setting ("auto" | "cpu" | "cuda") resolved here."""
+    rank, local_rank, world = launch_env()
+    dev = pick_device(device, local_rank) if isinstance(device, str) else device
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         dist.init_process_group(
@@ -67,10 +76,11 @@ def all_reduce_sum(t: torch.Tensor, state: DistState) -> torch.Tensor:
     return t
 
 
-def resolve_strategy(strategy: str, state: DistState) -> str:
+def resolve_strategy(strategy: str, world_size: int) -> str:
+    """"auto" is DDP under torchrun and none for one process; DDP/FSDP2 with one process run unwrapped."""
     if strategy == "auto":
-        return "ddp" if state.enabled else "none"
-    if strategy in ("ddp", "fsdp2") and not state.enabled:
+        return "ddp" if world_size > 1 else "none"
+    if strategy in ("ddp", "fsdp2") and world_size <= 1:
         logger.info("distributed.strategy=%s with one process: running unwrapped", strategy)
         return "none"
     return strategy
@@ -115,6 +125,7 @@ __all__ = [
     "DistState",
     "all_reduce_sum",
     "init_distributed",
+    "launch_env",
     "pick_device",
     "resolve_strategy",
     "shard_target_layers",

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -91,6 +92,23 @@ class MetricsLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class ThroughputWindow:
+    """Tokens and wall time since the last logged step: `tok_s` and `step_s` of that window."""
+
+    def __init__(self, step: int) -> None:
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.start, self.tokens, self.first_step = time.perf_counter(), 0, step
+
+    def rates(self, step: int) -> dict[str, float]:
+        """The window's rates up to `step`; the next window starts there."""
+        dt = time.perf_counter() - self.start
+        out = {"tok_s": self.tokens / max(dt, 1e-9), "step_s": dt / max(step - self.first_step, 1)}
+        self.reset(step)
+        return out
 
 
 def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Optional[Path]:

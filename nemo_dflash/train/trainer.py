@@ -9,10 +9,11 @@ anchor still joins every collective with zero gradients.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-import os
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -25,27 +26,38 @@ from omegaconf import OmegaConf
 
 from nemo_dflash.build import MaskTokenError, build_draft_for_target
 from nemo_dflash.config import RecipeConfig, to_yaml
-from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule
+from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.loading import load_target
 from nemo_dflash.target import HFDFlashTargetModel
-from nemo_dflash.train import checkpoint as ckpt_lib
+from nemo_dflash.train.checkpoint import Checkpointer, run_identity
 from nemo_dflash.train.distributed import (
     DistState,
     all_reduce_sum,
     init_distributed,
+    launch_env,
+    pick_device,
     resolve_strategy,
     shard_target_layers,
     shutdown_distributed,
     wrap_draft,
 )
-from nemo_dflash.train.metrics import MetricsLogger, plot_curves
+from nemo_dflash.train.metrics import MetricsLogger, ThroughputWindow, plot_curves
 from nemo_dflash.train.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
-# Index of each summed statistic in the per-step all-reduce.
-_W, _L, _C, _N, _A, _B, _T, _STOP = range(8)
+class StopReason(str, enum.Enum):
+    """Why the loop ended before `total_steps` (the value is what summary.json records)."""
+
+    SIGTERM = "SIGTERM"
+    TIME_LIMIT = "train.max_minutes reached"
+    NONFINITE = "consecutive non-finite steps"
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run checkpoints its last step: not after non-finite steps (the last good one stays)."""
+        return self is not StopReason.NONFINITE
 
 
 class _StopFlag:
@@ -82,17 +94,6 @@ def _draft_from_config(cfg: RecipeConfig, target_model, tokenizer):
         intermediate_size=cfg.draft.intermediate_size,
         mask_token_for=cfg.draft.mask_token_for,
     )
-
-
-def run_meta(draft, target_model) -> dict[str, Any]:
-    archs = getattr(target_model.config, "architectures", None) or [type(target_model).__name__]
-    return {
-        "block_size": int(draft.config.block_size),
-        "mask_token_id": int(draft.config.mask_token_id),
-        "target_layer_ids": list(draft.config.target_layer_ids),
-        "target_architecture": archs[0],
-        "num_draft_layers": int(draft.config.num_hidden_layers),
-    }
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -159,10 +160,18 @@ def row_seeds(base: int, step: int, first_row: int, bsz: int) -> list[int]:
 class StepResult:
     """Host-side outcome of one optimizer step (already summed over ranks)."""
 
-    totals: torch.Tensor  # float64 [8] on the CPU, indexed by _W, _L, ...
+    sums: LossSums
+    tokens: int  # real (unpadded) tokens in the global batch
+    stop: bool  # some rank asked to stop (SIGTERM, time limit): every rank stops after this step
     grad_norm: float
     loss: float
     status: str  # "ok" | "no_labels" (nothing supervised anywhere: no update) | "nonfinite" (update skipped)
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """The flat float64 vector: `LossSums` fields, tokens, stop (benchmarks read tokens at [6])."""
+        return torch.tensor([*(getattr(self.sums, k) for k in LossSums.__dataclass_fields__), self.tokens,
+                             float(self.stop)], dtype=torch.float64)
 
 
 class TrainStep:
@@ -221,13 +230,13 @@ class TrainStep:
             return module(tb, plan=plan)
 
     def __call__(self, step: int, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
-        stats = []
+        parts, n_tok = [], 0.0
         rows = step_batch["input_ids"].shape[0]
         mbs = self.micro_batch_size
         n_micro = -(-rows // mbs)
         for micro in range(n_micro):
             batch = _micro_slice(step_batch, micro * mbs, mbs)
-            n_tok = float(batch["attention_mask"].sum())  # on the CPU
+            n_tok += float(batch["attention_mask"].sum())  # on the CPU
             sync = micro == n_micro - 1
             ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else nullcontext()
             with ctx:
@@ -235,22 +244,17 @@ class TrainStep:
                 seeds = row_seeds(self.seed, step, first_row, batch["input_ids"].shape[0])
                 out = self.forward(batch, self.model, seeds)
                 out.loss_sum.backward()
-            stats.append(torch.stack([
-                out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
-                out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
-            ]))
-            stats.append(torch.tensor([n_tok, 0.0], dtype=torch.float64))
-        dev_stats = torch.stack(stats[0::2]).sum(0)
-        host_stats = torch.stack(stats[1::2]).sum(0)
-        host_stats[1] = 1.0 if stop else 0.0
-        totals = torch.cat([dev_stats, host_stats.to(self.device)])  # indexed by _W, _L, ..., _T, _STOP
+            parts.append(out.sums())
+        extra = torch.tensor([n_tok, 1.0 if stop else 0.0], dtype=torch.float64)
+        totals = torch.cat([torch.stack(parts).sum(0), extra.to(self.device)])  # LossSums, tokens, stop votes
         all_reduce_sum(totals, self.state)
 
         grads = [p.grad for p in self.params if p.grad is not None]
         if any(hasattr(g, "full_tensor") for g in grads):  # FSDP2 DTensors: scale with a host float
             totals = totals.cpu()
-            if totals[_W] > 0:
-                scale = self.state.world_size / float(totals[_W])
+            weight = float(LossSums.weight_of(totals))
+            if weight > 0:
+                scale = self.state.world_size / weight
                 for g in grads:
                     g.mul_(scale)
                 gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip).full_tensor()
@@ -259,34 +263,65 @@ class TrainStep:
             host = torch.cat([totals, gnorm_t.double().cpu().view(1)])
         else:
             # No-op on zero gradients when nothing is supervised (W = 0): the update is skipped then.
-            scale = self.state.world_size / totals[_W].clamp(min=1e-30)
+            scale = self.state.world_size / LossSums.weight_of(totals).clamp(min=1e-30)
             if grads:
                 torch._foreach_mul_(grads, scale.to(grads[0].dtype))
             gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
             host = torch.cat([totals, gnorm_t.double().view(1)]).cpu()  # the step's one host sync
-        totals = host[:8]
-        if totals[_W] > 0:
-            gnorm, loss = float(host[8]), float(totals[_L] / totals[_W])
-        else:
-            gnorm, loss = 0.0, 0.0
+        sums = LossSums.from_vector(host)
+        tokens, stops, gnorm = host[LossSums.size():].tolist()
+        supervised = sums.weight_sum > 0
+        gnorm, loss = (gnorm, sums.loss) if supervised else (0.0, 0.0)
         if not (math.isfinite(gnorm) and math.isfinite(loss)):
             status = "nonfinite"
-        elif totals[_W] > 0:
+        elif supervised:
             status = "ok"
             self.optimizer.step()
         else:
             status = "no_labels"
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(totals=totals, grad_norm=gnorm, loss=loss, status=status)
+        return StepResult(sums=sums, tokens=int(tokens), stop=stops > 0, grad_norm=gnorm, loss=loss, status=status)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's "auto" settings, resolved once: train.device, distributed.strategy, loss.attn_backend."""
+
+    device: torch.device
+    strategy: str  # none | ddp | fsdp2
+    attn_backend: str  # sdpa | eager | flex
+
+
+def resolve_settings(cfg: RecipeConfig, world_size: int, local_rank: int) -> RunSettings:
+    """Every "auto" in the recipe decided in one place, and the combinations refused before any load."""
+    device = pick_device(cfg.train.device, local_rank)
+    strategy = resolve_strategy(cfg.distributed.strategy, world_size)
+    backend = cfg.loss.attn_backend
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type != "cuda":
+        raise ValueError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
+    if cfg.distributed.shard_target and strategy != "fsdp2":
+        raise ValueError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
+    return RunSettings(device=device, strategy=strategy, attn_backend=backend)
 
 
 class Trainer:
-    """Holds the pieces of one run; `fit()` trains, `evaluate()` measures held-out acceptance."""
+    """Holds the pieces of one run; `fit()` trains, `train_step()` is one step of it, `evaluate()`
+    measures held-out acceptance, and `checkpointer` owns the run's directory and resume."""
 
     def __init__(self, cfg: RecipeConfig) -> None:
         self.cfg = cfg
-        self.state: DistState = init_distributed(cfg.train.device, cfg.distributed.backend, cfg.distributed.timeout_minutes)
+        _, local_rank, world_size = launch_env()
+        self.settings = resolve_settings(cfg, world_size, local_rank)
+        self.state: DistState = init_distributed(
+            self.settings.device, cfg.distributed.backend, cfg.distributed.timeout_minutes
+        )
         self.device = self.state.device
+        self.strategy = self.settings.strategy
+        if self.state.is_main:
+            logger.info("device %s, distributed.strategy %s, loss.attn_backend %s",
+                        self.device, self.strategy, self.settings.attn_backend)
         torch.manual_seed(cfg.train.seed)
         self.out = Path(cfg.output_dir)
         if self.state.is_main:
@@ -299,7 +334,6 @@ class Trainer:
         )
         self.draft = _draft_from_config(cfg, self.target_model, self.tokenizer).to(self.device)
         self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
-        self.meta = run_meta(self.draft, self.target_model)
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
         mask_id = self.draft.config.mask_token_id
@@ -322,14 +356,9 @@ class Trainer:
         steps_per_epoch = max(1, len(self.loader))
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
 
-        backend = cfg.loss.attn_backend
-        if backend == "auto":
-            backend = "flex" if self.device.type == "cuda" else "sdpa"
-        if backend == "flex" and self.device.type != "cuda":
-            raise ValueError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
         self.module = DFlashTrainerModule(
             self.draft, self.target.get_input_embeddings(), self.target.get_output_embeddings(),
-            num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=backend,
+            num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=self.settings.attn_backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
             fused_ce=cfg.loss.fused_ce,
         )
@@ -339,10 +368,7 @@ class Trainer:
             self.module = apply_compile(self.module, "layers" if cfg.train.compile else "0")
             if cfg.train.compile_target:
                 self.target.compile_layers()
-        self.strategy = resolve_strategy(cfg.distributed.strategy, self.state)
         if cfg.distributed.shard_target:
-            if self.strategy != "fsdp2":
-                raise ValueError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
             shard_target_layers(self.target.layers)
             logger.info("FSDP2: sharded the target's %d decoder layers over %d ranks", len(self.target.layers),
                         self.state.world_size)
@@ -356,6 +382,11 @@ class Trainer:
             micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, grad_clip=cfg.optim.grad_clip,
             use_bf16=self.use_bf16, return_logits=cfg.loss.distill_weight > 0,
         )
+        self.checkpointer = Checkpointer(
+            self.out, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
+            resume=cfg.checkpoint.resume, draft=self.draft, optimizer=self.optimizer, dataloader=self.loader,
+            identity=run_identity(self.draft.config, self.target_model.config), state=self.state,
+        )
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0
@@ -368,26 +399,25 @@ class Trainer:
     def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int]) -> DFlashLossOutput:
         return self.stepper.forward(batch, module, row_seeds)
 
-    def maybe_resume(self) -> None:
-        mode = self.cfg.checkpoint.resume
-        if mode == "none":
+    def resume(self) -> None:
+        """Continue from the checkpoint `checkpoint.resume` names, if any (the step, tokens, schedule)."""
+        saved = self.checkpointer.resume()
+        if saved is None:
             return
-        path = ckpt_lib.find_latest_checkpoint(self.out) if mode == "auto" else Path(mode)
-        if path is None:
-            return
-        if not (path / ckpt_lib.COMPLETE).is_file():
-            raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
-        saved = ckpt_lib.load_checkpoint(path, self.draft, self.optimizer, self.loader, self.meta, self.state)
         self.step = int(saved["step"])
         self.tokens_seen = int(saved.get("tokens_seen", 0))
         for _ in range(self.step):  # the schedule is a pure function of the step
             self.scheduler.step()
 
     def save(self) -> Path:
-        return ckpt_lib.save_checkpoint(
-            self.out, self.step, self.draft, self.optimizer, self.loader,
-            {**self.meta, "tokens_seen": self.tokens_seen}, self.state, self.cfg.checkpoint.keep_last,
-        )
+        return self.checkpointer.save(self.step, self.tokens_seen)
+
+    def _write_config(self) -> None:
+        """The resolved recipe, written only once the run is accepted: a refused run leaves the old one."""
+        if self.state.is_main:
+            tmp = self.out / "config.yaml.tmp"
+            tmp.write_text(to_yaml(self.cfg))
+            os.replace(tmp, self.out / "config.yaml")
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> dict[str, float]:
@@ -398,37 +428,63 @@ class Trainer:
             self.holdout_ds, self.cfg.train.micro_batch_size, rank=self.state.rank,
             world_size=self.state.world_size, seed=12345, batching="random",
         )
-        totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(LossSums.size(), dtype=torch.float64, device=self.device)
         was_training = self.draft.training
         self.draft.eval()
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
             bsz = batch["input_ids"].shape[0]
-            out = self._forward(batch, self.module, self._row_seeds(777, i, self.state.rank * bsz, bsz))
-            totals += torch.stack([out.weight_sum.double(), out.loss_sum.detach().double(), out.correct.double(),
-                                   out.num_labels.double(), out.accept_sum.double(), out.num_blocks.double(),
-                                   torch.zeros((), dtype=torch.float64, device=self.device),
-                                   torch.zeros((), dtype=torch.float64, device=self.device)])
+            totals += self._forward(batch, self.module, self._row_seeds(777, i, self.state.rank * bsz, bsz)).sums()
         self.draft.train(was_training)
         all_reduce_sum(totals, self.state)
-        return {
-            "eval_loss": float(totals[_L] / totals[_W].clamp(min=1e-12)),
-            "eval_accuracy": float(totals[_C] / totals[_N].clamp(min=1)),
-            "eval_accept_len": float(totals[_A] / totals[_B].clamp(min=1)),
-        }
+        return LossSums.from_vector(totals.cpu()).rates(prefix="eval_")
+
+    def _log_eval(self, metrics: MetricsLogger) -> dict[str, float]:
+        ev = self.evaluate(self.cfg.train.eval_batches)
+        if ev:
+            metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen)}, bar=False)
+        return ev
 
     # ------------------------------------------------------------------ loop
 
+    def train_step(self, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
+        """One optimizer step and the counters it moves (step, schedule, tokens, skipped steps).
+
+        A non-finite step is skipped but counted as a step; past `train.max_bad_steps` of them in
+        a row the step is not advanced, and `fit` stops.
+        """
+        res = self.stepper(self.step, step_batch, stop=stop)
+        self.tokens_seen += res.tokens
+        if res.status == "nonfinite":
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", self.step, self.bad_steps)
+            if self.bad_steps > self.cfg.train.max_bad_steps:
+                return res
+        else:
+            self.bad_steps = 0
+            if res.status == "no_labels":
+                self.skipped_steps += 1
+        self.scheduler.step()
+        self.step += 1
+        return res
+
+    def _step_metrics(self, res: StepResult) -> dict[str, float]:
+        return {
+            **res.sums.rates(),  # loss, accuracy, accept_len
+            "grad_norm": res.grad_norm,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "tokens": float(self.tokens_seen),
+        }
+
     def fit(self) -> dict[str, Any]:
+        """Resume, train to `total_steps` or a stop, then save, evaluate and summarise."""
         cfg = self.cfg
         stop = _StopFlag()
         stop.install()
-        self.maybe_resume()
-        if self.state.is_main:  # only once the run is accepted: a refused run leaves the old config in place
-            tmp = self.out / "config.yaml.tmp"
-            tmp.write_text(to_yaml(cfg))
-            os.replace(tmp, self.out / "config.yaml")
+        self.resume()
+        self._write_config()
         metrics = MetricsLogger(
             self.out, cfg.wandb, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps, self.state.is_main
         )
@@ -438,78 +494,51 @@ class Trainer:
         data = _batches(self.loader)
         self.draft.train()
         t_start = time.perf_counter()
-        t_window, tok_window, window_start = time.perf_counter(), 0, self.step
-        last_metrics: dict[str, float] = {}
-        stopped_early = None
+        window = ThroughputWindow(self.step)
+        last: dict[str, float] = {}
+        reason: Optional[StopReason] = None
         if self.step == 0 and cfg.train.eval_every:
-            ev = self.evaluate(cfg.train.eval_batches)
-            if ev:
-                metrics.log(0, {**ev, "tokens": 0}, bar=False)
+            self._log_eval(metrics)
         while self.step < self.total_steps:
             step_batch = next(data)
             minutes = (time.perf_counter() - t_start) / 60
-            stop_now = stop.requested or (cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes)
-            res = self.stepper(self.step, step_batch, stop=stop_now)
-            totals = res.totals
-            self.tokens_seen += int(totals[_T])
-            tok_window += int(totals[_T])
-            gnorm, loss = res.grad_norm, res.loss
-            if res.status == "no_labels":
-                self.skipped_steps += 1
+            timed_out = cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes
+            res = self.train_step(step_batch, stop=stop.requested or timed_out)
+            window.tokens += res.tokens
             if res.status == "nonfinite":
-                self.bad_steps += 1
-                self.skipped_steps += 1
-                logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", self.step, self.bad_steps)
                 if self.bad_steps > cfg.train.max_bad_steps:
-                    stopped_early = f"{self.bad_steps} consecutive non-finite steps"
-                    logger.error("Stopping: %s. The last good checkpoint is kept.", stopped_early)
+                    reason = StopReason.NONFINITE
+                    logger.error("Stopping: %d %s. The last good checkpoint is kept.", self.bad_steps, reason.value)
                     break
-                self.step += 1
-                self.scheduler.step()
                 continue
-            self.bad_steps = 0
-            self.scheduler.step()
-            self.step += 1
-
-            last_metrics = {
-                "loss": loss,
-                "accuracy": float(totals[_C] / totals[_N].clamp(min=1)),
-                "accept_len": float(totals[_A] / totals[_B].clamp(min=1)),
-                "grad_norm": gnorm,
-                "lr": float(self.scheduler.get_last_lr()[0]),
-                "tokens": float(self.tokens_seen),
-            }
+            last = self._step_metrics(res)
             if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
-                dt = time.perf_counter() - t_window
-                last_metrics["tok_s"] = tok_window / max(dt, 1e-9)
-                last_metrics["step_s"] = dt / max(self.step - window_start, 1)
+                last.update(window.rates(self.step))
                 if self.device.type == "cuda":
-                    last_metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                t_window, tok_window, window_start = time.perf_counter(), 0, self.step
-                metrics.log(self.step, last_metrics)
+                    last["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                metrics.log(self.step, last)
                 if not metrics.bar_visible:
                     logger.info("step %d/%d %s", self.step, self.total_steps,
-                                " ".join(f"{k}={v:.4g}" for k, v in last_metrics.items()))
+                                " ".join(f"{k}={v:.4g}" for k, v in last.items()))
             else:
                 metrics.set_progress(self.step)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                ev = self.evaluate(cfg.train.eval_batches)
-                if ev:
-                    metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen)}, bar=False)
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
-                self.save()
-            if totals[_STOP] > 0:
-                stopped_early = "SIGTERM" if stop.requested else "train.max_minutes reached"
-                logger.warning("Stopping at step %d (%s)", self.step, stopped_early)
+                self._log_eval(metrics)
+            self.checkpointer.maybe_save(self.step, self.tokens_seen)
+            if res.stop:
+                reason = StopReason.SIGTERM if stop.requested else StopReason.TIME_LIMIT
+                logger.warning("Stopping at step %d (%s)", self.step, reason.value)
                 break
+        return self._finish(metrics, reason, last, time.perf_counter() - t_start)
 
-        if stopped_early is None or stopped_early in ("SIGTERM", "train.max_minutes reached"):
-            if cfg.checkpoint.every_steps or stopped_early == "SIGTERM":
-                latest = ckpt_lib.find_latest_checkpoint(self.out)
-                if latest is None or not latest.name.endswith(f"{self.step:08d}"):
-                    self.save()
-        final_eval = self.evaluate(cfg.train.eval_batches) if self.holdout_ds is not None else {}
-        ckpt_lib.save_draft_dir(self.draft, self.out / "final" / "draft", self.state)
+    def _finish(
+        self, metrics: MetricsLogger, reason: Optional[StopReason], last: dict[str, float], seconds: float
+    ) -> dict[str, Any]:
+        """The last checkpoint, the final draft and eval, summary.json and the curves."""
+        if reason is None or reason.saves:
+            self.checkpointer.save_last(self.step, self.tokens_seen, always=reason is StopReason.SIGTERM)
+        final_eval = self.evaluate(self.cfg.train.eval_batches) if self.holdout_ds is not None else {}
+        final_draft = self.checkpointer.save_final()
         if final_eval:
             metrics.log(self.step, {**final_eval, "tokens": float(self.tokens_seen)}, bar=False)
         metrics.close()
@@ -518,11 +547,11 @@ class Trainer:
             "total_steps": self.total_steps,
             "tokens_seen": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
-            "stopped_early": stopped_early,
-            "train_seconds": time.perf_counter() - t_start,
-            "final_draft": str(self.out / "final" / "draft"),
+            "stopped_early": reason.value if reason is not None else None,
+            "train_seconds": seconds,
+            "final_draft": str(final_draft),
             "data": {k: v for k, v in self.train_ds.stats.items() if k != "sources"},
-            **{f"last_{k}": v for k, v in last_metrics.items()},
+            **{f"last_{k}": v for k, v in last.items()},
             **final_eval,
         }
         if self.state.is_main:
@@ -542,4 +571,4 @@ def train(cfg: RecipeConfig) -> dict[str, Any]:
         trainer.close()
 
 
-__all__ = ["Trainer", "train", "run_meta"]
+__all__ = ["RunSettings", "StepResult", "StopReason", "TrainStep", "Trainer", "resolve_settings", "train"]
