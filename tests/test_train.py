@@ -157,6 +157,25 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
         assert (part / "config.yaml").read_text() == config
 
 
+def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, tmp_path, capsys, caplog):
+    """Another loader batch size on resume: one line, exit 2, no "Resumed from" in the log and the
+    run's config.yaml untouched (StatefulDataLoader restores lazily, so the refusal came after both)."""
+    import logging
+
+    from nemo_dflash.recipes.train import main
+
+    target, data = tiny_assets
+    out = tmp_path / "run"
+    main(_args(target, data, out, "train.max_steps=2", "checkpoint.every_steps=2"))
+    config = (out / "config.yaml").read_text()
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exc:
+        main(_args(target, data, out, "train.max_steps=4", "train.micro_batch_size=3"))
+    assert exc.value.code == 2 and "data loader state was saved with" in capsys.readouterr().err
+    assert not [r for r in caplog.records if "Resumed from" in r.getMessage()]
+    assert (out / "config.yaml").read_text() == config
+
+
 @pytest.mark.parametrize("bad,message", [
     ("data.sources=[{path: /nope/missing.jsonl}]", "data.sources[0].path /nope/missing.jsonl does not exist"),
     ("target.path=/nope/model", "neither a local model directory nor a .gguf file"),

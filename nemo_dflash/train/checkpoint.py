@@ -212,6 +212,10 @@ def load_checkpoint(
     dcp.load(sd, checkpoint_id=str(ckpt / "state"))
     set_state_dict(draft, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     dataloader.load_state_dict(json.loads((ckpt / f"rank_{state.rank}.json").read_text())["dataloader"])
+    # StatefulDataLoader applies a loaded state only when its next iterator is made; make it now
+    # (the loop's first `iter` reuses it), so a refused state (another batch size, data or world
+    # size) is refused here, before the resume is reported.
+    dataloader.state_dict()
     rng = load_file(str(ckpt / f"rng_{state.rank}.safetensors"))
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and state.device.type == "cuda":
