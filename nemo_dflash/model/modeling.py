@@ -328,8 +328,4 @@ class DFlashDraftModel(PreTrainedModel):
         return self.norm(hidden)
 
 
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-__all__ = ["DFlashDraftModel", "DFlashContextCache", "dense_attention", "apply_rope", "num_params"]
+__all__ = ["DFlashDraftModel", "DFlashContextCache", "dense_attention", "apply_rope"]
