@@ -1,7 +1,7 @@
 """Typed recipe configuration: one YAML is the single source of truth of a run.
 
 `load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4"])` merges, in order: the dataclass defaults,
-the YAML (looked up in the working directory, then in the repo's `recipes/`) and the
+the YAML (looked up in the working directory, then in the shipped `recipes/`) and the
 `key=value` overrides, and validates types with OmegaConf structured configs (the engine
 under hydra). An unknown key is an error that names the closest valid key.
 """
@@ -19,8 +19,18 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 
 from nemo_dflash.data.config import DataConfig
 
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def shipped_dir(name: str) -> Path:
+    """The shipped `recipes/` or `configs/`: the wheel's copy (`nemo_dflash/_shipped/<name>`, made by
+    setup.py) after a non-editable install, else the checkout's root folder (the source of truth)."""
+    packaged = _PACKAGE / "_shipped" / name
+    return packaged if packaged.is_dir() else _PACKAGE.parent / name
+
+
+REPO_RECIPES = shipped_dir("recipes")
+REPO_CONFIGS = shipped_dir("configs")
 
 
 class ConfigError(ValueError):
@@ -140,7 +150,7 @@ _CHOICES = {
 
 
 def resolve_recipe_path(name: str | Path) -> Path:
-    """`--config NAME.yaml`: the working directory first, then the repo's recipes/."""
+    """`--config NAME.yaml`: the working directory first, then the shipped recipes/."""
     p = Path(name)
     candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_RECIPES / p, REPO_RECIPES / f"{p}.yaml"]
     for c in candidates:
@@ -284,5 +294,6 @@ def to_yaml(cfg: RecipeConfig) -> str:
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DistributedConfig", "DraftConfig", "LossConfig", "OptimConfig",
-    "RecipeConfig", "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "to_yaml",
+    "RecipeConfig", "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "shipped_dir",
+    "to_yaml",
 ]
