@@ -109,3 +109,76 @@ def test_unsupported_models_are_refused_in_one_line():
         SlotEngine(model, num_slots=2, max_prompt_tokens=8, max_new_tokens=8, stop_ids=[STOP])
     with pytest.raises(ValueError, match="cuda"):
         SlotEngine(_llama(), num_slots=2, max_prompt_tokens=8, max_new_tokens=8, stop_ids=[STOP], cuda_graph=True)
+
+
+def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 5, max_new: int = 8):
+    """Multi-turn on raw ids: turn t's prompt is the previous prompt + the kept answer + an
+    end-of-turn token + the next user turn + a generation-prompt token. ``mode``: "prefix" (the
+    whole answer kept), "cut" (only its first half: the slot holds tokens the next prompt lacks),
+    "rewrite" (the next prompt also changes its second token, as a template that rewrites earlier
+    turns does). Every later turn continues in its conversation's slot. Returns the engine and
+    {(conversation, turn): (prompt, answer)}."""
+    g = torch.Generator().manual_seed(2)
+    users = [[torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(2, 12, (turns,), generator=g)]
+             for _ in range(convs)]
+    engine = SlotEngine(model, num_slots=num_slots, max_prompt_tokens=160, max_new_tokens=max_new, stop_ids=[STOP],
+                        max_prefill_tokens=64)
+    pending = collections.deque(Request(c * 10, users[c][0] + [9], hold=True) for c in range(convs))
+    seen = {}
+    for done in engine.generate(pending):
+        c, t = divmod(done.request.key, 10)
+        seen[c, t] = (done.request.prompt_ids, done.token_ids)
+        if t + 1 < turns:
+            kept = done.token_ids[: len(done.token_ids) // 2] if mode == "cut" else done.token_ids
+            prompt = done.request.prompt_ids + kept + [5] + users[c][t + 1] + [9]
+            if mode == "rewrite":
+                prompt = prompt[:1] + [4 + t % 2] + prompt[2:]
+            pending.append(Request(c * 10 + t + 1, prompt, hold=t + 2 < turns, after=done))
+    assert len(seen) == convs * turns
+    return engine, seen
+
+
+def _shift_reuse(monkeypatch, how):
+    """Sabotage: the follow-ups' reused prefix lengths become ``how(start, slot tokens, prompt)``."""
+    real = SlotEngine._claim_follow_ups
+
+    def claim(self, pending, held, ready, free):
+        kv = {s: tokens for s, (_, tokens) in held.items()}
+        before = len(ready)
+        real(self, pending, held, ready, free)
+        for k in range(before, len(ready)):
+            slot, req, start = ready[k]
+            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
+
+    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen3])
+@pytest.mark.parametrize("mode", ["prefix", "cut", "rewrite"])
+def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
+    """Each later turn prefills only what its prompt adds to its slot's tokens (a cut answer: the
+    slot is set back to the cut; a rewritten history: the common prefix only), and every answer is
+    HF's unbatched greedy answer to the whole prompt; with 1 or 3 slots alike."""
+    model = make()
+    engine, seen = _converse(model, num_slots=3, mode=mode)
+    for (c, t), (prompt, answer) in seen.items():
+        assert answer == _hf_greedy(model, prompt, 8), (c, t)
+    assert engine.continued == 10  # every later turn went on in its slot
+    assert engine.reused_tokens > 0 and engine.prefill_tokens + engine.reused_tokens == sum(
+        len(p) for p, _ in seen.values())
+    if mode == "rewrite":
+        assert engine.prefix_short == 10 and engine.reused_tokens == 10  # only the first token is common
+    elif mode == "cut":
+        assert engine.prefix_short == 10
+    else:
+        assert engine.prefix_short == 0
+    assert _converse(model, num_slots=1, mode=mode)[1] == seen
+
+    # A slot filled one token too far (a skipped token of the new prompt; for a cut answer, the
+    # length not set back to the cut) must change answers: the comparison above would catch it.
+    if mode == "cut":
+        _shift_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
+    else:
+        _shift_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
+    wrong = _converse(model, num_slots=3, mode=mode)[1]
+    assert any(wrong[k][1] != _hf_greedy(model, wrong[k][0], 8) for k in wrong if k[1] > 0)

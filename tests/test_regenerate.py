@@ -181,6 +181,9 @@ def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target):
         last_prompt = next(p for p in prompts if f"user {i} turn 2" in p)
         assert all(a in last_prompt for a in answers[:2]) and f"assistant {i}" not in last_prompt
     assert len(prompts) == 9 and summary["shortened"] == {}
+    # turns 2 and 3 continued in their slots: their histories were not prefilled again
+    assert summary["reused_tokens"] > 0 and summary["prefix_mismatch"] == 0
+    assert summary["prefill_tokens"] + summary["reused_tokens"] == summary["prompt_tokens"]
 
 
 def test_all_turns_stops_after_a_cut_answer(target):
@@ -413,3 +416,165 @@ def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
         picks.append(([split_prompt(c.messages, "first") for c in chosen], skipped, examined))
     assert picks[0] == picks[1]
     assert picks[0][1].get("prompt_too_long")  # the filter did run on both
+
+
+# ----------------------------------------------------------------------------- later turns in their slot
+
+_WORDS = "the cat dog sea runs fast and slow blue red green house tree".split()
+
+
+def _word_model(kind: str, tokenizer, seed: int = 1):
+    """A tiny random Llama or Qwen3 whose lm_head scores only whole-word tokens and <|im_end|>: its
+    greedy answers stop, run to the cap or loop, and decode to text that tokenises back to them."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls, config = (LlamaForCausalLM, LlamaConfig) if kind == "llama" else (Qwen3ForCausalLM, Qwen3Config)
+    torch.manual_seed(seed)
+    model = cls(config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                       tie_word_embeddings=False)).eval()
+    allowed = [tokenizer(" " + w, add_special_tokens=False)["input_ids"][0] for w in _WORDS]
+    allowed.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    with torch.no_grad():
+        rows = model.lm_head.weight[allowed].clone() * 8
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[allowed] = rows
+    return model
+
+
+def _reference_conversation(model, tokenizer, users, *, max_new_tokens, detector, max_prompt_tokens=None):
+    """What regenerate with ``loops="cut"``, ``after_cut="continue"`` must write: turn by turn, HF's
+    unbatched greedy answer to the whole templated history, cut at a loop's start; and the number
+    of answers cut by a loop that a later turn follows."""
+    stops = regen.stop_token_ids(model, tokenizer)
+    messages, cut_then_asked = [], 0
+    for t, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        ids = regen.encode_prompt(tokenizer, messages)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            messages.pop()
+            break
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
+                             pad_token_id=0)[0, len(ids):].tolist()
+        answer = next((out[:k] for k, tok in enumerate(out) if tok in stops), out)
+        start = detector.find(answer)
+        if start is not None:
+            answer = answer[:start]
+            cut_then_asked += t + 1 < len(users)
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        if not text.strip():
+            messages.pop()
+            break
+        messages.append({"role": "assistant", "content": text})
+    return messages, cut_then_asked
+
+
+def _conversations(n: int = 6, turns: int = 3) -> list[list[dict]]:
+    topics = ["cats", "dogs and more", "the sea", "why not", "green houses", "fast cars", "x"]
+    return [[{"role": "user", "content": f"question {i} turn {t} about {topics[(i + t) % len(topics)]}"}
+             for t in range(turns)] for i in range(n)]
+
+
+def _regen_all_turns(model, tokenizer, convs, *, batch_size, detector, max_prompt_tokens=None, stats=None):
+    return list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=16, turns="all",
+                                         batch_size=batch_size, after_cut="continue", loop_detector=detector,
+                                         max_prompt_tokens=max_prompt_tokens, max_prefill_tokens=128, stats=stats))
+
+
+def _sabotage_reuse(monkeypatch, how):
+    """The follow-ups' reused prefix lengths become ``how(start, slot tokens, prompt)``."""
+    from nemo_dflash.generation import SlotEngine
+
+    real = SlotEngine._claim_follow_ups
+
+    def claim(self, pending, held, ready, free):
+        kv = {s: tokens for s, (_, tokens) in held.items()}
+        before = len(ready)
+        real(self, pending, held, ready, free)
+        for k in range(before, len(ready)):
+            slot, req, start = ready[k]
+            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
+
+    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
+
+
+def _check_against_reference(model, tokenizer, convs, records, detector, max_prompt_tokens=None) -> int:
+    """Every record is the reference conversation; the number of loop-cut answers followed by a turn."""
+    assert len(records) == len(convs)
+    by_first = {r["messages"][0]["content"]: r for r in records}  # records come as conversations end
+    cut_then_asked = 0
+    for conv in convs:
+        record = by_first[conv[0]["content"]]
+        expected, cut = _reference_conversation(model, tokenizer, [m["content"] for m in conv], max_new_tokens=16,
+                                                detector=detector, max_prompt_tokens=max_prompt_tokens)
+        assert record["messages"] == expected
+        cut_then_asked += cut
+    return cut_then_asked
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_later_turns_reuse_their_slot_and_equal_hf_generate(target, kind, monkeypatch):
+    """Every turn of every conversation equals HF's greedy answer to the whole history, with the
+    model's own earlier answers in it, including turns after a loop-cut answer (the slot is set
+    back to the cut); later turns prefill only their new tokens; batch size 1 or 3 alike."""
+    from nemo_dflash.data.loops import LoopDetector
+
+    _, tokenizer = target
+    model, convs = _word_model(kind, tokenizer), _conversations()
+    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
+    stats = RegenStats()
+    records = _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector, stats=stats)
+    assert _check_against_reference(model, tokenizer, convs, records, detector) > 0  # cut answers were followed
+    assert stats.turns == 18 and stats.prefix_mismatch == 0
+    assert stats.reused_tokens > stats.prefill_tokens  # the histories were not prefilled again
+    assert stats.prefill_tokens + stats.reused_tokens == stats.prompt_tokens
+    one = _regen_all_turns(model, tokenizer, convs, batch_size=1, detector=detector)
+    assert sorted(map(str, one)) == sorted(map(str, records))
+
+    # A slot whose length is not set back to the cut (its whole answer kept), or one token too far,
+    # gives other answers: the comparison above catches a broken reuse.
+    for how in (lambda start, kv, prompt: min(len(kv), len(prompt) - 1),
+                lambda start, kv, prompt: min(start + 1, len(prompt) - 1)):
+        _sabotage_reuse(monkeypatch, how)
+        wrong = _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector)
+        with pytest.raises(AssertionError):
+            _check_against_reference(model, tokenizer, convs, wrong, detector)
+        monkeypatch.undo()
+
+
+def test_non_prefix_template_and_long_history_equal_hf_generate(target, monkeypatch):
+    """A template that rewrites earlier turns (here: every header carries the message count) breaks
+    the prefix property: counted, only the common prefix is reused, answers are still HF's. A
+    history that outgrows --max-prompt-tokens ends its conversation as it did before."""
+    import copy
+
+    from nemo_dflash.data.loops import LoopDetector
+
+    _, tokenizer = target
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }} {{ messages|length }}\n{{ m.content }}<|im_end|>\n"
+        "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+    model, convs = _word_model("qwen3", tokenizer), _conversations()
+    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
+    stats = RegenStats()
+    records = _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector, stats=stats)
+    _check_against_reference(model, tokenizer, convs, records, detector)
+    assert stats.prefix_mismatch == stats.turns - len(records) > 0 and stats.reused_tokens > 0
+    # The slot's tokens are not all a prefix here: keeping them all would be wrong, and is caught.
+    _sabotage_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
+    with pytest.raises(AssertionError):
+        _check_against_reference(model, tokenizer, convs,
+                                 _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector), detector)
+    monkeypatch.undo()
+
+    # Too long a history: the third turn's prompt does not fit --max-prompt-tokens.
+    _, tokenizer = target
+    model = _word_model("llama", tokenizer)
+    first = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in convs)
+    stats = RegenStats()
+    records = _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector, max_prompt_tokens=first + 40,
+                               stats=stats)
+    _check_against_reference(model, tokenizer, convs, records, detector, max_prompt_tokens=first + 40)
+    assert stats.shortened["prompt_too_long"] > 0 and stats.reused_tokens > 0
