@@ -325,3 +325,67 @@ def test_typos_inside_list_items_suggest_the_items_keys(override, suggestion, tm
     recipe.write_text("defaults: [paper_block16.yaml]\ntarget: {path: x}\ndata:\n  sources:\n    - {pth: a.jsonl}\n")
     with pytest.raises(ConfigError, match=re.escape("data.sources[0].path")):
         load_recipe(recipe)
+
+
+# ------------------------------------------------------------------ the loop's pieces
+
+
+def test_auto_settings_are_resolved_in_one_place():
+    from nemo_dflash.config import RecipeConfig
+    from nemo_dflash.train.trainer import resolve_settings
+
+    cfg = RecipeConfig()
+    cfg.train.device = "cpu"
+    s = resolve_settings(cfg, world_size=1, local_rank=0)
+    assert (s.device.type, s.strategy, s.attn_backend) == ("cpu", "none", "sdpa")
+    assert resolve_settings(cfg, world_size=2, local_rank=0).strategy == "ddp"
+    cfg.distributed.strategy = "fsdp2"
+    assert resolve_settings(cfg, world_size=1, local_rank=0).strategy == "none"  # one process: unwrapped
+    cfg.distributed.shard_target = True
+    with pytest.raises(ValueError, match="shard_target"):
+        resolve_settings(cfg, world_size=1, local_rank=0)
+    cfg.distributed.shard_target = False
+    cfg.loss.attn_backend = "flex"
+    with pytest.raises(ValueError, match="flex needs a GPU"):
+        resolve_settings(cfg, world_size=1, local_rank=0)
+
+
+def test_loss_sums_add_and_read_back_by_name():
+    """`sums()` of two micro-batches added == the sums of the whole batch, read back by field name."""
+    from nemo_dflash.core import LossSums
+
+    target = tiny_qwen3()
+    draft = make_draft(target, num_layers=1, block_size=4)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), num_anchors=4)
+    ids, attn, lm = random_batch(bsz=2, seq=30)
+    outs = [module(wrapper.generate_batch(ids[i : i + 1], attn[i : i + 1], lm[i : i + 1]), row_seeds=[i])
+            for i in range(2)]
+    sums = LossSums.from_vector(outs[0].sums() + outs[1].sums())
+    assert sums.weight_sum == pytest.approx(sum(float(o.weight_sum) for o in outs))
+    assert sums.num_blocks == sum(int(o.num_blocks) for o in outs)
+    rates = sums.rates(prefix="eval_")
+    assert rates["eval_loss"] == pytest.approx(sum(float(o.loss_sum) for o in outs) / sums.weight_sum)
+    assert rates["eval_accept_len"] == pytest.approx(sums.accept_sum / sums.num_blocks)
+    assert LossSums().rates() == {"loss": 0.0, "accuracy": 0.0, "accept_len": 0.0}  # nothing supervised
+
+
+def test_stop_reasons():
+    from nemo_dflash.train.trainer import StopReason
+
+    assert StopReason.SIGTERM.value == "SIGTERM" and StopReason.SIGTERM.saves and StopReason.TIME_LIMIT.saves
+    assert not StopReason.NONFINITE.saves  # the last good checkpoint is kept
+
+
+def test_checkpointer_layout_is_what_export_reads(tmp_path):
+    from nemo_dflash.export import resolve_draft_dir
+    from nemo_dflash.train.checkpoint import COMPLETE, DRAFT_DIR, checkpoint_root, final_draft_dir, step_dir_name
+
+    run = tmp_path / "run"
+    draft = make_draft(tiny_qwen3(), num_layers=1, block_size=4)
+    ckpt = checkpoint_root(run) / step_dir_name(12)
+    draft.save_pretrained(ckpt / DRAFT_DIR)
+    (ckpt / COMPLETE).write_text("ok\n")
+    assert resolve_draft_dir(run) == ckpt / DRAFT_DIR
+    draft.save_pretrained(final_draft_dir(run))
+    assert resolve_draft_dir(run) == final_draft_dir(run) == run / "final" / "draft"
