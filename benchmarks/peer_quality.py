@@ -1,7 +1,10 @@
 """Drafter quality side by side with a peer trainer (SpecForge's DFlash), at equal data and steps (issue 17).
 
-    python benchmarks/peer_quality.py --peer-src /path/to/SpecForge --target SmolLM2.gguf \
-        --data regen.jsonl --out OUT [--json docs/bench/peer_quality.json] [--steps 800] [--minutes 10]
+    python benchmarks/peer_quality.py --stage train --peer-src /path/to/SpecForge --target SmolLM2.gguf \
+        --data regen.jsonl --out OUT [--json docs/bench/peer_quality.json] [--steps 800] [--minutes 7]
+    python benchmarks/peer_quality.py --stage eval --target SmolLM2.gguf --out OUT [--json ...] \
+        [--eval-protocol paper] [--eval-args "--num-prompts 10 --decode graphs --workers 8 --no-speedup"]
+    (--stage all, the default, does both in one process; benchmarks/peer_quality.sh wraps it)
 
 Two drafts of the same shape are trained on the same regenerated data (a JSONL written by
 `python -m nemo_dflash.recipes.regenerate`), then scored the same way:
@@ -19,6 +22,8 @@ Two drafts of the same shape are trained on the same regenerated data (a JSONL w
   optimizer (`BF16Optimizer`: bf16 parameters, fp32 master copies, AdamW betas (0.9, 0.999),
   weight decay 0, clipping, `CosineAnnealingWarmupLR`) and its dtypes (`model.torch_dtype:
   bfloat16` for the draft and the target's embedding/lm_head, as in its example recipes).
+  The peer needs nothing beyond torch, transformers, accelerate (psutil) and PyYAML: its
+  pydantic/SGLang/wandb/datasets/yunchang imports are not on this path.
 
 What is the same for both: the recipe's draft shape (layers, block size, target layers, mask token,
 hidden/intermediate/heads from the target), anchors per sequence (`loss.num_anchors`), loss decay
@@ -69,21 +74,29 @@ weight names and shapes are checked against the serving contract) and writes con
 model.safetensors. If our loader ever refuses SpecForge's config.json, the script falls back to our
 serving config.json (same shape, mask, layers) next to SpecForge's weights, and says so in the JSON.
 
-Steps and time: `--steps N` for both (same cosine schedule over N). `--minutes M` caps the two
-trainings together: ours runs with `train.max_minutes = M * --ours-share`; the peer gets what is
-left and, if it would run out, stops at a curve point. If either stops early, both are compared at
-the common step (ours from its checkpoint at that step). steps/s: the median of
-`--log-every`-step windows after the first (compile) window, for each trainer.
+Steps and time: `--steps N` for both (the same cosine schedule over N). `--minutes M` caps the train
+stage's wall time from its start to the end of the peer's training (default 7, so that the stage,
+with its start-up, curve evaluations and exports, fits one 10-minute GPU command): ours runs with
+`train.max_minutes = M * --ours-share`; the peer trains for as many steps as ours did and, if it
+would pass the cap, stops at a curve point. If either stops early, both are compared at the common
+step (ours from its checkpoint at that step; both schedules were planned for N, so both are cut the
+same way) and the JSON says so (checks.peer_stopped / checks.ours_stopped); re-run with a smaller
+--steps for complete schedules. steps/s: the median of `--log-every`-step windows after the first
+(compile) window, for each trainer; the peer's step includes its target forward through our hook
+wrapper, as ours does.
 
-Output: `--json` (default OUT/peer_quality.json): {"peer": {name, version, steps, tau_t0, tau_t1,
-sim_tau, steps_per_s, ...}, "ours": {...}, "device", "protocol", "curves", "checks"}, a printed table,
-OUT/curves.png, and every log under OUT/logs.
+Output: `--json` (default OUT/peer_quality.json): {"peer": {name, version (commit), steps, tau_t0,
+tau_t1, sim_tau, steps_per_s, recipe, substitutions, conversion, real_tau}, "ours": {...}, "device",
+"protocol", "curves": [{step, ours, peer, ours_in_trainer}], "checks"}, a printed table,
+OUT/curves.png, and every log under OUT/logs. tau_tX is the mean over datasets of evaluate's
+mean_acceptance_length at temperature X; if an evaluation is partial, `tau_common_answers` compares
+the two drafts on the answers both produced. The eval stage can be re-run to continue (evaluate
+resumes from its answers.jsonl), also one draft at a time (`--which ours|peer`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -104,19 +117,31 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- small helpers
 
 
-def _git_commit(path: Path) -> Optional[str]:
+def _git(path: Path, *args: str) -> Optional[str]:
     try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_commit(path: Path, dirty_mark: bool = False) -> Optional[str]:
+    """HEAD of the repository whose top level is `path` (not of an enclosing repository)."""
+    top = _git(path, "rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != path.resolve():
+        return None
+    commit = _git(path, "rev-parse", "HEAD")
+    if commit and dirty_mark and _git(path, "status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"  # the tracked files differ from the commit
+    return commit
 
 
 def peer_version(peer_src: Path) -> dict[str, Optional[str]]:
-    """The peer's commit: `git rev-parse HEAD` of the checkout, else a COMMIT file (staged copies)."""
-    commit = _git_commit(peer_src)
-    if commit is None and (peer_src / "COMMIT").is_file():
+    """The peer's commit: a COMMIT file (benchmarks/peer_quality.sh stage writes one), else the checkout's HEAD."""
+    commit = None
+    if (peer_src / "COMMIT").is_file():
         commit = (peer_src / "COMMIT").read_text().strip() or None
+    commit = commit or _git_commit(peer_src)
     vt = peer_src / "version.txt"
     return {"commit": commit, "version_txt": vt.read_text().strip() if vt.is_file() else None}
 
@@ -125,12 +150,12 @@ def _median_rate(step_times: list[float]) -> Optional[float]:
     return 1.0 / statistics.median(step_times) if step_times else None
 
 
-def _run(cmd: list[str], log: Path, env: Optional[dict] = None) -> tuple[int, float]:
+def _run(cmd: list[str], log: Path, env: Optional[dict] = None, append: bool = False) -> tuple[int, float]:
     """Run a subprocess with its output in `log`; (return code, wall seconds)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     logger.info("$ %s  (log: %s)", " ".join(shlex.quote(c) for c in cmd), log)
     t0 = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO)).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
@@ -403,7 +428,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "two exports, added to the JSON (re-run continues an incomplete evaluation); all: both")
     p.add_argument("--recipe", default="smollm2_135m_gpu.yaml")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps for both trainers (schedule length)")
-    p.add_argument("--minutes", type=float, default=8.0,
+    p.add_argument("--minutes", type=float, default=7.0,
                    help="wall-time cap from the start of the script to the end of the peer's training")
     p.add_argument("--ours-share", type=float, default=0.45, help="fraction of --minutes that caps our training")
     p.add_argument("--eval-every", type=int, default=100, help="curve points (held-out simulated tau) every N steps")
@@ -418,8 +443,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-protocol", default="paper", help="evaluate --protocol (paper|quick), or 'none' to skip")
     p.add_argument("--eval-args", default="--num-prompts 10 --decode graphs --workers 8 --no-speedup",
                    help="extra evaluate flags, the same for both drafts")
-    p.add_argument("--eval-minutes", type=float, default=4.0,
+    p.add_argument("--eval-minutes", type=float, default=3.0,
                    help="evaluate --max-minutes for each draft (an incomplete run continues when the stage is re-run)")
+    p.add_argument("--which", default="both", choices=["both", "ours", "peer"],
+                   help="eval stage: evaluate only this draft (each evaluate run is resumable)")
     p.add_argument("--device-label", default=None, help="device description for the JSON (default: detected)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-ours", action="store_true", help="reuse OUT/ours from an earlier run (debugging)")
@@ -573,7 +600,8 @@ def train_stage(args, out: Path, t_script: float) -> dict[str, Any]:
             elapsed = time.perf_counter() - t_start
             if step < target_steps and elapsed * (step + every) / step > peer_cap_s:
                 stopped = f"time cap ({peer_cap_s:.0f} s): stopped at curve point {step}"
-                logger.warning("peer: %s", stopped)
+                logger.warning("peer: %s; both drafts are compared at step %d (for complete schedules re-run "
+                               "with --steps about %d)", stopped, step, step)
                 break
         if step % args.log_every == 0:
             window_t, window_n = time.perf_counter(), 0
@@ -655,14 +683,15 @@ def train_stage(args, out: Path, t_script: float) -> dict[str, Any]:
             "conversion": conversion,
         },
         "ours": {
-            "name": "nemo_dflash", "version": _git_commit(REPO), "steps": common_step, "steps_trained": ours_steps,
+            "name": "nemo_dflash", "version": _git_commit(REPO, dirty_mark=True), "steps": common_step, "steps_trained": ours_steps,
             "tau_t0": None, "tau_t1": None, "sim_tau": sim_ours["eval_accept_len"],
             "sim_eval_loss": sim_ours["eval_loss"], "steps_per_s": ours_rate, "train_seconds": ours_train_s,
             "draft": str(exports / "ours"), "command": " ".join(shlex.quote(c) for c in cmd),
             "recipe": {"optimizer": {"lr": float(cfg.optim.lr), "betas": list(cfg.optim.betas), "eps": float(cfg.optim.eps),
                                      "weight_decay": float(cfg.optim.weight_decay), "grad_clip": float(cfg.optim.grad_clip),
                                      "warmup_ratio": float(cfg.optim.warmup_ratio), "schedule": cfg.optim.scheduler},
-                       "precision": cfg.train.precision, "params": "fp32 (bf16 autocast)",
+                       "precision": cfg.train.precision,
+                       "params": "fp32" + (" (bf16 autocast)" if cfg.train.precision == "bf16" else ""),
                        "compile": bool(cfg.train.compile), "compile_target": bool(cfg.train.compile_target)},
         },
         "device": args.device_label or _device_label(ev.device),
@@ -692,13 +721,16 @@ def eval_stage(args, out: Path, result: dict[str, Any]) -> None:
     """Our evaluate on both exports with the same flags; tau per temperature into the JSON."""
     evals, cmds = {}, {}
     for name in ("ours", "peer"):
+        if args.which not in ("both", name):
+            evals[name] = tau_from_results(out / "eval" / name / "results.json")
+            continue
         draft = result[name].get("draft") or str(out / "export" / name)
         ecmd = [sys.executable, "-m", "nemo_dflash.recipes.evaluate", "--draft", draft, "--target", args.target,
                 "--out", str(out / "eval" / name), "--protocol", args.eval_protocol, *shlex.split(args.eval_args)]
         if args.eval_minutes:
             ecmd += ["--max-minutes", f"{args.eval_minutes:g}"]
         cmds[name] = " ".join(shlex.quote(c) for c in ecmd)
-        rc, wall = _run(ecmd, out / "logs" / f"eval_{name}.log")
+        rc, wall = _run(ecmd, out / "logs" / f"eval_{name}.log", append=True)
         evals[name] = tau_from_results(out / "eval" / name / "results.json") if rc == 0 else {"failed": rc}
         evals[name]["wall_s"] = wall
     common = common_answer_taus(out / "eval" / "ours" / "results.json", out / "eval" / "peer" / "results.json")
