@@ -4,12 +4,24 @@
         --max-new-tokens 1024 --batch-size 1024 --json OUT.json
     python benchmarks/regen_throughput.py --random-shape smollm2 --num-prompts 2048   # no weights needed
 
+    python benchmarks/regen_throughput.py --target SmolLM2.gguf --prompts sharegpt_all.jsonl --turns all \
+        --num-prompts 4096 --max-new-tokens 1024 --max-prompt-tokens 1536 --batch-size 1024 --stop-loops \
+        --temperature 0.2 --top-p 0.9 --modes slots,slots_full,generate
+
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
 ``slots`` (nemo_dflash.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
+
+``--turns all`` (needs --target) runs whole conversations: the first --num-prompts conversations
+of --prompts, every user turn answered with the target's own earlier answers in the history,
+through ``regenerate_conversations`` itself (templating and tokenising included, as the pipeline
+runs). ``slots`` keeps a conversation in its slot between turns and prefills only each turn's new
+tokens; ``slots_full`` is the same engine prefilling every turn's whole history (the behaviour
+before); ``generate`` is ``--engine generate``. The ``prefill/gen`` column is the prompt tokens
+run through a prefill per generated token (``reused``: prompt tokens found in the slot instead).
 Prints a table; --json writes the rows.
 """
 
@@ -62,6 +74,49 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def load_conversations(args) -> list:
+    """The first --num-prompts conversations of --prompts that have a user turn (--turns all)."""
+    from nemo_dflash.data import default_sharegpt_path, read_conversations
+    from nemo_dflash.regenerate import split_prompt
+
+    path = default_sharegpt_path() if args.prompts == "sharegpt" else args.prompts
+    convs = []
+    for conv in read_conversations(path):
+        if split_prompt(conv.messages, "all")[1]:
+            convs.append(conv)
+        if len(convs) >= args.num_prompts:
+            break
+    return convs
+
+
+def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = True) -> dict:
+    """Every turn of ``convs`` through regenerate_conversations (what `regenerate --turns all` runs)."""
+    from nemo_dflash.regenerate import RegenStats, regenerate_conversations
+
+    def run(sample: list) -> tuple[RegenStats, float]:
+        stats = RegenStats()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in regenerate_conversations(
+            model, tokenizer, sample, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
+            max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
+            after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
+        ):
+            pass
+        _sync()
+        return stats, time.perf_counter() - t0
+
+    run(convs[: min(len(convs), 64)])  # compile / warm up
+    stats, dt = run(convs)
+    prefill = stats.prefill_tokens if engine == "slots" else stats.prompt_tokens
+    return {"tokens": stats.generated_tokens, "seconds": dt, "prefill_tokens": prefill,
+            "reused_tokens": stats.reused_tokens, "turns": stats.answers, "conversations": stats.written,
+            "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
+                       "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
+                       "shortened": dict(stats.shortened)}}
+
+
 def run_slots(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.generation import Request, SlotEngine
@@ -85,6 +140,7 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     dt = time.perf_counter() - t0
     split = {k: round(v, 2) for k, v in engine.seconds.items()}
     return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "phase_seconds": split,
+            "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
             "finish": dict(finish, steps=engine.steps, **split)}
 
 
@@ -147,7 +203,8 @@ def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
             tokens += n
             finish[reason] += 1
     _sync()
-    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "finish": dict(finish)}
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "prefill_tokens": sum(map(len, prompts)),
+            "finish": dict(finish)}
 
 
 def run_hf_cb(model, prompts, args, stop_ids, pad_id) -> dict:
@@ -177,6 +234,11 @@ def main() -> None:
     p.add_argument("--target", default=None, help="pkg:smollm2, a .gguf or an HF dir (real weights, real stops)")
     p.add_argument("--random-shape", choices=("smollm2",), default=None, help="random weights instead of --target")
     p.add_argument("--prompts", default="sharegpt", help="sharegpt or a chat file (with --target)")
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="first: first user turns as independent prompts; all: whole conversations, every turn "
+                        "(--num-prompts conversations; modes slots, slots_full, generate)")
+    p.add_argument("--after-cut", choices=("end", "continue"), default="end",
+                   help="--turns all: a cut or capped answer ends its conversation, or the next turn follows it")
     p.add_argument("--num-prompts", type=int, default=2048)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -202,16 +264,30 @@ def main() -> None:
                                        device=device)
         stop_ids = stop_token_ids(model, tokenizer)
         pad_id = _pad_id(tokenizer, stop_ids)
-    prompts = load_prompts(args, tokenizer)
-    prompt_tokens = sum(len(x) for x in prompts)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if args.turns == "all":
+        if tokenizer is None:
+            p.error("--turns all needs --target (a chat template to build the later turns)")
+        convs = load_conversations(args)
+        print(f"# {len(convs)} conversations, every turn, <= {args.max_new_tokens} new, T={args.temperature} "
+              f"top_p={args.top_p}, batch {args.batch_size}, loops {'cut' if args.stop_loops else 'kept'}, "
+              f"after a cut: {args.after_cut}, {name}", flush=True)
+    else:
+        prompts = load_prompts(args, tokenizer)
+        prompt_tokens = sum(len(x) for x in prompts)
+        print(f"# {len(prompts)} prompts ({prompt_tokens / len(prompts):.0f} tokens avg), <= {args.max_new_tokens} "
+              f"new, T={args.temperature} top_p={args.top_p}, batch {args.batch_size}, {name}", flush=True)
     rows = []
-    print(f"# {len(prompts)} prompts ({prompt_tokens / len(prompts):.0f} tokens avg), <= {args.max_new_tokens} new, "
-          f"T={args.temperature} top_p={args.top_p}, batch {args.batch_size}, {name}", flush=True)
-    print(f"{'mode':<10} {'new tokens':>11} {'seconds':>8} {'tokens/s':>10}  finish", flush=True)
+    print(f"{'mode':<10} {'new tokens':>11} {'seconds':>8} {'tokens/s':>10} {'prefill/gen':>11} {'reused':>10}  finish",
+          flush=True)
     for mode in args.modes.split(","):
         try:
-            if mode == "slots":
+            if args.turns == "all":
+                if mode not in ("slots", "slots_full", "generate"):
+                    raise ValueError(f"mode {mode} does not run --turns all")
+                r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "slots",
+                                      reuse=mode != "slots_full")
+            elif mode == "slots":
                 r = run_slots(model, prompts, args, stop_ids)
             elif mode == "step":
                 r = run_step(model, prompts, args, stop_ids)
@@ -224,12 +300,17 @@ def main() -> None:
         except Exception as e:  # one failing mode must not hide the others
             print(f"{mode:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, prompts=len(prompts),
+        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, turns_mode=args.turns,
+                 prompts=len(convs) if args.turns == "all" else len(prompts),
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                  top_p=args.top_p, target=args.target or args.random_shape)
         rows.append(r)
-        print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f}  {r['finish']}", flush=True)
+        ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
+        r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)
+        print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f} "
+              f"{'-' if ratio is None else f'{ratio:.3f}':>11} {r.get('reused_tokens', '-'):>10}  {r['finish']}",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

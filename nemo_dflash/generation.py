@@ -322,6 +322,7 @@ class SlotEngine:
         max_prefill_tokens: int = 65536,
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
+        reuse_slots: bool = True,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
@@ -344,6 +345,7 @@ class SlotEngine:
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
+        self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
         self.min_refill = max(1, num_slots // 16 if self.device.type == "cuda" else num_slots // 2)
@@ -584,7 +586,7 @@ class SlotEngine:
         """Move the follow-ups of ``held`` slots from ``pending`` to ``ready`` (slot, request, tokens
         of the slot's KV to keep); free the held slots nobody follows."""
         claimed: set[int] = set()
-        if any(r.after is not None for r in pending):
+        if self.reuse_slots and any(r.after is not None for r in pending):
             rest = []
             for req in pending:
                 after = req.after

@@ -300,6 +300,7 @@ def regenerate_conversations(
     after_cut: str = "end",
     loop_detector: Optional[LoopDetector] = None,
     max_prefill_tokens: int = 65536,
+    reuse_slots: bool = True,
     stats: Optional[RegenStats] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     should_stop: Optional[Callable[[], bool]] = None,
@@ -323,7 +324,8 @@ def regenerate_conversations(
     ``stats.skipped``. With the slot engine a conversation keeps its slot between turns and a later
     turn prefills only what its prompt adds to the slot's tokens (``stats.prefill_tokens`` /
     ``reused_tokens``; ``prefix_mismatch`` counts the turns whose prompt rewrote earlier tokens:
-    they reuse only the common prefix). ``progress(conversations_done, new_tokens)`` is called as answers end.
+    they reuse only the common prefix; ``reuse_slots=False`` prefills every prompt whole, for
+    comparison). ``progress(conversations_done, new_tokens)`` is called as answers end.
     Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
     unfinished are not yielded (a resumed run redoes them). Arguments are checked at the call.
     """
@@ -349,7 +351,7 @@ def regenerate_conversations(
         gen: Any = SlotEngine(
             model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
             stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
-            stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens,
+            stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
         )
     else:
         gen = BatchedGenerateEngine(
