@@ -112,6 +112,7 @@ from typing import Any, Optional
 
 logger = logging.getLogger("peer_quality")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # nemo_dflash from this checkout, as the other benchmarks do
 
 
 # ----------------------------------------------------------------------------- small helpers
