@@ -208,8 +208,13 @@ def _slot_attention(
         span = slot_pass.prefix_mask.shape[-1]
         k_all = cache.k[layer][slot_pass.slots, :, :span]
         v_all = cache.v[layer][slot_pass.slots, :, :span]
+        gqa = query.shape[1] != k_all.shape[1]
+        if gqa and query.is_cuda:  # a masked GQA call may fall to the math kernel: give every head its K/V
+            k_all = k_all.repeat_interleave(query.shape[1] // k_all.shape[1], dim=1)
+            v_all = v_all.repeat_interleave(query.shape[1] // v_all.shape[1], dim=1)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=True
+            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=gqa
         )
     else:
         width = key.shape[2]
@@ -425,7 +430,7 @@ class SlotEngine:
         if any(starts):
             row, col = (torch.from_numpy(a).to(dev) for a in np.nonzero(real))
             slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
-            span = int((start_t + len_t).max())
+            span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
             slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
         hidden = self.decoder(
             input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass

@@ -59,7 +59,7 @@ class RegenStats:
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
     prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
-    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a later turn's history reused from its slot is not)
+    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its slot is not)
     reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
     seconds: float = 0.0  # time spent generating
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated

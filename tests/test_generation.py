@@ -119,8 +119,8 @@ def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 
     turns does). Every later turn continues in its conversation's slot. Returns the engine and
     {(conversation, turn): (prompt, answer)}."""
     g = torch.Generator().manual_seed(2)
-    users = [[torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(2, 12, (turns,), generator=g)]
-             for _ in range(convs)]
+    users = [[torch.randint(3, 300, (int(k),), generator=g).tolist()
+              for k in torch.randint(2, 12, (turns,), generator=g)] for _ in range(convs)]
     engine = SlotEngine(model, num_slots=num_slots, max_prompt_tokens=160, max_new_tokens=max_new, stop_ids=[STOP],
                         max_prefill_tokens=64)
     pending = collections.deque(Request(c * 10, users[c][0] + [9], hold=True) for c in range(convs))
