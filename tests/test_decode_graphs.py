@@ -18,6 +18,7 @@ from nemo_dflash.inference.static_cache import (
 )
 from nemo_dflash.inference.static_decode import (
     LENGTH_BUCKET,
+    StaticSpecRunner,
     cache_length_for,
     static_autoregressive_generate,
     static_speculative_generate,
@@ -292,6 +293,43 @@ def test_static_sampling_end_to_end_distribution():
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
     plain = static_autoregressive_generate(target, ids, 12, 0.7, set(), g, use_graphs=False)
     assert len(plain.output_ids) == 12
+
+
+def _sampled_runner(block: int, vocab: int):
+    """A StaticSpecRunner holding only the state its sampled accept/propose steps read."""
+    r = StaticSpecRunner.__new__(StaticSpecRunner)
+    r.B, r.greedy = block, False
+    r.blk = torch.zeros(1, block, dtype=torch.long)
+    r.pos = torch.tensor(7)
+    r.arange_b = torch.arange(block)
+    r.key = torch.zeros(1, dtype=torch.long)
+    r.inv_temp = torch.tensor(1.0)
+    r.q = torch.zeros(block - 1, vocab)
+    r.vocab = torch.arange(vocab)
+    return r
+
+
+def test_device_speculative_sampling_keeps_the_target_distribution():
+    """The captured sampled step (draw from q, accept with min(1, p/q), residual, bonus) against
+    hand-set p and q that differ a lot: over many keys the first kept token is distributed as p's
+    first row, the second as p's second row whenever the first proposal was kept, and n_acc's mean
+    is the closed form sum_v min(p, q). An always-accepting or residual-free step fails this."""
+    p = torch.tensor([[0.70, 0.10, 0.10, 0.05, 0.05], [0.05, 0.05, 0.10, 0.10, 0.70], [0.2] * 5])
+    q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
+    r = _sampled_runner(3, 5)
+    n, first, second, kept, accepted = 6000, torch.zeros(5), torch.zeros(5), 0, 0.0
+    for key in range(n):
+        r.key.fill_(key * 7919 + 11)
+        r._propose_sampled(q.log())
+        n_acc, tokens = r._accept_sampled(p.log())
+        first[tokens[0]] += 1
+        accepted += float(n_acc >= 1)
+        if n_acc >= 1:
+            kept += 1
+            second[tokens[1]] += 1
+    assert (first / n - p[0]).abs().max() < 0.02
+    assert (second / kept - p[1]).abs().max() < 0.03
+    assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
 
 
 def test_fused_elementwise_same_output_then_removed():

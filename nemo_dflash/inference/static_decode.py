@@ -13,6 +13,13 @@ Per speculative step (block size B, position p of the last verified token):
    K/V there), its features of the B tokens go to the draft's next input, and the accepted
    length n, the next first token and p + n + 1 are computed in place.
 Rejected tokens' K/V stay in both caches, hidden by the masks, until overwritten.
+
+At T > 0 the same two steps also sample on the device (speculative sampling: accept slot k with
+probability min(1, p/q), else draw from norm(max(p - q, 0)); the bonus from p), with keyed noise:
+each uniform is a hash of (a per-generation key drawn from the caller's generator, a stream, the
+absolute position, the token), so the sampled step is one graph as well and the host still reads
+back only the new tokens. A position's noise only ever decides one kept token: a later step samples
+only positions past the last kept one.
 """
 
 from __future__ import annotations
@@ -25,15 +32,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from nemo_dflash.generation import keyed_uniform
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.spec_decode import (
     GenerationOutput,
-    _probs,
-    _sample,
     _sync,
     _truncate,
     select_tokens,
-    verify_block,
 )
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
@@ -47,6 +52,12 @@ logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 256  # cache lengths are rounded up to this, so most prompts reuse the captured graphs
 FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
+# Noise streams of the sampled step: the draft's proposals, the accept tests, the next token.
+_DRAFT_STREAM, _ACCEPT_STREAM, _NEXT_STREAM = 0x5D, 0xACC, 0x4E7
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -198,7 +209,13 @@ class StaticSpecRunner:
         self.block_visible = torch.ones(B, dtype=torch.bool, device=dev)
         n_feat = len(decoder.target.target_layer_ids) * model.config.hidden_size
         self.feats = torch.zeros(1, B, n_feat, dtype=self.dtype, device=dev)  # verified features, padded to B
-        self.result = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [n_accepted, target tokens...]
+        self.result = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...]
+        if not greedy:  # the sampled step's state: key, 1/T, the draft's distributions, the vocabulary
+            vocab = decoder.lm_head.weight.shape[0]
+            self.key = torch.zeros(1, dtype=torch.long, device=dev)
+            self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
+            self.q = torch.zeros(B - 1, vocab, dtype=torch.float32, device=dev)
+            self.vocab = torch.arange(vocab, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
         if use_graphs:
             logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d)",
@@ -223,7 +240,17 @@ class StaticSpecRunner:
         logits = self.dec.lm_head(hidden[0, 1:].to(self.dec.lm_head.weight.dtype))
         if self.greedy:
             self.blk[0, 1:].copy_(logits.argmax(dim=-1))
+        else:
+            self._propose_sampled(logits)
         return logits
+
+    def _propose_sampled(self, logits: torch.Tensor) -> None:
+        """Gumbel-max draws from softmax(draft logits / T) into the block; q is kept for the accept test."""
+        scores = logits.float() * self.inv_temp
+        self.q.copy_(torch.softmax(scores, dim=-1))
+        slots = self.pos + 1 + self.arange_b[:-1]
+        u = keyed_uniform(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.vocab)
+        self.blk[0, 1:].copy_((scores + _gumbel(u)).argmax(dim=-1))
 
     def _verify(self) -> torch.Tensor:
         """Target logits [B, V] of the block; at T=0 also accept and advance, on the device."""
@@ -239,12 +266,35 @@ class StaticSpecRunner:
         if self.greedy:
             tgt = logits.argmax(dim=-1)  # [B]
             n_acc = (self.blk[0, 1:] == tgt[:-1]).long().cumprod(dim=0).sum()
-            self.result[0].copy_(n_acc)
-            self.result[1:].copy_(tgt)
-            self.ctx_start.copy_(self.pos)
-            self.pos.add_(n_acc + 1)
-            self.blk[0, :1].copy_(tgt.gather(0, n_acc.view(1)))
+            tokens = tgt  # accepted proposals equal the target's tokens
+        else:
+            n_acc, tokens = self._accept_sampled(logits)
+        self.result[0].copy_(n_acc)
+        self.result[1:].copy_(tokens)
+        self.ctx_start.copy_(self.pos)
+        self.pos.add_(n_acc + 1)
+        self.blk[0, :1].copy_(tokens.gather(0, n_acc.view(1)))
         return logits
+
+    def _accept_sampled(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling on the device: (accepted count, block tokens [B]) where tokens[:n]
+        are the kept proposals and tokens[n] the next token (residual draw, or the bonus from p)."""
+        B = self.B
+        p = torch.softmax(logits.float() * self.inv_temp, dim=-1)  # [B, V]; row k judges slot k + 1
+        x = self.blk[0, 1:]
+        p_tok = p[:-1].gather(-1, x[:, None]).squeeze(-1)
+        q_tok = self.q.gather(-1, x[:, None]).squeeze(-1)
+        slots = self.pos + 1 + self.arange_b  # position of slot k + 1, for row k
+        u = keyed_uniform(_ACCEPT_STREAM, self.key.expand(B - 1), slots[:-1], x[:, None]).squeeze(-1)
+        n_acc = (u * q_tok < p_tok).long().cumprod(dim=0).sum()  # u < p/q without dividing by q
+        resid = (p[:-1] - self.q).clamp(min=0)
+        total = resid.sum(dim=-1, keepdim=True)
+        resid = torch.where(total > 0, resid / total.clamp(min=torch.finfo(torch.float32).tiny), p[:-1])
+        dist = torch.cat([resid, p[-1:]])  # row k: where slot k + 1 is drawn from if it is the next token
+        u = keyed_uniform(_NEXT_STREAM, self.key.expand(B), slots, self.vocab)
+        nxt = (torch.log(dist) + _gumbel(u)).argmax(dim=-1).gather(0, n_acc.view(1))
+        tokens = torch.cat([x, x[:1]]).scatter(0, n_acc.view(1), nxt)
+        return n_acc, tokens
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager prompt forward: (last logits [1, V], prompt features [1, P, n*H])."""
@@ -278,31 +328,24 @@ class StaticSpecRunner:
         _sync(device)
         t1 = time.perf_counter()
 
+        if not self.greedy:  # this generation's noise key, drawn from (and advancing) the caller's generator
+            gen_device = generator.device if generator is not None else torch.device("cpu")
+            key = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)
+            self.key.copy_(key.to(device))
+            self.inv_temp.fill_(1.0 / temperature)
         stopped = output[0] in stop_ids
         accept_lens: list[int] = []
         step_one = True
         while not stopped and len(output) < max_new_tokens:
-            d_logits = None
             if B > 1:  # step 1 drafts against the whole prompt (eager); later steps replay the graph
-                d_logits = self._draft(prompt_feats) if step_one else self.draft_step.replay()
+                self._draft(prompt_feats) if step_one else self.draft_step.replay()
                 step_one = False
-            d_tokens, d_probs = self.blk[0, 1:], None
-            if not self.greedy and B > 1:
-                d_probs = _probs(d_logits, temperature)
-                self.blk[0, 1:].copy_(_sample(d_probs, generator))
             if self.after_draft is not None:
                 self.after_draft()
-            logits = self.verify_step.replay()
-            if self.greedy:
-                res = self.result.tolist()  # the step's one host sync
-                n_acc = res[0]
-                new = res[1: n_acc + 2]  # accepted proposals equal the target's tokens
-            else:
-                n_acc, nxt = verify_block(d_tokens, logits, temperature, d_probs, generator)
-                new = d_tokens[:n_acc].tolist() + [nxt]
-                self.ctx_start.copy_(self.pos)
-                self.pos.add_(n_acc + 1)
-                self.blk[0, 0].fill_(nxt)
+            self.verify_step.replay()
+            res = self.result.tolist()  # the step's one host sync
+            n_acc = res[0]
+            new = res[1: n_acc + 2]  # the kept proposals and the next token
             accept_lens.append(len(new))
             kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
             output.extend(kept)
