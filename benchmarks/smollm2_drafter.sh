@@ -25,8 +25,14 @@
 #   EXTRA        overrides appended to the training run (e.g. "train.micro_batch_size=32")
 #   ABL          also train the data ablations side by side at ABL_STEPS (empty: none):
 #                "greedy" = the old data (greedy first turns, <= 384 tokens, loops kept, 10,240
-#                conversations), "quarter" = a quarter of the new data's conversations
-#   EVAL_WORKERS processes for the acceptance runs; SPEED_PROMPTS prompts per set timed alone;
+#                conversations), "quarter" = a quarter of the new data's conversations, "new" = all of
+#                the new data (the main run's data at the ablations' step count)
+#   ABL_EVAL     evaluate arguments for the ablation drafts (default: first 24 prompts per set, T=0)
+#   MAIN_TRAIN   0: do not train the main draft (evaluate an export already at OUT/export/main, e.g.
+#                to continue an evaluation on another machine)
+#   EVAL_WORKERS processes for the acceptance runs (on one GPU they time-slice: 12 gave 290 tokens/s in
+#                all against ~500 for one process; 2 overlap one's host work with the other's GPU work);
+#   SPEED_PROMPTS prompts per set timed alone;
 #   DECODE       eager | graphs (evaluate --decode, both sides of the speedup); PROTOCOL paper | quick
 set -euo pipefail
 OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
@@ -35,8 +41,9 @@ NSAMPLES=${NSAMPLES:-}; HOLDOUT=${HOLDOUT:-200}; TURNS=${TURNS:-all}
 MAXNEW=${MAXNEW:-1024}; MAXPROMPT=${MAXPROMPT:-1536}; TEMP=${TEMP:-0.2}; TOPP=${TOPP:-0.9}
 SAMPLING=${SAMPLING:-given}; LOOPS=${LOOPS:-cut}; REGEN_BS=${REGEN_BS:-1024}; REGEN_MIN=${REGEN_MIN:-5}
 STEPS=${STEPS:-auto}; TRAIN_MIN=${TRAIN_MIN:-12}; CAL_STEPS=${CAL_STEPS:-150}; EXTRA=${EXTRA:-}
-ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}
-EVAL_WORKERS=${EVAL_WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-3}; DECODE=${DECODE:-graphs}
+ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}; MAIN_TRAIN=${MAIN_TRAIN:-1}
+ABL_EVAL=${ABL_EVAL:---num-prompts 24 --temperatures 0 --no-speedup}
+EVAL_WORKERS=${EVAL_WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-3}; DECODE=${DECODE:-graphs}
 PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-6}
 PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
@@ -75,7 +82,7 @@ train() {  # name data steps minutes [overrides...]
         train.max_minutes="$minutes" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
         || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }
 }
-if [ "$STEPS" = auto ]; then  # time a short run of the same recipe (its compile is cached for the real one)
+if [ "$MAIN_TRAIN" = 1 ] && [ "$STEPS" = auto ]; then  # time a short run of the same recipe (its compile is cached for the real one)
     [ -f "$OUT/runs/calib/metrics.jsonl" ] || train calib "$DATA" "$CAL_STEPS" 5 checkpoint.every_steps=100000 \
         train.eval_every=100000
     STEPS=$($PY - "$OUT/runs/calib/metrics.jsonl" "$TRAIN_MIN" "$CAL_STEPS" <<'PYEOF'
@@ -90,12 +97,13 @@ PYEOF
     stage "calibrated: $STEPS steps fit $TRAIN_MIN min"
 fi
 stage "train main ($STEPS steps, <= $TRAIN_MIN min)${ABL:+; ablations $ABL ($ABL_STEPS steps, <= $ABL_MIN min)}"
-train main "$DATA" "$STEPS" "$TRAIN_MIN" &
+[ "$MAIN_TRAIN" = 1 ] && train main "$DATA" "$STEPS" "$TRAIN_MIN" &
 for name in $ABL; do
     case $name in
         greedy) train abl_greedy "$OUT/data/greedy_first.jsonl" "$ABL_STEPS" "$ABL_MIN" & ;;
         quarter) train abl_quarter "$OUT/data/quarter.jsonl" "$ABL_STEPS" "$ABL_MIN" & ;;
-        *) echo "unknown ablation '$name' (greedy quarter)"; exit 2 ;;
+        new) train abl_new "$DATA" "$ABL_STEPS" "$ABL_MIN" & ;;
+        *) echo "unknown ablation '$name' (greedy quarter new)"; exit 2 ;;
     esac
 done
 wait
@@ -119,10 +127,10 @@ if [ -f "$MAIN/config.json" ]; then
     stage "evaluate main ($PROTOCOL protocol, speedup on $SPEED_PROMPTS prompts per set, $EVAL_WORKERS workers)"
     evaluate main "$MAIN" --speedup-prompts "$SPEED_PROMPTS" --workers "$EVAL_WORKERS"
 fi
-for name in $ABL; do  # the ablations on the first 24 prompts of each set, T=0, 2048 tokens
+for name in $ABL; do  # the ablations side by side, one process each (default: 24 prompts per set, T=0)
     [ -f "$OUT/runs/abl_$name/final/draft/config.json" ] || continue
-    evaluate "abl_$name" "$OUT/runs/abl_$name" --num-prompts 24 --temperatures 0 --no-speedup \
-        --workers "$EVAL_WORKERS" &
+    # shellcheck disable=SC2086
+    evaluate "abl_$name" "$OUT/runs/abl_$name" $ABL_EVAL &
 done
 wait
 # 5. the JSON summaries, read from this run's files (docs/bench/regen_summary.json, drafter_summary.json)
