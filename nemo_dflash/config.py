@@ -278,8 +278,13 @@ def validate(cfg: RecipeConfig) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    if cfg.draft.target_layer_ids is not None and len(cfg.draft.target_layer_ids) == 0:
-        raise ConfigError("draft.target_layer_ids is empty: give layer ids or null for the default")
+    if cfg.draft.target_layer_ids is not None:  # the target's depth is checked once it is loaded
+        from nemo_dflash.target import check_target_layer_ids
+
+        try:
+            check_target_layer_ids(cfg.draft.target_layer_ids, key="draft.target_layer_ids")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     from nemo_dflash.data.config import validate_data_config
 
     try:

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from transformers import PreTrainedModel
-
 from nemo_dflash.model import DFlashConfig, DFlashDraftModel
 
 
@@ -20,14 +18,26 @@ from nemo_dflash.model import DFlashConfig, DFlashDraftModel
 class DraftSpec:
     """How to build the DFlash draft for one target family.
 
+    `draft_cls` and `config_cls` are what `nemo_dflash.build` builds a fresh draft with and loads a
+    stored one into (`load_draft(..., architectures=...)`). They must subclass `DFlashDraftModel` /
+    `DFlashConfig`: the serving engines load exactly that weight layout, so a class outside it could
+    be trained but never exported or served.
+
     `default_mask_token_id` is the documented per-family mask token (the id the published
     drafts and serving engines use); None means "take the tokenizer's mask token, the first
     embedding row past the tokenizer, or an explicit id from the recipe".
     """
 
-    draft_cls: type[PreTrainedModel] = DFlashDraftModel
+    draft_cls: type[DFlashDraftModel] = DFlashDraftModel
     config_cls: type[DFlashConfig] = DFlashConfig
     default_mask_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name, cls, base in (("draft_cls", self.draft_cls, DFlashDraftModel),
+                                ("config_cls", self.config_cls, DFlashConfig)):
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise TypeError(f"DraftSpec.{name} {cls!r} must subclass {base.__name__} (the serving contract's "
+                                "layout, which export and the engines load)")
 
 
 # Qwen3.5's mask id is the one z-lab's published Qwen3.5 drafts carry in `dflash_config`

@@ -73,6 +73,35 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+class LayerIdsError(ValueError):
+    """Target layer ids that do not index the target's decoder layers (one line, the user's to fix)."""
+
+
+def check_target_layer_ids(
+    target_layer_ids: Optional[Sequence[int]], depth: Optional[int] = None, key: str = "target_layer_ids"
+) -> list[int]:
+    """The one check of the layers a draft fuses: non-empty, distinct, 0-based and, with ``depth``
+    (the target's decoder layers), below it. Recipes (no target yet), the draft builder, the
+    fit check and this wrapper all call it, so every path names the same problems."""
+    ids = [int(i) for i in (target_layer_ids or [])]
+    problems = []
+    if not ids:
+        problems.append("the list is empty")
+    bad = [i for i in ids if i < 0 or (depth is not None and i >= depth)]
+    if bad:
+        problems.append(f"{bad} outside [0, {depth - 1}]" if depth is not None else f"{bad} negative")
+    if len(set(ids)) != len(ids):
+        problems.append("ids repeat")
+    if problems:
+        where = f" for a target with {depth} decoder layers" if depth is not None else ""
+        default = f"build_target_layer_ids({depth}, num_draft_layers)" if depth is not None else "the default"
+        raise LayerIdsError(
+            f"Invalid {key} {ids}{where} ({'; '.join(problems)}): use distinct 0-based layer indices, "
+            f"or leave them unset to use {default}."
+        )
+    return ids
+
+
 class HFDFlashTargetModel:
     """Capture a set of decoder-layer hidden states from a frozen HF causal LM."""
 
@@ -81,7 +110,7 @@ class HFDFlashTargetModel:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.layers = find_decoder_layers(self.model)
-        self.target_layer_ids = self._validate_layer_ids(target_layer_ids)
+        self.target_layer_ids = check_target_layer_ids(target_layer_ids, len(self.layers))
 
     @property
     def num_layers(self) -> int:
@@ -90,25 +119,6 @@ class HFDFlashTargetModel:
     @property
     def config(self) -> Any:
         return self.model.config
-
-    def _validate_layer_ids(self, target_layer_ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in target_layer_ids]
-        n = len(self.layers)
-        problems = []
-        if not ids:
-            problems.append("the list is empty")
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            problems.append(f"{bad} outside [0, {n - 1}]")
-        if len(set(ids)) != len(ids):
-            problems.append("ids repeat")
-        if problems:
-            raise ValueError(
-                f"Invalid target_layer_ids {ids} for a target with {n} decoder layers ({'; '.join(problems)}). "
-                f"Use distinct 0-based layer indices, or leave them unset to use "
-                f"build_target_layer_ids({n}, num_draft_layers)."
-            )
-        return ids
 
     def compile_layers(self, **compile_kwargs: Any) -> None:
         """`torch.compile` the forward of each decoder layer up to the last captured one.
@@ -204,4 +214,4 @@ class HFDFlashTargetModel:
         )
 
 
-__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "find_decoder_layers"]
+__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "LayerIdsError", "check_target_layer_ids", "find_decoder_layers"]

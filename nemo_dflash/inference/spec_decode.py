@@ -250,7 +250,7 @@ class DFlashSpeculativeDecoder:
     """
 
     def __init__(self, target_model: nn.Module, draft: DFlashDraftModel, block_size: Optional[int] = None) -> None:
-        from nemo_dflash.export import check_draft_fits_target
+        from nemo_dflash.build import check_draft_fits_target
 
         check_draft_fits_target(draft.config, target_model.config)
         self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)

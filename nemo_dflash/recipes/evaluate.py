@@ -123,7 +123,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def check_paths(draft: str, target: str) -> None:
     """The draft's and target's paths exist (a worker would otherwise fail with a traceback)."""
-    from nemo_dflash.export import resolve_draft_dir
+    from nemo_dflash.build import resolve_draft_dir
     from nemo_dflash.loading import resolve_target_path
 
     resolve_draft_dir(draft)
@@ -158,14 +158,13 @@ class ModelSpec:
 
 def load_models(spec: ModelSpec) -> tuple[Any, Any, Any]:
     """(target, tokenizer, draft), the draft checked against the target."""
-    from nemo_dflash.export import check_draft_fits_target, load_draft
+    from nemo_dflash.build import load_draft_for_target
     from nemo_dflash.loading import load_target
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    draft = load_draft(spec.draft, device=spec.device, dtype=spec.dtype)
     target, tokenizer = load_target(spec.target, dtype=spec.dtype, device=spec.device)
-    check_draft_fits_target(draft.config, target.config, tokenizer)
+    draft = load_draft_for_target(spec.draft, target.config, tokenizer, device=spec.device, dtype=spec.dtype)
     return target, tokenizer, draft
 
 

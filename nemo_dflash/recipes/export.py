@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from nemo_dflash.export import check_draft_fits_target, export_draft, load_draft, resolve_draft_dir
+    from nemo_dflash.build import check_draft_fits_target, load_draft, resolve_draft_dir
+    from nemo_dflash.export import export_draft
 
     try:
         src = resolve_draft_dir(args.checkpoint)

@@ -59,14 +59,15 @@ def main(argv=None) -> dict:
         sys.stdout.write(to_yaml(cfg))
         return {}
     check_paths(cfg)
-    from nemo_dflash.build import MaskTokenError
+    from nemo_dflash.build import DraftError
     from nemo_dflash.data import DataError
+    from nemo_dflash.target import LayerIdsError
     from nemo_dflash.train.checkpoint import ResumeMismatchError
     from nemo_dflash.train.trainer import train
 
     try:
         summary = train(cfg)
-    except (MaskTokenError, DataError, ResumeMismatchError, FileNotFoundError) as e:  # the user's to fix
+    except (DraftError, LayerIdsError, DataError, ResumeMismatchError, FileNotFoundError) as e:  # the user's to fix
         fail(str(e).replace("\n", " "))
     logger.info("summary: %s", json.dumps(summary))
     return summary

@@ -1,8 +1,8 @@
 """Checkpoints that never lose work: atomic, complete-marked, resumable exactly.
 
 `Checkpointer` owns a run's directory: when to save, the on-disk layout, the run's identity
-(what must match to resume) and the resume itself. `export.resolve_draft_dir` reads the same
-layout through the constants here.
+(what must match to resume) and the resume itself. The layout's names live in `nemo_dflash.files`
+(re-exported here), so `build.resolve_draft_dir` reads the same layout without importing `train/`.
 
 Layout of `<output_dir>/`:
   checkpoints/step_00000100/   one checkpoint (below)
@@ -42,18 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from nemo_dflash.files import apply_umask
+from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir reads it too)
+    CHECKPOINTS_DIR, COMPLETE, DRAFT_DIR, FINAL_DIR, STEP_PREFIX, apply_umask, checkpoint_root, final_draft_dir,
+)
 from nemo_dflash.train.distributed import DistState
 
 logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-# The on-disk layout (export.resolve_draft_dir reads it too).
-CHECKPOINTS_DIR = "checkpoints"
-STEP_PREFIX = "step_"
-DRAFT_DIR = "draft"  # inside a checkpoint, and inside FINAL_DIR
-FINAL_DIR = "final"
-COMPLETE = "COMPLETE"  # written last: a checkpoint without it is ignored
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # Fields that must match between a checkpoint and the run resuming from it (see `run_identity`).
 IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
@@ -68,17 +64,8 @@ def _barrier(state: DistState) -> None:
         dist.barrier()
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS_DIR
-
-
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
-
-
-def final_draft_dir(output_dir: str | Path) -> Path:
-    """Where a finished run leaves its draft."""
-    return Path(output_dir) / FINAL_DIR / DRAFT_DIR
 
 
 def run_identity(draft_config: Any, target_config: Any) -> dict[str, Any]:

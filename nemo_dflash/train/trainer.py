@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import OmegaConf
 
-from nemo_dflash.build import MaskTokenError, build_draft_for_target
+from nemo_dflash.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.config import RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.data import build_dataloader, build_datasets
@@ -75,25 +75,6 @@ class _StopFlag:
     def _handler(self, signum, frame) -> None:
         logger.warning("SIGTERM received: will checkpoint and stop after this step")
         self.requested = True
-
-
-def _draft_from_config(cfg: RecipeConfig, target_model, tokenizer):
-    if cfg.draft.init_from:
-        from nemo_dflash.export import check_draft_fits_target, load_draft
-
-        draft = load_draft(cfg.draft.init_from, device="cpu", dtype=torch.float32)
-        check_draft_fits_target(draft.config, target_model.config, tokenizer)
-        return draft
-    return build_draft_for_target(
-        target_model,
-        tokenizer,
-        num_layers=cfg.draft.num_layers,
-        block_size=cfg.draft.block_size,
-        target_layer_ids=cfg.draft.target_layer_ids,
-        mask_token_id=cfg.draft.mask_token_id,
-        intermediate_size=cfg.draft.intermediate_size,
-        mask_token_for=cfg.draft.mask_token_for,
-    )
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -332,7 +313,7 @@ class Trainer:
             cfg.target.path, dtype=target_dtype, device=self.device, attn_implementation=cfg.target.attn_implementation,
             random_init=cfg.target.random_init, seed=cfg.train.seed,
         )
-        self.draft = _draft_from_config(cfg, self.target_model, self.tokenizer).to(self.device)
+        self.draft = draft_for_recipe(cfg.draft, self.target_model, self.tokenizer).to(self.device)
         self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
