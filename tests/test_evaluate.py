@@ -28,6 +28,7 @@ from nemo_dflash.inference.evaluate import (
     summarize,
 )
 from nemo_dflash.loading import load_target
+from nemo_dflash.inference import eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 from nemo_dflash.regenerate import stop_token_ids
 
@@ -319,7 +320,7 @@ def test_user_errors_are_one_line_before_any_model(extra, message, tmp_path, cap
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(evaluate_cmd, "load_models", no_load)
+    monkeypatch.setattr(eval_run, "load_models", no_load)
     with pytest.raises(SystemExit) as e:
         _cli(tmp_path / "no_target", tmp_path / "no_draft", tmp_path / "out", *extra)
     err = capsys.readouterr().err

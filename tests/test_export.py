@@ -231,13 +231,22 @@ def test_export_cli(draft, tmp_path, capsys):
     args = ["--checkpoint", str(run), "--out", str(tmp_path / "exp"), "--target", str(target_dir)]
     assert export_main(args) == 0
     assert set(read_weights(tmp_path / "exp" / "model.safetensors")) == contract_names(2)
-    assert export_main(args) == 1
-    assert "--overwrite" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # user errors: one line, exit 2, as every command
+        export_main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--overwrite" in err and err.count("\n") == 1 and err.startswith("error: ")
     assert export_main(args + ["--overwrite"]) == 0
     tiny_llama().save_pretrained(tmp_path / "llama")
-    assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--target",
-                        str(tmp_path / "llama")]) == 1
-    assert "hidden_size" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        export_main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--target", str(tmp_path / "llama")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "hidden_size" in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [err.splitlines()[-1]]
+    with pytest.raises(SystemExit) as e:
+        export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "y")])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -199,6 +199,29 @@ def test_user_errors_are_one_line_before_any_load(tiny_assets, tmp_path, monkeyp
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
+@pytest.mark.parametrize("bad,message", [
+    ("loss.attn_backend=flex", "loss.attn_backend=flex needs a GPU"),
+    ("distributed.shard_target=true", "distributed.shard_target=true needs distributed.strategy=fsdp2"),
+])
+def test_refused_settings_are_one_line_before_any_load(tiny_assets, tmp_path, monkeypatch, capsys, bad, message):
+    """`resolve_settings` refusals (flex on CPU, shard_target without FSDP2) reach the user as one line
+    and exit 2, before the target loads; no config.yaml is written for the run that never happened."""
+    import nemo_dflash.train.trainer
+    from nemo_dflash.recipes.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the settings were checked")
+
+    monkeypatch.setattr(nemo_dflash.train.trainer, "load_target", no_load)
+    target, data = tiny_assets
+    with pytest.raises(SystemExit) as exc:
+        main(_args(target, data, tmp_path / "run", "train.device=cpu", bad))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 def test_half_written_checkpoint_is_ignored(tiny_assets, tmp_path):
     from nemo_dflash.recipes.train import main
     from nemo_dflash.train.checkpoint import find_latest_checkpoint

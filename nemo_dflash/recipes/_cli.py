@@ -1,10 +1,29 @@
-"""Shared CLI plumbing: logging that is quiet on non-zero ranks, and clean user errors."""
+"""The convention every command (`train`, `evaluate`, `export`, `regenerate`, `demo`) follows.
+
+- `setup_logging`: one format, and only rank 0 logs below WARNING under torchrun.
+- A mistake the user can fix (a flag, a path, a recipe key, a draft for another target) is one
+  line on stderr, `error: ...`, and exit status 2, never a traceback: `fail`, or `user_errors`
+  around the code that may raise one. Anything else is a bug and keeps its traceback.
+- `--device` / `--dtype` mean the same everywhere: `add_device_args` declares them and
+  `resolve_device_dtype` decides "auto" (GPU if visible; bf16 on a GPU, fp32 on a CPU).
+- `--threads N` (`set_threads`) for the CPU commands.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from contextlib import contextmanager
+from typing import Iterator, NoReturn, Optional
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+class UsageError(ValueError):
+    """A mistake in a command's flags or inputs: reported in one line with exit status 2."""
 
 
 def setup_logging(level: str | None = None) -> None:
@@ -19,9 +38,49 @@ def setup_logging(level: str | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def fail(msg: str, code: int = 2) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
-    sys.stderr.write(f"error: {msg}\n")
+def one_line(msg: object) -> str:
+    """A (possibly multi-line) message folded onto one line; the exception's name if it is empty."""
+    text = " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+    return text or type(msg).__name__
+
+
+def fail(msg: object, code: int = 2) -> NoReturn:
+    sys.stderr.write(f"error: {one_line(msg)}\n")
     raise SystemExit(code)
+
+
+@contextmanager
+def user_errors(*types: type[BaseException]) -> Iterator[None]:
+    """Turn the listed exceptions (default: `UsageError`) into `fail`: one line, exit 2."""
+    try:
+        yield
+    except types or (UsageError,) as e:
+        fail(e)
+
+
+def add_device_args(p: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto") -> None:
+    p.add_argument("--device", default=device, choices=DEVICES, help=f"default {device}: cuda if visible, else cpu")
+    p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"default {dtype}: bf16 on cuda, fp32 on cpu")
+
+
+def resolve_device_dtype(device: Optional[str] = "auto", dtype: Optional[str] = "auto") -> tuple[str, str]:
+    """The one decision of `--device` and `--dtype` ("auto" or None: decided here); `UsageError`
+    when a GPU is asked for and none is visible. Plain strings, so a spawned worker can take them."""
+    import torch
+
+    device = device or "auto"
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r} is unknown: use one of {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but torch sees no GPU: pass --device cpu (or auto)")
+    dtype = dtype or "auto"
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        dtype = "bf16" if device == "cuda" else "fp32"
+    return device, dtype
 
 
 def set_threads(threads: int | None) -> None:
@@ -34,3 +93,7 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+__all__ = ["DEVICES", "DTYPES", "UsageError", "add_device_args", "fail", "one_line", "resolve_device_dtype",
+           "set_threads", "setup_logging", "user_errors"]

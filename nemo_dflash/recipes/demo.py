@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from nemo_dflash.inference.evaluate import PROTOCOLS
-from nemo_dflash.recipes._cli import setup_logging
+from nemo_dflash.recipes._cli import setup_logging, user_errors
 
 logger = logging.getLogger("nemo_dflash.demo")
 QUICK = PROTOCOLS["quick"]  # the acceptance figures are evaluate's quick protocol: one turn, T=0
@@ -72,17 +72,21 @@ def main(argv=None) -> dict:
     from nemo_dflash.inference.evaluate import load_humaneval, load_mtbench
     from nemo_dflash.train.trainer import Trainer
 
-    cfg = load_recipe("smollm2_135m.yaml", [
-        f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]", f"train.max_minutes={args.train_minutes}",
-        "checkpoint.resume=none", *args.overrides,
-    ])
-    trainer = Trainer(cfg)
+    from nemo_dflash.recipes.train import user_error_types
+
+    with user_errors(*user_error_types()):  # a mistyped override, missing data: one line, exit 2, as `train`
+        cfg = load_recipe("smollm2_135m.yaml", [
+            f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]",
+            f"train.max_minutes={args.train_minutes}", "checkpoint.resume=none", *args.overrides,
+        ])
+        trainer = Trainer(cfg)
     prompt_sets = {"mt_bench": load_mtbench(args.eval_prompts), "humaneval": load_humaneval(args.eval_prompts)}
     t1 = time.perf_counter()
     before = _acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompt_sets, args.eval_new_tokens)
     timings["eval_before_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    summary = trainer.fit()
+    with user_errors(*user_error_types()):
+        summary = trainer.fit()
     timings["train_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
     after = _acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompt_sets, args.eval_new_tokens)

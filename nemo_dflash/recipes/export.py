@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from nemo_dflash.recipes._cli import setup_logging, user_errors
+
 logger = logging.getLogger("nemo_dflash.export")
 
 
@@ -31,11 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     from nemo_dflash.build import check_draft_fits_target, load_draft, resolve_draft_dir
     from nemo_dflash.export import export_draft
 
-    try:
+    with user_errors(FileNotFoundError, FileExistsError, ValueError):  # paths, --out, a draft that does not fit
         src = resolve_draft_dir(args.checkpoint)
         draft = load_draft(src)
         if args.target:
@@ -52,10 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_draft_fits_target(draft.config, AutoConfig.from_pretrained(target_dir, local_files_only=True),
                                     tokenizer)
         out = export_draft(draft, args.out, overwrite=args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"export failed: {e}", file=sys.stderr)
-        return 1
-    print(f"exported {src} -> {out}")
+    logger.info("exported %s -> %s", src, out)
     return 0
 
 

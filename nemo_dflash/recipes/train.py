@@ -13,7 +13,7 @@ import logging
 import sys
 
 from nemo_dflash.config import ConfigError, load_recipe
-from nemo_dflash.recipes._cli import fail, set_threads, setup_logging
+from nemo_dflash.recipes._cli import fail, set_threads, setup_logging, user_errors
 
 logger = logging.getLogger("nemo_dflash.train")
 
@@ -36,39 +36,40 @@ def check_paths(cfg) -> None:
     for i, src in enumerate(cfg.data.sources):
         if not Path(src.path).is_file():
             fail(f"data.sources[{i}].path {src.path} does not exist; point it at a regenerated .jsonl/.json/.parquet file")
-    try:
+    with user_errors(FileNotFoundError):
         target = resolve_target_path(cfg.target.path)
-    except FileNotFoundError as e:
-        fail(str(e))
     if not (Path(target).is_dir() or (target.endswith(".gguf") and Path(target).is_file())):
         fail(f"target.path {cfg.target.path} is neither a local model directory nor a .gguf file; nemo_dflash "
              "never downloads: download the model first and point target.path at it")
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """What a training run raises for a mistake in the recipe, its files or its resume: one line, exit 2
+    (also for `demo`, which trains through the same code). Imported late: they pull in torch."""
+    from nemo_dflash.build import DraftError
+    from nemo_dflash.data import DataError
+    from nemo_dflash.target import LayerIdsError
+    from nemo_dflash.train.checkpoint import ResumeMismatchError
+
+    return ConfigError, DraftError, LayerIdsError, DataError, ResumeMismatchError, FileNotFoundError
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     setup_logging()
     set_threads(args.threads)
-    try:
+    with user_errors(ConfigError, FileNotFoundError):
         cfg = load_recipe(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        fail(str(e))
     if args.print_config:
         from nemo_dflash.config import to_yaml
 
         sys.stdout.write(to_yaml(cfg))
         return {}
     check_paths(cfg)
-    from nemo_dflash.build import DraftError
-    from nemo_dflash.data import DataError
-    from nemo_dflash.target import LayerIdsError
-    from nemo_dflash.train.checkpoint import ResumeMismatchError
     from nemo_dflash.train.trainer import train
 
-    try:
+    with user_errors(*user_error_types()):  # settings (flex on CPU, ...), data, draft, resume
         summary = train(cfg)
-    except (DraftError, LayerIdsError, DataError, ResumeMismatchError, FileNotFoundError) as e:  # the user's to fix
-        fail(str(e).replace("\n", " "))
     logger.info("summary: %s", json.dumps(summary))
     return summary
 

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_dflash.build import MaskTokenError, draft_for_recipe
-from nemo_dflash.config import RecipeConfig, to_yaml
+from nemo_dflash.config import ConfigError, RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.loading import load_target
@@ -274,16 +274,19 @@ class RunSettings:
 
 
 def resolve_settings(cfg: RecipeConfig, world_size: int, local_rank: int) -> RunSettings:
-    """Every "auto" in the recipe decided in one place, and the combinations refused before any load."""
+    """Every "auto" in the recipe decided in one place, and the combinations refused before any load
+    (`ConfigError`: the train command reports it in one line)."""
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu (or auto)")
     device = pick_device(cfg.train.device, local_rank)
     strategy = resolve_strategy(cfg.distributed.strategy, world_size)
     backend = cfg.loss.attn_backend
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex" and device.type != "cuda":
-        raise ValueError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
+        raise ConfigError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
     if cfg.distributed.shard_target and strategy != "fsdp2":
-        raise ValueError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
+        raise ConfigError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
     return RunSettings(device=device, strategy=strategy, attn_backend=backend)
 
 

@@ -1,0 +1,288 @@
+"""One evaluation run behind `python -m nemo_dflash.recipes.evaluate`: the journals in the output
+directory (a re-run continues from them), the speedup phase alone on the device, then the
+acceptance phase in one process or several workers, and results.json with its histogram.
+
+The command only parses flags into `RunOptions` and an `EvalProtocol`; the measuring itself
+(conversations, metrics, plots) is `nemo_dflash.inference.evaluate`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from nemo_dflash.inference.evaluate import (
+    Answer,
+    ConversationDecoder,
+    EvalPrompt,
+    EvalProtocol,
+    EvalSettings,
+    dataset_result,
+    format_table,
+    load_prompt_set,
+    plot_histograms,
+    protocol_record,
+    speedup_metrics,
+)
+
+logger = logging.getLogger("nemo_dflash.evaluate")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the command decides beside the protocol: models, output, device (resolved), processes."""
+
+    draft: str
+    target: str
+    out: Path
+    device: str
+    dtype: str
+    seed: int = 0
+    chat_template: bool = True
+    workers: int = 1
+    threads: Optional[int] = None
+    max_minutes: Optional[float] = None
+    overwrite: bool = False
+
+
+def check_paths(draft: str, target: str) -> None:
+    """The draft's and target's paths exist (a worker would otherwise fail with a traceback)."""
+    from nemo_dflash.build import resolve_draft_dir
+    from nemo_dflash.loading import resolve_target_path
+
+    resolve_draft_dir(draft)
+    if not Path(resolve_target_path(target)).exists():
+        raise FileNotFoundError(f"--target {target} does not exist: pass a local HF dir, a .gguf file or pkg:smollm2")
+
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a process loads: the parent for speedup (and workers=1), each worker for its share."""
+
+    draft: str
+    target: str
+    device: str
+    dtype: str
+    threads: Optional[int] = None
+
+
+def load_models(spec: ModelSpec) -> tuple[Any, Any, Any]:
+    """(target, tokenizer, draft), the draft checked against the target."""
+    from nemo_dflash.build import load_draft_for_target
+    from nemo_dflash.loading import load_target
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    target, tokenizer = load_target(spec.target, dtype=spec.dtype, device=spec.device)
+    draft = load_draft_for_target(spec.draft, target.config, tokenizer, device=spec.device, dtype=spec.dtype)
+    return target, tokenizer, draft
+
+
+def _decode(models: tuple[Any, Any, Any], decoders: dict, settings: EvalSettings, prompt: EvalPrompt,
+            warmup: bool = False) -> dict[str, Any]:
+    """One conversation as a journal row; one `ConversationDecoder` per settings, warmed up once."""
+    dec = decoders.get(settings)
+    if dec is None:
+        dec = decoders[settings] = ConversationDecoder(*models, settings)
+        if warmup:
+            dec.warmup(prompt)
+    return {"block_size": dec.block_size, "trained_block_size": int(dec.spec.draft.config.block_size),
+            "answers": [a.record() for a in dec.run(prompt)]}
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(spec: ModelSpec) -> None:
+    _WORKER["models"], _WORKER["decoders"] = load_models(spec), {}
+
+
+def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
+    return _decode(_WORKER["models"], _WORKER["decoders"], *job)
+
+
+Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
+
+
+class Journal:
+    """A JSONL file of finished conversations behind a header line; a re-run continues from it.
+
+    The header holds every setting that changes an answer, so answers of another evaluation are
+    refused rather than mixed in. A line cut short by a kill is dropped (and the conversation redone).
+    """
+
+    def __init__(self, path: Path, header: dict[str, Any], overwrite: bool) -> None:
+        self.path, self.rows = path, {}
+        if path.is_file() and not overwrite:
+            lines = path.read_text().split("\n")
+            old = _json_or_none(lines[0]) or {}
+            if old.get("header") != header:
+                diff = sorted(k for k in header if (old.get("header") or {}).get(k) != header[k])
+                raise ValueError(f"{path} holds answers of another evaluation ({', '.join(diff) or 'header'} "
+                                 "differ): pass --overwrite or another --out")
+            for row in filter(None, map(_json_or_none, lines[1:])):
+                if {"temperature", "dataset", "id", "answers"} <= set(row):
+                    self.rows[(row["temperature"], row["dataset"], row["id"])] = row
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in [{"header": header}, *self.rows.values()]))
+        os.replace(tmp, path)
+
+    def add(self, key: Key, row: dict[str, Any]) -> None:
+        row = {"temperature": key[0], "dataset": key[1], "id": key[2], **row}
+        self.rows[key] = row
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def answers(self, key: Key) -> list[Answer]:
+        return [Answer.from_record(r) for r in self.rows[key]["answers"]] if key in self.rows else []
+
+
+def _json_or_none(line: str) -> Optional[dict]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
+class EvalRun:
+    """One evaluation: prompt sets, the journals in --out, the speedup phase, then the acceptance phase."""
+
+    def __init__(self, options: RunOptions, protocol: EvalProtocol) -> None:
+        opts = self.opts = options
+        self.protocol = protocol
+        self.sets: list[tuple[str, list[EvalPrompt]]] = []
+        for name in protocol.datasets:
+            display, prompts = load_prompt_set(name)
+            end = None if protocol.num_prompts is None else protocol.first_prompt + protocol.num_prompts
+            prompts = prompts[protocol.first_prompt:end]
+            if not prompts:
+                raise ValueError(f"no {display} prompts left after --first-prompt {protocol.first_prompt}")
+            if display in dict(self.sets):
+                raise ValueError(f"two datasets are named {display!r}: rename one file")
+            self.sets.append((display, prompts))
+        check_paths(str(opts.draft), str(opts.target))
+        self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads)
+        header = {"draft": str(opts.draft), "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
+                  "seed": opts.seed, "chat_template": opts.chat_template,
+                  "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
+                  "block_size": protocol.block_size, "decode": protocol.decode}
+        self.out = Path(opts.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
+        self.timed = Journal(self.out / "speedup.jsonl", header, opts.overwrite)
+        self.deadline = None if opts.max_minutes is None else time.monotonic() + 60 * opts.max_minutes
+
+    def settings(self, temperature: float, timed: bool) -> EvalSettings:
+        p = self.protocol
+        return EvalSettings(max_new_tokens=p.max_new_tokens, temperature=temperature, block_size=p.block_size,
+                            turns=p.turns, decode=p.decode, measure_speedup=timed, warmup=False,
+                            use_chat_template=self.opts.chat_template, seed=self.opts.seed)
+
+    def _items(self, journal: Journal, timed: bool) -> list[tuple[Key, EvalSettings, EvalPrompt]]:
+        k = self.protocol.speedup_prompts if timed else None
+        return [((f"{t:g}", name, p.id), self.settings(t, timed), p) for t in self.protocol.temperatures
+                for name, prompts in self.sets for p in prompts[:k] if (f"{t:g}", name, p.id) not in journal.rows]
+
+    def _expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def execute(self) -> dict[str, Any]:
+        timed, items = self._items(self.timed, True), self._items(self.journal, False)
+        models, decoders = None, {}
+        if timed:  # alone on the device: no worker exists yet
+            models = load_models(self.model_spec)
+            logger.info("Timing %d conversations against plain decoding", len(timed))
+            for key, s, p in timed:
+                if self._expired():
+                    break
+                self.timed.add(key, _decode(models, decoders, s, p, warmup=True))
+        if items and not self._expired():
+            logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
+            if self.opts.workers == 1:
+                models = models or load_models(self.model_spec)
+                for key, s, p in items:
+                    if self._expired():
+                        break
+                    self.journal.add(key, _decode(models, decoders, s, p))
+            else:
+                del models, decoders
+                gc.collect()  # the parent's models leave the device before the workers load theirs
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self._run_workers(items)
+        return self.write_results()
+
+    def _run_workers(self, items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
+        import multiprocessing as mp
+
+        n = self.opts.workers
+        threads = self.opts.threads or max(1, (os.cpu_count() or 1) // n)
+        spec = replace(self.model_spec, threads=threads)
+        # module-level functions of this (importable) module: spawned workers find them by name
+        with mp.get_context("spawn").Pool(n, initializer=_worker_init, initargs=(spec,)) as pool:
+            # imap hands out one conversation at a time (balanced) and yields in prompt order
+            for (key, _, _), row in zip(items, pool.imap(_worker_job, [(s, p) for _, s, p in items])):
+                self.journal.add(key, row)
+                if self._expired():
+                    pool.terminate()
+                    break
+
+    def write_results(self) -> dict[str, Any]:
+        p = self.protocol
+        rows = [*self.journal.rows.values(), *self.timed.rows.values()]
+        block = rows[0]["block_size"] if rows else p.block_size
+        trained = rows[0]["trained_block_size"] if rows else None
+        results: dict[str, dict[str, Any]] = {}
+        speedup: dict[str, dict[str, Any]] = {}
+        complete = True
+        for t in p.temperatures:
+            tkey = f"{t:g}"
+            for name, prompts in self.sets:
+                keys = [(tkey, name, x.id) for x in prompts]
+                done = [k for k in keys if k in self.journal.rows]
+                complete &= len(done) == len(keys)
+                if done:
+                    results.setdefault(tkey, {})[name] = dataset_result(
+                        [a for k in done for a in self.journal.answers(k)], block_size=block, temperature=t,
+                        max_new_tokens=p.max_new_tokens, num_prompts=len(done))
+                tk = [k for k in keys[: p.speedup_prompts] if k in self.timed.rows]
+                complete &= len(tk) == len(keys[: p.speedup_prompts])
+                if tk:
+                    speedup.setdefault(tkey, {})[name] = {
+                        "num_prompts": len(tk), **speedup_metrics([a for k in tk for a in self.timed.answers(k)], t)}
+        counts = {name: {"prompts": len(ps), "answers_per_temperature": sum(min(p.turns, len(x.turns)) for x in ps)}
+                  for name, ps in self.sets}
+        res = {
+            "draft": str(self.opts.draft), "target": str(self.opts.target),
+            "protocol": protocol_record(p, block, trained, counts),
+            "settings": {"device": self.model_spec.device, "dtype": self.model_spec.dtype, "seed": self.opts.seed,
+                         "workers": self.opts.workers, "chat_template": self.opts.chat_template},
+            "complete": complete, "results": results, "speedup": speedup,
+        }
+        (self.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+        if results:
+            plot_histograms(results, self.out / "acceptance_histogram.png", p)
+        return res
+
+    def table(self, res: dict[str, Any]) -> str:
+        pr = res["protocol"]
+        sets = ", ".join(f"{n} {c['prompts']} prompts ({c['answers_per_temperature']} answers)"
+                         for n, c in pr["datasets"].items())
+        head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
+                f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
+                f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
+                f"decode {pr['decode']}; {sets}")
+        return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
+
+
+__all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_paths", "load_models"]

@@ -1,0 +1,64 @@
+"""The commands' shared convention (`nemo_dflash.recipes._cli`): one device/dtype resolver, user
+errors as one line with exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from nemo_dflash.recipes._cli import UsageError, add_device_args, fail, one_line, resolve_device_dtype, user_errors
+
+
+def test_device_and_dtype_are_decided_in_one_place(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device_dtype("auto", "auto") == ("cpu", "fp32")
+    assert resolve_device_dtype(None, None) == ("cpu", "fp32")
+    assert resolve_device_dtype("cpu", "bf16") == ("cpu", "bf16")
+    with pytest.raises(UsageError, match="--device cuda but torch sees no GPU"):
+        resolve_device_dtype("cuda", "auto")
+    with pytest.raises(UsageError, match="--dtype 'fp8'"):
+        resolve_device_dtype("cpu", "fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device_dtype("auto", "auto") == ("cuda", "bf16")
+    assert resolve_device_dtype("cuda", "fp16") == ("cuda", "fp16")
+
+
+def test_device_flags_are_declared_alike():
+    p = argparse.ArgumentParser()
+    add_device_args(p)
+    assert vars(p.parse_args([])) == {"device": "auto", "dtype": "auto"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--device", "tpu"])
+
+
+def test_user_errors_are_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        with user_errors(ValueError):
+            raise ValueError("The draft does not fit the target:\n  - a\n  - b")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: The draft does not fit the target: - a - b\n"
+    with pytest.raises(SystemExit) as e:
+        with user_errors():  # default: UsageError
+            resolve_device_dtype("cpu", "fp8")
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(KeyError):  # not a user error: the traceback stays
+        with user_errors(ValueError):
+            raise KeyError("bug")
+    with pytest.raises(SystemExit):
+        fail("x")
+    assert one_line(ValueError("")) == "ValueError"
+
+
+def test_evaluate_resolves_auto_device(monkeypatch):
+    """`evaluate --device auto` (the default) goes through the shared resolver."""
+    from nemo_dflash.recipes import evaluate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = evaluate.build_parser().parse_args(["--draft", "d", "--target", "t", "--out", "o"])
+    opts = evaluate.run_options(args)
+    assert (opts.device, opts.dtype) == ("cpu", "fp32")
+    args = evaluate.build_parser().parse_args(["--draft", "d", "--target", "t", "--out", "o", "--device", "cuda"])
+    with pytest.raises(UsageError):
+        evaluate.run_options(args)
