@@ -154,7 +154,7 @@ def test_static_draft_matches_the_eager_draft(target):
     runner = runner_of(decoder2)
     static_logits = []
     real_static = runner._draft
-    runner._draft = lambda feats: static_logits.append(real_static(feats)) or static_logits[-1]
+    runner._draft = lambda feats, n: static_logits.append(real_static(feats, n)) or static_logits[-1]
     static = spec_static(decoder2, ids, 20)
     assert static.output_ids == eager.output_ids
     assert len(static_logits) == len(eager_logits) > 3

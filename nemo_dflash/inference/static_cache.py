@@ -7,6 +7,11 @@ draft tokens is then free: they stay in the buffers, hidden by the masks below (
 position j is visible to a query at position p iff j <= p for the target, j < p for the
 draft's context), and the next step overwrites them. The same code runs eagerly on CPU, which
 is how its exactness is tested without a GPU.
+
+Both caches write into their whole buffer but hand attention only a view of its first
+`view_len` positions (a Python int the caller sets per captured step, so each graph has fixed
+shapes): a step early in a long generation then attends over the positions it can see, rounded
+up to a bucket, not over every preallocated slot.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class TargetStaticCache:
     have to rewind after every verify. Here every layer's `update` writes at `write_positions`,
     a [Q] long tensor the caller sets once per forward (the same for all layers): 2 kernels per
     layer instead of 5, no rewind, and no dependence on how a transformers version counts.
+    `update` returns the first `view_len` positions only (default: all); the caller sets it
+    with the matching mask length, and must cover every position its queries can see.
     """
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -93,6 +100,7 @@ class TargetStaticCache:
         except AttributeError as e:  # pragma: no cover - transformers < 5
             raise ValueError(f"decode='graphs' needs transformers >= 5 ({e}): use decode='eager'.") from None
         self.write_positions: Optional[torch.Tensor] = None
+        self.view_len = self.max_len
         for layer in self.cache.layers:
             keys = getattr(layer, "keys", None)
             if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (1, heads, self.max_len, head_dim):
@@ -106,7 +114,8 @@ class TargetStaticCache:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
             layer.keys.index_copy_(2, self.write_positions, key_states)
             layer.values.index_copy_(2, self.write_positions, value_states)
-            return layer.keys, layer.values
+            n = self.view_len
+            return layer.keys[:, :, :n], layer.values[:, :, :n]
 
         return update
 
@@ -115,9 +124,9 @@ class StaticDraftContextCache:
     """`DFlashContextCache`'s interface over preallocated per-layer K/V, index = position.
 
     The caller sets `write_positions` ([C] long, on the device) before each draft forward; the
-    draft's attention writes the new context K/V there and gets the whole buffer back, so its
-    shapes never change. Slots at or after the current position hold stale or padding K/V that
-    the mask hides.
+    draft's attention writes the new context K/V there and gets the buffer's first `view_len`
+    positions back (a Python int fixed per captured step), so its shapes never change within a
+    graph. Slots at or after the current position hold stale or padding K/V that the mask hides.
     """
 
     def __init__(self, num_layers: int, max_len: int) -> None:
@@ -125,6 +134,7 @@ class StaticDraftContextCache:
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.write_positions: Optional[torch.Tensor] = None
+        self.view_len = self.max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.write_positions is None:
@@ -135,7 +145,8 @@ class StaticDraftContextCache:
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(2, self.write_positions, k)  # type: ignore[union-attr]
         values.index_copy_(2, self.write_positions, v)  # type: ignore[union-attr]
-        return keys, values  # type: ignore[return-value]
+        n = self.view_len
+        return keys[:, :, :n], values[:, :, :n]  # type: ignore[index]
 
     def get_seq_length(self) -> int:
         return self.max_len

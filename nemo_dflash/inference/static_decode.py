@@ -6,6 +6,14 @@ very same code (`use_graphs=False`: CPU, tests). At T=0 a step also does its own
 the device (argmax, accepted length, next block's first token, next positions), so the host
 only reads back the new tokens: one small device-to-host copy per step and nothing else.
 
+Length buckets: a step attends over the first L positions of the caches only, L the smallest
+multiple of LENGTH_BUCKET covering every position it can see (pos + 1 for the plain step,
+pos + B for the speculative step's draft and verify), capped at the cache length. L is a Python
+int baked into each graph, so there is one captured graph per (step, L); the host tracks the
+position too (it reads the accepted length every step anyway) and replays the graph of the
+current bucket. Without buckets every step attended over the whole preallocated cache under a
+mask: cheap for a 1-query step, not for the B-query verify and the draft's block.
+
 Per speculative step (block size B, position p of the last verified token):
 1. draft: new context features (padded to B) -> draft context cache at their positions,
    block `[last, MASK x (B-1)]` at p..p+B-1 -> B-1 proposals written into the verify input;
@@ -50,7 +58,12 @@ from nemo_dflash.inference.static_cache import (
 
 logger = logging.getLogger(__name__)
 
-LENGTH_BUCKET = 256  # cache lengths are rounded up to this, so most prompts reuse the captured graphs
+LENGTH_BUCKET = 256  # cache lengths and attention views are rounded up to this (one graph per view length)
+USE_BUCKETS = True  # False: every step attends over the whole cache (one graph per step; for comparison)
+# True: a runner captures the graphs of all its view lengths when it is made, before any generation's
+# clock starts (each capture is ~3 forwards; a 4,352-position cache has 17 lengths). False: each length
+# is captured the first time a step needs it, inside the decode loop, where it would be timed.
+CAPTURE_ALL_BUCKETS = True
 FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
 # Noise streams of the sampled step: the draft's proposals, the accept tests, the next token.
 _DRAFT_STREAM, _ACCEPT_STREAM, _NEXT_STREAM = 0x5D, 0xACC, 0x4E7
@@ -64,6 +77,53 @@ def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> i
     """Positions a generation can write (a verify writes B past the last token), rounded up."""
     need = prompt_len + max_new_tokens + block_size
     return -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def view_length(need: int, max_len: int) -> int:
+    """Attention view for a step that must see positions [0, need): rounded up to a bucket, capped."""
+    if not USE_BUCKETS:
+        return max_len
+    return min(-(-need // LENGTH_BUCKET) * LENGTH_BUCKET, max_len)
+
+
+def view_lengths(max_len: int) -> list[int]:
+    """Every view length a runner of cache length `max_len` can pick."""
+    if not USE_BUCKETS:
+        return [max_len]
+    return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
+
+
+def _bucket_key() -> int:
+    """What a runner's graphs depend on besides its cache length (0 = no buckets)."""
+    return LENGTH_BUCKET if USE_BUCKETS else 0
+
+
+class _BucketedSteps:
+    """One step (EagerStep or CapturedStep) per view length, made up front or on first use."""
+
+    def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool) -> None:
+        self.make, self.max_len, self.name, self.use_graphs = make, max_len, name, use_graphs
+        self.bucket_key = _bucket_key()
+        self.steps: dict[int, Any] = {}
+        if CAPTURE_ALL_BUCKETS or not use_graphs:
+            for n in view_lengths(max_len):
+                self.steps[n] = make(n)
+
+    def view(self, need: int) -> int:
+        """The view length for a step that must see [0, need); a one-int host check that it does."""
+        n = view_length(need, self.max_len)
+        if not need <= n <= self.max_len:
+            raise RuntimeError(f"{self.name}: attention view of {n} positions cannot hold the {need} it needs "
+                               f"(cache length {self.max_len})")
+        return n
+
+    def get(self, n: int) -> Any:
+        step = self.steps.get(n)
+        if step is None:
+            if self.use_graphs:
+                logger.info("Capturing %s for view length %d (inside the decode loop)", self.name, n)
+            step = self.steps[n] = self.make(n)
+        return step
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -96,15 +156,20 @@ class StaticPlainRunner:
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)
         if use_graphs:
-            logger.info("Capturing the target's 1-token step as a CUDA graph (cache length %d)", self.max_len)
-        self.step = _make_step(self._step, self.device, use_graphs, model)
+            logger.info("Capturing the target's 1-token step as CUDA graphs (cache length %d, views %s)",
+                        self.max_len, view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
+        self.steps = _BucketedSteps(
+            lambda n: _make_step(lambda: self._step(n), self.device, use_graphs, model), self.max_len,
+            "the 1-token step", use_graphs)
 
-    def _step(self) -> torch.Tensor:
+    def _step(self, view_len: int) -> torch.Tensor:
+        """One token at self.pos, attending over the cache's first `view_len` positions."""
         q_pos = self.pos.view(1)
         self.kv.write_positions = q_pos
+        self.kv.view_len = view_len
         out = self.model(
             input_ids=self.tok, position_ids=q_pos.view(1, 1), past_key_values=self.kv.cache, use_cache=True,
-            attention_mask=causal_mask(q_pos, self.max_len, self.attn, self.dtype),
+            attention_mask=causal_mask(q_pos, view_len, self.attn, self.dtype),
         )
         logits = out.logits[0, -1:]
         if self.greedy:  # advance on the device: next input token and position
@@ -117,9 +182,10 @@ class StaticPlainRunner:
         plen = ids.shape[1]
         positions = torch.arange(plen, device=self.device)
         self.kv.write_positions = positions
+        self.kv.view_len = view_len = self.steps.view(plen)
         out = self.model(
             input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
-            attention_mask=causal_mask(positions, self.max_len, self.attn, self.dtype),
+            attention_mask=causal_mask(positions, view_len, self.attn, self.dtype),
         )
         return out.logits[0, -1:]
 
@@ -134,13 +200,15 @@ class StaticPlainRunner:
         tok, _ = select_tokens(self.prefill(ids), temperature, generator)
         output = [int(tok[0])]
         self.tok.copy_(tok.view(1, 1))
-        self.pos.fill_(ids.shape[1])
+        pos = ids.shape[1]  # the host's copy of self.pos, for picking the step's view
+        self.pos.fill_(pos)
         _sync(device)
         t1 = time.perf_counter()
         stopped = output[0] in stop_ids
         steps = 0
         while not stopped and len(output) < max_new_tokens:
-            logits = self.step.replay()
+            logits = self.steps.get(self.steps.view(pos + 1)).replay()
+            pos += 1
             if self.greedy:
                 nxt = int(self.tok)  # the step's one host sync
             else:
@@ -174,7 +242,7 @@ def static_autoregressive_generate(
     need = cache_length_for(ids.shape[1], max_new_tokens, 1)
     runners = _PLAIN_RUNNERS.setdefault(model, {})
     runner = runners.get((greedy, use_graphs))
-    if runner is None or runner.max_len < need:
+    if runner is None or runner.max_len < need or runner.steps.bucket_key != _bucket_key():
         runners.pop((greedy, use_graphs), None)  # free the old graphs and cache first
         runner = StaticPlainRunner(model, need, greedy, use_graphs)
         runners[(greedy, use_graphs)] = runner
@@ -218,23 +286,44 @@ class StaticSpecRunner:
             self.vocab = torch.arange(vocab, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
         if use_graphs:
-            logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d)",
-                        B, self.max_len)
-        self.draft_step = _make_step(lambda: self._draft(self.feats), dev, use_graphs, decoder.draft) if B > 1 else None
-        self.verify_step = _make_step(self._verify, dev, use_graphs, model)
+            logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d, "
+                        "views %s)", B, self.max_len,
+                        view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
+        # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
+        self.draft_steps = _BucketedSteps(
+            lambda n: _make_step(lambda: self._draft(self.feats, n), dev, use_graphs, decoder.draft),
+            self.max_len, "the draft block", use_graphs) if B > 1 else None
+        self.verify_steps = _BucketedSteps(
+            lambda n: _make_step(lambda: self._verify(n), dev, use_graphs, model), self.max_len,
+            f"the {B}-token verify", use_graphs)
+
+    def view(self, pos: int) -> int:
+        """The view length of the speculative step at position `pos` (its verify sees up to pos + B - 1)."""
+        return self.verify_steps.view(pos + self.B)
+
+    def steps_at(self, pos: int) -> tuple[int, Optional[Any], Any]:
+        """(view length, draft step, verify step) of the step at position `pos` (host bookkeeping only)."""
+        n = self.view(pos)
+        return n, (self.draft_steps.get(n) if self.draft_steps is not None else None), self.verify_steps.get(n)
+
+    @property
+    def bucket_key(self) -> int:
+        return self.verify_steps.bucket_key
 
     # -- the two captured steps
 
-    def _draft(self, feats: torch.Tensor) -> torch.Tensor:
+    def _draft(self, feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Draft logits [B-1, V] for the block at self.pos, given new context `feats` [1, C, n*H]
-        at positions ctx_start.. (C = B padded in the captured step; the prompt at step 1)."""
+        at positions ctx_start.. (C = B padded in the captured step; the prompt at step 1),
+        attending over the context cache's first `view_len` positions plus the block."""
         B, c_len = self.B, feats.shape[1]
         ctx_pos = self.ctx_start + (self.arange_b if c_len == B else torch.arange(c_len, device=self.device))
         self.dcache.write_positions = ctx_pos
+        self.dcache.view_len = view_len
         position_ids = torch.cat([ctx_pos, self.pos + self.arange_b]).unsqueeze(0)
         noise = self.dec.embed_tokens(torch.cat([self.blk[0, :1], self.mask_ids]).unsqueeze(0))
         # Context slot j is visible iff j < pos (verified); block keys are all visible.
-        visible = torch.cat([self.key_index < self.pos, self.block_visible]).view(1, 1, 1, -1)
+        visible = torch.cat([self.key_index[:view_len] < self.pos, self.block_visible]).view(1, 1, 1, -1)
         hidden = self.dec.draft(noise_embedding=noise, target_hidden=feats, position_ids=position_ids,
                                 attention_mask=visible, cache=self.dcache)
         logits = self.dec.lm_head(hidden[0, 1:].to(self.dec.lm_head.weight.dtype))
@@ -252,14 +341,16 @@ class StaticSpecRunner:
         u = keyed_uniform(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.vocab)
         self.blk[0, 1:].copy_((scores + _gumbel(u)).argmax(dim=-1))
 
-    def _verify(self) -> torch.Tensor:
-        """Target logits [B, V] of the block; at T=0 also accept and advance, on the device."""
+    def _verify(self, view_len: int) -> torch.Tensor:
+        """Target logits [B, V] of the block, attending over the cache's first `view_len`
+        positions; at T=0 also accept and advance, on the device."""
         q_pos = self.pos + self.arange_b
         self.kv.write_positions = q_pos
+        self.kv.view_len = view_len
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(
                 input_ids=self.blk, position_ids=q_pos.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
-                attention_mask=causal_mask(q_pos, self.max_len, self.attn, self.dtype),
+                attention_mask=causal_mask(q_pos, view_len, self.attn, self.dtype),
             )
         self.feats.copy_(self.dec.target.concat(captured))
         logits = out.logits[0]
@@ -301,10 +392,11 @@ class StaticSpecRunner:
         plen = ids.shape[1]
         positions = torch.arange(plen, device=self.device)
         self.kv.write_positions = positions
+        self.kv.view_len = view_len = self.verify_steps.view(plen)
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(
                 input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
-                attention_mask=causal_mask(positions, self.max_len, self.attn, self.dtype),
+                attention_mask=causal_mask(positions, view_len, self.attn, self.dtype),
             )
         return out.logits[0, -1:], self.dec.target.concat(captured)
 
@@ -336,15 +428,18 @@ class StaticSpecRunner:
         stopped = output[0] in stop_ids
         accept_lens: list[int] = []
         step_one = True
+        pos = plen  # the host's copy of self.pos: picks the step's view length
         while not stopped and len(output) < max_new_tokens:
+            view_len, draft_step, verify_step = self.steps_at(pos)
             if B > 1:  # step 1 drafts against the whole prompt (eager); later steps replay the graph
-                self._draft(prompt_feats) if step_one else self.draft_step.replay()
+                self._draft(prompt_feats, view_len) if step_one else draft_step.replay()
                 step_one = False
             if self.after_draft is not None:
                 self.after_draft()
-            self.verify_step.replay()
+            verify_step.replay()
             res = self.result.tolist()  # the step's one host sync
             n_acc = res[0]
+            pos += n_acc + 1
             new = res[1: n_acc + 2]  # the kept proposals and the next token
             accept_lens.append(len(new))
             kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
@@ -365,7 +460,7 @@ def static_speculative_generate(
     greedy = temperature <= 0
     need = cache_length_for(ids.shape[1], max_new_tokens, decoder.block_size)
     runner = decoder._static_runners.get((greedy, use_graphs))
-    if runner is None or runner.max_len < need:
+    if runner is None or runner.max_len < need or runner.bucket_key != _bucket_key():
         decoder._static_runners.pop((greedy, use_graphs), None)
         runner = StaticSpecRunner(decoder, need, greedy, use_graphs)
         decoder._static_runners[(greedy, use_graphs)] = runner
@@ -373,10 +468,14 @@ def static_speculative_generate(
 
 
 __all__ = [
+    "CAPTURE_ALL_BUCKETS",
     "LENGTH_BUCKET",
+    "USE_BUCKETS",
     "StaticPlainRunner",
     "StaticSpecRunner",
     "cache_length_for",
     "static_autoregressive_generate",
     "static_speculative_generate",
+    "view_length",
+    "view_lengths",
 ]
