@@ -16,12 +16,16 @@ from nemo_dflash.inference.static_cache import (
     causal_mask,
     check_static_target,
 )
+from nemo_dflash.inference import static_decode
 from nemo_dflash.inference.static_decode import (
     LENGTH_BUCKET,
+    StaticPlainRunner,
     StaticSpecRunner,
     cache_length_for,
     static_autoregressive_generate,
     static_speculative_generate,
+    view_length,
+    view_lengths,
 )
 from nemo_dflash.model import DFlashContextCache
 from nemo_dflash.model.modeling import apply_rope
@@ -133,8 +137,12 @@ def test_static_spec_matches_hf_greedy(target, block_size):
         assert out.num_target_forwards == len(out.acceptance_lengths)
 
 
-def test_static_draft_matches_the_eager_draft(target):
-    """Padded context, preallocated cache and masks must not change the draft's logits."""
+@pytest.mark.parametrize("bucket", [None, 16])
+def test_static_draft_matches_the_eager_draft(target, bucket, monkeypatch):
+    """Padded context, preallocated cache, masks and (small) length buckets must not change the
+    draft's logits."""
+    if bucket:
+        monkeypatch.setattr(static_decode, "LENGTH_BUCKET", bucket)
     draft = make_draft(target, block_size=6)
     ids = prompt(4)
     decoder = DFlashSpeculativeDecoder(target, draft)
@@ -150,14 +158,14 @@ def test_static_draft_matches_the_eager_draft(target):
     del decoder.draft_logits
 
     decoder2 = DFlashSpeculativeDecoder(target, draft)
-    spec_static(decoder2, ids, 2)  # builds the runner; the wrapper records the next generation
+    spec_static(decoder2, ids, 20)  # builds the runner; the wrapper records the next generation
     runner = runner_of(decoder2)
     static_logits = []
-    real_static = runner._draft
-    runner._draft = lambda feats, n: static_logits.append(real_static(feats, n)) or static_logits[-1]
+    views = _record_views(runner, "_draft", static_logits)
     static = spec_static(decoder2, ids, 20)
     assert static.output_ids == eager.output_ids
     assert len(static_logits) == len(eager_logits) > 3
+    assert len({n for _, n in views}) == (1 if bucket is None else 3)
     for got, want in zip(static_logits, eager_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -249,6 +257,195 @@ def test_static_stop_tokens_and_longer_requests():
     assert out.output_ids == hf_greedy(target, long_ids, 40)
 
 
+# ----------------------------------------------------------------------------- length buckets
+
+SMALL_BUCKET = 16  # a 9-token prompt + 50 new tokens then crosses 4 views: 16, 32, 48, 64
+
+
+@pytest.fixture
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(static_decode, "LENGTH_BUCKET", SMALL_BUCKET)
+    return SMALL_BUCKET
+
+
+def plain_runner_of(target, greedy=True):
+    return static_decode._PLAIN_RUNNERS[target][(greedy, False)]
+
+
+def new_plain_runner(target, max_len, greedy=True):
+    """A fresh runner where static_autoregressive_generate will find (and reuse) it."""
+    runner = StaticPlainRunner(target, max_len, greedy, use_graphs=False)
+    static_decode._PLAIN_RUNNERS.setdefault(target, {})[(greedy, False)] = runner
+    return runner
+
+
+def new_spec_runner(decoder, max_len, greedy=True):
+    runner = StaticSpecRunner(decoder, max_len, greedy, use_graphs=False)
+    decoder._static_runners[(greedy, False)] = runner
+    return runner
+
+
+def _record_views(runner, name, logits=None):
+    """Wrap runner.<name> (a step taking the view length last) to record (position, view) per
+    call, and the logits it returns into `logits` if given."""
+    seen = []
+    real = getattr(runner, name)
+
+    def wrapped(*args):
+        seen.append((int(runner.pos), args[-1]))
+        out = real(*args)
+        if logits is not None:
+            logits.append(out.detach().clone())
+        return out
+
+    setattr(runner, name, wrapped)
+    return seen
+
+
+def _logits_match_hf(target, ids, output_ids, views, logits, accept_lens=None) -> bool:
+    """Each step's logits against one HF forward over prompt + output: the row of a query at
+    position p must equal HF's logits at p (for the verify: the rows of the accepted prefix,
+    whose inputs are the true tokens). Independent of whether a tiny model's argmax repeats."""
+    seq = torch.tensor([ids[0].tolist() + output_ids])
+    with torch.no_grad():
+        want = target(input_ids=seq).logits[0]
+    for i, ((pos, _), got) in enumerate(zip(views, logits)):
+        rows = 1 if accept_lens is None else accept_lens[i]
+        rows = min(rows, seq.shape[1] - pos)
+        if not torch.allclose(got[:rows], want[pos: pos + rows], atol=1e-4, rtol=1e-4):
+            return False
+    return True
+
+
+def test_view_lengths(small_buckets, monkeypatch):
+    assert [view_length(n, 64) for n in (1, 16, 17, 48, 49, 64, 90)] == [16, 16, 32, 48, 64, 64, 64]
+    assert view_lengths(64) == [16, 32, 48, 64] and view_lengths(40) == [16, 32, 40]
+    monkeypatch.setattr(static_decode, "USE_BUCKETS", False)
+    assert view_length(3, 64) == 64 and view_lengths(64) == [64]
+
+
+def test_plain_across_buckets_matches_hf_greedy(target, small_buckets):
+    ids = prompt(1)
+    assert cache_length_for(PROMPT_LEN, 50, 1) == 64
+    runner = new_plain_runner(target, 64)
+    assert sorted(runner.steps.steps) == [16, 32, 48, 64]
+    logits = []
+    seen = _record_views(runner, "_step", logits)
+    out = static_autoregressive_generate(target, ids, 50, 0.0, set(), None, use_graphs=False)
+    assert out.output_ids == hf_greedy(target, ids, 50)
+    assert _logits_match_hf(target, ids, out.output_ids, seen, logits)
+    assert sorted({n for _, n in seen}) == [16, 32, 48, 64]
+    assert all(n - small_buckets < pos + 1 <= n for pos, n in seen)  # the smallest view that covers pos
+
+
+@pytest.mark.parametrize("block_size", [8, 3])
+def test_spec_across_buckets_matches_hf_greedy(target, small_buckets, block_size):
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block_size)
+    ids = prompt(2)
+    runner = new_spec_runner(decoder, cache_length_for(PROMPT_LEN, 50, block_size))
+    logits = []
+    verify_views, draft_views = _record_views(runner, "_verify", logits), _record_views(runner, "_draft")
+    out = spec_static(decoder, ids, 50)
+    assert runner_of(decoder) is runner
+    assert out.output_ids == hf_greedy(target, ids, 50)
+    assert _logits_match_hf(target, ids, out.output_ids, verify_views, logits, out.acceptance_lengths)
+    assert len({n for _, n in verify_views}) >= 3
+    assert all(n - small_buckets < pos + block_size <= n for pos, n in verify_views + draft_views)
+    assert [n for _, n in draft_views] == [n for _, n in verify_views]  # one view per speculative step
+
+
+def test_oracle_across_buckets_whole_blocks(small_buckets):
+    """Whole blocks accepted: the position jumps by B and crosses a bucket inside a block."""
+    target = tiny_qwen3()
+    ids = prompt(5)
+    block = 8
+    ref = hf_greedy(target, ids, 1 + 6 * block + block)
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block)
+    runner = new_spec_runner(decoder, cache_length_for(PROMPT_LEN, 1 + 6 * block, block))
+    _oracle_hook(runner, ids[0].tolist() + ref)
+    views = _record_views(runner, "_verify")
+    out = spec_static(decoder, ids, 1 + 6 * block)
+    assert runner_of(decoder) is runner
+    assert out.output_ids == ref[: 1 + 6 * block] and out.acceptance_lengths == [block] * 6
+    assert len({n for _, n in views}) >= 3
+
+
+def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
+    """At T > 0 the noise is keyed by position and token, not by the view: the same seed gives the
+    same tokens with small buckets as with one view over the whole cache."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
+    ids = prompt(6)
+
+    def both():
+        spec = spec_static(decoder, ids, 50, temperature=0.8, generator=torch.Generator().manual_seed(3)).output_ids
+        plain = static_autoregressive_generate(target, ids, 50, 0.8, set(), torch.Generator().manual_seed(3),
+                                               use_graphs=False).output_ids
+        return spec, plain
+
+    whole = both()
+    assert runner_of(decoder, greedy=False).verify_steps.steps.keys() == {LENGTH_BUCKET}
+    monkeypatch.setattr(static_decode, "LENGTH_BUCKET", SMALL_BUCKET)
+    bucketed = both()  # the runners are rebuilt for the new bucket
+    assert sorted(runner_of(decoder, greedy=False).verify_steps.steps) == [16, 32, 48, 64, 80]
+    assert bucketed == whole and len(whole[0]) == len(whole[1]) == 50
+
+
+def test_no_buckets_and_lazy_capture_switches(target, small_buckets, monkeypatch):
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
+    ids = prompt(3)
+    ref = hf_greedy(target, ids, 40)
+    monkeypatch.setattr(static_decode, "USE_BUCKETS", False)
+    assert spec_static(decoder, ids, 40).output_ids == ref
+    assert list(runner_of(decoder).verify_steps.steps) == [runner_of(decoder).max_len]  # one view, the whole cache
+    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
+    monkeypatch.setattr(static_decode, "CAPTURE_ALL_BUCKETS", False)
+    runner = new_spec_runner(decoder, 128)  # bucketed, nothing made up front: views up to 128 on first use
+    assert runner.verify_steps.steps == {}
+    views = _record_views(runner, "_verify")
+    assert spec_static(decoder, ids, 40).output_ids == ref and runner_of(decoder) is runner
+    assert sorted(runner.verify_steps.steps) == sorted({n for _, n in views})
+    assert 3 <= len(runner.verify_steps.steps) < len(static_decode.view_lengths(128))
+    plain_runner = new_plain_runner(target, 128)
+    plain = static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+    assert plain.output_ids == ref and sorted(plain_runner.steps.steps) == [16, 32, 48]
+
+
+def _one_bucket_short(real):
+    return lambda need, max_len: max(real(need, max_len) - SMALL_BUCKET, SMALL_BUCKET)
+
+
+def test_a_too_short_view_is_caught(target, small_buckets, monkeypatch):
+    """A bucket choice one bucket short fails the host's check, before any step runs on it."""
+    monkeypatch.setattr(static_decode, "view_length", _one_bucket_short(view_length))
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
+    ids = prompt(4)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        spec_static(decoder, ids, 40)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+
+
+def test_a_too_short_view_is_noticed_by_the_exactness_checks(target, small_buckets, monkeypatch):
+    """Past the host's check, a view one bucket short hides keys the step must see, and the
+    logits check of the bucket tests above fails: those tests are not vacuous."""
+    ids = prompt(4)
+    short = _one_bucket_short(view_length)
+    monkeypatch.setattr(static_decode._BucketedSteps, "view", lambda self, need: short(need, self.max_len))
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
+    runner = new_spec_runner(decoder, 64)
+    logits = []
+    views = _record_views(runner, "_verify", logits)
+    out = spec_static(decoder, ids, 40)
+    assert any(n < pos + 8 for pos, n in views)  # some steps did run on a short view
+    assert not _logits_match_hf(target, ids, out.output_ids, views, logits, out.acceptance_lengths)
+    plain_runner = new_plain_runner(target, 64)
+    logits = []
+    views = _record_views(plain_runner, "_step", logits)
+    out = static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+    assert not _logits_match_hf(target, ids, out.output_ids, views, logits)
+
+
 # ----------------------------------------------------------------------------- the caches
 
 
@@ -261,6 +458,12 @@ def test_static_draft_cache_writes_at_positions():
     torch.testing.assert_close(keys[:, :, 2:5], k)
     assert (keys[:, :, :2] == 0).all() and (keys[:, :, 5:] == 0).all()
     torch.testing.assert_close(values[:, :, 2:5], -k)
+    cache.view_len = 4  # a view: writes still land in the whole buffer, attention gets the first 4
+    cache.write_positions = torch.tensor([4, 5, 0])
+    keys, values = cache.update(0, 2 * k, 3 * k)
+    assert keys.shape == values.shape == (1, 2, 4, 2)
+    torch.testing.assert_close(cache.keys[0][:, :, [4, 5, 0]], 2 * k)
+    assert keys.data_ptr() == cache.keys[0].data_ptr()  # a view, no copy
 
 
 def test_target_static_cache_writes_at_positions():
@@ -273,6 +476,9 @@ def test_target_static_cache_writes_at_positions():
     torch.testing.assert_close(keys[:, :, 5:8], k)
     torch.testing.assert_close(values[:, :, 5:8], 2 * k)
     assert (keys[:, :, :5] == 0).all() and (kv.cache.layers[0].keys == 0).all()
+    kv.view_len = 16
+    keys, values = kv.cache.update(k, 2 * k, 0)
+    assert keys.shape == values.shape == (1, 2, 16, 16) and keys.data_ptr() == kv.cache.layers[0].keys.data_ptr()
 
 
 # ----------------------------------------------------------------------------- sampling
