@@ -3,6 +3,8 @@
     python benchmarks/decode_speed.py                       # Qwen3-8B and SmolLM2-135M shapes, both modes
     python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --json out.json
     python benchmarks/decode_speed.py --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
+    python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --exact '' \
+        --cache-len 4352 --positions 256,1024,2048,4096 --no-buckets   # step cost vs cache length
 
 Per shape and mode (one prompt at a time, bf16, random weights, a random 5-layer draft unless
 --draft): the plain decoding loop's ms per token and the speculative loop's ms per step (both
@@ -17,6 +19,12 @@ T=0 exactness is checked on the GPU as well: every mode's plain output against e
 decoding, and the speculative output with an oracle draft (proposals = the target's own
 greedy continuation, so whole blocks are accepted and the caches roll back across blocks),
 in fp32 where near-ties do not flip argmaxes (bf16 outputs are compared and reported too).
+
+Cache length (graphs mode): `--cache-len N` builds the static caches with N positions (what
+`evaluate --protocol paper` allocates for 2,048 new tokens: up to 4,352) instead of what the
+prompt and --new-tokens need; `--positions` times the captured steps alone at those positions
+(the view length each picks is reported); `--no-buckets` adds a graphs row whose steps attend
+over the whole cache (`static_decode.USE_BUCKETS = False`, the behaviour before length buckets).
 """
 
 from __future__ import annotations
@@ -162,24 +170,38 @@ def eager_parts(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reps: int) -> 
     return {"verify_ms": verify_ms, "draft_ms": timed(draft, device, reps), "plain_step_ms": plain_ms}
 
 
-def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: int, reps: int) -> dict[str, float]:
-    """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone."""
+def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: int, reps: int,
+                positions: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone at
+    the prompt's position, and at each of `positions` that the caches hold (`by_position`)."""
     from nemo_dflash.inference.static_decode import _PLAIN_RUNNERS
 
     device = dec.device
     runner = dec._static_runners[(True, True)]
     plain = _PLAIN_RUNNERS[target][(True, True)]
 
-    def at_prompt() -> None:
-        runner.pos.fill_(plen)
-        runner.ctx_start.fill_(plen - 1)
+    def at(pos: int) -> dict[str, Any]:
+        view, draft_step, verify_step = runner.steps_at(pos)
+        plain_view = plain.steps.view(pos + 1)
+        plain_step = plain.steps.get(plain_view)
 
-    def plain_at_prompt() -> None:
-        plain.pos.fill_(plen)
+        def spec_setup() -> None:
+            runner.pos.fill_(pos)
+            runner.ctx_start.fill_(pos - 1)
 
-    out = {"verify_ms": timed(runner.verify_step.replay, device, reps, at_prompt),
-           "plain_step_ms": timed(plain.step.replay, device, reps, plain_at_prompt)}
-    out["draft_ms"] = timed(runner.draft_step.replay, device, reps, at_prompt) if runner.draft_step else 0.0
+        out = {"pos": pos, "view_len": view, "plain_view_len": plain_view,
+               "verify_ms": timed(verify_step.replay, device, reps, spec_setup),
+               "plain_step_ms": timed(plain_step.replay, device, reps, lambda: plain.pos.fill_(pos))}
+        out["draft_ms"] = timed(draft_step.replay, device, reps, spec_setup) if draft_step else 0.0
+        return out
+
+    out = at(plen)
+    fits = [p for p in positions if 1 <= p and p + dec.block_size <= runner.max_len and p < plain.max_len]
+    if len(fits) < len(positions):
+        print(f"positions {sorted(set(positions) - set(fits))} skipped: past the cache length {runner.max_len} "
+              "(raise --cache-len)", flush=True)
+    out["by_position"] = [at(p) for p in fits]
+    out["cache_len"], out["plain_cache_len"] = runner.max_len, plain.max_len
     return out
 
 
@@ -266,24 +288,45 @@ class Variant:
     """One way of decoding, timed on the same models: a mode plus the library switches it sets."""
 
     def __init__(self, label: str, mode: str, dec, target, baseline=None, cudnn: bool = False,
-                 unfused: bool = False) -> None:
+                 unfused: bool = False, buckets: bool = True) -> None:
         self.label, self.mode, self.baseline, self.cudnn, self.unfused = label, mode, baseline, cudnn, unfused
+        self.buckets = buckets
         self.target = target
         self.dec = baseline.DFlashSpeculativeDecoder(target, dec.draft, dec.block_size) if baseline else dec
         self._saved: tuple = ()
 
     def __enter__(self) -> "Variant":
-        self._saved = (graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE)
+        self._saved = (graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS)
         graphs.AVOID_CUDNN_ATTENTION = not self.cudnn
+        static_decode.USE_BUCKETS = self.buckets  # runners made under the other setting are rebuilt
         if self.unfused:  # re-capture without the fused kernels
             static_decode.FUSE_ELEMENTWISE = False
             self._drop_graphs()
         return self
 
     def __exit__(self, *exc) -> None:
-        graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE = self._saved
-        if self.unfused:
+        graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS = self._saved
+        if self.unfused or not self.buckets:
             self._drop_graphs()
+
+    def prebuild(self, cache_len: int) -> tuple[float, float]:
+        """Graphs mode: make (capture) the T=0 runners with a `cache_len`-position cache, which the
+        generations then reuse (they do whenever it holds what they need). Returns (seconds taken,
+        GB of device memory they reserved: caches plus one graph pool per step and view length)."""
+        if self.mode != "graphs" or self.baseline or not cache_len:
+            return 0.0, 0.0
+        self._drop_graphs()
+        gc.collect()
+        on_cuda = self.dec.device.type == "cuda"
+        torch.cuda.empty_cache() if on_cuda else None
+        reserved = torch.cuda.memory_reserved(self.dec.device) if on_cuda else 0
+        t0 = time.perf_counter()
+        self.dec._static_runners[(True, True)] = static_decode.StaticSpecRunner(self.dec, cache_len, True, True)
+        static_decode._PLAIN_RUNNERS.setdefault(self.target, {})[(True, True)] = static_decode.StaticPlainRunner(
+            self.target, cache_len, True, True)
+        sync(self.dec.device)
+        took = time.perf_counter() - t0
+        return took, ((torch.cuda.memory_reserved(self.dec.device) - reserved) / 2**30 if on_cuda else 0.0)
 
     def _drop_graphs(self) -> None:
         self.dec._static_runners.clear()
@@ -299,11 +342,11 @@ class Variant:
             return self.dec.generate(ids, max_new_tokens=n)
         return self.dec.generate(ids, max_new_tokens=n, decode=self.mode)
 
-    def parts(self, ids, reps: int) -> dict[str, float]:
+    def parts(self, ids, reps: int, positions: tuple[int, ...] = ()) -> dict[str, Any]:
         if self.baseline:
             return {}
         if self.mode == "graphs":
-            return graph_parts(self.dec, self.target, ids.shape[1], reps)
+            return graph_parts(self.dec, self.target, ids.shape[1], reps, positions)
         with graphs.eager_attention_backends(self.dec.device):
             return eager_parts(self.dec, ids, reps)
 
@@ -323,6 +366,9 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     variants = [Variant(m, m, dec, target) for m in modes]
     if args.unfused and "graphs" in modes:
         variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
+    if args.no_buckets and "graphs" in modes:
+        variants.append(Variant("graphs (no buckets)", "graphs", dec, target, buckets=False))
+    positions = tuple(int(p) for p in args.positions.split(",") if p)
     if args.cudnn and "eager" in modes:
         variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
     if args.baseline:
@@ -330,12 +376,13 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     for v in variants:
         try:
             with v:
+                capture_s, capture_gb = v.prebuild(args.cache_len)
                 t0 = time.perf_counter()
                 for _ in range(2):  # the first run captures / warms every shape; the second is kept
                     plain = v.plain(ids, n)
                     spec = v.spec(ids, n)
-                setup_s = time.perf_counter() - t0
-                parts = v.parts(ids, args.reps)
+                setup_s = time.perf_counter() - t0 + capture_s
+                parts = v.parts(ids, args.reps, positions)
                 plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
                 spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
                 row = {
@@ -354,6 +401,12 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                                        "measured with a random draft (tau ~1); not a measured speedup",
                     "setup_s": setup_s,
                 }
+                if v.mode == "graphs" and not v.baseline:
+                    row.update({"buckets": v.buckets, "length_bucket": static_decode.LENGTH_BUCKET,
+                                "cache_len": parts.get("cache_len"), "plain_cache_len": parts.get("plain_cache_len"),
+                                "view_len_at_prompt": parts.get("view_len"),
+                                "step_cost_by_position": parts.get("by_position", []),
+                                "prebuild_capture_s": capture_s or None, "prebuild_reserved_gb": capture_gb or None})
                 if parts:
                     row["step_overhead_ms"] = spec_ms - parts["verify_ms"] - parts["draft_ms"]
                 if args.interleave and not (v.unfused or v.baseline):
@@ -459,6 +512,13 @@ def print_row(r: dict[str, Any]) -> None:
           f"{f(r['spec_ms_per_step']):>7s} ms = verify {f(r['verify_ms'])} + draft {f(r['draft_ms'])} + "
           f"{f(r.get('step_overhead_ms'))} | projected speedup at tau {proj} | bf16 spec==plain "
           f"{r['bf16_spec_plain_common_prefix']}/{r['new_tokens']} tokens", flush=True)
+    if r.get("cache_len"):
+        print(f"{'':14s} {'':24s} cache {r['cache_len']} positions, buckets {r['buckets']} "
+              f"(view {r['view_len_at_prompt']} at the prompt); runners made in {r.get('prebuild_capture_s') or 0:.1f}s, "
+              f"{r.get('prebuild_reserved_gb') or 0:.2f} GB", flush=True)
+    for b in r.get("step_cost_by_position") or []:
+        print(f"{'':14s} {'':24s} at position {b['pos']:5d} (view {b['view_len']:5d}): verify {b['verify_ms']:.2f} "
+              f"+ draft {b['draft_ms']:.2f} ms, plain step {b['plain_step_ms']:.2f} ms", flush=True)
     if "interleaved_step_ratio" in r:
         print(f"{'':14s} {'':24s} interleaved new-length prompts: plain {r['interleaved_plain_ms_per_token']:.2f} "
               f"ms/tok, spec {r['interleaved_spec_ms_per_step']:.2f} ms/step, step ratio "
@@ -503,6 +563,13 @@ def main() -> None:
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
     p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
+    p.add_argument("--no-buckets", action="store_true",
+                   help="also a graphs row whose steps attend over the whole static cache (no length buckets)")
+    p.add_argument("--cache-len", type=int, default=0,
+                   help="graphs mode: static cache positions (default: what prompt + new tokens need, "
+                        "rounded up; evaluate --protocol paper uses up to 4352)")
+    p.add_argument("--positions", default="",
+                   help="graphs mode: also time the captured steps alone at these positions, e.g. 256,1024,2048,4096")
     p.add_argument("--baseline", default=None, help="a spec_decode.py of another revision, timed as an extra row")
     p.add_argument("--profile", default=None, help="append a torch.profiler table of the eager loop to this file")
     p.add_argument("--json", default=None)
