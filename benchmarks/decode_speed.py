@@ -4,7 +4,7 @@
     python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --json out.json
     python benchmarks/decode_speed.py --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
     python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --exact '' \
-        --cache-len 4352 --positions 256,1024,2048,4096 --no-buckets   # step cost vs cache length
+        --new-tokens 2048 --cache-len 4352 --positions 256,1024,2048,4096 --no-buckets   # step cost vs cache length
 
 Per shape and mode (one prompt at a time, bf16, random weights, a random 5-layer draft unless
 --draft): the plain decoding loop's ms per token and the speculative loop's ms per step (both
