@@ -23,13 +23,15 @@ from typing import Any, Optional, Union
 
 import torch
 
+# The template knowledge lives in data/chat_template.py; these names stay importable from here.
+from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
+    TURNS, encode_prompt, special_token_strings, split_prompt, stop_token_ids,
+)
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.data.sources import Conversation
 from nemo_dflash.generation import Completion, Request, SlotEngine
 
 logger = logging.getLogger(__name__)
-
-TURNS = ("first", "all")
 
 ConversationLike = Union[Conversation, Sequence[dict[str, str]]]
 
@@ -107,38 +109,6 @@ class _Job:
         return zlib.crc32(f"{name}\x00{self.next_user}".encode()) & 0x7FFFFFFF
 
 
-def split_prompt(messages: Sequence[dict[str, str]], turns: str = "first") -> tuple[list[dict[str, str]], list[str]]:
-    """(leading system message if any, user turns to answer) of a conversation.
-
-    The source's assistant turns are discarded, and so are system messages after the first turn
-    and empty user turns. ``turns="first"`` keeps only the first user turn.
-    """
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    system = [dict(messages[0])] if messages and messages[0]["role"] == "system" else []
-    users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
-    return system, users[:1] if turns == "first" else users
-
-
-def special_token_strings(tokenizer: Any) -> list[str]:
-    """The tokenizer's special-token strings: user text containing one would forge template markers."""
-    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
-            specials.add(str(tok))
-    return sorted(s for s in specials if s)
-
-
-def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the chat template with the assistant header appended.
-
-    Rendered to text and tokenised without adding special tokens, so a BOS the template writes is
-    not doubled.
-    """
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def prompt_problem(
     tokenizer: Any,
     messages: Sequence[dict[str, str]],
@@ -162,40 +132,6 @@ def prompt_problem(
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         return [], "prompt_too_long"
     return ids, None
-
-
-def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Token ids that end an answer: the model's and tokenizer's EOS plus the template's end-of-turn.
-
-    A base config often names ``<|endoftext|>`` as EOS while the chat template closes turns with
-    ``<|im_end|>``; stopping on either avoids running every answer to ``max_new_tokens``.
-    """
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        if value is None:
-            return
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v >= 0 and v not in ids:
-                ids.append(v)
-
-    add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    add(getattr(tokenizer, "eos_token_id", None))
-    try:
-        from nemo_dflash.data.chat_template import detect_chat_format
-
-        eot = detect_chat_format(tokenizer).end_of_turn
-        eot_id = tokenizer.convert_tokens_to_ids(eot)
-        if eot_id is not None and eot_id != getattr(tokenizer, "unk_token_id", None):
-            add(eot_id)
-    except Exception as e:  # a template we cannot probe: EOS alone still stops generation
-        logger.debug("could not probe the end-of-turn token: %s", e)
-    if not ids:
-        raise ValueError(
-            "neither the model's generation_config nor the tokenizer defines an EOS token, so answers would "
-            "never stop; use the target's instruct tokenizer (with eos_token set)"
-        )
-    return ids
 
 
 def _pad_id(tokenizer: Any, stop_ids: Sequence[int]) -> int:

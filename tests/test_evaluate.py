@@ -16,6 +16,7 @@ from nemo_dflash.inference.evaluate import (
     PROTOCOLS,
     Answer,
     ConversationDecoder,
+    EvalPrompt,
     EvalSettings,
     dataset_result,
     encode_chat,
@@ -153,6 +154,18 @@ def test_two_turn_mtbench_matches_hf_greedy(target_and_tokenizer, draft):
     # one turn only when asked
     assert [a.turn for a in ConversationDecoder(target, tok, draft, EvalSettings(max_new_tokens=4)).run(
         load_mtbench(1)[0])] == [1]
+
+
+def test_system_message_of_a_prompt_file_is_sent(target_and_tokenizer, draft):
+    """A prompt file's leading system message (regenerate's held-out prompts keep it) opens every
+    turn's prompt, encoded as HF's own apply_chat_template(add_generation_prompt=True) does."""
+    target, tok = target_and_tokenizer
+    prompt = EvalPrompt(turns=["hi", "more"], id="p", system="Be brief.")
+    a1, a2 = ConversationDecoder(target, tok, draft, EvalSettings(max_new_tokens=3, turns=2)).run(prompt)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert a1.prompt_ids == list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
+    assert tok.decode(a2.prompt_ids).count("Be brief.") == 1 and "more" in tok.decode(a2.prompt_ids)
 
 
 def test_evaluate_acceptance(target_and_tokenizer, draft):

@@ -13,6 +13,11 @@ This works for any template, with or without ``{% generation %}`` markers:
 2. render the conversation to text and walk the assistant turns in order with a cursor:
    header, then the first end-of-turn marker after it, gives the supervised character span;
 3. tokenise the text with offsets and mark the tokens that overlap a span.
+
+The same template knowledge serves generation (``regenerate`` and ``evaluate`` both prompt the
+target through here, so what they ask is what the draft trains on): :func:`encode_prompt` (the
+conversation plus the generation prompt), :func:`special_token_strings` (text that would forge
+template markers) and :func:`stop_token_ids` (what ends an answer).
 """
 
 from __future__ import annotations
@@ -77,12 +82,14 @@ def _generation_header(tokenizer: Any, context: Sequence[dict[str, str]]) -> Opt
     return with_prompt[len(without) :]
 
 
-def _special_strings(tokenizer: Any) -> list[str]:
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's special-token strings, longest first: user text containing one would forge
+    template markers, and the end-of-turn probe wants the longest match at a position."""
     specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
     for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
         if getattr(tok, "special", False):
             specials.add(str(tok))
-    return sorted((s for s in specials if s), key=len, reverse=True)
+    return sorted((s for s in specials if s), key=lambda s: (-len(s), s))
 
 
 def detect_chat_format(tokenizer: Any) -> ChatFormat:
@@ -116,7 +123,7 @@ def detect_chat_format(tokenizer: Any) -> ChatFormat:
     tail = text[at + len(_PROBE_ASSISTANT) :]
     eot = None
     best = len(tail)
-    for s in _special_strings(tokenizer):  # longest first, so ties keep the longest match
+    for s in special_token_strings(tokenizer):  # longest first, so ties keep the longest match
         i = tail.find(s)
         if 0 <= i < best:
             best, eot = i, s
@@ -278,3 +285,65 @@ def tokenize_conversations(
     if errors is not None:
         errors[:] = errs
     return results
+
+
+# ----------------------------------------------------------------------------- prompting the target
+
+TURNS = ("first", "all")  # which user turns of a source conversation the target answers
+
+
+def split_prompt(messages: Sequence[dict[str, str]], turns: str = "first") -> tuple[list[dict[str, str]], list[str]]:
+    """(leading system message if any, user turns to answer) of a conversation.
+
+    The source's assistant turns are discarded, and so are system messages after the first turn
+    and empty user turns. ``turns="first"`` keeps only the first user turn.
+    """
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    system = [dict(messages[0])] if messages and messages[0]["role"] == "system" else []
+    users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
+    return system, users[:1] if turns == "first" else users
+
+
+def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template with the assistant header appended
+    (``add_generation_prompt=True``): the prompt the target answers.
+
+    Rendered to text and tokenised without adding special tokens, so a BOS the template writes is
+    not doubled. Template errors propagate as jinja raised them; callers decide whether they skip.
+    """
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end an answer: the model's and tokenizer's EOS plus the template's end-of-turn.
+
+    A base config often names ``<|endoftext|>`` as EOS while the chat template closes turns with
+    ``<|im_end|>``; stopping on either avoids running every answer to ``max_new_tokens``.
+    ValueError when there is none at all (answers would never stop).
+    """
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    try:
+        eot = detect_chat_format(tokenizer).end_of_turn
+        eot_id = tokenizer.convert_tokens_to_ids(eot)
+        if eot_id is not None and eot_id != getattr(tokenizer, "unk_token_id", None):
+            add(eot_id)
+    except Exception as e:  # a template we cannot probe: EOS alone still stops generation
+        logger.debug("could not probe the end-of-turn token: %s", e)
+    if not ids:
+        raise ValueError(
+            "neither the model's generation_config nor the tokenizer defines an EOS token, so answers would "
+            "never stop; use the target's instruct tokenizer (with eos_token set)"
+        )
+    return ids

@@ -89,8 +89,19 @@ class MalformedRecord(ValueError):
     """Raised by :func:`normalize_record` with a human-readable reason."""
 
 
-def normalize_record(record: Any) -> list[dict[str, str]]:
-    """Turn one ShareGPT or OpenAI record into ``[{"role", "content"}, ...]``."""
+def _joined_text_parts(content: Any) -> Any:
+    """OpenAI content parts (``[{"type": "text", "text": ...}, ...]``) as one string; anything else as is."""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    return content
+
+
+def normalize_record(record: Any, *, text_parts: bool = False) -> list[dict[str, str]]:
+    """Turn one ShareGPT or OpenAI record into ``[{"role", "content"}, ...]``.
+
+    ``text_parts`` joins OpenAI content-part lists into one string (evaluation prompts); training
+    data keeps rejecting them, since images or tool parts dropped silently would change the turn.
+    """
     if not isinstance(record, dict):
         raise MalformedRecord(f"expected a JSON object, got {type(record).__name__}")
     if "conversations" in record:
@@ -109,6 +120,8 @@ def normalize_record(record: Any) -> list[dict[str, str]]:
         if role_key not in turn or content_key not in turn:
             raise MalformedRecord(f"turn {i} lacks '{role_key}' or '{content_key}'")
         raw_role, content = turn[role_key], turn[content_key]
+        if text_parts:
+            content = _joined_text_parts(content)
         if not isinstance(raw_role, str):
             raise MalformedRecord(f"turn {i}: '{role_key}' is not a string")
         role = _ROLE_ALIASES.get(raw_role.strip().lower())
@@ -237,6 +250,24 @@ def _iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[str, Any]
             row += 1
 
 
+def iter_records(path: str) -> Iterator[tuple[str, Any]]:
+    """``(location, record)`` of a .jsonl, .json (array) or .parquet file; a line that is not JSON
+    comes as a :class:`MalformedRecord` in place of the record, for the caller to count or raise.
+
+    The one file reader: training data, regeneration and evaluation prompt files all go through it.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"data source not found: {path!r} (data.sources[].path must be a local file)")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".jsonl":
+        return _iter_jsonl(path)
+    if suffix == ".json":
+        return _iter_json_array(path)
+    if suffix == ".parquet":
+        return _iter_parquet(path)
+    raise DataError(f"unsupported data file {path!r}: use one of {', '.join(SUPPORTED_SUFFIXES)}")
+
+
 def read_conversations(
     path: str,
     *,
@@ -250,17 +281,7 @@ def read_conversations(
     """
     if bad is None:
         bad = BadRecordCounter()
-    if not os.path.isfile(path):
-        raise DataError(f"data source not found: {path!r} (data.sources[].path must be a local file)")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".jsonl":
-        records = _iter_jsonl(path)
-    elif suffix == ".json":
-        records = _iter_json_array(path)
-    elif suffix == ".parquet":
-        records = _iter_parquet(path)
-    else:
-        raise DataError(f"unsupported data file {path!r}: use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    records = iter_records(path)
     if max_samples is not None and max_samples <= 0:
         return
     n = 0

@@ -22,10 +22,11 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from nemo_dflash.data.chat_template import encode_prompt, split_prompt, stop_token_ids  # as regenerate prompts
 from nemo_dflash.data.loops import find_loop_start
+from nemo_dflash.data.sources import BadRecordCounter, MalformedRecord, iter_records, normalize_record
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.model import DFlashDraftModel
-from nemo_dflash.regenerate import stop_token_ids  # EOS + the template's end-of-turn, one definition
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,13 @@ class EvalPrompt:
     turns: list[str]
     id: str = ""
     messages: Optional[list[dict[str, Any]]] = field(default=None, repr=False)  # pre-built chat, used as-is
+    system: Optional[str] = None  # a leading system message, sent before the first turn
+
+    def history(self) -> list[dict[str, Any]]:
+        """The chat before the first user turn: the system message, or the pre-built messages."""
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        return [{"role": "system", "content": self.system}] if self.system else []
 
 
 PromptLike = Union[str, EvalPrompt, Sequence[dict]]
@@ -142,40 +150,47 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _user_turns(row: dict) -> list[str]:
-    if "conversations" in row or "messages" in row:
-        conv = row.get("conversations") or row.get("messages") or []
-        return [_text(m.get("value", m.get("content"))) for m in conv
-                if m.get("from", m.get("role")) in ("human", "user")]
-    if "turns" in row:
-        return [_text(t) for t in row["turns"]]
-    for key in ("prompt", "instruction", "question", "text"):
-        if key in row:
-            return [_text(row[key])]
-    return []
+_PROMPT_KEYS = ("prompt", "instruction", "question", "text")  # rows that are one bare prompt
+
+
+def _prompt_of(row: Any) -> tuple[Optional[str], list[str]]:
+    """(leading system message, user turns) of one prompt-file row.
+
+    Chat rows go through the training data's own reader (`sources.normalize_record`: the same
+    layouts and role names) and `chat_template.split_prompt` (the same turns regenerate answers);
+    rows with `turns` or a bare `prompt` are evaluation's extra layouts. MalformedRecord otherwise.
+    """
+    if isinstance(row, dict) and ("conversations" in row or "messages" in row):
+        system, users = split_prompt(normalize_record(row, text_parts=True), "all")
+        return (system[0]["content"] if system else None), users
+    if isinstance(row, dict) and "turns" in row and isinstance(row["turns"], list):
+        return None, [t for t in map(_text, row["turns"]) if t.strip()]
+    for key in _PROMPT_KEYS:
+        if isinstance(row, dict) and key in row:
+            return None, [t for t in [_text(row[key])] if t.strip()]
+    keys = ", ".join(sorted(map(str, row))[:8]) if isinstance(row, dict) else type(row).__name__
+    raise MalformedRecord(f"no 'conversations', 'messages', 'turns' or {'/'.join(_PROMPT_KEYS)} key (got {keys})")
 
 
 def load_chat_file(path: Union[str, Path], num_prompts: Optional[int] = None) -> list[EvalPrompt]:
-    """Prompts from a ShareGPT (`conversations`) or OpenAI (`messages`) JSON/JSONL file; rows with
-    `turns` or `prompt` work too. A row's user turns are the conversation's turns."""
+    """Prompts from a ShareGPT (`conversations`) or OpenAI (`messages`) .jsonl/.json/.parquet file, read
+    as training data is (`data.sources`); rows with `turns` or `prompt` work too. A row's user turns are
+    the conversation's turns, and its leading system message is kept, as regenerate keeps it."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"Prompt file {p} not found")
-    text = p.read_text()
-    try:
-        data = json.loads(text)
-        rows = data if isinstance(data, list) else data.get("data", [data]) if isinstance(data, dict) else []
-    except json.JSONDecodeError:
-        try:
-            # split on "\n" only: str.splitlines() also splits inside strings holding U+2028 and friends
-            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p} is neither JSON nor JSONL: {e}") from None
+    bad = BadRecordCounter()
     prompts = []
-    for i, row in enumerate(rows):
-        turns = [t for t in _user_turns(row) if t.strip()] if isinstance(row, dict) else []
+    for i, (location, row) in enumerate(iter_records(str(p))):
+        try:
+            if isinstance(row, MalformedRecord):
+                raise row
+            system, turns = _prompt_of(row)
+        except MalformedRecord as e:
+            bad.report(location, str(e))
+            continue
         if turns:
-            prompts.append(EvalPrompt(turns=turns, id=f"{p.stem}/{row.get('id', i)}"))
+            prompts.append(EvalPrompt(turns=turns, id=f"{p.stem}/{row.get('id', i)}", system=system))
     if len({q.id for q in prompts}) < len(prompts):  # ids name answers (and their seeds): keep them unique
         prompts = [replace(q, id=f"{p.stem}/#{i}") for i, q in enumerate(prompts)]
     if not prompts:
@@ -199,10 +214,10 @@ def load_prompt_set(name: str, num_prompts: Optional[int] = None) -> tuple[str, 
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], use_chat_template: bool = True) -> list[int]:
-    """Token ids of `messages` through the target's chat template (add_generation_prompt=True)."""
+    """Token ids of `messages` as `chat_template.encode_prompt` makes them (the prompts the draft's
+    training data was regenerated with); plain text only for a tokenizer without a template."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_prompt(tokenizer, messages)
     if use_chat_template:
         logger.warning("The tokenizer has no chat template: prompts are encoded as plain text.")
     text = "\n\n".join(_text(m.get("content")) for m in messages)
@@ -298,7 +313,8 @@ class ConversationDecoder:
 
     def warmup(self, prompt: EvalPrompt) -> None:
         """One short untimed decode with each decoder (allocator, kernels, graphs)."""
-        first = prompt.messages or [{"role": "user", "content": prompt.turns[0]}]
+        first = prompt.history() + ([] if prompt.messages is not None else
+                                    [{"role": "user", "content": prompt.turns[0]}])
         ids = encode_chat(self.tokenizer, first, self.settings.use_chat_template)
         kw = self._kw(min(self.settings.max_new_tokens, WARMUP_TOKENS))
         g = torch.Generator(device=self.gen_device).manual_seed(0)
@@ -316,7 +332,7 @@ class ConversationDecoder:
         seed = answer_seed(s.seed, s.temperature, prompt.id)
         g_spec = torch.Generator(device=self.gen_device).manual_seed(seed)
         g_ar = torch.Generator(device=self.gen_device).manual_seed(seed)
-        history = list(prompt.messages) if prompt.messages is not None else []
+        history = prompt.history()
         turns = 1 if prompt.messages is not None else min(max(s.turns, 1), len(prompt.turns))
         answers = []
         for t in range(turns):
