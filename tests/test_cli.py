@@ -62,3 +62,29 @@ def test_evaluate_resolves_auto_device(monkeypatch):
     args = evaluate.build_parser().parse_args(["--draft", "d", "--target", "t", "--out", "o", "--device", "cuda"])
     with pytest.raises(UsageError):
         evaluate.run_options(args)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--device", "cuda"], "--device cuda but torch sees no GPU"),  # the shared resolver, before any file
+    ([], "data source not found: 'missing.jsonl'"),
+    (["--data", "chats.txt"], "unsupported data file"),
+])
+def test_regenerate_user_errors_are_one_line_before_any_model(extra, message, tmp_path, monkeypatch, capsys):
+    """`regenerate` decides --device/--dtype with `resolve_device_dtype` (no copy of it left) and reports
+    what the user can fix in one line with exit 2, before a target is loaded."""
+    from nemo_dflash.recipes import regenerate
+
+    assert not hasattr(regenerate, "_pick_device_dtype")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chats.txt").write_text("{}\n")
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the user error was found")
+
+    monkeypatch.setattr("nemo_dflash.loading.load_target", no_load)
+    data = ["--data", "missing.jsonl"] if "--data" not in extra else []
+    with pytest.raises(SystemExit) as e:
+        regenerate.main(["--target", "t", "--out", "o.jsonl", *data, *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from nemo_dflash.recipes._cli import fail, set_threads, setup_logging
+from nemo_dflash.recipes._cli import (
+    add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+)
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
@@ -77,10 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-cut", choices=("end", "continue"), default="end",
                    help="--turns all: an answer cut by --loops cut or by the token cap ends its conversation "
                         "(end), or the next turn is asked with the cut answer in its history (continue)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, every core)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                   help="auto: bf16 on cuda, fp32 on cpu")
     p.add_argument("--holdout", type=int, default=0,
                    help="also write N more conversations' prompts (no answers) to OUT_STEM.holdout.jsonl")
     p.add_argument("--max-bad-lines", type=int, default=100, help="malformed input records tolerated")
@@ -266,23 +266,13 @@ def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
     return len(lines)
 
 
-def _pick_device_dtype(device: str, dtype: str) -> tuple[str, str]:
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda but torch sees no GPU; use --device cpu (or auto)")
-    if dtype == "auto":
-        dtype = "bf16" if device == "cuda" else "fp32"
-    return device, dtype
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     _validate(args)
     set_threads(args.threads)
+    with user_errors():  # --device cuda without a GPU: refused before any file is read
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
     from tqdm import tqdm
 
     from nemo_dflash.data import DataError
@@ -303,14 +293,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.overwrite:
         for stale in (partial, meta):
             stale.unlink(missing_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
+        out.parent.mkdir(parents=True, exist_ok=True)
 
-    try:
+    with user_errors(DataError):  # a missing or unreadable --data file, too many malformed records
         paths = resolve_data_paths(args.data)
         pool = read_pool(paths, args.max_bad_lines)
-    except DataError as e:
-        fail(str(e))
-    device, dtype = _pick_device_dtype(args.device, args.dtype)
     logger.info("loading target %s (%s, %s)", args.target, device, dtype)
     try:
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
@@ -373,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         the conversations that are complete are written."""
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
-    try:
+    with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
         records = regenerate_conversations(
             model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
@@ -381,8 +369,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             max_prefill_tokens=args.max_prefill_tokens,
             stats=stats, progress=progress, should_stop=out_of_time,
         )
-    except ValueError as e:  # the engine cannot run this target
-        fail(str(e))
     try:
         with open(partial, "a", encoding="utf-8") as f:
             for record in records:
