@@ -408,15 +408,6 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
-    return out
-
-
 def load_draft(
     path: PathLike,
     device: Union[str, torch.device] = "cpu",

@@ -140,3 +140,21 @@ def train_on_greedy_answer(target: torch.nn.Module, draft: DFlashDraftModel, ids
         opt.zero_grad()
     draft.eval()
     return ref, float(step.accept_sum) / max(float(step.num_blocks), 1.0)
+
+
+def sabotage_slot_reuse(monkeypatch, how) -> None:
+    """Sabotage for the slot-reuse tests: the follow-ups' reused prefix lengths become
+    ``how(start, slot tokens, prompt)``, so a test can check that a wrong KV length is caught."""
+    from nemo_dflash.generation import SlotEngine
+
+    real = SlotEngine._claim_follow_ups
+
+    def claim(self, pending, held, ready, free):
+        kv = {s: tokens for s, (_, tokens) in held.items()}
+        before = len(ready)
+        real(self, pending, held, ready, free)
+        for k in range(before, len(ready)):
+            slot, req, start = ready[k]
+            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
+
+    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)

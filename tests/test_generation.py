@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from _spec_fixtures import sabotage_slot_reuse
+
 from nemo_dflash.generation import Request, SlotEngine, keyed_sample
 
 STOP = 2
@@ -138,21 +140,6 @@ def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 
     return engine, seen
 
 
-def _shift_reuse(monkeypatch, how):
-    """Sabotage: the follow-ups' reused prefix lengths become ``how(start, slot tokens, prompt)``."""
-    real = SlotEngine._claim_follow_ups
-
-    def claim(self, pending, held, ready, free):
-        kv = {s: tokens for s, (_, tokens) in held.items()}
-        before = len(ready)
-        real(self, pending, held, ready, free)
-        for k in range(before, len(ready)):
-            slot, req, start = ready[k]
-            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
-
-    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
-
-
 @pytest.mark.parametrize("make", [_llama, _qwen3])
 @pytest.mark.parametrize("mode", ["prefix", "cut", "rewrite"])
 def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
@@ -177,8 +164,8 @@ def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
     # A slot filled one token too far (a skipped token of the new prompt; for a cut answer, the
     # length not set back to the cut) must change answers: the comparison above would catch it.
     if mode == "cut":
-        _shift_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
+        sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
     else:
-        _shift_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
+        sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
     wrong = _converse(model, num_slots=3, mode=mode)[1]
     assert any(wrong[k][1] != _hf_greedy(model, wrong[k][0], 8) for k in wrong if k[1] > 0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _spec_fixtures import sabotage_slot_reuse
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 
 import nemo_dflash.loading
@@ -481,23 +482,6 @@ def _regen_all_turns(model, tokenizer, convs, *, batch_size, detector, max_promp
                                          max_prompt_tokens=max_prompt_tokens, max_prefill_tokens=128, stats=stats))
 
 
-def _sabotage_reuse(monkeypatch, how):
-    """The follow-ups' reused prefix lengths become ``how(start, slot tokens, prompt)``."""
-    from nemo_dflash.generation import SlotEngine
-
-    real = SlotEngine._claim_follow_ups
-
-    def claim(self, pending, held, ready, free):
-        kv = {s: tokens for s, (_, tokens) in held.items()}
-        before = len(ready)
-        real(self, pending, held, ready, free)
-        for k in range(before, len(ready)):
-            slot, req, start = ready[k]
-            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
-
-    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
-
-
 def _check_against_reference(model, tokenizer, convs, records, detector, max_prompt_tokens=None) -> int:
     """Every record is the reference conversation; the number of loop-cut answers followed by a turn."""
     assert len(records) == len(convs)
@@ -535,7 +519,7 @@ def test_later_turns_reuse_their_slot_and_equal_hf_generate(target, kind, monkey
     # gives other answers: the comparison above catches a broken reuse.
     for how in (lambda start, kv, prompt: min(len(kv), len(prompt) - 1),
                 lambda start, kv, prompt: min(start + 1, len(prompt) - 1)):
-        _sabotage_reuse(monkeypatch, how)
+        sabotage_slot_reuse(monkeypatch, how)
         wrong = _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector)
         with pytest.raises(AssertionError):
             _check_against_reference(model, tokenizer, convs, wrong, detector)
@@ -563,7 +547,7 @@ def test_non_prefix_template_and_long_history_equal_hf_generate(target, monkeypa
     _check_against_reference(model, tokenizer, convs, records, detector)
     assert stats.prefix_mismatch == stats.turns - len(records) > 0 and stats.reused_tokens > 0
     # The slot's tokens are not all a prefix here: keeping them all would be wrong, and is caught.
-    _sabotage_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
+    sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
     with pytest.raises(AssertionError):
         _check_against_reference(model, tokenizer, convs,
                                  _regen_all_turns(model, tokenizer, convs, batch_size=3, detector=detector), detector)

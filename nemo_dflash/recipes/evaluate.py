@@ -103,34 +103,6 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
         first_prompt=args.first_prompt)
 
 
-def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
-    """The named protocol with the explicit flags applied; ValueError (one line) on bad input."""
-    if args.protocol not in PROTOCOLS:
-        raise ValueError(f"--protocol {args.protocol!r} is unknown: use one of {', '.join(PROTOCOLS)}")
-    temps = None
-    if args.temperatures is not None:
-        try:
-            temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
-        except ValueError:
-            raise ValueError(f"--temperatures {args.temperatures!r}: give numbers, e.g. 0 or 0,1") from None
-        if not temps or any(t < 0 for t in temps):
-            raise ValueError(f"--temperatures {args.temperatures!r}: give one or more numbers >= 0, e.g. 0,1")
-    datasets = None if args.datasets is None else tuple(d.strip() for d in args.datasets.split(",") if d.strip())
-    if datasets is not None and not datasets:
-        raise ValueError("--datasets is empty: e.g. --datasets mtbench,humaneval")
-    turns = 2 if args.multi_turn and args.turns is None else args.turns
-    speedup = 0 if args.no_speedup else args.speedup_prompts
-    for flag, v, lo in [("--max-new-tokens", args.max_new_tokens, 1), ("--turns", turns, 1),
-                        ("--block-size", args.block_size, 1), ("--num-prompts", args.num_prompts, 1),
-                        ("--first-prompt", args.first_prompt, 0), ("--speedup-prompts", speedup, 0)]:
-        if v is not None and v < lo:
-            raise ValueError(f"{flag} must be >= {lo} (got {v})")
-    return PROTOCOLS[args.protocol].with_overrides(
-        max_new_tokens=args.max_new_tokens, turns=turns, temperatures=temps, datasets=datasets,
-        num_prompts=args.num_prompts, speedup_prompts=speedup, block_size=args.block_size, decode=args.decode,
-        first_prompt=args.first_prompt)
-
-
 def check_args(args: argparse.Namespace) -> None:
     """The remaining user errors that need no model."""
     if args.workers < 1:
