@@ -4,7 +4,7 @@
     python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --json out.json
     python benchmarks/decode_speed.py --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
     python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --exact '' \
-        --new-tokens 2048 --cache-len 4352 --positions 256,1024,2048,4096 --no-buckets   # step cost vs cache length
+        --new-tokens 2048 --cache-len 4352 --positions 256,1024,2048,4096 --buckets   # step cost vs cache length
 
 Per shape and mode (one prompt at a time, bf16, random weights, a random 5-layer draft unless
 --draft): the plain decoding loop's ms per token and the speculative loop's ms per step (both
@@ -23,8 +23,9 @@ in fp32 where near-ties do not flip argmaxes (bf16 outputs are compared and repo
 Cache length (graphs mode): `--cache-len N` builds the static caches with N positions (what
 `evaluate --protocol paper` allocates for 2,048 new tokens: up to 4,352) instead of what the
 prompt and --new-tokens need; `--positions` times the captured steps alone at those positions
-(the view length each picks is reported); `--no-buckets` adds a graphs row whose steps attend
-over the whole cache (`static_decode.USE_BUCKETS = False`, the behaviour before length buckets).
+(the view length each picks is reported); `--buckets` adds a "graphs (buckets)" row whose steps
+attend over length-bucketed views (`static_decode.USE_BUCKETS = True`, off by default until
+measured); the "graphs" row attends over the whole cache, as shipped.
 """
 
 from __future__ import annotations
@@ -288,9 +289,9 @@ class Variant:
     """One way of decoding, timed on the same models: a mode plus the library switches it sets."""
 
     def __init__(self, label: str, mode: str, dec, target, baseline=None, cudnn: bool = False,
-                 unfused: bool = False, buckets: bool = True) -> None:
+                 unfused: bool = False, buckets: Optional[bool] = None) -> None:
         self.label, self.mode, self.baseline, self.cudnn, self.unfused = label, mode, baseline, cudnn, unfused
-        self.buckets = buckets
+        self.buckets = static_decode.USE_BUCKETS if buckets is None else buckets
         self.target = target
         self.dec = baseline.DFlashSpeculativeDecoder(target, dec.draft, dec.block_size) if baseline else dec
         self._saved: tuple = ()
@@ -366,8 +367,8 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     variants = [Variant(m, m, dec, target) for m in modes]
     if args.unfused and "graphs" in modes:
         variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
-    if args.no_buckets and "graphs" in modes:
-        variants.append(Variant("graphs (no buckets)", "graphs", dec, target, buckets=False))
+    if args.buckets and "graphs" in modes:
+        variants.append(Variant("graphs (buckets)", "graphs", dec, target, buckets=True))
     positions = tuple(int(p) for p in args.positions.split(",") if p)
     if args.cudnn and "eager" in modes:
         variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
@@ -563,8 +564,8 @@ def main() -> None:
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
     p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
-    p.add_argument("--no-buckets", action="store_true",
-                   help="also a graphs row whose steps attend over the whole static cache (no length buckets)")
+    p.add_argument("--buckets", action="store_true",
+                   help="also a graphs row whose steps attend over length-bucketed views (static_decode.USE_BUCKETS)")
     p.add_argument("--cache-len", type=int, default=0,
                    help="graphs mode: static cache positions (default: what prompt + new tokens need, "
                         "rounded up; evaluate --protocol paper uses up to 4352)")

@@ -142,6 +142,7 @@ def test_static_draft_matches_the_eager_draft(target, bucket, monkeypatch):
     """Padded context, preallocated cache, masks and (small) length buckets must not change the
     draft's logits."""
     if bucket:
+        monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
         monkeypatch.setattr(static_decode, "LENGTH_BUCKET", bucket)
     draft = make_draft(target, block_size=6)
     ids = prompt(4)
@@ -264,6 +265,7 @@ SMALL_BUCKET = 16  # a 9-token prompt + 50 new tokens then crosses 4 views: 16, 
 
 @pytest.fixture
 def small_buckets(monkeypatch):
+    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)  # opt-in until measured on a GPU
     monkeypatch.setattr(static_decode, "LENGTH_BUCKET", SMALL_BUCKET)
     return SMALL_BUCKET
 
@@ -373,6 +375,7 @@ def test_oracle_across_buckets_whole_blocks(small_buckets):
 def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
     """At T > 0 the noise is keyed by position and token, not by the view: the same seed gives the
     same tokens with small buckets as with one view over the whole cache."""
+    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
     ids = prompt(6)

@@ -59,7 +59,10 @@ from nemo_dflash.inference.static_cache import (
 logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 256  # cache lengths and attention views are rounded up to this (one graph per view length)
-USE_BUCKETS = True  # False: every step attends over the whole cache (one graph per step; for comparison)
+# True: each step attends over the smallest multiple of LENGTH_BUCKET covering its positions (one
+# graph per step and view length). Off until measured on a GPU (docs/performance.md): the shipped,
+# measured behaviour is one graph per step over the whole cache. benchmarks/decode_speed.py times both.
+USE_BUCKETS = False
 # True: a runner captures the graphs of all its view lengths when it is made, before any generation's
 # clock starts (each capture is ~3 forwards; a 4,352-position cache has 17 lengths). False: each length
 # is captured the first time a step needs it, inside the decode loop, where it would be timed.
