@@ -77,7 +77,10 @@ def regen_summary(out: Path, data: Optional[Path], throughput: list[Path], devic
 def drafter_summary(out: Path, device: str) -> dict[str, Any]:
     ev = _load(out / "eval" / "main" / "results.json") or {}
     train = _load(out / "runs" / "main" / "summary.json") or {}
-    res: dict[str, Any] = {"target": "SmolLM2-135M-Instruct", "device": device, "protocol": ev.get("protocol"),
+    protocol = dict(ev.get("protocol") or {})
+    if "turns" in protocol:  # the name for it
+        protocol["mtbench_turns"] = protocol["turns"]
+    res: dict[str, Any] = {"target": "SmolLM2-135M-Instruct", "device": device, "protocol": protocol or None,
                            "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
                            "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
                            "sim_tau_heldout": train.get("eval_accept_len")}
