@@ -1,17 +1,13 @@
 """nemo_dflash: train DFlash block-diffusion draft models and ship them to vLLM/SGLang.
 
-Data flows: data -> target hooks (`target`) -> `DFlashTargetBatch` -> trainer module
-(`core`: anchors, block mask, draft, loss) -> optimizer -> checkpoint / export.
+Data flows through the folders: `data/` (chat files, regeneration) -> `target/` (load, hook) ->
+`DFlashTargetBatch` -> `draft/` (registry, build, model) and the trainer module (`core`: anchors,
+block mask, draft, loss) -> `train/` (loop, checkpoints) -> `export` / `inference/`.
 """
 
-from nemo_dflash.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.registry import (
-    DFLASH_DRAFT_REGISTRY,
-    DraftSpec,
-    build_target_layer_ids,
-    resolve_dflash_draft_spec,
-)
-from nemo_dflash.target import DFlashTargetBatch, HFDFlashTargetModel
+from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec, resolve_dflash_draft_spec
+from nemo_dflash.target import DFlashTargetBatch, HFDFlashTargetModel, build_target_layer_ids
 
 __all__ = [
     "DFLASH_DRAFT_REGISTRY",

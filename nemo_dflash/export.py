@@ -10,7 +10,7 @@ The contract (what `vllm --speculative-config '{"method": "dflash", ...}'` and S
   `model.` prefix, so the key set is validated before anything is written.
 
 Reading drafts back (`load_draft`, `resolve_draft_dir`), the contract's names and shapes and the
-draft/target checks live in `nemo_dflash.build`, the one place that makes a draft for a target;
+draft/target checks live in `nemo_dflash.draft.build`, the one place that makes a draft for a target;
 they are re-exported here so `from nemo_dflash.export import load_draft` keeps working.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Union
 import torch
 from safetensors.torch import save_file
 
-from nemo_dflash.build import (  # noqa: F401  (re-exported: the names' old home)
+from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' old home)
     CONFIG_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
@@ -39,8 +39,8 @@ from nemo_dflash.build import (  # noqa: F401  (re-exported: the names' old home
     serving_weight_shapes,
     validate_serving_weights,
 )
+from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
 from nemo_dflash.files import apply_umask
-from nemo_dflash.model import DFlashConfig, DFlashDraftModel
 from nemo_dflash.target import check_target_layer_ids
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the tools write, where and with which modes: a run directory's layout and file permissions.
 
 The layout names are plain strings kept here, below every package that reads them: the
-training `Checkpointer` writes this layout and owns its meaning; `build.resolve_draft_dir`
+training `Checkpointer` writes this layout and owns its meaning; `draft/build.resolve_draft_dir`
 (drafts loaded for evaluation, export or `draft.init_from`) reads it without importing `train/`.
 
 safetensors writes its files 0600 and `tempfile.mkdtemp` makes 0700 directories, so a serving

@@ -82,7 +82,7 @@ def test_regenerate_user_errors_are_one_line_before_any_model(extra, message, tm
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before the user error was found")
 
-    monkeypatch.setattr("nemo_dflash.loading.load_target", no_load)
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", no_load)
     data = ["--data", "missing.jsonl"] if "--data" not in extra else []
     with pytest.raises(SystemExit) as e:
         regenerate.main(["--target", "t", "--out", "o.jsonl", *data, *extra])

@@ -11,12 +11,12 @@ import torch
 from _spec_fixtures import sabotage_slot_reuse
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 
-import nemo_dflash.loading
-import nemo_dflash.regenerate as regen
+import nemo_dflash.target.loading
+import nemo_dflash.data.regenerate as regen
 from nemo_dflash.data import read_conversations
-from nemo_dflash.loading import load_target
+from nemo_dflash.target.loading import load_target
 from nemo_dflash.recipes import regenerate as cli
-from nemo_dflash.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
+from nemo_dflash.data.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, s
     """The slot engine answers every prompt with "Hello" + the model's tokens + <|im_end|>, ending
     after ``stop_at(key)`` tokens, so answers end at different steps (a random model never emits
     <|im_end|> by itself). ``prompts_seen`` collects the decoded prompts of the prefills."""
-    from nemo_dflash.generation import SlotEngine
+    from nemo_dflash.data.generation import SlotEngine
 
     first = tokenizer.convert_tokens_to_ids("Hello")
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -74,7 +74,7 @@ def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, s
 @pytest.fixture
 def cached_target(monkeypatch, target):
     """The CLI loads the module's model instead of re-reading it from disk."""
-    monkeypatch.setattr(nemo_dflash.loading, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(nemo_dflash.target.loading, "load_target", lambda *a, **k: target)
     return target
 
 
@@ -202,7 +202,7 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     """Sampled multi-turn answers; a crash mid-run, a torn last line, a refused change of settings,
     then a resume: the final file is the uninterrupted run's, byte for byte (keyed sampling does not
     depend on which conversations share the batch)."""
-    from nemo_dflash.generation import SlotEngine
+    from nemo_dflash.data.generation import SlotEngine
 
     model, tokenizer = cached_target
     _forcing_sampler(monkeypatch, tokenizer, stop_at=lambda key: 2 + key % 5)
@@ -307,7 +307,7 @@ def test_sampling_does_not_depend_on_the_batch(target, chat_file):
 
 def _looping_sampler(monkeypatch, tokenizer, loop_from: int):
     """Answers "Hello" + the model's tokens, then from ``loop_from`` the same 5 tokens over and over."""
-    from nemo_dflash.generation import SlotEngine
+    from nemo_dflash.data.generation import SlotEngine
 
     unit = [tokenizer.convert_tokens_to_ids(t) for t in ("Hello", "Ġworld", ",", "Ġagain", ".")]
     real = SlotEngine._pick

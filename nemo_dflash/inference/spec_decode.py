@@ -36,10 +36,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.inference import graphs, recurrent_cache
 from nemo_dflash.inference.graphs import check_decode_mode
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
-from nemo_dflash.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class DFlashSpeculativeDecoder:
     """
 
     def __init__(self, target_model: nn.Module, draft: DFlashDraftModel, block_size: Optional[int] = None) -> None:
-        from nemo_dflash.build import check_draft_fits_target
+        from nemo_dflash.draft.build import check_draft_fits_target
 
         check_draft_fits_target(draft.config, target_model.config)
         self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)

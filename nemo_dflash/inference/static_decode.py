@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.generation import keyed_uniform
+from nemo_dflash.data.generation import keyed_uniform
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.spec_decode import (
     GenerationOutput,

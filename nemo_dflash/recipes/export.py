@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    from nemo_dflash.build import check_draft_fits_target, load_draft, resolve_draft_dir
+    from nemo_dflash.draft.build import check_draft_fits_target, load_draft, resolve_draft_dir
     from nemo_dflash.export import export_draft
 
     with user_errors(FileNotFoundError, FileExistsError, ValueError):  # paths, --out, a draft that does not fit
@@ -43,7 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.target:
             from transformers import AutoConfig
 
-            from nemo_dflash.loading import load_tokenizer, resolve_model_dir
+            from nemo_dflash.target.loading import load_tokenizer, resolve_model_dir
 
             target_dir = resolve_model_dir(args.target)
             try:

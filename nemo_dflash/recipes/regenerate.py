@@ -174,7 +174,7 @@ def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str
     unusable ones seen on the way, and how many were examined."""
     from collections import Counter
 
-    from nemo_dflash.regenerate import prompt_problem, special_token_strings, split_prompt
+    from nemo_dflash.data.regenerate import prompt_problem, special_token_strings, split_prompt
 
     order = list(range(len(pool)))
     random.Random(seed).shuffle(order)
@@ -198,7 +198,7 @@ def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str
 
 
 def _holdout_record(conv: Any, turns: str) -> dict[str, Any]:
-    from nemo_dflash.regenerate import split_prompt
+    from nemo_dflash.data.regenerate import split_prompt
 
     system, users = split_prompt(conv.messages, turns)
     return {"messages": system + [{"role": "user", "content": u} for u in users], "source": conv.location}
@@ -276,8 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     from nemo_dflash.data import DataError
-    from nemo_dflash.loading import load_target
-    from nemo_dflash.regenerate import RegenStats, regenerate_conversations
+    from nemo_dflash.data.regenerate import RegenStats, regenerate_conversations
+    from nemo_dflash.target.loading import load_target
 
     wall0 = time.perf_counter()
     out = Path(args.out)

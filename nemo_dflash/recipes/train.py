@@ -31,7 +31,7 @@ def check_paths(cfg) -> None:
     """Every data file and the target are checked before anything loads (an 8B target takes minutes)."""
     from pathlib import Path
 
-    from nemo_dflash.loading import resolve_target_path
+    from nemo_dflash.target.loading import resolve_target_path
 
     for i, src in enumerate(cfg.data.sources):
         if not Path(src.path).is_file():
@@ -46,8 +46,8 @@ def check_paths(cfg) -> None:
 def user_error_types() -> tuple[type[BaseException], ...]:
     """What a training run raises for a mistake in the recipe, its files or its resume: one line, exit 2
     (also for `demo`, which trains through the same code). Imported late: they pull in torch."""
-    from nemo_dflash.build import DraftError
     from nemo_dflash.data import DataError
+    from nemo_dflash.draft.build import DraftError
     from nemo_dflash.target import LayerIdsError
     from nemo_dflash.train.checkpoint import ResumeMismatchError
 

@@ -2,7 +2,7 @@
 
 `Checkpointer` owns a run's directory: when to save, the on-disk layout, the run's identity
 (what must match to resume) and the resume itself. The layout's names live in `nemo_dflash.files`
-(re-exported here), so `build.resolve_draft_dir` reads the same layout without importing `train/`.
+(re-exported here), so `draft/build.resolve_draft_dir` reads the same layout without importing `train/`.
 
 Layout of `<output_dir>/`:
   checkpoints/step_00000100/   one checkpoint (below)

@@ -24,12 +24,12 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import OmegaConf
 
-from nemo_dflash.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.config import ConfigError, RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.data import build_dataloader, build_datasets
-from nemo_dflash.loading import load_target
+from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
+from nemo_dflash.target.loading import load_target
 from nemo_dflash.train.checkpoint import Checkpointer, run_identity
 from nemo_dflash.train.distributed import (
     DistState,

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from nemo_dflash.model.configuration import DFlashConfig
+from nemo_dflash.draft.model.configuration import DFlashConfig
 
 try:  # flex_attention is optional at import time (needs torch >= 2.5)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

@@ -12,6 +12,7 @@ hook (like vLLM/SGLang) captures the raw layer output.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -71,6 +72,34 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
         f"Could not find the decoder layers of {type(model).__name__}: tried {', '.join(_LAYER_PATHS)}. "
         "Add the attribute path to nemo_dflash.target._LAYER_PATHS."
     )
+
+
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default target layers to fuse: evenly from layer 1 to L-3 (the paper's choice).
+
+    Qwen3-8B (L=36, n=5) -> [1, 9, 17, 25, 33]. For shallow targets where that formula
+    would repeat or overflow ids, spread n distinct ids evenly over [0, L-1] instead.
+    """
+    L, n = int(num_target_layers), int(num_draft_layers)
+    if L < 1 or n < 1:
+        raise ValueError(f"num_target_layers ({L}) and num_draft_layers ({n}) must be >= 1")
+    if n > L:
+        raise ValueError(
+            f"Cannot pick {n} distinct target layers from a {L}-layer target: "
+            "use fewer draft layers or set `target_layer_ids` explicitly."
+        )
+    if n == 1:
+        return [L // 2]
+    if L > 4 and (L - 4) >= (n - 1):
+        ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+        if len(set(ids)) == n:
+            return ids
+    # Shallow target: spacing >= 1 over [0, L-1] with half-up rounding gives distinct ids.
+    return [_round_half_up(i * (L - 1) / (n - 1)) for i in range(n)]
 
 
 class LayerIdsError(ValueError):
@@ -214,4 +243,5 @@ class HFDFlashTargetModel:
         )
 
 
-__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "LayerIdsError", "check_target_layer_ids", "find_decoder_layers"]
+__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "LayerIdsError", "build_target_layer_ids", "check_target_layer_ids",
+           "find_decoder_layers"]

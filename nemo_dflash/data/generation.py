@@ -1,0 +1,745 @@
+"""Continuous-batching generation for regeneration: every batch slot stays busy until the last prompt.
+
+A slot is one row of a static KV cache. When an answer ends (stop token, token cap, or a loop),
+its slot is refilled at once with the next prompt, so finished rows never idle the batch as they
+do in ``model.generate``. The model's own forward is used unchanged (embeddings, norms, RoPE,
+MLP, lm_head); only its attention is swapped, through transformers' ``AttentionInterface``, for
+one that writes into the slot cache and reads each slot's filled prefix: flex_attention decoding
+on a GPU (it skips the unfilled KV blocks of every slot), SDPA with a length mask elsewhere.
+
+Why not transformers' own continuous batching (``generate_batch``, 5.17 on the lent GPUs): its
+fast decode path needs flash-attn's paged kernel, which those machines do not have and cannot
+download; without it, ``paged|sdpa`` packs the whole batch into one row with a dense
+[all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen_throughput.py``
+measures both.
+
+A conversation keeps its slot between turns: a request marked ``hold`` parks its slot when its
+answer ends, and a follow-up ``Request(after=completion)`` continues in it. The slot's KV already
+holds the previous prompt and the answer, so only what the new prompt adds after the longest
+common prefix with those tokens is prefilled (the chat template's end of turn, the next user
+turn, the generation prompt). A prefix is correct by causality whatever follows it, so a shorter
+common prefix (a cut answer, a template that rewrites earlier turns) only costs prefill.
+
+Sampling is keyed: the Gumbel noise of token ``v`` at answer position ``t`` of request ``key`` is
+a hash of ``(seed, key, t, v)``. An answer therefore does not depend on which other requests
+share its batch, on the slot it lands in, or on whether the run was interrupted and resumed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_dflash.data.loops import LoopDetector
+
+logger = logging.getLogger(__name__)
+
+ATTN_NAME = "nemo_dflash_slots"
+_KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
+_MASK32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------- keyed sampling
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values (a cheap, well-mixed hash)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), one per (row, token): a pure function of (seed, key, position, token id).
+
+    ``token_ids`` is [N, K] (the candidates of each row) or [V] (the whole vocabulary, every row).
+    """
+    row = _fmix32((keys.to(torch.int64) * 0x9E3779B1 + seed) & _MASK32)
+    row = _fmix32((row ^ (positions.to(torch.int64) * 0x85EBCA77)) & _MASK32)
+    cols = token_ids.to(torch.int64) * 0xC2B2AE3D
+    h = _fmix32((row[:, None] + (cols if cols.dim() == 2 else cols[None, :])) & _MASK32)
+    return ((h.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` with the tokens outside the smallest set of probability >= top_p set to -inf."""
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    probs = sorted_scores.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop_sorted = before >= top_p  # the first token always stays (before == 0)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    return (top_p_filter(scores, top_p) + _gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
+
+
+def keyed_sample_candidates(
+    logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, seed: int, temperature: float,
+    top_p: float, candidates: int = 64,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(next token per row, rows whose nucleus is wider than ``candidates`` or None), branch-free.
+
+    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
+    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn
+    for those only (the same noise the whole-vocabulary path draws for them). The token of a
+    "wide" row is not exact: :func:`keyed_sample` redoes those rows over the whole vocabulary.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1), None
+    scores = logits.float() / temperature
+    if top_p >= 1.0 or candidates >= scores.shape[-1]:
+        return _sample_full(scores, keys, positions, seed, top_p), None
+    values, ids = scores.topk(candidates, dim=-1)
+    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    cum = probs.cumsum(dim=-1)
+    keep = (cum - probs) < top_p
+    noisy = values + _gumbel(keyed_uniform(seed, keys, positions, ids))
+    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
+    return out, cum[:, -1] < top_p
+
+
+def keyed_sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    seed: int,
+    temperature: float,
+    top_p: float,
+    candidates: int = 64,
+) -> torch.Tensor:
+    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within
+    top-p, a pure function of (seed, key, position, logits); see :func:`keyed_sample_candidates`."""
+    out, wide = keyed_sample_candidates(logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p,
+                                        candidates=candidates)
+    redo_wide_rows(out, wide, logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p)
+    return out
+
+
+def redo_wide_rows(
+    out: torch.Tensor, wide: Optional[torch.Tensor], logits: torch.Tensor, keys: torch.Tensor,
+    positions: torch.Tensor, *, seed: int, temperature: float, top_p: float,
+) -> Optional[torch.Tensor]:
+    """Redo, in ``out``, the rows of ``wide`` over the whole vocabulary (exact); the rows redone, or None."""
+    if wide is None or not bool(wide.any()):
+        return None
+    rows = wide.nonzero()[:, 0]
+    out[rows] = _sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
+    return rows
+
+
+# ----------------------------------------------------------------------------- slot attention
+
+
+@dataclass
+class _Pass:
+    """What the swapped-in attention needs to know about the forward in flight."""
+
+    cache: "SlotKVCache"
+    slots: Optional[torch.Tensor]  # [R] slot of each row of a prefill; None: a decode pass over every slot
+    decode: bool  # one token per slot at position ``lengths[slot]``; else a prefill from position 0
+    block_mask: Any = None  # flex BlockMask of a decode pass on GPU
+    kv_mask: Optional[torch.Tensor] = None  # [R, 1, 1, T] bool of a decode pass without flex
+    # a prefill that continues slots whose KV already holds a prefix (None: every row starts at 0)
+    prefix_mask: Optional[torch.Tensor] = None  # [R, 1, S, T] bool: key k visible to query q of row r
+    write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
+
+
+def _slot_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    slot_pass: Optional[_Pass] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [R, H, S, D], k/v [R, KVH, S, D] -> ([R, S, H, D], None)."""
+    if slot_pass is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside SlotEngine")
+    cache, layer = slot_pass.cache, module.layer_idx
+    if slot_pass.decode:
+        rows = torch.arange(key.shape[0], device=key.device)
+        cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
+        cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
+        k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
+        if slot_pass.block_mask is not None:
+            # The query heads that share a KV head become that head's query rows: no GQA for flex
+            # (its decoding kernel takes only power-of-two GQA ratios; SmolLM2's is 3), and q_len < 128
+            # picks the decoding kernel, which reads each slot's filled KV blocks once for the group.
+            rows, heads, _, dim = query.shape
+            grouped = query.reshape(rows, k_all.shape[1], heads // k_all.shape[1], dim)
+            out = cache.flex(grouped, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling)
+            out = out.reshape(rows, heads, 1, dim)
+        else:
+            out = F.scaled_dot_product_attention(
+                query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
+            )
+    elif slot_pass.prefix_mask is not None:
+        # rows continue at their own offsets: write the real tokens' K/V after each slot's kept
+        # prefix, then attend over the slot rows up to the longest (the mask bounds each row)
+        row, col, slot, pos = slot_pass.write_at
+        cache.k[layer][slot, :, pos] = key.transpose(1, 2)[row, col]
+        cache.v[layer][slot, :, pos] = value.transpose(1, 2)[row, col]
+        span = slot_pass.prefix_mask.shape[-1]
+        k_all = cache.k[layer][slot_pass.slots, :, :span]
+        v_all = cache.v[layer][slot_pass.slots, :, :span]
+        gqa = query.shape[1] != k_all.shape[1]
+        if gqa and query.is_cuda:  # a masked GQA call may fall to the math kernel: give every head its K/V
+            k_all = k_all.repeat_interleave(query.shape[1] // k_all.shape[1], dim=1)
+            v_all = v_all.repeat_interleave(query.shape[1] // v_all.shape[1], dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(
+            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        width = key.shape[2]
+        cache.k[layer][slot_pass.slots, :, :width] = key
+        cache.v[layer][slot_pass.slots, :, :width] = value
+        # prompts are right-padded and start at position 0: causal attention over the new keys only
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError (one line, naming the fix) if the slot engine cannot run ``model`` exactly."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = type(model).__name__
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"{name} has {sorted(kinds)} layers; the slot engine handles full attention only: "
+                         "use --engine generate")
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        raise ValueError(f"{name} uses sliding-window attention; the slot engine does not: use --engine generate")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"{name} does not take transformers' attention interface: use --engine generate")
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _slot_attention)
+
+
+class SlotKVCache:
+    """Per-layer K/V of ``num_slots`` sequences of up to ``width`` tokens, and each slot's fill."""
+
+    def __init__(self, config: Any, num_slots: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        shape = (num_slots, kv_heads, width, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.width = width
+        self.flex: Optional[Callable[..., torch.Tensor]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class Request:
+    """One prompt to answer. ``key`` keys the sampling noise: give each request its own.
+
+    ``hold``: a follow-up may continue this conversation, so keep the slot (and its KV) when the
+    answer ends. ``after``: the completion this request follows; if its slot is still held, the
+    request continues there and only the part of ``prompt_ids`` past the common prefix with the
+    slot's tokens is prefilled. ``prompt_ids`` is always the whole prompt.
+    """
+
+    key: int
+    prompt_ids: list[int]
+    tag: Any = None  # the caller's handle, returned with the completion
+    hold: bool = False
+    after: Optional["Completion"] = None
+
+
+@dataclass
+class Completion:
+    """An answer: ``token_ids`` exclude the stop token and, for a loop, everything from its start."""
+
+    request: Request
+    token_ids: list[int]
+    finish: str  # "stop" | "length" | "loop"
+    generated: int  # tokens generated for it (stop token and cut loop included)
+    loop_start: Optional[int] = None
+    slot: Optional[int] = None  # the slot held for a follow-up (``Request.hold``), else None
+
+
+class SlotEngine:
+    """Continuous batching over a static slot cache; see the module docstring.
+
+    ``loop_detector``, if given, fills ``Completion.loop_start`` of every answer. With
+    ``stop_on_loop`` it is also checked every ``loop_check_every`` tokens of a growing answer, and
+    a looping answer is stopped there and returned with ``finish="loop"``, cut at the loop's start
+    (a loop runs to the token cap otherwise: stopping it early saves that compute).
+
+    Multi-turn: a completion of a ``hold`` request keeps its slot until the generator is resumed;
+    a ``Request(after=completion)`` appended to ``pending`` before that continues in the slot
+    (see :class:`Request`); a held slot without a follow-up is freed then.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_slots: int,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        stop_ids: list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        loop_detector: Optional[LoopDetector] = None,
+        stop_on_loop: bool = False,
+        loop_check_every: int = 128,
+        max_prefill_tokens: int = 65536,
+        use_flex: Optional[bool] = None,
+        cuda_graph: Optional[bool] = None,
+        reuse_slots: bool = True,
+    ) -> None:
+        if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
+            raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+        check_supported(model)
+        _register_attention()
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        param = next(model.parameters())
+        self.device = param.device
+        self.num_slots = num_slots
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        width = _KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / _KV_BLOCK)
+        self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
+        self.stop_ids = set(stop_ids)
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
+        self.stop_on_loop = stop_on_loop and loop_detector is not None
+        self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
+        self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
+        # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
+        # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
+        self.min_refill = max(1, num_slots // 16 if self.device.type == "cuda" else num_slots // 2)
+        self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
+        self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
+        if self.cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs a CUDA device")
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.generated_tokens = 0
+        self.steps = 0
+        self.prefill_tokens = 0  # tokens run through a prefill forward (padding excluded)
+        self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
+        self.continued = 0  # follow-ups that continued in their conversation's slot
+        self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
+        self.seconds: collections.Counter = collections.Counter()  # wall time by phase: prefill, decode, host
+        if self.use_flex:
+            self._setup_flex()
+        logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
+                    self.cache.nbytes / 1e9, "flex" if self.use_flex else "sdpa",
+                    ", CUDA graph" if self.cuda_graph else "")
+
+    def _setup_flex(self) -> None:
+        """One BlockMask for every decode pass: its tensors are updated in place from the fills, so
+        the pass has fixed shapes and fixed tensors (what a CUDA graph needs)."""
+        import inspect
+
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        n_blocks = self.cache.width // _KV_BLOCK
+        self._kv_len = torch.ones(self.num_slots, dtype=torch.int32, device=self.device)
+        self._kv_blocks = torch.ones((self.num_slots, 1, 1), dtype=torch.int32, device=self.device)
+        kv_indices = (
+            torch.arange(n_blocks, dtype=torch.int32, device=self.device)
+            .view(1, 1, 1, n_blocks).expand(self.num_slots, 1, 1, n_blocks).contiguous()
+        )
+        kv_len = self._kv_len
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx < kv_len[b]
+
+        extra = {}
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            extra["compute_q_blocks"] = False  # only the backward pass reads them
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        self._block_mask = BlockMask.from_kv_blocks(
+            self._kv_blocks, kv_indices, BLOCK_SIZE=_KV_BLOCK, mask_mod=mask_mod,
+            seq_lengths=(group, self.cache.width), **extra,
+        )
+        self.cache.flex = flex_attention if self.device.type != "cuda" else torch.compile(flex_attention, dynamic=False)
+
+    # -- forwards
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def _prefill(self, slots: list[int], requests: list[Request], starts: Optional[list[int]] = None) -> torch.Tensor:
+        """Fill ``slots`` with the prompts (from ``starts``: the K/V before it is already in the
+        slot); the first answer token of each."""
+        dev, rows = self.device, len(requests)
+        starts = [0] * rows if starts is None else starts
+        lens = np.fromiter((len(r.prompt_ids) - s for r, s in zip(requests, starts)), dtype=np.int64, count=rows)
+        width = int(lens.max())
+        real = np.arange(width)[None, :] < lens[:, None]  # [R, W]: the prompt tokens of the right-padded rows
+        ids = np.zeros((rows, width), dtype=np.int64)
+        ids[real] = np.fromiter(
+            itertools.chain.from_iterable(r.prompt_ids[s:] if s else r.prompt_ids for r, s in zip(requests, starts)),
+            dtype=np.int64, count=int(lens.sum()),
+        )
+        self.prefill_tokens += int(lens.sum())
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        len_t = torch.from_numpy(lens).to(dev)
+        positions = start_t[:, None] + torch.arange(width, device=dev)[None, :]
+        slot_pass = _Pass(self.cache, slot_t, decode=False)
+        if any(starts):
+            row, col = (torch.from_numpy(a).to(dev) for a in np.nonzero(real))
+            slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
+            span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
+            slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
+        hidden = self.decoder(
+            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
+        ).last_hidden_state
+        last = hidden[torch.arange(rows, device=dev), len_t - 1]
+        self.cache.lengths[slot_t] = start_t + len_t
+        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
+        return self._sample(self._logits(last), keys, torch.zeros_like(keys))
+
+    def _decode_logits(self) -> torch.Tensor:
+        """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
+        lengths = self.cache.lengths
+        slot_pass = _Pass(self.cache, None, decode=True)
+        if self.use_flex:
+            self._kv_len.copy_(lengths + 1)
+            self._kv_blocks.copy_(((lengths + _KV_BLOCK) // _KV_BLOCK).view(-1, 1, 1))
+            slot_pass.block_mask = self._block_mask
+        else:
+            visible = torch.arange(self.cache.width, device=self.device)[None, :] <= lengths[:, None]
+            slot_pass.kv_mask = visible[:, None, None, :]
+        hidden = self.decoder(
+            input_ids=self._tokens[:, None], position_ids=lengths[:, None], use_cache=False, slot_pass=slot_pass
+        ).last_hidden_state[:, 0]
+        return self._logits(hidden)
+
+    def _step(self) -> None:
+        """One decode step on the engine's fixed tensors: forward, keyed sample, bookkeeping.
+
+        Free slots run too (fixed shapes) and their results are ignored. Sets ``_wide`` (rows
+        whose sample must be redone exactly, or None) and ``_flags`` = [any slot ended, any wide]."""
+        logits = self._decode_logits()
+        new, wide = self._pick(logits, self._keys, self._answer_pos)
+        active = self._active.bool()
+        self._tokens.copy_(torch.where(active, new, self._tokens))
+        rows = torch.arange(self.num_slots, device=self.device)
+        self._out[rows, self._answer_pos.clamp(max=self.max_new_tokens)] = self._tokens
+        self._answer_pos.add_(self._active)
+        self.cache.lengths.add_(self._active)  # free slots stay empty (they decode garbage at position 0)
+        ended = active & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self.max_new_tokens))
+        self._ended.copy_(ended)
+        self._wide = None if wide is None else (wide & active)
+        any_wide = self._wide.any() if self._wide is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+        self._flags = torch.stack([ended.any(), any_wide])
+        self._logits_out = logits
+
+    def _capture(self) -> None:
+        """Record the decode step as a CUDA graph (the small model is launch-bound without one)."""
+        state = (self._tokens, self._answer_pos, self._out, self.cache.lengths)
+        saved = [t.clone() for t in state]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles flex, settles the allocator
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+            self._graph = graph
+        finally:
+            torch.cuda.synchronize()
+            for t, v in zip(state, saved):
+                t.copy_(v)  # the warm-up and capture steps advanced the state: undo
+
+    @torch.no_grad()
+    def _decode(self) -> tuple[bool, bool]:
+        """One token for every slot (graph replay on GPU); (any slot ended, any sample redone)."""
+        if self.cuda_graph and self._graph is None:
+            try:
+                self._capture()
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say so once
+                logger.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly",
+                               type(e).__name__, str(e)[:200])
+                self.cuda_graph = False
+                torch.cuda.synchronize()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - flex could not compile here: the SDPA path, said once
+                if not self.use_flex:
+                    raise
+                logger.warning("flex_attention decoding failed (%s: %s); using SDPA over the whole cache width",
+                               type(e).__name__, str(e)[:200])
+                self.use_flex = False
+                self._step()
+        any_ended, any_wide = self._flags.tolist()
+        if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
+            rows = redo_wide_rows(self._tokens, self._wide, self._logits_out, self._keys, self._answer_pos - 1,
+                                  seed=self.seed, temperature=self.temperature, top_p=self.top_p)
+            fixed = self._tokens[rows]
+            self._out[rows, self._answer_pos[rows] - 1] = fixed
+            ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
+            self._ended[rows] = ended
+            any_ended = any_ended or bool(ended.any())
+        return any_ended, any_wide
+
+    def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
+        """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
+        return keyed_sample_candidates(logits, keys, positions, seed=self.seed, temperature=self.temperature,
+                                       top_p=self.top_p)
+
+    def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The exact keyed sample (eager: the prefill's first tokens)."""
+        out, wide = self._pick(logits, keys, positions)
+        redo_wide_rows(out, wide, logits, keys, positions, seed=self.seed, temperature=self.temperature,
+                       top_p=self.top_p)
+        return out
+
+    # -- the loop
+
+    def _completion(self, request: Request, answer: list[int], stopped: bool, loop_start: Optional[int],
+                    slot: Optional[int] = None) -> Completion:
+        n = len(answer) + stopped
+        if loop_start is not None and self.stop_on_loop:
+            return Completion(request, answer[:loop_start], "loop", n, loop_start=loop_start, slot=slot)
+        return Completion(request, answer, "stop" if stopped else "length", n, loop_start=loop_start, slot=slot)
+
+    def _find_loop(self, answer: list[int]) -> Optional[int]:
+        return self.loop_detector.find(answer) if self.loop_detector is not None else None
+
+    def generate(self, pending: collections.deque) -> Iterator[Completion]:
+        """Answer the requests of ``pending`` (popped from the left), yielding completions as they end.
+
+        The caller may append requests to ``pending`` while it consumes completions (the next turn
+        of a conversation); the generator ends when ``pending`` is empty and every slot is free.
+        """
+        config = self.model.config
+        saved = config._attn_implementation
+        config._attn_implementation = ATTN_NAME
+        try:
+            yield from self._generate(pending)
+        finally:
+            config._attn_implementation = saved
+
+    def _start_state(self) -> None:
+        dev, S = self.device, self.num_slots
+        if getattr(self, "_tokens", None) is None:  # fixed tensors: a captured graph reads them
+            self._tokens = torch.zeros(S, dtype=torch.long, device=dev)
+            self._keys = torch.zeros(S, dtype=torch.long, device=dev)
+            self._answer_pos = torch.zeros(S, dtype=torch.long, device=dev)
+            self._active = torch.zeros(S, dtype=torch.long, device=dev)
+            self._ended = torch.zeros(S, dtype=torch.bool, device=dev)
+            self._out = torch.zeros((S, self.max_new_tokens + 1), dtype=torch.long, device=dev)
+            self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
+        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self.cache.lengths):
+            t.zero_()
+
+    def _check(self, req: Request) -> None:
+        if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
+            raise ValueError(f"request {req.key}: prompt of {len(req.prompt_ids)} tokens; the engine "
+                             f"takes 1..{self.max_prompt_tokens}")
+
+    def _claim_follow_ups(self, pending: collections.deque, held: dict[int, tuple[Completion, np.ndarray]],
+                          ready: list[tuple[int, Request, int]], free: list[int]) -> None:
+        """Move the follow-ups of ``held`` slots from ``pending`` to ``ready`` (slot, request, tokens
+        of the slot's KV to keep); free the held slots nobody follows."""
+        claimed: set[int] = set()
+        if self.reuse_slots and any(r.after is not None for r in pending):
+            rest = []
+            for req in pending:
+                after = req.after
+                slot = None if after is None else after.slot
+                if slot is None or slot in claimed or slot not in held or held[slot][0] is not after:
+                    rest.append(req)  # not a follow-up of a held slot: a fresh prefill
+                    continue
+                self._check(req)
+                kv = held[slot][1]
+                new = np.asarray(req.prompt_ids[: len(kv)], dtype=np.int64)
+                differ = np.flatnonzero(new != kv[: len(new)])
+                common = int(differ[0]) if len(differ) else len(new)
+                self.prefix_short += common < len(kv)
+                # at least the prompt's last token is run: its logits give the first answer token
+                ready.append((slot, req, min(common, len(req.prompt_ids) - 1)))
+                claimed.add(slot)
+            if claimed:
+                pending.clear()
+                pending.extend(rest)
+        unclaimed = [s for s in held if s not in claimed]
+        if unclaimed:
+            free.extend(unclaimed)
+            self.cache.lengths[torch.tensor(unclaimed, dtype=torch.long, device=self.device)] = 0
+        held.clear()
+
+    def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
+        """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
+        (a fresh chunk attends over its own keys only), sorted by the tokens to prefill so rows of
+        one chunk pad little, each within ``max_prefill_tokens`` (rows x longest)."""
+        items = sorted(items, key=lambda it: (it[2] > 0, len(it[1].prompt_ids) - it[2]))
+        chunk: list[tuple[int, Request, int]] = []
+        for it in items:
+            n = len(it[1].prompt_ids) - it[2]
+            if chunk and ((it[2] > 0) != (chunk[0][2] > 0) or n * (len(chunk) + 1) > self.max_prefill_tokens):
+                yield chunk
+                chunk = []
+            chunk.append(it)
+        if chunk:
+            yield chunk
+
+    def _generate(self, pending: collections.deque) -> Iterator[Completion]:
+        self._start_state()
+        dev = self.device
+        requests: dict[int, Request] = {}  # slot -> its request
+        free = list(range(self.num_slots - 1, -1, -1))
+        held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
+        ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
+        since_check = 0
+        while True:
+            done: list[Completion] = []
+            if held:
+                self._claim_follow_ups(pending, held, ready, free)
+            # Refill once enough slots are idle: a prefill is one eager forward, and refilling one
+            # or two slots per step would spend more time in prefills than in decoding.
+            idle = len(free) + len(ready)
+            refill = idle >= self.min_refill or len(free) >= len(pending) or not requests
+            if refill and (ready or (free and pending)):
+                items, ready = ready, []
+                self.continued += len(items)
+                while free and pending:
+                    self._check(pending[0])
+                    items.append((free.pop(), pending.popleft(), 0))
+                for chunk in self._chunks(items):
+                    done.extend(self._start(chunk, requests, held, free))
+            if not requests:
+                yield from done
+                if not pending and not ready and not held:
+                    return
+                continue
+            t0 = time.perf_counter()
+            any_ended, _ = self._decode()
+            self.steps += 1
+            self.generated_tokens += len(requests)
+            since_check += 1
+            t1 = time.perf_counter()
+            self.seconds["decode"] += t1 - t0
+            finished: dict[int, tuple[list[int], bool, Optional[int]]] = {}
+            rows_of: dict[int, np.ndarray] = {}
+            if any_ended:
+                ended = self._ended.nonzero()[:, 0].tolist()
+                lengths = self._answer_pos[ended].tolist()
+                rows = self._out[ended].cpu().numpy()
+                for s, n, row in zip(ended, lengths, rows):
+                    stopped = int(row[n - 1]) in self.stop_ids
+                    answer = row[: n - 1 if stopped else n].tolist()
+                    finished[s] = (answer, stopped, self._find_loop(answer))
+                    rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
+            if self.stop_on_loop and since_check >= self.loop_check_every:
+                since_check = 0
+                live = [s for s in requests if s not in finished]
+                lengths = self._answer_pos[live].tolist()
+                rows = self._out[live].cpu().numpy()
+                for s, n, row in zip(live, lengths, rows):
+                    if n >= self.loop_detector.min_tokens:
+                        answer = row[:n].tolist()
+                        start = self._find_loop(answer)
+                        if start is not None:
+                            finished[s] = (answer, False, start)
+                            rows_of[s] = row[: n - 1]
+            if finished:
+                gone = []
+                for s, (answer, stopped, start) in finished.items():
+                    req = requests.pop(s)
+                    done.append(self._completion(req, answer, stopped, start, s if req.hold else None))
+                    if req.hold:
+                        held[s] = (done[-1], np.concatenate([np.asarray(req.prompt_ids, dtype=np.int64), rows_of[s]]))
+                    else:
+                        free.append(s)
+                        gone.append(s)
+                idx = torch.tensor(list(finished), dtype=torch.long, device=dev)
+                self._active[idx] = 0
+                if gone:  # a held slot keeps its fill: decode steps write past it, never into it
+                    self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
+            self.seconds["host"] += time.perf_counter() - t1
+            yield from done
+
+    def _start(self, chunk: list[tuple[int, Request, int]], requests: dict[int, Request],
+               held: dict[int, tuple[Completion, np.ndarray]], free: list[int]) -> list[Completion]:
+        """Prefill one chunk and start its answers; the completions of answers that ended at once."""
+        dev = self.device
+        slots = [it[0] for it in chunk]
+        t0 = time.perf_counter()
+        first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
+        first_host = first.tolist()
+        self.seconds["prefill"] += time.perf_counter() - t0
+        self.generated_tokens += len(chunk)
+        self.reused_tokens += sum(it[2] for it in chunk)
+        done, started, gone = [], [], []
+        for k, ((s, req, _), tok) in enumerate(zip(chunk, first_host)):
+            if tok in self.stop_ids or self.max_new_tokens == 1:
+                answer = [] if tok in self.stop_ids else [tok]
+                done.append(self._completion(req, answer, tok in self.stop_ids, None, s if req.hold else None))
+                if req.hold:
+                    held[s] = (done[-1], np.asarray(req.prompt_ids, dtype=np.int64))
+                else:
+                    gone.append(s)
+            else:
+                requests[s] = req
+                started.append(k)
+        if gone:
+            free.extend(gone)
+            self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
+        if started:
+            pick = torch.tensor(started, dtype=torch.long, device=dev)
+            idx = torch.tensor([slots[k] for k in started], dtype=torch.long, device=dev)
+            self._tokens[idx] = first[pick]
+            self._out[idx, 0] = first[pick]
+            self._keys[idx] = torch.tensor([chunk[k][1].key for k in started], dtype=torch.long, device=dev)
+            self._answer_pos[idx] = 1
+            self._active[idx] = 1
+        return done

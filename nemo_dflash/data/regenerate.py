@@ -1,0 +1,424 @@
+"""Rewrite the assistant turns of chat data with the target model's own answers.
+
+A DFlash draft learns to predict the *target's* next tokens, so it should train on text the
+target itself generates: the answers in public chat data (ShareGPT's ChatGPT replies) follow
+another model's distribution and cost acceptance length. :func:`regenerate_conversations`
+keeps the user (and leading system) turns of each conversation and asks the target, through its
+chat template, for every assistant turn.
+
+Batched generation left-pads the prompts (decoder-only models continue from the last position)
+and sorts them by length inside a window to cut padding; results come back in input order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+# The template knowledge lives in data/chat_template.py; these names stay importable from here.
+from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
+    TURNS, encode_prompt, special_token_strings, split_prompt, stop_token_ids,
+)
+from nemo_dflash.data.generation import Completion, Request, SlotEngine
+from nemo_dflash.data.loops import LoopDetector
+from nemo_dflash.data.sources import Conversation
+
+logger = logging.getLogger(__name__)
+
+ConversationLike = Union[Conversation, Sequence[dict[str, str]]]
+
+
+LOOP_POLICIES = ("cut", "drop", "keep")
+CAPPED_POLICIES = ("keep", "drop")
+AFTER_CUT = ("end", "continue")
+ENGINES = ("slots", "generate")
+
+
+@dataclass
+class RegenStats:
+    """Counters of one regeneration run; ``skipped`` maps a reason to a number of conversations."""
+
+    conversations: int = 0  # conversations given to regenerate_conversations
+    written: int = 0  # conversations yielded (at least one regenerated turn)
+    turns: int = 0  # assistant turns written (a halted run's unfinished conversations are not)
+    prompt_tokens: int = 0  # prompt tokens of the generated turns
+    generated_tokens: int = 0  # new tokens, stop token included, dropped answers and cut loops included
+    answer_tokens: int = 0  # tokens of the answers written (what the draft trains on)
+    answers: int = 0  # answers generated (kept or not)
+    looping_before: int = 0  # answers the loop detector flagged, before the loop policy
+    looping_after: int = 0  # written answers the detector flags (0 unless the policy is "keep")
+    capped_before: int = 0  # answers that hit max_new_tokens without looping
+    capped_after: int = 0  # of those, written
+    finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
+    skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
+    shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
+    prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
+    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its slot is not)
+    reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
+    seconds: float = 0.0  # time spent generating
+    halted: bool = False  # should_stop() ended the run early: later conversations were not generated
+
+    def summary(self) -> str:
+        rate = self.generated_tokens / self.seconds if self.seconds else 0.0
+        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        finish = ", ".join(f"{k}={v}" for k, v in sorted(self.finish.items())) or "none"
+        text = (
+            f"written {self.written} conversations ({self.turns} assistant turns, {self.answer_tokens} answer tokens; "
+            f"last turn finish: {finish}); skipped {sum(self.skipped.values())} ({skipped}); "
+            f"looping answers {self.looping_before} -> {self.looping_after}, capped {self.capped_before} -> "
+            f"{self.capped_after} of {self.answers}; generated {self.generated_tokens} tokens in {self.seconds:.1f}s "
+            f"({rate:.1f} tokens/s)"
+        )
+        if self.prefill_tokens or self.reused_tokens:
+            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the slot "
+                     f"({self.prefix_mismatch} later turns not a prefix extension)")
+        if self.shortened:
+            text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
+        return text
+
+
+@dataclass
+class _Job:
+    """One conversation being regenerated: the context built so far and the user turns still to answer."""
+
+    index: int
+    source: Optional[str]
+    messages: list[dict[str, str]]
+    users: list[str]
+    next_user: int = 0
+    finish_reason: Optional[str] = None
+    prompt_ids: list[int] = field(default_factory=list)
+    last: Optional[Completion] = None  # the answer of the turn before the one being asked
+    kept: Counter = field(default_factory=Counter)  # tokens / loops / capped of the answers kept so far
+
+    @property
+    def answered(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
+
+    def request_key(self) -> int:
+        """The sampling key of the turn being asked: stable across runs, batches and resumes."""
+        name = self.source if self.source is not None else f"#{self.index}"
+        return zlib.crc32(f"{name}\x00{self.next_user}".encode()) & 0x7FFFFFFF
+
+
+def prompt_problem(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    max_prompt_tokens: Optional[int] = None,
+    specials: Optional[Sequence[str]] = None,
+) -> tuple[list[int], Optional[str]]:
+    """(prompt ids, None), or ([], the reason ``messages`` cannot be a prompt).
+
+    User text containing a special-token string (a literal ``<|im_end|>``) would forge template
+    markers, and the training data reader rejects it anyway.
+    """
+    specials = special_token_strings(tokenizer) if specials is None else specials
+    if any(s in m["content"] for m in messages for s in specials):
+        return [], "special_tokens_in_prompt"
+    try:
+        ids = encode_prompt(tokenizer, messages)
+    except Exception as e:  # jinja raises anything (TemplateError, TypeError, ...)
+        logger.debug("chat template failed: %s", e)
+        return [], "template_error"
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        return [], "prompt_too_long"
+    return ids, None
+
+
+def _pad_id(tokenizer: Any, stop_ids: Sequence[int]) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else stop_ids[0]
+
+
+def _generation_kwargs(
+    *, max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], pad_id: int
+) -> dict[str, Any]:
+    """Explicit settings, so defaults in the checkpoint's generation_config (top_k=20, a repetition
+    penalty, ...) do not silently reshape the distribution the draft is trained on."""
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id, num_beams=1,
+        repetition_penalty=1.0, min_new_tokens=0,
+    )
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    else:
+        kwargs.update(do_sample=False)
+    return kwargs
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, stop_ids: Sequence[int], **gen_kwargs: Any
+) -> list[tuple[list[int], str, int]]:
+    """Generate for left-padded ``prompts``; per prompt (answer ids without the stop token,
+    finish reason ``"stop"``/``"length"``, number of generated tokens including the stop token)."""
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attention_mask[i, width - len(p):] = 1
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
+    stops = set(stop_ids)
+    results = []
+    for row in out[:, width:].tolist():
+        end = next((k for k, t in enumerate(row) if t in stops), None)
+        if end is None:
+            results.append((row, "length", len(row)))
+        else:  # rows that stopped early are padded after the stop token
+            results.append((row[:end], "stop", end + 1))
+    return results
+
+
+class BatchedGenerateEngine:
+    """``model.generate`` on successive batches of the pending requests: the fallback for models the
+    slot engine cannot run (recurrent or sliding-window layers). Finished rows idle until the
+    longest answer of their batch ends, and sampling follows torch's global RNG, so samples
+    depend on the batch composition (the slot engine's do not)."""
+
+    def __init__(self, model: Any, *, batch_size: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                 temperature: float, top_p: float, seed: int, loop_detector: Optional[LoopDetector]) -> None:
+        self.model, self.batch_size, self.stop_ids, self.pad_id = model, batch_size, stop_ids, pad_id
+        self.gen_kwargs = _generation_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                             stop_ids=stop_ids, pad_id=pad_id)
+        self.loop_detector = loop_detector
+        self.generated_tokens = 0
+        if temperature > 0:
+            torch.manual_seed(seed)
+
+    def generate(self, pending: collections.deque) -> Iterator[Completion]:
+        while pending:
+            batch = [pending.popleft() for _ in range(min(self.batch_size, len(pending)))]
+            results = generate_batch(self.model, [r.prompt_ids for r in batch], pad_id=self.pad_id,
+                                     stop_ids=self.stop_ids, **self.gen_kwargs)
+            for req, (ids, reason, n_new) in zip(batch, results):
+                self.generated_tokens += n_new
+                start = self.loop_detector.find(ids) if self.loop_detector is not None else None
+                yield Completion(req, ids, reason, n_new, loop_start=start)
+
+
+def _as_job(index: int, conv: ConversationLike, turns: str) -> tuple[_Job, Optional[str]]:
+    """A job for ``conv`` and None, or a dummy job and the reason to skip it."""
+    if isinstance(conv, Conversation):
+        messages, source = conv.messages, conv.location
+    else:
+        messages, source = list(conv), None
+    system, users = split_prompt(messages, turns)
+    job = _Job(index=index, source=source, messages=system, users=users)
+    return job, (None if users else "no_user_turn")
+
+
+def regenerate_conversations(
+    model: Any,
+    tokenizer: Any,
+    conversations: Iterable[ConversationLike],
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    turns: str = "first",
+    seed: int = 0,
+    max_prompt_tokens: Optional[int] = None,
+    engine: str = "slots",
+    loops: str = "cut",
+    capped: str = "keep",
+    after_cut: str = "end",
+    loop_detector: Optional[LoopDetector] = None,
+    max_prefill_tokens: int = 65536,
+    reuse_slots: bool = True,
+    stats: Optional[RegenStats] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
+
+    ``conversations`` are :class:`Conversation` objects or plain ``[{"role", "content"}]`` lists;
+    their assistant turns are replaced by the target's answers (greedy for ``temperature=0``,
+    else sampled with ``temperature``/``top_p``, keyed by ``seed``, the conversation and the turn).
+    ``turns="first"`` answers the first user turn only (``[system?, user, assistant]``);
+    ``turns="all"`` answers every user turn, with the target's own earlier answers as context.
+
+    ``engine="slots"`` keeps ``batch_size`` answers in flight and refills a slot as soon as its
+    answer ends (:class:`~nemo_dflash.data.generation.SlotEngine`); ``"generate"`` runs
+    ``model.generate`` batch after batch. An answer that loops (``loop_detector``, default
+    :class:`LoopDetector`) is cut at the loop's start (``loops="cut"``), dropped (``"drop"``) or kept
+    (``"keep"``); an answer cut by ``max_new_tokens`` is kept (``capped="keep"``) or dropped. A
+    dropped answer, an empty answer, or a next prompt over ``max_prompt_tokens`` ends the
+    conversation there, and so does a cut or capped answer unless ``after_cut="continue"`` (the
+    next turn then sees the cut answer in its history); if no turn survives it is skipped and counted in
+    ``stats.skipped``. With the slot engine a conversation keeps its slot between turns and a later
+    turn prefills only what its prompt adds to the slot's tokens (``stats.prefill_tokens`` /
+    ``reused_tokens``; ``prefix_mismatch`` counts the turns whose prompt rewrote earlier tokens:
+    they reuse only the common prefix; ``reuse_slots=False`` prefills every prompt whole, for
+    comparison). ``progress(conversations_done, new_tokens)`` is called as answers end.
+    Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
+    unfinished are not yielded (a resumed run redoes them). Arguments are checked at the call.
+    """
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
+            or after_cut not in AFTER_CUT):
+        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, "
+                         f"after_cut in {AFTER_CUT}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+    stats = stats if stats is not None else RegenStats()
+    detector = loop_detector or LoopDetector()
+    drop_capped = capped == "drop"
+    stop_ids = stop_token_ids(model, tokenizer)
+    specials = special_token_strings(tokenizer)
+    if max_prompt_tokens is None:
+        context = getattr(model.config, "max_position_embeddings", None) or 4096
+        max_prompt_tokens = max(context - max_new_tokens, 1)
+    if engine == "slots":
+        gen: Any = SlotEngine(
+            model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
+            stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
+        )
+    else:
+        gen = BatchedGenerateEngine(
+            model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+            pad_id=_pad_id(tokenizer, stop_ids), temperature=temperature, top_p=top_p, seed=seed,
+            loop_detector=detector,
+        )
+
+    def ask(job: _Job) -> Optional[str]:
+        """Append the next user turn and tokenise the prompt; the reason it cannot be asked, if any."""
+        job.messages.append({"role": "user", "content": job.users[job.next_user]})
+        job.prompt_ids, reason = prompt_problem(
+            tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens, specials=specials
+        )
+        if reason is not None:
+            job.messages.pop()
+        return reason
+
+    def end(job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
+        """The record of a finished conversation (None if no turn survived); counts why it ended."""
+        if reason is not None:
+            (stats.shortened if job.answered else stats.skipped)[reason] += 1
+        if progress is not None:
+            progress(1, 0)
+        if not job.answered:
+            return None
+        stats.written += 1
+        stats.turns += job.answered
+        stats.answer_tokens += job.kept["tokens"]
+        stats.looping_after += job.kept["loops"]
+        stats.capped_after += job.kept["capped"]
+        stats.finish[job.finish_reason] += 1
+        record: dict[str, Any] = {"messages": job.messages, "finish_reason": job.finish_reason}
+        if job.source is not None:
+            record["source"] = job.source
+        return record
+
+    def run() -> Iterator[dict[str, Any]]:
+        pending: collections.deque[Request] = collections.deque()
+        source = enumerate(conversations)
+        exhausted = False
+
+        def admit() -> None:
+            """Top up ``pending`` with first turns of new conversations (2 x batch_size queued)."""
+            nonlocal exhausted
+            while not exhausted and len(pending) < 2 * batch_size and not stats.halted:
+                try:
+                    index, conv = next(source)
+                except StopIteration:
+                    exhausted = True
+                    return
+                stats.conversations += 1
+                job, reason = _as_job(index, conv, turns)
+                reason = reason or ask(job)
+                if reason is not None:
+                    stats.skipped[reason] += 1
+                    if progress is not None:
+                        progress(1, 0)
+                    continue
+                pending.append(request(job))
+
+        def request(job: _Job) -> Request:
+            """The request of the turn just asked: its slot is held while later turns remain, and it
+            continues in the slot of the conversation's previous answer."""
+            return Request(job.request_key(), job.prompt_ids, tag=job, hold=job.next_user + 1 < len(job.users),
+                           after=job.last)
+
+        admit()
+        t0 = time.perf_counter()
+        generated0 = gen.generated_tokens
+        prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
+        for done in gen.generate(pending):
+            job: _Job = done.request.tag
+            stats.answers += 1
+            stats.prompt_tokens += len(job.prompt_ids)
+            looped = done.finish == "loop" or done.loop_start is not None
+            stats.looping_before += looped
+            capped = done.finish == "length" and not looped
+            stats.capped_before += capped
+            ids = done.token_ids
+            if done.finish == "loop" and loops == "drop":
+                ids = None
+            elif looped and loops == "cut" and done.loop_start is not None:
+                ids = ids[: done.loop_start]
+            if capped and drop_capped:
+                ids = None
+            text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+            job.next_user += 1
+            problem = None
+            if ids is None:
+                problem = "loop" if looped else "length"
+            elif not text.strip():
+                problem = "empty_answer"
+            elif any(s in text for s in specials):
+                problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
+            record = None
+            if problem is not None:
+                job.messages.pop()
+                record = end(job, problem)
+            else:
+                job.messages.append({"role": "assistant", "content": text})
+                job.finish_reason = "loop" if looped and loops != "keep" else done.finish
+                job.kept.update(tokens=len(ids), capped=int(capped), loops=int(looped and loops == "keep"))
+                if job.next_user >= len(job.users):
+                    record = end(job, None)
+                elif job.finish_reason != "stop" and after_cut == "end":
+                    record = end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
+                elif not stats.halted:  # (once halted, an unfinished conversation is left for a resume)
+                    history = job.prompt_ids + ids  # what the slot holds, as far as this answer was kept
+                    reason = ask(job)
+                    if reason is not None:
+                        record = end(job, reason)
+                    else:
+                        stats.prefix_mismatch += job.prompt_ids[: len(history)] != history
+                        job.last = done
+                        pending.append(request(job))
+            stats.seconds = time.perf_counter() - t0
+            stats.generated_tokens = gen.generated_tokens - generated0
+            stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
+            stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
+            if progress is not None:
+                progress(0, done.generated)
+            if record is not None:
+                yield record
+            if not stats.halted and should_stop is not None and should_stop():
+                stats.halted = True
+                pending.clear()
+            admit()
+        stats.seconds = time.perf_counter() - t0
+        stats.generated_tokens = gen.generated_tokens - generated0
+        stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
+        stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
+
+    return run()

