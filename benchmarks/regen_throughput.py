@@ -55,10 +55,11 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
         lens = torch.randint(16, min(400, args.max_prompt_tokens) + 1, (args.num_prompts,), generator=g)
         return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lens]
-    from nemo_dflash.data import default_sharegpt_path, read_conversations
+    from nemo_dflash.data import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.loading import package_file
     from nemo_dflash.regenerate import prompt_problem, special_token_strings, split_prompt
 
-    path = default_sharegpt_path() if args.prompts == "sharegpt" else args.prompts
+    path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
     specials = special_token_strings(tokenizer)
     prompts = []
     for conv in read_conversations(path):
@@ -76,10 +77,11 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 def load_conversations(args) -> list:
     """The first --num-prompts conversations of --prompts that have a user turn (--turns all)."""
-    from nemo_dflash.data import default_sharegpt_path, read_conversations
+    from nemo_dflash.data import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.loading import package_file
     from nemo_dflash.regenerate import split_prompt
 
-    path = default_sharegpt_path() if args.prompts == "sharegpt" else args.prompts
+    path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
     convs = []
     for conv in read_conversations(path):
         if split_prompt(conv.messages, "all")[1]:

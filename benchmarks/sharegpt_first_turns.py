@@ -18,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nemo_dflash.data import default_sharegpt_path, read_conversations  # noqa: E402
+from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
+from nemo_dflash.loading import package_file  # noqa: E402
 from nemo_dflash.regenerate import split_prompt  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--turns")]
     turns = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--turns=")), "first")
-    src = args[1] if len(args) > 1 else default_sharegpt_path()
+    src = args[1] if len(args) > 1 else str(package_file(*SHAREGPT_FILE))
     n = write_first_turns(src, args[0], turns)
     print(f"{n} conversations -> {sys.argv[1]}")
 

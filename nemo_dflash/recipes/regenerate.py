@@ -136,9 +136,10 @@ def holdout_path(out: Path) -> Path:
 
 
 def resolve_data_paths(data: Sequence[str]) -> list[str]:
-    from nemo_dflash.data import default_sharegpt_path
+    from nemo_dflash.data import SHAREGPT_FILE
+    from nemo_dflash.target.loading import package_file
 
-    paths = [default_sharegpt_path() if d == "sharegpt" else d for d in data]
+    paths = [str(package_file(*SHAREGPT_FILE)) if d == "sharegpt" else d for d in data]
     seen: set[str] = set()
     for p in paths:
         key = os.path.realpath(p)
@@ -296,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
         out.parent.mkdir(parents=True, exist_ok=True)
 
-    with user_errors(DataError):  # a missing or unreadable --data file, too many malformed records
+    with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
         paths = resolve_data_paths(args.data)
         pool = read_pool(paths, args.max_bad_lines)
     logger.info("loading target %s (%s, %s)", args.target, device, dtype)
