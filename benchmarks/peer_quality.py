@@ -560,7 +560,9 @@ def train_stage(args, out: Path, t_script: float) -> dict[str, Any]:
     snapshots: dict[int, dict[str, Any]] = {0: peer.state()}
     peer_log = []
     step_times: list[float] = []
-    data = _endless(ev.loader)
+    from nemo_dflash.train.trainer import endless_batches  # epoch after epoch, as our trainer iterates
+
+    data = endless_batches(ev.loader)
     t_start = time.perf_counter()
     peer_cap_s = max(deadline - t_start, 60.0)
     logger.info("peer: %d steps, time cap %.0f s", target_steps, peer_cap_s)
@@ -766,17 +768,6 @@ SUBSTITUTIONS = [
     "mask token, hidden/intermediate/heads/head_dim/rms_eps/rope_theta from the target), initializer_range 0.02 "
     "as in SpecForge's configs, loaded with its load_draft_config_source",
 ]
-
-
-def _endless(loader):
-    """Epoch after epoch, as our trainer iterates its loader (the sampler advances its own epoch)."""
-    while True:
-        yielded = False
-        for batch in loader:
-            yielded = True
-            yield batch
-        if not yielded:
-            raise RuntimeError("the training loader produced no batch")
 
 
 def _our_checkpoints(run: Path) -> dict[int, Path]:

@@ -101,7 +101,7 @@ def _right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((m[:, 1:] <= m[:, :-1]).all()) if m.shape[1] > 1 else True
 
 
-def _batches(loader) -> Iterator[dict[str, torch.Tensor]]:
+def endless_batches(loader) -> Iterator[dict[str, torch.Tensor]]:
     """Endless stream over epochs; the sampler advances its epoch by itself."""
     while True:
         yielded = False
@@ -475,7 +475,7 @@ class Trainer:
         if self.step > 0:
             metrics.resume_at(self.step)
         metrics.set_progress(self.step)
-        data = _batches(self.loader)
+        data = endless_batches(self.loader)
         self.draft.train()
         t_start = time.perf_counter()
         window = ThroughputWindow(self.step)
