@@ -74,7 +74,8 @@ def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, token_
     return ((h.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
 
 
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
     return -torch.log(-torch.log(u))
 
 
@@ -92,7 +93,7 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
     vocab = torch.arange(scores.shape[-1], device=scores.device)
-    return (top_p_filter(scores, top_p) + _gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
+    return (top_p_filter(scores, top_p) + gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
 
 
 def keyed_sample_candidates(
@@ -115,7 +116,7 @@ def keyed_sample_candidates(
     probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
     cum = probs.cumsum(dim=-1)
     keep = (cum - probs) < top_p
-    noisy = values + _gumbel(keyed_uniform(seed, keys, positions, ids))
+    noisy = values + gumbel(keyed_uniform(seed, keys, positions, ids))
     out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
     return out, cum[:, -1] < top_p
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.data.generation import keyed_uniform
+from nemo_dflash.data.generation import gumbel, keyed_uniform
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.spec_decode import (
     GenerationOutput,
@@ -70,10 +70,6 @@ CAPTURE_ALL_BUCKETS = True
 FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
 # Noise streams of the sampled step: the draft's proposals, the accept tests, the next token.
 _DRAFT_STREAM, _ACCEPT_STREAM, _NEXT_STREAM = 0x5D, 0xACC, 0x4E7
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(u))
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -342,7 +338,7 @@ class StaticSpecRunner:
         self.q.copy_(torch.softmax(scores, dim=-1))
         slots = self.pos + 1 + self.arange_b[:-1]
         u = keyed_uniform(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.vocab)
-        self.blk[0, 1:].copy_((scores + _gumbel(u)).argmax(dim=-1))
+        self.blk[0, 1:].copy_((scores + gumbel(u)).argmax(dim=-1))
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """Target logits [B, V] of the block, attending over the cache's first `view_len`
@@ -386,7 +382,7 @@ class StaticSpecRunner:
         resid = torch.where(total > 0, resid / total.clamp(min=torch.finfo(torch.float32).tiny), p[:-1])
         dist = torch.cat([resid, p[-1:]])  # row k: where slot k + 1 is drawn from if it is the next token
         u = keyed_uniform(_NEXT_STREAM, self.key.expand(B), slots, self.vocab)
-        nxt = (torch.log(dist) + _gumbel(u)).argmax(dim=-1).gather(0, n_acc.view(1))
+        nxt = (torch.log(dist) + gumbel(u)).argmax(dim=-1).gather(0, n_acc.view(1))
         tokens = torch.cat([x, x[:1]]).scatter(0, n_acc.view(1), nxt)
         return n_acc, tokens
 
