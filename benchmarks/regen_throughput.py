@@ -86,7 +86,7 @@ def load_conversations(args) -> list:
     for conv in read_conversations(path):
         if split_prompt(conv.messages, "all")[1]:
             convs.append(conv)
-        if len(convs) >= args.num_prompts:
+        if len(convs) >= args.num_prompts > 0:
             break
     return convs
 
@@ -116,7 +116,8 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             "reused_tokens": stats.reused_tokens, "turns": stats.answers, "conversations": stats.written,
             "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
                        "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
-                       "shortened": dict(stats.shortened)}}
+                       "shortened": dict(stats.shortened),
+                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())}}}
 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
@@ -183,7 +184,7 @@ def run_step(model, prompts, args, stop_ids) -> dict:
         engine.cuda_graph = True
         engine._capture()
         out["graph_step_ms"] = timed(lambda: engine._graph.replay())
-        out["graph_decode_ms"] = timed(lambda: engine._decode())
+        out["graph_decode_ms"] = timed(lambda: (engine._launch(), engine._collect()))
     out["mean_fill"] = float(engine.cache.lengths.float().mean())
     return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
 
@@ -241,7 +242,7 @@ def main() -> None:
                         "(--num-prompts conversations; modes slots, slots_full, generate)")
     p.add_argument("--after-cut", choices=("end", "continue"), default="end",
                    help="--turns all: a cut or capped answer ends its conversation, or the next turn follows it")
-    p.add_argument("--num-prompts", type=int, default=2048)
+    p.add_argument("--num-prompts", type=int, default=2048, help="0: every conversation (--turns all)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=1024)

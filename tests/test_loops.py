@@ -82,3 +82,21 @@ def test_thresholds_are_configurable_and_checked():
     assert find_loop_start(ids, LoopDetector(min_tokens=16, min_copies=1.5)) == 120
     with pytest.raises(ValueError, match="min_ratio"):
         LoopDetector(min_ratio=0)
+
+
+def test_gram_ids_equal_the_row_unique_they_replace():
+    """The packed n-gram ids give, for every position, the first occurrence that np.unique(axis=0)
+    of the n-gram rows gives (the slow reference), for small and large vocabularies and n-gram sizes."""
+    import numpy as np
+
+    from nemo_dflash.data.loops import _gram_ids
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 4, 6, 7, 9):
+        for vocab in (3, 50, 151_936, 2**21 - 1, 2**40):
+            for _ in range(20):
+                ids = rng.integers(0, vocab, size=int(rng.integers(n, 200)))
+                grams = np.lib.stride_tricks.sliding_window_view(ids, n)
+                _, first, inverse = np.unique(grams, axis=0, return_index=True, return_inverse=True)
+                got_first, got_inverse = _gram_ids(ids, n)
+                assert (got_first[got_inverse] == first[inverse.reshape(-1)]).all()

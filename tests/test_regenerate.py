@@ -212,7 +212,7 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     cli.main(args + ["--out", str(reference)])
 
     out = tmp_path / "run.jsonl"
-    real, calls = SlotEngine._decode, []
+    real, calls = SlotEngine._launch, []
 
     def crash_later(self, *a, **k):
         calls.append(1)
@@ -220,10 +220,10 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
             raise RuntimeError("boom")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(SlotEngine, "_decode", crash_later)
+    monkeypatch.setattr(SlotEngine, "_launch", crash_later)
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(args + ["--out", str(out)])
-    monkeypatch.setattr(SlotEngine, "_decode", real)
+    monkeypatch.setattr(SlotEngine, "_launch", real)
     partial = tmp_path / "run.jsonl.partial"
     written = _read_jsonl(partial)
     assert not out.exists() and 0 < len(written) < 8

@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -366,7 +366,8 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        self.seconds: collections.Counter = collections.Counter()  # wall time by phase: prefill, decode, host
+        # wall time by phase: prefill, decode, host (bookkeeping), loop_check, caller (between yields)
+        self.seconds: collections.Counter = collections.Counter()
         if self.use_flex:
             self._setup_flex()
         logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
@@ -498,8 +499,8 @@ class SlotEngine:
                 t.copy_(v)  # the warm-up and capture steps advanced the state: undo
 
     @torch.no_grad()
-    def _decode(self) -> tuple[bool, bool]:
-        """One token for every slot (graph replay on GPU); (any slot ended, any sample redone)."""
+    def _launch(self) -> None:
+        """Start one decode step for every slot (a graph replay on GPU: asynchronous)."""
         if self.cuda_graph and self._graph is None:
             try:
                 self._capture()
@@ -520,6 +521,10 @@ class SlotEngine:
                                type(e).__name__, str(e)[:200])
                 self.use_flex = False
                 self._step()
+
+    @torch.no_grad()
+    def _collect(self) -> bool:
+        """Wait for the launched step; whether any slot ended (redoing rare too-wide samples exactly)."""
         any_ended, any_wide = self._flags.tolist()
         if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
             rows = redo_wide_rows(self._tokens, self._wide, self._logits_out, self._keys, self._answer_pos - 1,
@@ -529,7 +534,7 @@ class SlotEngine:
             ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
             self._ended[rows] = ended
             any_ended = any_ended or bool(ended.any())
-        return any_ended, any_wide
+        return any_ended
 
     def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
@@ -552,7 +557,7 @@ class SlotEngine:
             return Completion(request, answer[:loop_start], "loop", n, loop_start=loop_start, slot=slot)
         return Completion(request, answer, "stop" if stopped else "length", n, loop_start=loop_start, slot=slot)
 
-    def _find_loop(self, answer: list[int]) -> Optional[int]:
+    def _find_loop(self, answer: Sequence[int]) -> Optional[int]:
         return self.loop_detector.find(answer) if self.loop_detector is not None else None
 
     def generate(self, pending: collections.deque) -> Iterator[Completion]:
@@ -641,6 +646,7 @@ class SlotEngine:
         held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
         ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
         since_check = 0
+        in_flight = 0  # slots active in a step launched but not yet collected (0: none in flight)
         while True:
             done: list[Completion] = []
             if held:
@@ -658,14 +664,18 @@ class SlotEngine:
                 for chunk in self._chunks(items):
                     done.extend(self._start(chunk, requests, held, free))
             if not requests:
-                yield from done
+                yield from self._handed(done)
                 if not pending and not ready and not held:
                     return
                 continue
             t0 = time.perf_counter()
-            any_ended, _ = self._decode()
+            if not in_flight:
+                self._launch()
+                in_flight = len(requests)
+            any_ended = self._collect()
             self.steps += 1
-            self.generated_tokens += len(requests)
+            self.generated_tokens += in_flight  # the slots that were active when the step was launched
+            in_flight = 0
             since_check += 1
             t1 = time.perf_counter()
             self.seconds["decode"] += t1 - t0
@@ -680,18 +690,21 @@ class SlotEngine:
                     answer = row[: n - 1 if stopped else n].tolist()
                     finished[s] = (answer, stopped, self._find_loop(answer))
                     rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
+            checking = 0.0
             if self.stop_on_loop and since_check >= self.loop_check_every:
+                t2 = time.perf_counter()
                 since_check = 0
                 live = [s for s in requests if s not in finished]
                 lengths = self._answer_pos[live].tolist()
                 rows = self._out[live].cpu().numpy()
                 for s, n, row in zip(live, lengths, rows):
                     if n >= self.loop_detector.min_tokens:
-                        answer = row[:n].tolist()
-                        start = self._find_loop(answer)
+                        start = self._find_loop(row[:n])
                         if start is not None:
-                            finished[s] = (answer, False, start)
+                            finished[s] = (row[:n].tolist(), False, start)
                             rows_of[s] = row[: n - 1]
+                checking = time.perf_counter() - t2
+                self.seconds["loop_check"] += checking
             if finished:
                 gone = []
                 for s, (answer, stopped, start) in finished.items():
@@ -706,8 +719,21 @@ class SlotEngine:
                 self._active[idx] = 0
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
                     self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
-            self.seconds["host"] += time.perf_counter() - t1
-            yield from done
+            if requests and done:
+                # The next step runs on the GPU while the caller handles ``done`` (decoding, the next
+                # turn's template, writing): slots refilled meanwhile join the step after. Answers
+                # are keyed by request and position, so this changes no output.
+                self._launch()
+                in_flight = len(requests)
+            self.seconds["host"] += time.perf_counter() - t1 - checking
+            yield from self._handed(done)
+
+    def _handed(self, done: list[Completion]) -> Iterator[Completion]:
+        """Yield ``done``, timing the caller's work on each (``seconds["caller"]``): the GPU idles then."""
+        for c in done:
+            t0 = time.perf_counter()
+            yield c
+            self.seconds["caller"] += time.perf_counter() - t0
 
     def _start(self, chunk: list[tuple[int, Request, int]], requests: dict[int, Request],
                held: dict[int, tuple[Completion, np.ndarray]], free: list[int]) -> list[Completion]:

@@ -26,6 +26,35 @@ from typing import Optional
 import numpy as np
 
 
+_PACK_BITS = 21  # three token ids of < 2**21 fit in one int64
+
+
+def _gram_ids(ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, inverse) of ``np.unique(n-grams, axis=0)``, exactly, without its slow row sort.
+
+    The n-gram of each position gets an exact id: three tokens at a time are packed into one
+    int64, and the packs are combined left to right as (rank so far) x count + (rank of the
+    pack), re-ranked each time so the code stays below count**2. A regeneration checks ~1,000 live answers every 128
+    decode steps; ``unique(axis=0)`` took ~0.3 ms an answer, which is a third of that decode time.
+    """
+    count = len(ids) - n + 1
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << _PACK_BITS):  # not token ids: the slow exact way
+        grams = np.lib.stride_tricks.sliding_window_view(ids, n)
+        _, first, inverse = np.unique(grams, axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    code = np.zeros(count, dtype=np.int64)
+    for lo in range(0, n, 3):
+        packed = np.zeros(count, dtype=np.int64)
+        for k in range(lo, min(lo + 3, n)):
+            packed = (packed << _PACK_BITS) | ids[k : k + count]
+        if lo:  # the ranks so far, then this pack's: exact, and below count**2
+            _, rank = np.unique(packed, return_inverse=True)
+            packed = code * count + rank.reshape(-1)
+        _, first, code = np.unique(packed, return_index=True, return_inverse=True)
+        code = code.reshape(-1)
+    return first, code
+
+
 @dataclass(frozen=True)
 class LoopDetector:
     """Thresholds of :func:`find_loop_start` (the defaults are the recipe's)."""
@@ -47,13 +76,11 @@ class LoopDetector:
         n, length = self.ngram, len(ids)
         if length < max(self.min_tokens, n + 1):
             return None
-        grams = np.lib.stride_tricks.sliding_window_view(ids, n)  # gram i ends at token i + n - 1
-        _, first, inverse = np.unique(grams, axis=0, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        repeated = first[inverse] < np.arange(len(grams))  # this n-gram occurred earlier
+        first, inverse = _gram_ids(ids, n)  # gram i covers tokens i .. i + n - 1
+        repeated = first[inverse] < np.arange(len(inverse))  # this n-gram occurred earlier
         # The longest suffix that starts on a repeated n-gram and is mostly repeated n-grams.
         suffix = np.cumsum(repeated[::-1])[::-1]
-        span_grams = len(grams) - np.arange(len(grams))
+        span_grams = len(inverse) - np.arange(len(inverse))
         ok = repeated & (suffix >= self.min_ratio * span_grams)
         if not ok.any():
             return None

@@ -64,6 +64,7 @@ class RegenStats:
     prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its slot is not)
     reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
     seconds: float = 0.0  # time spent generating
+    phase_seconds: Counter = field(default_factory=Counter)  # slots engine: seconds by phase (prefill, decode, ...)
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:
@@ -80,6 +81,8 @@ class RegenStats:
         if self.prefill_tokens or self.reused_tokens:
             text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the slot "
                      f"({self.prefix_mismatch} later turns not a prefix extension)")
+        if self.phase_seconds:
+            text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
         return text
@@ -359,6 +362,7 @@ def regenerate_conversations(
         t0 = time.perf_counter()
         generated0 = gen.generated_tokens
         prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
+        phases0 = collections.Counter(getattr(gen, "seconds", {}))
         for done in gen.generate(pending):
             job: _Job = done.request.tag
             stats.answers += 1
@@ -420,5 +424,6 @@ def regenerate_conversations(
         stats.generated_tokens = gen.generated_tokens - generated0
         stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
         stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
+        stats.phase_seconds = collections.Counter(getattr(gen, "seconds", {})) - phases0
 
     return run()
