@@ -329,6 +329,7 @@ class SlotEngine:
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
+        max_refill_wait: Optional[int] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
@@ -355,6 +356,8 @@ class SlotEngine:
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
         self.min_refill = max(1, num_slots // 16 if self.device.type == "cuda" else num_slots // 2)
+        # steps a few idle slots wait for company before a refill (GPU: 16; CPU: none, as before)
+        self.max_refill_wait = (16 if self.device.type == "cuda" else 0) if max_refill_wait is None else max_refill_wait
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
@@ -647,14 +650,19 @@ class SlotEngine:
         ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
         since_check = 0
         in_flight = 0  # slots active in a step launched but not yet collected (0: none in flight)
+        since_refill = 0  # loop turns since the last refill
         while True:
             done: list[Completion] = []
             if held:
                 self._claim_follow_ups(pending, held, ready, free)
             # Refill once enough slots are idle: a prefill is one eager forward, and refilling one
-            # or two slots per step would spend more time in prefills than in decoding.
+            # or two slots per step would spend more time in prefills than in decoding. Fewer idle
+            # slots are refilled only every ``max_refill_wait`` steps: once no new conversation is
+            # queued, follow-up turns arrive one or two per step, and refilling each at once made
+            # the prefill half of a whole-set regeneration.
             idle = len(free) + len(ready)
-            refill = idle >= self.min_refill or len(free) >= len(pending) or not requests
+            since_refill += 1
+            refill = idle >= self.min_refill or not requests or since_refill > self.max_refill_wait
             if refill and (ready or (free and pending)):
                 items, ready = ready, []
                 self.continued += len(items)
@@ -663,6 +671,7 @@ class SlotEngine:
                     items.append((free.pop(), pending.popleft(), 0))
                 for chunk in self._chunks(items):
                     done.extend(self._start(chunk, requests, held, free))
+                since_refill = 0
             if not requests:
                 yield from self._handed(done)
                 if not pending and not ready and not held:
