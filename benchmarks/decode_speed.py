@@ -297,8 +297,8 @@ class Variant:
         self._saved: tuple = ()
 
     def __enter__(self) -> "Variant":
-        self._saved = (graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS)
-        graphs.AVOID_CUDNN_ATTENTION = not self.cudnn
+        self._saved = (attention.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS)
+        attention.AVOID_CUDNN_ATTENTION = not self.cudnn
         static_decode.USE_BUCKETS = self.buckets  # runners made under the other setting are rebuilt
         if self.unfused:  # re-capture without the fused kernels
             static_decode.FUSE_ELEMENTWISE = False
@@ -306,7 +306,7 @@ class Variant:
         return self
 
     def __exit__(self, *exc) -> None:
-        graphs.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS = self._saved
+        attention.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS = self._saved
         if self.unfused or not self.buckets:
             self._drop_graphs()
 
@@ -367,8 +367,10 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     variants = [Variant(m, m, dec, target) for m in modes]
     if args.unfused and "graphs" in modes:
         variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
-    if args.buckets and "graphs" in modes:
-        variants.append(Variant("graphs (buckets)", "graphs", dec, target, buckets=True))
+    if args.buckets and "graphs" in modes:  # the other view setting beside the default
+        other = not static_decode.USE_BUCKETS
+        variants.append(Variant("graphs (buckets)" if other else "graphs (whole cache)", "graphs", dec, target,
+                                buckets=other))
     positions = tuple(int(p) for p in args.positions.split(",") if p)
     if args.cudnn and "eager" in modes:
         variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
@@ -565,7 +567,8 @@ def main() -> None:
     p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
     p.add_argument("--buckets", action="store_true",
-                   help="also a graphs row whose steps attend over length-bucketed views (static_decode.USE_BUCKETS)")
+                   help="also a graphs row with the other attention-view setting (static_decode.USE_BUCKETS: "
+                        "length-bucketed views by default, the whole cache in the extra row)")
     p.add_argument("--cache-len", type=int, default=0,
                    help="graphs mode: static cache positions (default: what prompt + new tokens need, "
                         "rounded up; evaluate --protocol paper uses up to 4352)")

@@ -7,22 +7,26 @@
 #
 # TARGET: a .gguf or HF dir; SHAREGPT_JSONL: `python benchmarks/sharegpt_first_turns.py X --turns=all`.
 # Environment: BATCH (slots, default 1024), CONVS (conversations of the whole-set row, 0 = all),
-# FIRST (first-turn prompts of the generate comparison, default 2048), SKIP (rows to skip: all|first).
+# FIRST (first-turn prompts of the generate comparison, default 2048), FIRST_NEW (their new tokens,
+# default 256: plain generate runs every batch to its longest answer), REFILL (slot refill fraction,
+# default the engine's), SKIP (rows to skip: all|first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
 PY=${PYTHON:-python3}
-BATCH=${BATCH:-1024}; CONVS=${CONVS:-0}; FIRST=${FIRST:-2048}; SKIP=${SKIP:-}
+BATCH=${BATCH:-1024}; CONVS=${CONVS:-0}; FIRST=${FIRST:-2048}; FIRST_NEW=${FIRST_NEW:-256}; SKIP=${SKIP:-}
+EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA=(--refill-fraction "$REFILL")
 mkdir -p "$OUT"
-common=(--target "$TARGET" --prompts "$DATA" --max-new-tokens 1024 --max-prompt-tokens 1536
-        --batch-size "$BATCH" --temperature 0.2 --top-p 0.9)
+common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
+        --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")
 if [ "$SKIP" != all ]; then
     echo "== the pipeline: every conversation, every turn, slot reuse, loops cut"
     $PY benchmarks/regen_throughput.py "${common[@]}" --turns all --num-prompts "$CONVS" --stop-loops \
-        --modes slots --json "$OUT/regen_all_turns.json" 2>&1 | tee "$OUT/regen_all_turns.log"
+        --max-new-tokens 1024 --modes slots --json "$OUT/regen_all_turns${REFILL:+_r$REFILL}.json" 2>&1 \
+        | tee "$OUT/regen_all_turns${REFILL:+_r$REFILL}.log"
 fi
 if [ "$SKIP" != first ]; then
     echo "== slot engine vs plain generate, same first-turn prompts, loops kept (the same work on both sides)"
     $PY benchmarks/regen_throughput.py "${common[@]}" --turns first --num-prompts "$FIRST" \
-        --modes slots,generate --json "$OUT/regen_first_turns.json" 2>&1 | tee "$OUT/regen_first_turns.log"
+        --max-new-tokens "$FIRST_NEW" --modes slots,generate --json "$OUT/regen_first_turns.json" 2>&1 | tee "$OUT/regen_first_turns.log"
 fi

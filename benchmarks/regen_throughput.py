@@ -117,7 +117,8 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
                        "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
                        "shortened": dict(stats.shortened),
-                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())}}}
+                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())},
+                       "prefill_calls": dict(stats.prefill_calls)}}
 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
@@ -252,8 +253,14 @@ def main() -> None:
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
     p.add_argument("--modes", default="slots,generate", help="comma list of slots, generate, hf_cb, step (the "
                    "parts of one decode step)")
+    p.add_argument("--refill-fraction", type=int, default=None,
+                   help="GPU: refill once 1/N of the slots are idle (generation.REFILL_FRACTION, default 16)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.refill_fraction:
+        from nemo_dflash.data import generation
+
+        generation.REFILL_FRACTION = args.refill_fraction
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:

@@ -59,6 +59,7 @@ def test_the_import_parser_sees_every_form(tmp_path):
 # before it, never one after it (data/ knows nothing of targets, target/ nothing of drafts, ...).
 FLOW = {
     "files": 0,  # the run directory's layout names and file modes: below everything
+    "attention": 0,  # which SDPA kernels run calls of changing shapes
     "data": 1,  # chat files -> token batches; regenerate.py + generation.py make the data
     "target": 2,  # the frozen model: loading.py, then hooks.py
     "config": 3,  # the recipe schema (reads data/ and target/ checks)

@@ -41,11 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.data.loops import LoopDetector
 
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "nemo_dflash_slots"
+REFILL_FRACTION = 16  # on a GPU, refill once 1/REFILL_FRACTION of the slots are idle (regen_throughput.py --refill-fraction)
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
 
@@ -222,7 +224,12 @@ def _slot_attention(
         cache.k[layer][slot_pass.slots, :, :width] = key
         cache.v[layer][slot_pass.slots, :, :width] = value
         # prompts are right-padded and start at position 0: causal attention over the new keys only
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        gqa = query.shape[1] != key.shape[1]
+        if gqa and query.is_cuda:  # flash attention then, without a per-shape plan (nemo_dflash.attention)
+            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+            value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -355,7 +362,7 @@ class SlotEngine:
         self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
-        self.min_refill = max(1, num_slots // 16 if self.device.type == "cuda" else num_slots // 2)
+        self.min_refill = max(1, num_slots // (REFILL_FRACTION if self.device.type == "cuda" else 2))
         # steps a few idle slots wait for company before a refill (GPU: 16; CPU: none, as before)
         self.max_refill_wait = (16 if self.device.type == "cuda" else 0) if max_refill_wait is None else max_refill_wait
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
@@ -369,8 +376,9 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        # wall time by phase: prefill, decode, host (bookkeeping), loop_check, caller (between yields)
+        # wall time by phase: prefill_fresh, prefill_continue, decode, host (bookkeeping), loop_check, caller (between yields)
         self.seconds: collections.Counter = collections.Counter()
+        self.prefills: collections.Counter = collections.Counter()  # prefill forwards, fresh and continuing
         if self.use_flex:
             self._setup_flex()
         logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
@@ -437,9 +445,10 @@ class SlotEngine:
             slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
             span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
             slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        hidden = self.decoder(
-            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
-        ).last_hidden_state
+        with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
+            hidden = self.decoder(
+                input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
+            ).last_hidden_state
         last = hidden[torch.arange(rows, device=dev), len_t - 1]
         self.cache.lengths[slot_t] = start_t + len_t
         keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
@@ -752,7 +761,9 @@ class SlotEngine:
         t0 = time.perf_counter()
         first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
         first_host = first.tolist()
-        self.seconds["prefill"] += time.perf_counter() - t0
+        kind = "prefill_continue" if any(it[2] for it in chunk) else "prefill_fresh"
+        self.seconds[kind] += time.perf_counter() - t0
+        self.prefills[kind] += 1
         self.generated_tokens += len(chunk)
         self.reused_tokens += sum(it[2] for it in chunk)
         done, started, gone = [], [], []

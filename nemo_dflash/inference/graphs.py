@@ -17,6 +17,9 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from nemo_dflash import attention
+from nemo_dflash.attention import eager_attention_backends
+
 logger = logging.getLogger(__name__)
 
 DECODE_MODES = ("eager", "graphs")
@@ -38,24 +41,6 @@ def check_decode_mode(decode: str, device: Union[str, torch.device, None]) -> No
             )
         if not torch.cuda.is_available():
             raise ValueError("decode='graphs' needs CUDA but torch sees no GPU: use decode='eager' (--decode eager).")
-
-
-# Eager decoding changes the attention's key length every step. cuDNN's SDPA (which PyTorch
-# picks first for these calls on Hopper) builds and caches an execution plan per new shape, so
-# an eager decode step on a never-seen length pays a plan build: measured on an H200, Qwen3-8B
-# shape, interleaved prompts of new lengths ran at 55 ms per plain token against 26 ms once the
-# same lengths had been seen (docs/performance.md). Flash / memory-efficient attention have no
-# per-shape cost. Captured graphs have fixed shapes and keep PyTorch's choice.
-AVOID_CUDNN_ATTENTION = True
-
-
-def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
-    """The SDPA backends for an eager decoding loop on `device` (all but cuDNN on CUDA)."""
-    if device.type != "cuda" or not AVOID_CUDNN_ATTENTION:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class CapturedStep:
@@ -226,7 +211,6 @@ class EagerStep:
 
 
 __all__ = [
-    "AVOID_CUDNN_ATTENTION",
     "DECODE_MODES",
     "CapturedStep",
     "EagerStep",
