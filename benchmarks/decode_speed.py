@@ -46,6 +46,7 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
+from nemo_dflash import attention  # noqa: E402
 from nemo_dflash.inference import graphs, static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.model import DFlashContextCache  # noqa: E402
