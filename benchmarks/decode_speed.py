@@ -390,7 +390,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                 plain_ms = 1000 * plain.decode_time_s / plain.num_target_forwards
                 spec_ms = 1000 * spec.decode_time_s / spec.num_target_forwards
                 row = {
-                    "device": dev_name, "shape": shape, "mode": v.label, "dtype": "bf16", "date": time.strftime("%Y-%m-%d"),
+                    "device": dev_name, "shape": shape, "mode": v.mode, "variant": v.label, "dtype": "bf16", "date": time.strftime("%Y-%m-%d"),
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
                     "draft_layers": len(draft.layers), "draft": args.draft or "random",
@@ -421,7 +421,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
         except Exception as e:  # one failing case must not lose the others
             print(f"[{shape}] {v.label}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   flush=True)
-            rows.append({"device": dev_name, "shape": shape, "mode": v.label, "error": f"{type(e).__name__}: {e}"[:500]})
+            rows.append({"device": dev_name, "shape": shape, "mode": v.mode, "variant": v.label, "error": f"{type(e).__name__}: {e}"[:500]})
             save()
     if args.profile and "eager" in modes:
         with graphs.eager_attention_backends(device):
@@ -512,7 +512,7 @@ def print_row(r: dict[str, Any]) -> None:
         return "-" if x is None else f"{x:.2f}"
 
     proj = " ".join(f"{float(t):g}:{v:.2f}x" for t, v in r["projected_speedup_at_tau"].items())
-    print(f"{r['shape']:14s} {r['mode']:24s} plain {f(r['plain_ms_per_token']):>7s} ms/tok | spec step "
+    print(f"{r['shape']:14s} {r.get('variant', r['mode']):24s} plain {f(r['plain_ms_per_token']):>7s} ms/tok | spec step "
           f"{f(r['spec_ms_per_step']):>7s} ms = verify {f(r['verify_ms'])} + draft {f(r['draft_ms'])} + "
           f"{f(r.get('step_overhead_ms'))} | projected speedup at tau {proj} | bf16 spec==plain "
           f"{r['bf16_spec_plain_common_prefix']}/{r['new_tokens']} tokens", flush=True)
@@ -543,7 +543,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             return f"{'-':>{w}s}" if x is None else f"{x:{w}.2f}"
 
         proj = " ".join(f(r["projected_speedup_at_tau"][str(t)], 10) for t in TAUS)
-        print(f"{r['shape']:14s} {r['mode']:24s} {f(r['plain_ms_per_token'], 12)} {f(r['spec_ms_per_step'], 12)} "
+        print(f"{r['shape']:14s} {r.get('variant', r['mode']):24s} {f(r['plain_ms_per_token'], 12)} {f(r['spec_ms_per_step'], 12)} "
               f"{f(r['verify_ms'], 9)} {f(r['draft_ms'], 8)} {f(r.get('step_overhead_ms'), 8)} {proj}")
     print("x@tau: PROJECTED speedup = tau * plain ms/token / spec ms/step (step costs measured, tau assumed)")
 

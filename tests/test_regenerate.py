@@ -512,6 +512,11 @@ def test_later_turns_reuse_their_slot_and_equal_hf_generate(target, kind, monkey
     assert stats.turns == 18 and stats.prefix_mismatch == 0
     assert stats.reused_tokens > stats.prefill_tokens  # the histories were not prefilled again
     assert stats.prefill_tokens + stats.reused_tokens == stats.prompt_tokens
+    # time by phase: every phase the run went through is timed, and the phases fit in the run's time
+    assert {"decode", "prefill_fresh", "prefill_continue", "host", "caller"} <= set(stats.phase_seconds)
+    assert sum(stats.phase_seconds.values()) <= stats.seconds
+    # 6 first turns in slots of 3 need >= 2 fresh prefills; 12 later turns continue in their slot
+    assert stats.prefill_calls["prefill_fresh"] >= 2 and 1 <= stats.prefill_calls["prefill_continue"] <= 12
     one = _regen_all_turns(model, tokenizer, convs, batch_size=1, detector=detector)
     assert sorted(map(str, one)) == sorted(map(str, records))
 
