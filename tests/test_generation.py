@@ -169,3 +169,46 @@ def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
         sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
     wrong = _converse(model, num_slots=3, mode=mode)[1]
     assert any(wrong[k][1] != _hf_greedy(model, wrong[k][0], 8) for k in wrong if k[1] > 0)
+
+
+def test_loop_checks_follow_each_answer_not_the_batch(monkeypatch):
+    """A looping answer is checked at its own lengths k, 2k, ... and stopped at the first one where
+    the detector sees the loop: the cut, and the tokens spent, are those of a reference that runs
+    the detector on prefixes of the full answer, whatever the batch size and arrival order."""
+    from nemo_dflash.data.loops import LoopDetector
+
+    unit = [11, 12, 13, 14, 15]
+    real = SlotEngine._pick
+
+    def pick(self, logits, keys, positions):  # request `key` loops from answer position 9 + 7 * key
+        out, _ = real(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            start = 9 + 7 * key
+            if pos >= start:
+                out[row] = unit[(pos - start) % len(unit)]
+        return out, None
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    model, prompts, every = _llama(), _prompts(6), 16
+    detector = LoopDetector(ngram=3, min_tokens=20, min_copies=2.0)
+
+    def run(num_slots: int, stop: bool) -> dict[int, object]:
+        engine = SlotEngine(model, num_slots=num_slots, max_prompt_tokens=64, max_new_tokens=120, stop_ids=[STOP],
+                            loop_detector=detector, stop_on_loop=stop, loop_check_every=every)
+        return {c.request.key: c for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+
+    full = run(6, stop=False)  # every answer to the cap (or its stop token), loops kept
+    for num_slots in (1, 3, 6):
+        got = run(num_slots, stop=True)
+        for key, ref in full.items():
+            answer = ref.token_ids
+            lengths = [n for n in range(every, len(answer) + 1, every) if detector.find(answer[:n]) is not None]
+            if not lengths:  # not seen at a check: the answer ends as without checks, cut if it loops by then
+                end = detector.find(answer)
+                assert got[key].finish == ("loop" if end is not None else ref.finish)
+                assert got[key].token_ids == (answer if end is None else answer[:end])
+                continue
+            n = lengths[0]
+            assert got[key].finish == "loop" and got[key].generated == n, (num_slots, key)
+            assert got[key].token_ids == answer[: detector.find(answer[:n])]
+    assert sum(c.finish == "loop" for c in got.values()) >= 4  # the loops were there to be cut

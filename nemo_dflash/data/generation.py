@@ -474,7 +474,8 @@ class SlotEngine:
         """One decode step on the engine's fixed tensors: forward, keyed sample, bookkeeping.
 
         Free slots run too (fixed shapes) and their results are ignored. Sets ``_wide`` (rows
-        whose sample must be redone exactly, or None) and ``_flags`` = [any slot ended, any wide]."""
+        whose sample must be redone exactly, or None), ``_due`` (live answers whose length just
+        reached a multiple of ``loop_check_every``) and ``_flags`` = [any ended, any wide, any due]."""
         logits = self._decode_logits()
         new, wide = self._pick(logits, self._keys, self._answer_pos)
         active = self._active.bool()
@@ -487,7 +488,9 @@ class SlotEngine:
         self._ended.copy_(ended)
         self._wide = None if wide is None else (wide & active)
         any_wide = self._wide.any() if self._wide is not None else torch.zeros((), dtype=torch.bool, device=self.device)
-        self._flags = torch.stack([ended.any(), any_wide])
+        due = active & ~ended & (self._answer_pos % self.loop_check_every == 0)
+        self._due.copy_(due)
+        self._flags = torch.stack([ended.any(), any_wide, due.any()])
         self._logits_out = logits
 
     def _capture(self) -> None:
@@ -535,9 +538,10 @@ class SlotEngine:
                 self._step()
 
     @torch.no_grad()
-    def _collect(self) -> bool:
-        """Wait for the launched step; whether any slot ended (redoing rare too-wide samples exactly)."""
-        any_ended, any_wide = self._flags.tolist()
+    def _collect(self) -> tuple[bool, bool]:
+        """Wait for the launched step; (any slot ended, any answer due a loop check), redoing rare
+        too-wide samples exactly."""
+        any_ended, any_wide, any_due = self._flags.tolist()
         if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
             rows = redo_wide_rows(self._tokens, self._wide, self._logits_out, self._keys, self._answer_pos - 1,
                                   seed=self.seed, temperature=self.temperature, top_p=self.top_p)
@@ -546,7 +550,7 @@ class SlotEngine:
             ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
             self._ended[rows] = ended
             any_ended = any_ended or bool(ended.any())
-        return any_ended
+        return any_ended, any_due
 
     def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
@@ -594,9 +598,10 @@ class SlotEngine:
             self._answer_pos = torch.zeros(S, dtype=torch.long, device=dev)
             self._active = torch.zeros(S, dtype=torch.long, device=dev)
             self._ended = torch.zeros(S, dtype=torch.bool, device=dev)
+            self._due = torch.zeros(S, dtype=torch.bool, device=dev)
             self._out = torch.zeros((S, self.max_new_tokens + 1), dtype=torch.long, device=dev)
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
-        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self.cache.lengths):
+        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths):
             t.zero_()
 
     def _check(self, req: Request) -> None:
@@ -657,7 +662,6 @@ class SlotEngine:
         free = list(range(self.num_slots - 1, -1, -1))
         held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
         ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
-        since_check = 0
         in_flight = 0  # slots active in a step launched but not yet collected (0: none in flight)
         since_refill = 0  # loop turns since the last refill
         while True:
@@ -690,11 +694,10 @@ class SlotEngine:
             if not in_flight:
                 self._launch()
                 in_flight = len(requests)
-            any_ended = self._collect()
+            any_ended, any_due = self._collect()
             self.steps += 1
             self.generated_tokens += in_flight  # the slots that were active when the step was launched
             in_flight = 0
-            since_check += 1
             t1 = time.perf_counter()
             self.seconds["decode"] += t1 - t0
             finished: dict[int, tuple[list[int], bool, Optional[int]]] = {}
@@ -709,10 +712,11 @@ class SlotEngine:
                     finished[s] = (answer, stopped, self._find_loop(answer))
                     rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
             checking = 0.0
-            if self.stop_on_loop and since_check >= self.loop_check_every:
+            if self.stop_on_loop and any_due:
+                # each answer is checked at its own lengths 128, 256, ...: the cut does not depend on
+                # the batch, and the checks (and the answers they end) spread over the steps
                 t2 = time.perf_counter()
-                since_check = 0
-                live = [s for s in requests if s not in finished]
+                live = [s for s in self._due.nonzero()[:, 0].tolist() if s in requests and s not in finished]
                 lengths = self._answer_pos[live].tolist()
                 rows = self._out[live].cpu().numpy()
                 for s, n, row in zip(live, lengths, rows):
