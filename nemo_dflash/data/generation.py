@@ -751,7 +751,8 @@ class SlotEngine:
             yield from self._handed(done)
 
     def _handed(self, done: list[Completion]) -> Iterator[Completion]:
-        """Yield ``done``, timing the caller's work on each (``seconds["caller"]``): the GPU idles then."""
+        """Yield ``done``, timing the caller's work on each (``seconds["caller"]``); only a step
+        launched ahead keeps the GPU busy meanwhile."""
         for c in done:
             t0 = time.perf_counter()
             yield c
