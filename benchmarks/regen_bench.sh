@@ -9,21 +9,23 @@
 # Environment: BATCH (slots, default 1024), CONVS (conversations of the whole-set row, 0 = all),
 # FIRST (first-turn prompts of the generate comparison, default 2048), FIRST_NEW (their new tokens,
 # default 256: plain generate runs every batch to its longest answer), REFILL (slot refill fraction,
-# default the engine's), SKIP (rows to skip: all|first).
+# default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
+# skip: all|first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
 PY=${PYTHON:-python3}
 BATCH=${BATCH:-1024}; CONVS=${CONVS:-0}; FIRST=${FIRST:-2048}; FIRST_NEW=${FIRST_NEW:-256}; SKIP=${SKIP:-}
-EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA=(--refill-fraction "$REFILL")
+EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MERGE:-0}" = 1 ] && EXTRA+=(--merge-prefills)
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
         --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")
 if [ "$SKIP" != all ]; then
     echo "== the pipeline: every conversation, every turn, slot reuse, loops cut"
     $PY benchmarks/regen_throughput.py "${common[@]}" --turns all --num-prompts "$CONVS" --stop-loops \
-        --max-new-tokens 1024 --modes slots --json "$OUT/regen_all_turns${REFILL:+_r$REFILL}.json" 2>&1 \
-        | tee "$OUT/regen_all_turns${REFILL:+_r$REFILL}.log"
+        --max-new-tokens 1024 --modes slots --json "$OUT/regen_all_turns$TAG.json" 2>&1 \
+        | tee "$OUT/regen_all_turns$TAG.log"
 fi
 if [ "$SKIP" != first ]; then
     echo "== slot engine vs plain generate, same first-turn prompts, loops kept (the same work on both sides)"

@@ -255,12 +255,15 @@ def main() -> None:
                    "parts of one decode step)")
     p.add_argument("--refill-fraction", type=int, default=None,
                    help="GPU: refill once 1/N of the slots are idle (generation.REFILL_FRACTION, default 16)")
+    p.add_argument("--merge-prefills", action="store_true",
+                   help="fresh prompts and continuations share prefill forwards (generation.MERGE_PREFILLS)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.refill_fraction:
-        from nemo_dflash.data import generation
+    from nemo_dflash.data import generation
 
+    if args.refill_fraction:
         generation.REFILL_FRACTION = args.refill_fraction
+    generation.MERGE_PREFILLS = args.merge_prefills or generation.MERGE_PREFILLS
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:

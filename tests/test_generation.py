@@ -113,39 +113,47 @@ def test_unsupported_models_are_refused_in_one_line():
         SlotEngine(_llama(), num_slots=2, max_prompt_tokens=8, max_new_tokens=8, stop_ids=[STOP], cuda_graph=True)
 
 
-def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 5, max_new: int = 8):
+def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 5, max_new: int = 8,
+              turns_of: list[int] | None = None):
     """Multi-turn on raw ids: turn t's prompt is the previous prompt + the kept answer + an
     end-of-turn token + the next user turn + a generation-prompt token. ``mode``: "prefix" (the
     whole answer kept), "cut" (only its first half: the slot holds tokens the next prompt lacks),
     "rewrite" (the next prompt also changes its second token, as a template that rewrites earlier
-    turns does). Every later turn continues in its conversation's slot. Returns the engine and
+    turns does). Every later turn continues in its conversation's slot. ``turns_of``: each
+    conversation's number of turns (default ``turns`` for all). Returns the engine and
     {(conversation, turn): (prompt, answer)}."""
+    turns_of = turns_of or [turns] * convs
     g = torch.Generator().manual_seed(2)
     users = [[torch.randint(3, 300, (int(k),), generator=g).tolist()
               for k in torch.randint(2, 12, (turns,), generator=g)] for _ in range(convs)]
     engine = SlotEngine(model, num_slots=num_slots, max_prompt_tokens=160, max_new_tokens=max_new, stop_ids=[STOP],
                         max_prefill_tokens=64)
-    pending = collections.deque(Request(c * 10, users[c][0] + [9], hold=True) for c in range(convs))
+    pending = collections.deque(Request(c * 10, users[c][0] + [9], hold=turns_of[c] > 1) for c in range(convs))
     seen = {}
     for done in engine.generate(pending):
         c, t = divmod(done.request.key, 10)
         seen[c, t] = (done.request.prompt_ids, done.token_ids)
-        if t + 1 < turns:
+        if t + 1 < turns_of[c]:
             kept = done.token_ids[: len(done.token_ids) // 2] if mode == "cut" else done.token_ids
             prompt = done.request.prompt_ids + kept + [5] + users[c][t + 1] + [9]
             if mode == "rewrite":
                 prompt = prompt[:1] + [4 + t % 2] + prompt[2:]
-            pending.append(Request(c * 10 + t + 1, prompt, hold=t + 2 < turns, after=done))
-    assert len(seen) == convs * turns
+            pending.append(Request(c * 10 + t + 1, prompt, hold=t + 2 < turns_of[c], after=done))
+    assert len(seen) == sum(turns_of)
     return engine, seen
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
 @pytest.mark.parametrize("mode", ["prefix", "cut", "rewrite"])
-def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
+@pytest.mark.parametrize("merge", [False, True])
+def test_later_turns_continue_in_their_slot(make, mode, merge, monkeypatch):
     """Each later turn prefills only what its prompt adds to its slot's tokens (a cut answer: the
     slot is set back to the cut; a rewritten history: the common prefix only), and every answer is
-    HF's unbatched greedy answer to the whole prompt; with 1 or 3 slots alike."""
+    HF's unbatched greedy answer to the whole prompt; with 1 or 3 slots alike, and with fresh
+    prompts and continuations in separate or shared prefill forwards."""
+    from nemo_dflash.data import generation
+
+    monkeypatch.setattr(generation, "MERGE_PREFILLS", merge)
     model = make()
     engine, seen = _converse(model, num_slots=3, mode=mode)
     for (c, t), (prompt, answer) in seen.items():
@@ -169,6 +177,21 @@ def test_later_turns_continue_in_their_slot(make, mode, monkeypatch):
         sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
     wrong = _converse(model, num_slots=3, mode=mode)[1]
     assert any(wrong[k][1] != _hf_greedy(model, wrong[k][0], 8) for k in wrong if k[1] > 0)
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen3])
+def test_fresh_prompts_and_continuations_share_a_prefill(make, monkeypatch):
+    """With MERGE_PREFILLS, a refill that starts new conversations and continues others in one
+    forward gives every answer HF's unbatched greedy answer; conversations of 1 to 3 turns make
+    such refills happen."""
+    from nemo_dflash.data import generation
+
+    monkeypatch.setattr(generation, "MERGE_PREFILLS", True)
+    model, turns_of = make(), [1, 3, 2, 1, 3, 2, 3]
+    engine, seen = _converse(model, num_slots=3, mode="prefix", convs=len(turns_of), turns_of=turns_of)
+    assert engine.prefills["prefill_mixed"] >= 1  # the case under test happened
+    for (c, t), (prompt, answer) in seen.items():
+        assert answer == _hf_greedy(model, prompt, 8), (c, t)
 
 
 def test_loop_checks_follow_each_answer_not_the_batch(monkeypatch):

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 ATTN_NAME = "nemo_dflash_slots"
 REFILL_FRACTION = 16  # on a GPU, refill once 1/REFILL_FRACTION of the slots are idle (regen_throughput.py --refill-fraction)
+# True: fresh prompts and continuations share prefill forwards (the continuation path is exact for
+# both), half the forwards of a whole-set run; off until timed on a GPU (regen_throughput.py --merge-prefills)
+MERGE_PREFILLS = False
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
 
@@ -376,9 +379,10 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        # wall time by phase: prefill_fresh, prefill_continue, decode, host (bookkeeping), loop_check, caller (between yields)
+        # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
+        # (between yields)
         self.seconds: collections.Counter = collections.Counter()
-        self.prefills: collections.Counter = collections.Counter()  # prefill forwards, fresh and continuing
+        self.prefills: collections.Counter = collections.Counter()  # prefill forwards by kind, as above
         if self.use_flex:
             self._setup_flex()
         logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
@@ -642,13 +646,18 @@ class SlotEngine:
 
     def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
         """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
-        (a fresh chunk attends over its own keys only), sorted by the tokens to prefill so rows of
-        one chunk pad little, each within ``max_prefill_tokens`` (rows x longest)."""
-        items = sorted(items, key=lambda it: (it[2] > 0, len(it[1].prompt_ids) - it[2]))
+        (a fresh chunk attends over its own keys only) unless ``MERGE_PREFILLS``, sorted by the
+        tokens to prefill so rows of one chunk pad little, each within ``max_prefill_tokens``
+        (rows x longest)."""
+
+        def kind(it: tuple[int, Request, int]) -> bool:
+            return False if MERGE_PREFILLS else it[2] > 0
+
+        items = sorted(items, key=lambda it: (kind(it), len(it[1].prompt_ids) - it[2]))
         chunk: list[tuple[int, Request, int]] = []
         for it in items:
             n = len(it[1].prompt_ids) - it[2]
-            if chunk and ((it[2] > 0) != (chunk[0][2] > 0) or n * (len(chunk) + 1) > self.max_prefill_tokens):
+            if chunk and (kind(it) != kind(chunk[0]) or n * (len(chunk) + 1) > self.max_prefill_tokens):
                 yield chunk
                 chunk = []
             chunk.append(it)
@@ -766,7 +775,9 @@ class SlotEngine:
         t0 = time.perf_counter()
         first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
         first_host = first.tolist()
-        kind = "prefill_continue" if any(it[2] for it in chunk) else "prefill_fresh"
+        continuing = sum(it[2] > 0 for it in chunk)
+        kind = ("prefill_fresh" if not continuing else "prefill_continue" if continuing == len(chunk)
+                else "prefill_mixed")
         self.seconds[kind] += time.perf_counter() - t0
         self.prefills[kind] += 1
         self.generated_tokens += len(chunk)
