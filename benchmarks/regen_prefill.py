@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     from nemo_dflash.data import read_conversations
-    from nemo_dflash.data.generation import Request, SlotEngine
+    from nemo_dflash.data.generation import ATTN_NAME, Request, SlotEngine
     from nemo_dflash.loading import load_target
     from nemo_dflash.regenerate import prompt_problem, split_prompt, stop_token_ids
 
@@ -38,7 +38,7 @@ def main() -> None:
     engine = SlotEngine(model, num_slots=args.slots, max_prompt_tokens=1536, max_new_tokens=1024,
                         stop_ids=stop_token_ids(model, tok))
     config = model.config
-    config._attn_implementation = "nemo_dflash_slots"
+    config._attn_implementation = ATTN_NAME  # what SlotEngine.generate sets around its loop
     engine._start_state()
 
     def timed(fn, n=5) -> float:

@@ -263,7 +263,8 @@ def main() -> None:
 
     if args.refill_fraction:
         generation.REFILL_FRACTION = args.refill_fraction
-    generation.MERGE_PREFILLS = args.merge_prefills or generation.MERGE_PREFILLS
+    if args.merge_prefills:
+        generation.MERGE_PREFILLS = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:

@@ -173,6 +173,16 @@ class _Pass:
     write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
 
 
+def _heads_for_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """(key, value, enable_gqa) for a prefill's SDPA call. On CUDA every query head gets its own
+    K/V: a GQA call there may fall to the math kernel once cuDNN is excluded (nemo_dflash.attention)."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.is_cuda:
+        group = query.shape[1] // key.shape[1]
+        return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1), False
+    return key, value, gqa
+
+
 def _slot_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -214,11 +224,7 @@ def _slot_attention(
         span = slot_pass.prefix_mask.shape[-1]
         k_all = cache.k[layer][slot_pass.slots, :, :span]
         v_all = cache.v[layer][slot_pass.slots, :, :span]
-        gqa = query.shape[1] != k_all.shape[1]
-        if gqa and query.is_cuda:  # a masked GQA call may fall to the math kernel: give every head its K/V
-            k_all = k_all.repeat_interleave(query.shape[1] // k_all.shape[1], dim=1)
-            v_all = v_all.repeat_interleave(query.shape[1] // v_all.shape[1], dim=1)
-            gqa = False
+        k_all, v_all, gqa = _heads_for_sdpa(query, k_all, v_all)
         out = F.scaled_dot_product_attention(
             query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=gqa
         )
@@ -227,11 +233,7 @@ def _slot_attention(
         cache.k[layer][slot_pass.slots, :, :width] = key
         cache.v[layer][slot_pass.slots, :, :width] = value
         # prompts are right-padded and start at position 0: causal attention over the new keys only
-        gqa = query.shape[1] != key.shape[1]
-        if gqa and query.is_cuda:  # flash attention then, without a per-shape plan (nemo_dflash.attention)
-            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-            value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
-            gqa = False
+        key, value, gqa = _heads_for_sdpa(query, key, value)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
@@ -339,7 +341,6 @@ class SlotEngine:
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
-        max_refill_wait: Optional[int] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
@@ -366,8 +367,6 @@ class SlotEngine:
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
         self.min_refill = max(1, num_slots // (REFILL_FRACTION if self.device.type == "cuda" else 2))
-        # steps a few idle slots wait for company before a refill (GPU: 16; CPU: none, as before)
-        self.max_refill_wait = (16 if self.device.type == "cuda" else 0) if max_refill_wait is None else max_refill_wait
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
@@ -672,19 +671,14 @@ class SlotEngine:
         held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
         ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
         in_flight = 0  # slots active in a step launched but not yet collected (0: none in flight)
-        since_refill = 0  # loop turns since the last refill
         while True:
             done: list[Completion] = []
             if held:
                 self._claim_follow_ups(pending, held, ready, free)
             # Refill once enough slots are idle: a prefill is one eager forward, and refilling one
-            # or two slots per step would spend more time in prefills than in decoding. Fewer idle
-            # slots are refilled only every ``max_refill_wait`` steps: once no new conversation is
-            # queued, follow-up turns arrive one or two per step, and refilling each at once made
-            # the prefill half of a whole-set regeneration.
+            # or two slots per step would spend more time in prefills than in decoding.
             idle = len(free) + len(ready)
-            since_refill += 1
-            refill = idle >= self.min_refill or not requests or since_refill > self.max_refill_wait
+            refill = idle >= self.min_refill or len(free) >= len(pending) or not requests
             if refill and (ready or (free and pending)):
                 items, ready = ready, []
                 self.continued += len(items)
@@ -693,7 +687,6 @@ class SlotEngine:
                     items.append((free.pop(), pending.popleft(), 0))
                 for chunk in self._chunks(items):
                     done.extend(self._start(chunk, requests, held, free))
-                since_refill = 0
             if not requests:
                 yield from self._handed(done)
                 if not pending and not ready and not held:
