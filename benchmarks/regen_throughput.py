@@ -104,6 +104,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
             max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
             after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
+            prepare_ahead=args.prepare_ahead,
         ):
             pass
         _sync()
@@ -257,6 +258,9 @@ def main() -> None:
                    help="GPU: refill once 1/N of the slots are idle (generation.REFILL_FRACTION, default 16)")
     p.add_argument("--merge-prefills", action="store_true",
                    help="fresh prompts and continuations share prefill forwards (generation.MERGE_PREFILLS)")
+    p.add_argument("--prepare-ahead", type=int, default=0,
+                   help="--turns all: first turns templated and tokenised this many conversations ahead on a "
+                        "background thread (regenerate_conversations(prepare_ahead=); 0: inline)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from nemo_dflash.data import generation

@@ -567,3 +567,125 @@ def test_non_prefix_template_and_long_history_equal_hf_generate(target, monkeypa
                                stats=stats)
     _check_against_reference(model, tokenizer, convs, records, detector, max_prompt_tokens=first + 40)
     assert stats.shortened["prompt_too_long"] > 0 and stats.reused_tokens > 0
+
+
+# ----------------------------------------------------------------------------- first turns prepared ahead
+
+def _prepare_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == regen.PREPARE_THREAD_NAME and t.is_alive()]
+
+
+def _comparable(stats: RegenStats) -> dict:
+    """Every RegenStats field but the timings (which differ from run to run)."""
+    return {k: v for k, v in vars(stats).items() if k not in ("seconds", "phase_seconds")}
+
+
+def _mixed_conversations() -> list:
+    """Multi-turn conversations, some skipped at their first turn (too long, a forged template marker,
+    no user turn) and some cut short later (a history over the prompt limit, loops, caps)."""
+    convs: list = _conversations(n=8, turns=3)
+    convs.insert(1, [{"role": "user", "content": " ".join(["word"] * 300)}])  # prompt_too_long
+    convs.insert(3, [{"role": "user", "content": "hi <|im_end|> there"}])  # special_tokens_in_prompt
+    convs.insert(5, [{"role": "assistant", "content": "no question here"}])  # no_user_turn
+    convs.insert(7, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question about cats"},
+                     {"role": "assistant", "content": "x"}, {"role": "user", "content": "and <|im_start|> dogs"}])
+    convs.append([{"role": "user", "content": "the last one"}, {"role": "user", "content": "long " * 80}])
+    return convs
+
+
+def test_prepare_ahead_equals_inline(target, monkeypatch):
+    """Records (in order), every stats counter and the progress calls of a run whose first turns are
+    prepared on the background thread equal those of the inline run; the thread encodes with its
+    own copy of the tokenizer and the calling thread with the caller's only; no thread is left."""
+    import threading
+
+    from nemo_dflash.data.loops import LoopDetector
+
+    _, tokenizer = target
+    model, convs = _word_model("qwen3", tokenizer), _mixed_conversations()
+    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
+    limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
+    real_encode, encoded = regen.encode_prompt, []
+
+    def encode(tok, messages):
+        encoded.append((threading.current_thread().name, tok))
+        return real_encode(tok, messages)
+
+    monkeypatch.setattr(regen, "encode_prompt", encode)
+    runs = {}
+    for ahead, bs in ((0, 2), (4, 2), (1, 1), (0, 1)):
+        stats, calls = RegenStats(), []
+        records = list(regenerate_conversations(
+            model, tokenizer, iter(convs), max_new_tokens=16, turns="all", batch_size=bs, after_cut="continue",
+            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats,
+            progress=lambda done, new: calls.append((done, new)), prepare_ahead=ahead))
+        runs[ahead, bs] = records, _comparable(stats), calls
+        assert not _prepare_threads()
+    assert runs[4, 2] == runs[0, 2] and runs[1, 1] == runs[0, 1]
+    records, stats, _ = runs[0, 2]
+    # the mix covers what the comparison should: skips of each kind, conversations cut short, a capped
+    # or looping answer, a conversation ended by its history growing too long
+    assert stats["conversations"] == len(convs) and stats["written"] == len(records) >= 6
+    assert set(stats["skipped"]) >= {"prompt_too_long", "special_tokens_in_prompt", "no_user_turn"}
+    assert stats["shortened"]["prompt_too_long"] > 0 and stats["shortened"]["special_tokens_in_prompt"] == 1
+    assert stats["turns"] > stats["written"] and stats["looping_before"] + stats["capped_before"] > 0
+    producer = [tok for name, tok in encoded if name == regen.PREPARE_THREAD_NAME]
+    caller = [tok for name, tok in encoded if name != regen.PREPARE_THREAD_NAME]
+    assert producer and all(tok is not tokenizer for tok in producer)
+    assert caller and all(tok is tokenizer for tok in caller)
+
+
+def _source_failing_after(convs: list, n: int, error: BaseException):
+    yield from convs[:n]
+    raise error
+
+
+@pytest.mark.parametrize("where", ["source", "conversation"])
+def test_prepare_ahead_raises_what_inline_raises(target, where):
+    """An exception from the conversations iterator, or from a malformed conversation, surfaces from
+    the generator on the calling thread, after the same records and with the same stats as inline."""
+    model, tokenizer = target
+    convs = _conversations(n=6, turns=1)
+    if where == "conversation":
+        convs[4] = [{"role": "user"}]  # no content: KeyError in split_prompt
+
+    def run(ahead: int):
+        stats, records = RegenStats(), []
+        source = _source_failing_after(convs, 5, ValueError("bad source at 5")) if where == "source" else iter(convs)
+        with pytest.raises((ValueError, KeyError)) as info:
+            for record in regenerate_conversations(model, tokenizer, source, max_new_tokens=3, batch_size=1,
+                                                   stats=stats, prepare_ahead=ahead):
+                records.append(record)
+        return type(info.value), str(info.value), records, _comparable(stats)
+
+    inline, ahead = run(0), run(3)
+    assert ahead == inline
+    assert inline[0] is (ValueError if where == "source" else KeyError)
+    assert inline[3]["conversations"] == 5
+    assert not _prepare_threads()
+
+
+def test_prepare_ahead_thread_ends_when_closed_or_halted(target):
+    """The thread is gone once the generator is closed after its first record, and once a run halted
+    by should_stop ends (that run writes what the inline run writes)."""
+    model, tokenizer = target
+    convs = _conversations(n=40, turns=1)
+    gen = regenerate_conversations(model, tokenizer, convs, max_new_tokens=3, batch_size=1, prepare_ahead=2)
+    assert not _prepare_threads()  # nothing starts before the generator runs
+    next(gen)
+    assert _prepare_threads()  # waiting on its full queue
+    gen.close()
+    assert not _prepare_threads()
+
+    def halted_run(ahead: int):
+        stats, records = RegenStats(), []
+        for record in regenerate_conversations(model, tokenizer, convs, max_new_tokens=3, batch_size=2,
+                                               stats=stats, prepare_ahead=ahead, should_stop=lambda: bool(records)):
+            records.append(record)
+        return records, _comparable(stats)
+
+    ahead, inline = halted_run(4), halted_run(0)
+    assert not _prepare_threads()
+    assert ahead == inline and inline[1]["halted"] and 0 < len(inline[0]) < len(convs)

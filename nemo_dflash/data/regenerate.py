@@ -13,7 +13,10 @@ and sorts them by length inside a window to cut padding; results come back in in
 from __future__ import annotations
 
 import collections
+import copy
 import logging
+import queue
+import threading
 import time
 import zlib
 from collections import Counter
@@ -223,6 +226,110 @@ def _as_job(index: int, conv: ConversationLike, turns: str) -> tuple[_Job, Optio
     return job, (None if users else "no_user_turn")
 
 
+def _ask_next_turn(
+    job: _Job, tokenizer: Any, *, max_prompt_tokens: Optional[int], specials: Sequence[str]
+) -> Optional[str]:
+    """Append ``job``'s next user turn and tokenise the prompt with ``tokenizer``; the reason it
+    cannot be asked, if any (the turn is then taken back out of ``job.messages``)."""
+    job.messages.append({"role": "user", "content": job.users[job.next_user]})
+    job.prompt_ids, reason = prompt_problem(tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens,
+                                            specials=specials)
+    if reason is not None:
+        job.messages.pop()
+    return reason
+
+
+_PREPARED_END = object()  # the producer's last item: the conversations are exhausted
+PREPARE_THREAD_NAME = "regen-prepare"
+
+
+class _PrepareFailure:
+    """An exception the producer hit, re-raised by the consumer where the inline path would raise it;
+    ``counted``: it came after the conversation was taken from the source (``_as_job`` or ``ask``),
+    so the inline path would have counted it in ``stats.conversations``."""
+
+    def __init__(self, error: BaseException, counted: bool) -> None:
+        self.error, self.counted = error, counted
+
+
+class _FirstTurnProducer:
+    """A daemon thread that takes conversations from the source, builds their jobs and asks their
+    first turn ahead of the consumer, into a queue of at most ``ahead`` items, in source order.
+
+    It encodes with its own ``tokenizer`` (a copy: one fast tokenizer used by two threads raises
+    "Already borrowed"). :meth:`stop` makes it end promptly (it never blocks on a full queue for
+    longer than ``_POLL_S``) and joins it."""
+
+    _POLL_S = 0.1
+
+    def __init__(self, conversations: Iterable[ConversationLike], *, ahead: int, turns: str, tokenizer: Any,
+                 max_prompt_tokens: Optional[int], specials: Sequence[str]) -> None:
+        self._conversations, self._turns, self._tokenizer = conversations, turns, tokenizer
+        self._max_prompt_tokens, self._specials = max_prompt_tokens, specials
+        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name=PREPARE_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        """Queue ``item`` unless told to stop first; whether it was queued."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        try:
+            source = enumerate(self._conversations)
+            while not self._stop.is_set():
+                try:
+                    index, conv = next(source)
+                except StopIteration:
+                    self._put(_PREPARED_END)
+                    return
+                except BaseException as e:  # the source itself failed: not counted as a conversation
+                    self._put(_PrepareFailure(e, counted=False))
+                    return
+                try:
+                    job, reason = _as_job(index, conv, self._turns)
+                    reason = reason or _ask_next_turn(job, self._tokenizer, max_prompt_tokens=self._max_prompt_tokens,
+                                                      specials=self._specials)
+                except BaseException as e:
+                    self._put(_PrepareFailure(e, counted=True))
+                    return
+                if not self._put((index, job, reason)):
+                    return
+        except BaseException as e:  # anything else: the consumer must not wait forever
+            self._put(_PrepareFailure(e, counted=False))
+
+    def get(self) -> Any:
+        """The next item: ``(index, job, reason)``, a :class:`_PrepareFailure` or ``_PREPARED_END``."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    try:
+                        return self._queue.get_nowait()
+                    except queue.Empty:
+                        raise RuntimeError(f"the {PREPARE_THREAD_NAME} thread ended without a result") from None
+
+    def halt(self) -> None:
+        """Tell the thread to stop, without waiting for it."""
+        self._stop.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tell the thread to stop and wait for it (it finishes the conversation it is preparing)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the %s thread did not stop within %.0fs (a slow conversation source?)",
+                           PREPARE_THREAD_NAME, timeout)
+
+
 def regenerate_conversations(
     model: Any,
     tokenizer: Any,
@@ -245,6 +352,7 @@ def regenerate_conversations(
     stats: Optional[RegenStats] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     should_stop: Optional[Callable[[], bool]] = None,
+    prepare_ahead: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -268,7 +376,16 @@ def regenerate_conversations(
     they reuse only the common prefix; ``reuse_slots=False`` prefills every prompt whole, for
     comparison). ``progress(conversations_done, new_tokens)`` is called as answers end.
     Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
-    unfinished are not yielded (a resumed run redoes them). Arguments are checked at the call.
+    unfinished are not yielded (a resumed run redoes them).
+
+    ``prepare_ahead > 0`` takes the conversations, builds their first prompts (chat template and
+    tokenisation) on a background thread (``"regen-prepare"``, with its own copy of ``tokenizer``)
+    up to ``prepare_ahead`` conversations ahead, so that work overlaps the GPU's instead of running
+    between decode steps; the records, their order and ``stats`` are those of ``prepare_ahead=0``
+    (everything inline, on the calling thread), and an exception from ``conversations`` or a
+    malformed conversation is raised here as inline. The thread may read up to ``prepare_ahead + 1``
+    conversations past the last one started; it is stopped and joined when the run ends, halts or
+    the generator is closed. Arguments are checked at the call.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
@@ -280,6 +397,8 @@ def regenerate_conversations(
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+    if prepare_ahead < 0:
+        raise ValueError(f"prepare_ahead must be >= 0, got {prepare_ahead}")
     stats = stats if stats is not None else RegenStats()
     detector = loop_detector or LoopDetector()
     drop_capped = capped == "drop"
@@ -303,13 +422,7 @@ def regenerate_conversations(
 
     def ask(job: _Job) -> Optional[str]:
         """Append the next user turn and tokenise the prompt; the reason it cannot be asked, if any."""
-        job.messages.append({"role": "user", "content": job.users[job.next_user]})
-        job.prompt_ids, reason = prompt_problem(
-            tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens, specials=specials
-        )
-        if reason is not None:
-            job.messages.pop()
-        return reason
+        return _ask_next_turn(job, tokenizer, max_prompt_tokens=max_prompt_tokens, specials=specials)
 
     def end(job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
         """The record of a finished conversation (None if no turn survived); counts why it ended."""
@@ -331,22 +444,53 @@ def regenerate_conversations(
         return record
 
     def run() -> Iterator[dict[str, Any]]:
+        producer: Optional[_FirstTurnProducer] = None
+        try:
+            if prepare_ahead > 0:
+                producer = _FirstTurnProducer(
+                    conversations, ahead=prepare_ahead, turns=turns, tokenizer=copy.deepcopy(tokenizer),
+                    max_prompt_tokens=max_prompt_tokens, specials=specials,
+                )
+            yield from regenerate(producer)
+        finally:
+            if producer is not None:
+                producer.stop()
+
+    def regenerate(producer: Optional[_FirstTurnProducer]) -> Iterator[dict[str, Any]]:
         pending: collections.deque[Request] = collections.deque()
-        source = enumerate(conversations)
+        source = enumerate(conversations) if producer is None else None
         exhausted = False
+
+        def take() -> Optional[tuple[_Job, Optional[str]]]:
+            """The next conversation's job, its first turn asked (or the reason to skip it); None at
+            the end. Counted in ``stats.conversations`` here, on the calling thread."""
+            if producer is None:
+                try:
+                    index, conv = next(source)
+                except StopIteration:
+                    return None
+                stats.conversations += 1
+                job, reason = _as_job(index, conv, turns)
+                return job, reason or ask(job)
+            item = producer.get()
+            if item is _PREPARED_END:
+                return None
+            if isinstance(item, _PrepareFailure):
+                stats.conversations += item.counted
+                raise item.error
+            index, job, reason = item
+            stats.conversations += 1
+            return job, reason
 
         def admit() -> None:
             """Top up ``pending`` with first turns of new conversations (2 x batch_size queued)."""
             nonlocal exhausted
             while not exhausted and len(pending) < 2 * batch_size and not stats.halted:
-                try:
-                    index, conv = next(source)
-                except StopIteration:
+                taken = take()
+                if taken is None:
                     exhausted = True
                     return
-                stats.conversations += 1
-                job, reason = _as_job(index, conv, turns)
-                reason = reason or ask(job)
+                job, reason = taken
                 if reason is not None:
                     stats.skipped[reason] += 1
                     if progress is not None:
@@ -422,6 +566,8 @@ def regenerate_conversations(
             if not stats.halted and should_stop is not None and should_stop():
                 stats.halted = True
                 pending.clear()
+                if producer is not None:
+                    producer.halt()  # nothing more is taken from it (joined when the run ends)
             admit()
         stats.seconds = time.perf_counter() - t0
         stats.generated_tokens = gen.generated_tokens - generated0
