@@ -68,6 +68,7 @@ def test_evaluate_resolves_auto_device(monkeypatch):
     (["--device", "cuda"], "--device cuda but torch sees no GPU"),  # the shared resolver, before any file
     ([], "data source not found: 'missing.jsonl'"),
     (["--data", "chats.txt"], "unsupported data file"),
+    (["--prepare-ahead", "-1"], "--prepare-ahead must be >= 0"),
 ])
 def test_regenerate_user_errors_are_one_line_before_any_model(extra, message, tmp_path, monkeypatch, capsys):
     """`regenerate` decides --device/--dtype with `resolve_device_dtype` (no copy of it left) and reports

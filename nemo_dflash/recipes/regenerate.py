@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answers in flight (slots: rows of the KV cache; generate: prompts per call)")
     p.add_argument("--max-prefill-tokens", type=int, default=65536,
                    help="slots: cap on rows x longest prompt of one refill's prefill")
+    p.add_argument("--prepare-ahead", type=int, default=64,
+                   help="conversations whose first prompt is templated and tokenised ahead on a background "
+                        "thread, overlapping the GPU (0: inline); the output does not depend on it")
     p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
                    help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
                         "ends there), drop the turn, or keep it")
@@ -96,6 +99,8 @@ def _validate(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.prepare_ahead < 0:
+        fail(f"--prepare-ahead must be >= 0 (got {args.prepare_ahead})")
     if args.max_minutes is not None and args.max_minutes <= 0:
         fail(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.holdout < 0:
@@ -367,7 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
-            max_prefill_tokens=args.max_prefill_tokens,
+            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
             stats=stats, progress=progress, should_stop=out_of_time,
         )
     try:
