@@ -444,7 +444,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-protocol", default="paper", help="evaluate --protocol (paper|quick), or 'none' to skip")
     p.add_argument("--eval-args", default="--num-prompts 10 --decode graphs --workers 8 --no-speedup",
                    help="extra evaluate flags, the same for both drafts")
-    p.add_argument("--eval-minutes", type=float, default=3.0,
+    p.add_argument("--eval-minutes", type=float, default=6.0,
                    help="evaluate --max-minutes for each draft (an incomplete run continues when the stage is re-run)")
     p.add_argument("--which", default="both", choices=["both", "ours", "peer"],
                    help="eval stage: evaluate only this draft (each evaluate run is resumable)")

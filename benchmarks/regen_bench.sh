@@ -10,7 +10,8 @@
 # FIRST (first-turn prompts of the generate comparison, default 2048), FIRST_NEW (their new tokens,
 # default 256: plain generate runs every batch to its longest answer), REFILL (slot refill fraction,
 # default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
-# skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)).
+# skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
+# PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
@@ -18,8 +19,9 @@ PY=${PYTHON:-python3}
 BATCH=${BATCH:-1024}; CONVS=${CONVS:-0}; FIRST=${FIRST:-2048}; FIRST_NEW=${FIRST_NEW:-256}; SKIP=${SKIP:-}
 EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MERGE:-0}" = 1 ] && EXTRA+=(--merge-prefills)
 [ -n "${PREPARE:-}" ] && EXTRA+=(--prepare-ahead "$PREPARE")
+[ -n "${PLAN:-}" ] && EXTRA+=(--prefill-plan "$PLAN")
 EXTRA+=(--max-prefill-tokens "${MAX_PREFILL:-65536}")
-TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
         --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")

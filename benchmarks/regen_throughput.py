@@ -258,9 +258,11 @@ def main() -> None:
                    help="GPU: refill once 1/N of the slots are idle (generation.REFILL_FRACTION, default 16)")
     p.add_argument("--merge-prefills", action="store_true",
                    help="fresh prompts and continuations share prefill forwards (generation.MERGE_PREFILLS)")
-    p.add_argument("--prepare-ahead", type=int, default=0,
+    p.add_argument("--prefill-plan", choices=("min_cost", "greedy"), default=None,
+                   help="how a refill is split into prefill forwards (generation.PREFILL_PLAN, default min_cost)")
+    p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
-                        "background thread (regenerate_conversations(prepare_ahead=); 0: inline)")
+                        "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from nemo_dflash.data import generation
@@ -269,6 +271,8 @@ def main() -> None:
         generation.REFILL_FRACTION = args.refill_fraction
     if args.merge_prefills:
         generation.MERGE_PREFILLS = True
+    if args.prefill_plan:
+        generation.PREFILL_PLAN = args.prefill_plan
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:

@@ -41,10 +41,14 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
-@pytest.mark.parametrize("use_flex", [False, True])
-def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex):
-    """4 slots for 11 prompts of 1-39 tokens: slots are refilled mid-run, prefills are chunked and
-    right-padded; every answer must be HF's unbatched greedy answer (flex: its CPU reference path)."""
+@pytest.mark.parametrize("use_flex,plan", [(False, "min_cost"), (True, "min_cost"), (False, "greedy")])
+def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex, plan, monkeypatch):
+    """4 slots for 11 prompts of 1-39 tokens: slots are refilled mid-run, prefills are chunked (by
+    either plan) and right-padded; every answer must be HF's unbatched greedy answer (flex: its CPU
+    reference path)."""
+    from nemo_dflash.data import generation
+
+    monkeypatch.setattr(generation, "PREFILL_PLAN", plan)
     model, prompts = make(), _prompts()
     engine = SlotEngine(model, num_slots=4, max_prompt_tokens=64, max_new_tokens=24, stop_ids=[STOP],
                         use_flex=use_flex, max_prefill_tokens=80)
@@ -235,3 +239,50 @@ def test_loop_checks_follow_each_answer_not_the_batch(monkeypatch):
             assert got[key].finish == "loop" and got[key].generated == n, (num_slots, key)
             assert got[key].token_ids == answer[: detector.find(answer[:n])]
     assert sum(c.finish == "loop" for c in got.values()) >= 4  # the loops were there to be cut
+
+
+def _partitions(items: list[int]):
+    """Every set partition of ``items`` (the reference: no assumption that groups are contiguous)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_cost_prefill_plan_is_the_cheapest_partition(seed):
+    """The dynamic program's split of sorted lengths costs what the cheapest of all set partitions
+    costs (brute force), every chunk within the cap (a single row always allowed)."""
+    from nemo_dflash.data.generation import min_cost_prefill_plan
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = sorted(torch.randint(1, 60, (7,), generator=g).tolist())
+    cap, forward_cost = 90, float(torch.randint(0, 80, (1,), generator=g))
+
+    def cost(groups):
+        return sum(forward_cost + len(c) * max(c) for c in groups)
+
+    feasible = [p for p in _partitions(lengths) if all(len(c) == 1 or len(c) * max(c) <= cap for c in p)]
+    bounds = min_cost_prefill_plan(lengths, cap, forward_cost)
+    assert [i for b in bounds for i in range(*b)] == list(range(len(lengths)))  # contiguous, in order, all rows
+    groups = [lengths[i:j] for i, j in bounds]
+    assert all(len(c) == 1 or len(c) * max(c) <= cap for c in groups)
+    assert cost(groups) == pytest.approx(min(cost(p) for p in feasible))
+
+
+def test_prefill_plans_on_a_hand_case():
+    """lengths 1, 2, 3, 10, 10, 40 under a cap of 40: greedy fills a chunk until the next row would
+    pass the cap (4 rows x 10 = 40 fits, 5 x 10 does not); at no cost per forward the cheapest plan
+    pads nothing (equal lengths only); at a cost of 100 per forward it keeps greedy's 3 forwards
+    but pads less: 1-3 | 10 10 | 40 is 9 + 20 + 40 = 69 tokens against greedy's 40 + 10 + 40."""
+    from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
+
+    lengths = [1, 2, 3, 10, 10, 40]
+    assert greedy_prefill_plan(lengths, 40) == [(0, 4), (4, 5), (5, 6)]
+    assert min_cost_prefill_plan(lengths, 40, 0.0) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
+    assert min_cost_prefill_plan(lengths, 40, 100.0) == [(0, 3), (3, 5), (5, 6)]
+    assert greedy_prefill_plan([], 40) == [] == min_cost_prefill_plan([], 40, 1.0)

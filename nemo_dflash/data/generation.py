@@ -51,6 +51,15 @@ REFILL_FRACTION = 16  # on a GPU, refill once 1/REFILL_FRACTION of the slots are
 # True: fresh prompts and continuations share prefill forwards (the continuation path is exact for
 # both), half the forwards of a whole-set run; off until timed on a GPU (regen_throughput.py --merge-prefills)
 MERGE_PREFILLS = False
+# How a refill's prompts are split into prefill forwards. Every row of a forward is padded to the
+# forward's longest, and ShareGPT prompt lengths are heavy-tailed (median 55 tokens, p90 396), so
+# splitting sorted rows only when rows x longest passes max_prefill_tokens ("greedy") pads ~6x for a
+# refill of 64. "min_cost" picks the split that minimises the padded tokens plus a fixed cost per
+# forward (benchmarks/regen_prefill_plan.py; regen_throughput.py --prefill-plan).
+PREFILL_PLAN = "min_cost"
+# A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
+# whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6).
+FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
 
@@ -157,6 +166,42 @@ def redo_wide_rows(
 
 
 # ----------------------------------------------------------------------------- slot attention
+
+
+def greedy_prefill_plan(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
+    """[i, j) bounds over ``lengths`` (ascending): a chunk ends only when the next row would take
+    rows x longest past ``max_tokens``."""
+    bounds, start = [], 0
+    for j, n in enumerate(lengths):
+        if j > start and n * (j - start + 1) > max_tokens:
+            bounds.append((start, j))
+            start = j
+    if lengths:
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
+def min_cost_prefill_plan(lengths: Sequence[int], max_tokens: int, forward_cost: float) -> list[tuple[int, int]]:
+    """[i, j) bounds over ``lengths`` (ascending) minimising sum(forward_cost + rows x longest) with
+    rows x longest <= ``max_tokens`` (one row always fits): each forward pads its rows to its
+    longest. Contiguous groups suffice for sorted lengths; a dynamic program over the end of the
+    last group, O(n^2) in numpy (n <= the slots)."""
+    n = len(lengths)
+    length = np.asarray(lengths, dtype=np.float64)
+    best = np.zeros(n + 1)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        rows = j - np.arange(j)  # the group [i, j) for every i < j
+        padded = rows * length[j - 1]
+        cost = best[:j] + forward_cost + padded
+        cost[(padded > max_tokens) & (rows > 1)] = np.inf
+        cut[j] = int(np.argmin(cost))  # the first minimum: the largest group among equals
+        best[j] = cost[cut[j]]
+    bounds, j = [], n
+    while j > 0:
+        bounds.append((int(cut[j]), j))
+        j = int(cut[j])
+    return bounds[::-1]
 
 
 @dataclass
@@ -647,21 +692,25 @@ class SlotEngine:
         """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
         (a fresh chunk attends over its own keys only) unless ``MERGE_PREFILLS``, sorted by the
         tokens to prefill so rows of one chunk pad little, each within ``max_prefill_tokens``
-        (rows x longest)."""
+        (rows x longest), split as ``PREFILL_PLAN`` says."""
 
         def kind(it: tuple[int, Request, int]) -> bool:
             return False if MERGE_PREFILLS else it[2] > 0
 
-        items = sorted(items, key=lambda it: (kind(it), len(it[1].prompt_ids) - it[2]))
-        chunk: list[tuple[int, Request, int]] = []
-        for it in items:
-            n = len(it[1].prompt_ids) - it[2]
-            if chunk and (kind(it) != kind(chunk[0]) or n * (len(chunk) + 1) > self.max_prefill_tokens):
-                yield chunk
-                chunk = []
-            chunk.append(it)
-        if chunk:
-            yield chunk
+        def todo(it: tuple[int, Request, int]) -> int:
+            return len(it[1].prompt_ids) - it[2]
+
+        items = sorted(items, key=lambda it: (kind(it), todo(it)))
+        forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS["cuda"])
+        for _, group in itertools.groupby(items, key=kind):
+            rows = list(group)
+            lengths = [todo(it) for it in rows]
+            if PREFILL_PLAN == "greedy":
+                bounds = greedy_prefill_plan(lengths, self.max_prefill_tokens)
+            else:
+                bounds = min_cost_prefill_plan(lengths, self.max_prefill_tokens, forward_cost)
+            for i, j in bounds:
+                yield rows[i:j]
 
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
         self._start_state()

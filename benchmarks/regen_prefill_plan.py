@@ -1,0 +1,72 @@
+"""How a refill's fresh prompts split into prefill forwards, and what each plan pads (CPU, no model).
+
+A prefill forward pads every row to its longest, and ShareGPT first prompts are heavy-tailed, so
+the split decides how many padded tokens the GPU computes. This samples refills of real prompt
+lengths (the target's chat template and tokenizer) and prints, per plan of
+`nemo_dflash.data.generation` (greedy: a chunk ends only at max_prefill_tokens; min_cost: the
+split minimising padded tokens plus a fixed cost per forward), the forwards per refill, padded /
+real tokens and an estimate of the GPU time from a two-number model of one forward (a fixed cost
+plus a cost per padded token; defaults: SmolLM2 on an H200, benchmarks/regen_prefill.py, session 6).
+It models; it does not time: regen_bench.sh PLAN=greedy|min_cost times the real thing.
+
+    python benchmarks/regen_prefill_plan.py --target pkg:smollm2 --prompts sharegpt_all.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="pkg:smollm2", help="its tokenizer and chat template are used")
+    p.add_argument("--prompts", required=True, help="chat JSONL (e.g. benchmarks/sharegpt_first_turns.py output)")
+    p.add_argument("--num-prompts", type=int, default=6000)
+    p.add_argument("--max-prompt-tokens", type=int, default=1536)
+    p.add_argument("--max-prefill-tokens", type=int, default=65536)
+    p.add_argument("--refills", default="64,128,256", help="fresh prompts per refill")
+    p.add_argument("--samples", type=int, default=300)
+    p.add_argument("--forward-ms", type=float, default=22.0, help="a forward's fixed cost")
+    p.add_argument("--token-us", type=float, default=1.7, help="cost per padded token")
+    args = p.parse_args()
+    from nemo_dflash.data import read_conversations
+    from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
+    from nemo_dflash.loading import load_tokenizer
+    from nemo_dflash.regenerate import prompt_problem, split_prompt
+
+    tokenizer = load_tokenizer(args.target)
+    lengths = []
+    for conv in read_conversations(args.prompts):
+        system, users = split_prompt(conv.messages, turns="first")
+        if not users:
+            continue
+        ids, problem = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
+                                      max_prompt_tokens=args.max_prompt_tokens)
+        if problem is None:
+            lengths.append(len(ids))
+        if len(lengths) >= args.num_prompts:
+            break
+    lengths.sort()
+    print(f"# {len(lengths)} first prompts: median {lengths[len(lengths) // 2]}, p90 {lengths[len(lengths) * 9 // 10]}, "
+          f"max {lengths[-1]} tokens; forward model {args.forward_ms} ms + {args.token_us} us per padded token")
+    forward_cost = args.forward_ms * 1000 / args.token_us
+    plans = {"greedy": lambda b: greedy_prefill_plan(b, args.max_prefill_tokens),
+             "min_cost": lambda b: min_cost_prefill_plan(b, args.max_prefill_tokens, forward_cost)}
+    print(f"{'refill':>6} {'plan':<9} {'forwards':>8} {'padded/real':>11} {'est. ms':>8}")
+    for k in (int(x) for x in args.refills.split(",")):
+        for name, plan in plans.items():
+            rng = random.Random(0)
+            real = padded = forwards = 0
+            for _ in range(args.samples):
+                batch = sorted(rng.sample(lengths, k))
+                for i, j in plan(batch):
+                    real += sum(batch[i:j])
+                    padded += (j - i) * batch[j - 1]
+                    forwards += 1
+            ms = (forwards * args.forward_ms + padded * args.token_us / 1000) / args.samples
+            print(f"{k:>6} {name:<9} {forwards / args.samples:>8.2f} {padded / real:>11.2f} {ms:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
