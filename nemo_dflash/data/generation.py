@@ -58,7 +58,8 @@ MERGE_PREFILLS = False
 # forward (benchmarks/regen_prefill_plan.py; regen_throughput.py --prefill-plan).
 PREFILL_PLAN = "min_cost"
 # A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
-# whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6).
+# whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6);
+# on CPU, where tokens dominate, a rough 256.
 FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
