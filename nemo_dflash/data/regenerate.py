@@ -478,7 +478,7 @@ def regenerate_conversations(
             if isinstance(item, _PrepareFailure):
                 stats.conversations += item.counted
                 raise item.error
-            index, job, reason = item
+            _, job, reason = item
             stats.conversations += 1
             return job, reason
 
