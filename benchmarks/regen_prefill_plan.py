@@ -15,6 +15,7 @@ It models; it does not time: regen_bench.sh PLAN=greedy|min_cost times the real 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--forward-ms", type=float, default=22.0, help="a forward's fixed cost")
     p.add_argument("--token-us", type=float, default=1.7, help="cost per padded token")
+    p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
     from nemo_dflash.loading import load_tokenizer
@@ -46,6 +48,7 @@ def main() -> None:
     forward_cost = args.forward_ms * 1000 / args.token_us
     plans = {"greedy": lambda b: greedy_prefill_plan(b, args.max_prefill_tokens),
              "min_cost": lambda b: min_cost_prefill_plan(b, args.max_prefill_tokens, forward_cost)}
+    rows = []
     print(f"{'refill':>6} {'plan':<9} {'forwards':>8} {'padded/real':>11} {'est. ms':>8}")
     for k in (int(x) for x in args.refills.split(",")):
         for name, plan in plans.items():
@@ -59,6 +62,13 @@ def main() -> None:
                     forwards += 1
             ms = (forwards * args.forward_ms + padded * args.token_us / 1000) / args.samples
             print(f"{k:>6} {name:<9} {forwards / args.samples:>8.2f} {padded / real:>11.2f} {ms:>8.1f}")
+            rows.append({"refill": k, "plan": name, "forwards": round(forwards / args.samples, 2),
+                         "padded_per_real": round(padded / real, 2), "est_ms": round(ms, 1)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"what": "a model, not a timing (see the module docstring)", "prompts": len(lengths),
+                       "median": lengths[len(lengths) // 2], "p90": lengths[len(lengths) * 9 // 10],
+                       "forward_ms": args.forward_ms, "token_us": args.token_us, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
