@@ -11,7 +11,8 @@
 # default 256: plain generate runs every batch to its longest answer), REFILL (slot refill fraction,
 # default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
 # skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
-# PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536).
+# PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536;
+# packed: real tokens per prefill), LAYOUT (prefill forwards: padded, the default, or packed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
@@ -20,8 +21,9 @@ BATCH=${BATCH:-1024}; CONVS=${CONVS:-0}; FIRST=${FIRST:-2048}; FIRST_NEW=${FIRST
 EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MERGE:-0}" = 1 ] && EXTRA+=(--merge-prefills)
 [ -n "${PREPARE:-}" ] && EXTRA+=(--prepare-ahead "$PREPARE")
 [ -n "${PLAN:-}" ] && EXTRA+=(--prefill-plan "$PLAN")
+[ -n "${LAYOUT:-}" ] && EXTRA+=(--prefill-layout "$LAYOUT")
 EXTRA+=(--max-prefill-tokens "${MAX_PREFILL:-65536}")
-TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
         --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")

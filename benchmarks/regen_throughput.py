@@ -260,6 +260,9 @@ def main() -> None:
                    help="fresh prompts and continuations share prefill forwards (generation.MERGE_PREFILLS)")
     p.add_argument("--prefill-plan", choices=("min_cost", "greedy"), default=None,
                    help="how a refill is split into prefill forwards (generation.PREFILL_PLAN, default min_cost)")
+    p.add_argument("--prefill-layout", choices=("padded", "packed"), default=None,
+                   help="prefill forwards as right-padded batches or one packed row per refill "
+                        "(generation.PREFILL_LAYOUT, default padded)")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
@@ -273,6 +276,8 @@ def main() -> None:
         generation.MERGE_PREFILLS = True
     if args.prefill_plan:
         generation.PREFILL_PLAN = args.prefill_plan
+    if args.prefill_layout:
+        generation.PREFILL_LAYOUT = args.prefill_layout
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
@@ -326,7 +331,10 @@ def main() -> None:
                  prompts=len(convs) if args.turns == "all" else len(prompts),
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
-                 top_p=args.top_p, target=args.target or args.random_shape)
+                 top_p=args.top_p, target=args.target or args.random_shape,
+                 engine={"prefill_layout": generation.PREFILL_LAYOUT, "prefill_plan": generation.PREFILL_PLAN,
+                         "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
+                         "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 import torch
@@ -41,14 +42,17 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
-@pytest.mark.parametrize("use_flex,plan", [(False, "min_cost"), (True, "min_cost"), (False, "greedy")])
-def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex, plan, monkeypatch):
+@pytest.mark.parametrize("use_flex,plan,layout", [(False, "min_cost", "padded"), (True, "min_cost", "padded"),
+                                                  (False, "greedy", "padded"), (False, "min_cost", "packed"),
+                                                  (True, "min_cost", "packed")])
+def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex, plan, layout, monkeypatch):
     """4 slots for 11 prompts of 1-39 tokens: slots are refilled mid-run, prefills are chunked (by
-    either plan) and right-padded; every answer must be HF's unbatched greedy answer (flex: its CPU
-    reference path)."""
+    either plan) and right-padded, or packed into one row; every answer must be HF's unbatched
+    greedy answer (flex: its CPU reference path)."""
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "PREFILL_PLAN", plan)
+    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
     model, prompts = make(), _prompts()
     engine = SlotEngine(model, num_slots=4, max_prompt_tokens=64, max_new_tokens=24, stop_ids=[STOP],
                         use_flex=use_flex, max_prefill_tokens=80)
@@ -149,15 +153,16 @@ def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
 @pytest.mark.parametrize("mode", ["prefix", "cut", "rewrite"])
-@pytest.mark.parametrize("merge", [False, True])
-def test_later_turns_continue_in_their_slot(make, mode, merge, monkeypatch):
+@pytest.mark.parametrize("merge,layout", [(False, "padded"), (True, "padded"), (False, "packed")])
+def test_later_turns_continue_in_their_slot(make, mode, merge, layout, monkeypatch):
     """Each later turn prefills only what its prompt adds to its slot's tokens (a cut answer: the
     slot is set back to the cut; a rewritten history: the common prefix only), and every answer is
     HF's unbatched greedy answer to the whole prompt; with 1 or 3 slots alike, and with fresh
-    prompts and continuations in separate or shared prefill forwards."""
+    prompts and continuations in separate or shared padded prefill forwards, or packed in one."""
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "MERGE_PREFILLS", merge)
+    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
     model = make()
     engine, seen = _converse(model, num_slots=3, mode=mode)
     for (c, t), (prompt, answer) in seen.items():
@@ -184,13 +189,15 @@ def test_later_turns_continue_in_their_slot(make, mode, merge, monkeypatch):
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
-def test_fresh_prompts_and_continuations_share_a_prefill(make, monkeypatch):
-    """With MERGE_PREFILLS, a refill that starts new conversations and continues others in one
-    forward gives every answer HF's unbatched greedy answer; conversations of 1 to 3 turns make
-    such refills happen."""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fresh_prompts_and_continuations_share_a_prefill(make, layout, monkeypatch):
+    """With MERGE_PREFILLS (padded) or packed, a refill that starts new conversations and continues
+    others in one forward gives every answer HF's unbatched greedy answer; conversations of 1 to 3
+    turns make such refills happen."""
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "MERGE_PREFILLS", True)
+    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
     model, turns_of = make(), [1, 3, 2, 1, 3, 2, 3]
     engine, seen = _converse(model, num_slots=3, mode="prefix", convs=len(turns_of), turns_of=turns_of)
     assert engine.prefills["prefill_mixed"] >= 1  # the case under test happened
@@ -286,3 +293,73 @@ def test_prefill_plans_on_a_hand_case():
     assert min_cost_prefill_plan(lengths, 40, 0.0) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
     assert min_cost_prefill_plan(lengths, 40, 100.0) == [(0, 3), (3, 5), (5, 6)]
     assert greedy_prefill_plan([], 40) == [] == min_cost_prefill_plan([], 40, 1.0)
+
+
+def _compositions(n: int):
+    """Every split of rows 0..n-1 into contiguous groups, as [i, j) bounds (the reference)."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _compositions(n - first):
+            yield [(0, first)] + [(i + first, j + first) for i, j in rest]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_cost_attention_plan_is_the_cheapest_contiguous_split(seed):
+    """The attention groups of a packed prefill: the dynamic program's split of rows sorted by span
+    costs what the cheapest of all contiguous splits costs (brute force), for random queries,
+    spans, group costs and key-read weights."""
+    from nemo_dflash.data.generation import min_cost_attention_plan
+
+    g = torch.Generator().manual_seed(seed)
+    spans = sorted(torch.randint(1, 60, (8,), generator=g).tolist())
+    queries = [int(torch.randint(1, s + 1, (1,), generator=g)) for s in spans]
+    group_cost, kv_read = float(torch.randint(0, 3000, (1,), generator=g)), float(torch.randint(0, 20, (1,), generator=g))
+
+    def cost(bounds):
+        return sum(group_cost + (j - i) * spans[j - 1] * (max(queries[i:j]) + kv_read) for i, j in bounds)
+
+    bounds = min_cost_attention_plan(queries, spans, group_cost, kv_read)
+    assert [r for b in bounds for r in range(*b)] == list(range(len(spans)))
+    assert cost(bounds) == pytest.approx(min(cost(b) for b in _compositions(len(spans))))
+
+
+def test_min_cost_attention_plan_on_a_hand_case():
+    """Fresh rows (queries == span) 2, 2, 50: at a group cost of 100 pairs, 2 2 | 50 costs
+    100 + 2x2x2 + 100 + 50x50 = 2708, and one group 100 + 3x50x50 = 7600; at 10^5 one group wins."""
+    from nemo_dflash.data.generation import min_cost_attention_plan
+
+    assert min_cost_attention_plan([2, 2, 50], [2, 2, 50], 100.0) == [(0, 2), (2, 3)]
+    assert min_cost_attention_plan([2, 2, 50], [2, 2, 50], 1e5) == [(0, 3)]
+    assert min_cost_attention_plan([], [], 1.0) == []
+
+
+@pytest.mark.parametrize("group_cost", [0.0, 4096.0, 1e12])
+def test_packed_prefill_runs_one_forward_per_refill(group_cost, monkeypatch):
+    """A packed refill is one forward where the padded layout needs several, and every answer is
+    still HF's unbatched greedy answer, whether attention runs one group per prompt length (cost 0),
+    a few, or all rows in one group."""
+    from nemo_dflash.data import generation
+
+    monkeypatch.setattr(generation, "ATTENTION_GROUP_COST_PAIRS", {"cpu": group_cost, "cuda": group_cost})
+    model, prompts = _llama(), _prompts()
+    total = sum(map(len, prompts))
+    calls, groups = {}, []
+    real = generation._packed_attention
+    monkeypatch.setattr(generation, "_packed_attention", lambda ck, cv, packed, *a: groups.append(len(packed.groups))
+                        or real(ck, cv, packed, *a))
+    for layout in ("padded", "packed"):
+        monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
+        engine = SlotEngine(model, num_slots=len(prompts), max_prompt_tokens=64, max_new_tokens=6, stop_ids=[STOP],
+                            max_prefill_tokens=total)  # every prompt fits one packed forward, not one padded one
+        done = {c.request.key: c for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+        assert all(done[i].token_ids == _hf_greedy(model, p, 6) for i, p in enumerate(prompts))
+        assert engine.prefill_tokens == total
+        calls[layout] = sum(engine.prefills.values())
+    assert calls == {"padded": calls["padded"], "packed": 1} and calls["padded"] >= 2
+    per_forward = groups[0]  # the layers of the one forward share its plan
+    assert groups == [per_forward] * 2  # the tiny model's 2 layers
+    # at no cost per group only rows of equal length share one (no padding); at a huge cost, one group
+    assert per_forward == {0.0: len(set(map(len, prompts))), 1e12: 1}.get(group_cost, per_forward)
+    assert 1 < per_forward < len(prompts) or group_cost != 4096.0

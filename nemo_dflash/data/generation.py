@@ -61,6 +61,16 @@ PREFILL_PLAN = "min_cost"
 # whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6);
 # on CPU, where tokens dominate, a rough 256.
 FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
+# "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
+# a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
+# forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
+# run per group of rows, padded within the group (regen_throughput.py --prefill-layout).
+PREFILL_LAYOUT = "padded"
+# A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
+# computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
+# pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
+ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
+ATTENTION_KV_READ_QUERIES = 16
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
 
@@ -205,6 +215,50 @@ def min_cost_prefill_plan(lengths: Sequence[int], max_tokens: int, forward_cost:
     return bounds[::-1]
 
 
+def min_cost_attention_plan(queries: Sequence[int], spans: Sequence[int], group_cost: float,
+                            kv_read: float = 0.0) -> list[tuple[int, int]]:
+    """[i, j) bounds over rows sorted by ``spans`` (ascending) minimising, over contiguous groups,
+    sum(group_cost + rows x longest span x (most queries + kv_read)): a group's attention pads every
+    row to its most queries and its longest span. O(n^2) in numpy."""
+    n = len(spans)
+    q = np.asarray(queries, dtype=np.float64)
+    span = np.asarray(spans, dtype=np.float64)
+    best = np.zeros(n + 1)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        most = np.maximum.accumulate(q[:j][::-1])[::-1]  # most queries of the group [i, j), every i < j
+        cost = best[:j] + group_cost + (j - np.arange(j)) * span[j - 1] * (most + kv_read)
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    bounds, j = [], n
+    while j > 0:
+        bounds.append((int(cut[j]), j))
+        j = int(cut[j])
+    return bounds[::-1]
+
+
+@dataclass
+class _Group:
+    """One attention group of a packed prefill: ``rows`` rows padded to ``width`` queries each."""
+
+    rows: int
+    width: int
+    gather: torch.Tensor  # [rows * width] packed token of each padded query (pads: any token of the row)
+    real: torch.Tensor  # [real tokens] the padded positions of the group's real tokens, in packed order
+    slots: Optional[torch.Tensor] = None  # [rows] continuing rows: their slots (keys come from the cache)
+    mask: Optional[torch.Tensor] = None  # [rows, 1, width, span] continuing rows: key k visible to query q
+
+
+@dataclass
+class _Packed:
+    """Where a packed prefill's tokens go: token t of the row is slot ``slot[t]`` position ``pos[t]``;
+    the groups cover the tokens in order."""
+
+    slot: torch.Tensor
+    pos: torch.Tensor
+    groups: list[_Group]
+
+
 @dataclass
 class _Pass:
     """What the swapped-in attention needs to know about the forward in flight."""
@@ -217,6 +271,7 @@ class _Pass:
     # a prefill that continues slots whose KV already holds a prefix (None: every row starts at 0)
     prefix_mask: Optional[torch.Tensor] = None  # [R, 1, S, T] bool: key k visible to query q of row r
     write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
+    packed: Optional[_Packed] = None  # a packed prefill (PREFILL_LAYOUT): one row of every prompt's tokens
 
 
 def _heads_for_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -244,6 +299,8 @@ def _slot_attention(
     if slot_pass is None:
         raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside SlotEngine")
     cache, layer = slot_pass.cache, module.layer_idx
+    if slot_pass.packed is not None:
+        return _packed_attention(cache.k[layer], cache.v[layer], slot_pass.packed, query, key, value, scaling), None
     if slot_pass.decode:
         rows = torch.arange(key.shape[0], device=key.device)
         cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
@@ -282,6 +339,31 @@ def _slot_attention(
         key, value, gqa = _heads_for_sdpa(query, key, value)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(cache_k: torch.Tensor, cache_v: torch.Tensor, packed: _Packed, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    """A packed prefill's attention: q [1, H, N, D], k/v [1, KVH, N, D] -> [1, N, H, D]. Every token's
+    K/V goes to its slot; each group's rows are gathered into a right-padded batch: fresh rows attend
+    causally over their own keys, continuing rows over their slot's keys up to each query."""
+    q_tok, k_tok, v_tok = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, heads, D]
+    cache_k[packed.slot, :, packed.pos] = k_tok
+    cache_v[packed.slot, :, packed.pos] = v_tok
+    heads, dim = q_tok.shape[1:]
+    outs = []
+    for g in packed.groups:
+        q = q_tok[g.gather].view(g.rows, g.width, heads, dim).transpose(1, 2)
+        if g.slots is None:  # fresh rows from position 0: right-padded, causal over the new keys
+            k = k_tok[g.gather].view(g.rows, g.width, -1, dim).transpose(1, 2)
+            v = v_tok[g.gather].view(g.rows, g.width, -1, dim).transpose(1, 2)
+            k, v, gqa = _heads_for_sdpa(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            span = g.mask.shape[-1]
+            k, v, gqa = _heads_for_sdpa(q, cache_k[g.slots, :, :span], cache_v[g.slots, :, :span])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(g.rows * g.width, heads, dim)[g.real])
+    return torch.cat(outs)[None]
 
 
 def check_supported(model: nn.Module) -> None:
@@ -475,6 +557,17 @@ class SlotEngine:
         slot); the first answer token of each."""
         dev, rows = self.device, len(requests)
         starts = [0] * rows if starts is None else starts
+        forward = self._packed_forward if PREFILL_LAYOUT == "packed" else self._padded_forward
+        with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
+            last = forward(slots, requests, starts)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.cache.lengths[slot_t] = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long, device=dev)
+        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
+        return self._sample(self._logits(last), keys, torch.zeros_like(keys))
+
+    def _padded_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
+        """The prompts as right-padded rows of one batch -> the last prompt token's hidden state [R, hidden]."""
+        dev, rows = self.device, len(requests)
         lens = np.fromiter((len(r.prompt_ids) - s for r, s in zip(requests, starts)), dtype=np.int64, count=rows)
         width = int(lens.max())
         real = np.arange(width)[None, :] < lens[:, None]  # [R, W]: the prompt tokens of the right-padded rows
@@ -494,14 +587,59 @@ class SlotEngine:
             slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
             span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
             slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
-            hidden = self.decoder(
-                input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
-            ).last_hidden_state
-        last = hidden[torch.arange(rows, device=dev), len_t - 1]
-        self.cache.lengths[slot_t] = start_t + len_t
-        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
-        return self._sample(self._logits(last), keys, torch.zeros_like(keys))
+        hidden = self.decoder(
+            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
+        ).last_hidden_state
+        return hidden[torch.arange(rows, device=dev), len_t - 1]
+
+    def _packed_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
+        """The prompts' tokens packed into one row (no padding outside attention) -> the last prompt
+        token's hidden state [R, hidden]. Attention runs per group of rows: fresh rows apart from
+        continuing ones, each sorted by span and split by :func:`min_cost_attention_plan`."""
+        dev = self.device
+        start = np.asarray(starts, dtype=np.int64)
+        lens = np.fromiter((len(r.prompt_ids) for r in requests), dtype=np.int64, count=len(requests)) - start
+        span = start + lens
+        group_cost = ATTENTION_GROUP_COST_PAIRS.get(dev.type, ATTENTION_GROUP_COST_PAIRS["cuda"])
+        plan: list[np.ndarray] = []  # the rows of each group, in packed order
+        for fresh in (True, False):
+            idx = np.flatnonzero((start == 0) == fresh)
+            idx = idx[np.argsort(span[idx], kind="stable")]
+            kv_read = 0.0 if fresh else ATTENTION_KV_READ_QUERIES
+            plan += [idx[i:j] for i, j in min_cost_attention_plan(lens[idx], span[idx], group_cost, kv_read)]
+        order = np.concatenate(plan)
+        offsets = np.concatenate([[0], np.cumsum(lens[order])])
+        total = int(offsets[-1])
+        ids = np.fromiter(itertools.chain.from_iterable(requests[r].prompt_ids[start[r]:] for r in order),
+                          dtype=np.int64, count=total)
+        row_of = np.repeat(np.arange(len(order)), lens[order])  # each packed token's place in ``order``
+        pos = start[order][row_of] + np.arange(total) - offsets[:-1][row_of]
+        self.prefill_tokens += total
+        groups, first = [], 0
+        for members in plan:
+            n = len(members)
+            glen, width = lens[members], int(lens[members].max())
+            cols = np.arange(width)[None, :]
+            gather = offsets[first:first + n, None] + np.minimum(cols, glen[:, None] - 1)  # pads repeat the last
+            real = np.flatnonzero((cols < glen[:, None]).ravel())
+            group = _Group(n, width, torch.from_numpy(gather.ravel()).to(dev), torch.from_numpy(real).to(dev))
+            if start[members].any():
+                keys = min(self.cache.width, 16 * math.ceil(int(span[members].max()) / 16))  # aligned mask rows
+                at = torch.from_numpy(start[members][:, None] + cols).to(dev)  # [n, width] each query's position
+                group.mask = (torch.arange(keys, device=dev)[None, None, :] <= at[:, :, None])[:, None]
+                group.slots = torch.tensor([slots[r] for r in members], dtype=torch.long, device=dev)
+            groups.append(group)
+            first += n
+        slot_tok = torch.tensor(slots, dtype=torch.long, device=dev)[torch.from_numpy(order[row_of]).to(dev)]
+        pos_t = torch.from_numpy(pos).to(dev)
+        slot_pass = _Pass(self.cache, None, decode=False, packed=_Packed(slot_tok, pos_t, groups))
+        hidden = self.decoder(
+            input_ids=torch.from_numpy(ids).to(dev)[None], position_ids=pos_t[None], use_cache=False,
+            slot_pass=slot_pass,
+        ).last_hidden_state[0]
+        last = np.empty(len(order), dtype=np.int64)
+        last[order] = offsets[1:] - 1
+        return hidden[torch.from_numpy(last).to(dev)]
 
     def _decode_logits(self) -> torch.Tensor:
         """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
@@ -693,7 +831,8 @@ class SlotEngine:
         """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
         (a fresh chunk attends over its own keys only) unless ``MERGE_PREFILLS``, sorted by the
         tokens to prefill so rows of one chunk pad little, each within ``max_prefill_tokens``
-        (rows x longest), split as ``PREFILL_PLAN`` says."""
+        (rows x longest), split as ``PREFILL_PLAN`` says. Packed (``PREFILL_LAYOUT``): fresh and
+        continuing rows together, each chunk within ``max_prefill_tokens`` real tokens."""
 
         def kind(it: tuple[int, Request, int]) -> bool:
             return False if MERGE_PREFILLS else it[2] > 0
@@ -701,6 +840,17 @@ class SlotEngine:
         def todo(it: tuple[int, Request, int]) -> int:
             return len(it[1].prompt_ids) - it[2]
 
+        if PREFILL_LAYOUT == "packed":  # no padding: as many tokens per forward as the cap allows
+            chunk, tokens = [], 0
+            for it in sorted(items, key=todo):
+                if chunk and tokens + todo(it) > self.max_prefill_tokens:
+                    yield chunk
+                    chunk, tokens = [], 0
+                chunk.append(it)
+                tokens += todo(it)
+            if chunk:
+                yield chunk
+            return
         items = sorted(items, key=lambda it: (kind(it), todo(it)))
         forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS["cuda"])
         for _, group in itertools.groupby(items, key=kind):
