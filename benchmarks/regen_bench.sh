@@ -12,7 +12,8 @@
 # default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
 # skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
 # PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536;
-# packed: real tokens per prefill), LAYOUT (prefill forwards: padded, the default, or packed).
+# packed: real tokens per prefill), LAYOUT (prefill forwards: padded, the default, or packed), GROUP_COST
+# (packed: an attention group's fixed cost in query-key pairs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
@@ -22,8 +23,10 @@ EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MER
 [ -n "${PREPARE:-}" ] && EXTRA+=(--prepare-ahead "$PREPARE")
 [ -n "${PLAN:-}" ] && EXTRA+=(--prefill-plan "$PLAN")
 [ -n "${LAYOUT:-}" ] && EXTRA+=(--prefill-layout "$LAYOUT")
+[ -n "${GROUP_COST:-}" ] && EXTRA+=(--attention-group-cost "$GROUP_COST")
 EXTRA+=(--max-prefill-tokens "${MAX_PREFILL:-65536}")
-TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}${GROUP_COST:+_g$GROUP_COST}
+[ "$BATCH" != 1024 ] && TAG+=_b$BATCH
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
         --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")

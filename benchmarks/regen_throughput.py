@@ -263,6 +263,9 @@ def main() -> None:
     p.add_argument("--prefill-layout", choices=("padded", "packed"), default=None,
                    help="prefill forwards as right-padded batches or one packed row per refill "
                         "(generation.PREFILL_LAYOUT, default padded)")
+    p.add_argument("--attention-group-cost", type=float, default=None,
+                   help="packed prefills: the fixed cost of an attention group in (query, key) pairs on this device "
+                        "(generation.ATTENTION_GROUP_COST_PAIRS)")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
@@ -279,6 +282,8 @@ def main() -> None:
     if args.prefill_layout:
         generation.PREFILL_LAYOUT = args.prefill_layout
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.attention_group_cost is not None:
+        generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
         model, tokenizer = smollm2_shape(device, dtype), None
@@ -334,7 +339,8 @@ def main() -> None:
                  top_p=args.top_p, target=args.target or args.random_shape,
                  engine={"prefill_layout": generation.PREFILL_LAYOUT, "prefill_plan": generation.PREFILL_PLAN,
                          "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
-                         "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead})
+                         "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
+                         "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device]})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)
