@@ -12,7 +12,7 @@
 # default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
 # skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
 # PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536;
-# packed: real tokens per prefill), LAYOUT (prefill forwards: padded, the default, or packed), GROUP_COST
+# packed: real tokens per prefill), LAYOUT (prefill forwards: packed, the default, or padded), GROUP_COST
 # (packed: an attention group's fixed cost in query-key pairs).
 set -euo pipefail
 cd "$(dirname "$0")/.."

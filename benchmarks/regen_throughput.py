@@ -262,7 +262,7 @@ def main() -> None:
                    help="how a refill is split into prefill forwards (generation.PREFILL_PLAN, default min_cost)")
     p.add_argument("--prefill-layout", choices=("padded", "packed"), default=None,
                    help="prefill forwards as right-padded batches or one packed row per refill "
-                        "(generation.PREFILL_LAYOUT, default padded)")
+                        "(generation.PREFILL_LAYOUT, default packed)")
     p.add_argument("--attention-group-cost", type=float, default=None,
                    help="packed prefills: the fixed cost of an attention group in (query, key) pairs on this device "
                         "(generation.ATTENTION_GROUP_COST_PAIRS)")

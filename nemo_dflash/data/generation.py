@@ -64,8 +64,9 @@ FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
 # "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
 # a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
 # forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
-# run per group of rows, padded within the group (regen_throughput.py --prefill-layout).
-PREFILL_LAYOUT = "padded"
+# run per group of rows, padded within the group (regen_throughput.py --prefill-layout). On one H200,
+# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/session8_regen).
+PREFILL_LAYOUT = "packed"
 # A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
 # computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
 # pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
