@@ -10,10 +10,10 @@
 # FIRST (first-turn prompts of the generate comparison, default 2048), FIRST_NEW (their new tokens,
 # default 256: plain generate runs every batch to its longest answer), REFILL (slot refill fraction,
 # default the engine's), MERGE=1 (fresh and continuing prefills in shared forwards), SKIP (rows to
-# skip: all|first), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
+# skip: all|first|pipeline), PREPARE (first turns prepared ahead on a thread: regenerate_conversations(prepare_ahead=)),
 # PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536;
 # packed: real tokens per prefill), LAYOUT (prefill forwards: packed, the default, or padded), GROUP_COST
-# (packed: an attention group's fixed cost in query-key pairs).
+# (packed: an attention group's fixed cost in query-key pairs), WINDOW (decode steps per host round trip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
@@ -24,13 +24,14 @@ EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MER
 [ -n "${PLAN:-}" ] && EXTRA+=(--prefill-plan "$PLAN")
 [ -n "${LAYOUT:-}" ] && EXTRA+=(--prefill-layout "$LAYOUT")
 [ -n "${GROUP_COST:-}" ] && EXTRA+=(--attention-group-cost "$GROUP_COST")
+[ -n "${WINDOW:-}" ] && EXTRA+=(--decode-window "$WINDOW")
 EXTRA+=(--max-prefill-tokens "${MAX_PREFILL:-65536}")
-TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}${GROUP_COST:+_g$GROUP_COST}
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}${GROUP_COST:+_g$GROUP_COST}${WINDOW:+_w$WINDOW}
 [ "$BATCH" != 1024 ] && TAG+=_b$BATCH
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"
         --temperature 0.2 --top-p 0.9 "${EXTRA[@]}")
-if [ "$SKIP" != all ]; then
+if [ "$SKIP" != all ] && [ "$SKIP" != pipeline ]; then
     echo "== the pipeline: every conversation, every turn, slot reuse, loops cut"
     $PY benchmarks/regen_throughput.py "${common[@]}" --turns all --num-prompts "$CONVS" --stop-loops \
         --max-new-tokens 1024 --modes slots --json "$OUT/regen_all_turns$TAG.json" 2>&1 \

@@ -178,12 +178,14 @@ def test_later_turns_continue_in_their_slot(make, mode, merge, layout, monkeypat
         assert engine.prefix_short == 0
     assert _converse(model, num_slots=1, mode=mode)[1] == seen
 
-    # A slot filled one token too far (a skipped token of the new prompt; for a cut answer, the
-    # length not set back to the cut) must change answers: the comparison above would catch it.
+    # A slot filled too far (skipped tokens of the new prompt; for a cut answer, the length not set
+    # back to the cut) must change answers: the comparison above would catch it. Two tokens: the
+    # steps that run a stopped slot for the rest of its decode window write the K/V of its last
+    # token, so a skip of one can go unnoticed.
     if mode == "cut":
         sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(len(kv), len(prompt) - 1))
     else:
-        sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(start + 1, len(prompt) - 1))
+        sabotage_slot_reuse(monkeypatch, lambda start, kv, prompt: min(start + 2, len(prompt) - 1))
     wrong = _converse(model, num_slots=3, mode=mode)[1]
     assert any(wrong[k][1] != _hf_greedy(model, wrong[k][0], 8) for k in wrong if k[1] > 0)
 
@@ -363,3 +365,53 @@ def test_packed_prefill_runs_one_forward_per_refill(group_cost, monkeypatch):
     # at no cost per group only rows of equal length share one (no padding); at a huge cost, one group
     assert per_forward == {0.0: len(set(map(len, prompts))), 1e12: 1}.get(group_cost, per_forward)
     assert 1 < per_forward < len(prompts) or group_cost != 4096.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_windows_change_no_output(temperature, monkeypatch):
+    """Decode windows of 1, 4 and 7 steps per host round trip, with 2 or 3 slots: multi-turn
+    conversations (held slots), answers cut at loops (forced from a per-request position, some
+    one token before the cap) and, at temperature 1 over the tiny model's flat logits, samples
+    redone over the whole vocabulary (a slot stops mid-window for it) give the same completions
+    and the same count of generated tokens."""
+    from nemo_dflash.data.loops import LoopDetector
+
+    unit = [11, 12, 13, 14, 15]
+    real = SlotEngine._pick
+
+    def pick(self, logits, keys, positions):  # conversation c loops from answer position 20 + 9 * (c % 4)
+        out, wide = real(self, logits, keys, positions)
+        start = 20 + 9 * ((keys // 10) % 4)
+        loop = torch.tensor(unit, device=out.device)[(positions - start).clamp(min=0) % len(unit)]
+        return torch.where(positions >= start, loop, out), None if wide is None else wide & (positions < start)
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    model = _llama()
+    g = torch.Generator().manual_seed(3)
+    users = [[torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(2, 12, (3,), generator=g)]
+             for _ in range(6)]
+
+    def run(window: int, num_slots: int):
+        engine = SlotEngine(model, num_slots=num_slots, max_prompt_tokens=200, max_new_tokens=47, stop_ids=[STOP],
+                            temperature=temperature, top_p=0.9, seed=5, decode_window=window,
+                            loop_detector=LoopDetector(ngram=3, min_tokens=20, min_copies=2.0), stop_on_loop=True,
+                            loop_check_every=16)
+        pending = collections.deque(Request(c * 10, users[c][0] + [9], hold=True) for c in range(6))
+        got = {}
+        for c in engine.generate(pending):
+            conv, turn = divmod(c.request.key, 10)
+            got[c.request.key] = (c.token_ids, c.finish, c.generated, c.loop_start)
+            if turn < 2:
+                prompt = c.request.prompt_ids + c.token_ids + [5] + users[conv][turn + 1] + [9]
+                pending.append(Request(c.request.key + 1, prompt, hold=turn < 1, after=c))
+        return got, engine
+
+    ref, ref_engine = run(1, 3)
+    assert len(ref) == 18 and {f for _, f, _, _ in ref.values()} >= {"loop"}
+    if temperature > 0:
+        assert ref_engine.redone > 0  # the exact redo happened
+    for window, num_slots in [(4, 3), (7, 2), (4, 2)]:
+        got, engine = run(window, num_slots)
+        assert got == ref, (window, num_slots)
+        assert engine.generated_tokens == ref_engine.generated_tokens, (window, num_slots)
+        assert engine.redone == ref_engine.redone

@@ -72,6 +72,12 @@ PREFILL_LAYOUT = "packed"
 # pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
 ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
 ATTENTION_KV_READ_QUERIES = 16
+# Decode steps launched per host round trip. The host reads the step's flags (answers that ended,
+# loop checks due) only once per window, so its bookkeeping and the caller's work (the next turn's
+# template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
+# inside the window (a slot that ends is deactivated by the step itself), so a window changes no
+# output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
+DECODE_WINDOW = 4
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 _MASK32 = 0xFFFFFFFF
 
@@ -470,6 +476,7 @@ class SlotEngine:
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
+        decode_window: Optional[int] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
@@ -491,6 +498,9 @@ class SlotEngine:
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
+        # a window shorter than the loop-check period: an answer is due at most once per window
+        self.decode_window = max(1, min(DECODE_WINDOW if decode_window is None else decode_window,
+                                        loop_check_every - 1 if loop_check_every > 1 else 1))
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
         self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
@@ -507,6 +517,7 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
+        self.redone = 0  # decode samples redone over the whole vocabulary (a nucleus wider than the candidates)
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
         self.seconds: collections.Counter = collections.Counter()
@@ -661,29 +672,39 @@ class SlotEngine:
     def _step(self) -> None:
         """One decode step on the engine's fixed tensors: forward, keyed sample, bookkeeping.
 
-        Free slots run too (fixed shapes) and their results are ignored. Sets ``_wide`` (rows
-        whose sample must be redone exactly, or None), ``_due`` (live answers whose length just
-        reached a multiple of ``loop_check_every``) and ``_flags`` = [any ended, any wide, any due]."""
+        Free slots run too (fixed shapes) and their results are ignored. A slot whose answer ends
+        (stop token, token cap) is deactivated here, so the steps after it in a window leave it as
+        it is; so is a slot whose sample must be redone exactly (a nucleus wider than the
+        candidates): ``_wide_at`` keeps its answer position and ``_wide_logits`` its logits. The
+        flags are sticky until the host clears them: ``_ended``, ``_due`` (a live answer whose
+        length reached a multiple of ``loop_check_every``), and ``_flags`` = [any ended, any wide,
+        any due, tokens generated since the host last read it]."""
         logits = self._decode_logits()
         new, wide = self._pick(logits, self._keys, self._answer_pos)
         active = self._active.bool()
+        self._generated.add_(self._active.sum())
         self._tokens.copy_(torch.where(active, new, self._tokens))
         rows = torch.arange(self.num_slots, device=self.device)
         self._out[rows, self._answer_pos.clamp(max=self.max_new_tokens)] = self._tokens
+        if wide is not None:
+            wide = wide & active
+            self._wide_at.copy_(torch.where(wide, self._answer_pos, self._wide_at))
+            self._wide_logits.copy_(torch.where(wide[:, None], logits, self._wide_logits))
+        else:
+            wide = torch.zeros_like(active)
         self._answer_pos.add_(self._active)
         self.cache.lengths.add_(self._active)  # free slots stay empty (they decode garbage at position 0)
-        ended = active & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self.max_new_tokens))
-        self._ended.copy_(ended)
-        self._wide = None if wide is None else (wide & active)
-        any_wide = self._wide.any() if self._wide is not None else torch.zeros((), dtype=torch.bool, device=self.device)
-        due = active & ~ended & (self._answer_pos % self.loop_check_every == 0)
-        self._due.copy_(due)
-        self._flags = torch.stack([ended.any(), any_wide, due.any()])
-        self._logits_out = logits
+        ended = active & ~wide & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self.max_new_tokens))
+        self._ended.logical_or_(ended)
+        self._due.logical_or_(active & ~ended & ~wide & (self._answer_pos % self.loop_check_every == 0))
+        self._active.mul_(~(ended | wide))
+        self._flags = torch.stack([self._ended.any(), (self._wide_at >= 0).any(), self._due.any()]).long()
+        self._flags = torch.cat([self._flags, self._generated.view(1)])
 
     def _capture(self) -> None:
         """Record the decode step as a CUDA graph (the small model is launch-bound without one)."""
-        state = (self._tokens, self._answer_pos, self._out, self.cache.lengths)
+        state = (self._tokens, self._answer_pos, self._out, self.cache.lengths, self._active, self._ended, self._due,
+                 self._wide_at, self._generated)
         saved = [t.clone() for t in state]
         try:
             stream = torch.cuda.Stream()
@@ -726,19 +747,36 @@ class SlotEngine:
                 self._step()
 
     @torch.no_grad()
-    def _collect(self) -> tuple[bool, bool]:
-        """Wait for the launched step; (any slot ended, any answer due a loop check), redoing rare
-        too-wide samples exactly."""
-        any_ended, any_wide, any_due = self._flags.tolist()
-        if any_wide:  # rare: a nucleus wider than the candidates; redo those rows exactly, eagerly
-            rows = redo_wide_rows(self._tokens, self._wide, self._logits_out, self._keys, self._answer_pos - 1,
-                                  seed=self.seed, temperature=self.temperature, top_p=self.top_p)
-            fixed = self._tokens[rows]
-            self._out[rows, self._answer_pos[rows] - 1] = fixed
-            ended = torch.isin(fixed, self._stop_t) | (self._answer_pos[rows] >= self.max_new_tokens)
+    def _launch_window(self) -> None:
+        """Queue ``decode_window`` decode steps (graph replays on GPU: asynchronous)."""
+        for _ in range(self.decode_window):
+            self._launch()
+
+    @torch.no_grad()
+    def _collect(self) -> tuple[bool, bool, int]:
+        """Wait for the launched steps; (any slot ended, any answer due a loop check, tokens generated),
+        first redoing, exactly and eagerly, the rare samples of a nucleus wider than the candidates
+        (the slot then ends, is due, or is reactivated for the next window)."""
+        any_ended, any_wide, any_due, generated = self._flags.tolist()
+        self._generated.zero_()
+        if any_wide:
+            rows = (self._wide_at >= 0).nonzero()[:, 0]
+            self.redone += len(rows)
+            at = self._wide_at[rows]
+            fixed = _sample_full(self._wide_logits[rows].float() / self.temperature, self._keys[rows], at, self.seed,
+                                 self.top_p)
+            self._tokens[rows] = fixed
+            self._out[rows, at] = fixed
+            length = at + 1  # the slot stopped right after this token: its answer length
+            ended = torch.isin(fixed, self._stop_t) | (length >= self.max_new_tokens)
+            due = ~ended & (length % self.loop_check_every == 0)
             self._ended[rows] = ended
+            self._due[rows] = due
+            self._active[rows] = (~ended).long()
+            self._wide_at[rows] = -1
             any_ended = any_ended or bool(ended.any())
-        return any_ended, any_due
+            any_due = any_due or bool(due.any())
+        return bool(any_ended), bool(any_due), int(generated)
 
     def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
@@ -789,8 +827,15 @@ class SlotEngine:
             self._due = torch.zeros(S, dtype=torch.bool, device=dev)
             self._out = torch.zeros((S, self.max_new_tokens + 1), dtype=torch.long, device=dev)
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
-        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths):
+            self._wide_at = torch.full((S,), -1, dtype=torch.long, device=dev)  # answer position of a redo, -1: none
+            self._generated = torch.zeros((), dtype=torch.long, device=dev)
+            sampled = self.temperature > 0 and self.top_p < 1.0  # only then can a sample be too wide
+            vocab = self.lm_head.weight.shape[0] if sampled else 1
+            self._wide_logits = torch.zeros((S, vocab), dtype=torch.float32, device=dev)
+        for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths,
+                  self._generated):
             t.zero_()
+        self._wide_at.fill_(-1)
 
     def _check(self, req: Request) -> None:
         if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
@@ -871,7 +916,8 @@ class SlotEngine:
         free = list(range(self.num_slots - 1, -1, -1))
         held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
         ready: list[tuple[int, Request, int]] = []  # follow-ups in their own slots, waiting for a prefill
-        in_flight = 0  # slots active in a step launched but not yet collected (0: none in flight)
+        in_flight = False  # a window of steps launched and not yet collected
+        every = self.loop_check_every
         while True:
             done: list[Completion] = []
             if held:
@@ -895,41 +941,52 @@ class SlotEngine:
                 continue
             t0 = time.perf_counter()
             if not in_flight:
-                self._launch()
-                in_flight = len(requests)
-            any_ended, any_due = self._collect()
-            self.steps += 1
-            self.generated_tokens += in_flight  # the slots that were active when the step was launched
-            in_flight = 0
+                self._launch_window()
+            any_ended, any_due, generated = self._collect()
+            in_flight = False
+            self.steps += self.decode_window
+            self.generated_tokens += generated
             t1 = time.perf_counter()
             self.seconds["decode"] += t1 - t0
             finished: dict[int, tuple[list[int], bool, Optional[int]]] = {}
             rows_of: dict[int, np.ndarray] = {}
-            if any_ended:
-                ended = self._ended.nonzero()[:, 0].tolist()
-                lengths = self._answer_pos[ended].tolist()
-                rows = self._out[ended].cpu().numpy()
-                for s, n, row in zip(ended, lengths, rows):
-                    stopped = int(row[n - 1]) in self.stop_ids
-                    answer = row[: n - 1 if stopped else n].tolist()
-                    finished[s] = (answer, stopped, self._find_loop(answer))
-                    rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
             checking = 0.0
-            if self.stop_on_loop and any_due:
-                # each answer is checked at its own lengths 128, 256, ...: the cut does not depend on
-                # the batch, and the checks (and the answers they end) spread over the steps
-                t2 = time.perf_counter()
-                live = [s for s in self._due.nonzero()[:, 0].tolist() if s in requests and s not in finished]
-                lengths = self._answer_pos[live].tolist()
-                rows = self._out[live].cpu().numpy()
-                for s, n, row in zip(live, lengths, rows):
-                    if n >= self.loop_detector.min_tokens:
+            ended = self._ended.nonzero()[:, 0].tolist() if any_ended else []
+            due = self._due.nonzero()[:, 0].tolist() if any_due else []
+            if ended or due:
+                slots = ended + due
+                lengths = self._answer_pos[slots].tolist()
+                rows = self._out[slots].cpu().numpy()
+                self._ended[slots] = False
+                self._due[slots] = False
+                length_of = dict(zip(slots, lengths))
+                row_of = dict(zip(slots, rows))
+                if self.stop_on_loop and due:
+                    # each answer is checked at its own lengths k, 2k, ... (within a window an answer
+                    # is due at most once, and it may have gone on past its due length): the cut does
+                    # not depend on the batch, and the checks (and the answers they end) spread over
+                    # the steps. Checked before an end in the same window: the end came later.
+                    t2 = time.perf_counter()
+                    for s in due:
+                        n = length_of[s] // every * every
+                        if s not in requests or n < self.loop_detector.min_tokens:
+                            continue
+                        row = row_of[s]
                         start = self._find_loop(row[:n])
                         if start is not None:
                             finished[s] = (row[:n].tolist(), False, start)
                             rows_of[s] = row[: n - 1]
-                checking = time.perf_counter() - t2
-                self.seconds["loop_check"] += checking
+                            self.generated_tokens -= length_of[s] - n  # the window's tokens past the check
+                    checking = time.perf_counter() - t2
+                    self.seconds["loop_check"] += checking
+                for s in ended:
+                    if s in finished:
+                        continue
+                    n, row = length_of[s], row_of[s]
+                    stopped = int(row[n - 1]) in self.stop_ids
+                    answer = row[: n - 1 if stopped else n].tolist()
+                    finished[s] = (answer, stopped, self._find_loop(answer))
+                    rows_of[s] = row[: n - 1]  # the answer tokens whose K/V is in the slot
             if finished:
                 gone = []
                 for s, (answer, stopped, start) in finished.items():
@@ -944,12 +1001,12 @@ class SlotEngine:
                 self._active[idx] = 0
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
                     self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
-            if requests and done:
-                # The next step runs on the GPU while the caller handles ``done`` (decoding, the next
-                # turn's template, writing): slots refilled meanwhile join the step after. Answers
+            if requests:
+                # The next window runs on the GPU while the caller handles ``done`` (decoding, the next
+                # turn's template, writing): slots refilled meanwhile join the window after. Answers
                 # are keyed by request and position, so this changes no output.
-                self._launch()
-                in_flight = len(requests)
+                self._launch_window()
+                in_flight = True
             self.seconds["host"] += time.perf_counter() - t1 - checking
             yield from self._handed(done)
 
