@@ -415,3 +415,21 @@ def test_decode_windows_change_no_output(temperature, monkeypatch):
         assert got == ref, (window, num_slots)
         assert engine.generated_tokens == ref_engine.generated_tokens, (window, num_slots)
         assert engine.redone == ref_engine.redone
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_in_one_line():
+    """SmolLM2's shape (30 layers, 3 KV heads of 64, bf16) at 2,560 tokens is 59.0 MB a slot: on an
+    80 GB GPU with 76 GB free, 85% holds 1,095 slots, so 2,048 are refused naming the batch that fits."""
+    from transformers import LlamaConfig
+
+    from nemo_dflash.data.generation import SlotKVCache, check_kv_fits
+
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    per_slot = SlotKVCache.slot_bytes(cfg, 2560, torch.bfloat16)
+    assert per_slot == 2 * 30 * 3 * 2560 * 64 * 2 == 58_982_400
+    check_kv_fits(1095, 2560, per_slot, 76_000_000_000)
+    with pytest.raises(ValueError, match=r"^2048 slots x 2560 tokens need a 120.8 GB KV cache and 76.0 GB is free: "
+                                         r"use --batch-size 1095 or less"):
+        check_kv_fits(2048, 2560, per_slot, 76_000_000_000)
+    cache = SlotKVCache(cfg, 2, 128, torch.device("cpu"), torch.bfloat16)
+    assert cache.nbytes == 2 * SlotKVCache.slot_bytes(cfg, 128, torch.bfloat16)
