@@ -267,7 +267,7 @@ def main() -> None:
                    help="packed prefills: the fixed cost of an attention group in (query, key) pairs on this device "
                         "(generation.ATTENTION_GROUP_COST_PAIRS)")
     p.add_argument("--decode-window", type=int, default=None,
-                   help="decode steps per host round trip (generation.DECODE_WINDOW, default 4)")
+                   help="decode steps per host round trip (generation.DECODE_WINDOW: 8 on a GPU, 1 on a CPU)")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
@@ -283,9 +283,9 @@ def main() -> None:
         generation.PREFILL_PLAN = args.prefill_plan
     if args.prefill_layout:
         generation.PREFILL_LAYOUT = args.prefill_layout
-    if args.decode_window:
-        generation.DECODE_WINDOW = args.decode_window
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.decode_window:
+        generation.DECODE_WINDOW = {**generation.DECODE_WINDOW, device: args.decode_window}
     if args.attention_group_cost is not None:
         generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -345,7 +345,7 @@ def main() -> None:
                          "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
                          "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
                          "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
-                         "decode_window": generation.DECODE_WINDOW})
+                         "decode_window": generation.DECODE_WINDOW[device]})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -77,7 +77,9 @@ ATTENTION_KV_READ_QUERIES = 16
 # template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
 # inside the window (a slot that ends is deactivated by the step itself), so a window changes no
 # output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
-DECODE_WINDOW = 8  # one H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s
+# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s. A CPU runs
+# each step synchronously, so there a window would only idle ended slots.
+DECODE_WINDOW = {"cuda": 8, "cpu": 1}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
 _MASK32 = 0xFFFFFFFF
@@ -524,7 +526,9 @@ class SlotEngine:
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         # a window shorter than the loop-check period: an answer is due at most once per window
-        self.decode_window = max(1, min(DECODE_WINDOW if decode_window is None else decode_window,
+        if decode_window is None:
+            decode_window = DECODE_WINDOW.get(self.device.type, DECODE_WINDOW["cuda"])
+        self.decode_window = max(1, min(decode_window,
                                         loop_check_every - 1 if loop_check_every > 1 else 1))
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
         self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
