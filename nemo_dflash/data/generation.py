@@ -7,6 +7,10 @@ MLP, lm_head); only its attention is swapped, through transformers' ``AttentionI
 one that writes into the slot cache and reads each slot's filled prefix: flex_attention decoding
 on a GPU (it skips the unfilled KV blocks of every slot), SDPA with a length mask elsewhere.
 
+A refill's prompts run as one packed row of their real tokens (``PREFILL_LAYOUT``), attention
+grouped by length; decode steps are queued ``DECODE_WINDOW`` at a time, each step stopping the
+slots whose answers end, so the host's bookkeeping and the caller's work overlap queued steps.
+
 Why not transformers' own continuous batching (``generate_batch``, 5.17 on the lent GPUs): its
 fast decode path needs flash-attn's paged kernel, which those machines do not have and cannot
 download; without it, ``paged|sdpa`` packs the whole batch into one row with a dense
