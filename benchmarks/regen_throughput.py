@@ -104,7 +104,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
             max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
             after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
-            prepare_ahead=args.prepare_ahead,
+            prepare_ahead=args.prepare_ahead, schedule=args.schedule,
         ):
             pass
         _sync()
@@ -268,6 +268,8 @@ def main() -> None:
                         "(generation.ATTENTION_GROUP_COST_PAIRS)")
     p.add_argument("--decode-window", type=int, default=None,
                    help="decode steps per host round trip (generation.DECODE_WINDOW: 8 on a GPU, 1 on a CPU)")
+    p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
+                   help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
@@ -345,7 +347,7 @@ def main() -> None:
                          "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
                          "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
                          "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
-                         "decode_window": generation.DECODE_WINDOW[device]})
+                         "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -689,3 +689,36 @@ def test_prepare_ahead_thread_ends_when_closed_or_halted(target):
     ahead, inline = halted_run(4), halted_run(0)
     assert not _prepare_threads()
     assert ahead == inline and inline[1]["halted"] and 0 < len(inline[0]) < len(convs)
+
+
+def test_schedule_orders_by_user_turns_and_changes_no_record(target):
+    """``most_turns_first`` starts conversations with more user turns first (stably; by their given
+    position, which keys a conversation without a location, so the order changes no answer):
+    records (as a set) and every stats counter but the prefill forwards equal those of the given order."""
+    from nemo_dflash.data.loops import LoopDetector
+
+    convs = [[{"role": "user", "content": f"c{i} t{t}"} for t in range(n)] for i, n in enumerate([1, 3, 2, 3, 0])]
+    order = [i for i, _ in regen._scheduled(convs, "most_turns_first", "all")]
+    assert order == [1, 3, 2, 0, 4]  # 3, 3, 2, 1, 0 user turns; ties keep the given order
+    assert [i for i, _ in regen._scheduled(convs, "given", "all")] == [0, 1, 2, 3, 4]
+    assert [i for i, _ in regen._scheduled(convs, "most_turns_first", "first")] == [0, 1, 2, 3, 4]
+
+    _, tokenizer = target
+    model, convs = _word_model("llama", tokenizer), _mixed_conversations()
+    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
+    limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
+    runs = {}
+    for schedule in regen.SCHEDULES:
+        stats = RegenStats()
+        records = list(regenerate_conversations(
+            model, tokenizer, convs, max_new_tokens=16, turns="all", batch_size=2, after_cut="continue",
+            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats, schedule=schedule))
+        runs[schedule] = records, _comparable(stats)
+    (given, given_stats), (sched, sched_stats) = runs["given"], runs["most_turns_first"]
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    assert sorted(map(key, sched)) == sorted(map(key, given))
+    given_stats.pop("prefill_calls"), sched_stats.pop("prefill_calls")  # how refills split: the schedule's
+    assert given_stats == sched_stats
+    assert [r["messages"][0] for r in sched] != [r["messages"][0] for r in given]  # the order did change
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        regenerate_conversations(model, tokenizer, convs, turns="all", schedule="shortest")

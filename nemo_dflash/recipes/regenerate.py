@@ -69,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8,
                    help="answers in flight (slots: rows of the KV cache; generate: prompts per call)")
     p.add_argument("--max-prefill-tokens", type=int, default=65536,
-                   help="slots: cap on rows x longest prompt of one refill's prefill")
+                   help="slots: cap on the prompt tokens of one prefill forward (a refill's prompts are packed "
+                        "into one row)")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="conversations whose first prompt is templated and tokenised ahead on a background "
                         "thread, overlapping the GPU (0: inline); the output does not depend on it")
+    p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
+                   help="--turns all: the order conversations start in; starting those with the most turns "
+                        "first shortens the tail where the batch empties; the output does not depend on it")
     p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
                    help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
                         "ends there), drop the turn, or keep it")
@@ -372,7 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
-            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
+            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead, schedule=args.schedule,
             stats=stats, progress=progress, should_stop=out_of_time,
         )
     try:
