@@ -9,8 +9,9 @@ as characters / 4). Each step, every busy slot generates one token; a conversati
 continues in its slot at the next refill, and a refill happens once 1/16 of the slots are idle
 (generation.REFILL_FRACTION) or nothing is waiting. Prints steps to finish and the tail (steps
 run with fewer than half the slots busy) for the given order, a shuffle (what the `regenerate`
-recipe's selection does), most turns first, and longest conversation first (an oracle: it needs
-the answers' lengths in advance).
+recipe's selection does), most user turns first (the recipe's schedule; --sharegpt-turns counts
+them in the source, as the recipe does), and longest conversation first (an oracle: it needs the
+answers' lengths in advance).
 """
 
 from __future__ import annotations
@@ -20,22 +21,39 @@ import collections
 import gzip
 import heapq
 import json
+import os
 import random
-from typing import Any, Sequence
+import sys
+from typing import Any, Optional, Sequence
 
 
-def load_answers(path: str) -> list[tuple[list[int], int]]:
-    """Each conversation: (its answers' token lengths, characters of its user turns)."""
+def load_answers(path: str, source_turns: Optional[list[int]] = None) -> list[tuple[list[int], int]]:
+    """Each conversation: (its answers' token lengths, its user turns: in ``source_turns`` at the
+    record's source line when given, else those answered)."""
     opener = gzip.open if path.endswith(".gz") else open
     out = []
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
-            messages = json.loads(line)["messages"]
+            record = json.loads(line)
+            messages = record["messages"]
             answers = [max(1, len(m["content"]) // 4) for m in messages if m["role"] == "assistant"]
-            users = sum(len(m["content"]) for m in messages if m["role"] == "user")
+            users = sum(m["role"] == "user" for m in messages)
+            if source_turns is not None:
+                users = source_turns[int(record["source"].rsplit(":", 1)[1]) - 1]
             if answers:
                 out.append((answers, users))
     return out
+
+
+def sharegpt_user_turns() -> list[int]:
+    """User turns of every conversation of the bundled ShareGPT file, in file order (the order of
+    benchmarks/sharegpt_first_turns.py's lines, which the records' sources number from 1)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from nemo_dflash.data import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.loading import package_file
+    from nemo_dflash.regenerate import split_prompt
+
+    return [len(split_prompt(c.messages, "all")[1]) for c in read_conversations(str(package_file(*SHAREGPT_FILE)))]
 
 
 def simulate(convs: Sequence[list[int]], slots: int, refill_fraction: int = 16) -> dict[str, Any]:
@@ -74,15 +92,18 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--slots", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sharegpt-turns", action="store_true",
+                   help="order by the user turns of each record's ShareGPT source (what `regenerate` knows before "
+                        "it starts: --data from sharegpt_first_turns.py --turns=all), not by the turns answered")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    data = load_answers(args.data)
+    data = load_answers(args.data, sharegpt_user_turns() if args.sharegpt_turns else None)
     shuffled = data[:]
     random.Random(args.seed).shuffle(shuffled)
     orders = {
         "given": data,
         "shuffled": shuffled,
-        "most turns first": sorted(shuffled, key=lambda x: (-len(x[0]), -x[1])),
+        "most turns first": sorted(shuffled, key=lambda x: -x[1]),  # stable: the recipe's schedule
         "longest chain first (oracle)": sorted(shuffled, key=lambda x: -sum(x[0])),  # needs the answers
     }
     turns = sum(len(a) for a, _ in data)
@@ -99,7 +120,8 @@ def main() -> None:
         print(f"{name:<30} {r['steps']:>7} {r['tail_steps']:>11} {r['mean_busy']:>10}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"data": args.data, "slots": args.slots, "conversations": len(data), "turns": turns,
+            json.dump({"data": args.data, "slots": args.slots, "turns_from": "sharegpt source" if args.sharegpt_turns
+                       else "answered", "conversations": len(data), "turns": turns,
                        "answer_tokens": tokens, "dense_steps": round(tokens / args.slots, 1), "longest_chain": chain,
                        "rows": rows}, f, indent=1)
 
