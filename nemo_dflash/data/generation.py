@@ -1034,13 +1034,18 @@ class SlotEngine:
                 self._active[idx] = 0
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
                     self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
+            launching = 0.0
             if requests:
                 # The next window runs on the GPU while the caller handles ``done`` (decoding, the next
                 # turn's template, writing): slots refilled meanwhile join the window after. Answers
-                # are keyed by request and position, so this changes no output.
+                # are keyed by request and position, so this changes no output. (On a CPU the steps
+                # run here, synchronously: counted as decode.)
+                t3 = time.perf_counter()
                 self._launch_window()
+                launching = time.perf_counter() - t3
+                self.seconds["decode"] += launching
                 in_flight = True
-            self.seconds["host"] += time.perf_counter() - t1 - checking
+            self.seconds["host"] += time.perf_counter() - t1 - checking - launching
             yield from self._handed(done)
 
     def _handed(self, done: list[Completion]) -> Iterator[Completion]:
