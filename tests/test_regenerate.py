@@ -607,13 +607,13 @@ def test_prepare_ahead_equals_inline(target, monkeypatch):
     model, convs = _word_model("qwen3", tokenizer), _mixed_conversations()
     detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
     limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
-    real_encode, encoded = regen.encode_prompt, []
+    real_encode, encoded = regen.encode_prompt_text, []
 
-    def encode(tok, messages):
+    def encode(tok, messages, previous=None):
         encoded.append((threading.current_thread().name, tok))
-        return real_encode(tok, messages)
+        return real_encode(tok, messages, previous)
 
-    monkeypatch.setattr(regen, "encode_prompt", encode)
+    monkeypatch.setattr(regen, "encode_prompt_text", encode)
     runs = {}
     for ahead, bs in ((0, 2), (4, 2), (1, 1), (0, 1)):
         stats, calls = RegenStats(), []
@@ -722,3 +722,51 @@ def test_schedule_orders_by_user_turns_and_changes_no_record(target):
     assert [r["messages"][0] for r in sched] != [r["messages"][0] for r in given]  # the order did change
     with pytest.raises(ValueError, match="schedule must be one of"):
         regenerate_conversations(model, tokenizer, convs, turns="all", schedule="shortest")
+
+
+class _CallSpy:
+    """A tokenizer whose encodings are recorded (the text lengths it was asked to tokenise)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self._tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+def test_later_turns_reuse_the_previous_prompts_tokens_exactly(which):
+    """A later turn's ids from the previous prompt's tokens (up to its last special token) plus the
+    rest, tokenised alone, equal a whole encoding: answers starting or ending in whitespace and
+    newlines, code, unicode, a reasoning block (which Qwen3's template drops from earlier turns).
+    The reuse happens (the spy sees shorter texts); a previous prompt that the new one does not
+    extend falls back to the whole encoding."""
+    from _data_fixtures import qwen3_tokenizer, smollm2_tokenizer
+
+    from nemo_dflash.data.chat_template import encode_prompt_text
+
+    tokenizer = smollm2_tokenizer() if which == "smollm2" else qwen3_tokenizer()
+    answers = ["\n\nSure:\n```py\ndef f(x):\n    return x  # ok\n```\n", "  leading spaces and trailing\n\n",
+               "Ünïcödé — 日本語 ✓", "<think>\nreasoning here\n</think>\n\nThe answer is 4.", "ok"]
+    users = ["first question?", "\nsecond, with a newline first", "third", "fourth: 2+2?", "fifth"]
+    messages, previous, reused, whole_lengths = [], None, 0, []
+    for user, answer in zip(users, answers):
+        messages.append({"role": "user", "content": user})
+        spy = _CallSpy(tokenizer)
+        ids, text = encode_prompt_text(spy, messages, previous)
+        whole, whole_text = encode_prompt_text(tokenizer, messages)
+        assert ids == whole and text == whole_text
+        reused += previous is not None and spy.lengths[-1] < len(text)
+        whole_lengths.append(len(text))
+        previous = (text, ids)
+        messages.append({"role": "assistant", "content": answer})
+    assert reused >= 3  # most later turns tokenised only their new part
+    # a previous prompt that the new one does not extend (another conversation): the whole text
+    spy = _CallSpy(tokenizer)
+    other = [{"role": "user", "content": "unrelated"}]
+    assert encode_prompt_text(spy, other, previous)[0] == encode_prompt_text(tokenizer, other)[0]
+    assert spy.lengths == [len(encode_prompt_text(tokenizer, other)[1])]

@@ -312,8 +312,29 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[in
     Rendered to text and tokenised without adding special tokens, so a BOS the template writes is
     not doubled. Template errors propagate as jinja raised them; callers decide whether they skip.
     """
+    return encode_prompt_text(tokenizer, messages)[0]
+
+
+def encode_prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                       previous: Optional[tuple[str, Sequence[int]]] = None) -> tuple[list[int], str]:
+    """(:func:`encode_prompt`'s ids, the rendered text). ``previous``: the (text, ids) of an earlier
+    prompt of the same conversation. When the new text starts with that text up to its last
+    special token, only the rest is tokenised: a fast tokenizer splits its input at special
+    (added) tokens and tokenises the pieces apart, so the ids equal a whole encoding, and a later
+    turn costs the tokenisation of its new part instead of the whole history. Otherwise (a template
+    that rewrites earlier turns, a slow tokenizer) the whole text is tokenised."""
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if previous is not None and getattr(tokenizer, "is_fast", False):
+        prev_text, prev_ids = previous
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        last = next((k for k in range(len(prev_ids) - 1, -1, -1) if prev_ids[k] in special), None)
+        if last is not None:
+            marker = tokenizer.convert_ids_to_tokens(int(prev_ids[last]))
+            cut = prev_text.rfind(marker)
+            if cut >= 0 and text.startswith(prev_text[:cut]):
+                rest = tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+                return list(prev_ids[:last]) + list(rest), text
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 
 # The template knowledge lives in data/chat_template.py; these names stay importable from here.
 from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
-    TURNS, encode_prompt, special_token_strings, split_prompt, stop_token_ids,
+    TURNS, encode_prompt, encode_prompt_text, special_token_strings, split_prompt, stop_token_ids,
 )
 from nemo_dflash.data.generation import Completion, Request, SlotEngine
 from nemo_dflash.data.loops import LoopDetector
@@ -110,6 +110,7 @@ class _Job:
     next_user: int = 0
     finish_reason: Optional[str] = None
     prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""  # the rendered prompt of ``prompt_ids`` (a later turn reuses its tokens)
     last: Optional[Completion] = None  # the answer of the turn before the one being asked
     kept: Counter = field(default_factory=Counter)  # tokens / loops / capped of the answers kept so far
 
@@ -135,17 +136,32 @@ def prompt_problem(
     User text containing a special-token string (a literal ``<|im_end|>``) would forge template
     markers, and the training data reader rejects it anyway.
     """
+    ids, _, reason = prompt_problem_text(tokenizer, messages, max_prompt_tokens=max_prompt_tokens, specials=specials)
+    return ids, reason
+
+
+def prompt_problem_text(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    max_prompt_tokens: Optional[int] = None,
+    specials: Optional[Sequence[str]] = None,
+    previous: Optional[tuple[str, Sequence[int]]] = None,
+) -> tuple[list[int], str, Optional[str]]:
+    """:func:`prompt_problem` with the rendered text: (ids, text, None) or ([], "", the reason).
+    ``previous``: the conversation's previous prompt (text, ids), whose tokens are reused
+    (:func:`encode_prompt_text`)."""
     specials = special_token_strings(tokenizer) if specials is None else specials
     if any(s in m["content"] for m in messages for s in specials):
-        return [], "special_tokens_in_prompt"
+        return [], "", "special_tokens_in_prompt"
     try:
-        ids = encode_prompt(tokenizer, messages)
+        ids, text = encode_prompt_text(tokenizer, messages, previous)
     except Exception as e:  # jinja raises anything (TemplateError, TypeError, ...)
         logger.debug("chat template failed: %s", e)
-        return [], "template_error"
+        return [], "", "template_error"
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        return [], "prompt_too_long"
-    return ids, None
+        return [], "", "prompt_too_long"
+    return ids, text, None
 
 
 def _pad_id(tokenizer: Any, stop_ids: Sequence[int]) -> int:
@@ -257,8 +273,10 @@ def _ask_next_turn(
     """Append ``job``'s next user turn and tokenise the prompt with ``tokenizer``; the reason it
     cannot be asked, if any (the turn is then taken back out of ``job.messages``)."""
     job.messages.append({"role": "user", "content": job.users[job.next_user]})
-    job.prompt_ids, reason = prompt_problem(tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens,
-                                            specials=specials)
+    previous = (job.prompt_text, job.prompt_ids) if job.prompt_text else None
+    ids, text, reason = prompt_problem_text(tokenizer, job.messages, max_prompt_tokens=max_prompt_tokens,
+                                            specials=specials, previous=previous)
+    job.prompt_ids, job.prompt_text = ids, text
     if reason is not None:
         job.messages.pop()
     return reason
