@@ -37,8 +37,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         ph, calls = r["phase_seconds"] or {}, r["prefill_calls"] or {}
         prefill = sum(v for k, v in ph.items() if k.startswith("prefill"))
-        out.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['seconds']} | {prefill:.1f} ({sum(calls.values())}) "
-                   f"| {ph.get('decode', 0):.1f} | {ph.get('caller', 0):.1f} "
+        out.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['seconds']} "
+                   f"| {prefill:.1f} ({sum(calls.values())}) | {ph.get('decode', 0):.1f} | {ph.get('caller', 0):.1f} "
                    f"| {ph.get('host', 0) + ph.get('loop_check', 0):.1f} |")
     return "\n".join(out)
 
