@@ -25,21 +25,24 @@ def load_row(label: str, path: str) -> dict[str, Any]:
     return {"label": label, "file": path, "new_tokens": r["tokens"], "seconds": round(r["seconds"], 1),
             "tokens_per_s": round(r["tokens_per_s"], 1), "turns": finish.get("turns"),
             "batch_size": r.get("batch_size"), "phase_seconds": finish.get("phase_seconds"),
-            "prefill_calls": finish.get("prefill_calls"), "engine": r.get("engine")}
+            "prefill_calls": finish.get("prefill_calls"), "gpu_seconds": finish.get("gpu_seconds"),
+            "engine": r.get("engine")}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| run | tokens/s | s | prefill s (forwards) | decode s | caller s | host + loop s |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| run | tokens/s | s | prefill s (forwards) | decode s | caller s | host + loop s "
+           "| GPU busy: decode + prefill s |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("failed"):
-            out.append(f"| {r['label']} | failed (no row: see its log) | | | | | |")
+            out.append(f"| {r['label']} | failed (no row: see its log) | | | | | | |")
             continue
-        ph, calls = r["phase_seconds"] or {}, r["prefill_calls"] or {}
+        ph, calls, gpu = r["phase_seconds"] or {}, r["prefill_calls"] or {}, r.get("gpu_seconds") or {}
         prefill = sum(v for k, v in ph.items() if k.startswith("prefill"))
+        busy = f"{gpu.get('decode', 0):.1f} + {gpu.get('prefill', 0):.1f}" if gpu else "(not recorded)"
         out.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['seconds']} "
                    f"| {prefill:.1f} ({sum(calls.values())}) | {ph.get('decode', 0):.1f} | {ph.get('caller', 0):.1f} "
-                   f"| {ph.get('host', 0) + ph.get('loop_check', 0):.1f} |")
+                   f"| {ph.get('host', 0) + ph.get('loop_check', 0):.1f} | {busy} |")
     return "\n".join(out)
 
 

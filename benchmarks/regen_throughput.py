@@ -119,6 +119,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
                        "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
                        "shortened": dict(stats.shortened),
                        "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())},
+                       "gpu_seconds": {k: round(v, 1) for k, v in sorted(stats.gpu_seconds.items())},
                        "prefill_calls": dict(stats.prefill_calls)}}
 
 
@@ -135,6 +136,8 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
         pass
     engine.generated_tokens = engine.steps = 0
     engine.seconds.clear()
+    engine.gpu.read()
+    engine.gpu.seconds.clear()
     pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
     finish = collections.Counter()
     _sync()
@@ -144,6 +147,8 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     _sync()
     dt = time.perf_counter() - t0
     split = {k: round(v, 2) for k, v in engine.seconds.items()}
+    engine.gpu.read()
+    split.update({f"gpu_{k}": round(v, 2) for k, v in engine.gpu.seconds.items()})
     return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "phase_seconds": split,
             "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
             "finish": dict(finish, steps=engine.steps, **split)}
@@ -178,6 +183,8 @@ def run_step(model, prompts, args, stop_ids) -> dict:
     out = {"eager_forward_ms": timed(lambda: engine._decode_logits())}
     logits = engine._decode_logits()
     out["eager_step_ms"] = timed(lambda: engine._step())
+    if engine.decode_compile:
+        out["compiled_step_ms"] = timed(lambda: engine._step_fn())
     for k in (16, 64, 256):
         out[f"sample_ms_k{k}"] = timed(lambda: keyed_sample_candidates(
             logits, keys, pos, seed=0, temperature=args.temperature, top_p=args.top_p, candidates=k))
@@ -187,6 +194,11 @@ def run_step(model, prompts, args, stop_ids) -> dict:
         engine._capture()
         out["graph_step_ms"] = timed(lambda: engine._graph.replay())
         out["graph_decode_ms"] = timed(lambda: (engine._launch(), engine._collect()))
+        if engine.decode_compile:  # the same graph of the eager step, for the A/B in one process
+            engine._graph = None
+            engine._uncompile()
+            engine._capture()
+            out["graph_step_eager_ms"] = timed(lambda: engine._graph.replay())
     out["mean_fill"] = float(engine.cache.lengths.float().mean())
     return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
 
@@ -268,6 +280,8 @@ def main() -> None:
                         "(generation.ATTENTION_GROUP_COST_PAIRS)")
     p.add_argument("--decode-window", type=int, default=None,
                    help="decode steps per host round trip (generation.DECODE_WINDOW: 8 on a GPU, 1 on a CPU)")
+    p.add_argument("--decode-compile", choices=("on", "off"), default=None,
+                   help="the decode step through torch.compile before capture (generation.DECODE_COMPILE)")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,
@@ -290,6 +304,8 @@ def main() -> None:
         generation.DECODE_WINDOW = {**generation.DECODE_WINDOW, device: args.decode_window}
     if args.attention_group_cost is not None:
         generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
+    if args.decode_compile:
+        generation.DECODE_COMPILE = {**generation.DECODE_COMPILE, device: args.decode_compile == "on"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
         model, tokenizer = smollm2_shape(device, dtype), None
@@ -347,7 +363,8 @@ def main() -> None:
                          "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
                          "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
                          "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
-                         "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule})
+                         "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule,
+                         "decode_compile": generation.DECODE_COMPILE[device]})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

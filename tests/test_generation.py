@@ -433,3 +433,92 @@ def test_a_kv_cache_that_cannot_fit_is_refused_in_one_line():
         check_kv_fits(2048, 2560, per_slot, 76_000_000_000)
     cache = SlotKVCache(cfg, 2, 128, torch.device("cpu"), torch.bfloat16)
     assert cache.nbytes == 2 * SlotKVCache.slot_bytes(cfg, 128, torch.bfloat16)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_compiled_decode_step_changes_no_output(temperature):
+    """The decode step through torch.compile (inductor, here its CPU backend, over the SDPA path):
+    greedy answers are HF's unbatched greedy answers, and sampled ones (T=1, top-p 0.9, with exact
+    redos) are the eager step's, token for token."""
+    model, prompts = _llama(), _prompts()
+
+    def run(compiled: bool):
+        engine = SlotEngine(model, num_slots=4, max_prompt_tokens=64, max_new_tokens=24, stop_ids=[STOP],
+                            temperature=temperature, top_p=0.9, seed=3, use_flex=False, max_prefill_tokens=80,
+                            decode_compile=compiled)
+        done = {c.request.key: c.token_ids
+                for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+        return done, engine
+
+    got, engine = run(True)
+    assert engine.decode_compile  # it compiled and ran (no fallback)
+    if temperature == 0:
+        assert got == {i: _hf_greedy(model, p, 24) for i, p in enumerate(prompts)}
+    else:
+        ref, ref_engine = run(False)
+        assert got == ref
+        assert engine.redone == ref_engine.redone > 0
+
+
+def test_a_decode_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
+    """A compiled step that raises (an inductor without a compiler, a kernel it cannot lower) is
+    said once and replaced by the eager step; the answers are HF's greedy answers."""
+    model, prompts = _llama(), _prompts(5)
+
+    def broken(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = SlotEngine(model, num_slots=2, max_prompt_tokens=64, max_new_tokens=12, stop_ids=[STOP],
+                        use_flex=False, decode_compile=True)
+    with caplog.at_level("WARNING"):
+        done = {c.request.key: c.token_ids
+                for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+    assert not engine.decode_compile
+    assert sum("compiled decode step failed" in r.message for r in caplog.records) == 1
+    assert done == {i: _hf_greedy(model, p, 12) for i, p in enumerate(prompts)}
+
+
+def test_gpu_clock_reads_only_finished_work(monkeypatch):
+    """GpuClock adds an event pair's time once its end event has completed (query), keeps the
+    others for a later read, and never synchronises; off CUDA it records nothing."""
+    from nemo_dflash.data.generation import GpuClock
+
+    class Event:  # a CUDA event on a fake clock: recorded at a time, complete once the clock passes it
+        now, done_until = 0.0, 0.0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = Event.now
+
+        def query(self):
+            return self.at <= Event.done_until
+
+        def elapsed_time(self, end):
+            assert end.query(), "read before its work finished"
+            return (end.at - self.at) * 1e3  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = GpuClock(True)
+    start = clock.start()
+    Event.now = 2.0
+    clock.stop("decode", start)  # decode 0 -> 2 s
+    start = clock.start()
+    Event.now = 2.5
+    clock.stop("prefill", start)  # prefill 2 -> 2.5 s
+    Event.done_until = 2.0  # only the decode pair has finished
+    clock.read()
+    assert clock.seconds == {"decode": 2.0}
+    Event.done_until = 3.0
+    clock.read()
+    assert clock.seconds == {"decode": 2.0, "prefill": 0.5}
+    clock.read()  # nothing counted twice
+    assert clock.seconds == {"decode": 2.0, "prefill": 0.5}
+    off = GpuClock(False)
+    off.stop("decode", off.start())
+    off.read()
+    assert not off.seconds

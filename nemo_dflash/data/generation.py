@@ -84,6 +84,11 @@ ATTENTION_KV_READ_QUERIES = 16
 # One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s. A CPU runs
 # each step synchronously, so there a window would only idle ended slots.
 DECODE_WINDOW = {"cuda": 8, "cpu": 1}
+# Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
+# is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
+# rows its cost is mostly kernel count; inductor fuses the elementwise ones. Off until timed on a
+# GPU (regen_throughput.py --decode-compile); a step that fails to compile or capture runs eagerly.
+DECODE_COMPILE = {"cuda": False, "cpu": False}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
 _MASK32 = 0xFFFFFFFF
@@ -476,6 +481,42 @@ class Completion:
     slot: Optional[int] = None  # the slot held for a follow-up (``Request.hold``), else None
 
 
+class GpuClock:
+    """GPU time of the engine's work by phase, from CUDA event pairs read once their work is done
+    (never a synchronisation of its own). The host phases in ``SlotEngine.seconds`` overlap queued
+    GPU work; this says how long the GPU itself was busy with each (the rest of the wall time it
+    idled). A no-op off CUDA."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.seconds: collections.Counter = collections.Counter()
+        self._open: list[tuple[str, Any, Any]] = []  # (phase, start event, end event), not yet read
+
+    def start(self) -> Any:
+        if not self.enabled:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, phase: str, start: Any) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._open.append((phase, start, end))
+
+    def read(self) -> None:
+        """Add the pairs whose work has finished; keep the others for later."""
+        still = []
+        for phase, start, end in self._open:
+            if end.query():
+                self.seconds[phase] += start.elapsed_time(end) / 1e3
+            else:
+                still.append((phase, start, end))
+        self._open = still
+
+
 class SlotEngine:
     """Continuous batching over a static slot cache; see the module docstring.
 
@@ -508,6 +549,7 @@ class SlotEngine:
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
         decode_window: Optional[int] = None,
+        decode_compile: Optional[bool] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
@@ -547,6 +589,10 @@ class SlotEngine:
         if self.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        if decode_compile is None:
+            decode_compile = DECODE_COMPILE.get(self.device.type, DECODE_COMPILE["cuda"])
+        self.decode_compile = decode_compile
+        self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
         self.prefill_tokens = 0  # tokens run through a prefill forward (padding excluded)
@@ -557,12 +603,14 @@ class SlotEngine:
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
         self.seconds: collections.Counter = collections.Counter()
+        # GPU busy time by phase (decode windows, prefill forwards): CUDA events, CUDA only
+        self.gpu = GpuClock(self.device.type == "cuda")
         self.prefills: collections.Counter = collections.Counter()  # prefill forwards by kind, as above
         if self.use_flex:
             self._setup_flex()
-        logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s", num_slots, width,
+        logger.info("slot engine: %d slots x %d tokens, KV cache %.1f GB, attention %s%s%s", num_slots, width,
                     self.cache.nbytes / 1e9, "flex" if self.use_flex else "sdpa",
-                    ", CUDA graph" if self.cuda_graph else "")
+                    ", CUDA graph" if self.cuda_graph else "", ", compiled step" if decode_compile else "")
 
     def _setup_flex(self) -> None:
         """One BlockMask for every decode pass: its tensors are updated in place from the fills, so
@@ -746,12 +794,12 @@ class SlotEngine:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles flex, settles the allocator
-                    self._step()
+                for _ in range(2):  # compiles flex (and the step), settles the allocator
+                    self._step_fn()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._step()
+                self._step_fn()
             self._graph = graph
         finally:
             torch.cuda.synchronize()
@@ -765,28 +813,53 @@ class SlotEngine:
             try:
                 self._capture()
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say so once
-                logger.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly",
-                               type(e).__name__, str(e)[:200])
-                self.cuda_graph = False
-                torch.cuda.synchronize()
+                self._capture_failed(e)
         if self._graph is not None:
             self._graph.replay()
-        else:
-            try:
-                self._step()
-            except Exception as e:  # noqa: BLE001 - flex could not compile here: the SDPA path, said once
-                if not self.use_flex:
-                    raise
+            return
+        try:
+            self._step_fn()
+        except Exception as e:  # noqa: BLE001 - the compiled step, then flex, give way to what runs here
+            if self.decode_compile:
+                logger.warning("the compiled decode step failed (%s: %s); decoding with the eager step",
+                               type(e).__name__, str(e)[:200])
+                self._uncompile()
+            elif self.use_flex:
                 logger.warning("flex_attention decoding failed (%s: %s); using SDPA over the whole cache width",
                                type(e).__name__, str(e)[:200])
                 self.use_flex = False
-                self._step()
+            else:
+                raise
+            self._launch()
+
+    def _uncompile(self) -> None:
+        self.decode_compile = False
+        self._step_fn = self._step
+
+    def _capture_failed(self, error: Exception) -> None:
+        """A capture failed: retry with the eager step if the step was compiled, else decode eagerly."""
+        torch.cuda.synchronize()
+        if self.decode_compile:
+            logger.warning("CUDA graph capture of the compiled decode step failed (%s: %s); capturing the eager "
+                           "step", type(error).__name__, str(error)[:200])
+            self._uncompile()
+            try:
+                self._capture()
+                return
+            except Exception as e:  # noqa: BLE001
+                error = e
+                torch.cuda.synchronize()
+        logger.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly",
+                       type(error).__name__, str(error)[:200])
+        self.cuda_graph = False
 
     @torch.no_grad()
     def _launch_window(self) -> None:
         """Queue ``decode_window`` decode steps (graph replays on GPU: asynchronous)."""
+        start = self.gpu.start()
         for _ in range(self.decode_window):
             self._launch()
+        self.gpu.stop("decode", start)
 
     @torch.no_grad()
     def _collect(self) -> tuple[bool, bool, int]:
@@ -794,6 +867,7 @@ class SlotEngine:
         first redoing, exactly and eagerly, the rare samples of a nucleus wider than the candidates
         (the slot then ends, is due, or is reactivated for the next window)."""
         any_ended, any_wide, any_due, generated = self._flags.tolist()
+        self.gpu.read()
         self._generated.zero_()
         if any_wide:
             rows = (self._wide_at >= 0).nonzero()[:, 0]
@@ -1065,7 +1139,9 @@ class SlotEngine:
         dev = self.device
         slots = [it[0] for it in chunk]
         t0 = time.perf_counter()
+        start = self.gpu.start()
         first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
+        self.gpu.stop("prefill", start)
         first_host = first.tolist()
         continuing = sum(it[2] > 0 for it in chunk)
         kind = ("prefill_fresh" if not continuing else "prefill_continue" if continuing == len(chunk)

@@ -74,6 +74,7 @@ class RegenStats:
     reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
     seconds: float = 0.0  # time spent generating
     phase_seconds: Counter = field(default_factory=Counter)  # slots engine: seconds by phase (prefill, decode, ...)
+    gpu_seconds: Counter = field(default_factory=Counter)  # slots engine on CUDA: GPU busy seconds by phase
     prefill_calls: Counter = field(default_factory=Counter)  # slots engine: prefill forwards, fresh and continuing
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
@@ -94,6 +95,8 @@ class RegenStats:
         if self.phase_seconds:
             text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
             text += " (prefill forwards: " + ", ".join(f"{k} {v}" for k, v in sorted(self.prefill_calls.items())) + ")"
+        if self.gpu_seconds:
+            text += "; GPU busy seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gpu_seconds.items()))
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
         return text
@@ -559,6 +562,7 @@ def regenerate_conversations(
         generated0 = gen.generated_tokens
         prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
         phases0 = collections.Counter(getattr(gen, "seconds", {}))
+        gpu0 = collections.Counter(getattr(getattr(gen, "gpu", None), "seconds", {}))
         calls0 = collections.Counter(getattr(gen, "prefills", {}))
         for done in gen.generate(pending):
             job: _Job = done.request.tag
@@ -624,6 +628,10 @@ def regenerate_conversations(
         stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
         stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
         stats.phase_seconds = collections.Counter(getattr(gen, "seconds", {})) - phases0
+        gpu = getattr(gen, "gpu", None)
+        if gpu is not None:
+            gpu.read()  # the last window's events (the run ended after its collect)
+        stats.gpu_seconds = collections.Counter(getattr(gpu, "seconds", {})) - gpu0
         stats.prefill_calls = collections.Counter(getattr(gen, "prefills", {})) - calls0
 
     return run()
