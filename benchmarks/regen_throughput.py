@@ -280,6 +280,9 @@ def main() -> None:
                         "(generation.ATTENTION_GROUP_COST_PAIRS)")
     p.add_argument("--decode-window", type=int, default=None,
                    help="decode steps per host round trip (generation.DECODE_WINDOW: 8 on a GPU, 1 on a CPU)")
+    p.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
+                   help="packed prefills: attention by right-padded groups or one varlen flash call per layer "
+                        "(generation.PREFILL_ATTENTION)")
     p.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="the decode step through torch.compile before capture (generation.DECODE_COMPILE)")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
@@ -304,6 +307,8 @@ def main() -> None:
         generation.DECODE_WINDOW = {**generation.DECODE_WINDOW, device: args.decode_window}
     if args.attention_group_cost is not None:
         generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
+    if args.prefill_attention:
+        generation.PREFILL_ATTENTION = {**generation.PREFILL_ATTENTION, device: args.prefill_attention}
     if args.decode_compile:
         generation.DECODE_COMPILE = {**generation.DECODE_COMPILE, device: args.decode_compile == "on"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -364,7 +369,8 @@ def main() -> None:
                          "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
                          "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
                          "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule,
-                         "decode_compile": generation.DECODE_COMPILE[device]})
+                         "decode_compile": generation.DECODE_COMPILE[device],
+                         "prefill_attention": generation.PREFILL_ATTENTION[device]})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 
 import pytest
@@ -35,6 +36,16 @@ def _prompts(n: int = 11) -> list[list[int]]:
     return [torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
 
 
+def _set_layout(monkeypatch, layout: str) -> None:
+    """``padded``, ``packed`` (attention by groups) or ``varlen`` (packed, one varlen call per layer:
+    on CPU its per-row reference)."""
+    from nemo_dflash.data import generation
+
+    monkeypatch.setattr(generation, "PREFILL_LAYOUT", "padded" if layout == "padded" else "packed")
+    monkeypatch.setattr(generation, "PREFILL_ATTENTION", {"cuda": "groups", "cpu": "groups"} if layout != "varlen"
+                        else {"cuda": "varlen", "cpu": "varlen"})
+
+
 def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=STOP,
                          pad_token_id=0)[0, len(prompt):].tolist()
@@ -44,7 +55,7 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 @pytest.mark.parametrize("make", [_llama, _qwen3])
 @pytest.mark.parametrize("use_flex,plan,layout", [(False, "min_cost", "padded"), (True, "min_cost", "padded"),
                                                   (False, "greedy", "padded"), (False, "min_cost", "packed"),
-                                                  (True, "min_cost", "packed")])
+                                                  (True, "min_cost", "packed"), (False, "min_cost", "varlen")])
 def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex, plan, layout, monkeypatch):
     """4 slots for 11 prompts of 1-39 tokens: slots are refilled mid-run, prefills are chunked (by
     either plan) and right-padded, or packed into one row; every answer must be HF's unbatched
@@ -52,7 +63,7 @@ def test_greedy_equals_one_at_a_time_hf_generate(make, use_flex, plan, layout, m
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "PREFILL_PLAN", plan)
-    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
+    _set_layout(monkeypatch, layout)
     model, prompts = make(), _prompts()
     engine = SlotEngine(model, num_slots=4, max_prompt_tokens=64, max_new_tokens=24, stop_ids=[STOP],
                         use_flex=use_flex, max_prefill_tokens=80)
@@ -153,16 +164,18 @@ def _converse(model, *, num_slots: int, mode: str, turns: int = 3, convs: int = 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
 @pytest.mark.parametrize("mode", ["prefix", "cut", "rewrite"])
-@pytest.mark.parametrize("merge,layout", [(False, "padded"), (True, "padded"), (False, "packed")])
+@pytest.mark.parametrize("merge,layout", [(False, "padded"), (True, "padded"), (False, "packed"),
+                                          (False, "varlen")])
 def test_later_turns_continue_in_their_slot(make, mode, merge, layout, monkeypatch):
     """Each later turn prefills only what its prompt adds to its slot's tokens (a cut answer: the
     slot is set back to the cut; a rewritten history: the common prefix only), and every answer is
     HF's unbatched greedy answer to the whole prompt; with 1 or 3 slots alike, and with fresh
-    prompts and continuations in separate or shared padded prefill forwards, or packed in one."""
+    prompts and continuations in separate or shared padded prefill forwards, or packed in one
+    (attention by groups, or one varlen call)."""
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "MERGE_PREFILLS", merge)
-    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
+    _set_layout(monkeypatch, layout)
     model = make()
     engine, seen = _converse(model, num_slots=3, mode=mode)
     for (c, t), (prompt, answer) in seen.items():
@@ -191,7 +204,7 @@ def test_later_turns_continue_in_their_slot(make, mode, merge, layout, monkeypat
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen3])
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "varlen"])
 def test_fresh_prompts_and_continuations_share_a_prefill(make, layout, monkeypatch):
     """With MERGE_PREFILLS (padded) or packed, a refill that starts new conversations and continues
     others in one forward gives every answer HF's unbatched greedy answer; conversations of 1 to 3
@@ -199,7 +212,7 @@ def test_fresh_prompts_and_continuations_share_a_prefill(make, layout, monkeypat
     from nemo_dflash.data import generation
 
     monkeypatch.setattr(generation, "MERGE_PREFILLS", True)
-    monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
+    _set_layout(monkeypatch, layout)
     model, turns_of = make(), [1, 3, 2, 1, 3, 2, 3]
     engine, seen = _converse(model, num_slots=3, mode="prefix", convs=len(turns_of), turns_of=turns_of)
     assert engine.prefills["prefill_mixed"] >= 1  # the case under test happened
@@ -522,3 +535,21 @@ def test_gpu_clock_reads_only_finished_work(monkeypatch):
     off.stop("decode", off.start())
     off.read()
     assert not off.seconds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash varlen kernel runs on GPUs")
+def test_flash_varlen_attention_equals_the_per_row_reference():
+    """PyTorch's flash varlen kernel, causal aligned at each row's end (rows with a cached prefix:
+    fewer queries than keys), GQA 9:3 as SmolLM2, bf16: the per-row SDPA reference's output."""
+    from nemo_dflash.data.generation import varlen_attention, varlen_attention_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_lens, k_lens = [5, 1, 130, 40, 7], [5, 300, 130, 41, 900]  # fresh, decode-like, fresh, 1 cached, long prefix
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), 9, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(sum(k_lens), 3, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sum(k_lens), 3, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.125)
+    ref = varlen_attention_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

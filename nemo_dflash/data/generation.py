@@ -75,6 +75,12 @@ PREFILL_LAYOUT = "packed"
 # computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
 # pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
 ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
+# How a packed prefill attends: "groups" (the rows split into right-padded SDPA batches by
+# min_cost_attention_plan: ~a dozen groups x 5 kernels per layer, launched eagerly) or "varlen"
+# (one variable-length flash-attention call per layer over every row, keys gathered from the
+# slots; on CPU or in fp32 a per-row reference computes the same thing). "groups" until varlen is
+# timed on a GPU (regen_throughput.py --prefill-attention).
+PREFILL_ATTENTION = {"cuda": "groups", "cpu": "groups"}
 ATTENTION_KV_READ_QUERIES = 16
 # Decode steps launched per host round trip. The host reads the step's flags (answers that ended,
 # loop checks due) only once per window, so its bookkeeping and the caller's work (the next turn's
@@ -272,13 +278,29 @@ class _Group:
 
 
 @dataclass
+class _Varlen:
+    """A packed prefill's attention as one variable-length call: row r's queries are packed tokens
+    ``cu_q[r]:cu_q[r+1]`` and its keys, gathered from its slot, are positions 0.. of ``kv_slot`` /
+    ``kv_pos`` entries ``cu_k[r]:cu_k[r+1]`` (its prefix, then its new tokens): causal aligned at
+    the end (query i of a row of q queries and k keys sees keys 0..k-q+i)."""
+
+    kv_slot: torch.Tensor  # [keys] slot of each gathered key
+    kv_pos: torch.Tensor  # [keys] its position in the slot
+    cu_q: torch.Tensor  # [rows + 1] int32
+    cu_k: torch.Tensor  # [rows + 1] int32
+    max_q: int
+    max_k: int
+
+
+@dataclass
 class _Packed:
     """Where a packed prefill's tokens go: token t of the row is slot ``slot[t]`` position ``pos[t]``;
-    the groups cover the tokens in order."""
+    the groups cover the tokens in order (or ``varlen`` attends over every row in one call)."""
 
     slot: torch.Tensor
     pos: torch.Tensor
     groups: list[_Group]
+    varlen: Optional[_Varlen] = None
 
 
 @dataclass
@@ -371,6 +393,11 @@ def _packed_attention(cache_k: torch.Tensor, cache_v: torch.Tensor, packed: _Pac
     q_tok, k_tok, v_tok = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, heads, D]
     cache_k[packed.slot, :, packed.pos] = k_tok
     cache_v[packed.slot, :, packed.pos] = v_tok
+    if packed.varlen is not None:
+        vl = packed.varlen
+        k = cache_k[vl.kv_slot, :, vl.kv_pos]  # [keys, KV heads, D]
+        v = cache_v[vl.kv_slot, :, vl.kv_pos]
+        return varlen_attention(q_tok, k, v, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, scaling)[None]
     heads, dim = q_tok.shape[1:]
     outs = []
     for g in packed.groups:
@@ -386,6 +413,34 @@ def _packed_attention(cache_k: torch.Tensor, cache_v: torch.Tensor, packed: _Pac
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
         outs.append(out.transpose(1, 2).reshape(g.rows * g.width, heads, dim)[g.real])
     return torch.cat(outs)[None]
+
+
+def varlen_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                               cu_k: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """:func:`varlen_attention` one row at a time with SDPA and an explicit end-aligned causal mask."""
+    outs = []
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(bounds_q) - 1):
+        q = query[bounds_q[r]:bounds_q[r + 1]].transpose(0, 1)[None]  # [1, H, q, D]
+        k = key[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
+        v = value[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
+        nq, nk = q.shape[2], k.shape[2]
+        mask = torch.arange(nk, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:
+    """Causal attention over packed rows of different lengths, aligned at each row's end:
+    q [queries, H, D], k/v [keys, KV heads, D] -> [queries, H, D]. On CUDA in 16-bit, one flash
+    call (PyTorch's own varlen kernel, GQA native); elsewhere :func:`varlen_attention_reference`."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._flash_attention_forward(
+            query, key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+        return out
+    return varlen_attention_reference(query, key, value, cu_q, cu_k, scale)
 
 
 def check_supported(model: nn.Module) -> None:
@@ -691,19 +746,24 @@ class SlotEngine:
     def _packed_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
         """The prompts' tokens packed into one row (no padding outside attention) -> the last prompt
         token's hidden state [R, hidden]. Attention runs per group of rows: fresh rows apart from
-        continuing ones, each sorted by span and split by :func:`min_cost_attention_plan`."""
+        continuing ones, each sorted by span and split by :func:`min_cost_attention_plan`; or, with
+        ``PREFILL_ATTENTION`` "varlen", as one :func:`varlen_attention` call over every row."""
         dev = self.device
         start = np.asarray(starts, dtype=np.int64)
         lens = np.fromiter((len(r.prompt_ids) for r in requests), dtype=np.int64, count=len(requests)) - start
         span = start + lens
-        group_cost = ATTENTION_GROUP_COST_PAIRS.get(dev.type, ATTENTION_GROUP_COST_PAIRS["cuda"])
-        plan: list[np.ndarray] = []  # the rows of each group, in packed order
-        for fresh in (True, False):
-            idx = np.flatnonzero((start == 0) == fresh)
-            idx = idx[np.argsort(span[idx], kind="stable")]
-            kv_read = 0.0 if fresh else ATTENTION_KV_READ_QUERIES
-            plan += [idx[i:j] for i, j in min_cost_attention_plan(lens[idx], span[idx], group_cost, kv_read)]
-        order = np.concatenate(plan)
+        varlen = PREFILL_ATTENTION.get(dev.type, PREFILL_ATTENTION["cuda"]) == "varlen"
+        plan: list[np.ndarray] = []  # the rows of each attention group, in packed order
+        if varlen:
+            order = np.arange(len(requests))
+        else:
+            group_cost = ATTENTION_GROUP_COST_PAIRS.get(dev.type, ATTENTION_GROUP_COST_PAIRS["cuda"])
+            for fresh in (True, False):
+                idx = np.flatnonzero((start == 0) == fresh)
+                idx = idx[np.argsort(span[idx], kind="stable")]
+                kv_read = 0.0 if fresh else ATTENTION_KV_READ_QUERIES
+                plan += [idx[i:j] for i, j in min_cost_attention_plan(lens[idx], span[idx], group_cost, kv_read)]
+            order = np.concatenate(plan)
         offsets = np.concatenate([[0], np.cumsum(lens[order])])
         total = int(offsets[-1])
         ids = np.fromiter(itertools.chain.from_iterable(requests[r].prompt_ids[start[r]:] for r in order),
@@ -726,9 +786,20 @@ class SlotEngine:
                 group.slots = torch.tensor([slots[r] for r in members], dtype=torch.long, device=dev)
             groups.append(group)
             first += n
-        slot_tok = torch.tensor(slots, dtype=torch.long, device=dev)[torch.from_numpy(order[row_of]).to(dev)]
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        slot_tok = slot_t[torch.from_numpy(order[row_of]).to(dev)]
         pos_t = torch.from_numpy(pos).to(dev)
-        slot_pass = _Pass(self.cache, None, decode=False, packed=_Packed(slot_tok, pos_t, groups))
+        packed = _Packed(slot_tok, pos_t, groups)
+        if varlen:  # every row's keys: its slot's positions 0..span-1
+            spans = span[order]
+            cu_k = np.concatenate([[0], np.cumsum(spans)])
+            key_row = np.repeat(np.arange(len(order)), spans)
+            kv_pos = np.arange(int(cu_k[-1])) - cu_k[:-1][key_row]
+            packed.varlen = _Varlen(
+                slot_t[torch.from_numpy(order[key_row]).to(dev)], torch.from_numpy(kv_pos).to(dev),
+                torch.from_numpy(offsets).to(dev, torch.int32), torch.from_numpy(cu_k).to(dev, torch.int32),
+                int(lens.max()), int(spans.max()))
+        slot_pass = _Pass(self.cache, None, decode=False, packed=packed)
         hidden = self.decoder(
             input_ids=torch.from_numpy(ids).to(dev)[None], position_ids=pos_t[None], use_cache=False,
             slot_pass=slot_pass,
