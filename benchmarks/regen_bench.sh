@@ -14,7 +14,8 @@
 # PLAN (prefill split: min_cost, the default, or greedy), MAX_PREFILL (rows x longest per prefill, default 65536;
 # packed: real tokens per prefill), LAYOUT (prefill forwards: packed, the default, or padded), GROUP_COST
 # (packed: an attention group's fixed cost in query-key pairs), WINDOW (decode steps per host round trip), SCHEDULE (most_turns_first, the default, or given),
-# COMPILE (on|off: the decode step through torch.compile), ATTN (groups|varlen: packed prefill attention).
+# COMPILE (on|off: the decode step through torch.compile), ATTN (groups|varlen: packed prefill attention),
+# OVERLAP (on|off: the next decode window launched before the loop checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}
@@ -29,8 +30,9 @@ EXTRA=(); [ -n "${REFILL:-}" ] && EXTRA+=(--refill-fraction "$REFILL"); [ "${MER
 [ -n "${SCHEDULE:-}" ] && EXTRA+=(--schedule "$SCHEDULE")
 [ -n "${COMPILE:-}" ] && EXTRA+=(--decode-compile "$COMPILE")
 [ -n "${ATTN:-}" ] && EXTRA+=(--prefill-attention "$ATTN")
+[ -n "${OVERLAP:-}" ] && EXTRA+=(--overlap-checks "$OVERLAP")
 EXTRA+=(--max-prefill-tokens "${MAX_PREFILL:-65536}")
-TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}${GROUP_COST:+_g$GROUP_COST}${WINDOW:+_w$WINDOW}${SCHEDULE:+_$SCHEDULE}${COMPILE:+_c$COMPILE}${ATTN:+_$ATTN}
+TAG=${REFILL:+_r$REFILL}; [ "${MERGE:-0}" = 1 ] && TAG+=_merged; TAG+=${PREPARE:+_p$PREPARE}${MAX_PREFILL:+_m$MAX_PREFILL}${PLAN:+_$PLAN}${LAYOUT:+_$LAYOUT}${GROUP_COST:+_g$GROUP_COST}${WINDOW:+_w$WINDOW}${SCHEDULE:+_$SCHEDULE}${COMPILE:+_c$COMPILE}${ATTN:+_$ATTN}${OVERLAP:+_o$OVERLAP}
 [ "$BATCH" != 1024 ] && TAG+=_b$BATCH
 mkdir -p "$OUT"
 common=(--target "$TARGET" --prompts "$DATA" --max-prompt-tokens 1536 --batch-size "$BATCH"

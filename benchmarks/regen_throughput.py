@@ -283,6 +283,8 @@ def main() -> None:
     p.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
                    help="packed prefills: attention by right-padded groups or one varlen flash call per layer "
                         "(generation.PREFILL_ATTENTION)")
+    p.add_argument("--overlap-checks", choices=("on", "off"), default=None,
+                   help="launch the next decode window before the loop checks (generation.OVERLAP_CHECKS)")
     p.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="the decode step through torch.compile before capture (generation.DECODE_COMPILE)")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
@@ -309,6 +311,8 @@ def main() -> None:
         generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
     if args.prefill_attention:
         generation.PREFILL_ATTENTION = {**generation.PREFILL_ATTENTION, device: args.prefill_attention}
+    if args.overlap_checks:
+        generation.OVERLAP_CHECKS = {**generation.OVERLAP_CHECKS, device: args.overlap_checks == "on"}
     if args.decode_compile:
         generation.DECODE_COMPILE = {**generation.DECODE_COMPILE, device: args.decode_compile == "on"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -370,7 +374,8 @@ def main() -> None:
                          "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
                          "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule,
                          "decode_compile": generation.DECODE_COMPILE[device],
-                         "prefill_attention": generation.PREFILL_ATTENTION[device]})
+                         "prefill_attention": generation.PREFILL_ATTENTION[device],
+                         "overlap_checks": generation.OVERLAP_CHECKS[device]})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -90,6 +90,13 @@ ATTENTION_KV_READ_QUERIES = 16
 # One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s. A CPU runs
 # each step synchronously, so there a window would only idle ended slots.
 DECODE_WINDOW = {"cuda": 8, "cpu": 1}
+# Launch the next decode window as soon as the ended and check-due answers are read, so the loop
+# checks and the completions' bookkeeping run under it instead of idling the GPU (~8 s of 93 at
+# 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
+# discarded and not counted, and the flags it set are cleared, so no output or count changes; the
+# host's index tensors go to the GPU from pinned memory without a synchronisation. Off until timed
+# (regen_throughput.py --overlap-checks).
+OVERLAP_CHECKS = {"cuda": False, "cpu": False}
 # Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
 # is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
 # rows its cost is mostly kernel count; inductor fuses the elementwise ones. Off until timed on a
@@ -647,6 +654,7 @@ class SlotEngine:
         if decode_compile is None:
             decode_compile = DECODE_COMPILE.get(self.device.type, DECODE_COMPILE["cuda"])
         self.decode_compile = decode_compile
+        self.overlap_checks = OVERLAP_CHECKS.get(self.device.type, OVERLAP_CHECKS["cuda"])
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
@@ -654,6 +662,7 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
+        self.discarded = 0  # OVERLAP_CHECKS: tokens of answers cut at a loop, decoded in the window past the cut
         self.redone = 0  # decode samples redone over the whole vocabulary (a nucleus wider than the candidates)
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
@@ -711,9 +720,9 @@ class SlotEngine:
         forward = self._packed_forward if PREFILL_LAYOUT == "packed" else self._padded_forward
         with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
             last = forward(slots, requests, starts)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        self.cache.lengths[slot_t] = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long, device=dev)
-        keys = torch.tensor([r.key for r in requests], dtype=torch.long, device=dev)
+        slot_t = self._index(slots)
+        self.cache.lengths[slot_t] = self._index([len(r.prompt_ids) for r in requests])
+        keys = self._index([r.key for r in requests])
         return self._sample(self._logits(last), keys, torch.zeros_like(keys))
 
     def _padded_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
@@ -778,17 +787,17 @@ class SlotEngine:
             cols = np.arange(width)[None, :]
             gather = offsets[first:first + n, None] + np.minimum(cols, glen[:, None] - 1)  # pads repeat the last
             real = np.flatnonzero((cols < glen[:, None]).ravel())
-            group = _Group(n, width, torch.from_numpy(gather.ravel()).to(dev), torch.from_numpy(real).to(dev))
+            group = _Group(n, width, self._index(gather.ravel()), self._index(real))
             if start[members].any():
                 keys = min(self.cache.width, 16 * math.ceil(int(span[members].max()) / 16))  # aligned mask rows
-                at = torch.from_numpy(start[members][:, None] + cols).to(dev)  # [n, width] each query's position
+                at = self._index(start[members][:, None] + cols)  # [n, width] each query's position
                 group.mask = (torch.arange(keys, device=dev)[None, None, :] <= at[:, :, None])[:, None]
-                group.slots = torch.tensor([slots[r] for r in members], dtype=torch.long, device=dev)
+                group.slots = self._index([slots[r] for r in members])
             groups.append(group)
             first += n
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        slot_tok = slot_t[torch.from_numpy(order[row_of]).to(dev)]
-        pos_t = torch.from_numpy(pos).to(dev)
+        slot_t = self._index(slots)
+        slot_tok = slot_t[self._index(order[row_of])]
+        pos_t = self._index(pos)
         packed = _Packed(slot_tok, pos_t, groups)
         if varlen:  # every row's keys: its slot's positions 0..span-1
             spans = span[order]
@@ -796,17 +805,17 @@ class SlotEngine:
             key_row = np.repeat(np.arange(len(order)), spans)
             kv_pos = np.arange(int(cu_k[-1])) - cu_k[:-1][key_row]
             packed.varlen = _Varlen(
-                slot_t[torch.from_numpy(order[key_row]).to(dev)], torch.from_numpy(kv_pos).to(dev),
-                torch.from_numpy(offsets).to(dev, torch.int32), torch.from_numpy(cu_k).to(dev, torch.int32),
+                slot_t[self._index(order[key_row])], self._index(kv_pos),
+                self._index(offsets, torch.int32), self._index(cu_k, torch.int32),
                 int(lens.max()), int(spans.max()))
         slot_pass = _Pass(self.cache, None, decode=False, packed=packed)
         hidden = self.decoder(
-            input_ids=torch.from_numpy(ids).to(dev)[None], position_ids=pos_t[None], use_cache=False,
+            input_ids=self._index(ids)[None], position_ids=pos_t[None], use_cache=False,
             slot_pass=slot_pass,
         ).last_hidden_state[0]
         last = np.empty(len(order), dtype=np.int64)
         last[order] = offsets[1:] - 1
-        return hidden[torch.from_numpy(last).to(dev)]
+        return hidden[self._index(last)]
 
     def _decode_logits(self) -> torch.Tensor:
         """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
@@ -940,8 +949,13 @@ class SlotEngine:
         any_ended, any_wide, any_due, generated = self._flags.tolist()
         self.gpu.read()
         self._generated.zero_()
-        if any_wide:
-            rows = (self._wide_at >= 0).nonzero()[:, 0]
+        if self.overlap_checks:  # the window's tokens of answers cut before it ran (queued after it)
+            wasted = int(self._wasted)
+            self.discarded += wasted
+            generated -= wasted
+            self._wasted.zero_()
+        rows = (self._wide_at >= 0).nonzero()[:, 0] if any_wide else None  # none left if only a cut answer's
+        if rows is not None and len(rows):
             self.redone += len(rows)
             at = self._wide_at[rows]
             fixed = _sample_full(self._wide_logits[rows].float() / self.temperature, self._keys[rows], at, self.seed,
@@ -958,6 +972,15 @@ class SlotEngine:
             any_ended = any_ended or bool(ended.any())
             any_due = any_due or bool(due.any())
         return bool(any_ended), bool(any_due), int(generated)
+
+    def _index(self, values: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """``values`` (a list or an array) on the device; on CUDA copied from pinned memory without
+        waiting for the queued steps (a pageable copy synchronises with them), so the host can
+        prepare and launch a prefill while a decode window still runs."""
+        t = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _pick(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """(tokens, rows to redo exactly or None): the branch-free sample a graph can hold."""
@@ -1010,11 +1033,12 @@ class SlotEngine:
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
             self._wide_at = torch.full((S,), -1, dtype=torch.long, device=dev)  # answer position of a redo, -1: none
             self._generated = torch.zeros((), dtype=torch.long, device=dev)
+            self._wasted = torch.zeros((), dtype=torch.long, device=dev)  # tokens of cut answers past a window
             sampled = self.temperature > 0 and self.top_p < 1.0  # only then can a sample be too wide
             vocab = self.lm_head.weight.shape[0] if sampled else 1
             self._wide_logits = torch.zeros((S, vocab), dtype=torch.float32, device=dev)
         for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths,
-                  self._generated):
+                  self._generated, self._wasted):
             t.zero_()
         self._wide_at.fill_(-1)
 
@@ -1051,7 +1075,7 @@ class SlotEngine:
         unclaimed = [s for s in held if s not in claimed]
         if unclaimed:
             free.extend(unclaimed)
-            self.cache.lengths[torch.tensor(unclaimed, dtype=torch.long, device=self.device)] = 0
+            self.cache.lengths[self._index(unclaimed)] = 0
         held.clear()
 
     def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
@@ -1134,6 +1158,7 @@ class SlotEngine:
             checking = 0.0
             ended = self._ended.nonzero()[:, 0].tolist() if any_ended else []
             due = self._due.nonzero()[:, 0].tolist() if any_due else []
+            launching, early = 0.0, False
             if ended or due:
                 slots = ended + due
                 lengths = self._answer_pos[slots].tolist()
@@ -1142,6 +1167,11 @@ class SlotEngine:
                 self._due[slots] = False
                 length_of = dict(zip(slots, lengths))
                 row_of = dict(zip(slots, rows))
+                if self.overlap_checks and len(requests) > len(ended):  # some answer goes on: launch now
+                    t3 = time.perf_counter()
+                    self._launch_window()
+                    launching = time.perf_counter() - t3
+                    in_flight = early = True
                 if self.stop_on_loop and due:
                     # each answer is checked at its own lengths k, 2k, ... (within a window an answer
                     # is due at most once, and it may have gone on past its due length): the cut does
@@ -1178,21 +1208,28 @@ class SlotEngine:
                     else:
                         free.append(s)
                         gone.append(s)
-                idx = torch.tensor(list(finished), dtype=torch.long, device=dev)
+                idx = self._index(list(finished))
                 self._active[idx] = 0
+                cut = [s for s in due if s in finished and s not in ended] if early else []
+                if cut:  # answers cut at a loop ran the window launched above: drop its tokens and flags
+                    cut_t = self._index(cut)
+                    seen = self._index([length_of[s] for s in cut])
+                    self._wasted.add_((self._answer_pos[cut_t] - seen).sum())
+                    self._ended[cut_t] = False
+                    self._due[cut_t] = False
+                    self._wide_at[cut_t] = -1
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
-                    self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
-            launching = 0.0
-            if requests:
+                    self.cache.lengths[self._index(gone)] = 0
+            if requests and not in_flight:
                 # The next window runs on the GPU while the caller handles ``done`` (decoding, the next
                 # turn's template, writing): slots refilled meanwhile join the window after. Answers
                 # are keyed by request and position, so this changes no output. (On a CPU the steps
                 # run here, synchronously: counted as decode.)
                 t3 = time.perf_counter()
                 self._launch_window()
-                launching = time.perf_counter() - t3
-                self.seconds["decode"] += launching
+                launching += time.perf_counter() - t3
                 in_flight = True
+            self.seconds["decode"] += launching
             self.seconds["host"] += time.perf_counter() - t1 - checking - launching
             yield from self._handed(done)
 
@@ -1235,13 +1272,13 @@ class SlotEngine:
                 started.append(k)
         if gone:
             free.extend(gone)
-            self.cache.lengths[torch.tensor(gone, dtype=torch.long, device=dev)] = 0
+            self.cache.lengths[self._index(gone)] = 0
         if started:
-            pick = torch.tensor(started, dtype=torch.long, device=dev)
-            idx = torch.tensor([slots[k] for k in started], dtype=torch.long, device=dev)
+            pick = self._index(started)
+            idx = self._index([slots[k] for k in started])
             self._tokens[idx] = first[pick]
             self._out[idx, 0] = first[pick]
-            self._keys[idx] = torch.tensor([chunk[k][1].key for k in started], dtype=torch.long, device=dev)
+            self._keys[idx] = self._index([chunk[k][1].key for k in started])
             self._answer_pos[idx] = 1
             self._active[idx] = 1
         return done
