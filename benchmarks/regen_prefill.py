@@ -1,7 +1,10 @@
 """Time the slot engine's prefill forwards (fresh prompts and continuations) and list their top
 CUDA kernels: the regeneration spent half its time in prefill (docs/data.md).
 
-    python benchmarks/regen_prefill.py --target SMOLLM2.gguf --prompts sharegpt_all.jsonl
+    python benchmarks/regen_prefill.py --target SMOLLM2.gguf --prompts sharegpt_all.jsonl [--attention groups,varlen]
+
+``--attention`` times each packed-prefill attention (generation.PREFILL_ATTENTION) on the same
+cases, and prints how many first tokens each agrees on with the first one listed.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ def main() -> None:
     p.add_argument("--rows", default="8,64,256")
     p.add_argument("--slots", type=int, default=1024)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--attention", default="groups", help="comma list of groups, varlen")
     args = p.parse_args()
     from nemo_dflash.data import read_conversations
+    from nemo_dflash.data import generation
     from nemo_dflash.data.generation import ATTN_NAME, Request, SlotEngine
     from nemo_dflash.loading import load_target
     from nemo_dflash.regenerate import prompt_problem, split_prompt, stop_token_ids
@@ -50,27 +55,33 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e3
 
-    print(f"{'case':<34} {'rows':>5} {'tokens':>7} {'ms':>8} {'tokens/s':>10}")
-    cases = []
-    for rows in map(int, args.rows.split(",")):
-        for name, group in (("fresh, short prompts", prompts[len(prompts) // 3:][:rows]),
-                            ("fresh, long prompts", prompts[-rows:])):
-            reqs = [Request(i, x) for i, x in enumerate(group)]
-            slots = list(range(rows))
-            ms = timed(lambda: engine._prefill(slots, reqs))
-            n = sum(map(len, group))
-            print(f"{name:<34} {rows:>5} {n:>7} {ms:>8.1f} {n / ms * 1e3:>10.0f}", flush=True)
-            cases.append((name, slots, reqs, None))
-        # continuations: slots hold the long prompts' first 80%; prefill the rest
-        group = prompts[-rows:]
-        reqs = [Request(i, x) for i, x in enumerate(group)]
-        starts = [int(len(x) * 0.8) for x in group]
-        slots = list(range(rows))
-        engine._prefill(slots, reqs)
+    print(f"{'attention':<10} {'case':<34} {'rows':>5} {'tokens':>7} {'ms':>8} {'tokens/s':>10} {'agree':>7}")
+    cases, first_of = [], {}
+
+    def run(attention: str, name: str, slots: list, reqs: list, starts, n: int) -> None:
         ms = timed(lambda: engine._prefill(slots, reqs, starts))
-        n = sum(len(x) - s for x, s in zip(group, starts))
-        print(f"{'continuation (last 20%)':<34} {rows:>5} {n:>7} {ms:>8.1f} {n / ms * 1e3:>10.0f}", flush=True)
-        cases.append(("continuation", slots, reqs, starts))
+        first = engine._prefill(slots, reqs, starts).tolist()
+        ref = first_of.setdefault((name, len(reqs)), first)
+        agree = sum(a == b for a, b in zip(first, ref)) / len(first)
+        print(f"{attention:<10} {name:<34} {len(reqs):>5} {n:>7} {ms:>8.1f} {n / ms * 1e3:>10.0f} {agree:>7.3f}",
+              flush=True)
+        cases.append((f"{attention}: {name}", slots, reqs, starts))
+
+    for attention in args.attention.split(","):
+        generation.PREFILL_ATTENTION = {**generation.PREFILL_ATTENTION, "cuda": attention}
+        for rows in map(int, args.rows.split(",")):
+            for name, group in (("fresh, short prompts", prompts[len(prompts) // 3:][:rows]),
+                                ("fresh, long prompts", prompts[-rows:])):
+                run(attention, name, list(range(rows)), [Request(i, x) for i, x in enumerate(group)], None,
+                    sum(map(len, group)))
+            # continuations: slots hold the long prompts' first 80%; prefill the rest
+            group = prompts[-rows:]
+            reqs = [Request(i, x) for i, x in enumerate(group)]
+            starts = [int(len(x) * 0.8) for x in group]
+            slots = list(range(rows))
+            engine._prefill(slots, reqs)
+            run(attention, "continuation (last 20%)", slots, reqs, starts,
+                sum(len(x) - s for x, s in zip(group, starts)))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
