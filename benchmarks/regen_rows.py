@@ -31,18 +31,20 @@ def load_row(label: str, path: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = ["| run | tokens/s | s | prefill s (forwards) | decode s | caller s | host + loop s "
-           "| GPU busy: decode + prefill s |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| GPU busy: decode + prefill s | GPU idle before: decode + prefill s |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("failed"):
-            out.append(f"| {r['label']} | failed (no row: see its log) | | | | | | |")
+            out.append(f"| {r['label']} | failed (no row: see its log) | | | | | | | |")
             continue
         ph, calls, gpu = r["phase_seconds"] or {}, r["prefill_calls"] or {}, r.get("gpu_seconds") or {}
         prefill = sum(v for k, v in ph.items() if k.startswith("prefill"))
         busy = f"{gpu.get('decode', 0):.1f} + {gpu.get('prefill', 0):.1f}" if gpu else "(not recorded)"
+        idle = (f"{gpu.get('idle_before_decode', 0):.1f} + {gpu.get('idle_before_prefill', 0):.1f}" if gpu
+                else "(not recorded)")
         out.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['seconds']} "
                    f"| {prefill:.1f} ({sum(calls.values())}) | {ph.get('decode', 0):.1f} | {ph.get('caller', 0):.1f} "
-                   f"| {ph.get('host', 0) + ph.get('loop_check', 0):.1f} | {busy} |")
+                   f"| {ph.get('host', 0) + ph.get('loop_check', 0):.1f} | {busy} | {idle} |")
     return "\n".join(out)
 
 

@@ -505,7 +505,9 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
 
 def test_gpu_clock_reads_only_finished_work(monkeypatch):
     """GpuClock adds an event pair's time once its end event has completed (query), keeps the
-    others for a later read, and never synchronises; off CUDA it records nothing."""
+    others for a later read, and never synchronises; the gap between one piece of work's end and
+    the next one's start is the GPU's idle time before that phase (none across a pause); off CUDA
+    it records nothing."""
     from nemo_dflash.data.generation import GpuClock
 
     class Event:  # a CUDA event on a fake clock: recorded at a time, complete once the clock passes it
@@ -526,22 +528,28 @@ def test_gpu_clock_reads_only_finished_work(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     clock = GpuClock(True)
-    start = clock.start()
+    start = clock.start("decode")
     Event.now = 2.0
     clock.stop("decode", start)  # decode 0 -> 2 s
-    start = clock.start()
-    Event.now = 2.5
-    clock.stop("prefill", start)  # prefill 2 -> 2.5 s
+    Event.now = 2.25
+    start = clock.start("prefill")  # idle 2 -> 2.25 s
+    Event.now = 2.75
+    clock.stop("prefill", start)  # prefill 2.25 -> 2.75 s
     Event.done_until = 2.0  # only the decode pair has finished
     clock.read()
     assert clock.seconds == {"decode": 2.0}
     Event.done_until = 3.0
     clock.read()
-    assert clock.seconds == {"decode": 2.0, "prefill": 0.5}
+    assert clock.seconds == {"decode": 2.0, "idle_before_prefill": 0.25, "prefill": 0.5}
     clock.read()  # nothing counted twice
-    assert clock.seconds == {"decode": 2.0, "prefill": 0.5}
+    assert clock.seconds == {"decode": 2.0, "idle_before_prefill": 0.25, "prefill": 0.5}
+    clock.pause()
+    Event.now = 10.0
+    clock.stop("decode", clock.start("decode"))
+    clock.read()
+    assert "idle_before_decode" not in clock.seconds  # the 7.25 s since the pause are not counted
     off = GpuClock(False)
-    off.stop("decode", off.start())
+    off.stop("decode", off.start("decode"))
     off.read()
     assert not off.seconds
 

@@ -546,19 +546,23 @@ class Completion:
 class GpuClock:
     """GPU time of the engine's work by phase, from CUDA event pairs read once their work is done
     (never a synchronisation of its own). The host phases in ``SlotEngine.seconds`` overlap queued
-    GPU work; this says how long the GPU itself was busy with each (the rest of the wall time it
-    idled). A no-op off CUDA."""
+    GPU work; this says how long the GPU itself was busy with each phase and how long it sat idle
+    before each (``idle_before_<phase>``: from the end of the previous piece of work to the start of
+    this one, i.e. the host had not yet launched it). A no-op off CUDA."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.seconds: collections.Counter = collections.Counter()
         self._open: list[tuple[str, Any, Any]] = []  # (phase, start event, end event), not yet read
+        self._last_end: Any = None  # the end event of the latest piece of work
 
-    def start(self) -> Any:
+    def start(self, phase: str) -> Any:
         if not self.enabled:
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
+        if self._last_end is not None:
+            self._open.append((f"idle_before_{phase}", self._last_end, event))
         return event
 
     def stop(self, phase: str, start: Any) -> None:
@@ -567,6 +571,11 @@ class GpuClock:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._open.append((phase, start, end))
+        self._last_end = end
+
+    def pause(self) -> None:
+        """The time until the next start is not the engine's (a run ended): no gap is counted."""
+        self._last_end = None
 
     def read(self) -> None:
         """Add the pairs whose work has finished; keep the others for later."""
@@ -936,7 +945,7 @@ class SlotEngine:
     @torch.no_grad()
     def _launch_window(self) -> None:
         """Queue ``decode_window`` decode steps (graph replays on GPU: asynchronous)."""
-        start = self.gpu.start()
+        start = self.gpu.start("decode")
         for _ in range(self.decode_window):
             self._launch()
         self.gpu.stop("decode", start)
@@ -1022,6 +1031,7 @@ class SlotEngine:
 
     def _start_state(self) -> None:
         dev, S = self.device, self.num_slots
+        self.gpu.pause()  # the time since an earlier run is not idle time of this one
         if getattr(self, "_tokens", None) is None:  # fixed tensors: a captured graph reads them
             self._tokens = torch.zeros(S, dtype=torch.long, device=dev)
             self._keys = torch.zeros(S, dtype=torch.long, device=dev)
@@ -1247,7 +1257,7 @@ class SlotEngine:
         dev = self.device
         slots = [it[0] for it in chunk]
         t0 = time.perf_counter()
-        start = self.gpu.start()
+        start = self.gpu.start("prefill")
         first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
         self.gpu.stop("prefill", start)
         first_host = first.tolist()
