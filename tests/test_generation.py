@@ -607,3 +607,29 @@ def test_overlapped_checks_discard_what_a_cut_answer_decodes_past_its_cut(window
     assert got == ref
     assert engine.generated_tokens == ref_engine.generated_tokens
     assert engine.discarded > 0
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_sampled_answers_equal_a_naive_keyed_decoding_loop(window):
+    """At T=1 and top-p 0.9 over the tiny model's flat logits many samples (first tokens included)
+    have a nucleus wider than the candidates and are redone exactly after the step or prefill that
+    drew them. Every answer must be what a naive loop gives: the whole sequence through the model
+    each step, the last logits through ``keyed_sample`` at (seed, key, position)."""
+    model, prompts = _llama(), _prompts(7)
+    engine = SlotEngine(model, num_slots=3, max_prompt_tokens=64, max_new_tokens=16, stop_ids=[STOP],
+                        temperature=1.0, top_p=0.9, seed=11, decode_window=window)
+    got = {c.request.key: c.token_ids
+           for c in engine.generate(collections.deque(Request(100 + i, p) for i, p in enumerate(prompts)))}
+    assert engine.redone > 0
+    for i, p in enumerate(prompts):
+        seq, answer = list(p), []
+        with torch.no_grad():
+            for pos in range(16):
+                logits = model(torch.tensor([seq])).logits[:, -1].float()
+                tok = int(keyed_sample(logits, torch.tensor([100 + i]), torch.tensor([pos]), seed=11,
+                                       temperature=1.0, top_p=0.9)[0])
+                if tok == STOP:
+                    break
+                answer.append(tok)
+                seq.append(tok)
+        assert got[100 + i] == answer, i

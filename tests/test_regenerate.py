@@ -51,7 +51,7 @@ def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, s
 
     first = tokenizer.convert_tokens_to_ids("Hello")
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill
+    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill_logits
 
     def pick(self, logits, keys, positions):
         out, wide = real_pick(self, logits, keys, positions)
@@ -68,7 +68,7 @@ def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, s
         return real_prefill(self, slots, requests, starts)
 
     monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill", prefill)
+    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
 
 
 @pytest.fixture

@@ -721,9 +721,11 @@ class SlotEngine:
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def _prefill(self, slots: list[int], requests: list[Request], starts: Optional[list[int]] = None) -> torch.Tensor:
+    def _prefill_logits(self, slots: list[int], requests: list[Request],
+                        starts: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill ``slots`` with the prompts (from ``starts``: the K/V before it is already in the
-        slot); the first answer token of each."""
+        slot); (the logits of each prompt's last token [R, V], the requests' keys [R]). Queued on
+        the GPU: nothing here waits for it."""
         dev, rows = self.device, len(requests)
         starts = [0] * rows if starts is None else starts
         forward = self._packed_forward if PREFILL_LAYOUT == "packed" else self._padded_forward
@@ -731,8 +733,12 @@ class SlotEngine:
             last = forward(slots, requests, starts)
         slot_t = self._index(slots)
         self.cache.lengths[slot_t] = self._index([len(r.prompt_ids) for r in requests])
-        keys = self._index([r.key for r in requests])
-        return self._sample(self._logits(last), keys, torch.zeros_like(keys))
+        return self._logits(last), self._index([r.key for r in requests])
+
+    def _prefill(self, slots: list[int], requests: list[Request], starts: Optional[list[int]] = None) -> torch.Tensor:
+        """:meth:`_prefill_logits`, then the first answer token of each prompt, sampled exactly."""
+        logits, keys = self._prefill_logits(slots, requests, starts)
+        return self._sample(logits, keys, torch.zeros_like(keys))
 
     def _padded_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
         """The prompts as right-padded rows of one batch -> the last prompt token's hidden state [R, hidden]."""
@@ -1148,7 +1154,7 @@ class SlotEngine:
                     self._check(pending[0])
                     items.append((free.pop(), pending.popleft(), 0))
                 for chunk in self._chunks(items):
-                    done.extend(self._start(chunk, requests, held, free))
+                    self._start(chunk, requests)
             if not requests:
                 yield from self._handed(done)
                 if not pending and not ready and not held:
@@ -1251,16 +1257,32 @@ class SlotEngine:
             yield c
             self.seconds["caller"] += time.perf_counter() - t0
 
-    def _start(self, chunk: list[tuple[int, Request, int]], requests: dict[int, Request],
-               held: dict[int, tuple[Completion, np.ndarray]], free: list[int]) -> list[Completion]:
-        """Prefill one chunk and start its answers; the completions of answers that ended at once."""
-        dev = self.device
+    def _start(self, chunk: list[tuple[int, Request, int]], requests: dict[int, Request]) -> None:
+        """Prefill one chunk and start its answers, without waiting for the GPU: the first tokens
+        stay there. An answer that ends at its first token is flagged ended, and a first sample whose
+        nucleus is wider than the candidates is flagged for the exact redo, as a decode step does;
+        the next collect handles both. (Waiting here for the first tokens would make the host wait
+        for the decode window in flight too.)"""
         slots = [it[0] for it in chunk]
         t0 = time.perf_counter()
         start = self.gpu.start("prefill")
-        first = self._prefill(slots, [it[1] for it in chunk], [it[2] for it in chunk])
+        logits, keys = self._prefill_logits(slots, [it[1] for it in chunk], [it[2] for it in chunk])
+        first, wide = self._pick(logits, keys, torch.zeros_like(keys))
+        idx = self._index(slots)
+        self._tokens[idx] = first
+        self._out[idx, 0] = first
+        self._keys[idx] = keys
+        self._answer_pos[idx] = 1
+        ended = torch.isin(first, self._stop_t) | (self.max_new_tokens <= 1)
+        if wide is not None:
+            ended &= ~wide
+            self._wide_at[idx] = torch.where(wide, 0, -1)
+            self._wide_logits[idx] = logits.float()  # read only for the wide rows
+        else:
+            wide = torch.zeros_like(ended)
+        self._ended[idx] = ended
+        self._active[idx] = (~(ended | wide)).long()
         self.gpu.stop("prefill", start)
-        first_host = first.tolist()
         continuing = sum(it[2] > 0 for it in chunk)
         kind = ("prefill_fresh" if not continuing else "prefill_continue" if continuing == len(chunk)
                 else "prefill_mixed")
@@ -1268,27 +1290,5 @@ class SlotEngine:
         self.prefills[kind] += 1
         self.generated_tokens += len(chunk)
         self.reused_tokens += sum(it[2] for it in chunk)
-        done, started, gone = [], [], []
-        for k, ((s, req, _), tok) in enumerate(zip(chunk, first_host)):
-            if tok in self.stop_ids or self.max_new_tokens == 1:
-                answer = [] if tok in self.stop_ids else [tok]
-                done.append(self._completion(req, answer, tok in self.stop_ids, None, s if req.hold else None))
-                if req.hold:
-                    held[s] = (done[-1], np.asarray(req.prompt_ids, dtype=np.int64))
-                else:
-                    gone.append(s)
-            else:
-                requests[s] = req
-                started.append(k)
-        if gone:
-            free.extend(gone)
-            self.cache.lengths[self._index(gone)] = 0
-        if started:
-            pick = self._index(started)
-            idx = self._index([slots[k] for k in started])
-            self._tokens[idx] = first[pick]
-            self._out[idx, 0] = first[pick]
-            self._keys[idx] = self._index([chunk[k][1].key for k in started])
-            self._answer_pos[idx] = 1
-            self._active[idx] = 1
-        return done
+        for s, req, _ in chunk:
+            requests[s] = req
