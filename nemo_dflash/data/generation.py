@@ -93,9 +93,8 @@ DECODE_WINDOW = {"cuda": 8, "cpu": 1}
 # Launch the next decode window as soon as the ended and check-due answers are read, so the loop
 # checks and the completions' bookkeeping run under it instead of idling the GPU (~8 s of 93 at
 # 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
-# discarded and not counted, and the flags it set are cleared, so no output or count changes; the
-# host's index tensors go to the GPU from pinned memory without a synchronisation. Off until timed
-# (regen_throughput.py --overlap-checks).
+# discarded and not counted, and the flags it set are cleared, so no output or count changes.
+# Off until timed (regen_throughput.py --overlap-checks).
 OVERLAP_CHECKS = {"cuda": False, "cpu": False}
 # Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
 # is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
@@ -444,9 +443,10 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     q [queries, H, D], k/v [keys, KV heads, D] -> [queries, H, D]. On CUDA in 16-bit, one flash
     call (PyTorch's own varlen kernel, GQA native); elsewhere :func:`varlen_attention_reference`."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        out = torch.ops.aten._flash_attention_forward(
-            query, key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
-        return out
+        # is_causal: flash-attention 2 aligns the causal mask at the bottom right when rows have
+        # fewer queries than keys, which is what a row continuing after its cached prefix needs
+        return torch.ops.aten._flash_attention_forward(
+            query.contiguous(), key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
     return varlen_attention_reference(query, key, value, cu_q, cu_k, scale)
 
 
