@@ -74,7 +74,7 @@ class RegenStats:
     reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
     seconds: float = 0.0  # time spent generating
     phase_seconds: Counter = field(default_factory=Counter)  # slots engine: seconds by phase (prefill, decode, ...)
-    gpu_seconds: Counter = field(default_factory=Counter)  # slots engine on CUDA: GPU busy seconds by phase
+    gpu_seconds: Counter = field(default_factory=Counter)  # slots engine on CUDA: GPU busy / idle-before seconds by phase
     prefill_calls: Counter = field(default_factory=Counter)  # slots engine: prefill forwards, fresh and continuing
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
@@ -96,7 +96,8 @@ class RegenStats:
             text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
             text += " (prefill forwards: " + ", ".join(f"{k} {v}" for k, v in sorted(self.prefill_calls.items())) + ")"
         if self.gpu_seconds:
-            text += "; GPU busy seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.gpu_seconds.items()))
+            text += "; GPU seconds (busy by phase, idle_before_*: waiting for the host): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(self.gpu_seconds.items()))
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
         return text
