@@ -579,7 +579,7 @@ def _prepare_threads() -> list:
 
 def _comparable(stats: RegenStats) -> dict:
     """Every RegenStats field but the timings (which differ from run to run)."""
-    return {k: v for k, v in vars(stats).items() if k not in ("seconds", "phase_seconds")}
+    return {k: v for k, v in vars(stats).items() if k not in ("seconds", "phase_seconds", "gpu_seconds")}
 
 
 def _mixed_conversations() -> list:
@@ -722,6 +722,28 @@ def test_schedule_orders_by_user_turns_and_changes_no_record(target):
     assert [r["messages"][0] for r in sched] != [r["messages"][0] for r in given]  # the order did change
     with pytest.raises(ValueError, match="schedule must be one of"):
         regenerate_conversations(model, tokenizer, convs, turns="all", schedule="shortest")
+
+
+def test_speed_switches_change_no_record(target):
+    """The slot engine's speed switches, passed through ``regenerate_conversations`` (what the
+    recipe's --prefill-attention / --overlap-checks / --decode-compile set): records in order and
+    every stats counter equal the defaults'; an unknown attention is refused."""
+    from nemo_dflash.data.loops import LoopDetector
+
+    _, tokenizer = target
+    model, convs = _word_model("llama", tokenizer), _mixed_conversations()
+    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
+    limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
+    runs = {}
+    for switches in ({}, {"prefill_attention": "varlen", "overlap_checks": True}):
+        stats = RegenStats()
+        records = list(regenerate_conversations(
+            model, tokenizer, convs, max_new_tokens=16, turns="all", batch_size=2, after_cut="continue",
+            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats, **switches))
+        runs[len(switches)] = records, _comparable(stats)
+    assert runs[2] == runs[0] and runs[0][1]["looping_before"] > 0
+    with pytest.raises(ValueError, match="prefill_attention must be"):
+        list(regenerate_conversations(model, tokenizer, convs, turns="all", prefill_attention="dense"))
 
 
 class _CallSpy:

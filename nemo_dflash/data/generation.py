@@ -621,11 +621,15 @@ class SlotEngine:
         reuse_slots: bool = True,
         decode_window: Optional[int] = None,
         decode_compile: Optional[bool] = None,
+        prefill_attention: Optional[str] = None,
+        overlap_checks: Optional[bool] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+        if prefill_attention not in (None, "groups", "varlen"):
+            raise ValueError(f"prefill_attention must be 'groups' or 'varlen' (got {prefill_attention!r})")
         check_supported(model)
         _register_attention()
         self.model = model
@@ -663,7 +667,10 @@ class SlotEngine:
         if decode_compile is None:
             decode_compile = DECODE_COMPILE.get(self.device.type, DECODE_COMPILE["cuda"])
         self.decode_compile = decode_compile
-        self.overlap_checks = OVERLAP_CHECKS.get(self.device.type, OVERLAP_CHECKS["cuda"])
+        # None: the device's default (the module's constants, which the benchmarks set)
+        self.prefill_attention = prefill_attention or PREFILL_ATTENTION.get(self.device.type, PREFILL_ATTENTION["cuda"])
+        self.overlap_checks = (OVERLAP_CHECKS.get(self.device.type, OVERLAP_CHECKS["cuda"]) if overlap_checks is None
+                               else overlap_checks)
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
@@ -771,12 +778,12 @@ class SlotEngine:
         """The prompts' tokens packed into one row (no padding outside attention) -> the last prompt
         token's hidden state [R, hidden]. Attention runs per group of rows: fresh rows apart from
         continuing ones, each sorted by span and split by :func:`min_cost_attention_plan`; or, with
-        ``PREFILL_ATTENTION`` "varlen", as one :func:`varlen_attention` call over every row."""
+        ``prefill_attention`` "varlen", as one :func:`varlen_attention` call over every row."""
         dev = self.device
         start = np.asarray(starts, dtype=np.int64)
         lens = np.fromiter((len(r.prompt_ids) for r in requests), dtype=np.int64, count=len(requests)) - start
         span = start + lens
-        varlen = PREFILL_ATTENTION.get(dev.type, PREFILL_ATTENTION["cuda"]) == "varlen"
+        varlen = self.prefill_attention == "varlen"
         plan: list[np.ndarray] = []  # the rows of each attention group, in packed order
         if varlen:
             order = np.arange(len(requests))

@@ -401,6 +401,9 @@ def regenerate_conversations(
     should_stop: Optional[Callable[[], bool]] = None,
     prepare_ahead: int = 0,
     schedule: str = "most_turns_first",
+    prefill_attention: Optional[str] = None,
+    decode_compile: Optional[bool] = None,
+    overlap_checks: Optional[bool] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -437,6 +440,10 @@ def regenerate_conversations(
 
     ``schedule`` (:data:`SCHEDULES`) is the order conversations start in: ``"most_turns_first"``
     (with ``turns="all"``; it reads every conversation before the first starts) or as given.
+
+    ``prefill_attention``, ``decode_compile`` and ``overlap_checks`` are the slot engine's speed
+    switches (:class:`~nemo_dflash.data.generation.SlotEngine`; None: its defaults); none of them
+    changes a record.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
@@ -465,6 +472,7 @@ def regenerate_conversations(
             model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
             stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
             stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
+            prefill_attention=prefill_attention, decode_compile=decode_compile, overlap_checks=overlap_checks,
         )
     else:
         gen = BatchedGenerateEngine(

@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in; starting those with the most turns "
                         "first shortens the tail where the batch empties; the output does not depend on it")
+    p.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
+                   help="slots: a packed prefill's attention, by right-padded groups or one flash varlen call "
+                        "per layer (default: the engine's); the output does not depend on it")
+    p.add_argument("--decode-compile", choices=("on", "off"), default=None,
+                   help="slots: the decode step through torch.compile before it is captured (default: the "
+                        "engine's); the output does not depend on it")
+    p.add_argument("--overlap-checks", choices=("on", "off"), default=None,
+                   help="slots: launch the next decode window before the loop checks (default: the engine's); "
+                        "the output does not depend on it")
     p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
                    help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
                         "ends there), drop the turn, or keep it")
@@ -112,6 +121,11 @@ def _validate(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not args.out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
+
+
+def _on_off(value: Optional[str]) -> Optional[bool]:
+    """An ``on``/``off`` switch of the command line; None: not given."""
+    return None if value is None else value == "on"
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
@@ -377,7 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
             max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead, schedule=args.schedule,
-            stats=stats, progress=progress, should_stop=out_of_time,
+            prefill_attention=args.prefill_attention, decode_compile=_on_off(args.decode_compile),
+            overlap_checks=_on_off(args.overlap_checks), stats=stats, progress=progress, should_stop=out_of_time,
         )
     try:
         with open(partial, "a", encoding="utf-8") as f:
