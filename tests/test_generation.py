@@ -633,3 +633,35 @@ def test_sampled_answers_equal_a_naive_keyed_decoding_loop(window):
                 answer.append(tok)
                 seq.append(tok)
         assert got[100 + i] == answer, i
+
+
+def test_answers_that_end_at_their_first_token(monkeypatch):
+    """An answer whose first token is a stop token, or one capped at a single token, ends at the
+    collect after its prefill (the first token stays on the device): empty or one-token answers,
+    HF's for the cap, and a held slot's follow-up still continues in it."""
+    model, prompts = _llama(), _prompts(6)
+    engine = SlotEngine(model, num_slots=2, max_prompt_tokens=64, max_new_tokens=1, stop_ids=[STOP])
+    got = {c.request.key: (c.token_ids, c.finish)
+           for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(prompts)))}
+    assert got == {i: (_hf_greedy(model, p, 1), "length") for i, p in enumerate(prompts)}
+
+    real = SlotEngine._pick
+
+    def pick(self, logits, keys, positions):  # even requests stop at once
+        out, wide = real(self, logits, keys, positions)
+        return torch.where((keys % 2 == 0) & (positions == 0), torch.full_like(out, STOP), out), wide
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    engine = SlotEngine(model, num_slots=2, max_prompt_tokens=128, max_new_tokens=6, stop_ids=[STOP])
+    pending = collections.deque(Request(i, p, hold=True) for i, p in enumerate(prompts))
+    got = {}
+    for c in engine.generate(pending):
+        got[c.request.key] = (c.token_ids, c.finish)
+        if c.request.key < 6:  # a follow-up (odd key: it answers) in the slot the first turn held
+            pending.append(Request(101 + 2 * c.request.key, c.request.prompt_ids + c.token_ids + [7], after=c))
+    for i, p in enumerate(prompts):
+        first = ([], "stop") if i % 2 == 0 else (_hf_greedy(model, p, 6), got[i][1])
+        assert got[i] == first, i
+        follow = p + got[i][0] + [7]
+        assert got[101 + 2 * i][0] == _hf_greedy(model, follow, 6), i
+    assert engine.continued == 6
