@@ -78,29 +78,35 @@ ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
 # How a packed prefill attends: "groups" (the rows split into right-padded SDPA batches by
 # min_cost_attention_plan: ~a dozen groups x 5 kernels per layer, launched eagerly) or "varlen"
 # (one variable-length flash-attention call per layer over every row, keys gathered from the
-# slots; on CPU or in fp32 a per-row reference computes the same thing). "groups" until varlen is
-# timed on a GPU (regen_throughput.py --prefill-attention).
-PREFILL_ATTENTION = {"cuda": "groups", "cpu": "groups"}
+# slots; on CPU or in fp32 a per-row reference computes the same thing). One H200, whole ShareGPT
+# set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s (docs/data.md, session 9). The CPU
+# keeps groups: its reference loops over rows.
+PREFILL_ATTENTION = {"cuda": "varlen", "cpu": "groups"}
 ATTENTION_KV_READ_QUERIES = 16
 # Decode steps launched per host round trip. The host reads the step's flags (answers that ended,
 # loop checks due) only once per window, so its bookkeeping and the caller's work (the next turn's
 # template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
 # inside the window (a slot that ends is deactivated by the step itself), so a window changes no
 # output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
-# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s. A CPU runs
-# each step synchronously, so there a window would only idle ended slots.
-DECODE_WINDOW = {"cuda": 8, "cpu": 1}
+# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s (session 8,
+# 1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
+# (session 9, one run each: within run-to-run noise). A CPU runs each step synchronously, so there a
+# window would only idle ended slots.
+DECODE_WINDOW = {"cuda": 12, "cpu": 1}
 # Launch the next decode window as soon as the ended and check-due answers are read, so the loop
 # checks and the completions' bookkeeping run under it instead of idling the GPU (~8 s of 93 at
 # 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
 # discarded and not counted, and the flags it set are cleared, so no output or count changes.
-# Off until timed (regen_throughput.py --overlap-checks).
+# Off: timed slower on an H200 (69.1k against 73.4k tokens/s, the host's seconds 6.9 -> 54.4: its
+# overlapped bookkeeping still synchronises somewhere; session 9, docs/data.md).
 OVERLAP_CHECKS = {"cuda": False, "cpu": False}
 # Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
 # is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
-# rows its cost is mostly kernel count; inductor fuses the elementwise ones. Off until timed on a
-# GPU (regen_throughput.py --decode-compile); a step that fails to compile or capture runs eagerly.
-DECODE_COMPILE = {"cuda": False, "cpu": False}
+# rows its cost is mostly kernel count; inductor fuses the elementwise ones. One H200, whole
+# ShareGPT set: GPU decode time 56.7 -> 42.9 s, 73.4k -> 93.5k tokens/s; the compile itself takes
+# ~40 s once per process (the recipe pays it, the benchmark's warm-up hides it). A step that fails to
+# compile or capture runs eagerly. Off on CPU: the tests and the demo would pay the compile.
+DECODE_COMPILE = {"cuda": True, "cpu": False}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
 _MASK32 = 0xFFFFFFFF
@@ -642,8 +648,10 @@ class SlotEngine:
         self.max_new_tokens = max_new_tokens
         width = _KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / _KV_BLOCK)
         if self.device.type == "cuda":
-            check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype),
-                          torch.cuda.mem_get_info(self.device)[0])
+            # free by the driver, plus what PyTorch's allocator holds unused (an earlier engine's cache)
+            free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                    - torch.cuda.memory_allocated(self.device))
+            check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype), free)
         self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
         self.stop_ids = set(stop_ids)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
