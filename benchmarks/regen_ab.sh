@@ -6,7 +6,9 @@
 #   bash benchmarks/regen_ab.sh TARGET SHAREGPT_JSONL OUT [LABEL ...]
 #
 # Configs (LABELs; all of them if none is named) are the lines of CONFIGS below: a label, then
-# regen_bench.sh's environment. Every config shares BATCH (default 2048) and WINDOW (default 8).
+# regen_bench.sh's environment, against the engine's defaults (on a GPU since session 9: the
+# compiled step, varlen prefills, window 12). Every config shares BATCH (default 2048) and WINDOW
+# (default: the engine's).
 # Extra environment is passed through (e.g. CONVS=4000 for a shorter set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,10 +16,9 @@ TARGET=${1:?target}; DATA=${2:?sharegpt jsonl}; OUT=${3:?out dir}; shift 3
 PY=${PYTHON:-python3}
 CONFIGS="
 base
-varlen ATTN=varlen
-compile COMPILE=on
+groups ATTN=groups
+eager COMPILE=off
 overlap OVERLAP=on
-all ATTN=varlen COMPILE=on OVERLAP=on
 given SCHEDULE=given
 "
 want=" $* "
@@ -27,7 +28,7 @@ while read -r label env; do
     if [ $# -gt 0 ] && [[ "$want" != *" $label "* ]]; then continue; fi
     echo "== $label: ${env:-defaults}"
     # shellcheck disable=SC2086 # env is a list of VAR=value words
-    env BATCH="${BATCH:-2048}" WINDOW="${WINDOW:-8}" SKIP=first PYTHON="$PY" $env \
+    env BATCH="${BATCH:-2048}" ${WINDOW:+WINDOW=$WINDOW} SKIP=first PYTHON="$PY" $env \
         bash benchmarks/regen_bench.sh "$TARGET" "$DATA" "$OUT/$label" || echo "== $label failed"
     file=$(ls "$OUT/$label"/regen_all_turns*.json 2>/dev/null | head -1 || true)
     [ -n "$file" ] && rows+=("$label=$file")
