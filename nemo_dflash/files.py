@@ -11,15 +11,17 @@ directory get the modes a plain `open()`/`mkdir()` would have given them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Optional
 
 # A run directory: <output_dir>/checkpoints/step_00000100/{draft,COMPLETE,...} and <output_dir>/final/draft.
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "step_"
 DRAFT_DIR = "draft"  # inside a checkpoint, and inside FINAL_DIR
 FINAL_DIR = "final"
-COMPLETE = "COMPLETE"  # written last: a checkpoint without it is ignored
+COMPLETE = "COMPLETE"  # written last (files, sizes, CRC-32s): a checkpoint without it is ignored
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -46,3 +48,128 @@ def apply_umask(root: Path) -> None:
         if p.is_symlink():
             continue
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+# ----------------------------------------------------------------------------- verified, durable files
+#
+# A directory marked complete (a checkpoint, a run's final/) carries a COMPLETE file listing every file
+# below it with its size and CRC-32: resume and export check them before trusting the directory, so a
+# file cut short (a full disk, a partial copy) or changed in place is named instead of loaded.
+# CRC-32 (zlib, stdlib) runs at ~4 GB/s on one core, ~4x sha256, and catches accidental damage, which
+# is all it is for (not tampering); the files are read back from the page cache right after writing.
+
+MANIFEST_FORMAT = 1
+_CHUNK = 16 << 20
+
+
+class DamagedFilesError(OSError):
+    """A directory's files do not match what its COMPLETE marker recorded."""
+
+
+def file_crc32(path: Path) -> str:
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_complete_marker(root: Path) -> None:
+    """Flush every file below ``root``, then write ``root/COMPLETE`` listing their sizes and CRC-32s.
+
+    The order is what makes the marker mean something: the files reach the disk (fsync) before the
+    marker is written, and the marker itself is flushed (temp file, fsync, rename, directory fsync).
+    """
+    root = Path(root)
+    files: dict[str, dict[str, object]] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink() and p.name != COMPLETE:
+            fsync_path(p)
+            files[p.relative_to(root).as_posix()] = {"size": p.stat().st_size, "crc32": file_crc32(p)}
+    for d in sorted({p.parent for p in root.rglob("*")} | {root}, key=lambda d: -len(d.parts)):
+        fsync_path(d)  # the directory entries of the files above
+    tmp = root / f".{COMPLETE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / COMPLETE)
+    fsync_path(root)
+
+
+def read_complete_marker(root: Path) -> Optional[dict[str, dict[str, object]]]:
+    """The files ``root/COMPLETE`` records, or None for an older marker that records none ("ok")."""
+    text = (Path(root) / COMPLETE).read_text()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data.get("files") if isinstance(data, dict) else None
+
+
+def verify_complete(root: Path, prefix: str = "") -> bool:
+    """Check the files ``root/COMPLETE`` records (those under ``prefix`` only, when given): every one
+    present with its size and CRC-32. Raises `DamagedFilesError` naming the first that differs;
+    returns False when the marker records nothing to check (written before markers listed files)."""
+    root = Path(root)
+    if not (root / COMPLETE).is_file():
+        raise DamagedFilesError(f"{root} has no {COMPLETE} marker: it was not written to the end")
+    files = read_complete_marker(root)
+    if files is None:
+        return False
+    for rel, want in files.items():
+        if prefix and not rel.startswith(prefix):
+            continue
+        p = root / rel
+        if not p.is_file():
+            raise DamagedFilesError(f"{p} is missing (listed in {root / COMPLETE})")
+        size = p.stat().st_size
+        if size != want["size"]:
+            raise DamagedFilesError(f"{p} has {size} bytes, {want['size']} were written (cut short or replaced)")
+        crc = file_crc32(p)
+        if crc != want["crc32"]:
+            raise DamagedFilesError(f"{p} is damaged: its CRC-32 is {crc}, {want['crc32']} was written")
+    return True
+
+
+# ----------------------------------------------------------------------------- output places
+
+
+def paths_overlap(a: str | Path, b: str | Path) -> bool:
+    """Whether one path is, contains or lies inside the other (symlinks and `..` resolved)."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra in rb.parents or rb in ra.parents
+
+
+def check_writable_dir(path: str | Path, what: str) -> None:
+    """Refuse, with a `PermissionError` / `NotADirectoryError` whose text names the fix, an output
+    directory that cannot be created or written. Creates ``path`` (and its parents) if missing."""
+    import tempfile
+
+    path = Path(path)
+    for p in [path, *path.parents]:
+        if p.exists() and not p.is_dir():
+            raise NotADirectoryError(
+                f"{what} {path}: {p} is a regular file, not a directory; choose another {what} or move the file"
+            )
+        if p.exists():
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".write-test"):
+            pass
+    except OSError as e:
+        raise PermissionError(
+            f"{what} {path} is not writable ({e.strerror or e}); choose a writable {what} or fix its permissions"
+        ) from None

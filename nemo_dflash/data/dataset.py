@@ -280,7 +280,8 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
     if not train_ids:
         raise DataError(
             f"no usable training conversations: {totals['read']} read, {totals['skipped_no_supervision']} without "
-            f"assistant tokens, {bad.count} malformed. Check data.sources and that they contain assistant replies."
+            f"assistant tokens in their first data.max_length={cfg.max_length} tokens, {bad.count} malformed. Check "
+            "data.sources and that they contain assistant replies, or raise data.max_length if the replies start later."
         )
     store = _TokenStore.from_samples(samples)
     del samples

@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
             f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]",
             f"train.max_minutes={args.train_minutes}", "checkpoint.resume=none", *args.overrides,
         ])
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, overwrite=True)  # the demo retrains its own run dir each time
     prompt_sets = {"mt_bench": load_mtbench(args.eval_prompts), "humaneval": load_humaneval(args.eval_prompts)}
     t1 = time.perf_counter()
     before = _acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompt_sets, args.eval_new_tokens)

@@ -3,6 +3,9 @@
     torchrun --nproc-per-node 8 -m nemo_dflash.recipes.train --config qwen3_8b.yaml \
         target.path=/models/Qwen3-8B data.sources='[{path: /data/regen.jsonl}]'
     python -m nemo_dflash.recipes.train --config smollm2_135m.yaml train.max_steps=50
+
+A run starting afresh (checkpoint.resume=none, or auto with no checkpoint) is refused when
+output_dir already holds a run; --overwrite replaces that run (renamed aside, then deleted).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4 train.max_steps=100")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in output_dir when this one starts afresh (default: refuse)")
     return p.parse_args(argv)
 
 
@@ -31,7 +36,7 @@ def check_paths(cfg) -> None:
     """Every data file and the target are checked before anything loads (an 8B target takes minutes)."""
     from pathlib import Path
 
-    from nemo_dflash.target.loading import resolve_target_path
+    from nemo_dflash.target.loading import check_model_dir, resolve_target_path
 
     for i, src in enumerate(cfg.data.sources):
         if not Path(src.path).is_file():
@@ -41,6 +46,13 @@ def check_paths(cfg) -> None:
     if not (Path(target).is_dir() or (target.endswith(".gguf") and Path(target).is_file())):
         fail(f"target.path {cfg.target.path} is neither a local model directory nor a .gguf file; nemo_dflash "
              "never downloads: download the model first and point target.path at it")
+    if Path(target).is_dir():
+        with user_errors(FileNotFoundError):
+            check_model_dir(target, "target.path")
+    block = cfg.draft.block_size
+    if block is not None and cfg.data.max_length <= block:
+        fail(f"data.max_length={cfg.data.max_length} leaves no room for a prompt and a block of draft.block_size="
+             f"{block} tokens, so no conversation can be trained on: raise data.max_length (the recipes use 3072)")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -49,9 +61,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from nemo_dflash.data import DataError
     from nemo_dflash.draft.build import DraftError
     from nemo_dflash.target import LayerIdsError
-    from nemo_dflash.train.checkpoint import ResumeMismatchError
+    from nemo_dflash.train.checkpoint import CheckpointError, ResumeMismatchError
+    from nemo_dflash.train.run_dir import RunDirError
 
-    return ConfigError, DraftError, LayerIdsError, DataError, ResumeMismatchError, FileNotFoundError
+    return (ConfigError, DraftError, LayerIdsError, DataError, ResumeMismatchError, CheckpointError, RunDirError,
+            FileNotFoundError)
 
 
 def main(argv=None) -> dict:
@@ -69,7 +83,7 @@ def main(argv=None) -> dict:
     from nemo_dflash.train.trainer import train
 
     with user_errors(*user_error_types()):  # settings (flex on CPU, ...), data, draft, resume
-        summary = train(cfg)
+        summary = train(cfg, overwrite=args.overwrite)
     logger.info("summary: %s", json.dumps(summary))
     return summary
 

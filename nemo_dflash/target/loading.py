@@ -137,6 +137,17 @@ def _load_gguf_dense(gguf_path: Path, dtype: torch.dtype) -> torch.nn.Module:
     return plain.eval()
 
 
+def check_model_dir(path: str | Path, what: str = "target") -> None:
+    """A local model directory must hold config.json: without it transformers fails deep inside
+    (a `model_type` KeyError), so it is refused here, naming the cause and the fix."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{what} {path} has no config.json, so it is not a Hugging Face model directory: point it at the "
+            "directory holding config.json, the weights and the tokenizer (e.g. huggingface-cli download ORG/NAME "
+            "--local-dir DIR), or at a .gguf file"
+        )
+
+
 def resolve_model_dir(path: str) -> str:
     """A local HF directory as-is; a GGUF file through the conversion cache."""
     path = resolve_target_path(path)
@@ -173,6 +184,7 @@ def load_target(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(path)
+    check_model_dir(model_dir)
     if random_init:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         config._attn_implementation = attn_implementation
@@ -195,5 +207,5 @@ def load_target(
     return model, tok
 
 
-__all__ = ["convert_gguf", "load_target", "load_tokenizer", "resolve_dtype", "resolve_model_dir", "package_file",
-           "smollm2_gguf_path", "cache_root"]
+__all__ = ["check_model_dir", "convert_gguf", "load_target", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
+           "package_file", "smollm2_gguf_path", "cache_root"]

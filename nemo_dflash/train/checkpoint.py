@@ -14,10 +14,14 @@ Layout of `<output_dir>/checkpoints/step_00000100/`:
   rank_<r>.json     dataloader position (StatefulDataLoader state), per rank
   rng_<r>.safetensors  torch RNG states, per rank (anchors are seeded per sample and step)
   meta.json         step and the run's identity (block size, mask token, layer ids, target arch)
-  COMPLETE          written last; a directory without it is ignored (and cleaned up)
+  COMPLETE          written last, after every file above is flushed (fsync): their sizes and CRC-32s;
+                    a directory without it is ignored (and cleaned up)
 
 Everything is first written to `.tmp-step_...` and renamed into place once complete, so a
 kill at any moment leaves the previous checkpoint intact and no half-written one visible.
+`final/` is written the same way (`final/draft` + `final/COMPLETE`). Resume checks a checkpoint's
+files against its COMPLETE before loading it; one that is damaged or fails to load is named in
+one line and the next older complete checkpoint is used (`CheckpointError`, exit 2, if none is left).
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemo_dflash.data import DataError
 from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir reads it too)
-    CHECKPOINTS_DIR, COMPLETE, DRAFT_DIR, FINAL_DIR, STEP_PREFIX, apply_umask, checkpoint_root, final_draft_dir,
+    CHECKPOINTS_DIR, COMPLETE, DRAFT_DIR, FINAL_DIR, STEP_PREFIX, apply_umask, checkpoint_root,
+    final_draft_dir, fsync_path, verify_complete, write_complete_marker,
 )
-from nemo_dflash.train.distributed import DistState
+from nemo_dflash.train.distributed import DistState, all_reduce_sum
 
 logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -57,6 +65,10 @@ IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_arch
 
 class ResumeMismatchError(ValueError):
     pass
+
+
+class CheckpointError(ValueError):
+    """No checkpoint that resume may use can be loaded (damaged, cut short, unreadable)."""
 
 
 def _barrier(state: DistState) -> None:
@@ -146,10 +158,11 @@ def save_checkpoint(
 
     if state.is_main:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": state.world_size, **meta}, indent=2))
-        (tmp / COMPLETE).write_text("ok\n")
+        write_complete_marker(tmp)  # every file flushed, then the marker with their sizes and CRC-32s
         if final.exists():  # a complete checkpoint of the same step (e.g. re-save at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_path(root)
         _prune(root, keep_last)
         logger.info("Saved checkpoint %s", final)
     _barrier(state)
@@ -267,7 +280,22 @@ class Checkpointer:
         return self.save(step, tokens_seen)
 
     def save_final(self) -> Path:
-        save_draft_dir(self.draft, self.final_draft, self.state)
+        """`final/draft`, written into `.tmp-final` with its COMPLETE and renamed into place: a run killed
+        while writing it keeps the previous one whole."""
+        final = self.final_draft.parent
+        tmp = final.parent / f".tmp-{final.name}"
+        if self.state.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        save_draft_dir(self.draft, tmp / self.final_draft.name, self.state)
+        if self.state.is_main:
+            write_complete_marker(tmp)
+            old = final.parent / f".old-{final.name}"
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            fsync_path(final.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        _barrier(self.state)
         return self.final_draft
 
     def resume(self) -> Optional[dict[str, Any]]:
@@ -279,18 +307,61 @@ class Checkpointer:
         mode = self.resume_mode
         if mode == "none":
             return None
-        path = find_latest_checkpoint(self.output_dir) if mode == "auto" else Path(mode)
-        if path is None:
-            return None
-        if not (path / COMPLETE).is_file():
-            raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
-        saved = load_checkpoint(path, self.draft, self.optimizer, self.dataloader, self.identity, self.state)
-        logger.info("Resumed from %s (step %d)", path, saved["step"])
-        return saved
+        if mode == "auto":
+            candidates = list_checkpoints(self.output_dir)[::-1]  # newest first
+            if not candidates:
+                return None
+        else:
+            path = Path(mode)
+            if not (path / COMPLETE).is_file():
+                raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
+            candidates = [path]
+        failures: list[tuple[Path, str]] = []
+        for i, path in enumerate(candidates):
+            saved, error = self._try_load(path)
+            if saved is not None:
+                logger.info("Resumed from %s (step %d)", path, saved["step"])
+                return saved
+            failures.append((path, error))
+            after = (f"falling back to the next older, {candidates[i + 1]}" if i + 1 < len(candidates)
+                     else "no older complete checkpoint is left")
+            logger.warning("Checkpoint %s cannot be loaded (%s): %s", path, error, after)
+        first, why = failures[0]
+        older = f", nor can the {len(failures) - 1} older one(s)" if len(failures) > 1 else ""
+        raise CheckpointError(
+            f"cannot resume: checkpoint {first} cannot be loaded ({why}){older}; restore its files, or start "
+            "afresh with checkpoint.resume=none --overwrite (or another output_dir)"
+        )
+
+    def _try_load(self, path: Path) -> tuple[Optional[dict[str, Any]], str]:
+        """Check ``path``'s files against its COMPLETE (rank 0), then load it: (its meta, "") or (None, why
+        not). Every rank agrees. A run that does not match the checkpoint is not damage: its error propagates."""
+        error = ""
+        if self.state.is_main:
+            try:
+                verify_complete(path)
+            except OSError as e:
+                error = str(e)
+        if not self._all_ok(not error):
+            return None, error or "damaged (found by rank 0)"
+        saved = None
+        try:
+            saved = load_checkpoint(path, self.draft, self.optimizer, self.dataloader, self.identity, self.state)
+        except (ResumeMismatchError, DataError):
+            raise
+        except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
+            error = " ".join(str(e).split())[:300] or type(e).__name__
+        if not self._all_ok(not error):
+            return None, error or "failed to load on another rank"
+        return saved, ""
+
+    def _all_ok(self, ok: bool) -> bool:
+        bad = all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=self.state.device), self.state)
+        return float(bad[0]) == 0
 
 
 __all__ = [
-    "CHECKPOINTS_DIR", "COMPLETE", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS", "STEP_PREFIX",
+    "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS", "STEP_PREFIX",
     "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir", "find_latest_checkpoint",
     "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "run_identity", "save_checkpoint", "save_draft_dir",
     "step_dir_name",

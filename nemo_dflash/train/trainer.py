@@ -44,6 +44,7 @@ from nemo_dflash.train.distributed import (
 )
 from nemo_dflash.train.metrics import MetricsLogger, ThroughputWindow, plot_curves
 from nemo_dflash.train.optim import build_optimizer, build_scheduler
+from nemo_dflash.train.run_dir import RunDirLock, claim_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +295,16 @@ class Trainer:
     """Holds the pieces of one run; `fit()` trains, `train_step()` is one step of it, `evaluate()`
     measures held-out acceptance, and `checkpointer` owns the run's directory and resume."""
 
-    def __init__(self, cfg: RecipeConfig) -> None:
+    def __init__(self, cfg: RecipeConfig, *, overwrite: bool = False) -> None:
+        """`overwrite`: replace a run already in `output_dir` (the train command's --overwrite)."""
+        self.run_lock: Optional[RunDirLock] = None
+        try:
+            self._build(cfg, overwrite)
+        except BaseException:
+            self.release_output_dir()  # a refused or failed start leaves the directory free
+            raise
+
+    def _build(self, cfg: RecipeConfig, overwrite: bool) -> None:
         self.cfg = cfg
         _, local_rank, world_size = launch_env()
         self.settings = resolve_settings(cfg, world_size, local_rank)
@@ -308,8 +318,8 @@ class Trainer:
                         self.device, self.strategy, self.settings.attn_backend)
         torch.manual_seed(cfg.train.seed)
         self.out = Path(cfg.output_dir)
-        if self.state.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+        # Busy, holding another run, or not writable: refused here, before the target loads.
+        self.run_lock = claim_output_dir(self.out, cfg.checkpoint.resume, overwrite, self.state)
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
@@ -543,12 +553,18 @@ class Trainer:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def release_output_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
+
     def close(self) -> None:
+        self.release_output_dir()
         shutdown_distributed()
 
 
-def train(cfg: RecipeConfig) -> dict[str, Any]:
-    trainer = Trainer(cfg)
+def train(cfg: RecipeConfig, *, overwrite: bool = False) -> dict[str, Any]:
+    trainer = Trainer(cfg, overwrite=overwrite)
     try:
         return trainer.fit()
     finally:
