@@ -94,7 +94,7 @@ def write_complete_marker(root: Path) -> None:
     root = Path(root)
     files: dict[str, dict[str, object]] = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.is_symlink() and p.name != COMPLETE:
+        if p.is_file() and not p.is_symlink() and p.name not in (COMPLETE, f".{COMPLETE}.tmp"):
             fsync_path(p)
             files[p.relative_to(root).as_posix()] = {"size": p.stat().st_size, "crc32": file_crc32(p)}
     for d in sorted({p.parent for p in root.rglob("*")} | {root}, key=lambda d: -len(d.parts)):

@@ -113,6 +113,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """--out must not be, contain or lie inside the draft or the target it reads, and must be writable:
+    refused now, not when the first answer is written."""
+    from nemo_dflash.files import check_writable_dir, paths_overlap
+
+    for flag, given in (("--draft", args.draft), ("--target", args.target)):
+        if Path(given).exists() and paths_overlap(args.out, given):
+            raise ValueError(f"--out {args.out} overlaps {flag} {given} (it is, contains or lies inside it): "
+                             f"choose an --out outside {given}")
+    try:
+        check_writable_dir(args.out, "--out")
+    except OSError as e:
+        raise ValueError(str(e)) from None
+
+
 def check_decode(decode: str, device: str) -> None:
     """The decoder's own check of a decode mode on this device, before any model loads."""
     import torch
@@ -141,6 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         protocol = resolve_protocol(args)
         options = run_options(args)
         check_decode(protocol.decode, options.device)
+        check_out(args)
         run = EvalRun(options, protocol)
     with user_errors(FileNotFoundError, ValueError):  # a draft that does not fit the target, a bad checkpoint
         results = run.execute()

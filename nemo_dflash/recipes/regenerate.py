@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from nemo_dflash.files import check_writable_dir, paths_overlap
 from nemo_dflash.recipes._cli import (
     add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
 )
@@ -308,17 +309,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     partial, meta, held = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json"), None
     if out.is_dir():
         fail(f"--out {out} is a directory; name a .jsonl file")
+    for given in args.data:  # --overwrite would replace the input with the output
+        if Path(given).exists() and paths_overlap(out, given):
+            fail(f"--out {out} is the input --data {given}: choose another --out")
     if out.exists() and not args.overwrite:
         fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     if args.holdout:
         held = holdout_path(out)
         if held.exists() and not args.overwrite and not partial.exists():
             fail(f"{held} already exists; pass --overwrite to replace it or choose another --out")
+    with user_errors(OSError):  # an --out folder that cannot be made or written (permissions, a file in the way)
+        check_writable_dir(out.parent, "--out's directory")
     if args.overwrite:
         for stale in (partial, meta):
             stale.unlink(missing_ok=True)
-    with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
-        out.parent.mkdir(parents=True, exist_ok=True)
 
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
         paths = resolve_data_paths(args.data)

@@ -223,6 +223,53 @@ def load_checkpoint(
     return saved
 
 
+def _damaged_warning(path: Path, error: str, older: Optional[Path]) -> None:
+    after = f"falling back to the next older, {older}" if older is not None else "no older complete checkpoint is left"
+    logger.warning("Checkpoint %s cannot be loaded (%s): %s", path, error, after)
+
+
+def plan_resume(output_dir: str | Path, mode: str, state: DistState) -> list[Path]:
+    """The checkpoints a resume may try, newest first, decided before any model loads.
+
+    Rank 0 checks the files of each (against its COMPLETE) from the newest down; a damaged one is named
+    in one warning line and skipped. The list starts at the first whose files are intact (the older ones
+    are checked when a fallback reaches them). [] for a fresh start; `CheckpointError` (one line) when
+    checkpoints exist but none is intact, or an explicit `checkpoint.resume=PATH` is damaged.
+    """
+    if mode == "none":
+        return []
+    if mode == "auto":
+        candidates = list_checkpoints(output_dir)[::-1]
+        if not candidates:
+            return []
+    else:
+        path = Path(mode)
+        if not (path / COMPLETE).is_file():
+            raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
+        candidates = [path]
+    first, errors = len(candidates), []
+    if state.is_main:
+        for i, path in enumerate(candidates):
+            try:
+                verify_complete(path)
+            except OSError as e:
+                errors.append((path, str(e)))
+                _damaged_warning(path, str(e), candidates[i + 1] if i + 1 < len(candidates) else None)
+                continue
+            first = i
+            break
+    # every rank takes rank 0's verdict (the others contribute 0)
+    first = int(all_reduce_sum(torch.tensor([float(first if state.is_main else 0)], device=state.device), state)[0])
+    if first == len(candidates):
+        path, why = errors[0] if errors else (candidates[0], "damaged (found by rank 0)")
+        older = f", nor can the {len(candidates) - 1} older one(s)" if len(candidates) > 1 else ""
+        raise CheckpointError(
+            f"cannot resume: checkpoint {path} cannot be loaded ({why}){older}; restore its files, or start afresh "
+            "with checkpoint.resume=none --overwrite (or another output_dir)"
+        )
+    return candidates[first:]
+
+
 class Checkpointer:
     """A run's checkpoints: when to save, where (the layout above), what must match, and resume.
 
@@ -242,8 +289,11 @@ class Checkpointer:
         dataloader: Any,
         identity: dict[str, Any],
         state: DistState,
+        resume_plan: Optional[list[Path]] = None,
     ) -> None:
+        """`resume_plan`: `plan_resume`'s list, made before the model loaded (its first entry is verified)."""
         self.output_dir = Path(output_dir)
+        self.resume_plan = resume_plan
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.resume_mode = resume
@@ -304,28 +354,20 @@ class Checkpointer:
         Returns its meta (step, tokens_seen, ...) or None for a fresh start. Every check (complete,
         identity, world size, data-loader state) passes before "Resumed from" is logged.
         """
-        mode = self.resume_mode
-        if mode == "none":
+        candidates = self.resume_plan
+        if candidates is None:
+            candidates = plan_resume(self.output_dir, self.resume_mode, self.state)
+        if not candidates:
             return None
-        if mode == "auto":
-            candidates = list_checkpoints(self.output_dir)[::-1]  # newest first
-            if not candidates:
-                return None
-        else:
-            path = Path(mode)
-            if not (path / COMPLETE).is_file():
-                raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
-            candidates = [path]
         failures: list[tuple[Path, str]] = []
         for i, path in enumerate(candidates):
-            saved, error = self._try_load(path)
+            saved, error = self._try_load(path, verify=i > 0)  # the first was verified by plan_resume
             if saved is not None:
-                logger.info("Resumed from %s (step %d)", path, saved["step"])
+                log = logger.warning if failures else logger.info  # a fallback is said as loudly as its cause
+                log("Resumed from %s (step %d)", path, saved["step"])
                 return saved
             failures.append((path, error))
-            after = (f"falling back to the next older, {candidates[i + 1]}" if i + 1 < len(candidates)
-                     else "no older complete checkpoint is left")
-            logger.warning("Checkpoint %s cannot be loaded (%s): %s", path, error, after)
+            _damaged_warning(path, error, candidates[i + 1] if i + 1 < len(candidates) else None)
         first, why = failures[0]
         older = f", nor can the {len(failures) - 1} older one(s)" if len(failures) > 1 else ""
         raise CheckpointError(
@@ -333,11 +375,11 @@ class Checkpointer:
             "afresh with checkpoint.resume=none --overwrite (or another output_dir)"
         )
 
-    def _try_load(self, path: Path) -> tuple[Optional[dict[str, Any]], str]:
+    def _try_load(self, path: Path, verify: bool = True) -> tuple[Optional[dict[str, Any]], str]:
         """Check ``path``'s files against its COMPLETE (rank 0), then load it: (its meta, "") or (None, why
         not). Every rank agrees. A run that does not match the checkpoint is not damage: its error propagates."""
         error = ""
-        if self.state.is_main:
+        if verify and self.state.is_main:
             try:
                 verify_complete(path)
             except OSError as e:
@@ -363,6 +405,6 @@ class Checkpointer:
 __all__ = [
     "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS", "STEP_PREFIX",
     "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir", "find_latest_checkpoint",
-    "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "run_identity", "save_checkpoint", "save_draft_dir",
+    "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "plan_resume", "run_identity", "save_checkpoint", "save_draft_dir",
     "step_dir_name",
 ]

@@ -15,6 +15,7 @@ Under torchrun only rank 0 checks and locks; its verdict is shared with every ra
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -70,7 +71,13 @@ class RunDirLock:
         f = open(self.path, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                f.close()
+                raise RunDirError(
+                    f"output_dir {self.path.parent} cannot be locked ({e.strerror}): choose an output_dir on a "
+                    "local or lock-capable filesystem"
+                ) from None
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
@@ -78,6 +85,16 @@ class RunDirLock:
                 f"output_dir {self.path.parent} is in use by another training (pid {holder}): wait for it to end, "
                 "or choose another output_dir"
             ) from None
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # renamed away between open and lock (another run's --overwrite replaced the directory)
+            f.close()
+            raise RunDirError(
+                f"output_dir {self.path.parent} was just replaced by another training: wait for it to end, "
+                "or choose another output_dir"
+            )
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
@@ -126,11 +143,13 @@ def _claim_main(output_dir: Path, resume: str, overwrite: bool) -> RunDirLock:
         held = held_run(output_dir)
         if fresh and held:
             if not overwrite:
-                why = "checkpoint.resume=none" if resume == "none" else "it has no checkpoint to resume from"
+                if resume == "none":
+                    why, fix = "checkpoint.resume=none", "resume it (checkpoint.resume=auto), "
+                else:
+                    why, fix = "it holds no complete checkpoint to resume from", ""
                 raise RunDirError(
                     f"output_dir {output_dir} holds another run ({', '.join(held)}) and this one would start afresh "
-                    f"({why}): resume it (checkpoint.resume=auto), choose another output_dir, or pass --overwrite "
-                    "to replace it"
+                    f"({why}): {fix}choose another output_dir, or pass --overwrite to replace it"
                 )
             lock = _clear_aside(output_dir, lock)
         for sub in (CHECKPOINTS_DIR, FINAL_DIR):  # found now, not at the first save

@@ -30,7 +30,7 @@ from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
 from nemo_dflash.target.loading import load_target
-from nemo_dflash.train.checkpoint import Checkpointer, run_identity
+from nemo_dflash.train.checkpoint import Checkpointer, plan_resume, run_identity
 from nemo_dflash.train.distributed import (
     DistState,
     all_reduce_sum,
@@ -320,6 +320,8 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         # Busy, holding another run, or not writable: refused here, before the target loads.
         self.run_lock = claim_output_dir(self.out, cfg.checkpoint.resume, overwrite, self.state)
+        # The checkpoint to resume from, its files checked now: none intact is refused before the target loads.
+        resume_plan = plan_resume(self.out, cfg.checkpoint.resume, self.state)
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
@@ -380,6 +382,7 @@ class Trainer:
             self.out, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
             resume=cfg.checkpoint.resume, draft=self.draft, optimizer=self.optimizer, dataloader=self.loader,
             identity=run_identity(self.draft.config, self.target_model.config), state=self.state,
+            resume_plan=resume_plan,
         )
         self.step = 0
         self.tokens_seen = 0
