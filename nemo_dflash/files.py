@@ -154,22 +154,21 @@ def paths_overlap(a: str | Path, b: str | Path) -> bool:
 
 def check_writable_dir(path: str | Path, what: str) -> None:
     """Refuse, with a `PermissionError` / `NotADirectoryError` whose text names the fix, an output
-    directory that cannot be created or written. Creates ``path`` (and its parents) if missing."""
+    directory that could not be created or written. Creates nothing: the nearest existing directory
+    on the way (``path`` itself if it exists) gets a temp file, removed at once."""
     import tempfile
 
     path = Path(path)
-    for p in [path, *path.parents]:
-        if p.exists() and not p.is_dir():
-            raise NotADirectoryError(
-                f"{what} {path}: {p} is a regular file, not a directory; choose another {what} or move the file"
-            )
-        if p.exists():
-            break
+    existing = next(p for p in [path, *path.parents] if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"{what} {path}: {existing} is a regular file, not a directory; choose another place or move the file"
+        )
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".write-test"):
+        with tempfile.TemporaryFile(dir=existing, prefix=".write-test"):
             pass
     except OSError as e:
+        where = "" if existing == path else f" (it would be made in {existing})"
         raise PermissionError(
-            f"{what} {path} is not writable ({e.strerror or e}); choose a writable {what} or fix its permissions"
+            f"{what} {path} is not writable{where}: {e.strerror or e}; choose a writable place or fix its permissions"
         ) from None

@@ -136,6 +136,7 @@ def _clear_aside(output_dir: Path, lock: RunDirLock) -> RunDirLock:
 
 def _claim_main(output_dir: Path, resume: str, overwrite: bool) -> RunDirLock:
     check_writable_dir(output_dir, "output_dir")
+    output_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(output_dir)
     lock.acquire()
     try:
