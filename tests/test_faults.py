@@ -71,8 +71,9 @@ def _refused(exc, capsys, *needles: str, loaded: bool = False) -> str:
     model load, ``loaded``, the loader's progress bar may come before it)."""
     err = capsys.readouterr().err
     assert exc.value.code == 2, err
-    if loaded:
-        err = err.rsplit("\r", 1)[-1].split("\n", 1)[-1] if not err.startswith("error: ") else err
+    if loaded:  # the loader's (and the training's) progress bars come before it, on stderr too
+        assert err.count("error: ") == 1, err
+        err = err[err.index("error: "):]
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, err
@@ -178,6 +179,23 @@ def test_damaged_checkpoint_is_named_and_the_older_one_resumed(assets, finished_
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Resumed from")]
     assert resumed == [f"Resumed from {run / 'checkpoints' / STEP2} (step 2)"]
     assert summary["steps"] == 5
+
+
+def test_the_checkpoint_saved_after_a_fallback_is_never_pruned(assets, finished_run, tmp_path, caplog):
+    """keep_last=1 after falling back past a damaged step 4: the new step 3 is kept (the damaged one is
+    newer), and the next resume continues from it."""
+    from nemo_dflash.recipes.train import main
+
+    run = _copy(finished_run, tmp_path)
+    _flip_byte(run / "checkpoints" / STEP4 / "draft" / "model.safetensors")
+    main(_args(*assets, run, "train.max_steps=3", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+               "train.eval_every=0"))
+    assert (run / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        main(_args(*assets, run, "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+                   "train.eval_every=0"))
+    assert f"Resumed from {run / 'checkpoints' / 'step_00000003'} (step 3)" in caplog.messages
 
 
 def test_no_intact_checkpoint_is_refused_before_the_model_loads(assets, finished_run, tmp_path, monkeypatch,
@@ -302,6 +320,31 @@ def unwritable_dir(tmp_path):
         yield d
         return
     pytest.skip("no directory this root process cannot write to")
+
+
+def test_a_checkpoint_write_that_fails_mid_run_is_one_line(assets, tmp_path, monkeypatch, capsys):
+    """A full disk at the second save: one line, exit 2, the first checkpoint intact, no half-written one."""
+    import errno
+
+    import nemo_dflash.train.checkpoint as checkpoint
+    from nemo_dflash.recipes.train import main
+
+    real_save_file, calls = checkpoint.save_file, []
+
+    def save_file(tensors, path, *a, **k):
+        calls.append(path)
+        if ".tmp-step_00000004" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save_file(tensors, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(_args(*assets, out, "train.max_steps=4", "checkpoint.every_steps=2", "train.eval_every=0"))
+    _refused(exc, capsys, "cannot write the checkpoint of step 4", "No space left on device", "run the same command",
+             loaded=True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [STEP2]
+    checkpoint.verify_complete(out / "checkpoints" / STEP2)
 
 
 @pytest.mark.parametrize("where", ["output_dir", "checkpoints"])

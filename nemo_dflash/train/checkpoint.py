@@ -163,16 +163,19 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(root)
-        _prune(root, keep_last)
+        _prune(root, keep_last, final)
         logger.info("Saved checkpoint %s", final)
     _barrier(state)
     return final
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, just_saved: Path) -> None:
+    """Keep the newest `keep_last` checkpoints, and always the one just saved: after a resume that fell
+    back past a damaged newer checkpoint, that one would otherwise count among the newest."""
     ckpts = list_checkpoints(root.parent)
     for old in ckpts[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != just_saved:
+            shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(f".tmp-{STEP_PREFIX}*"):  # leftovers of a run killed while writing
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -308,10 +311,22 @@ class Checkpointer:
         return final_draft_dir(self.output_dir)
 
     def save(self, step: int, tokens_seen: int) -> Path:
-        return save_checkpoint(
-            self.output_dir, step, self.draft, self.optimizer, self.dataloader,
-            {**self.identity, "tokens_seen": tokens_seen}, self.state, self.keep_last,
-        )
+        """A write that fails (a full disk, permissions changed mid-run) is one line, `CheckpointError`; its
+        half-written `.tmp-step_N` is removed and the complete checkpoints before it stay as they were."""
+        try:
+            return save_checkpoint(
+                self.output_dir, step, self.draft, self.optimizer, self.dataloader,
+                {**self.identity, "tokens_seen": tokens_seen}, self.state, self.keep_last,
+            )
+        except OSError as e:
+            tmp = checkpoint_root(self.output_dir) / f".tmp-{step_dir_name(step)}"
+            if self.state.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"cannot write the checkpoint of step {step} in {checkpoint_root(self.output_dir)} "
+                f"({e.strerror or e}): free space or fix the permissions, then run the same command again to "
+                "resume from the last complete checkpoint"
+            ) from None
 
     def maybe_save(self, step: int, tokens_seen: int) -> Optional[Path]:
         """Save on the `every_steps` schedule."""
