@@ -45,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_dflash.data import DataError
@@ -68,7 +67,7 @@ class ResumeMismatchError(ValueError):
 
 
 class CheckpointError(ValueError):
-    """No checkpoint that resume may use can be loaded (damaged, cut short, unreadable)."""
+    """No checkpoint that resume may use can be loaded (damaged, cut short, unreadable), or one cannot be written."""
 
 
 def _barrier(state: DistState) -> None:
@@ -159,10 +158,12 @@ def save_checkpoint(
     if state.is_main:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": state.world_size, **meta}, indent=2))
         write_complete_marker(tmp)  # every file flushed, then the marker with their sizes and CRC-32s
-        if final.exists():  # a complete checkpoint of the same step (e.g. re-save at the end)
-            shutil.rmtree(final)
+        old = root / f".old-{step_dir_name(step)}"
+        if final.exists():  # a checkpoint of the same step (a re-save, or a damaged one after a fallback)
+            os.replace(final, old)  # set aside, not deleted, until the new one is in place
         os.replace(tmp, final)
         fsync_path(root)
+        shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last, final)
         logger.info("Saved checkpoint %s", final)
     _barrier(state)
@@ -178,6 +179,9 @@ def _prune(root: Path, keep_last: int, just_saved: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(f".tmp-{STEP_PREFIX}*"):  # leftovers of a run killed while writing
         shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(f".old-{STEP_PREFIX}*"):  # killed while replacing: kept until its successor is whole
+        if (root / aside.name[len(".old-"):] / COMPLETE).is_file():
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def check_identity(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
