@@ -422,8 +422,8 @@ class Checkpointer:
 
 
 __all__ = [
-    "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS", "STEP_PREFIX",
-    "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir", "find_latest_checkpoint",
-    "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "plan_resume", "run_identity", "save_checkpoint", "save_draft_dir",
-    "step_dir_name",
+    "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS",
+    "STEP_PREFIX", "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir",
+    "find_latest_checkpoint", "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "plan_resume",
+    "run_identity", "save_checkpoint", "save_draft_dir", "step_dir_name",
 ]
