@@ -320,6 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             fail(f"{held} already exists; pass --overwrite to replace it or choose another --out")
     with user_errors(OSError):  # an --out folder that cannot be made or written (permissions, a file in the way)
         check_writable_dir(out.parent, "--out's directory")
+        out.parent.mkdir(parents=True, exist_ok=True)
     if args.overwrite:
         for stale in (partial, meta):
             stale.unlink(missing_ok=True)
