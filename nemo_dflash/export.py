@@ -50,7 +50,7 @@ PathLike = Union[str, os.PathLike]
 SERVING_DTYPE = torch.bfloat16
 
 # Keys of the exported config.json, in the order they are written. `rope_scaling` is added
-# only for a non-default RoPE.
+# only for a non-default RoPE, `partial_rotary_factor` only when the target rotates part of each head.
 SERVING_CONFIG_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
@@ -66,6 +66,9 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # Written top-level, where transformers and vLLM read it into rope_parameters (rotary_dim =
+    # int(head_dim * factor)); a draft served without it rotates the whole head and serves at tau ~1.
+    partial = float(rope.pop("partial_rotary_factor", 1.0))
     mask_id = check_mask_token_id(config.mask_token_id, source="the draft config's dflash_config")
     layer_ids = check_target_layer_ids(config.target_layer_ids, key="the draft config's dflash_config.target_layer_ids")
     out: dict[str, Any] = {
@@ -95,6 +98,8 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
     }
     if rope_type != "default":
         out["rope_scaling"] = rope
+    if partial != 1.0:
+        out["partial_rotary_factor"] = partial
     return out
 
 
