@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -40,6 +40,7 @@ from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' ol
     validate_serving_weights,
 )
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.engine_limits import check_engine_limits
 from nemo_dflash.files import apply_umask
 from nemo_dflash.target import check_target_layer_ids
 
@@ -135,18 +136,21 @@ def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None
 
 
 def export_draft(
-    draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False
+    draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False, engine: str = "any",
+    target_vocab: Optional[int] = None,
 ) -> Path:
     """Write `draft` (a model, or any path `load_draft` accepts) as a serving checkpoint.
 
     The output holds exactly `config.json` and a bf16 `model.safetensors` whose key set has
     been checked against the contract. Nothing is written on a validation error, and an
-    existing non-empty `out_dir` is only replaced with `overwrite=True`.
+    existing non-empty `out_dir` is only replaced with `overwrite=True`. The engines' known limits
+    (`nemo_dflash.engine_limits`) refuse what breaks `engine` (every engine for "any") and warn of the rest.
     """
     if not isinstance(draft, DFlashDraftModel):
         draft = load_draft(draft)
     config = draft.config
     cfg = serving_config_dict(config)
+    check_engine_limits(cfg, engine, vocab=target_vocab)
     state = {k: v.detach().to(device="cpu", dtype=SERVING_DTYPE).contiguous() for k, v in draft.state_dict().items()}
     validate_serving_weights({k: tuple(v.shape) for k, v in state.items()}, config, source="The draft's weights")
     out = Path(out_dir)

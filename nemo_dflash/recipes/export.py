@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--target", default=None,
                    help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
+    p.add_argument("--engine", default="any", choices=("any", "vllm", "sglang"),
+                   help="the engine you serve with: its known limits refuse the export (others only warn)")
     return p
 
 
@@ -37,9 +39,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from nemo_dflash.draft.build import check_draft_fits_target, load_draft, resolve_draft_dir
     from nemo_dflash.export import export_draft
 
-    with user_errors(FileNotFoundError, FileExistsError, ValueError):  # paths, --out, a draft that does not fit
+    with user_errors(FileNotFoundError, FileExistsError, ValueError):  # EngineLimitError is a ValueError  # paths, --out, a draft that does not fit
         src = resolve_draft_dir(args.checkpoint)
         draft = load_draft(src)
+        target_vocab = None
         if args.target:
             from transformers import AutoConfig
 
@@ -51,9 +54,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except (OSError, ValueError):
                 logger.warning("No tokenizer in %s: checking the draft against the config only", target_dir)
                 tokenizer = None
-            check_draft_fits_target(draft.config, AutoConfig.from_pretrained(target_dir, local_files_only=True),
-                                    tokenizer)
-        out = export_draft(draft, args.out, overwrite=args.overwrite)
+            target_config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+            check_draft_fits_target(draft.config, target_config, tokenizer)
+            target_vocab = int(target_config.get_text_config().vocab_size)
+        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab)
     logger.info("exported %s -> %s", src, out)
     return 0
 
