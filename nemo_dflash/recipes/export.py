@@ -30,7 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
     p.add_argument("--engine", default="any", choices=("any", "vllm", "sglang"),
                    help="the engine you serve with: its known limits refuse the export (others only warn)")
+    p.add_argument("--parity-prompts", type=int, default=0, metavar="N",
+                   help="with --target: before writing, decode N built-in prompts (at most 3) with our decoder and "
+                        "with the DFlash rules applied to the exported config and weights; refuse on disagreement")
     return p
+
+
+def run_parity_check(draft: object, target: Optional[str], n_prompts: int) -> None:
+    """The serving-parity check (`nemo_dflash.inference.parity`) on ``n_prompts`` prompts; ValueError on disagreement."""
+    if not target:
+        raise ValueError("--parity-prompts needs --target: the check decodes with the target")
+    from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.inference.parity import check_serving_parity, encode_parity_prompts
+    from nemo_dflash.recipes._cli import resolve_device_dtype
+    from nemo_dflash.target.loading import load_target
+
+    device, dtype = resolve_device_dtype("auto", "auto")
+    model, tokenizer = load_target(target, dtype=dtype, device=device)
+    report = check_serving_parity(model, draft.to(device), encode_parity_prompts(tokenizer)[:n_prompts],
+                                  stop_ids=stop_token_ids(model, tokenizer), max_new_tokens=32)
+    logger.info("%s: the engines' rules and our decoder agree", report.line())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -57,6 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target_config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
             check_draft_fits_target(draft.config, target_config, tokenizer)
             target_vocab = int(target_config.get_text_config().vocab_size)
+        if args.parity_prompts:
+            run_parity_check(draft, args.target, args.parity_prompts)
         out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab)
     logger.info("exported %s -> %s", src, out)
     return 0
