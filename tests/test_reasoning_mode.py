@@ -133,3 +133,42 @@ def test_regenerate_refuses_reasoning_without_a_switch(tmp_path, capsys):
         cli.reasoning_modes("on", str(smol))
     assert e.value.code == 2 and "no thinking switch" in capsys.readouterr().err
     assert cli.reasoning_modes("both", str(qwen3_tokenizer_dir())) == ["on", "off"]
+
+
+def test_evaluate_prompts_in_the_mode_and_says_which(tmp_path, target_dir, monkeypatch, capsys):
+    import nemo_dflash.inference.evaluate as ev
+    from nemo_dflash.export import export_draft
+    from nemo_dflash.recipes import evaluate as evaluate_cmd
+    from nemo_dflash.target.loading import load_target
+
+    from _spec_fixtures import make_draft
+
+    target, _ = load_target(str(target_dir), dtype="fp32")
+    draft_dir = export_draft(make_draft(target, num_layers=1, block_size=4), tmp_path / "draft")
+    seen: list[str] = []
+    real = ev.encode_prompt
+
+    def spy(tokenizer, messages):
+        ids = real(tokenizer, messages)
+        seen.append(qwen3_tokenizer().decode(ids))
+        return ids
+
+    monkeypatch.setattr(ev, "encode_prompt", spy)
+    args = ["--draft", str(draft_dir), "--target", str(target_dir), "--device", "cpu", "--threads", "1",
+            "--protocol", "quick", "--datasets", "mtbench", "--num-prompts", "1", "--max-new-tokens", "3",
+            "--turns", "1", "--no-speedup"]
+    assert evaluate_cmd.main(args + ["--out", str(tmp_path / "off"), "--reasoning", "off"]) == 0
+    res = json.loads((tmp_path / "off" / "results.json").read_text())
+    assert res["settings"]["reasoning"] == "off" and "reasoning off" in capsys.readouterr().out
+    assert seen and all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in seen)
+    assert evaluate_cmd.main(args + ["--out", str(tmp_path / "default")]) == 0
+    res = json.loads((tmp_path / "default" / "results.json").read_text())
+    assert res["settings"]["reasoning"] == "template default"
+    # A template without a switch: one line, exit 2, before any model loads.
+    smol = tmp_path / "smol"
+    smollm2_tokenizer().save_pretrained(smol)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        evaluate_cmd.main(["--draft", str(draft_dir), "--target", str(smol), "--out", str(tmp_path / "x"),
+                           "--reasoning", "on", "--device", "cpu"])
+    assert e.value.code == 2 and "no thinking switch" in capsys.readouterr().err
