@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import transformers as T
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.draft.model.modeling import apply_partial_rope
 from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY
 
@@ -109,9 +109,11 @@ def _naive_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def _draft(arch: str, cfg) -> DFlashDraftModel:
-    dcfg = DFlashConfig.from_target_config(cfg, num_hidden_layers=1, block_size=4, mask_token_id=255,
-                                           target_layer_ids=[1, 2], intermediate_size=128)
-    return DFlashDraftModel(dcfg).float().eval()
+    """The draft the registry builds for ``arch`` (its config and model classes)."""
+    spec = DFLASH_DRAFT_REGISTRY[arch]
+    dcfg = spec.config_cls.from_target_config(cfg, num_hidden_layers=1, block_size=4, mask_token_id=255,
+                                              target_layer_ids=[1, 2], intermediate_size=128)
+    return spec.draft_cls(dcfg).float().eval()
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

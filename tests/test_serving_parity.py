@@ -8,7 +8,7 @@ import torch
 import pytest
 
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.export import export_draft, serving_config_dict
+from nemo_dflash.export import serving_config_dict
 from nemo_dflash.inference.parity import (
     ServingParityError, check_serving_parity, reference_draft_hidden, reference_generate, serving_weights,
 )
@@ -50,7 +50,8 @@ def test_rebuilt_draft_equals_our_module_on_partial_rotary():
 def test_random_draft_passes_and_matches_step_for_step():
     target = tiny_qwen3()
     draft = make_draft(target, num_layers=2, block_size=4)
-    rep = check_serving_parity(target, draft, PROMPTS, max_new_tokens=12, min_agreement=1.0)
+    rep = check_serving_parity(target, draft, PROMPTS, cfg=serving_config_dict(draft.config), max_new_tokens=12,
+                               min_agreement=1.0)
     assert rep.steps > 0 and rep.proposal_agreement == 1.0 and rep.ours_tau == rep.reference_tau
 
 
@@ -65,7 +66,8 @@ def test_full_acceptance_is_the_same_both_ways():
     weights = serving_weights(draft)
     ref = reference_generate(target, weights, serving_config_dict(draft.config), PROMPTS[0], 11)
     assert ref.acceptance_lengths == [4, 4, 4] and len(ref.output_ids) == 11  # 1 + 4 + 4 + 2 kept of the last 4
-    rep = check_serving_parity(target, draft, PROMPTS, max_new_tokens=11, min_agreement=1.0)
+    rep = check_serving_parity(target, draft, PROMPTS, cfg=serving_config_dict(draft.config), max_new_tokens=11,
+                               min_agreement=1.0)
     assert rep.ours_tau == rep.reference_tau == 4.0
 
 
@@ -77,7 +79,7 @@ def test_served_config_without_partial_rotary_fails_loudly():
     assert cfg.pop("partial_rotary_factor") == 0.25
     with pytest.raises(ServingParityError, match=r"drafted tokens agree .*% < 98%"):
         check_serving_parity(target, draft, PROMPTS[:2], cfg=cfg, max_new_tokens=8)
-    check_serving_parity(target, draft, PROMPTS[:2], max_new_tokens=8)  # as exported now: agrees
+    check_serving_parity(target, draft, PROMPTS[:2], cfg=serving_config_dict(draft.config), max_new_tokens=8)  # agrees
 
 
 def test_acceptance_disagreement_fails_loudly(monkeypatch):
@@ -93,7 +95,7 @@ def test_acceptance_disagreement_fails_loudly(monkeypatch):
 
     monkeypatch.setattr(DFlashSpeculativeDecoder, "generate", off_by_one)
     with pytest.raises(ServingParityError, match="prompt 0: acceptance differs from step 0"):
-        check_serving_parity(target, draft, PROMPTS[:1], max_new_tokens=6)
+        check_serving_parity(target, draft, PROMPTS[:1], cfg=serving_config_dict(draft.config), max_new_tokens=6)
 
 
 def test_export_cli_runs_the_check_before_writing(tmp_path, monkeypatch):

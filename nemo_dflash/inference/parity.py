@@ -201,22 +201,21 @@ def serving_weights(draft: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[Sequence[int]], *,
-                         cfg: Optional[Mapping[str, Any]] = None, weights: Optional[Mapping[str, torch.Tensor]] = None,
+                         cfg: Mapping[str, Any], weights: Optional[Mapping[str, torch.Tensor]] = None,
                          max_new_tokens: int = 48, block_size: Optional[int] = None, stop_ids: Iterable[int] = (),
                          min_agreement: float = 0.98) -> ParityReport:
     """Compare our decoder (and draft module) with the reference rules on ``prompts`` (token ids).
 
-    ``cfg`` / ``weights``: the serving config.json dict and weights (default: what export would
-    write for ``draft``). Our draft runs with the serving weights (bf16-rounded, in fp32) so only
+    ``cfg``: the serving config.json dict (`nemo_dflash.export.serving_config_dict`, or an exported
+    file); ``weights``: the serving weights (default: ``draft``'s, in bf16 as export writes them). Our draft runs with the serving weights (bf16-rounded, in fp32) so only
     arithmetic order differs. Raises `ServingParityError` when drafted tokens agree less than
     ``min_agreement`` or any prompt's output or per-step acceptance differs.
     """
     import copy
 
-    from nemo_dflash.export import serving_config_dict
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
 
-    cfg = dict(cfg if cfg is not None else serving_config_dict(draft.config))
+    cfg = dict(cfg)
     weights = dict(weights if weights is not None else serving_weights(draft))
     ours_draft = copy.deepcopy(draft).float()
     ours_draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)

@@ -41,6 +41,7 @@ def run_parity_check(draft: object, target: Optional[str], n_prompts: int) -> No
     if not target:
         raise ValueError("--parity-prompts needs --target: the check decodes with the target")
     from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.export import serving_config_dict
     from nemo_dflash.inference.parity import check_serving_parity, encode_parity_prompts
     from nemo_dflash.recipes._cli import resolve_device_dtype
     from nemo_dflash.target.loading import load_target
@@ -48,7 +49,8 @@ def run_parity_check(draft: object, target: Optional[str], n_prompts: int) -> No
     device, dtype = resolve_device_dtype("auto", "auto")
     model, tokenizer = load_target(target, dtype=dtype, device=device)
     report = check_serving_parity(model, draft.to(device), encode_parity_prompts(tokenizer)[:n_prompts],
-                                  stop_ids=stop_token_ids(model, tokenizer), max_new_tokens=32)
+                                  cfg=serving_config_dict(draft.config), stop_ids=stop_token_ids(model, tokenizer),
+                                  max_new_tokens=32)
     logger.info("%s: the engines' rules and our decoder agree", report.line())
 
 
