@@ -114,7 +114,7 @@ def test_regenerate_both_answers_every_prompt_in_each_mode(tmp_path, target_dir,
     data = write_chat_jsonl(tmp_path / "chats.jsonl", n=3)
     out = tmp_path / "regen.jsonl"
     summary = cli.main(["--target", str(target_dir), "--data", str(data), "--out", str(out), "--max-new-tokens", "3",
-                        "--batch-size", "2", "--reasoning", "both", "--prepare-ahead", "0"])
+                        "--batch-size", "2", "--reasoning", "both"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["reasoning"] == "both" and len(records) == 6
     assert sorted(r["reasoning"] for r in records) == ["off"] * 3 + ["on"] * 3
