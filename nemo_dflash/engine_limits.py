@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
 
 # RoPE scaling types both engines' `get_rope` build for a 1-D (text) rotary embedding.
-ENGINE_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope", "ntk"})
+ENGINE_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
 # Head dims ModelOpt documents as rejected by vLLM's DFlash path.
 VLLM_REJECTED_HEAD_DIMS = frozenset({160})
 MAX_HEAD_DIM = 256
@@ -83,8 +83,10 @@ def engine_findings(cfg: Mapping[str, Any], vocab: Optional[int] = None) -> list
     return out
 
 
-def check_engine_limits(cfg: Mapping[str, Any], engine: str = "any", vocab: Optional[int] = None) -> list[str]:
-    """Raise (one line each) what breaks every engine, or the named ``engine``; log and return the rest."""
+def check_engine_limits(cfg: Mapping[str, Any], engine: str = "any", vocab: Optional[int] = None,
+                        warn: bool = True) -> list[str]:
+    """Raise (one line each) what breaks every engine, or the named ``engine``; return the rest
+    (logged as warnings with ``warn``)."""
     if engine not in ("any", *ENGINES):
         raise EngineLimitError(f"unknown engine {engine!r}: use one of any, {', '.join(ENGINES)}")
     findings = engine_findings(cfg, vocab)
@@ -93,7 +95,7 @@ def check_engine_limits(cfg: Mapping[str, Any], engine: str = "any", vocab: Opti
     if fatal:
         raise EngineLimitError("; ".join(fatal))
     warnings = [f"{'/'.join(f.engines)}: {f.message}" for f in findings]
-    for w in warnings:
+    for w in warnings if warn else ():
         logger.warning("%s", w)
     return warnings
 

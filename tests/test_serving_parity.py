@@ -131,6 +131,7 @@ def test_export_cli_runs_the_check_before_writing(tmp_path, monkeypatch):
         cli.main(["--checkpoint", str(src), "--out", str(tmp_path / "bad"), "--target", str(target_dir),
                   "--parity-prompts", "2"])
     assert e.value.code == 2 and not (tmp_path / "bad").exists()
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--checkpoint", str(src), "--out", str(tmp_path / "bad"), "--parity-prompts", "2"])
-    assert e.value.code == 2
+    for extra in (["--parity-prompts", "2"], ["--target", str(target_dir), "--parity-prompts", "4"]):
+        with pytest.raises(SystemExit) as e:  # no --target; more prompts than built in
+            cli.main(["--checkpoint", str(src), "--out", str(tmp_path / "bad"), *extra])
+        assert e.value.code == 2 and not (tmp_path / "bad").exists()

@@ -36,13 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_parity_check(draft: object, target: Optional[str], n_prompts: int) -> None:
-    """The serving-parity check (`nemo_dflash.inference.parity`) on ``n_prompts`` prompts; ValueError on disagreement."""
+def run_parity_check(draft: object, target: Optional[str], n_prompts: int, engine: str = "any",
+                     target_vocab: Optional[int] = None) -> None:
+    """The serving-parity check (`nemo_dflash.inference.parity`) on ``n_prompts`` prompts; ValueError on
+    disagreement. The engines' limits are checked first: the check loads the target."""
+    from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.engine_limits import check_engine_limits
+    from nemo_dflash.export import serving_config_dict
+    from nemo_dflash.inference.parity import PARITY_PROMPTS, check_serving_parity, encode_parity_prompts
+
     if not target:
         raise ValueError("--parity-prompts needs --target: the check decodes with the target")
-    from nemo_dflash.data.chat_template import stop_token_ids
-    from nemo_dflash.export import serving_config_dict
-    from nemo_dflash.inference.parity import check_serving_parity, encode_parity_prompts
+    if not 0 < n_prompts <= len(PARITY_PROMPTS):
+        raise ValueError(f"--parity-prompts {n_prompts}: give 1 to {len(PARITY_PROMPTS)}")
+    check_engine_limits(serving_config_dict(draft.config), engine, vocab=target_vocab, warn=False)
     from nemo_dflash.recipes._cli import resolve_device_dtype
     from nemo_dflash.target.loading import load_target
 
@@ -60,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from nemo_dflash.draft.build import check_draft_fits_target, load_draft, resolve_draft_dir
     from nemo_dflash.export import export_draft
 
-    with user_errors(FileNotFoundError, FileExistsError, ValueError):  # EngineLimitError is a ValueError  # paths, --out, a draft that does not fit
+    with user_errors(FileNotFoundError, FileExistsError, ValueError):  # paths, --out, a draft that does not fit
         src = resolve_draft_dir(args.checkpoint)
         draft = load_draft(src)
         target_vocab = None
@@ -79,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_draft_fits_target(draft.config, target_config, tokenizer)
             target_vocab = int(target_config.get_text_config().vocab_size)
         if args.parity_prompts:
-            run_parity_check(draft, args.target, args.parity_prompts)
+            run_parity_check(draft, args.target, args.parity_prompts, args.engine, target_vocab)
         out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab)
     logger.info("exported %s -> %s", src, out)
     return 0
