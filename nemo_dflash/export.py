@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -40,6 +40,7 @@ from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' ol
     validate_serving_weights,
 )
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.engine_limits import check_engine_limits
 from nemo_dflash.files import apply_umask
 from nemo_dflash.target import check_target_layer_ids
 
@@ -50,7 +51,7 @@ PathLike = Union[str, os.PathLike]
 SERVING_DTYPE = torch.bfloat16
 
 # Keys of the exported config.json, in the order they are written. `rope_scaling` is added
-# only for a non-default RoPE.
+# only for a non-default RoPE, `partial_rotary_factor` only when the target rotates part of each head.
 SERVING_CONFIG_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
@@ -66,6 +67,9 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # Written top-level, where transformers and vLLM read it into rope_parameters (rotary_dim =
+    # int(head_dim * factor)); a draft served without it rotates the whole head and serves at tau ~1.
+    partial = float(rope.pop("partial_rotary_factor", 1.0))
     mask_id = check_mask_token_id(config.mask_token_id, source="the draft config's dflash_config")
     layer_ids = check_target_layer_ids(config.target_layer_ids, key="the draft config's dflash_config.target_layer_ids")
     out: dict[str, Any] = {
@@ -95,6 +99,8 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
     }
     if rope_type != "default":
         out["rope_scaling"] = rope
+    if partial != 1.0:
+        out["partial_rotary_factor"] = partial
     return out
 
 
@@ -130,18 +136,21 @@ def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None
 
 
 def export_draft(
-    draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False
+    draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False, engine: str = "any",
+    target_vocab: Optional[int] = None,
 ) -> Path:
     """Write `draft` (a model, or any path `load_draft` accepts) as a serving checkpoint.
 
     The output holds exactly `config.json` and a bf16 `model.safetensors` whose key set has
     been checked against the contract. Nothing is written on a validation error, and an
-    existing non-empty `out_dir` is only replaced with `overwrite=True`.
+    existing non-empty `out_dir` is only replaced with `overwrite=True`. The engines' known limits
+    (`nemo_dflash.engine_limits`) refuse what breaks `engine` (every engine for "any") and warn of the rest.
     """
     if not isinstance(draft, DFlashDraftModel):
         draft = load_draft(draft)
     config = draft.config
     cfg = serving_config_dict(config)
+    check_engine_limits(cfg, engine, vocab=target_vocab)
     state = {k: v.detach().to(device="cpu", dtype=SERVING_DTYPE).contiguous() for k, v in draft.state_dict().items()}
     validate_serving_weights({k: tuple(v.shape) for k, v in state.items()}, config, source="The draft's weights")
     out = Path(out_dir)

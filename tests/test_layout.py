@@ -67,6 +67,7 @@ FLOW = {
     "core": 5,  # the trainer module: anchors, block mask, draft, loss
     "train": 6,
     "export": 7,
+    "engine_limits": 7,  # the serving engines' known limits, checked by export
     "inference": 7,
     "recipes": 8,  # the commands
 }

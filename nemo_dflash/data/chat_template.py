@@ -61,10 +61,11 @@ class ChatFormat:
 _FORMAT_CACHE: "weakref.WeakKeyDictionary[Any, tuple[Optional[str], ChatFormat]]" = weakref.WeakKeyDictionary()
 
 
-def _render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False,
+            **template_kwargs: Any) -> str:
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
     except Exception as e:  # jinja raises anything: TemplateError, TypeError, IndexError, ...
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
@@ -73,10 +74,10 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_p
     return text
 
 
-def _generation_header(tokenizer: Any, context: Sequence[dict[str, str]]) -> Optional[str]:
+def _generation_header(tokenizer: Any, context: Sequence[dict[str, str]], **template_kwargs: Any) -> Optional[str]:
     """The text the template appends for ``add_generation_prompt=True`` after ``context``."""
-    with_prompt = _render(tokenizer, context, add_generation_prompt=True)
-    without = _render(tokenizer, context, add_generation_prompt=False)
+    with_prompt = _render(tokenizer, context, add_generation_prompt=True, **template_kwargs)
+    without = _render(tokenizer, context, add_generation_prompt=False, **template_kwargs)
     if not with_prompt.startswith(without) or len(with_prompt) == len(without):
         return None
     return with_prompt[len(without) :]
@@ -152,10 +153,17 @@ def _trim_to_last_assistant(messages: Sequence[dict[str, str]]) -> list[dict[str
 
 
 def render_with_spans(
-    tokenizer: Any, messages: Sequence[dict[str, str]], fmt: Optional[ChatFormat] = None
+    tokenizer: Any, messages: Sequence[dict[str, str]], fmt: Optional[ChatFormat] = None,
+    reasoning: Optional[str] = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages`` and return the text plus the supervised ``[start, end)`` char spans."""
+    """Render ``messages`` and return the text plus the supervised ``[start, end)`` char spans.
+
+    ``reasoning`` ("on"/"off", see :func:`reasoning_kwargs`): the thinking mode the answers were
+    generated in. The template renders in that mode, and where the mode's generation prompt is
+    longer than the plain header (Qwen3 "off": ``<think>\n\n</think>\n\n``, written by the
+    template, never generated), that prompt is not supervised."""
     fmt = fmt or detect_chat_format(tokenizer)
+    mode_kwargs = reasoning_kwargs(reasoning)
     for m in messages:
         for marker in (fmt.assistant_header, fmt.end_of_turn):
             if marker in m["content"]:
@@ -163,7 +171,7 @@ def render_with_spans(
                     f"a {m['role']} message contains the chat-template marker {marker!r}, "
                     "which makes the turn boundaries ambiguous"
                 )
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, **mode_kwargs)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, m in enumerate(messages):
@@ -177,6 +185,10 @@ def render_with_spans(
             start = text.find(header, cursor) if header else -1
         if start < 0:
             raise ChatTemplateError(f"assistant header {fmt.assistant_header!r} of turn {i} not found in the rendered text")
+        if mode_kwargs:
+            prompt = _generation_header(tokenizer, messages[:i], **mode_kwargs) or ""
+            if len(prompt) > len(header) and text.startswith(prompt, start):
+                header = prompt
         content_start = start + len(header)
         eot = text.find(fmt.end_of_turn, content_start)
         if eot < 0:
@@ -210,8 +222,8 @@ def _finish(input_ids: list[int], mask: list[int], max_length: int) -> Optional[
     return TokenizedConversation(input_ids=input_ids, loss_mask=mask, truncated=truncated)
 
 
-def _template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False)
+def _template_ids(tokenizer: Any, messages: Sequence[dict[str, str]], **template_kwargs: Any) -> list[int]:
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **template_kwargs)
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return list(ids)
@@ -241,14 +253,17 @@ def tokenize_conversations(
     chat_format: Optional[ChatFormat] = None,
     verify: bool | int = False,
     errors: Optional[list[Optional[ChatTemplateError]]] = None,
+    reasoning: Optional[str] | Sequence[Optional[str]] = None,
 ) -> list[Optional[TokenizedConversation]]:
     """Batch version of :func:`tokenize_conversation` (one batched fast-tokenizer call).
 
     Without ``errors`` a template problem raises; with a list, it gets one entry per
     conversation (the error or None) and the failed conversations come back as None.
-    ``verify`` may be an int: verify only the first that many conversations.
+    ``verify`` may be an int: verify only the first that many conversations. ``reasoning``: the
+    thinking mode of every conversation, or one per conversation (see :func:`render_with_spans`).
     """
     fmt = chat_format or detect_chat_format(tokenizer)
+    modes = [reasoning] * len(conversations) if reasoning is None or isinstance(reasoning, str) else list(reasoning)
     n_verify = len(conversations) if verify is True else int(verify)
     results: list[Optional[TokenizedConversation]] = [None] * len(conversations)
     errs: list[Optional[ChatTemplateError]] = [None] * len(conversations)
@@ -258,7 +273,7 @@ def tokenize_conversations(
         if not trimmed:
             continue  # no assistant turn: nothing to learn from
         try:
-            text, spans = render_with_spans(tokenizer, trimmed, fmt)
+            text, spans = render_with_spans(tokenizer, trimmed, fmt, reasoning=modes[k])
         except ChatTemplateError as e:
             if errors is None:
                 raise
@@ -271,7 +286,7 @@ def tokenize_conversations(
         )
         for (k, trimmed, _, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
             if k < n_verify:
-                expected = _template_ids(tokenizer, trimmed)
+                expected = _template_ids(tokenizer, trimmed, **reasoning_kwargs(modes[k]))
                 if expected != list(ids):
                     err = ChatTemplateError(
                         "tokenising the rendered chat text does not reproduce apply_chat_template(tokenize=True) "
@@ -285,6 +300,61 @@ def tokenize_conversations(
     if errors is not None:
         errors[:] = errs
     return results
+
+
+# ----------------------------------------------------------------------------- thinking mode
+
+REASONING_MODES = ("on", "off")  # a chat template's thinking switch (Qwen3, Qwen3.5: `enable_thinking`)
+
+
+def reasoning_kwargs(mode: Optional[str]) -> dict[str, Any]:
+    """The chat-template arguments of a thinking mode; {} for None (the template's default)."""
+    if mode is None:
+        return {}
+    if mode not in REASONING_MODES:
+        raise ValueError(f"reasoning must be one of {REASONING_MODES}, got {mode!r}")
+    return {"enable_thinking": mode == "on"}
+
+
+def has_thinking_switch(tokenizer: Any) -> bool:
+    """Whether the chat template renders the generation prompt differently with thinking on and off."""
+    user = [{"role": "user", "content": _PROBE_USER}]
+    try:
+        on, off = (_render(tokenizer, user, True, **reasoning_kwargs(m)) for m in REASONING_MODES)
+    except ChatTemplateError:
+        return False
+    return on != off
+
+
+class ReasoningTokenizer:
+    """``tokenizer`` whose chat template always renders in one thinking mode, so every caller that
+    prompts the target through it (regeneration, evaluation) asks in that mode. Everything else is
+    the wrapped tokenizer's."""
+
+    def __init__(self, tokenizer: Any, mode: str) -> None:
+        self._tokenizer = tokenizer
+        self._kwargs = reasoning_kwargs(mode)
+        self.reasoning = mode
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_tokenizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __deepcopy__(self, memo: dict) -> "ReasoningTokenizer":
+        import copy
+
+        return ReasoningTokenizer(copy.deepcopy(self._tokenizer, memo), self.reasoning)
+
+    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(conversation, *args, **{**self._kwargs, **kwargs})
 
 
 # ----------------------------------------------------------------------------- prompting the target

@@ -250,7 +250,8 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
             errors: list[Optional[ChatTemplateError]] = []
             verify = max(0, _VERIFY_FIRST - counts["read"])
             results = tokenize_conversations(
-                tokenizer, [c.messages for c in chunk], cfg.max_length, chat_format=fmt, verify=verify, errors=errors
+                tokenizer, [c.messages for c in chunk], cfg.max_length, chat_format=fmt, verify=verify, errors=errors,
+                reasoning=[getattr(c, "reasoning", None) for c in chunk],
             )
             for conv, res, err in zip(chunk, results, errors):
                 counts["read"] += 1

@@ -58,6 +58,7 @@ class Conversation:
 
     messages: list[dict[str, str]]
     location: str
+    reasoning: Optional[str] = None  # the thinking mode its answers were generated in ("on"/"off"), if recorded
 
 
 class BadRecordCounter:
@@ -295,7 +296,8 @@ def read_conversations(
         except MalformedRecord as e:
             bad.report(location, str(e))
             continue
-        yield Conversation(messages=messages, location=location)
+        mode = record.get("reasoning") if isinstance(record, dict) else None
+        yield Conversation(messages=messages, location=location, reasoning=mode if mode in ("on", "off") else None)
         n += 1
         if max_samples is not None and n >= max_samples:
             return

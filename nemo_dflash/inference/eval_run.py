@@ -51,6 +51,7 @@ class RunOptions:
     threads: Optional[int] = None
     max_minutes: Optional[float] = None
     overwrite: bool = False
+    reasoning: Optional[str] = None  # the thinking mode prompts are rendered in; None: the template's default
 
 
 def check_paths(draft: str, target: str) -> None:
@@ -73,6 +74,20 @@ class ModelSpec:
     device: str
     dtype: str
     threads: Optional[int] = None
+    reasoning: Optional[str] = None
+
+
+def check_reasoning_switch(target: str, reasoning: Optional[str]) -> None:
+    """``--reasoning`` needs a chat template with a thinking switch; checked on the tokenizer alone."""
+    if reasoning is None:
+        return
+    from nemo_dflash.data.chat_template import has_thinking_switch, reasoning_kwargs
+    from nemo_dflash.target.loading import load_tokenizer
+
+    reasoning_kwargs(reasoning)  # a known mode
+    if not has_thinking_switch(load_tokenizer(target)):
+        raise ValueError(f"--reasoning {reasoning}: the chat template of {target} has no thinking switch "
+                         "(enable_thinking); drop --reasoning")
 
 
 def load_models(spec: ModelSpec) -> tuple[Any, Any, Any]:
@@ -84,6 +99,10 @@ def load_models(spec: ModelSpec) -> tuple[Any, Any, Any]:
         torch.set_num_threads(spec.threads)
     target, tokenizer = load_target(spec.target, dtype=spec.dtype, device=spec.device)
     draft = load_draft_for_target(spec.draft, target.config, tokenizer, device=spec.device, dtype=spec.dtype)
+    if spec.reasoning is not None:
+        from nemo_dflash.data.chat_template import ReasoningTokenizer
+
+        tokenizer = ReasoningTokenizer(tokenizer, spec.reasoning)
     return target, tokenizer, draft
 
 
@@ -171,11 +190,15 @@ class EvalRun:
                 raise ValueError(f"two datasets are named {display!r}: rename one file")
             self.sets.append((display, prompts))
         check_paths(str(opts.draft), str(opts.target))
-        self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads)
+        check_reasoning_switch(str(opts.target), opts.reasoning)
+        self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
+                                    opts.reasoning)
         header = {"draft": str(opts.draft), "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
                   "seed": opts.seed, "chat_template": opts.chat_template,
                   "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
                   "block_size": protocol.block_size, "decode": protocol.decode}
+        if opts.reasoning is not None:  # answers of another thinking mode are another evaluation
+            header["reasoning"] = opts.reasoning
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
@@ -266,7 +289,8 @@ class EvalRun:
             "draft": str(self.opts.draft), "target": str(self.opts.target),
             "protocol": protocol_record(p, block, trained, counts),
             "settings": {"device": self.model_spec.device, "dtype": self.model_spec.dtype, "seed": self.opts.seed,
-                         "workers": self.opts.workers, "chat_template": self.opts.chat_template},
+                         "workers": self.opts.workers, "chat_template": self.opts.chat_template,
+                         "reasoning": self.opts.reasoning or "template default"},
             "complete": complete, "results": results, "speedup": speedup,
         }
         (self.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -281,7 +305,7 @@ class EvalRun:
         head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
                 f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
-                f"decode {pr['decode']}; {sets}")
+                f"decode {pr['decode']}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 
 

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no conversation after this; results.json then says complete: false (re-run continues)")
     p.add_argument("--overwrite", action="store_true", help="discard answers of an earlier run in --out")
     p.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
+    p.add_argument("--reasoning", default=None, choices=("on", "off"),
+                   help="thinking mode of the prompts (Qwen3/Qwen3.5 enable_thinking); default: the template's. "
+                        "Match the mode the draft's data was regenerated in")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / workers)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +148,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     return RunOptions(draft=str(args.draft), target=str(args.target), out=Path(args.out), device=device, dtype=dtype,
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
-                      threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite)
+                      threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
+                      reasoning=args.reasoning)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

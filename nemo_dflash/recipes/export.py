@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--target", default=None,
                    help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
+    p.add_argument("--engine", default="any", choices=("any", "vllm", "sglang"),
+                   help="the engine you serve with: its known limits refuse the export (others only warn)")
+    p.add_argument("--parity-prompts", type=int, default=0, metavar="N",
+                   help="with --target: before writing, decode N built-in prompts (at most 3) with our decoder and "
+                        "with the DFlash rules applied to the exported config and weights; refuse on disagreement")
     return p
 
 
@@ -69,6 +74,31 @@ def verify_draft_files(src: Path) -> None:
         verify_complete(src.parent, prefix=f"{src.name}/")
 
 
+def run_parity_check(draft: object, target: Optional[str], n_prompts: int, engine: str = "any",
+                     target_vocab: Optional[int] = None) -> None:
+    """The serving-parity check (`nemo_dflash.inference.parity`) on ``n_prompts`` prompts; ValueError on
+    disagreement. The engines' limits are checked first: the check loads the target."""
+    from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.engine_limits import check_engine_limits
+    from nemo_dflash.export import serving_config_dict
+    from nemo_dflash.inference.parity import PARITY_PROMPTS, check_serving_parity, encode_parity_prompts
+
+    if not target:
+        raise ValueError("--parity-prompts needs --target: the check decodes with the target")
+    if not 0 < n_prompts <= len(PARITY_PROMPTS):
+        raise ValueError(f"--parity-prompts {n_prompts}: give 1 to {len(PARITY_PROMPTS)}")
+    check_engine_limits(serving_config_dict(draft.config), engine, vocab=target_vocab, warn=False)
+    from nemo_dflash.recipes._cli import resolve_device_dtype
+    from nemo_dflash.target.loading import load_target
+
+    device, dtype = resolve_device_dtype("auto", "auto")
+    model, tokenizer = load_target(target, dtype=dtype, device=device)
+    report = check_serving_parity(model, draft.to(device), encode_parity_prompts(tokenizer)[:n_prompts],
+                                  cfg=serving_config_dict(draft.config), stop_ids=stop_token_ids(model, tokenizer),
+                                  max_new_tokens=32)
+    logger.info("%s: the engines' rules and our decoder agree", report.line())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -87,6 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             draft = load_draft(src)
         except SafetensorError as e:
             raise DamagedFilesError(f"{src}'s weights cannot be read ({e}): export another checkpoint") from None
+        target_vocab = None
         if args.target:
             from transformers import AutoConfig
 
@@ -99,9 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except (OSError, ValueError):
                 logger.warning("No tokenizer in %s: checking the draft against the config only", target_dir)
                 tokenizer = None
-            check_draft_fits_target(draft.config, AutoConfig.from_pretrained(target_dir, local_files_only=True),
-                                    tokenizer)
-        out = export_draft(draft, args.out, overwrite=args.overwrite)
+            target_config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+            check_draft_fits_target(draft.config, target_config, tokenizer)
+            target_vocab = int(target_config.get_text_config().vocab_size)
+        if args.parity_prompts:
+            run_parity_check(draft, args.target, args.parity_prompts, args.engine, target_vocab)
+        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab)
     logger.info("exported %s -> %s", src, out)
     return 0
 

@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(end), or the next turn is asked with the cut answer in its history (continue)")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, every core)")
+    p.add_argument("--reasoning", choices=("on", "off", "both"), default=None,
+                   help="thinking mode of targets whose chat template has a switch (Qwen3, Qwen3.5 enable_thinking); "
+                        "both: every prompt answered in each mode. Each record says its mode, and training masks "
+                        "it as the template renders that mode (default: the template's default, unrecorded)")
     p.add_argument("--holdout", type=int, default=0,
                    help="also write N more conversations' prompts (no answers) to OUT_STEM.holdout.jsonl")
     p.add_argument("--max-bad-lines", type=int, default=100, help="malformed input records tolerated")
@@ -291,6 +295,55 @@ def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
     return len(lines)
 
 
+def reasoning_modes(reasoning: Optional[str], target: str) -> list[Optional[str]]:
+    """The thinking modes to answer in; refuses ``--reasoning`` for a template without a switch
+    (checked on the tokenizer alone, before the model loads)."""
+    if reasoning is None:
+        return [None]
+    from nemo_dflash.data.chat_template import has_thinking_switch
+    from nemo_dflash.target.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(target)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the tokenizer of --target {target}: {e}")
+    if not has_thinking_switch(tokenizer):
+        fail(f"--reasoning {reasoning}: the chat template of {target} has no thinking switch (enable_thinking); "
+             "drop --reasoning")
+    return ["on", "off"] if reasoning == "both" else [reasoning]
+
+
+def in_modes(conversations: Sequence[Any], modes: Sequence[Optional[str]]) -> list[Any]:
+    """Each conversation once per mode, its source tagged with the mode (``#reasoning=off``) so a
+    resumed run and the output order tell the copies apart."""
+    from nemo_dflash.data.sources import Conversation
+
+    if modes == [None]:
+        return list(conversations)
+    return [Conversation(messages=c.messages, location=f"{c.location}#reasoning={m}", reasoning=m)
+            for m in modes for c in conversations]
+
+
+def regenerate_in_modes(regenerate: Any, modes: Sequence[Optional[str]], model: Any, tokenizer: Any,
+                        conversations: Sequence[Any], **kwargs: Any) -> Any:
+    """``regenerate(model, tokenizer, conversations, **kwargs)`` once per thinking mode, the
+    tokenizer rendering every prompt in that mode; each record gets ``"reasoning"``."""
+    if modes == [None]:
+        return regenerate(model, tokenizer, conversations, **kwargs)
+    from nemo_dflash.data.chat_template import ReasoningTokenizer
+
+    def run() -> Any:
+        for mode in modes:
+            mine = [c for c in conversations if getattr(c, "reasoning", None) == mode]
+            if not mine:
+                continue
+            for record in regenerate(model, ReasoningTokenizer(tokenizer, mode), mine, **kwargs):
+                record["reasoning"] = mode
+                yield record
+
+    return run()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -328,6 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
         paths = resolve_data_paths(args.data)
         pool = read_pool(paths, args.max_bad_lines)
+    modes = reasoning_modes(args.reasoning, args.target)
     logger.info("loading target %s (%s, %s)", args.target, device, dtype)
     try:
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
@@ -355,6 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if len(chosen) < want:
         logger.warning("only %d usable conversations of %d wanted (skipped: %s)", len(chosen), want, select_skipped)
     train, holdout = chosen[: len(chosen) - args.holdout], chosen[len(chosen) - args.holdout:]
+    train = in_modes(train, modes)
     logger.info("selected %d conversations to regenerate and %d held out (examined %d; skipped %s)",
                 len(train), len(holdout), examined, select_skipped or "none")
 
@@ -391,8 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
     with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
-        records = regenerate_conversations(
-            model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
+        records = regenerate_in_modes(
+            regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
             max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead, schedule=args.schedule,
@@ -441,6 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "loops": args.loops,
         "capped": args.capped,
         "after_cut": args.after_cut,
+        "reasoning": args.reasoning,
         "finish": dict(stats.finish),
         "skipped_selection": select_skipped,
         "skipped_generation": dict(stats.skipped),

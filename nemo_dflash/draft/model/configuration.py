@@ -11,6 +11,45 @@ from typing import Any, Optional
 
 from transformers import Qwen3Config
 
+# Keys of a target's RoPE that only make sense with 3-D (temporal, height, width) positions. The draft
+# sees text positions only, where M-RoPE equals 1-D RoPE with the same frequencies, and the engines
+# build an M-RoPE module (3-D positions required) when they see these keys: they are dropped.
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def target_rope_parameters(target_config: Any) -> dict[str, Any]:
+    """The target's RoPE as the draft must apply it (and the engines will, from config.json).
+
+    theta, scaling type and its fields, and ``partial_rotary_factor`` (Qwen3.5/Qwen3-Next rotate a
+    quarter of each head; a draft that rotates all of it serves at tau ~1, speculators #613), read from
+    ``rope_parameters`` (transformers 5) or the legacy ``rope_theta`` / ``rope_scaling`` /
+    ``partial_rotary_factor`` fields. Per-layer-type RoPE (Gemma 3) takes the full-attention entry:
+    the draft's attention is full attention over the whole context.
+    """
+    tc = getattr(target_config, "text_config", None) or target_config
+    rope = dict(getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    if "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type", "default")
+    rope.pop("type", None)
+    rope.setdefault("rope_theta", float(getattr(tc, "rope_theta", None) or 10000.0))
+    factor = rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", None))
+    rope.pop("partial_rotary_factor", None)
+    if factor is not None and float(factor) != 1.0:
+        rope["partial_rotary_factor"] = float(factor)
+    for k in MROPE_KEYS:
+        rope.pop(k, None)
+    return rope
+
+
+def rotary_dim(config: Any) -> int:
+    """Head dimensions the draft rotates: ``int(head_dim * partial_rotary_factor)`` (vLLM's and HF's rule)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * float(factor))
+
 
 class DFlashConfig(Qwen3Config):
     model_type = "qwen3"
@@ -51,12 +90,11 @@ class DFlashConfig(Qwen3Config):
         **overrides: Any,
     ) -> "DFlashConfig":
         """Shape the draft like its target: the draft reuses the target's embeddings and
-        lm_head, so hidden size and vocab must match; heads/head_dim/rope follow by default."""
+        lm_head, so hidden size and vocab must match; heads/head_dim follow by default, and the
+        RoPE is the target's (`target_rope_parameters`: theta, scaling, partial rotary factor)."""
         tc = getattr(target_config, "text_config", None) or target_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        rope = getattr(tc, "rope_parameters", None)
-        if not rope:
-            rope = {"rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
+        rope = target_rope_parameters(tc)
         # MoE targets without a dense FFN width (Qwen3.5-MoE) need `intermediate_size` in overrides.
         ffn = overrides.get("intermediate_size") or getattr(tc, "intermediate_size", None)
         if not ffn:

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from nemo_dflash.draft.model.configuration import DFlashConfig
+from nemo_dflash.draft.model.configuration import DFlashConfig, rotary_dim
 
 try:  # flex_attention is optional at import time (needs torch >= 2.5)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -71,11 +71,15 @@ class RotaryEmbedding(nn.Module):
 
     Built at first use (not in __init__) so that meta-device init, FSDP sharding and
     `from_pretrained` never leave a meta or low-precision table behind (a known resume bug).
+    The table covers the rotated dimensions only (`rotary_dim`: head_dim times the target's
+    `partial_rotary_factor`), neox (rotate-half) layout, as vLLM's and SGLang's `get_rope` build it
+    from the exported config.json.
     """
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
+        self.rotary_dim = rotary_dim(config)
         self._inv_freq: Optional[torch.Tensor] = None
         self._scaling = 1.0
 
@@ -85,19 +89,23 @@ class RotaryEmbedding(nn.Module):
             rope_type = rope.get("rope_type", "default")
             if rope_type == "default":
                 base = float(rope.get("rope_theta", 10000.0))
-                dim = self.config.head_dim
+                dim = self.rotary_dim
                 inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
                 self._inv_freq, self._scaling = inv, 1.0
-            else:
+            else:  # transformers' scaled types read partial_rotary_factor from rope_parameters themselves
                 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
                 inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
                 self._inv_freq, self._scaling = inv.float(), float(scaling)
+            if 2 * self._inv_freq.numel() != self.rotary_dim:
+                raise ValueError(f"RoPE {rope_type!r} gave {self._inv_freq.numel()} frequencies for a rotary dim of "
+                                 f"{self.rotary_dim}: check rope_parameters in the draft config")
         return self._inv_freq
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, P, rotary_dim] of `position_ids` [B, P]."""
         inv = self._table(position_ids.device)
-        freqs = position_ids[..., None].float() * inv  # [B, P, D/2], fp32
+        freqs = position_ids[..., None].float() * inv  # [B, P, rotary_dim/2], fp32
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self._scaling).to(dtype), (emb.sin() * self._scaling).to(dtype)
 
@@ -111,6 +119,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [B, heads, P, D]; cos/sin: [B, P, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first `cos.shape[-1]` head dimensions, the rest passed through (partial rotary,
+    the layout of HF's Qwen3.5 and vLLM's `get_rope`); plain `apply_rope` when cos spans the head."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
 def dense_attention(
@@ -205,9 +222,9 @@ class DFlashAttention(nn.Module):
         k_ctx, v_ctx = self._kv(context)
         k_blk, v_blk = self._kv(hidden)
         # cos/sin cover [new ctx ; block]; queries take the trailing q_len slice.
-        k_ctx = apply_rope(k_ctx, cos[:, :c_len], sin[:, :c_len])
-        k_blk = apply_rope(k_blk, cos[:, c_len:], sin[:, c_len:])
-        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k_ctx = apply_partial_rope(k_ctx, cos[:, :c_len], sin[:, :c_len])
+        k_blk = apply_partial_rope(k_blk, cos[:, c_len:], sin[:, c_len:])
+        q = apply_partial_rope(q, cos[:, -q_len:], sin[:, -q_len:])
         if cache is not None:
             k_ctx, v_ctx = cache.update(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
@@ -328,4 +345,4 @@ class DFlashDraftModel(PreTrainedModel):
         return self.norm(hidden)
 
 
-__all__ = ["DFlashDraftModel", "DFlashContextCache", "dense_attention", "apply_rope"]
+__all__ = ["DFlashDraftModel", "DFlashContextCache", "dense_attention", "apply_partial_rope", "apply_rope"]

@@ -1,0 +1,262 @@
+"""Serving parity: does our decoder accept what the DFlash decoding rules, applied to the exported
+checkpoint as the engines read it, accept?
+
+The reference here is written from the rules alone (docs/serving.md, "Serving parity"), with no
+cache and nothing shared with `spec_decode` or the draft module:
+
+- the draft is rebuilt from the serving `config.json` dict and its weights the way the engines
+  build a Qwen3-style DFlash draft: fc + hidden_norm on the concatenated target layers, per layer
+  RMSNorm -> q/k/v (k/v over [context ; block]) -> q_norm/k_norm -> neox RoPE over
+  int(head_dim * partial_rotary_factor) dims at theta/scaling from the config -> non-causal
+  attention -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual, final norm;
+- each step drafts `[last, MASK x (B-1)]` against the target features (HF `output_hidden_states`,
+  layer i = hidden_states[i + 1]) of every verified token before `last`, at positions
+  0..p-1 for the context and p..p+B-1 for the block; the target verifies the whole sequence again;
+  accepted = longest prefix where draft[k] == the target's argmax at k; plus the target's bonus.
+
+`check_serving_parity` runs both on a few prompts at T=0 and compares (1) the drafted tokens of our
+draft module and of the rebuilt one on the same context, and (2) our decoder's output and
+per-step acceptance with the reference's. A mismatch raises `ServingParityError` (one line).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# A few short prompts, enough to run a dozen blocks each.
+PARITY_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain in two sentences why the sky is blue.",
+)
+
+
+class ServingParityError(ValueError):
+    """Our decoder and the reference decoding rules disagree on this draft."""
+
+
+# ----------------------------------------------------------------------------- the draft, rebuilt
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _inv_freq(cfg: Mapping[str, Any], rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling from config.json's rope fields."""
+    scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    theta = float(cfg["rope_theta"])
+    if rope_type == "default":
+        return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim), 1.0
+    # Scaled types: transformers' own init functions (what the engines port), on the config as loaded.
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, attn_scale = ROPE_INIT_FUNCTIONS[rope_type](Qwen3Config.from_dict(dict(cfg)), "cpu")
+    return inv.double(), float(attn_scale)
+
+
+def _neox_rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, heads, head_dim]: rotate-half RoPE on the first 2 * len(inv) dims, the rest untouched."""
+    rd = 2 * inv.numel()
+    ang = pos.double()[:, None] * inv[None, :]
+    cos = (ang.cos() * scale).float()[:, None, :]
+    sin = (ang.sin() * scale).float()[:, None, :]
+    x1, x2, rest = x[..., : rd // 2], x[..., rd // 2: rd], x[..., rd:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def reference_draft_hidden(weights: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], block_emb: torch.Tensor,
+                           context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The draft's final hidden states [B, H] for block embeddings [B, H] and target features
+    [C, n*H] at ``positions`` [C + B], computed from the serving config and weights alone (fp32)."""
+    w = {k: v.float() for k, v in weights.items()}
+    eps = float(cfg["rms_norm_eps"])
+    nh, nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    hd = int(cfg["head_dim"])
+    rd = int(hd * float(cfg.get("partial_rotary_factor", 1.0)))
+    inv, scale = _inv_freq(cfg, rd)
+    ctx = _rms(context.float() @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    h = block_emb.float()
+    n_blk = h.shape[0]
+    for i in range(int(cfg["num_hidden_layers"])):
+        p = f"layers.{i}."
+        x = _rms(h, w[p + "input_layernorm.weight"], eps)
+        kv_in = torch.cat([ctx, x], dim=0)
+        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(n_blk, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
+        k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd), w[p + "self_attn.k_norm.weight"], eps)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        q = _neox_rope(q, positions[-n_blk:], inv, scale)
+        k = _neox_rope(k, positions, inv, scale)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(n_blk, nh * hd)
+        h = h + o @ w[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(h, w["norm.weight"], eps)
+
+
+# ----------------------------------------------------------------------------- the reference decoder
+
+
+@dataclass
+class ReferenceRun:
+    output_ids: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)
+    proposals: int = 0        # drafted tokens compared with our draft module's
+    proposals_agree: int = 0  # of which equal
+
+
+def _features(target: nn.Module, ids: list[int], layer_ids: Sequence[int],
+              keep: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of the last ``keep`` positions [keep, V], features [T, n*H]) of one full forward, no cache."""
+    import inspect
+
+    dev = next(target.parameters()).device
+    extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    out = target(input_ids=torch.tensor([ids], device=dev), output_hidden_states=True, use_cache=False, **extra)
+    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+    return out.logits[0, -keep:].float(), feats
+
+
+@torch.no_grad()
+def reference_generate(target: nn.Module, weights: Mapping[str, torch.Tensor], cfg: Mapping[str, Any],
+                       prompt_ids: Sequence[int], max_new_tokens: int, block_size: Optional[int] = None,
+                       stop_ids: Iterable[int] = (), our_draft: Optional[nn.Module] = None) -> ReferenceRun:
+    """Greedy DFlash decoding by the rules alone (see the module doc); with ``our_draft``, its
+    proposals on each step's context are counted against the rebuilt draft's."""
+    dflash = cfg["dflash_config"]
+    layer_ids, mask_id = [int(i) for i in dflash["target_layer_ids"]], int(dflash["mask_token_id"])
+    blk = int(block_size or cfg["block_size"])
+    stops = {int(s) for s in stop_ids}
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    prompt = [int(t) for t in prompt_ids]
+    logits, _ = _features(target, prompt, layer_ids)
+    out = [int(logits[-1].argmax())]
+    run = ReferenceRun(output_ids=out)
+    while out[-1] not in stops and len(out) < max_new_tokens:
+        seq = prompt + out
+        p = len(seq) - 1  # position of the last verified token, the block's anchor
+        _, ctx = _features(target, seq[:-1], layer_ids)
+        dev = ctx.device
+        block = torch.tensor([seq[-1]] + [mask_id] * (blk - 1), device=dev)
+        emb = embed(block)
+        pos = torch.arange(p + blk, device=dev)
+        hid = reference_draft_hidden(weights, cfg, emb, ctx, pos)
+        drafted = head(hid[1:].to(head.weight.dtype)).float().argmax(-1).tolist()
+        if our_draft is not None:
+            mine = our_draft(noise_embedding=emb[None].to(our_draft.fc.weight.dtype), target_hidden=ctx[None],
+                             position_ids=pos[None])
+            ours = head(mine[0, 1:].to(head.weight.dtype)).float().argmax(-1).tolist()
+            run.proposals += len(ours)
+            run.proposals_agree += sum(a == b for a, b in zip(ours, drafted))
+        v_logits, _ = _features(target, seq + drafted, layer_ids, keep=blk)  # positions p .. p+blk-1
+        tgt = v_logits.argmax(-1).tolist()
+        n_acc = 0
+        while n_acc < blk - 1 and drafted[n_acc] == tgt[n_acc]:
+            n_acc += 1
+        new = drafted[:n_acc] + [tgt[n_acc]]
+        run.acceptance_lengths.append(len(new))
+        for t in new[: max_new_tokens - len(out)]:
+            out.append(t)
+            if t in stops:
+                break
+    return run
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+@dataclass
+class ParityReport:
+    prompts: int
+    steps: int
+    proposal_agreement: float
+    ours_tau: float
+    reference_tau: float
+    mismatches: list[str]
+
+    def line(self) -> str:
+        return (f"serving parity on {self.prompts} prompts, {self.steps} steps: drafted tokens agree "
+                f"{self.proposal_agreement:.1%}, tau ours {self.ours_tau:.3f} vs reference rules {self.reference_tau:.3f}")
+
+
+def serving_weights(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's weights as export writes them (bf16), for the rebuilt draft."""
+    return {k: v.detach().to(torch.bfloat16) for k, v in draft.state_dict().items()}
+
+
+@torch.no_grad()
+def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[Sequence[int]], *,
+                         cfg: Mapping[str, Any], weights: Optional[Mapping[str, torch.Tensor]] = None,
+                         max_new_tokens: int = 48, block_size: Optional[int] = None, stop_ids: Iterable[int] = (),
+                         min_agreement: float = 0.98) -> ParityReport:
+    """Compare our decoder (and draft module) with the reference rules on ``prompts`` (token ids).
+
+    ``cfg``: the serving config.json dict (`nemo_dflash.export.serving_config_dict`, or an exported
+    file); ``weights``: the serving weights (default: ``draft``'s, in bf16 as export writes them). Our draft runs with the serving weights (bf16-rounded, in fp32) so only
+    arithmetic order differs. Raises `ServingParityError` when drafted tokens agree less than
+    ``min_agreement`` or any prompt's output or per-step acceptance differs.
+    """
+    import copy
+
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    cfg = dict(cfg)
+    weights = dict(weights if weights is not None else serving_weights(draft))
+    ours_draft = copy.deepcopy(draft).float()
+    ours_draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    ours_draft = ours_draft.to(next(target.parameters()).device).eval()
+    decoder = DFlashSpeculativeDecoder(target, ours_draft, block_size)
+    stops = list(stop_ids)
+    mismatches: list[str] = []
+    agree = total = steps = 0
+    ours_taus, ref_taus = [], []
+    for n, ids in enumerate(prompts):
+        ref = reference_generate(target, weights, cfg, ids, max_new_tokens, decoder.block_size, stops, ours_draft)
+        ours = decoder.generate(list(ids), max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+        agree, total, steps = agree + ref.proposals_agree, total + ref.proposals, steps + len(ref.acceptance_lengths)
+        ref_taus.append(sum(ref.acceptance_lengths) / max(len(ref.acceptance_lengths), 1))
+        ours_taus.append(ours.mean_acceptance_length)
+        if ours.output_ids != ref.output_ids or ours.acceptance_lengths != ref.acceptance_lengths:
+            k = next((i for i, (a, b) in enumerate(zip(ours.acceptance_lengths, ref.acceptance_lengths)) if a != b),
+                     min(len(ours.acceptance_lengths), len(ref.acceptance_lengths)))
+            mismatches.append(f"prompt {n}: acceptance differs from step {k} (ours {ours.acceptance_lengths[k:k + 4]}, "
+                              f"reference {ref.acceptance_lengths[k:k + 4]})")
+    report = ParityReport(prompts=len(prompts), steps=steps, proposal_agreement=agree / total if total else 1.0,
+                          ours_tau=sum(ours_taus) / max(len(ours_taus), 1),
+                          reference_tau=sum(ref_taus) / max(len(ref_taus), 1), mismatches=mismatches)
+    if report.proposal_agreement < min_agreement:
+        mismatches.insert(0, f"drafted tokens agree {report.proposal_agreement:.1%} < {min_agreement:.0%} "
+                             "(the draft module and the served config rotate or normalise differently)")
+    if mismatches:
+        raise ServingParityError(f"{report.line()}: {'; '.join(mismatches[:3])}: the engines would not serve this "
+                                 "draft as it was measured; see docs/serving.md, 'Serving parity'")
+    logger.info("%s", report.line())
+    return report
+
+
+def encode_parity_prompts(tokenizer: Any, texts: Sequence[str] = PARITY_PROMPTS) -> list[list[int]]:
+    """The prompts as the target's chat template renders them (plain text without a template)."""
+    from nemo_dflash.data.chat_template import encode_prompt
+
+    if getattr(tokenizer, "chat_template", None):
+        return [encode_prompt(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return [list(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
+
+
+__all__ = ["PARITY_PROMPTS", "ParityReport", "ServingParityError", "check_serving_parity", "encode_parity_prompts",
+           "reference_draft_hidden", "reference_generate", "serving_weights"]
