@@ -262,8 +262,11 @@ def _missing_option_error(e: Exception, recipe: Optional[Path]) -> ConfigError:
     options = list(getattr(e, "options", None) or [])
     where = f"{recipe}: " if recipe is not None else ""
     if missing.endswith(".yaml") or (not options and "/" not in missing):
+        stem = Path(missing).stem  # a file name from before config groups (`paper_block16.yaml`): name its group
+        groups = sorted(g.parent.name for g in REPO_CONFIGS.glob(f"*/{stem}.yaml")) if REPO_CONFIGS.is_dir() else []
+        example = f"{{{groups[0]}: {stem}}}" if groups else "{draft: paper_block16}, {cluster: fsdp2}"
         return ConfigError(f"{where}defaults entry {missing!r} not found: name a config group option from {REPO_CONFIGS} "
-                           "or next to the recipe, e.g. `defaults: [{draft: paper_block16}, {cluster: fsdp2}, _self_]`")
+                           f"or a config next to the recipe, e.g. `defaults: [{example}, _self_]`")
     group, _, option = missing.rpartition("/")
     close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
     hint = f" Did you mean '{group}={close[0]}'?" if close else ""
