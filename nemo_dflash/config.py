@@ -238,9 +238,13 @@ def _parse_override(ov: str) -> Any:
     try:
         return OverridesParser.create().parse_overrides([ov])[0]
     except OverrideParseException as e:
-        reason = str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else str(e)
-        raise ConfigError(f"Override {ov!r} cannot be parsed ({reason}): write key=value, +key=value, ++key=value "
-                          "or ~key (e.g. optim.lr=1e-4)") from None
+        # Hydra's message: the parser's complaint, maybe a caret line, a link; keep the complaint.
+        lines = [ln.strip() for ln in str(e).splitlines()
+                 if ln.strip() and not ln.startswith(("See https", "Error parsing override")) and ln.strip() != "^"]
+        reason = lines[0].replace(f": {ov}", "") if lines else "bad syntax"
+        raise ConfigError(f"Override {ov!r} cannot be parsed ({reason}): write key=value, ++key=value, ~key, "
+                          "group=option or +group=option (e.g. optim.lr=1e-4); quote a value holding '=' or ',' "
+                          "(wandb.name='a=b')") from None
 
 
 def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: set[str]) -> None:

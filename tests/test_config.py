@@ -132,9 +132,15 @@ def test_typos_name_the_nearest_valid_key_or_option(override, suggestion):
     assert "\n" not in str(e.value)
 
 
-def test_an_unparseable_override_names_the_grammar():
-    with pytest.raises(ConfigError, match="key=value"):
-        load_recipe("qwen3_8b.yaml", ["optim.lr"])
+@pytest.mark.parametrize("override", ["optim.lr", "wandb.name=a=b", "optim.betas=[1,2"])
+def test_an_unparseable_override_names_the_grammar(override):
+    with pytest.raises(ConfigError, match="key=value") as e:
+        load_recipe("qwen3_8b.yaml", [override])
+    assert "\n" not in str(e.value) and "quote a value" in str(e.value)
+
+
+def test_quoted_values_keep_their_commas_and_equals():
+    assert load_recipe("qwen3_8b.yaml", ["wandb.name='a=b,c'"]).wandb.name == "a=b,c"
 
 
 def test_composition_leaves_the_working_directory_and_logging_alone(tmp_path, monkeypatch):
