@@ -243,8 +243,33 @@ def _parse_override(ov: str) -> Any:
                  if ln.strip() and not ln.startswith(("See https", "Error parsing override")) and ln.strip() != "^"]
         reason = lines[0].replace(f": {ov}", "") if lines else "bad syntax"
         raise ConfigError(f"Override {ov!r} cannot be parsed ({reason}): write key=value, ++key=value, ~key, "
-                          "group=option or +group=option (e.g. optim.lr=1e-4); quote a value holding '=' or ',' "
-                          "(wandb.name='a=b')") from None
+                          "group=option or +group=option (e.g. optim.lr=1e-4)") from None
+
+
+_PLAIN_SET = re.compile(r"([A-Za-z_][\w.]*)=(.*)", re.S)
+
+
+def _plain_values_quoted(overrides: Sequence[str], groups: set[str]) -> list[str]:
+    """`key=value` whose value Hydra's grammar reads as a sweep or cannot read (`output_dir=runs/a,b`,
+    `wandb.name=a=b`, a path with parentheses) is taken as the plain string it was before Hydra, quoted
+    for Hydra. Everything Hydra parses keeps Hydra's meaning; a group choice is never quoted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    out = []
+    for ov in overrides:
+        try:
+            keep = not parser.parse_overrides([ov])[0].is_sweep_override()
+        except OverrideParseException:
+            keep = False
+        m = _PLAIN_SET.fullmatch(ov)
+        if keep or m is None or m.group(1) in groups:
+            out.append(ov)
+            continue
+        quote = next((q for q in ("'", '"') if q not in m.group(2)), None)
+        out.append(ov if quote is None else f"{m.group(1)}={quote}{m.group(2)}{quote}")
+    return out
 
 
 def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: set[str]) -> None:
@@ -252,6 +277,8 @@ def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: s
     for ov in overrides:
         parsed = _parse_override(ov)
         key = parsed.key_or_group
+        if not key:
+            raise ConfigError(f"Override {ov!r} names no key: write key=value (e.g. optim.lr=1e-4)")
         if "." not in key and key in groups:
             continue  # a config group choice (`cluster=fsdp2`, `~cluster`), resolved by Hydra
         parent, _, leaf = key.rpartition(".")
@@ -307,7 +334,9 @@ def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
 def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> RecipeConfig:
     schema = OmegaConf.structured(RecipeConfig)
     recipe = resolve_recipe_path(path).resolve() if path is not None else None
-    _check_override_keys(schema, overrides, _groups([recipe.parent] if recipe else []) | _groups([REPO_CONFIGS]))
+    groups = _groups([recipe.parent] if recipe else []) | _groups([REPO_CONFIGS])
+    overrides = _plain_values_quoted(overrides, groups)
+    _check_override_keys(schema, overrides, groups)
     composed = _compose(recipe, overrides)
     data = OmegaConf.to_container(composed, resolve=False)
     _walk_unknown(schema, data)
