@@ -12,7 +12,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-SHIPPED = ("recipes", "configs")  # folders at the repo root -> nemo_dflash/_shipped/<folder>/*.yaml
+SHIPPED = ("recipes", "configs")  # folders at the repo root -> nemo_dflash/_shipped/<folder>/**/*.yaml
 
 
 class BuildPyWithRecipes(build_py):
@@ -25,9 +25,10 @@ class BuildPyWithRecipes(build_py):
             return
         for folder in SHIPPED:
             dest = Path(self.build_lib) / "nemo_dflash" / "_shipped" / folder
-            self.mkpath(str(dest))
-            for src in sorted((ROOT / folder).glob("*.yaml")):
-                self.copy_file(str(src), str(dest / src.name))
+            for src in sorted((ROOT / folder).rglob("*.yaml")):  # config groups are sub-folders (configs/draft/)
+                out = dest / src.relative_to(ROOT / folder)
+                self.mkpath(str(out.parent))
+                self.copy_file(str(src), str(out))
 
 
 setup(cmdclass={"build_py": BuildPyWithRecipes})

@@ -49,7 +49,7 @@ from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_gener
 from nemo_dflash import attention  # noqa: E402
 from nemo_dflash.inference import graphs, static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
-from nemo_dflash.model import DFlashContextCache  # noqa: E402
+from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
 TAUS = (2.0, 4.24, 6.5)  # 4.24 / 6.5: the paper's Qwen3-8B MT-Bench / HumanEval tau (T=0)
 QWEN3_8B_CONFIG = Path(__file__).parent / "qwen3_8b_config"
@@ -95,7 +95,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str]):
-    from nemo_dflash.build import build_draft_for_target
+    from nemo_dflash.draft.build import build_draft_for_target
 
     device = next(target.parameters()).device
     if draft_dir:
@@ -471,8 +471,8 @@ def profile_eager(dec, ids, path: str, shape: str) -> None:
 def measure_real(args, device: torch.device, modes: list[str]) -> list[dict[str, Any]]:
     """Real tau and real speedup: `--target` + its `--draft`, MT-Bench first turns."""
     from nemo_dflash.inference.evaluate import encode_chat, load_mtbench
-    from nemo_dflash.loading import load_target
-    from nemo_dflash.regenerate import stop_token_ids
+    from nemo_dflash.target.loading import load_target
+    from nemo_dflash.data.regenerate import stop_token_ids
 
     target, tok = load_target(args.target, dtype="bf16", device=device)
     draft = build_draft(target, 0, 0, torch.bfloat16, args.draft)

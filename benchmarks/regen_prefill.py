@@ -28,8 +28,8 @@ def main() -> None:
     from nemo_dflash.data import read_conversations
     from nemo_dflash.data import generation
     from nemo_dflash.data.generation import ATTN_NAME, Request, SlotEngine
-    from nemo_dflash.loading import load_target
-    from nemo_dflash.regenerate import prompt_problem, split_prompt, stop_token_ids
+    from nemo_dflash.target.loading import load_target
+    from nemo_dflash.data.regenerate import prompt_problem, split_prompt, stop_token_ids
 
     model, tok = load_target(args.target, dtype="bf16", device="cuda")
     prompts = []

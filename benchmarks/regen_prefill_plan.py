@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
-    from nemo_dflash.loading import load_tokenizer
+    from nemo_dflash.target.loading import load_tokenizer
 
     lengths = sorted(map(len, load_prompts(args, load_tokenizer(args.target))))
     print(f"# {len(lengths)} first prompts: median {lengths[len(lengths) // 2]}, p90 {lengths[len(lengths) * 9 // 10]}, "

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from regen_throughput import smollm2_shape  # noqa: E402
-from nemo_dflash.generation import Request, SlotEngine  # noqa: E402
+from nemo_dflash.data.generation import Request, SlotEngine  # noqa: E402
 
 
 @torch.no_grad()

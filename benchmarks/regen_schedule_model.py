@@ -50,8 +50,8 @@ def sharegpt_user_turns() -> list[int]:
     benchmarks/sharegpt_first_turns.py's lines, which the records' sources number from 1)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from nemo_dflash.data import SHAREGPT_FILE, read_conversations
-    from nemo_dflash.loading import package_file
-    from nemo_dflash.regenerate import split_prompt
+    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.data.regenerate import split_prompt
 
     return [len(split_prompt(c.messages, "all")[1]) for c in read_conversations(str(package_file(*SHAREGPT_FILE)))]
 

@@ -11,7 +11,7 @@
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
-``slots`` (nemo_dflash.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
+``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
@@ -57,8 +57,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
         lens = torch.randint(16, min(400, args.max_prompt_tokens) + 1, (args.num_prompts,), generator=g)
         return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lens]
     from nemo_dflash.data import SHAREGPT_FILE, read_conversations
-    from nemo_dflash.loading import package_file
-    from nemo_dflash.regenerate import prompt_problem, special_token_strings, split_prompt
+    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.data.regenerate import prompt_problem, special_token_strings, split_prompt
 
     path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
     specials = special_token_strings(tokenizer)
@@ -79,8 +79,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 def load_conversations(args) -> list:
     """The first --num-prompts conversations of --prompts that have a user turn (--turns all)."""
     from nemo_dflash.data import SHAREGPT_FILE, read_conversations
-    from nemo_dflash.loading import package_file
-    from nemo_dflash.regenerate import split_prompt
+    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.data.regenerate import split_prompt
 
     path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
     convs = []
@@ -94,7 +94,7 @@ def load_conversations(args) -> list:
 
 def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = True) -> dict:
     """Every turn of ``convs`` through regenerate_conversations (what `regenerate --turns all` runs)."""
-    from nemo_dflash.regenerate import RegenStats, regenerate_conversations
+    from nemo_dflash.data.regenerate import RegenStats, regenerate_conversations
 
     def run(sample: list) -> tuple[RegenStats, float]:
         stats = RegenStats()
@@ -127,7 +127,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.data.loops import LoopDetector
-    from nemo_dflash.generation import Request, SlotEngine
+    from nemo_dflash.data.generation import Request, SlotEngine
 
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
@@ -158,7 +158,7 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
 
 def run_step(model, prompts, args, stop_ids) -> dict:
     """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
-    from nemo_dflash.generation import Request, SlotEngine, keyed_sample_candidates
+    from nemo_dflash.data.generation import Request, SlotEngine, keyed_sample_candidates
 
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
@@ -206,7 +206,7 @@ def run_step(model, prompts, args, stop_ids) -> dict:
 
 
 def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
-    from nemo_dflash.regenerate import _generation_kwargs, generate_batch
+    from nemo_dflash.data.regenerate import _generation_kwargs, generate_batch
 
     kwargs = _generation_kwargs(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, stop_ids=stop_ids, pad_id=pad_id)
@@ -322,8 +322,8 @@ def main() -> None:
         model, tokenizer = smollm2_shape(device, dtype), None
         stop_ids, pad_id = [2], 2
     else:
-        from nemo_dflash.loading import load_target
-        from nemo_dflash.regenerate import _pad_id, stop_token_ids
+        from nemo_dflash.target.loading import load_target
+        from nemo_dflash.data.regenerate import _pad_id, stop_token_ids
 
         model, tokenizer = load_target(args.target or "pkg:smollm2", dtype="bf16" if device == "cuda" else "fp32",
                                        device=device)

@@ -19,8 +19,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
-from nemo_dflash.loading import package_file  # noqa: E402
-from nemo_dflash.regenerate import split_prompt  # noqa: E402
+from nemo_dflash.target.loading import package_file  # noqa: E402
+from nemo_dflash.data.regenerate import split_prompt  # noqa: E402
 
 
 def write_first_turns(src: str, dst: str, turns: str = "first") -> int:

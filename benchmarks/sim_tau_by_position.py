@@ -21,7 +21,7 @@ from nemo_dflash.core import DFlashTrainerModule
 from nemo_dflash.data.config import DataConfig, DataSourceConfig
 from nemo_dflash.data.dataset import build_datasets
 from nemo_dflash.export import load_draft
-from nemo_dflash.loading import load_target
+from nemo_dflash.target.loading import load_target
 from nemo_dflash.target import HFDFlashTargetModel
 
 

@@ -22,8 +22,8 @@ import torch
 from nemo_dflash.export import load_draft
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache
-from nemo_dflash.loading import load_target
-from nemo_dflash.model import DFlashContextCache
+from nemo_dflash.target.loading import load_target
+from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference.evaluate import encode_chat, load_mtbench
 from transformers import DynamicCache
 

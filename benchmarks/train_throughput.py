@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.core import DFlashTrainerModule  # noqa: E402
-from nemo_dflash.model import DFlashConfig, DFlashDraftModel  # noqa: E402
-from nemo_dflash.registry import build_target_layer_ids  # noqa: E402
+from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
+from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 
 SHAPES = {
@@ -194,7 +194,7 @@ def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
     """A random-weight Llama target of `shape_name` and the draft the recipe builds for it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nemo_dflash.build import build_draft_for_target
+    from nemo_dflash.draft.build import build_draft_for_target
 
     shape, extra = SHAPES[shape_name], LLAMA_SHAPES[shape_name]
     cfg = LlamaConfig(**shape, max_position_embeddings=extra["max_position_embeddings"], tie_word_embeddings=True,

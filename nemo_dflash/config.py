@@ -1,9 +1,13 @@
 """Typed recipe configuration: one YAML is the single source of truth of a run.
 
-`load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4"])` merges, in order: the dataclass defaults,
-the YAML (looked up in the working directory, then in the shipped `recipes/`) and the
-`key=value` overrides, and validates types with OmegaConf structured configs (the engine
-under hydra). An unknown key is an error that names the closest valid key.
+`load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4"])` composes, in order: the dataclass defaults, the
+recipe's defaults list (config groups under `configs/`, e.g. `draft: paper_block16`, `cluster: fsdp2`),
+the recipe body and the command-line overrides. Composition is Hydra's Compose API (defaults list,
+config groups, override grammar: `key=value`, `+key=value`, `++key=value`, `~key`, `group=option`),
+without `@hydra.main`: the caller (torchrun) keeps the process, its working directory and its
+logging. OmegaConf's structured config (`RecipeConfig`) then types and validates the result. The
+recipe is looked up in the working directory, then in the shipped `recipes/`. An unknown key is an
+error that names the closest valid key.
 """
 
 from __future__ import annotations
@@ -218,34 +222,126 @@ def _walk_unknown(schema: DictConfig, data: Any, prefix: str = "") -> None:
                         raise _unknown_key_error(OmegaConf.structured(RecipeConfig), f"{full}[{i}].{name}")
 
 
+_SCHEMA_NODE = "_nemo_dflash_defaults"  # ConfigStore names: the dataclass defaults, and the run's primary config
+_RUN_NODE = "_nemo_dflash_run"
+
+
+def _groups(dirs: Sequence[Path]) -> set[str]:
+    """Config group names (sub-folders holding YAMLs) in the composition's search path."""
+    return {d.name for base in dirs if base.is_dir() for d in base.iterdir() if d.is_dir() and any(d.glob("*.yaml"))}
+
+
+def _parse_override(ov: str) -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides([ov])[0]
+    except OverrideParseException as e:
+        # Hydra's message: the parser's complaint, maybe a caret line, a link; keep the complaint.
+        lines = [ln.strip() for ln in str(e).splitlines()
+                 if ln.strip() and not ln.startswith(("See https", "Error parsing override")) and ln.strip() != "^"]
+        reason = lines[0].replace(f": {ov}", "") if lines else "bad syntax"
+        raise ConfigError(f"Override {ov!r} cannot be parsed ({reason}): write key=value, ++key=value, ~key, "
+                          "group=option or +group=option (e.g. optim.lr=1e-4)") from None
+
+
+_PLAIN_SET = re.compile(r"([A-Za-z_][\w.]*)=(.*)", re.S)
+
+
+def _plain_values_quoted(overrides: Sequence[str], groups: set[str]) -> list[str]:
+    """`key=value` whose value Hydra's grammar reads as a sweep or cannot read (`output_dir=runs/a,b`,
+    `wandb.name=a=b`, a path with parentheses) is taken as the plain string it was before Hydra, quoted
+    for Hydra. Everything Hydra parses keeps Hydra's meaning; a group choice is never quoted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    out = []
+    for ov in overrides:
+        try:
+            keep = not parser.parse_overrides([ov])[0].is_sweep_override()
+        except OverrideParseException:
+            keep = False
+        m = _PLAIN_SET.fullmatch(ov)
+        if keep or m is None or m.group(1) in groups:
+            out.append(ov)
+            continue
+        quote = next((q for q in ("'", '"') if q not in m.group(2)), None)
+        out.append(ov if quote is None else f"{m.group(1)}={quote}{m.group(2)}{quote}")
+    return out
+
+
+def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: set[str]) -> None:
+    """Each override names a schema key (or a config group): a typo is refused with the nearest valid key."""
+    for ov in overrides:
+        parsed = _parse_override(ov)
+        key = parsed.key_or_group
+        if not key:
+            raise ConfigError(f"Override {ov!r} names no key: write key=value (e.g. optim.lr=1e-4)")
+        if "." not in key and key in groups:
+            continue  # a config group choice (`cluster=fsdp2`, `~cluster`), resolved by Hydra
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(schema, parent) if parent else schema
+        if not isinstance(node, DictConfig) or leaf not in node.keys():
+            raise _unknown_key_error(schema, key)
+
+
+def _missing_option_error(e: Exception, recipe: Optional[Path]) -> ConfigError:
+    """Hydra's 'Could not find group/option' in one line, with the nearest option."""
+    missing = getattr(e, "missing_cfg_file", None) or ""
+    options = list(getattr(e, "options", None) or [])
+    where = f"{recipe}: " if recipe is not None else ""
+    if missing.endswith(".yaml") or (not options and "/" not in missing):
+        stem = Path(missing).stem  # a file name from before config groups (`paper_block16.yaml`): name its group
+        groups = sorted(g.parent.name for g in REPO_CONFIGS.glob(f"*/{stem}.yaml")) if REPO_CONFIGS.is_dir() else []
+        example = f"{{{groups[0]}: {stem}}}" if groups else "{draft: paper_block16}, {cluster: fsdp2}"
+        return ConfigError(f"{where}defaults entry {missing!r} not found: name a config group option from {REPO_CONFIGS} "
+                           f"or a config next to the recipe, e.g. `defaults: [{example}, _self_]`")
+    group, _, option = missing.rpartition("/")
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
+    hint = f" Did you mean '{group}={close[0]}'?" if close else ""
+    return ConfigError(f"{where}config group option '{missing}' not found.{hint} Options in '{group}': {', '.join(options)}")
+
+
+def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
+    """Hydra's Compose API: the schema's defaults, then the recipe (its defaults list, then its body),
+    then the overrides. The recipe's folder comes first in the search path, then the shipped configs/."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    store = ConfigStore.instance()
+    # Untyped defaults (so `~key` can drop a value back to its default); RecipeConfig types the result.
+    store.store(name=_SCHEMA_NODE, node=OmegaConf.to_container(OmegaConf.structured(RecipeConfig)))
+    store.store(name=_RUN_NODE, node={"defaults": [_SCHEMA_NODE, *([recipe.stem] if recipe else []), "_self_"]})
+    config_dir = recipe.parent if recipe is not None else (REPO_CONFIGS if REPO_CONFIGS.is_dir() else _PACKAGE)
+    search = [f"file://{REPO_CONFIGS}"] if REPO_CONFIGS.is_dir() and config_dir != REPO_CONFIGS else []
+    GlobalHydra.instance().clear()  # a caller's own Hydra context would otherwise refuse a second initialize
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="nemo_dflash"):
+            return compose(_RUN_NODE, overrides=[f"hydra.searchpath={search}", *overrides])
+    except MissingConfigException as e:
+        raise _missing_option_error(e, recipe) from None
+    except ConfigCompositionException as e:
+        cause = e.__cause__
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+            raise _unknown_key_error(OmegaConf.structured(RecipeConfig), str(cause.full_key)) from None
+        raise ConfigError(" ".join(part.strip() for part in str(e).splitlines() if part.strip())) from None
+
+
 def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> RecipeConfig:
     schema = OmegaConf.structured(RecipeConfig)
-    layers = []
-    if path is not None:
-        recipe = resolve_recipe_path(path)
-        data = OmegaConf.to_container(OmegaConf.load(recipe), resolve=False)
-        for piece in data.pop("defaults", None) or []:  # shared pieces, merged before the recipe body
-            piece_path = next((p for p in (recipe.parent / piece, REPO_CONFIGS / piece) if p.is_file()), None)
-            if piece_path is None:
-                raise ConfigError(f"{recipe}: defaults entry {piece!r} not found next to it or in {REPO_CONFIGS}")
-            piece_data = OmegaConf.to_container(OmegaConf.load(piece_path), resolve=False)
-            _walk_unknown(schema, piece_data)
-            layers.append(OmegaConf.create(piece_data))
-        _walk_unknown(schema, data)
-        layers.append(OmegaConf.create(data))
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"Override {ov!r} is not key=value (e.g. optim.lr=1e-4)")
-        key = ov.split("=", 1)[0].lstrip("+")
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        node = OmegaConf.select(schema, parent) if parent else schema
-        if not isinstance(node, DictConfig) or key.rsplit(".", 1)[-1] not in node.keys():
-            raise _unknown_key_error(schema, key)
-        layer = OmegaConf.from_dotlist([ov.lstrip("+")])
-        _walk_unknown(schema, OmegaConf.to_container(layer, resolve=False))
-        layers.append(layer)
+    recipe = resolve_recipe_path(path).resolve() if path is not None else None
+    groups = _groups([recipe.parent] if recipe else []) | _groups([REPO_CONFIGS])
+    overrides = _plain_values_quoted(overrides, groups)
+    _check_override_keys(schema, overrides, groups)
+    composed = _compose(recipe, overrides)
+    data = OmegaConf.to_container(composed, resolve=False)
+    _walk_unknown(schema, data)
     try:
-        merged = OmegaConf.merge(schema, *layers)
+        merged = OmegaConf.merge(schema, OmegaConf.create(data))
         cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise _unknown_key_error(schema, str(e.full_key)) from None

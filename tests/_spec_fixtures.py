@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from nemo_dflash.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
 
 VOCAB = 256
 MASK_ID = VOCAB - 1
@@ -145,7 +145,7 @@ def train_on_greedy_answer(target: torch.nn.Module, draft: DFlashDraftModel, ids
 def sabotage_slot_reuse(monkeypatch, how) -> None:
     """Sabotage for the slot-reuse tests: the follow-ups' reused prefix lengths become
     ``how(start, slot tokens, prompt)``, so a test can check that a wrong KV length is caught."""
-    from nemo_dflash.generation import SlotEngine
+    from nemo_dflash.data.generation import SlotEngine
 
     real = SlotEngine._claim_follow_ups
 

@@ -1,4 +1,4 @@
-"""`nemo_dflash.build`, the one place that makes a draft for a target: the registry's classes on every
+"""`nemo_dflash.draft.build`, the one place that makes a draft for a target: the registry's classes on every
 path (build and load), one check of layer ids and of the mask token, and clean errors in the command."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 from conftest import MASK_ID, make_draft, tiny_qwen3
-from nemo_dflash.build import (
+from nemo_dflash.draft.build import (
     DraftError,
     MaskTokenError,
     build_draft_for_target,
@@ -18,8 +18,8 @@ from nemo_dflash.build import (
     load_draft_for_target,
 )
 from nemo_dflash.config import ConfigError, load_recipe
-from nemo_dflash.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.registry import DFLASH_DRAFT_REGISTRY, DraftSpec
+from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec
 from nemo_dflash.target import HFDFlashTargetModel, LayerIdsError, check_target_layer_ids
 
 

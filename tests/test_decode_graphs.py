@@ -27,8 +27,8 @@ from nemo_dflash.inference.static_decode import (
     view_length,
     view_lengths,
 )
-from nemo_dflash.model import DFlashContextCache
-from nemo_dflash.model.modeling import apply_rope
+from nemo_dflash.draft.model import DFlashContextCache
+from nemo_dflash.draft.model.modeling import apply_rope
 from nemo_dflash.target import HFDFlashTargetModel
 
 from _spec_fixtures import hf_greedy, make_draft, prompt, second_token_case, tiny_llama, tiny_qwen3
@@ -545,7 +545,7 @@ def test_fused_elementwise_same_output_then_removed():
     """The capture-time fusion computes the models' own norms, RoPE and MLPs, and leaves no trace."""
     import transformers.models.qwen3.modeling_qwen3 as hf_qwen3
 
-    import nemo_dflash.model.modeling as draft_modeling
+    import nemo_dflash.draft.model.modeling as draft_modeling
     from nemo_dflash.inference.graphs import fused_elementwise
 
     target = tiny_qwen3()

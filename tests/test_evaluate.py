@@ -28,10 +28,10 @@ from nemo_dflash.inference.evaluate import (
     steps_within,
     summarize,
 )
-from nemo_dflash.loading import load_target
+from nemo_dflash.target.loading import load_target
 from nemo_dflash.inference import eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
-from nemo_dflash.regenerate import stop_token_ids
+from nemo_dflash.data.regenerate import stop_token_ids
 
 from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_qwen3
 

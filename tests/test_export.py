@@ -19,7 +19,7 @@ from nemo_dflash.export import (
     load_draft,
     serving_weight_shapes,
 )
-from nemo_dflash.model import DFlashConfig
+from nemo_dflash.draft.model import DFlashConfig
 from nemo_dflash.recipes.export import main as export_main
 
 from _spec_fixtures import make_draft, tiny_llama, tiny_qwen3
@@ -114,7 +114,7 @@ def test_non_default_rope_round_trip(target, tmp_path):
         tc, num_hidden_layers=1, block_size=4, mask_token_id=255, target_layer_ids=[1],
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
     )
-    from nemo_dflash.model import DFlashDraftModel
+    from nemo_dflash.draft.model import DFlashDraftModel
 
     out = export_draft(DFlashDraftModel(cfg), tmp_path / "exp")
     written = json.loads((out / "config.json").read_text())

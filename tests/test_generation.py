@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from _spec_fixtures import sabotage_slot_reuse
 
-from nemo_dflash.generation import Request, SlotEngine, keyed_sample
+from nemo_dflash.data.generation import Request, SlotEngine, keyed_sample
 
 STOP = 2
 

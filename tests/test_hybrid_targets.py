@@ -10,7 +10,7 @@ import torch
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.inference.recurrent_cache import make_target_cache
-from nemo_dflash.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
+from nemo_dflash.draft.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
 
 from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt, train_on_greedy_answer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 
-from nemo_dflash.build import MaskTokenError, placeholder_token_id, resolve_mask_token_id
+from nemo_dflash.draft.build import MaskTokenError, placeholder_token_id, resolve_mask_token_id
 
 
 class _Tok:

@@ -46,32 +46,34 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_contains_the_shipped_recipes_and_configs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for folder in ("recipes", "configs"):
-        for yaml in sorted((REPO / folder).glob("*.yaml")):
-            assert f"nemo_dflash/_shipped/{folder}/{yaml.name}" in names
+    shipped = [(folder, y.relative_to(REPO / folder).as_posix()) for folder in ("recipes", "configs")
+               for y in sorted((REPO / folder).rglob("*.yaml"))]
+    assert ("configs", "draft/paper_block16.yaml") in shipped and ("configs", "cluster/fsdp2.yaml") in shipped
+    for folder, rel in shipped:  # config groups are sub-folders: they ship too
+        assert f"nemo_dflash/_shipped/{folder}/{rel}" in names, rel
     assert "nemo_dflash/config.py" in names and not any(n.startswith(("recipes/", "configs/")) for n in names)
 
 
 def test_installed_package_finds_its_recipes(wheel, tmp_path):
-    """Unpacked as pip installs it, away from the checkout: the recipe and its `defaults` pieces load."""
+    """Unpacked as pip installs it, away from the checkout: the recipe and its config groups compose."""
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     code = (
         "import json, nemo_dflash, nemo_dflash.config as c\n"
-        "cfg = c.load_recipe('qwen3_8b.yaml')\n"
+        "cfg = c.load_recipe('qwen3_8b.yaml', ['cluster=fsdp2', 'optim.lr=1e-4'])\n"
         "print(json.dumps([nemo_dflash.__file__, str(c.resolve_recipe_path('qwen3_8b.yaml')), str(c.REPO_CONFIGS),"
-        " cfg.draft.block_size, cfg.distributed.strategy]))\n"
+        " cfg.draft.block_size, cfg.distributed.strategy, cfg.optim.lr]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    package, recipe, configs, block, strategy = json.loads(r.stdout.strip().splitlines()[-1])
+    package, recipe, configs, block, strategy, lr = json.loads(r.stdout.strip().splitlines()[-1])
     assert Path(package).is_relative_to(site)  # the installed copy, not the checkout
     assert Path(recipe) == site / "nemo_dflash" / "_shipped" / "recipes" / "qwen3_8b.yaml"
     assert Path(configs) == site / "nemo_dflash" / "_shipped" / "configs"
-    assert (block, strategy) == (16, "fsdp2")  # from the configs/ pieces the recipe names
+    assert (block, strategy, lr) == (16, "fsdp2", 1e-4)  # from the config groups the recipe names, and overrides
 
 
 def test_checkout_reads_the_root_folders():

@@ -108,7 +108,7 @@ def test_plain_append_families_train_and_decode(arch, tmp_path):
     sliding / chunked window (the verify must use the target's per-layer masks there)."""
     from _spec_fixtures import export_round_trip, prompt, train_on_greedy_answer
     from nemo_dflash.inference import DFlashSpeculativeDecoder
-    from nemo_dflash.model import DFlashConfig
+    from nemo_dflash.draft.model import DFlashConfig
 
     assert arch in DFLASH_DRAFT_REGISTRY
     threads = torch.get_num_threads()

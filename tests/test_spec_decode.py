@@ -17,8 +17,8 @@ from nemo_dflash.inference import (
     speculative_generate,
     verify_block,
 )
-from nemo_dflash.model import DFlashContextCache
-from nemo_dflash.model.modeling import apply_rope
+from nemo_dflash.draft.model import DFlashContextCache
+from nemo_dflash.draft.model.modeling import apply_rope
 from nemo_dflash.target import HFDFlashTargetModel
 
 from _spec_fixtures import make_draft, second_token_case, tiny_llama, tiny_qwen3
@@ -267,7 +267,7 @@ def test_sampling_end_to_end_distribution():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from nemo_dflash.loading import load_target
+    from nemo_dflash.target.loading import load_target
 
     return load_target("pkg:smollm2", dtype="fp32")
 

@@ -90,7 +90,7 @@ def test_unknown_packaged_target_names_the_known_ones(tmp_path, capsys):
     """A mistyped pkg: name gets the list of packaged targets, not 'not a local directory' (one line, exit 2)."""
     import pytest
 
-    from nemo_dflash.loading import resolve_target_path
+    from nemo_dflash.target.loading import resolve_target_path
     from nemo_dflash.recipes import regenerate
 
     with pytest.raises(FileNotFoundError, match="pkg:smollm2"):

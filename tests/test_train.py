@@ -249,13 +249,16 @@ def test_train_via_subprocess_reports_config_errors(tmp_path):
 def test_recipe_defaults_pieces(tmp_path):
     (tmp_path / "piece.yaml").write_text("loss:\n  num_anchors: 7\n")
     (tmp_path / "r.yaml").write_text(
-        "defaults: [piece.yaml, paper_block16.yaml]\ntarget:\n  path: x\ndata:\n  sources: [{path: a.jsonl}]\n"
+        "defaults: [piece, {draft: paper_block16}, _self_]\ntarget:\n  path: x\ndata:\n  sources: [{path: a.jsonl}]\n"
     )
     cfg = load_recipe(tmp_path / "r.yaml")
     assert cfg.loss.num_anchors == 512 and cfg.draft.block_size == 16  # later pieces win, repo configs/ found
     (tmp_path / "bad.yaml").write_text("defaults: [nope.yaml]\ntarget:\n  path: x\n")
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_recipe(tmp_path / "bad.yaml")
+    (tmp_path / "old.yaml").write_text("defaults: [paper_block16.yaml]\ntarget:\n  path: x\n")
+    with pytest.raises(ConfigError, match=r"\{draft: paper_block16\}"):  # a file name from before config groups
+        load_recipe(tmp_path / "old.yaml")
 
 
 # ------------------------------------------------------------------ the training step
@@ -345,7 +348,7 @@ def test_typos_inside_list_items_suggest_the_items_keys(override, suggestion, tm
     with pytest.raises(ConfigError, match=rf"Did you mean '{re.escape(suggestion)}'"):
         load_recipe("qwen3_8b.yaml", [override])
     recipe = tmp_path / "typo.yaml"
-    recipe.write_text("defaults: [paper_block16.yaml]\ntarget: {path: x}\ndata:\n  sources:\n    - {pth: a.jsonl}\n")
+    recipe.write_text("defaults: [{draft: paper_block16}]\ntarget: {path: x}\ndata:\n  sources:\n    - {pth: a.jsonl}\n")
     with pytest.raises(ConfigError, match=re.escape("data.sources[0].path")):
         load_recipe(recipe)
 

@@ -24,7 +24,8 @@ logger = logging.getLogger("nemo_dflash.train")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "-c", required=True, help="recipe YAML (working dir first, then the repo's recipes/)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4 train.max_steps=100")
+    p.add_argument("overrides", nargs="*", help="overrides in Hydra's grammar: key=value, ++key=value, ~key, "
+                   "group=option, +group=option, ~group (e.g. optim.lr=1e-4 ~cluster)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
     p.add_argument("--overwrite", action="store_true",

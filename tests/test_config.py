@@ -1,0 +1,178 @@
+"""Recipe composition through Hydra's Compose API: defaults list, config groups, override grammar.
+
+The reference for the shipped recipes is their resolved config as the hand-written loader of commit
+bb978e0 wrote it (tests/data/resolved_recipes/, recorded before composition moved to Hydra), for the
+same overrides. Group overrides are checked against a naive merge of the YAML files by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from nemo_dflash.config import REPO_CONFIGS, REPO_RECIPES, ConfigError, RecipeConfig, load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+RECORDED = Path(__file__).resolve().parent / "data" / "resolved_recipes"
+# The overrides the records were written with (`plain`: only what a run must name; `overrides`: lists,
+# a list of dicts, null, floats in two spellings).
+OVERRIDES = {
+    "plain": ["target.path=/models/t", "data.sources=[{path: a.jsonl}]"],
+    "overrides": ["target.path=/models/t", "draft.target_layer_ids=[2,4]",
+                  "data.sources=[{path: a.jsonl, weight: 2.0}, {path: b.parquet, max_samples: 10}]",
+                  "loss.gamma=null", "optim.lr=1e-4", "optim.betas=[0.8,0.9]", "train.max_steps=7", "wandb.name=run1"],
+}
+SHIPPED = sorted(p.stem for p in REPO_RECIPES.glob("*.yaml"))
+
+
+def resolved(cfg: RecipeConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def naive_merge(*layers: dict, overrides: tuple[str, ...] = ()) -> dict:
+    """The reference: dataclass defaults, then each YAML layer, then dotlist overrides, merged by OmegaConf."""
+    merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), *layers, OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_container(OmegaConf.structured(OmegaConf.to_object(merged)))
+
+
+def body(recipe: str) -> dict:
+    data = yaml.safe_load((REPO_RECIPES / f"{recipe}.yaml").read_text())
+    data.pop("defaults", None)
+    return data
+
+
+def group(name: str, option: str) -> dict:
+    return yaml.safe_load((REPO_CONFIGS / name / f"{option}.yaml").read_text())
+
+
+def test_every_recorded_recipe_still_ships():
+    assert {p.name.split(".")[0] for p in RECORDED.glob("*.yaml")} == set(SHIPPED)
+
+
+@pytest.mark.parametrize("kind", sorted(OVERRIDES))
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_hydra_composition_equals_the_recorded_resolved_config(recipe, kind):
+    want = yaml.safe_load((RECORDED / f"{recipe}.{kind}.yaml").read_text())
+    assert resolved(load_recipe(f"{recipe}.yaml", OVERRIDES[kind])) == want
+
+
+def test_composition_goes_through_hydra(monkeypatch):
+    """The defaults list is Hydra's: composing with Hydra's `compose` broken must fail (no fallback merge)."""
+    import hydra
+
+    def broken(*a, **k):
+        raise RuntimeError("compose called")
+
+    monkeypatch.setattr(hydra, "compose", broken)
+    with pytest.raises(RuntimeError, match="compose called"):
+        load_recipe("qwen3_8b.yaml")
+
+
+def test_group_files_live_in_their_groups():
+    assert (REPO_CONFIGS / "draft" / "paper_block16.yaml").is_file()
+    assert (REPO_CONFIGS / "cluster" / "fsdp2.yaml").is_file()
+    assert not list(REPO_CONFIGS.glob("*.yaml"))  # every shared piece is a group option
+
+
+# ---- the override grammar: key=value, +key=value, ++key=value, ~key, group=option, lists
+
+
+def test_removing_a_group_drops_its_settings():
+    got = resolved(load_recipe("qwen3_8b.yaml", ["~cluster"]))
+    assert got == naive_merge(group("draft", "paper_block16"), body("qwen3_8b"))
+    assert got["distributed"]["strategy"] == "auto" and got["checkpoint"]["every_steps"] is None
+
+
+def test_adding_a_group_to_a_recipe_without_it():
+    """`+group=option` appends the group after the recipe (Hydra's order), so its values win."""
+    got = resolved(load_recipe("smollm2_135m.yaml", ["+cluster=fsdp2"]))
+    assert got == naive_merge(body("smollm2_135m"), group("cluster", "fsdp2"))
+    assert got["distributed"]["strategy"] == "fsdp2" and got["target"]["path"] == "pkg:smollm2"
+
+
+def test_choosing_a_group_option_and_setting_keys_together():
+    got = resolved(load_recipe("qwen3_8b.yaml", ["cluster=fsdp2", "distributed.strategy=ddp", "optim.betas=[0.5,0.6]"]))
+    want = naive_merge(group("draft", "paper_block16"), group("cluster", "fsdp2"), body("qwen3_8b"),
+                       overrides=("distributed.strategy=ddp", "optim.betas=[0.5,0.6]"))
+    assert got == want and got["distributed"]["strategy"] == "ddp" and got["optim"]["betas"] == [0.5, 0.6]
+
+
+def test_removing_a_key_restores_the_schema_default():
+    assert load_recipe("smollm2_135m.yaml").optim.lr == 3e-3  # the recipe's own value ...
+    assert load_recipe("smollm2_135m.yaml", ["~optim.lr"]).optim.lr == RecipeConfig().optim.lr  # ... dropped
+
+
+def test_plus_adds_only_what_is_not_there():
+    """Every schema key has a value (its default), so `+key=value` on one is refused with the fix in one line;
+    `++key=value` sets it whether or not it is there."""
+    with pytest.raises(ConfigError, match=r"optim\.lr=1e-4") as e:
+        load_recipe("qwen3_8b.yaml", ["+optim.lr=1e-4"])
+    assert "\n" not in str(e.value)
+    assert load_recipe("qwen3_8b.yaml", ["++optim.lr=1e-4"]).optim.lr == 1e-4
+
+
+# ---- typos: the nearest valid key or option, in one line
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("optim.lrr=1e-4", "optim.lr"), ("+optim.lrr=1e-4", "optim.lr"), ("++optim.lrr=1e-4", "optim.lr"),
+    ("~optim.lrr", "optim.lr"), ("trian.max_steps=3", "train"), ("cluster=fsdp3", "cluster=fsdp2"),
+    ("draft=paper_block17", "draft=paper_block16"),
+])
+def test_typos_name_the_nearest_valid_key_or_option(override, suggestion):
+    with pytest.raises(ConfigError, match=f"Did you mean '{suggestion}") as e:
+        load_recipe("qwen3_8b.yaml", [override])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["optim.lr", "+optim.lr", "=1e-4"])
+def test_an_unparseable_override_names_the_grammar(override):
+    with pytest.raises(ConfigError, match="key=value") as e:
+        load_recipe("qwen3_8b.yaml", [override])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["runs/a,b", "a=b", "runs/my run (2)/x", "it's=1,2"])
+def test_plain_string_values_hydra_would_refuse_stay_strings(value):
+    """As before Hydra: `key=value` with a comma, `=` or parentheses in the value sets that string
+    (Hydra alone reads `a,b` as a sweep and refuses the others)."""
+    cfg = load_recipe("qwen3_8b.yaml", [f"output_dir={value}", f"wandb.name={value}"])
+    assert (cfg.output_dir, cfg.wandb.name) == (value, value)
+
+
+def test_quoted_values_keep_their_commas_and_equals():
+    assert load_recipe("qwen3_8b.yaml", ["wandb.name='a=b,c'"]).wandb.name == "a=b,c"
+
+
+def test_a_group_choice_is_not_taken_as_a_string():
+    with pytest.raises(ConfigError, match="cluster"):
+        load_recipe("qwen3_8b.yaml", ["cluster=fsdp2,x"])
+
+
+def test_composition_leaves_the_working_directory_and_logging_alone(tmp_path, monkeypatch):
+    """No `@hydra.main`: the caller (torchrun) keeps its working directory, logging and argv."""
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    handlers, level, argv = list(root.handlers), root.level, list(sys.argv)
+    load_recipe("qwen3_8b.yaml", ["optim.lr=1e-4", "~cluster"])
+    assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []  # no outputs/ or .hydra/ written
+    assert (list(root.handlers), root.level, sys.argv) == (handlers, level, argv)
+
+
+def test_the_command_line_composes_groups_from_another_directory(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", "--print-config"]
+    r = subprocess.run([*cmd, "~cluster", "optim.lr=1e-4"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    printed = yaml.safe_load(r.stdout)
+    assert printed["distributed"]["strategy"] == "auto" and printed["optim"]["lr"] == 1e-4
+    r = subprocess.run([*cmd, "cluster=fsdp3"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 2 and "Did you mean 'cluster=fsdp2'" in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr
