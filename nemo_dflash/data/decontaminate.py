@@ -11,6 +11,7 @@ than ``n`` words is matched whole when it has at least ``min_words`` (8) words: 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -79,10 +80,32 @@ class ContaminationIndex:
 
 
 def evaluation_prompts() -> list[str]:
-    """The texts of the prompts ``evaluate`` uses: every MT-Bench turn and every HumanEval prompt."""
-    from nemo_dflash.inference.evaluate import load_humaneval, load_mtbench
+    """The texts of the prompts ``evaluate`` uses: every MT-Bench turn and every HumanEval prompt.
 
-    return [turn for prompt in load_mtbench() + load_humaneval() for turn in prompt.turns]
+    HumanEval's prompts are indexed without the instruction ``evaluate`` wraps them in: that
+    wrapper is the same for every problem (and for the code prompts of
+    :func:`~nemo_dflash.data.prompts.code_prompts`), so its words would match any code prompt.
+    """
+    from nemo_dflash.inference.evaluate import HUMANEVAL_INSTRUCTION, load_humaneval, load_mtbench
+
+    head, _, tail = HUMANEVAL_INSTRUCTION.partition("{prompt}")
+    texts = [turn for prompt in load_mtbench() for turn in prompt.turns]
+    for prompt in load_humaneval():
+        for turn in prompt.turns:
+            body = turn[len(head):] if turn.startswith(head) else turn
+            texts.append(body[: len(body) - len(tail)] if tail and body.endswith(tail) else body)
+    return texts
+
+
+def humaneval_entry_points() -> set[str]:
+    """The function names HumanEval asks for (a code prompt with one of them is left out)."""
+    import gzip
+
+    from nemo_dflash.inference.evaluate import HUMANEVAL_FILE
+    from nemo_dflash.target.loading import package_file
+
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
+        return {json.loads(line)["entry_point"] for line in f if line.strip()}
 
 
 _DEFAULT: Optional[ContaminationIndex] = None

