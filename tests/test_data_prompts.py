@@ -234,3 +234,51 @@ def test_read_source_bad_files(tmp_path, content, suffix, message):
         p.write_bytes(content)
     with pytest.raises(DataError, match=message):
         read_source(parse_source(str(p)), BadRecordCounter())
+
+
+def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
+    """The tiny target writes user turns after the steering system prompt and the user header
+    (the engine is forced to stop after a few tokens: a random model never ends a turn)."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.generation import SlotEngine
+    from nemo_dflash.data.prompts import MAGPIE_TOPICS
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    tok = target[1]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    real_pick, real_prefill, seen = SlotEngine._pick, SlotEngine._prefill_logits, []
+
+    def pick(self, logits, keys, positions):
+        out, _ = real_pick(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            if key % 4 == 0 or pos >= 6 + key % 5:  # a quarter end at once: empty prompts, dropped
+                out[row] = eot
+        return out, None
+
+    def prefill(self, slots, requests, starts=None):
+        seen.extend(tok.decode(r.prompt_ids) for r in requests)
+        return real_prefill(self, slots, requests, starts)
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    out = tmp_path / "magpie.jsonl"
+    summary = recipe.main(["--target", "x", "--out", str(out), "--topics", "code=5,math=4", "--max-new-tokens", "12",
+                           "--batch-size", "4", "--threads", "1"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["topics"] == {"code": 5, "math": 4} and len(rows) == 9
+    assert seen and all(p.endswith("<|im_start|>user\n") for p in seen)
+    texts = set()
+    for r in rows:
+        topic = r["id"].split(":")[0].removeprefix("magpie-")
+        system, user = r["messages"]
+        assert system == {"role": "system", "content": MAGPIE_TOPICS[topic]} and user["role"] == "user"
+        assert len(user["content"]) >= 8 and user["content"] == user["content"].strip()
+        texts.add(user["content"])
+    assert len(texts) == 9  # no duplicates
+    with pytest.raises(SystemExit):  # an existing output is not replaced without --overwrite
+        recipe.main(["--target", "x", "--out", str(out), "--topics", "code=1"])
+    assert len(out.read_text().splitlines()) == 9
