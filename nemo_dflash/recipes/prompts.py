@@ -10,6 +10,11 @@ looping or capped prompts are dropped. Writes OpenAI-layout JSONL, one prompt a 
     {"messages": [{"role": "system", ...}, {"role": "user", ...}], "id": "magpie-code:17"}
 then `regenerate --data magpie=data/magpie.jsonl` answers them (its decontamination drops any
 that overlap the evaluation prompts).
+
+    python -m nemo_dflash.recipes.prompts --source gsm_symbolic:20000 --out data/gsm.jsonl
+
+writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT]) to a file
+instead, without a model: build them once on any machine and carry the file to the GPU one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ logger = logging.getLogger("nemo_dflash.prompts")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.prompts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
+    p.add_argument("--target", default=None, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
+    p.add_argument("--source", default=None,
+                   help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT]; "
+                        "no model)")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
     p.add_argument("--topics", default="chat=1000,code=1000,math=1000",
                    help="TOPIC=COUNT,... prompts per topic (topics: chat, code, math)")
@@ -58,11 +66,36 @@ def parse_topics(text: str) -> dict[str, int]:
     return counts
 
 
+def write_builtin(source: str, out: Path) -> dict[str, Any]:
+    """Write the prompts of the built-in ``source`` to ``out``."""
+    from nemo_dflash.data import BadRecordCounter, DataError
+    from nemo_dflash.data.prompts import parse_source, read_source, write_prompts
+
+    with user_errors(DataError, OSError):
+        spec = parse_source(source)
+        if spec.builtin in (None, "sharegpt"):
+            raise DataError(f"--source {source!r}: give chitchat, gsm_symbolic[:COUNT] or code[:COUNT]")
+        _, convs = read_source(spec, BadRecordCounter())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        n = write_prompts(str(out), convs)
+    logger.info("wrote %d %s prompts to %s", n, spec.name, out)
+    return {"out": str(out), "written": n}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     from nemo_dflash.recipes.regenerate import check_sampling
 
+    out = Path(args.out)
+    if not out.name.endswith(".jsonl") or out.is_dir():
+        fail(f"--out must be a .jsonl file (got {args.out!r})")
+    if out.exists() and not args.overwrite:
+        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    if (args.source is None) == (args.target is None):
+        fail("give --target (Magpie prompts the target writes) or --source (a built-in source's prompts), not both")
+    if args.source is not None:
+        return write_builtin(args.source, out)
     counts = parse_topics(args.topics)
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
@@ -70,11 +103,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if args.temperature == 0:
         fail("--temperature 0 writes one prompt per topic: Magpie samples, use e.g. 1.0")
-    out = Path(args.out)
-    if not out.name.endswith(".jsonl") or out.is_dir():
-        fail(f"--out must be a .jsonl file (got {args.out!r})")
-    if out.exists() and not args.overwrite:
-        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     with user_errors(OSError):
         out.parent.mkdir(parents=True, exist_ok=True)
     set_threads(args.threads)
