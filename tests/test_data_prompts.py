@@ -180,6 +180,8 @@ def test_code_prompts_are_humaneval_format_and_skip_humaneval_names():
         assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn)
     import textwrap
 
+    assert any(c.location == "code:textwrap.TextWrapper.wrap" and "def wrap(text):" in c.messages[0]["content"]
+               for c in convs)  # a method is asked as a free function
     assert humaneval_style_prompt(lambda x: x) is None  # undocumented
     assert humaneval_style_prompt(textwrap.indent).startswith("def indent(text, prefix, predicate=None):\n    \"\"\"")
 

@@ -205,9 +205,13 @@ def humaneval_style_prompt(func: Any) -> Optional[str]:
     if not doc or len(doc.split()) < 5:
         return None
     try:
-        signature = str(inspect.signature(func))
+        sig = inspect.signature(func)
     except (TypeError, ValueError):
         return None
+    params = list(sig.parameters.values())
+    if params and params[0].name in ("self", "cls") and "." in func.__qualname__:  # a method: a free function
+        sig = sig.replace(parameters=params[1:])
+    signature = str(sig)
     doc = doc.replace('"""', "'''").replace("\\", "\\\\")
     body = textwrap.indent(f'"""{doc}\n"""\n', "    ")
     return f"def {func.__name__}{signature}:\n{body}"
