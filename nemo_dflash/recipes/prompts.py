@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts in flight")
+    p.add_argument("--oversample", type=float, default=1.5,
+                   help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (Magpie samples at 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -101,6 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
+    if not 1 <= args.oversample <= 100:
+        fail(f"--oversample must be in [1, 100] (got {args.oversample})")
     if args.temperature == 0:
         fail("--temperature 0 writes one prompt per topic: Magpie samples, use e.g. 1.0")
     with user_errors(OSError):
@@ -121,7 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         fail(f"the tokenizer of {args.target} has no chat template; Magpie prompts need the instruct model")
     with user_errors(DataError, ValueError):
         convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                               batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p)
+                               batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
+                               oversample=args.oversample)
     by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
     empty = [t for t, n in by_topic.items() if n == 0]
     if empty:
