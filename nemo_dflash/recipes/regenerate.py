@@ -5,10 +5,18 @@ r"""Regenerate chat data with the target model's own answers: the data a DFlash 
     python -m nemo_dflash.recipes.regenerate --target pkg:smollm2 --data sharegpt \
         --out regen.jsonl --num-samples 32 --max-new-tokens 96 --batch-size 16
 
-Reads ShareGPT/OpenAI conversations (--data, repeatable; `sharegpt` is the bundled ShareGPT
-file), shuffles them with --seed, takes the first --num-samples usable ones and replaces their
-assistant turns with the target's answers. Writes OpenAI-layout JSONL, one conversation a line:
-    {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line"}
+    torchrun --nproc-per-node 8 -m nemo_dflash.recipes.regenerate --target /models/Qwen3-8B \
+        --data sharegpt --data magpie=data/magpie.jsonl@2 --data code --out data/regen.jsonl --samples-per-prompt 2
+
+Reads prompt sources (--data [NAME=]SOURCE[@WEIGHT], repeatable: ShareGPT/OpenAI files or the
+built-ins sharegpt, chitchat, gsm_symbolic, code; docs/data.md), drops prompts that share a 13-gram
+with the evaluation prompts, shuffles them with --seed, takes the first --num-samples usable ones
+(each --samples-per-prompt times) and replaces their assistant turns with the target's answers.
+Writes OpenAI-layout JSONL, one conversation a line:
+    {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line",
+     "dataset": NAME}
+Under torchrun each rank answers every N-th conversation into its own journal and rank 0 merges
+them into the file a single process writes.
 The output is written to OUT.partial and renamed when complete; rerunning the same command
 after an interruption continues the partial file. --holdout N writes the prompts (no answers) of
 N further conversations to OUT_STEM.holdout.jsonl, for evaluation (`evaluate --datasets`).
