@@ -215,6 +215,13 @@ def test_parse_source(text, spec):
     assert parse_source(text) == spec
 
 
+def test_parse_source_takes_an_existing_file_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a=b@2.jsonl").write_text("{}\n")
+    assert parse_source("a=b@2.jsonl") == SourceSpec("a_b_2", "a=b@2.jsonl", 1.0)
+    assert parse_source("x=a=b@2.jsonl@3") == SourceSpec("x", "a=b@2.jsonl", 3.0)
+
+
 @pytest.mark.parametrize("text,message", [
     ("chats.jsonl@heavy", "must be a number"),
     ("chats.jsonl@0", "finite number > 0"),

@@ -359,10 +359,10 @@ def parse_source(text: str) -> SourceSpec:
     ``magpie=out/magpie.jsonl``. NAME defaults to the built-in's name or the file's stem."""
     name, what, weight = None, text.strip(), 1.0
     head, eq, rest = what.partition("=")
-    if eq and _NAME.match(head):
+    if eq and _NAME.match(head) and not os.path.exists(what):  # an existing file's name is taken whole
         name, what = head, rest
     body, at, tail = what.rpartition("@")
-    if at:
+    if at and not os.path.exists(what):
         try:
             weight = float(tail)
         except ValueError:
