@@ -92,26 +92,23 @@ def document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, end
 
 
-def anchor_quotas(counts: torch.Tensor, total: int) -> torch.Tensor:
+def anchor_quotas(counts: torch.Tensor, total: int, offset: int = 0) -> torch.Tensor:
     """Split `total` anchors over documents in proportion to their candidate counts.
 
-    Largest remainder (ties to the earlier document): every quota is within one of
-    `total * c_d / sum(c)` and never above `c_d` when `total <= sum(c)`.
+    Systematic rounding: document d gets floor((C_d * total + offset) / n) minus the same for
+    C_(d-1) (C: cumulative counts, n: their sum). Every quota is the floor or the ceiling of
+    its exact share `total * c_d / n` (so never above c_d when `total <= n`), the quotas add
+    up to `total`, and with `offset` uniform in [0, n) each quota's mean is exactly its share:
+    no document (say, the last short one in a row) is rounded down on every step.
     """
     counts = counts.long()
     n = int(counts.sum())
     total = min(int(total), n)
     if n == 0 or total == 0:
         return torch.zeros_like(counts)
-    exact = counts.double() * total / n
-    quota = exact.floor().long()
-    left = total - int(quota.sum())
-    if left > 0:
-        frac = exact - quota.double()
-        order = sorted(range(len(counts)), key=lambda d: (-float(frac[d]), d))
-        for d in order[:left]:
-            quota[d] += 1
-    return quota
+    cum = torch.cumsum(counts, 0) * total + int(offset) % n
+    edges = torch.cat([torch.zeros(1, dtype=torch.long, device=counts.device) + int(offset) % n, cum]) // n
+    return edges[1:] - edges[:-1]
 
 
 def sample_packed_anchors(
@@ -141,15 +138,17 @@ def sample_packed_anchors(
     valid = torch.zeros(bsz, n_anchors, dtype=torch.bool, device=loss_mask.device)
     for r in range(bsz):
         if row_seeds is not None:
-            scores = torch.rand(seq, generator=torch.Generator().manual_seed(int(row_seeds[r]))).to(loss_mask.device)
+            draw = torch.rand(seq + 1, generator=torch.Generator().manual_seed(int(row_seeds[r]))).to(loss_mask.device)
         else:
-            scores = torch.rand(seq, device=loss_mask.device, generator=generator)
+            draw = torch.rand(seq + 1, device=loss_mask.device, generator=generator)
+        scores = draw[:seq]
         cp = cand[r].nonzero().squeeze(-1)
         if cp.numel() == 0:
             continue
         dd = doc_ids[r, cp].long()
         n_docs = int(dd.max()) + 1
-        quota = anchor_quotas(torch.bincount(dd, minlength=n_docs), n_anchors)
+        offset = min(int(float(draw[seq]) * cp.numel()), cp.numel() - 1)
+        quota = anchor_quotas(torch.bincount(dd, minlength=n_docs), n_anchors, offset)
         # per document, its candidates by descending score: the first `quota` of them are drawn
         order = torch.argsort(dd.double() * 2.0 + (1.0 - scores[cp].double()))
         sd = dd[order]
