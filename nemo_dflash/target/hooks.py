@@ -181,8 +181,9 @@ def flex_document_causal_mask(doc_ids: torch.Tensor):
             _doc_buffers.clear()
         buf = _doc_buffers[key] = _DocMaskBuffers(bsz, seq, doc_ids.device)
     buf.doc.copy_(doc_ids)
+    # packed rows have one shape: the compiled builder compiles once, and never materialises [S, S]
     return create_block_mask(buf.mask_mod, B=bsz, H=None, Q_LEN=seq, KV_LEN=seq, device=doc_ids.device,
-                             _compile=False)
+                             _compile=doc_ids.device.type == "cuda")
 
 
 class HFDFlashTargetModel:
@@ -220,6 +221,15 @@ class HFDFlashTargetModel:
             if isinstance(mod, nn.Module):
                 return mod
         return None
+
+    def use_flex_attention(self) -> None:
+        """Run the target's attention through flex_attention (GPU, packed rows): the document mask
+        is then a BlockMask, and fully invisible 128x128 tiles (other documents) are skipped."""
+        setter = getattr(self.model, "set_attn_implementation", None)
+        if callable(setter):
+            setter("flex_attention")
+        else:  # pragma: no cover - older transformers
+            self.model.config._attn_implementation = "flex_attention"
 
     def document_mask(self, doc_ids: torch.Tensor):
         """The document-causal mask for packed rows, in the form the target's attention takes:
