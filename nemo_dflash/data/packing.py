@@ -2,8 +2,9 @@
 
 Conversations are placed whole (never split) into `rows` rows of `pack_length` tokens, first
 fit in the epoch's seeded order: a conversation goes into the first row of the current step
-with room for it, and the first one that fits nowhere opens the next step. The collator runs
-the same first fit over the step's conversations, so the sampler's plan and the rows agree.
+with room for it; one that fits nowhere waits for the next step while the following ones (a
+bounded look-ahead window) may still fill the gaps. The collator runs the same first fit over
+the step's conversations, so the sampler's plan and the rows agree.
 
 Each packed row carries `doc_ids` (the conversation's index within the row, -1 on the padding
 at the row's end) and `position_ids` (restarting at 0 for every conversation): the target's
@@ -47,21 +48,43 @@ def first_fit(lengths: Sequence[int], rows: int, pack_length: int) -> tuple[list
     return out, len(out)
 
 
-def plan_packed_steps(order: np.ndarray, lengths: np.ndarray, rows: int, pack_length: int) -> list[np.ndarray]:
-    """The epoch's steps: consecutive runs of `order` that first fit into one step's rows."""
+def plan_packed_steps(order: np.ndarray, lengths: np.ndarray, rows: int, pack_length: int,
+                      lookahead: int = 256) -> list[np.ndarray]:
+    """The epoch's steps, filled first fit from the next `lookahead` waiting conversations.
+
+    A conversation that fits in no row of the current step waits for a later one (at most a
+    window away), so rows are not closed by the first long conversation: fewer padding tokens.
+    The plan is a pure function of (order, lengths), hence the same on every rank and on resume;
+    placing a step's conversations first fit in the listed order (the collator) gives the same rows,
+    because a skipped conversation changed no row.
+    """
+    lens = np.minimum(lengths[order], pack_length).astype(np.int64).tolist()
+    held: list[int] = []  # positions in `order` skipped by earlier steps, in order
+    nxt, n = 0, len(order)
     steps = []
-    i, n = 0, len(order)
-    lens = lengths[order]
-    while i < n:
-        # a step holds at most rows * pack_length tokens: look only that far ahead
-        stop, total = i, 0
-        while stop < n and total <= rows * pack_length:
-            total += min(int(lens[stop]), pack_length)
-            stop += 1
-        _, placed = first_fit(lens[i:stop], rows, pack_length)
-        placed = max(placed, 1)
-        steps.append(order[i : i + placed])
-        i += placed
+    while held or nxt < n:
+        fill = [0] * rows
+        placed: list[int] = []
+        still: list[int] = []
+        window = held + list(range(nxt, min(n, nxt + max(1, lookahead - len(held)))))
+        scanned = 0
+        for w in window:
+            if max(pack_length - f for f in fill) == 0:
+                break
+            scanned += 1
+            for r in range(rows):
+                if fill[r] + lens[w] <= pack_length:
+                    fill[r] += lens[w]
+                    placed.append(w)
+                    break
+            else:
+                still.append(w)
+        if not placed:  # cannot happen (lengths are capped at pack_length); never loop forever
+            placed, still, scanned = [window[0]], [], 1
+        fresh = max(0, scanned - len(held))
+        held = still + [w for w in held[scanned:]] if scanned < len(held) else still
+        nxt += fresh
+        steps.append(order[np.asarray(placed)])
     return steps
 
 
