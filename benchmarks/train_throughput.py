@@ -272,7 +272,7 @@ def make_packed_batches(n: int, rows: int, pack_length: int, seq: int, jitter: f
     collate = PackedCollator(pad_token_id=0, rows=rows, pack_length=pack_length)
     lo = max(2, int(round((1 - jitter) * seq)))
     per_step = rows * pack_length // lo + 1
-    lengths = np.asarray(torch.randint(lo, seq + 1, ((n + 2) * per_step,), generator=g).tolist())
+    lengths = np.asarray(torch.randint(lo, seq + 1, ((n + 2) * per_step + 256,), generator=g).tolist())  # a stream
     steps = plan_packed_steps(np.arange(len(lengths)), lengths, rows, pack_length)[:n]
     out = []
     for step in steps:
