@@ -454,14 +454,15 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         wrapper.compile_layers()
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa")
+                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa",
+                                 distill_weight=args.distill_weight)
     module = apply_compile(module, case.compile)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = [q for q in draft.parameters() if q.requires_grad]
     opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     state = DistState(rank=0, world_size=1, local_rank=0, device=device)
     stepper = TrainStep(wrapper, module, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
-                        use_bf16=True)
+                        use_bf16=True, return_logits=args.distill_weight > 0)
     if case.pack_length:
         if cuda:
             wrapper.use_flex_attention()
@@ -691,7 +692,8 @@ def main_trainer_step(args, device, peak: float) -> None:
             bench_row(args, name, r, bool(r["pack_length"]), r["compile"] != "0" or bool(r["compile_target"]),
                       f"{args.shape} mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
                       + (f" pack {r['pack_length']}" if r["pack_length"] else "")
-                      + f" compile {r['compile']} target {int(r['compile_target'])}")
+                      + f" compile {r['compile']} target {int(r['compile_target'])}"
+            + (f" distill {args.distill_weight}" if args.distill_weight else ""))
             for r in rows if "error" not in r])
 
 
@@ -720,6 +722,8 @@ def main() -> None:
                    help="append the GPU rows to this JSON list ('' : do not)")
     p.add_argument("--commit", default=None, help="commit recorded in the appended rows (default: git rev-parse)")
     g.add_argument("--cases", default=None, help='instead of the product: "MBS:ANCHORS:SEQ:COMPILE:TARGET ..."')
+    g.add_argument("--distill-weight", type=float, default=0.0,
+                   help="loss.distill_weight: soft CE against the target, formed chunk by chunk from its final hidden states")
     g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
     g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")

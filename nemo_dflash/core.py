@@ -797,7 +797,7 @@ class DFlashTrainerModule(nn.Module):
             w_sel = (decay[1:] * label_valid[..., 1:]).flatten()
             h_sel = hidden.view(bsz, n_blk, blk, -1)[:, :, 1:].reshape(bsz * n_blk * (blk - 1), -1)
             # The target predicts token[a+k] from position a+k-1, k = 1..blk-1.
-            src = (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).flatten(1)
+            src = (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).clamp(max=seq - 1).flatten(1)
         else:
             # sel holds only valid label slots, whose weight is the slot's decay weight
             w_sel = decay[sel % blk]
