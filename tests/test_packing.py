@@ -377,3 +377,15 @@ def test_packed_training_end_to_end_resumes_exactly(tmp_path):
                "checkpoint.every_steps=100", *pack))
     main(_args(target, data, part, "train.max_steps=5", "train.eval_every=0", *pack))
     assert losses(part) == losses(full)
+
+
+def test_pack_length_refusals_name_the_fix():
+    from nemo_dflash.data.config import DataConfig, DataSourceConfig, validate_data_config
+    from nemo_dflash.data.sources import DataError
+
+    src = [DataSourceConfig(path="chats.jsonl")]
+    with pytest.raises(DataError, match="raise data.pack_length or lower data.max_length"):
+        validate_data_config(DataConfig(sources=src, max_length=2048, pack_length=1024))
+    with pytest.raises(DataError, match="0 turns packing off"):
+        validate_data_config(DataConfig(sources=src, pack_length=-1))
+    validate_data_config(DataConfig(sources=src, max_length=2048, pack_length=2048))
