@@ -389,3 +389,33 @@ def test_pack_length_refusals_name_the_fix():
     with pytest.raises(DataError, match="0 turns packing off"):
         validate_data_config(DataConfig(sources=src, pack_length=-1))
     validate_data_config(DataConfig(sources=src, max_length=2048, pack_length=2048))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_flex_tile_lists_cover_every_visible_entry(seed):
+    """The packed path's BlockMask (tile lists from the anchors, no per-element pass) against the
+    dense mask: its mask_mod gives the dense mask, and no tile holding a visible entry is left out."""
+    from nemo_dflash.core import FLEX_TILE, build_dense_block_mask, build_flex_block_mask
+
+    block, pack = 16, 384
+    lengths = torch.randint(20, 140, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    _, placed = first_fit(lengths, 2, pack)
+    packed = PackedCollator(pad_token_id=0, rows=2, pack_length=pack)(_docs(lengths[:placed], seed=seed))
+    plan = plan_blocks(packed["input_ids"], packed["loss_mask"], packed["attention_mask"], block, 16,
+                       row_seeds=[seed, seed + 1], doc_ids=packed["doc_ids"], position_ids=packed["position_ids"])
+    assert int(plan.valid.sum()) == 32  # 16 per row
+    dense = build_dense_block_mask(plan.anchors, plan.valid, packed["attention_mask"], block, plan.ctx_start)
+    bm = build_flex_block_mask(plan.anchors, plan.valid, packed["attention_mask"], block, ctx_start=plan.ctx_start)
+    q_len, kv_len = dense.shape[-2:]
+    assert q_len % FLEX_TILE == 0 and pack % FLEX_TILE == 0  # the tile-list path
+    b, h, q, kv = torch.meshgrid(torch.arange(2), torch.zeros(1, dtype=torch.long), torch.arange(q_len),
+                                 torch.arange(kv_len), indexing="ij")
+    assert torch.equal(bm.mask_mod(b, h, q, kv), dense)
+    listed = bm.to_dense()[..., : q_len // FLEX_TILE, : kv_len // FLEX_TILE].bool()
+    for bb in range(2):
+        for qi in range(q_len // FLEX_TILE):
+            for ki in range(kv_len // FLEX_TILE):
+                if dense[bb, 0, qi * FLEX_TILE : (qi + 1) * FLEX_TILE, ki * FLEX_TILE : (ki + 1) * FLEX_TILE].any():
+                    assert listed[bb, 0, qi, ki], (bb, qi, ki)
+    # and the tile lists are tight: a query tile lists at most its context span plus its own block tile
+    assert int(bm.kv_num_blocks.max()) <= pack // FLEX_TILE + 1
