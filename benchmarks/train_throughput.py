@@ -63,6 +63,7 @@ class Case:
     backend: str
     compile: bool
     fused_ce: bool = True
+    pack_length: int = 0  # > 0: one packed row of documents of --seq tokens (less --jitter)
 
 
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
@@ -130,7 +131,7 @@ def build(shape_name: str, draft_layers: int, block: int, device, fsdp2: bool):
 
 
 def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device, ddp_world: int, fsdp2: bool,
-             breakdown: bool = True):
+             breakdown: bool = True, jitter: float = 0.5):
     block = draft.config.block_size
     for layer in draft.layers:
         layer._compiled_call_impl = None  # reset any previous compile
@@ -147,18 +148,36 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
     attn = torch.ones_like(ids)
     lm = torch.ones_like(ids)
     lm[:, : case.seq // 10] = 0  # a prompt
+    packed = None
+    if case.pack_length:
+        wrapper.use_flex_attention()
+        packed = make_packed_batches(1, 1, case.pack_length, case.seq, jitter, 0.1, 151000)[0]
+        from nemo_dflash.core import plan_blocks
+
+        dev_packed = {k: v.to(device) for k, v in packed.items()}
+        ids, attn, lm = dev_packed["input_ids"], dev_packed["attention_mask"], dev_packed["loss_mask"]
+    else:
+        wrapper.model.set_attn_implementation("sdpa")
     times, t_target, t_draft = [], [], []
     torch.cuda.reset_peak_memory_stats(device)
     out = None
     for it in range(warmup + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        batch = wrapper.generate_batch(ids, attn, lm)
+        plan = None
+        if packed is not None:
+            plan = plan_blocks(packed["input_ids"], packed["loss_mask"], packed["attention_mask"], block, case.anchors,
+                               row_seeds=[it], doc_ids=packed["doc_ids"], position_ids=packed["position_ids"])
+            plan = plan.to(device, non_blocking=True)
+            batch = wrapper.generate_batch(ids, attn, lm, position_ids=dev_packed["position_ids"],
+                                           doc_ids=dev_packed["doc_ids"])
+        else:
+            batch = wrapper.generate_batch(ids, attn, lm)
         if breakdown:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = module(batch, row_seeds=[it])
+            out = module(batch, plan=plan, row_seeds=None if plan is not None else [it])
         (out.loss_sum / out.weight_sum.clamp(min=1)).backward()
         if breakdown:
             torch.cuda.synchronize()
@@ -171,16 +190,23 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
             times.append(time.perf_counter() - t)
             t_target.append(t1 - t)
             t_draft.append(t2 - t1)
-    n_valid = int(out.num_blocks)
-    anchors_pos = sorted(torch.randperm(case.seq - case.seq // 10 - block, generator=g)[: min(case.anchors, n_valid)]
-                         .add(case.seq // 10).tolist())
-    flops = step_flops(shape, draft.config.num_hidden_layers, block, case.seq, anchors_pos, int(out.num_labels),
-                       max(wrapper.target_layer_ids))
     med = statistics.median(times)
+    if packed is not None:
+        total = packed_batch_flops(shape, draft, wrapper, packed, case.anchors, [warmup + steps - 1])
+        flops = {"total": total}
+        n_tok = int(packed["attention_mask"].sum())
+    else:
+        n_valid = int(out.num_blocks)
+        anchors_pos = sorted(torch.randperm(case.seq - case.seq // 10 - block, generator=g)[: min(case.anchors, n_valid)]
+                             .add(case.seq // 10).tolist())
+        flops = step_flops(shape, draft.config.num_hidden_layers, block, case.seq, anchors_pos, int(out.num_labels),
+                           max(wrapper.target_layer_ids))
+        n_tok = case.seq
     del opt
     return {
         "anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-        "fused_ce": case.fused_ce, "step_ms": med * 1e3, "tokens_s": case.seq / med, "samples_s": 1 / med,
+        "pack_length": case.pack_length,
+        "fused_ce": case.fused_ce, "step_ms": med * 1e3, "tokens_s": n_tok / med, "samples_s": 1 / med,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, "tflops": flops["total"] / med / 1e12,
         "flops": flops, "loss": float(out.loss.detach()),
         "target_ms": statistics.median(t_target) * 1e3, "draft_fwd_bwd_ms": statistics.median(t_draft) * 1e3,
@@ -231,6 +257,75 @@ def make_step_batches(n: int, rows: int, seq: int, jitter: float, prompt_frac: f
         lm = attn * (pos >= (lengths.float() * prompt_frac).long().unsqueeze(1)).long()
         out.append({"input_ids": ids * attn, "attention_mask": attn, "loss_mask": lm})
     return out
+
+
+def make_packed_batches(n: int, rows: int, pack_length: int, seq: int, jitter: float, prompt_frac: float,
+                        vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """`n` packed loader batches (`data.pack_length`): documents of lengths uniform in
+    [(1-jitter)*seq, seq], the first `prompt_frac` of each unsupervised, planned by the loader's own
+    packer (look-ahead first fit) and laid out by its collator."""
+    import numpy as np
+
+    from nemo_dflash.data.packing import PackedCollator, plan_packed_steps
+
+    g = torch.Generator().manual_seed(seed)
+    collate = PackedCollator(pad_token_id=0, rows=rows, pack_length=pack_length)
+    lo = max(2, int(round((1 - jitter) * seq)))
+    per_step = rows * pack_length // lo + 1
+    lengths = np.asarray(torch.randint(lo, seq + 1, ((n + 2) * per_step + 256,), generator=g).tolist())  # a stream
+    steps = plan_packed_steps(np.arange(len(lengths)), lengths, rows, pack_length)[:n]
+    out = []
+    for step in steps:
+        docs = []
+        for length in lengths[step].tolist():
+            lm = [0] * int(length * prompt_frac) + [1] * (length - int(length * prompt_frac))
+            docs.append({"input_ids": torch.randint(0, vocab - 1, (length,), generator=g).tolist(), "loss_mask": lm})
+        out.append(collate(docs))
+    return out
+
+
+def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int,
+                       seeds: list[int]) -> float:
+    """Model FLOPs of one packed batch, counted as `batch_flops` counts them: per document, with
+    the document's own length, anchors and labels (what the same documents cost unpacked)."""
+    from nemo_dflash.core import document_bounds, plan_blocks
+
+    block = draft.config.block_size
+    plan = plan_blocks(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], block, anchors,
+                       row_seeds=seeds, doc_ids=batch["doc_ids"], position_ids=batch["position_ids"])
+    start, end = document_bounds(batch["doc_ids"])
+    total = 0.0
+    for r in range(batch["input_ids"].shape[0]):
+        doc = batch["doc_ids"][r]
+        a, v = plan.anchors[r], plan.valid[r]
+        n_lab = plan.label_valid[r].sum(-1)
+        for d in range(int(doc.max()) + 1):
+            at = (doc == d).nonzero().squeeze(-1)
+            s0 = int(at[0])
+            mine = v & (doc[a] == d)
+            total += step_flops(shape, draft.config.num_hidden_layers, block, at.numel(),
+                                (a[mine] - s0).tolist(), int(n_lab[mine].sum()), max(wrapper.target_layer_ids))["total"]
+    return total
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append rows to a JSON list (written to a temp file, then replaced: never half-written)."""
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(old + rows, f, indent=1)
+    os.replace(tmp, path)
+
+
+def bench_row(args, device_name: str, r: dict, packed: bool, compiled: bool, shape_text: str) -> dict:
+    """One row of docs/bench/train_throughput.json."""
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": args.commit, "device": device_name,
+            "shape": shape_text, "data": "synthetic", "packed": packed, "compiled": compiled,
+            "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
+            "command": "python " + " ".join(sys.argv)}
 
 
 def batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int, seeds: list[int]) -> float:
@@ -339,6 +434,7 @@ class StepCase:
     compile: str  # "0" | "layers" (train.compile=true) | others the trainer supports
     accum: int = 1
     compile_target: bool = False  # train.compile_target
+    pack_length: int = 0  # data.pack_length (0: length-grouped padded rows; mbs then counts packed rows)
 
 
 def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
@@ -358,16 +454,24 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         wrapper.compile_layers()
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa")
+                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa",
+                                 distill_weight=args.distill_weight)
     module = apply_compile(module, case.compile)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = [q for q in draft.parameters() if q.requires_grad]
     opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     state = DistState(rank=0, world_size=1, local_rank=0, device=device)
     stepper = TrainStep(wrapper, module, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
-                        use_bf16=True)
-    batches = make_step_batches(args.distinct_batches, case.mbs * case.accum, case.seq, args.jitter, args.prompt_frac,
-                                shape["vocab_size"])
+                        use_bf16=True, return_logits=args.distill_weight > 0)
+    if case.pack_length:
+        if cuda:
+            wrapper.use_flex_attention()
+        batches = make_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length, case.seq,
+                                      args.jitter, args.prompt_frac, shape["vocab_size"])
+    else:
+        wrapper.model.set_attn_implementation("sdpa")
+        batches = make_step_batches(args.distinct_batches, case.mbs * case.accum, case.seq, args.jitter,
+                                    args.prompt_frac, shape["vocab_size"])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times, tokens = [], []
@@ -380,16 +484,27 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         sync()
         if it == warmup - 1:
             warm_s = time.perf_counter() - t_first
+            import torch._dynamo.utils as dutils
+
+            graphs_after_warmup = int(dutils.counters["stats"]["unique_graphs"])
         if it >= warmup:
             times.append(time.perf_counter() - t)
             tokens.append(float(res.totals[6]))
     med = statistics.median(times)
     tok_step = statistics.mean(tokens)
+    count = packed_batch_flops if case.pack_length else batch_flops
     flops = statistics.mean(
-        batch_flops(shape, draft, wrapper, batches[i % len(batches)], case.anchors,
-                    row_seeds(0, i, 0, case.mbs * case.accum)) for i in range(min(len(batches), 4)))
+        count(shape, draft, wrapper, batches[i % len(batches)], case.anchors,
+              row_seeds(0, i, 0, case.mbs * case.accum)) for i in range(min(len(batches), 4)))
+    recompiles = None
+    try:
+        import torch._dynamo.utils as dutils
+
+        recompiles = int(dutils.counters["stats"]["unique_graphs"]) - graphs_after_warmup
+    except Exception:  # noqa: BLE001 - a counter that moved is only informative
+        pass
     row = {"mbs": case.mbs, "accum": case.accum, "anchors": case.anchors, "seq": case.seq, "compile": case.compile,
-           "compile_target": case.compile_target,
+           "compile_target": case.compile_target, "pack_length": case.pack_length, "graphs_after_warmup": recompiles,
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
@@ -516,24 +631,26 @@ def probe(args, device) -> None:
 
 def main_trainer_step(args, device, peak: float) -> None:
     shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
-    if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target" separated by spaces
-        cases = [StepCase(int(m), int(a), int(s), c, 1, bool(int(t)))
-                 for m, a, s, c, t in (x.split(":") for x in args.cases.split())]
+    if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
+        cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0)
+                 for x in (c.split(":") for c in args.cases.split())]
     else:
-        cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t))) for m in args.mbs.split(",")
+        cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t)), int(p)) for m in args.mbs.split(",")
                  for a in args.anchors.split(",") for s in args.seq.split(",") for c in args.compile.split(",")
-                 for g in args.accum.split(",") for t in args.compile_target.split(",")]
+                 for g in args.accum.split(",") for t in args.compile_target.split(",")
+                 for p in args.pack_length.split(",")]
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
     title = (f"{name}, {args.shape}, draft {args.draft_layers} layers, block {args.block}, TrainStep; "
              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
              f"prompt {args.prompt_frac:.0%}")
-    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'compile':>7} {'tgt':>3} {'step ms':>8} {'tok/step':>8} "
+    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'step ms':>8} {'tok/step':>8} "
            f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
 
     def line(r: dict) -> str:
-        head = f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r['compile']:>7} {int(r['compile_target']):>3}"
+        head = (f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r.get('pack_length', 0):>5} "
+                f"{r['compile']:>7} {int(r['compile_target']):>3}")
         if "error" in r:
             return f"{head} {r['error']}"
         return (f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
@@ -570,6 +687,14 @@ def main_trainer_step(args, device, peak: float) -> None:
         with open(args.json, "w") as f:
             json.dump({"device": name, "shape": args.shape, "matmul_tflops": peak, "args": vars(args), "rows": rows}, f,
                       indent=2)
+    if args.append and device.type == "cuda":
+        append_rows(args.append, [
+            bench_row(args, name, r, bool(r["pack_length"]), r["compile"] != "0" or bool(r["compile_target"]),
+                      f"{args.shape} mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
+                      + (f" pack {r['pack_length']}" if r["pack_length"] else "")
+                      + f" compile {r['compile']} target {int(r['compile_target'])}"
+            + (f" distill {args.distill_weight}" if args.distill_weight else ""))
+            for r in rows if "error" not in r])
 
 
 def main() -> None:
@@ -590,7 +715,15 @@ def main() -> None:
     g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size)")
     g.add_argument("--accum", default="1", help="micro-batches per step (train.grad_accum)")
     g.add_argument("--compile-target", default="0", help="1: compile the target's layers (train.compile_target)")
+    p.add_argument("--pack-length", default="0", help="data.pack_length: rows of this many tokens packed with "
+                   "documents of --seq tokens (less --jitter); --mbs then counts packed rows and --anchors is per row")
+    p.add_argument("--append", default=os.path.join(os.path.dirname(__file__), "..", "docs", "bench",
+                                                     "train_throughput.json"),
+                   help="append the GPU rows to this JSON list ('' : do not)")
+    p.add_argument("--commit", default=None, help="commit recorded in the appended rows (default: git rev-parse)")
     g.add_argument("--cases", default=None, help='instead of the product: "MBS:ANCHORS:SEQ:COMPILE:TARGET ..."')
+    g.add_argument("--distill-weight", type=float, default=0.0,
+                   help="loss.distill_weight: soft CE against the target, formed chunk by chunk from its final hidden states")
     g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
     g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
@@ -600,6 +733,14 @@ def main() -> None:
     g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
+    if args.commit is None:
+        import subprocess
+
+        try:
+            args.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        except OSError:
+            args.commit = "unknown"
     if args.shape in LLAMA_SHAPES:
         if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
             args.anchors, args.seq = "256", "416"
@@ -621,16 +762,18 @@ def main() -> None:
         torch.distributed.init_process_group("nccl", device_id=device)
     peak = measure_matmul_tflops(device)
     shape, target, wrapper, draft = build(args.shape, args.draft_layers, args.block, device, args.fsdp2)
-    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)))
+    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)), int(pk))
              for a in args.anchors.split(",") for s in args.seq.split(",")
-             for b in args.backend.split(",") for c in args.compile.split(",") for f in args.fused_ce.split(",")]
+             for b in args.backend.split(",") for c in args.compile.split(",") for f in args.fused_ce.split(",")
+             for pk in args.pack_length.split(",")]
     rows = []
     for case in cases:
         try:
-            r = run_case(shape, wrapper, draft, case, args.steps, args.warmup, device, world, args.fsdp2)
+            r = run_case(shape, wrapper, draft, case, args.steps, args.warmup, device, world, args.fsdp2,
+                         jitter=args.jitter)
         except torch.OutOfMemoryError:
             r = {"anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-                 "fused_ce": case.fused_ce, "error": "OOM"}
+                 "fused_ce": case.fused_ce, "pack_length": case.pack_length, "error": "OOM"}
         gc.collect()
         torch.cuda.empty_cache()
         r["mfu"] = r["tflops"] / peak if "tflops" in r else None
@@ -658,6 +801,12 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "world": world, "shape": args.shape, "matmul_tflops": peak, "rows": rows}, f,
                           indent=2)
+        if args.append and world == 1:
+            append_rows(args.append, [
+                bench_row(args, name, r, bool(r["pack_length"]), bool(r["compile"]),
+                          f"{args.shape} anchors {r['anchors']} seq {r['seq']}"
+                          + (f" pack {r['pack_length']}" if r["pack_length"] else "") + f" {r['backend']}")
+                for r in rows if "error" not in r])
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -77,6 +77,89 @@ def sample_anchors(
     return anchors, valid
 
 
+def document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] per-token document ids (documents contiguous, padding -1) -> (start, end) [B, S]:
+    each token's document spans positions [start, end)."""
+    bsz, seq = doc_ids.shape
+    pos = torch.arange(seq, device=doc_ids.device).expand(bsz, -1)
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]
+    end_at = torch.where(last, pos + 1, torch.full_like(pos, seq))
+    end = end_at.flip(1).cummin(dim=1).values.flip(1)
+    return start, end
+
+
+def anchor_quotas(counts: torch.Tensor, total: int, offset: int = 0) -> torch.Tensor:
+    """Split `total` anchors over documents in proportion to their candidate counts.
+
+    Systematic rounding: document d gets floor((C_d * total + offset) / n) minus the same for
+    C_(d-1) (C: cumulative counts, n: their sum). Every quota is the floor or the ceiling of
+    its exact share `total * c_d / n` (so never above c_d when `total <= n`), the quotas add
+    up to `total`, and with `offset` uniform in [0, n) each quota's mean is exactly its share:
+    no document (say, the last short one in a row) is rounded down on every step.
+    """
+    counts = counts.long()
+    n = int(counts.sum())
+    total = min(int(total), n)
+    if n == 0 or total == 0:
+        return torch.zeros_like(counts)
+    cum = torch.cumsum(counts, 0) * total + int(offset) % n
+    edges = torch.cat([torch.zeros(1, dtype=torch.long, device=counts.device) + int(offset) % n, cum]) // n
+    return edges[1:] - edges[:-1]
+
+
+def sample_packed_anchors(
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: Optional[torch.Generator] = None,
+    row_seeds: Optional[Sequence[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors of packed rows: exactly `num_anchors` slots per row (a fixed shape), shared out
+    over the row's documents in proportion to their candidates (`anchor_quotas`).
+
+    Counting anchors per row and drawing them uniformly from the whole row would let long
+    documents take most of a short row's budget only by chance; quotas make each document's
+    coverage the row's coverage. A candidate is a supervised real token whose block stays inside
+    its own document (a + block_size <= document end). Each document draws its quota uniformly
+    without replacement. Returns (anchors [B, num_anchors], valid), sorted, invalid ones at 0.
+    """
+    bsz, seq = loss_mask.shape
+    _, end = document_bounds(doc_ids)
+    pos = torch.arange(seq, device=loss_mask.device).unsqueeze(0)
+    cand = loss_mask.bool() & attention_mask.bool() & (doc_ids >= 0) & (pos + block_size <= end)
+    n_anchors = max(1, int(num_anchors))
+    anchors = torch.zeros(bsz, n_anchors, dtype=torch.long, device=loss_mask.device)
+    valid = torch.zeros(bsz, n_anchors, dtype=torch.bool, device=loss_mask.device)
+    for r in range(bsz):
+        if row_seeds is not None:
+            draw = torch.rand(seq + 1, generator=torch.Generator().manual_seed(int(row_seeds[r]))).to(loss_mask.device)
+        else:
+            draw = torch.rand(seq + 1, device=loss_mask.device, generator=generator)
+        scores = draw[:seq]
+        cp = cand[r].nonzero().squeeze(-1)
+        if cp.numel() == 0:
+            continue
+        dd = doc_ids[r, cp].long()
+        n_docs = int(dd.max()) + 1
+        offset = min(int(float(draw[seq]) * cp.numel()), cp.numel() - 1)
+        quota = anchor_quotas(torch.bincount(dd, minlength=n_docs), n_anchors, offset)
+        # per document, its candidates by descending score: the first `quota` of them are drawn
+        order = torch.argsort(dd.double() * 2.0 + (1.0 - scores[cp].double()))
+        sd = dd[order]
+        first = torch.searchsorted(sd, sd)
+        rank = torch.arange(sd.numel(), device=sd.device) - first
+        chosen = cp[order][rank < quota[sd]].sort().values
+        anchors[r, : chosen.numel()] = chosen
+        valid[r, : chosen.numel()] = True
+    return anchors, valid
+
+
 def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, A] anchors -> [B, A, block] absolute positions a_i + k."""
     return anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
@@ -129,20 +212,29 @@ class BlockPlan:
     Everything here follows from the token ids, masks and anchor seeds alone, so the trainer
     builds it on the CPU from the loader's batch and ships it with the tokens: the GPU step
     then never waits on a data-dependent size (`nonzero`, anchor counts) mid-forward.
+
+    Packed rows (`doc_ids` given to `plan_blocks`) keep every shape fixed: `sel` is None and
+    `labels` holds slots 1..block-1 of every block (invalid ones weigh 0), so the loss has the
+    same shape on every step and a compiled step never recompiles.
     """
 
     anchors: torch.Tensor  # [B, A] long, sorted; invalid ones at 0
     valid: torch.Tensor  # [B, A] bool
     label_valid: torch.Tensor  # [B, A, block] bool
-    sel: torch.Tensor  # [N] long: flat indices (into B*A*block) of the valid label slots
-    labels: torch.Tensor  # [N] long: their labels
+    sel: Optional[torch.Tensor]  # [N] long: flat indices (into B*A*block) of the valid label slots; None: packed
+    labels: torch.Tensor  # [N] long: their labels (packed: [B*A*(block-1)], slots 1.. of every block)
+    ctx_start: Optional[torch.Tensor] = None  # [B, A] first context position a block may see (its document's start)
+    anchor_pos: Optional[torch.Tensor] = None  # [B, A] the anchor's position id (position within its document)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "BlockPlan":
         pin = non_blocking and device.type == "cuda" and self.anchors.device.type == "cpu"
-        return BlockPlan(*(
-            (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
-            for t in (self.anchors, self.valid, self.label_valid, self.sel, self.labels)
-        ))
+
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            return (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
+
+        return BlockPlan(*(move(getattr(self, f.name)) for f in fields(self)))
 
 
 def plan_blocks(
@@ -155,27 +247,55 @@ def plan_blocks(
     row_seeds: Optional[Sequence[int]] = None,
     anchors: Optional[torch.Tensor] = None,
     valid: Optional[torch.Tensor] = None,
+    doc_ids: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> BlockPlan:
-    """Anchors (sampled unless given) and the valid label slots, on the inputs' device."""
+    """Anchors (sampled unless given) and the valid label slots, on the inputs' device.
+
+    With `doc_ids` ([B, S] document index per token, -1 on padding: packed rows), anchors are
+    drawn per document (`sample_packed_anchors`), each block sees only its own document's
+    context, and its positions come from `position_ids` (restarting per document).
+    """
+    if doc_ids is None:
+        if anchors is None:
+            anchors, valid = sample_anchors(loss_mask, attention_mask, block_size, num_anchors, generator, row_seeds)
+        assert valid is not None
+        labels, label_valid = build_labels(input_ids, loss_mask, attention_mask, anchors, valid, block_size)
+        sel = label_valid.flatten().nonzero().squeeze(-1)
+        return BlockPlan(anchors, valid, label_valid, sel, labels.flatten().index_select(0, sel))
     if anchors is None:
-        anchors, valid = sample_anchors(loss_mask, attention_mask, block_size, num_anchors, generator, row_seeds)
+        anchors, valid = sample_packed_anchors(
+            loss_mask, attention_mask, doc_ids, block_size, num_anchors, generator, row_seeds
+        )
     assert valid is not None
+    start, end = document_bounds(doc_ids)
     labels, label_valid = build_labels(input_ids, loss_mask, attention_mask, anchors, valid, block_size)
-    sel = label_valid.flatten().nonzero().squeeze(-1)
-    return BlockPlan(anchors, valid, label_valid, sel, labels.flatten().index_select(0, sel))
+    # a block slot past its document's end is another document's token: never a label
+    label_valid &= block_positions(anchors, block_size) < end.gather(1, anchors).unsqueeze(-1)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device) - start
+    return BlockPlan(
+        anchors, valid, label_valid, None, labels[..., 1:].flatten(),
+        ctx_start=start.gather(1, anchors), anchor_pos=position_ids.gather(1, anchors),
+    )
 
 
 # ----------------------------------------------------------------------------- masks
 
 
 def build_dense_block_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor, block_size: int
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    key_valid: torch.Tensor,
+    block_size: int,
+    ctx_start: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dense boolean mask [B, 1, A*block, S + A*block] for SDPA (True = visible).
 
-    Context key j is visible to block i iff j < a_i and j is a real token; a block key is
-    visible iff it is in the same block; invalid blocks see nothing (their rows are empty,
-    which the attention turns into zeros, never NaN).
+    Context key j is visible to block i iff ctx_start_i <= j < a_i and j is a real token
+    (ctx_start: the block's document start in a packed row, else 0); a block key is visible
+    iff it is in the same block; invalid blocks see nothing (their rows are empty, which the
+    attention turns into zeros, never NaN).
     """
     bsz, n_blk = anchors.shape
     seq = key_valid.shape[1]
@@ -184,9 +304,92 @@ def build_dense_block_mask(
     v_q = valid[:, q_blk]  # [B, Q]
     j = torch.arange(seq, device=anchors.device)
     ctx = (j.view(1, 1, -1) < a_q.unsqueeze(-1)) & key_valid.bool().unsqueeze(1)  # [B, Q, S]
+    if ctx_start is not None:
+        ctx &= j.view(1, 1, -1) >= ctx_start[:, q_blk].unsqueeze(-1)
     same = (q_blk.view(-1, 1) == q_blk.view(1, -1)).unsqueeze(0).expand(bsz, -1, -1)  # [B, Q, Q]
     mask = torch.cat([ctx, same], dim=-1) & v_q.unsqueeze(-1)
     return mask.unsqueeze(1)
+
+
+FLEX_TILE = 128  # flex_attention's default BlockMask tile
+
+
+class _MaskBuffers:
+    """Per-query tensors a mask_mod reads, kept at one address per shape.
+
+    A compiled step sees the same `mask_mod` function object and the same buffers on every
+    step (refilled in place), so dynamo's guards hold and nothing recompiles; a fresh closure
+    per step would be a new function for every call.
+    """
+
+    def __init__(self, bsz: int, q_len: int, seq: int, device: torch.device, block_size: int) -> None:
+        self.a_q = torch.zeros(bsz, q_len, dtype=torch.long, device=device)
+        self.s_q = torch.zeros(bsz, q_len, dtype=torch.long, device=device)
+        self.v_q = torch.zeros(bsz, q_len, dtype=torch.bool, device=device)
+        self.kv_ok = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
+        a_q, s_q, v_q, kv_ok = self.a_q, self.s_q, self.v_q, self.kv_ok
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            is_ctx = kv_idx < seq
+            kv = kv_idx.clamp(max=seq - 1)
+            ctx_vis = (kv_idx < a_q[b, q_idx]) & (kv_idx >= s_q[b, q_idx]) & kv_ok[b, kv]
+            blk_vis = ((kv_idx - seq) // block_size) == (q_idx // block_size)
+            return v_q[b, q_idx] & torch.where(is_ctx, ctx_vis, blk_vis)
+
+        self.mask_mod = mask_mod
+
+
+_mask_buffers: dict[tuple, _MaskBuffers] = {}
+
+
+def _buffers_for(anchors, valid, key_valid, ctx_start, block_size: int) -> _MaskBuffers:
+    bsz, n_blk = anchors.shape
+    seq = key_valid.shape[1]
+    q_len = n_blk * block_size
+    key = (bsz, q_len, seq, block_size, str(anchors.device))
+    buf = _mask_buffers.get(key)
+    if buf is None:
+        if len(_mask_buffers) > 16:  # variable-length batches: keep the cache small
+            _mask_buffers.clear()
+        buf = _mask_buffers[key] = _MaskBuffers(bsz, q_len, seq, anchors.device, block_size)
+    q_blk = torch.arange(q_len, device=anchors.device) // block_size
+    buf.a_q.copy_(anchors[:, q_blk])
+    buf.v_q.copy_(valid[:, q_blk])
+    buf.kv_ok.copy_(key_valid.bool())
+    if ctx_start is None:
+        buf.s_q.zero_()
+    else:
+        buf.s_q.copy_(ctx_start[:, q_blk])
+    return buf
+
+
+def _tile_kv_blocks(anchors, valid, ctx_start, seq: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The BlockMask's tile lists computed from the anchors alone (no [Q, K] evaluation).
+
+    A 128-query tile holds 128/block consecutive (sorted) blocks: it may see context tiles from
+    the lowest document start to the tile of the highest `a - 1` among its valid blocks, and
+    its own blocks' key tile (the block keys sit at `seq + q`). All tiles are partial: the
+    mask_mod still decides every element, so an extra tile costs time, never correctness.
+    """
+    t = FLEX_TILE
+    bsz, n_blk = anchors.shape
+    per = t // block_size
+    n_qt = n_blk * block_size // t
+    n_kvt = (seq + n_blk * block_size) // t
+    a = anchors.view(bsz, n_qt, per)
+    v = valid.view(bsz, n_qt, per)
+    s = (torch.zeros_like(anchors) if ctx_start is None else ctx_start).view(bsz, n_qt, per)
+    has_ctx = v & (a > s)
+    big = torch.full_like(a, n_kvt)
+    lo = torch.where(has_ctx, s // t, big).amin(-1)
+    hi = torch.where(has_ctx, (a - 1) // t, torch.full_like(a, -1)).amax(-1)
+    n_ctx = (hi - lo + 1).clamp(min=0)
+    diag = seq // t + torch.arange(n_qt, device=anchors.device).view(1, -1)
+    idx = torch.arange(n_kvt, device=anchors.device).view(1, 1, -1)
+    kv_idx = torch.where(idx < n_ctx.unsqueeze(-1), lo.unsqueeze(-1) + idx,
+                         torch.where(idx == n_ctx.unsqueeze(-1), diag.unsqueeze(-1), torch.zeros_like(idx)))
+    num = n_ctx + v.any(-1).long()
+    return num.unsqueeze(1).to(torch.int32), kv_idx.clamp(max=n_kvt - 1).unsqueeze(1).to(torch.int32).contiguous()
 
 
 def build_flex_block_mask(
@@ -195,35 +398,33 @@ def build_flex_block_mask(
     key_valid: torch.Tensor,
     block_size: int,
     compile_mask: Optional[bool] = None,
+    ctx_start: Optional[torch.Tensor] = None,
 ):
     """The same mask as `build_dense_block_mask`, as a flex_attention BlockMask.
 
     The dense mask is O(Q * K) memory (GBs at 512 anchors x 3072 tokens); the BlockMask
     stores only which 128x128 tiles are partly or fully visible, so the kernel skips the
-    (mostly invisible) rest.
+    (mostly invisible) rest. When the shapes line up with the tiles (128 % block == 0, the
+    sequence and the block queries multiples of 128: packed rows), the tile lists come straight
+    from the anchors (`_tile_kv_blocks`), with no sync and no per-element pass; otherwise
+    `create_block_mask` evaluates the mask.
     """
     if create_block_mask is None:  # pragma: no cover
         raise RuntimeError("flex_attention needs torch >= 2.5; use attn_backend=sdpa")
     bsz, n_blk = anchors.shape
     seq = key_valid.shape[1]
     q_len = n_blk * block_size
-    q_blk_all = torch.arange(q_len, device=anchors.device) // block_size
-    a_q = anchors[:, q_blk_all].contiguous()  # [B, Q]
-    v_q = valid[:, q_blk_all].contiguous()
-    kv_ok = key_valid.bool().contiguous()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        is_ctx = kv_idx < seq
-        ctx_vis = (kv_idx < a_q[b, q_idx]) & kv_ok[b, kv_idx.clamp(max=seq - 1)]
-        blk_vis = ((kv_idx - seq) // block_size) == (q_idx // block_size)
-        return v_q[b, q_idx] & torch.where(is_ctx, ctx_vis, blk_vis)
-
+    buf = _buffers_for(anchors, valid, key_valid, ctx_start, block_size)
+    t = FLEX_TILE
+    if t % block_size == 0 and seq % t == 0 and q_len % t == 0:
+        num, idx = _tile_kv_blocks(anchors, valid, ctx_start, seq, block_size)
+        return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=t, mask_mod=buf.mask_mod, seq_lengths=(q_len, seq + q_len))
     if compile_mask is None:
         # Eager by default: a compiled builder recompiles for every new (sequence, anchors) shape,
         # which costs tens of seconds per shape on variable-length data; eager costs milliseconds.
         compile_mask = False
     return create_block_mask(
-        mask_mod, B=bsz, H=None, Q_LEN=q_len, KV_LEN=seq + q_len, device=anchors.device, _compile=compile_mask
+        buf.mask_mod, B=bsz, H=None, Q_LEN=q_len, KV_LEN=seq + q_len, device=anchors.device, _compile=compile_mask
     )
 
 
@@ -310,25 +511,47 @@ def _chunk_loss(
 
 
 def _ce_chunk(
-    h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, mm_dtype: torch.dtype, need_grad: bool
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    mm_dtype: torch.dtype,
+    need_grad: bool,
+    th: Optional[torch.Tensor] = None,
+    soft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """One chunk of `_FusedLinearCE`: per-row loss, argmax and (softmax - onehot) @ W, in fp32.
+    """One chunk of `_FusedLinearCE`: per-row loss, argmax and dL/dh = (softmax - target) @ W, in fp32.
+
+    Hard CE has target = onehot(y). With the teacher's final hidden states `th`, the chunk also
+    forms the teacher's logits `th @ W.T` (and drops them with the chunk) and mixes the soft
+    cross-entropy in: loss = lse - (1-w) * logit_y - w * sum_v p_t,v * logit_v, whose gradient
+    is softmax - (1-w) * onehot - w * p_t. So distillation needs no [tokens, vocab] tensor.
 
     Written for `torch.compile` (the onehot as a `where`, no in-place ops), which fuses the
     reductions over the [rows, vocab] logits into one pass and the softmax, onehot and cast
     into another: the eager loop reads and writes those logits about ten times.
     The matmuls run in `mm_dtype` (what autocast would pick), the rest in fp32, as in the loop.
     """
-    logits = F.linear(h.to(mm_dtype), weight.to(mm_dtype)).float()
+    w_mm = weight.to(mm_dtype)
+    logits = F.linear(h.to(mm_dtype), w_mm).float()
     lse = torch.logsumexp(logits, dim=-1)
-    loss = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    logit_y = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    p_t = None
+    if th is not None:
+        p_t = F.linear(th.to(mm_dtype), w_mm).float().softmax(-1)
+        loss = lse - (1.0 - soft_weight) * logit_y - soft_weight * (p_t * logits).sum(-1)
+    else:
+        loss = lse - logit_y
     pred = logits.argmax(-1)
     if not need_grad:
         return loss, pred, None
     probs = torch.exp(logits - lse.unsqueeze(1))
     onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == y.unsqueeze(1)
-    probs = torch.where(onehot, probs - 1.0, probs)
-    return loss, pred, torch.matmul(probs.to(mm_dtype), weight.to(mm_dtype)).float()
+    if p_t is not None:
+        probs = probs - soft_weight * p_t
+        probs = torch.where(onehot, probs - (1.0 - soft_weight), probs)
+    else:
+        probs = torch.where(onehot, probs - 1.0, probs)
+    return loss, pred, torch.matmul(probs.to(mm_dtype), w_mm).float()
 
 
 _compiled_ce_chunk = None
@@ -351,23 +574,37 @@ class _FusedLinearCE(torch.autograd.Function):
     kept as one [N, H] fp32 tensor. Backward only scales it by the incoming per-row gradient,
     so the lm_head matmul is never recomputed (the checkpointed path runs it twice) and no
     [N, vocab] tensor outlives its chunk. `weight` is the frozen lm_head: it gets no gradient.
+    With `teacher` (the target's final hidden states for the same rows), the soft CE against
+    the target's distribution is mixed in with weight `soft_weight`, chunk by chunk as well.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                teacher: Optional[torch.Tensor] = None, soft_weight: float = 0.0):
         n = hidden.shape[0]
         losses = hidden.new_empty(n, dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
         compiled = _ce_chunk_fn(hidden.device)
+        dev = hidden.device.type
         if compiled is not None:
-            dev = hidden.device.type
             mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
             with torch.autocast(dev, enabled=False):
                 for s in range(0, n, chunk_size):
+                    th = teacher[s : s + chunk_size] if teacher is not None else None
                     loss, pred, g = compiled(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
-                                             need_grad)
+                                             need_grad, th, soft_weight)
+                    losses[s : s + chunk_size] = loss
+                    preds[s : s + chunk_size] = pred
+                    if need_grad:
+                        grad[s : s + chunk_size] = g
+        elif teacher is not None:
+            mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+            with torch.autocast(dev, enabled=False):
+                for s in range(0, n, chunk_size):
+                    loss, pred, g = _ce_chunk(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
+                                              need_grad, teacher[s : s + chunk_size], soft_weight)
                     losses[s : s + chunk_size] = loss
                     preds[s : s + chunk_size] = pred
                     if need_grad:
@@ -394,8 +631,8 @@ class _FusedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor]):
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None
-        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None
+            return None, None, None, None, None, None
+        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def _fusable(lm_head: nn.Module, teacher_logits: Optional[torch.Tensor], distill_weight: float) -> bool:
@@ -415,18 +652,25 @@ def chunked_lm_loss(
     teacher_logits: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
     fused: bool = True,
+    teacher_hidden: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and argmax over [N, H] hidden states, `chunk_size` rows at a time.
 
     The [N, vocab] fp32 logits never exist whole. With `fused` (and a frozen, bias-free
-    Linear lm_head, no distillation) the gradient is formed in the forward pass
-    (`_FusedLinearCE`); otherwise each chunk is checkpointed and recomputed in backward.
+    Linear lm_head) the gradient is formed in the forward pass (`_FusedLinearCE`), also for
+    distillation against `teacher_hidden` (the target's final hidden states, [N, H]: its logits
+    are formed per chunk); otherwise each chunk is checkpointed and recomputed in backward
+    (distillation then against `teacher_logits` [N, vocab]).
     """
     weight = getattr(lm_head, "weight", None)
     if (isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype
             and not torch.is_autocast_enabled(hidden.device.type)):
         hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target without autocast
     n = hidden.shape[0]
+    if teacher_hidden is not None and distill_weight > 0 and _fusable(lm_head, None, 0.0):
+        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_hidden, float(distill_weight))
+    if teacher_hidden is not None and distill_weight > 0 and teacher_logits is None:
+        teacher_logits = lm_head(teacher_hidden)
     if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
         return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size)
     if n <= chunk_size or not torch.is_grad_enabled():
@@ -494,10 +738,11 @@ class DFlashTrainerModule(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
 
-    def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor):
+    def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
+                   ctx_start: Optional[torch.Tensor] = None):
         if self.attn_backend == "flex":
-            return build_flex_block_mask(anchors, valid, key_valid, self.block_size)
-        return build_dense_block_mask(anchors, valid, key_valid, self.block_size)
+            return build_flex_block_mask(anchors, valid, key_valid, self.block_size, ctx_start=ctx_start)
+        return build_dense_block_mask(anchors, valid, key_valid, self.block_size, ctx_start=ctx_start)
 
     def plan(
         self,
@@ -506,9 +751,12 @@ class DFlashTrainerModule(nn.Module):
         attention_mask: torch.Tensor,
         generator: Optional[torch.Generator] = None,
         row_seeds: Optional[Sequence[int]] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> BlockPlan:
         """This module's `plan_blocks` (its block size and anchor count), e.g. on the CPU batch."""
-        return plan_blocks(input_ids, loss_mask, attention_mask, self.block_size, self.num_anchors, generator, row_seeds)
+        return plan_blocks(input_ids, loss_mask, attention_mask, self.block_size, self.num_anchors, generator, row_seeds,
+                           doc_ids=doc_ids, position_ids=position_ids)
 
     def forward(
         self,
@@ -523,43 +771,70 @@ class DFlashTrainerModule(nn.Module):
         bsz, seq = input_ids.shape
         blk = self.block_size
         if plan is None:
-            plan = plan_blocks(input_ids, loss_mask, attn, blk, self.num_anchors, generator, row_seeds, anchors, valid)
+            plan = plan_blocks(input_ids, loss_mask, attn, blk, self.num_anchors, generator, row_seeds, anchors, valid,
+                               doc_ids=batch.doc_ids, position_ids=batch.position_ids)
         anchors, valid, label_valid, sel = plan.anchors, plan.valid, plan.label_valid, plan.sel
         n_blk = anchors.shape[1]
 
         block_ids = build_block_input_ids(input_ids, anchors, blk, self.mask_token_id)
         with torch.no_grad():
             noise = self.embed_tokens(block_ids.flatten(1))  # [B, A*blk, H], frozen
-        ctx_pos = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
-        pos = torch.cat([ctx_pos, block_positions(anchors, blk).flatten(1)], dim=1)
-        mask = self.build_mask(anchors, valid, attn)
+        if batch.position_ids is not None:
+            ctx_pos = batch.position_ids
+        else:
+            ctx_pos = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        anchor_pos = plan.anchor_pos if plan.anchor_pos is not None else anchors
+        pos = torch.cat([ctx_pos, block_positions(anchor_pos, blk).flatten(1)], dim=1)
+        mask = self.build_mask(anchors, valid, attn, plan.ctx_start)
         hidden = self.draft(
             noise_embedding=noise, target_hidden=batch.hidden_states, position_ids=pos,
             attention_mask=mask, backend=self.attn_backend,
         )  # [B, A*blk, H]
 
-        # sel holds only valid label slots, whose weight is the slot's decay weight
-        w_sel = loss_decay_weights(blk, self.gamma, input_ids.device)[sel % blk]
-        h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
-        teacher = None
+        decay = loss_decay_weights(blk, self.gamma, input_ids.device)
+        if sel is None:
+            # packed: every block's slots 1.. (fixed shape); invalid ones weigh 0
+            w_sel = (decay[1:] * label_valid[..., 1:]).flatten()
+            h_sel = hidden.view(bsz, n_blk, blk, -1)[:, :, 1:].reshape(bsz * n_blk * (blk - 1), -1)
+            # The target predicts token[a+k] from position a+k-1, k = 1..blk-1.
+            src = (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).clamp(max=seq - 1).flatten(1)
+        else:
+            # sel holds only valid label slots, whose weight is the slot's decay weight
+            w_sel = decay[sel % blk]
+            h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
+            src = None
+        teacher = teacher_h = None
         if self.distill_weight > 0:
-            if batch.logits is None:
-                raise ValueError("distill_weight > 0 needs target logits: call generate_batch(return_logits=True)")
-            # The target predicts token[a+k] from position a+k-1.
-            src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
-            teacher = batch.logits.gather(1, src.unsqueeze(-1).expand(-1, -1, batch.logits.shape[-1]))
-            teacher = teacher.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
+            if batch.logits is None and batch.final_hidden is None:
+                raise ValueError("distill_weight > 0 needs the target's distribution: call "
+                                 "generate_batch(return_final_hidden=True) (or return_logits=True)")
+            if src is None:
+                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
+            source = batch.final_hidden if batch.final_hidden is not None else batch.logits
+            rows = source.gather(1, src.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
+            rows = rows.reshape(-1, source.shape[-1])
+            if sel is not None:
+                rows = rows.view(bsz * n_blk * blk, -1).index_select(0, sel)
+            if batch.final_hidden is not None:
+                teacher_h = rows
+            else:
+                teacher = rows
         tok_loss, pred = chunked_lm_loss(
             h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
+            teacher_hidden=teacher_h,
         )
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
         loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
 
         with torch.no_grad():
-            correct = torch.zeros(bsz * n_blk * blk, dtype=torch.bool, device=input_ids.device)
-            correct[sel] = pred == plan.labels
-            correct = correct.view(bsz, n_blk, blk)
+            if sel is None:
+                hit = (pred == plan.labels).view(bsz, n_blk, blk - 1)
+                correct = F.pad(hit, (1, 0), value=False)
+            else:
+                correct = torch.zeros(bsz * n_blk * blk, dtype=torch.bool, device=input_ids.device)
+                correct[sel] = pred == plan.labels
+                correct = correct.view(bsz, n_blk, blk)
             block_ok = label_valid.any(-1)
             acc_len = acceptance_lengths(correct, label_valid)
             return_out = DFlashLossOutput(
@@ -584,6 +859,9 @@ __all__ = [
     "build_flex_block_mask",
     "build_labels",
     "block_positions",
+    "anchor_quotas",
+    "document_bounds",
+    "sample_packed_anchors",
     "chunked_lm_loss",
     "loss_decay_weights",
     "plan_blocks",

@@ -31,6 +31,9 @@ class DataConfig:
     seed: int = 0
     # drop training conversations sharing a 13-gram with the MT-Bench / HumanEval prompts evaluate uses
     decontaminate: bool = True
+    # > 0: pack whole conversations into rows of this many tokens (fixed shapes; each conversation
+    # still attends only to itself); train.micro_batch_size then counts packed rows. 0 = padded rows.
+    pack_length: int = 0
 
 
 def as_data_config(config: Any) -> DataConfig:
@@ -91,5 +94,12 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise DataError(f"data.batching must be one of {BATCHING_MODES} (got {cfg.batching!r})")
     if cfg.pad_to_multiple_of <= 0:
         raise DataError(f"data.pad_to_multiple_of must be positive (got {cfg.pad_to_multiple_of})")
+    if cfg.pack_length < 0:
+        raise DataError(f"data.pack_length must be >= 0 (got {cfg.pack_length}); 0 turns packing off")
+    if cfg.pack_length and cfg.max_length > cfg.pack_length:
+        raise DataError(
+            f"data.max_length ({cfg.max_length}) exceeds data.pack_length ({cfg.pack_length}): a conversation must fit "
+            "one packed row; raise data.pack_length or lower data.max_length"
+        )
     if cfg.num_workers < 0:
         raise DataError(f"data.num_workers must be >= 0 (got {cfg.num_workers})")

@@ -21,6 +21,7 @@ from nemo_dflash.data.chat_template import (
     tokenize_conversations,
 )
 from nemo_dflash.data.config import DataConfig, as_data_config
+from nemo_dflash.data.packing import PackedBatchSampler, PackedCollator
 from nemo_dflash.data.sampler import ChatBatchSampler
 from nemo_dflash.data.decontaminate import filter_stream, training_index
 from nemo_dflash.data.sources import BadRecordCounter, DataError, apply_weight, read_conversations
@@ -333,14 +334,25 @@ def build_dataloader(
     drop_last: bool = False,
     collate_fn: Optional[Any] = None,
     pin_memory: bool = False,
+    pack_length: int = 0,
 ) -> StatefulDataLoader:
-    """A checkpointable loader of this rank's batches (``state_dict()``/``load_state_dict()`` resume exactly)."""
+    """A checkpointable loader of this rank's batches (``state_dict()``/``load_state_dict()`` resume exactly).
+
+    With ``pack_length > 0`` a batch is ``batch_size`` packed rows of ``pack_length`` tokens
+    (nemo_dflash.data.packing): every batch has the same shape.
+    """
     lengths = getattr(dataset, "lengths", None)
     if lengths is None:
         raise TypeError("build_dataloader needs a dataset with per-sample `lengths` (e.g. ChatDataset)")
-    sampler = ChatBatchSampler(
-        lengths, batch_size, batching=batching, rank=rank, world_size=world_size, seed=seed, drop_last=drop_last
-    )
+    sampler: Any
+    if pack_length > 0:
+        sampler = PackedBatchSampler(lengths, batch_size, pack_length, rank=rank, world_size=world_size, seed=seed)
+        if collate_fn is None:
+            collate_fn = PackedCollator(dataset.pad_token_id, batch_size, pack_length)
+    else:
+        sampler = ChatBatchSampler(
+            lengths, batch_size, batching=batching, rank=rank, world_size=world_size, seed=seed, drop_last=drop_last
+        )
     if collate_fn is None:
         collate_fn = dataset.collator()
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch >= 2.9

@@ -40,7 +40,11 @@ class DFlashTargetBatch:
     """What the trainer module needs from one target forward.
 
     hidden_states: [B, S, n_layers * H], the captured layers concatenated along features.
-    logits: [B, S, V] only when the target's distribution is requested (distillation).
+    logits: [B, S, V] only when the target's distribution is requested that way.
+    final_hidden: [B, S, H] the target's last hidden state after its final norm (distillation:
+    the loss forms the logits from it chunk by chunk, never [B, S, V] at once).
+    position_ids / doc_ids: [B, S] for packed rows (positions restart per document; document
+    index per token, -1 on padding); None for ordinary right-padded rows.
     """
 
     hidden_states: torch.Tensor
@@ -48,6 +52,9 @@ class DFlashTargetBatch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     logits: Optional[torch.Tensor] = None
+    final_hidden: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+    doc_ids: Optional[torch.Tensor] = None
 
 
 class _StopForward(Exception):
@@ -131,6 +138,54 @@ def check_target_layer_ids(
     return ids
 
 
+_FINAL_NORM_PATHS = ("model.norm", "model.language_model.norm", "language_model.model.norm", "transformer.ln_f",
+                     "model.decoder.final_layer_norm", "gpt_neox.final_layer_norm")
+
+
+def dense_document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] document ids -> bool [B, 1, S, S]: query q sees key k iff k <= q in the same document.
+
+    Padding (-1) forms its own "document", so no row is empty (no NaN) and no real token sees it.
+    """
+    seq = doc_ids.shape[1]
+    pos = torch.arange(seq, device=doc_ids.device)
+    causal = pos.view(-1, 1) >= pos.view(1, -1)
+    return ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
+
+
+class _DocMaskBuffers:
+    """The document ids a flex mask_mod reads, at one address per shape (see core._MaskBuffers)."""
+
+    def __init__(self, bsz: int, seq: int, device: torch.device) -> None:
+        self.doc = torch.zeros(bsz, seq, dtype=torch.long, device=device)
+        doc = self.doc
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+        self.mask_mod = mask_mod
+
+
+_doc_buffers: dict[tuple, _DocMaskBuffers] = {}
+
+
+def flex_document_causal_mask(doc_ids: torch.Tensor):
+    """The same mask as `dense_document_causal_mask`, as a flex_attention BlockMask (GPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bsz, seq = doc_ids.shape
+    key = (bsz, seq, str(doc_ids.device))
+    buf = _doc_buffers.get(key)
+    if buf is None:
+        if len(_doc_buffers) > 8:
+            _doc_buffers.clear()
+        buf = _doc_buffers[key] = _DocMaskBuffers(bsz, seq, doc_ids.device)
+    buf.doc.copy_(doc_ids)
+    # packed rows have one shape: the compiled builder compiles once, and never materialises [S, S]
+    return create_block_mask(buf.mask_mod, B=bsz, H=None, Q_LEN=seq, KV_LEN=seq, device=doc_ids.device,
+                             _compile=doc_ids.device.type == "cuda")
+
+
 class HFDFlashTargetModel:
     """Capture a set of decoder-layer hidden states from a frozen HF causal LM."""
 
@@ -158,6 +213,31 @@ class HFDFlashTargetModel:
         """
         for layer in list(self.layers)[: max(self.target_layer_ids) + 1]:
             layer.forward = torch.compile(layer.forward, **compile_kwargs)
+
+    def final_norm(self) -> Optional[nn.Module]:
+        """The module whose output is the last hidden state the lm_head reads (None if not found)."""
+        for path in _FINAL_NORM_PATHS:
+            mod = _get_attr_path(self.model, path)
+            if isinstance(mod, nn.Module):
+                return mod
+        return None
+
+    def use_flex_attention(self) -> None:
+        """Run the target's attention through flex_attention (GPU, packed rows): the document mask
+        is then a BlockMask, and fully invisible 128x128 tiles (other documents) are skipped."""
+        setter = getattr(self.model, "set_attn_implementation", None)
+        if callable(setter):
+            setter("flex_attention")
+        else:  # pragma: no cover - older transformers
+            self.model.config._attn_implementation = "flex_attention"
+
+    def document_mask(self, doc_ids: torch.Tensor):
+        """The document-causal mask for packed rows, in the form the target's attention takes:
+        a flex BlockMask for `flex_attention`, a dense [B, 1, S, S] boolean mask otherwise."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl == "flex_attention":
+            return flex_document_causal_mask(doc_ids)
+        return dense_document_causal_mask(doc_ids)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -222,6 +302,9 @@ class HFDFlashTargetModel:
         loss_mask: torch.Tensor,
         return_logits: bool = False,
         right_padded: bool = False,
+        position_ids: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        return_final_hidden: bool = False,
     ) -> DFlashTargetBatch:
         """Run the frozen target and package the context features for the trainer module.
 
@@ -230,18 +313,55 @@ class HFDFlashTargetModel:
         so the features at real positions are the same, and HF's mask builder is skipped
         along with its host sync (`mask.all()` on the GPU) and the masked attention kernel.
         Padded positions get different features, which the draft never uses (masked keys, no labels).
+
+        Packed rows (`doc_ids`, `position_ids`): each document attends only to itself, causally
+        (`document_mask`), with positions restarting per document, so its features equal those
+        of the document run alone.
+
+        `return_final_hidden` captures the target's final norm output (the lm_head's input) and
+        stops there: distillation forms the teacher's logits from it chunk by chunk.
         """
-        hidden, outputs = self.forward_features(
-            input_ids, need_logits=return_logits, attention_mask=None if right_padded else attention_mask
-        )
+        mask: Any = None if right_padded else attention_mask
+        if doc_ids is not None:
+            mask = self.document_mask(doc_ids)
+        kwargs: dict[str, Any] = {"attention_mask": mask}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        norm = self.final_norm() if return_final_hidden and not return_logits else None
+        final: dict[str, torch.Tensor] = {}
+        handle = None
+        if norm is not None:
+            def hook(_module, _args, output):
+                final["h"] = output[0] if isinstance(output, (tuple, list)) else output
+                raise _StopForward
+
+            handle = norm.register_forward_hook(hook)
+        try:
+            need_all = return_logits or (return_final_hidden and norm is None)
+            if norm is not None:
+                with self.capture(stop_early=False) as captured:
+                    try:
+                        self.model(input_ids=input_ids, use_cache=False, **kwargs)
+                    except _StopForward:
+                        pass
+                hidden, outputs = self.concat(captured), None
+            else:
+                hidden, outputs = self.forward_features(input_ids, need_logits=need_all, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        logits = outputs.logits if (outputs is not None and need_all) else None
         return DFlashTargetBatch(
             hidden_states=hidden,
             input_ids=input_ids,
             attention_mask=attention_mask,
             loss_mask=loss_mask,
-            logits=outputs.logits if return_logits else None,
+            logits=logits if return_logits or norm is None and return_final_hidden else None,
+            final_hidden=final.get("h"),
+            position_ids=position_ids,
+            doc_ids=doc_ids,
         )
 
 
-__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "LayerIdsError", "build_target_layer_ids", "check_target_layer_ids",
+__all__ = ["DFlashTargetBatch", "HFDFlashTargetModel", "dense_document_causal_mask", "flex_document_causal_mask", "LayerIdsError", "build_target_layer_ids", "check_target_layer_ids",
            "find_decoder_layers"]

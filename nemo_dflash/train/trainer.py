@@ -88,8 +88,11 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 def _micro_slice(batch: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
-    """Rows [start, start+size) trimmed to their own longest sequence (less padding)."""
+    """Rows [start, start+size) trimmed to their own longest sequence (less padding); packed rows
+    (`doc_ids`) keep their fixed length."""
     part = {k: v[start : start + size] for k, v in batch.items()}
+    if "doc_ids" in part:
+        return part
     length = int(part["attention_mask"].sum(dim=1).max().item())
     return {k: v[:, : max(length, 1)].contiguous() for k, v in part.items()}
 
@@ -200,13 +203,15 @@ class TrainStep:
 
     def forward(self, batch: dict[str, torch.Tensor], module, seeds: list[int]) -> DFlashLossOutput:
         """Target features, then the trainer module, for one CPU (or device) batch."""
-        plan = self.module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], row_seeds=seeds)
-        right_padded = _right_padded(batch["attention_mask"])
+        plan = self.module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], row_seeds=seeds,
+                                doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
+        right_padded = "doc_ids" not in batch and _right_padded(batch["attention_mask"])
         batch = _to_device(batch, self.device)
         plan = plan.to(self.device, non_blocking=True)
+        # distillation: the target's final hidden states; the loss forms its logits chunk by chunk
         tb = self.target.generate_batch(
-            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_logits=self.return_logits,
-            right_padded=right_padded,
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_final_hidden=self.return_logits,
+            right_padded=right_padded, position_ids=batch.get("position_ids"), doc_ids=batch.get("doc_ids"),
         )
         with self.autocast():
             return module(tb, plan=plan)
@@ -347,7 +352,7 @@ class Trainer:
             self.train_ds, cfg.train.micro_batch_size * cfg.train.grad_accum, rank=self.state.rank,
             world_size=self.state.world_size,
             seed=cfg.data.seed, batching=cfg.data.batching, num_workers=cfg.data.num_workers,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self.device.type == "cuda", pack_length=cfg.data.pack_length,
         )
         steps_per_epoch = max(1, len(self.loader))
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
@@ -360,8 +365,12 @@ class Trainer:
         )
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
+        if cfg.data.pack_length and self.settings.attn_backend == "flex":
+            self.target.use_flex_attention()  # document-causal BlockMask over packed rows
         if self.device.type == "cuda":
-            self.module = apply_compile(self.module, "layers" if cfg.train.compile else "0")
+            # packed rows have one shape: the whole draft compiles as one graph, once
+            mode = ("draft" if cfg.data.pack_length else "layers") if cfg.train.compile else "0"
+            self.module = apply_compile(self.module, mode)
             if cfg.train.compile_target:
                 self.target.compile_layers()
         if cfg.distributed.shard_target:
@@ -423,7 +432,7 @@ class Trainer:
             return {}
         loader = build_dataloader(
             self.holdout_ds, self.cfg.train.micro_batch_size, rank=self.state.rank,
-            world_size=self.state.world_size, seed=12345, batching="random",
+            world_size=self.state.world_size, seed=12345, batching="random", pack_length=self.cfg.data.pack_length,
         )
         totals = torch.zeros(LossSums.size(), dtype=torch.float64, device=self.device)
         was_training = self.draft.training
