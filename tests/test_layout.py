@@ -60,6 +60,7 @@ def test_the_import_parser_sees_every_form(tmp_path):
 FLOW = {
     "files": 0,  # the run directory's layout names and file modes: below everything
     "attention": 0,  # which SDPA kernels run calls of changing shapes
+    "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it
     "data": 1,  # chat files -> token batches; regenerate.py + generation.py make the data
     "target": 2,  # the frozen model: loading.py, then hooks.py
     "config": 3,  # the recipe schema (reads data/ and target/ checks)
@@ -169,9 +170,8 @@ def test_no_module_imports_a_later_stage_of_the_flow():
     assert not offenders, offenders
 
 
-def test_no_import_cycles_at_import_time():
-    graph = {name: internal_imports(path, package_of(path), top_level_only=True) - {"nemo_dflash"}
-             for name, path in package_modules().items()}
+def find_cycle(graph: dict[str, set[str]]) -> None:
+    """Raise with the first import cycle of `graph` (module -> modules it imports)."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(node: str, trail: list[str]) -> None:
@@ -186,3 +186,21 @@ def test_no_import_cycles_at_import_time():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def test_no_import_cycles_at_import_time():
+    find_cycle({name: internal_imports(path, package_of(path), top_level_only=True) - {"nemo_dflash"}
+                for name, path in package_modules().items()})
+
+
+def test_no_import_cycles_counting_function_level_imports():
+    """A lazy (function-level) import hides a cycle from the import-time check; two modules that need each
+    other should share a lower module instead (as spec_decode and static_decode share inference.output)."""
+    find_cycle({name: internal_imports(path, package_of(path)) - {"nemo_dflash"}
+                for name, path in package_modules().items() if not is_compat(name)})
+
+
+def test_the_cycle_check_sees_a_cycle():
+    with pytest.raises(AssertionError, match="a -> b -> a"):
+        find_cycle({"a": {"b"}, "b": {"a"}})
+    find_cycle({"a": {"b"}, "b": set()})
