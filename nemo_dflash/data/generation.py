@@ -47,6 +47,15 @@ from torch import nn
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.data.loops import LoopDetector
+from nemo_dflash.sampling import (  # noqa: F401  (keyed sampling lives in the bottom layer; re-exported)
+    gumbel,
+    keyed_sample,
+    keyed_sample_candidates,
+    keyed_uniform,
+    redo_wide_rows,
+    sample_full,
+    top_p_filter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,108 +118,6 @@ OVERLAP_CHECKS = {"cuda": False, "cpu": False}
 DECODE_COMPILE = {"cuda": True, "cpu": False}
 _KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
-_MASK32 = 0xFFFFFFFF
-
-
-# ----------------------------------------------------------------------------- keyed sampling
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values (a cheap, well-mixed hash)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
-def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), one per (row, token): a pure function of (seed, key, position, token id).
-
-    ``token_ids`` is [N, K] (the candidates of each row) or [V] (the whole vocabulary, every row).
-    """
-    row = _fmix32((keys.to(torch.int64) * 0x9E3779B1 + seed) & _MASK32)
-    row = _fmix32((row ^ (positions.to(torch.int64) * 0x85EBCA77)) & _MASK32)
-    cols = token_ids.to(torch.int64) * 0xC2B2AE3D
-    h = _fmix32((row[:, None] + (cols if cols.dim() == 2 else cols[None, :])) & _MASK32)
-    return ((h.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
-
-
-def gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
-    return -torch.log(-torch.log(u))
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``scores`` with the tokens outside the smallest set of probability >= top_p set to -inf."""
-    if top_p >= 1.0:
-        return scores
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    probs = sorted_scores.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-    drop_sorted = before >= top_p  # the first token always stays (before == 0)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
-
-
-def _sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
-    vocab = torch.arange(scores.shape[-1], device=scores.device)
-    return (top_p_filter(scores, top_p) + gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
-
-
-def keyed_sample_candidates(
-    logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, seed: int, temperature: float,
-    top_p: float, candidates: int = 64,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(next token per row, rows whose nucleus is wider than ``candidates`` or None), branch-free.
-
-    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
-    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn
-    for those only (the same noise the whole-vocabulary path draws for them). The token of a
-    "wide" row is not exact: :func:`keyed_sample` redoes those rows over the whole vocabulary.
-    """
-    if temperature <= 0:
-        return logits.argmax(dim=-1), None
-    scores = logits.float() / temperature
-    if top_p >= 1.0 or candidates >= scores.shape[-1]:
-        return _sample_full(scores, keys, positions, seed, top_p), None
-    values, ids = scores.topk(candidates, dim=-1)
-    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
-    cum = probs.cumsum(dim=-1)
-    keep = (cum - probs) < top_p
-    noisy = values + gumbel(keyed_uniform(seed, keys, positions, ids))
-    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
-    return out, cum[:, -1] < top_p
-
-
-def keyed_sample(
-    logits: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    seed: int,
-    temperature: float,
-    top_p: float,
-    candidates: int = 64,
-) -> torch.Tensor:
-    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within
-    top-p, a pure function of (seed, key, position, logits); see :func:`keyed_sample_candidates`."""
-    out, wide = keyed_sample_candidates(logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p,
-                                        candidates=candidates)
-    redo_wide_rows(out, wide, logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p)
-    return out
-
-
-def redo_wide_rows(
-    out: torch.Tensor, wide: Optional[torch.Tensor], logits: torch.Tensor, keys: torch.Tensor,
-    positions: torch.Tensor, *, seed: int, temperature: float, top_p: float,
-) -> Optional[torch.Tensor]:
-    """Redo, in ``out``, the rows of ``wide`` over the whole vocabulary (exact); the rows redone, or None."""
-    if wide is None or not bool(wide.any()):
-        return None
-    rows = wide.nonzero()[:, 0]
-    out[rows] = _sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
-    return rows
 
 
 # ----------------------------------------------------------------------------- slot attention
@@ -993,7 +900,7 @@ class SlotEngine:
         if rows is not None and len(rows):
             self.redone += len(rows)
             at = self._wide_at[rows]
-            fixed = _sample_full(self._wide_logits[rows].float() / self.temperature, self._keys[rows], at, self.seed,
+            fixed = sample_full(self._wide_logits[rows].float() / self.temperature, self._keys[rows], at, self.seed,
                                  self.top_p)
             self._tokens[rows] = fixed
             self._out[rows, at] = fixed

@@ -106,7 +106,7 @@ def chitchat_prompts(path: Optional[str] = None, name: str = "chitchat") -> list
     """The first speaker's turns of each Chit Chat conversation as a multi-turn prompt (a speaker's
     consecutive messages joined by newlines; the other speaker's turns are what the target answers)."""
     if path is None:
-        from nemo_dflash.target.loading import package_file
+        from nemo_dflash.files import package_file
 
         path = str(package_file(*CHITCHAT_FILE))
     with open(path, encoding="utf-8") as f:
@@ -389,7 +389,7 @@ def read_source(spec: SourceSpec, bad: Any) -> tuple[str, list[Conversation]]:
     :class:`DataError` naming the fix.
     """
     from nemo_dflash.data.sources import SHAREGPT_FILE, read_conversations
-    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.files import package_file
 
     builtin = spec.builtin
     head, _, arg = spec.what.partition(":")

