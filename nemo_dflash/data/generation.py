@@ -59,17 +59,17 @@ MERGE_PREFILLS = False
 # forward's longest, and ShareGPT prompt lengths are heavy-tailed (median 55 tokens, p90 396), so
 # splitting sorted rows only when rows x longest passes max_prefill_tokens ("greedy") pads ~6x for a
 # refill of 64. "min_cost" picks the split that minimises the padded tokens plus a fixed cost per
-# forward (benchmarks/regen_prefill_plan.py; regen_throughput.py --prefill-plan).
+# forward (docs/data.md; regen_throughput.py --prefill-plan).
 PREFILL_PLAN = "min_cost"
 # A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
-# whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6);
+# whatever its size, and ~1.7 us per padded token beyond (docs/data.md);
 # on CPU, where tokens dominate, a rough 256.
 FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
 # "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
 # a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
 # forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
 # run per group of rows, padded within the group (regen_throughput.py --prefill-layout). On one H200,
-# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/session8_regen).
+# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/regen_runs/packed_window).
 PREFILL_LAYOUT = "packed"
 # A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
 # computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
