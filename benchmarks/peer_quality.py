@@ -85,13 +85,14 @@ same way) and the JSON says so (checks.peer_stopped / checks.ours_stopped); re-r
 (compile) window, for each trainer; the peer's step includes its target forward through our hook
 wrapper, as ours does.
 
-Output: `--json` (default OUT/peer_quality.json): {"peer": {name, version (commit), steps, tau_t0,
+Output: `--json` (default OUT/peer_quality.json, the working file both stages update): {"peer": {name, version (commit), steps, tau_t0,
 tau_t1, sim_tau, steps_per_s, recipe, substitutions, conversion, real_tau}, "ours": {...}, "device",
 "protocol", "curves": [{step, ours, peer, ours_in_trainer}], "checks"}, a printed table,
 OUT/curves.png, and every log under OUT/logs. tau_tX is the mean over datasets of evaluate's
 mean_acceptance_length at temperature X; if an evaluation is partial, `tau_common_answers` compares
 the two drafts on the answers both produced. The eval stage can be re-run to continue (evaluate
-resumes from its answers.jsonl), also one draft at a time (`--which ours|peer`).
+resumes from its answers.jsonl), also one draft at a time (`--which ours|peer`). `--bench-json
+docs/bench/peer_quality.json` appends the result there as a row {date, commit, device, command, ...}.
 """
 
 from __future__ import annotations
@@ -419,11 +420,16 @@ def common_answer_taus(a: Path, b: Path) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peer-src", type=Path, help="a checkout of github.com/sgl-project/SpecForge (train stage)")
+    p.add_argument("--peer-src", type=Path, default=Path("outputs/peer_src/SpecForge"),
+                   help="a checkout of github.com/sgl-project/SpecForge, or the copy `peer_quality.sh stage` made "
+                        "(train stage; default outputs/peer_src/SpecForge)")
     p.add_argument("--target", required=True, help="target: .gguf, local HF dir or pkg:smollm2")
     p.add_argument("--data", help="regenerated JSONL (python -m nemo_dflash.recipes.regenerate) (train stage)")
     p.add_argument("--out", required=True, type=Path, help="work directory (runs, exports, evaluations, logs)")
     p.add_argument("--json", type=Path, default=None, help="where to write the result JSON (default OUT/peer_quality.json)")
+    p.add_argument("--bench-json", type=Path, default=None,
+                   help="also append the result as one row {date, commit, device, command, ...} to this list of rows "
+                        "(docs/bench/peer_quality.json) once the eval stage has run")
     p.add_argument("--stage", default="all", choices=["all", "train", "eval"],
                    help="train: both trainings, curves, exports (fits one 10-minute slot); eval: our evaluate on the "
                         "two exports, added to the JSON (re-run continues an incomplete evaluation); all: both")
@@ -464,8 +470,9 @@ def main(argv=None) -> dict[str, Any]:
     os.environ.setdefault("WANDB_MODE", "disabled")
     os.environ.setdefault("NEMO_DFLASH_NO_BAR", "1")
     if args.stage in ("all", "train"):
-        if args.peer_src is None or args.data is None:
-            sys.exit("the train stage needs --peer-src and --data")
+        if args.data is None:
+            print("the train stage needs --data (the regenerated JSONL)", file=sys.stderr)
+            sys.exit(2)
         result = train_stage(args, out, t_script)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -478,6 +485,11 @@ def main(argv=None) -> dict[str, Any]:
         eval_stage(args, out, result)
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
         logger.info("wrote %s", json_path)
+        if args.bench_json is not None:
+            from bench_rows import append_rows, provenance
+            row = {**provenance(str(result.get("device"))), **{k: v for k, v in result.items() if k != "device"}}
+            append_rows(args.bench_json, [row])
+            logger.info("appended a row to %s", args.bench_json)
     print_table(result)
     return result
 

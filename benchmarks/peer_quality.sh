@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Issue 17: our SmolLM2 drafter against SpecForge's DFlash trainer at equal data and steps
+# Our SmolLM2 drafter against SpecForge's DFlash trainer at equal data and steps
 # (benchmarks/peer_quality.py; setup and substitutions: docs/peer_quality.md).
 #
 #   bash benchmarks/peer_quality.sh stage SPECFORGE_CHECKOUT [DEST]
 #       copy the peer's python package (specforge/, version.txt, LICENSE; 2 MB) and its commit into
 #       DEST (default outputs/peer_src/SpecForge, an ignored path: never committed), so that it can
-#       travel to a GPU machine (device tool: carry ["outputs/peer_src"])
+#       travel to a GPU machine that cannot clone it
 #   bash benchmarks/peer_quality.sh train|eval|all TARGET DATA OUT [peer_quality.py args...]
 #       train: both trainings + curves + exports (one 10-minute GPU command); eval: our evaluate on
-#       the two exports (re-run to continue a partial evaluation); all: both
+#       the two exports (re-run to continue a partial evaluation); all: both. Any further argument goes
+#       to peer_quality.py: --peer-src DIR (default outputs/peer_src/SpecForge), --json PATH (the
+#       working result, default OUT/peer_quality.json), --bench-json docs/bench/peer_quality.json, ...
 #
-# Environment: PEER_SRC (default outputs/peer_src/SpecForge), PYTHON (python3), JSON (result path,
-# default OUT/peer_quality.json). Wheels in .whl/ are installed first when omegaconf or torchdata
-# is missing (the GPU image lacks them); the peer itself needs no extra package.
+# Runs the `python3` on PATH (activate the environment first). Wheels in .whl/ are installed first
+# when omegaconf or torchdata is missing; the peer itself needs no extra package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: peer_quality.sh stage CHECKOUT [DEST] | train|eval|all TARGET DATA OUT [args]}
 shift
-PY=${PYTHON:-python3}
+PY=python3
 
 if [ "$mode" = stage ]; then
     src=${1:?usage: peer_quality.sh stage SPECFORGE_CHECKOUT [DEST]}
@@ -39,7 +40,6 @@ if ! $PY -c "import omegaconf, torchdata" 2>/dev/null && ls .whl/*.whl >/dev/nul
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=disabled
 args=(--stage "$mode" --target "$TARGET" --out "$OUT")
-[ "$mode" != eval ] && args+=(--peer-src "${PEER_SRC:-outputs/peer_src/SpecForge}" --data "$DATA")
-[ -n "${JSON:-}" ] && args+=(--json "$JSON")
+[ "$mode" != eval ] && args+=(--data "$DATA")
 mkdir -p "$OUT"
 $PY benchmarks/peer_quality.py "${args[@]}" "$@" 2>&1 | tee -a "$OUT/peer_quality_$mode.log"

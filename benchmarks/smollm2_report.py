@@ -1,6 +1,6 @@
 """Tables and plots of a `benchmarks/smollm2_drafter.sh` run (the figures of docs/results.md).
 
-    python benchmarks/smollm2_report.py OUT_DIR [--png-prefix docs/bench/smollm2_issue14]
+    python benchmarks/smollm2_report.py OUT_DIR [--png-prefix docs/bench/smollm2_drafter]
 
 Prints markdown tables: the regenerated data (from the regenerate log's summary), each training
 run (steps, tokens, held-out simulated acceptance), and each evaluation at its protocol (tau,

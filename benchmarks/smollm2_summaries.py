@@ -1,14 +1,16 @@
-"""The JSON summaries of a `benchmarks/smollm2_drafter.sh` run, read from the run's own files.
+"""The rows of a `benchmarks/smollm2_drafter.sh` run, read from the run's own files.
 
-    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200 ..." \
+    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] \
         [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
-regen_summary: the regenerated set (counted in the data file), the loop/cap counts and the
-throughput of the regeneration (from its log), and the rows of any `regen_throughput.py --json`
-files given. drafter_summary: training tokens and held-out simulated tau (the run's summary),
-tau per dataset and temperature, first-256 tau, loop share and speedup (evaluate's results.json),
-with evaluate's protocol. Nothing is typed in: a value the run did not produce is null.
+Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/bench_rows.py);
+this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
+set (counted in the data file), the loop/cap counts and the throughput of the regeneration (from its
+log), then one row per row of any `regen_throughput.py --json` file given. Drafter row: training
+tokens and held-out simulated tau (the run's summary), tau per dataset and temperature, first-256 tau,
+loop share and speedup (evaluate's results.json), with evaluate's protocol. Nothing is typed in: a
+value the run did not produce is null. Without a JSON path the rows are printed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from bench_rows import append_rows, provenance, read_rows
+
 
 def _load(path: Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
@@ -30,7 +34,7 @@ def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def regen_summary(out: Path, data: Optional[Path], throughput: list[Path], device: str) -> dict[str, Any]:
+def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: dict[str, Any]) -> list[dict[str, Any]]:
     log = (out / "logs" / "regenerate.log").read_text()
     done = re.findall(r"looping answers (\d+) -> (\d+), capped (\d+) -> (\d+) of (\d+); generated (\d+) tokens in "
                       r"([\d.]+)s \(([\d.]+) tokens/s\)", log)
@@ -38,7 +42,8 @@ def regen_summary(out: Path, data: Optional[Path], throughput: list[Path], devic
                           r"skipped (\{.*?\}|none)\)", log)
     short = re.findall(r"conversations cut short: (.*)", log)
     sampling = re.findall(r"sampling: temperature ([\d.]+), top_p ([\d.]+) \((.*?)\)", log)
-    res: dict[str, Any] = {"device": device, "source": str(out / "logs" / "regenerate.log")}
+    res: dict[str, Any] = {**head, "what": "regenerate recipe (the drafter run's data step)",
+                           "file": str(out / "logs" / "regenerate.log")}
     if done:
         lb, la, cb, ca, answers, gen, secs, rate = done[-1]
         res.update(pipeline_tokens_per_s=float(rate), generated_tokens=int(gen), generate_seconds=float(secs),
@@ -66,21 +71,19 @@ def regen_summary(out: Path, data: Optional[Path], throughput: list[Path], devic
         res.update(tokens=train["data"]["tokens"], supervised_tokens=train["data"]["supervised_tokens"])
     rows = []
     for path in throughput:
-        for row in (_load(path) or {}).get("rows", []):
-            rows.append({**row, "file": str(path)})
-    plain = [r for r in rows if r["mode"] == "generate"]
-    res["plain_generate_tokens_per_s"] = plain[-1]["tokens_per_s"] if plain else None
-    res["throughput_rows"] = rows
-    return res
+        found = _load(path) or {}
+        for row in found if isinstance(found, list) else found.get("rows", []):
+            rows.append({**head, "what": f"regen_throughput.py {row.get('mode')}", **row, "file": str(path)})
+    return rows + [res]
 
 
-def drafter_summary(out: Path, device: str) -> dict[str, Any]:
+def drafter_row(out: Path, head: dict[str, Any]) -> dict[str, Any]:
     ev = _load(out / "eval" / "main" / "results.json") or {}
     train = _load(out / "runs" / "main" / "summary.json") or {}
     protocol = dict(ev.get("protocol") or {})
     if "turns" in protocol:  # the issue's name for it
         protocol["mtbench_turns"] = protocol["turns"]
-    res: dict[str, Any] = {"target": "SmolLM2-135M-Instruct", "device": device, "protocol": protocol or None,
+    res: dict[str, Any] = {**head, "target": "SmolLM2-135M-Instruct", "protocol": protocol or None,
                            "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
                            "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
                            "sim_tau_heldout": train.get("eval_accept_len")}
@@ -103,7 +106,8 @@ def drafter_summary(out: Path, device: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
-    p.add_argument("--device", required=True, help="the machine, as the device tool names it")
+    p.add_argument("--device", required=True, help="the GPU the run used, e.g. 'NVIDIA H200'")
+    p.add_argument("--command", default=None, help="the command that ran the measured run (default: this one)")
     p.add_argument("--data", type=Path, default=None, help="the regenerated .jsonl (or .jsonl.gz); default OUT/data")
     p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
     p.add_argument("--regen-json", type=Path, default=None)
@@ -111,14 +115,17 @@ def main() -> None:
     args = p.parse_args()
     data = args.data or (args.out / "data" / "regen.jsonl")
     throughput = args.throughput or [x for x in [args.out / "regen_throughput.json"] if x.is_file()]
-    regen = regen_summary(args.out, data if data.is_file() else None, throughput, args.device)
-    drafter = drafter_summary(args.out, args.device)
-    for path, obj in ((args.regen_json, regen), (args.drafter_json, drafter)):
-        text = json.dumps(obj, indent=1)
+    for path in (args.regen_json, args.drafter_json):
+        if path is not None:
+            read_rows(path)  # refuse a file that is not a list of rows before writing either
+    head = provenance(args.device, args.command)
+    regen = regen_rows(args.out, data if data.is_file() else None, throughput, head)
+    drafter = [drafter_row(args.out, head)]
+    for path, rows in ((args.regen_json, regen), (args.drafter_json, drafter)):
         if path is None:
-            print(text)
+            print(json.dumps(rows, indent=1))
         else:
-            path.write_text(text + "\n")
+            append_rows(path, rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ A refill's prompts run as one packed row of their real tokens (``PREFILL_LAYOUT`
 grouped by length; decode steps are queued ``DECODE_WINDOW`` at a time, each step stopping the
 slots whose answers end, so the host's bookkeeping and the caller's work overlap queued steps.
 
-Why not transformers' own continuous batching (``generate_batch``, 5.17 on the lent GPUs): its
+Why not transformers' own continuous batching (``generate_batch``, 5.17 on the benchmark GPUs): its
 fast decode path needs flash-attn's paged kernel, which those machines do not have and cannot
 download; without it, ``paged|sdpa`` packs the whole batch into one row with a dense
 [all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen_throughput.py``
@@ -68,17 +68,17 @@ MERGE_PREFILLS = False
 # forward's longest, and ShareGPT prompt lengths are heavy-tailed (median 55 tokens, p90 396), so
 # splitting sorted rows only when rows x longest passes max_prefill_tokens ("greedy") pads ~6x for a
 # refill of 64. "min_cost" picks the split that minimises the padded tokens plus a fixed cost per
-# forward (benchmarks/regen_prefill_plan.py; regen_throughput.py --prefill-plan).
+# forward (docs/data.md; regen_throughput.py --prefill-plan).
 PREFILL_PLAN = "min_cost"
 # A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
-# whatever its size, and ~1.7 us per padded token beyond (benchmarks/regen_prefill.py, session 6);
+# whatever its size, and ~1.7 us per padded token beyond (docs/data.md);
 # on CPU, where tokens dominate, a rough 256.
 FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
 # "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
 # a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
 # forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
 # run per group of rows, padded within the group (regen_throughput.py --prefill-layout). On one H200,
-# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/session8_regen).
+# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/regen_runs/packed_window).
 PREFILL_LAYOUT = "packed"
 # A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
 # computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
@@ -88,7 +88,7 @@ ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
 # min_cost_attention_plan: ~a dozen groups x 5 kernels per layer, launched eagerly) or "varlen"
 # (one variable-length flash-attention call per layer over every row, keys gathered from the
 # slots; on CPU or in fp32 a per-row reference computes the same thing). One H200, whole ShareGPT
-# set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s (docs/data.md, session 9). The CPU
+# set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s (docs/data.md, 2026-11-24). The CPU
 # keeps groups: its reference loops over rows.
 PREFILL_ATTENTION = {"cuda": "varlen", "cpu": "groups"}
 ATTENTION_KV_READ_QUERIES = 16
@@ -97,9 +97,9 @@ ATTENTION_KV_READ_QUERIES = 16
 # template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
 # inside the window (a slot that ends is deactivated by the step itself), so a window changes no
 # output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
-# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s (session 8,
+# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s (docs/data.md,
 # 1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
-# (session 9, one run each: within run-to-run noise). A CPU runs each step synchronously, so there a
+# (one run each: within run-to-run noise). A CPU runs each step synchronously, so there a
 # window would only idle ended slots.
 DECODE_WINDOW = {"cuda": 12, "cpu": 1}
 # Launch the next decode window as soon as the ended and check-due answers are read, so the loop
@@ -107,7 +107,7 @@ DECODE_WINDOW = {"cuda": 12, "cpu": 1}
 # 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
 # discarded and not counted, and the flags it set are cleared, so no output or count changes.
 # Off: timed slower on an H200 (69.1k against 73.4k tokens/s, the host's seconds 6.9 -> 54.4: its
-# overlapped bookkeeping still synchronises somewhere; session 9, docs/data.md).
+# overlapped bookkeeping still synchronises somewhere; docs/data.md).
 OVERLAP_CHECKS = {"cuda": False, "cpu": False}
 # Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
 # is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand

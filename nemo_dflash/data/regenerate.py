@@ -45,8 +45,8 @@ AFTER_CUT = ("end", "continue")
 ENGINES = ("slots", "generate")
 # The order conversations start in. With every turn answered, a conversation's turns run one after
 # another, so the last conversations started set a tail in which the batch empties; starting those
-# with the most user turns first shortens it (benchmarks/regen_schedule_model.py: -16% steps at
-# 2,048 slots, -10% at 1,024 on the session-4 set; a model, not a timing). Records do not change:
+# with the most user turns first shortens it (a schedule model, docs/data.md: -16% steps at
+# 2,048 slots, -10% at 1,024 on the ShareGPT set; a model, not a timing). Records do not change:
 # an answer is keyed by its conversation, not by when it ran.
 SCHEDULES = ("most_turns_first", "given")
 
