@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # Sizes per device: (out, conversations, answer tokens, regeneration batch, train minutes, recipe).
 SIZES = {
-    "cpu": dict(out="outputs/smollm2_demo", num_conversations=256, max_new_tokens=128, batch_size=32,
+    "cpu": dict(out="outputs/smollm2_demo", num_conversations=256, max_new_tokens=128, batch_size=128,
                 train_minutes=6.0, recipe="smollm2_135m.yaml"),
     "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=20000, max_new_tokens=512, batch_size=1024,
                  train_minutes=8.0, recipe="smollm2_135m_gpu.yaml"),
