@@ -24,15 +24,40 @@ QUICK = PROTOCOLS["quick"]  # the acceptance figures are evaluate's quick protoc
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="outputs/smollm2_demo", help="working directory of the demo")
-    p.add_argument("--num-conversations", type=int, default=256, help="ShareGPT prompts to regenerate")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="regenerated response length")
-    p.add_argument("--train-minutes", type=float, default=6.0, help="training time budget")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU-sized demo when CUDA is available, else the CPU-sized one")
+    p.add_argument("--out", default=None, help="working directory (default outputs/smollm2_demo[_gpu])")
+    p.add_argument("--num-conversations", type=int, default=None, help="ShareGPT prompts to regenerate")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated response length")
+    p.add_argument("--train-minutes", type=float, default=None, help="training time budget")
     p.add_argument("--eval-prompts", type=int, default=QUICK.num_prompts,
                    help="held-out prompts per benchmark (MT-Bench, HumanEval); default: evaluate's quick protocol")
     p.add_argument("--eval-new-tokens", type=int, default=QUICK.max_new_tokens)
     p.add_argument("overrides", nargs="*", help="recipe overrides for training, e.g. loss.num_anchors=32")
     return p.parse_args(argv)
+
+
+# Sizes per device: (out, conversations, answer tokens, regeneration batch, train minutes, recipe).
+SIZES = {
+    "cpu": dict(out="outputs/smollm2_demo", num_conversations=256, max_new_tokens=128, batch_size=128,
+                train_minutes=6.0, recipe="smollm2_135m.yaml"),
+    "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=20000, max_new_tokens=512, batch_size=1024,
+                 train_minutes=8.0, recipe="smollm2_135m_gpu.yaml"),
+}
+
+
+def resolve_sizes(args: argparse.Namespace) -> tuple[str, dict]:
+    """Fill the unset sizes from the device's column of SIZES (CUDA when `auto` finds it)."""
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = dict(SIZES[device])
+    for key in ("out", "num_conversations", "max_new_tokens", "train_minutes"):
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    return device, sizes
 
 
 def _acceptance(target, tokenizer, draft, prompt_sets, max_new_tokens) -> dict[str, float]:
@@ -49,8 +74,10 @@ def _acceptance(target, tokenizer, draft, prompt_sets, max_new_tokens) -> dict[s
 def main(argv=None) -> dict:
     args = parse_args(argv)
     setup_logging()
+    device, sizes = resolve_sizes(args)
+    logger.info("demo on %s: %s", device, sizes)
     t0 = time.perf_counter()
-    out = Path(args.out)
+    out = Path(sizes["out"])
     data_file = out / "data" / "regen.jsonl"
     timings: dict[str, float] = {}
 
@@ -60,8 +87,9 @@ def main(argv=None) -> dict:
 
         regenerate.main([
             "--target", "pkg:smollm2", "--data", "sharegpt", "--out", str(data_file), "--dtype", "bf16",
-            "--num-samples", str(args.num_conversations), "--max-prompt-tokens", "192",
-            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "32", "--seed", "0",
+            "--num-samples", str(sizes["num_conversations"]), "--max-prompt-tokens", "192",
+            "--max-new-tokens", str(sizes["max_new_tokens"]), "--batch-size", str(sizes["batch_size"]),
+            "--seed", "0",
             # SmolLM2's model card sampling, as the GPU recipe (its generation_config has none)
             "--sampling", "given", "--temperature", "0.2", "--top-p", "0.9",
         ])
@@ -75,9 +103,9 @@ def main(argv=None) -> dict:
     from nemo_dflash.recipes.train import user_error_types
 
     with user_errors(*user_error_types()):  # a mistyped override, missing data: one line, exit 2, as `train`
-        cfg = load_recipe("smollm2_135m.yaml", [
+        cfg = load_recipe(sizes["recipe"], [
             f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]",
-            f"train.max_minutes={args.train_minutes}", "checkpoint.resume=none", *args.overrides,
+            f"train.max_minutes={sizes['train_minutes']}", "checkpoint.resume=none", *args.overrides,
         ])
         trainer = Trainer(cfg, overwrite=True)  # the demo retrains its own run dir each time
     prompt_sets = {"mt_bench": load_mtbench(args.eval_prompts), "humaneval": load_humaneval(args.eval_prompts)}
@@ -91,10 +119,20 @@ def main(argv=None) -> dict:
     t1 = time.perf_counter()
     after = _acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompt_sets, args.eval_new_tokens)
     timings["eval_after_s"] = time.perf_counter() - t1
+    speed = None
+    if device == "cuda":  # tau and speedup at a stated protocol: T=0, 1 turn, timed decode vs plain decode
+        from nemo_dflash.inference.evaluate import evaluate_acceptance
+
+        speed = {name: evaluate_acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompts,
+                                           max_new_tokens=args.eval_new_tokens, measure_speedup=True)
+                 for name, prompts in prompt_sets.items()}
     trainer.close()
     timings["total_s"] = time.perf_counter() - t0
 
-    result = {"acceptance_before": before, "acceptance_after": after, "timings": timings, "train": summary}
+    result = {"device": device, "sizes": sizes, "acceptance_before": before, "acceptance_after": after,
+              "timings": timings, "train": summary}
+    if speed is not None:
+        result["speedup"] = {n: {k: r.get(k) for k in ("mean_acceptance_length", "speedup")} for n, r in speed.items()}
     (out / "demo_summary.json").write_text(json.dumps(result, indent=2))
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     lines = [
@@ -105,11 +143,20 @@ def main(argv=None) -> dict:
         f"({summary['data']['supervised_tokens']} supervised tokens)",
         f"training    {summary['steps']} steps, {summary['tokens_seen']} tokens, {timings['train_s'] / 60:.1f} min; "
         f"held-out simulated acceptance {summary.get('eval_accept_len', float('nan')):.2f}",
-        f"outputs     {out / 'run'} (config.yaml, metrics.jsonl, curves.png, final/draft)",
-        f"wall time   {timings['total_s'] / 60:.1f} min",
+        f"wall time   {timings['total_s'] / 60:.1f} min on {device} (regenerate {timings['regenerate_s'] / 60:.1f}, "
+        f"train {timings['train_s'] / 60:.1f}, evaluate {(timings['eval_before_s'] + timings['eval_after_s']) / 60:.1f})",
+        f"outputs     {out}: data/regen.jsonl, run/ (config.yaml, metrics.jsonl, final/draft), demo_summary.json",
+        f"curves      {out / 'run' / 'curves.png'}",
+        "",
+        f"{'benchmark':<11} {'before':>7} {'after':>7} {'gain':>6}",
     ]
     for name in prompt_sets:
-        lines.append(f"{name:<11} acceptance length {before[name]:.2f} -> {after[name]:.2f}")
+        gain = after[name] / before[name] if before[name] else float("nan")
+        lines.append(f"{name:<11} {before[name]:>7.2f} {after[name]:>7.2f} {gain:>5.2f}x")
+    if speed is not None:
+        for name, r in result["speedup"].items():
+            lines.append(f"{name:<11} tau {r['mean_acceptance_length']:.2f}, speedup {r.get('speedup')} "
+                         f"(T=0, 1 turn, up to {args.eval_new_tokens} new tokens, decode time vs plain decode)")
     lines.append(
         f"Mean acceptance length on held-out prompts (speculative decoding, up to {args.eval_new_tokens} new tokens, "
         f"1 turn, T=0, block {cfg.draft.block_size}): "
