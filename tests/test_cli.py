@@ -69,6 +69,9 @@ def test_evaluate_resolves_auto_device(monkeypatch):
     ([], "data source not found: 'missing.jsonl'"),
     (["--data", "chats.txt"], "unsupported data file"),
     (["--prepare-ahead", "-1"], "--prepare-ahead must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),  # NaN passed every comparison
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),  # inf sampled uniformly
+    (["--top-p", "nan"], "--top-p must be in (0, 1]"),
 ])
 def test_regenerate_user_errors_are_one_line_before_any_model(extra, message, tmp_path, monkeypatch, capsys):
     """`regenerate` decides --device/--dtype with `resolve_device_dtype` (no copy of it left) and reports
@@ -89,3 +92,19 @@ def test_regenerate_user_errors_are_one_line_before_any_model(extra, message, tm
         regenerate.main(["--target", "t", "--out", "o.jsonl", *data, *extra])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("temps", ["nan", "0,nan", "inf", "-1"])
+def test_evaluate_refuses_non_finite_temperatures_in_one_line(temps, tmp_path, monkeypatch, capsys):
+    """`evaluate --temperatures nan` crashed after loading the models; now one line, exit 2, nothing loaded."""
+    from nemo_dflash.recipes import evaluate
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the user error was found")
+
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", no_load)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--draft", "d", "--target", "t", "--out", "o", "--temperatures", temps])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "finite numbers >= 0" in err

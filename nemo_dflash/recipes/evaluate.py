@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -88,8 +89,8 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
             temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
         except ValueError:
             raise ValueError(f"--temperatures {args.temperatures!r}: give numbers, e.g. 0 or 0,1") from None
-        if not temps or any(t < 0 for t in temps):
-            raise ValueError(f"--temperatures {args.temperatures!r}: give one or more numbers >= 0, e.g. 0,1")
+        if not temps or any(not math.isfinite(t) or t < 0 for t in temps):  # NaN passed `t < 0`
+            raise ValueError(f"--temperatures {args.temperatures!r}: give one or more finite numbers >= 0, e.g. 0,1")
     datasets = None if args.datasets is None else tuple(d.strip() for d in args.datasets.split(",") if d.strip())
     if datasets is not None and not datasets:
         raise ValueError("--datasets is empty: e.g. --datasets mtbench,humaneval")
