@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from nemo_dflash.data.sources import DataError
+from nemo_dflash.data.sampler import EpochBatchIterator
 
 
 def first_fit(lengths: Sequence[int], rows: int, pack_length: int) -> tuple[list[int], int]:
@@ -137,7 +137,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         return len(self.batches(self.epoch))
 
     def __iter__(self) -> Iterator[list[int]]:
-        return _PackedIterator(self, self.epoch)
+        return EpochBatchIterator(self, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch}
@@ -154,41 +154,6 @@ class PackedBatchSampler(Sampler[list[int]]):
             "rank": self.rank,
             "seed": self.seed,
         }
-
-
-class _PackedIterator(Iterator[list[int]]):
-    """One pass over an epoch; its state is (epoch, steps yielded)."""
-
-    def __init__(self, sampler: PackedBatchSampler, epoch: int) -> None:
-        self.sampler = sampler
-        self.epoch = epoch
-        self.yielded = 0
-
-    def __iter__(self) -> "_PackedIterator":
-        return self
-
-    def __next__(self) -> list[int]:
-        steps = self.sampler.batches(self.epoch)
-        if self.yielded >= len(steps):
-            self.sampler.epoch = max(self.sampler.epoch, self.epoch + 1)
-            raise StopIteration
-        out = steps[self.yielded].tolist()
-        self.yielded += 1
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "yielded": self.yielded, **self.sampler._signature()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = {k: state_dict[k] for k in self.sampler._signature() if k in state_dict}
-        current = {k: v for k, v in self.sampler._signature().items() if k in saved}
-        if saved != current:
-            raise DataError(
-                f"data loader state was saved with {saved} but this run has {current}; "
-                "resume with the same data, batch size, pack length and number of ranks, or start the data from scratch"
-            )
-        self.epoch = int(state_dict["epoch"])
-        self.yielded = int(state_dict["yielded"])
 
 
 @dataclass

@@ -104,7 +104,7 @@ class ChatBatchSampler(Sampler[list[int]]):
         return self.global_batches(epoch)[:, self.rank, :]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return _BatchIterator(self, self.epoch)
+        return EpochBatchIterator(self, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch}
@@ -123,16 +123,17 @@ class ChatBatchSampler(Sampler[list[int]]):
         }
 
 
-class _BatchIterator(Iterator[list[int]]):
-    """One pass over an epoch; its state is (epoch, batches yielded)."""
+class EpochBatchIterator(Iterator[list[int]]):
+    """One pass over an epoch of a sampler with ``batches(epoch)``, ``epoch`` and ``_signature()``
+    (the padded and the packed samplers); its state is (epoch, batches yielded)."""
 
-    def __init__(self, sampler: ChatBatchSampler, epoch: int) -> None:
+    def __init__(self, sampler: Any, epoch: int) -> None:
         self.sampler = sampler
         self.epoch = epoch
         self.yielded = 0
         self._batches: np.ndarray | None = None  # computed lazily: a restore replaces the epoch first
 
-    def __iter__(self) -> "_BatchIterator":
+    def __iter__(self) -> "EpochBatchIterator":
         return self
 
     def __next__(self) -> list[int]:
@@ -154,7 +155,7 @@ class _BatchIterator(Iterator[list[int]]):
         if saved != current:
             raise DataError(
                 f"data loader state was saved with {saved} but this run has {current}; "
-                "resume with the same data, batch size and number of ranks, or start the data from scratch"
+                "resume with the same data, batch size, pack length and number of ranks, or start the data from scratch"
             )
         self.epoch = int(state_dict["epoch"])
         self.yielded = int(state_dict["yielded"])
