@@ -46,3 +46,13 @@ def write_chat_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
             a = " ".join(rnd.choice(words) for _ in range(rnd.randint(20, 40)))
             f.write(json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}) + "\n")
     return path
+
+
+def tiny_train_args(target, data, out, *extra) -> list[str]:
+    """`train` arguments for a seconds-long CPU run on the tiny target (the CLI tests share them)."""
+    return [
+        "--config", "qwen3_8b.yaml", f"target.path={target}", "target.dtype=fp32", "draft.num_layers=2",
+        "draft.block_size=4", f"data.sources=[{{path: {data}}}]", "data.max_length=96", "data.holdout_fraction=0.2",
+        "loss.num_anchors=8", "train.micro_batch_size=2", "train.log_every=1", "distributed.strategy=none",
+        "wandb.mode=disabled", f"output_dir={out}", "optim.lr=3e-3", *extra,
+    ]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 STEP2, STEP4 = "step_00000002", "step_00000004"
@@ -24,15 +24,6 @@ STEP2, STEP4 = "step_00000002", "step_00000004"
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
     return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
-
-
-def _args(target, data, out, *extra):
-    return [
-        "--config", "qwen3_8b.yaml", f"target.path={target}", "target.dtype=fp32", "draft.num_layers=2",
-        "draft.block_size=4", f"data.sources=[{{path: {data}}}]", "data.max_length=96", "data.holdout_fraction=0.2",
-        "loss.num_anchors=8", "train.micro_batch_size=2", "train.log_every=1", "distributed.strategy=none",
-        "wandb.mode=disabled", f"output_dir={out}", "optim.lr=3e-3", *extra,
-    ]
 
 
 @pytest.fixture(scope="module")

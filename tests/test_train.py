@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
 from conftest import make_draft, random_batch, tiny_qwen3
 from nemo_dflash.config import ConfigError, load_recipe
 from nemo_dflash.core import DFlashTrainerModule, sample_anchors
@@ -103,15 +103,6 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
 def tiny_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
     return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
-
-
-def _args(target, data, out, *extra):
-    return [
-        "--config", "qwen3_8b.yaml", f"target.path={target}", "target.dtype=fp32", "draft.num_layers=2",
-        "draft.block_size=4", f"data.sources=[{{path: {data}}}]", "data.max_length=96", "data.holdout_fraction=0.2",
-        "loss.num_anchors=8", "train.micro_batch_size=2", "train.log_every=1", "distributed.strategy=none",
-        "wandb.mode=disabled", f"output_dir={out}", "optim.lr=3e-3", *extra,
-    ]
 
 
 def _losses(out: Path) -> list:
