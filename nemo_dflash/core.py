@@ -10,6 +10,8 @@ This batched formulation must equal running each block alone, the way inference 
 
 from __future__ import annotations
 
+from functools import partial
+
 
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
@@ -673,15 +675,14 @@ def chunked_lm_loss(
         teacher_logits = lm_head(teacher_hidden)
     if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
         return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size)
-    if n <= chunk_size or not torch.is_grad_enabled():
+    if n <= chunk_size:
         return _chunk_loss(hidden, labels, lm_head, teacher_logits, distill_weight)
+    # without grad (held-out evaluation) the chunks are plain calls: still never [N, vocab] at once
+    run = partial(checkpoint, _chunk_loss, use_reentrant=False) if torch.is_grad_enabled() else _chunk_loss
     losses, preds = [], []
     for s in range(0, n, chunk_size):
         t = teacher_logits[s : s + chunk_size] if teacher_logits is not None else None
-        l, p = checkpoint(
-            _chunk_loss, hidden[s : s + chunk_size], labels[s : s + chunk_size], lm_head, t, distill_weight,
-            use_reentrant=False,
-        )
+        l, p = run(hidden[s : s + chunk_size], labels[s : s + chunk_size], lm_head, t, distill_weight)
         losses.append(l)
         preds.append(p)
     return torch.cat(losses), torch.cat(preds)
