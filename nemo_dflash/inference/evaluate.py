@@ -270,6 +270,17 @@ def answer_seed(seed: int, temperature: float, prompt_id: str) -> int:
     return zlib.crc32(f"{seed}|{temperature:g}|{prompt_id}".encode())
 
 
+def conversation_turns(prompt: EvalPrompt, turns: int) -> int:
+    """How many answers a conversation gets: up to `turns` of its user turns (message lists: one)."""
+    return 1 if prompt.messages is not None else min(max(turns, 1), len(prompt.turns))
+
+
+def answer_text(tokenizer: Any, output_ids: Sequence[int], stops: Iterable[int]) -> str:
+    """An answer as the next turn's history holds it: decoded text, stop and special tokens dropped."""
+    stop = set(stops)
+    return tokenizer.decode([i for i in output_ids if i not in stop], skip_special_tokens=True)
+
+
 def _decode_kwargs(fn: Any, decode: str) -> dict[str, str]:
     """`decode=` for decoders that take it; only "eager" may be asked of one that does not."""
     try:
@@ -322,7 +333,7 @@ class ConversationDecoder:
             autoregressive_generate(self.target, ids, generator=g, **kw, **self.ar_kw)
 
     def answer_text(self, output_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([i for i in output_ids if i not in self.stops], skip_special_tokens=True)
+        return answer_text(self.tokenizer, output_ids, self.stops)
 
     @torch.no_grad()
     def run(self, prompt: EvalPrompt) -> list[Answer]:
@@ -332,7 +343,7 @@ class ConversationDecoder:
         g_spec = torch.Generator(device=self.gen_device).manual_seed(seed)
         g_ar = torch.Generator(device=self.gen_device).manual_seed(seed)
         history = prompt.history()
-        turns = 1 if prompt.messages is not None else min(max(s.turns, 1), len(prompt.turns))
+        turns = conversation_turns(prompt, s.turns)
         answers = []
         for t in range(turns):
             if prompt.messages is None:
@@ -597,6 +608,8 @@ __all__ = [
     "FIRST_TOKENS",
     "PROTOCOLS",
     "answer_metrics",
+    "answer_text",
+    "conversation_turns",
     "answer_seed",
     "as_eval_prompt",
     "dataset_result",
