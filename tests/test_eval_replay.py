@@ -117,9 +117,13 @@ def prompts() -> list[EvalPrompt]:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def case(request, tokenizer):
+    return build_case(request.param, tokenizer)
+
+
+def build_case(kind: str, tokenizer):
     """(target, draft, settings): the draft trained on the target's greedy answers, and a second
     stop token that occurs inside answers (so some end mid-block)."""
-    target = make_target(request.param, tokenizer)
+    target = make_target(kind, tokenizer)
     draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
     settings = EvalSettings(max_new_tokens=MAX_NEW, temperature=0.0, turns=2, warmup=False)
     greedy = ReplayEvaluator(target, tokenizer, draft, settings).greedy_answers(prompts())
@@ -233,3 +237,72 @@ def test_walk_hand_computed():
     assert walk([2], [5, 6], [], {2}, 100) == []  # the prefill's token is a stop token: no step
     with pytest.raises(RuntimeError):  # the last step needs greedy tokens past those given
         walk([10, 11, 5], [], [[11, 5, 9], [9, 9, 9]], {2}, 100)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def saved(tokenizer_dir, tokenizer, tmp_path_factory):
+    """The trained Qwen3-shaped case on disk: (target dir, exported draft dir)."""
+    from nemo_dflash.export import export_draft
+
+    target, draft, _ = build_case("qwen3", tokenizer)
+    out = tmp_path_factory.mktemp("saved")
+    target_dir = out / "target"
+    target.save_pretrained(target_dir)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, target_dir / f.name)
+    return target_dir, export_draft(draft, out / "draft")
+
+
+def _cli(saved, out, *extra):
+    from nemo_dflash.recipes import evaluate as evaluate_cmd
+
+    target_dir, draft_dir = saved
+    return evaluate_cmd.main(["--draft", str(draft_dir), "--target", str(target_dir), "--out", str(out),
+                              "--device", "cpu", "--dtype", "fp32", "--threads", "1", *extra])
+
+
+ARGS = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "3", "--max-new-tokens",
+        str(MAX_NEW), "--turns", "2", "--temperatures", "0", "--no-speedup"]
+
+
+def test_cli_replay_equals_sequential_and_resumes(saved, tmp_path, capsys):
+    assert _cli(saved, tmp_path / "seq", *ARGS) == 0
+    assert _cli(saved, tmp_path / "rep", *ARGS, "--method", "replay") == 0
+    printed = capsys.readouterr().out
+    assert "method replay" in printed and f"quick: {MAX_NEW} tok, 2 turns, T=0, B={BLOCK}, eager, replay" in printed
+    seq = json.loads((tmp_path / "seq" / "results.json").read_text())
+    rep = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert rep["protocol"]["method"] == "replay" and seq["protocol"]["method"] == "sequential"
+    assert rep["results"] == seq["results"]  # every figure, per answer included
+    assert {1, BLOCK} <= {int(k) for k, v in rep["results"]["0"]["mtbench"]["acceptance_histogram"].items() if v}
+
+    # resume: a cut journal line is redone, the rest kept
+    journal = (tmp_path / "rep" / "answers.jsonl").read_text()
+    lines = journal.split("\n")
+    (tmp_path / "rep" / "answers.jsonl").write_text("\n".join(lines[:-3]) + "\n" + lines[-2][:40])
+    assert _cli(saved, tmp_path / "rep", *ARGS, "--method", "replay") == 0
+    assert (tmp_path / "rep" / "answers.jsonl").read_text() == journal
+    # a sequential run's journal is not mixed with replay answers
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _cli(saved, tmp_path / "seq", *ARGS, "--method", "replay")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "method" in err and "--overwrite" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperatures", "0,1"], "--temperatures 0"),
+    (["--protocol", "paper"], "T=0 only"),
+    (["--temperatures", "0", "--workers", "2"], "drop --workers"),
+])
+def test_replay_refusals_are_one_line_before_any_model(extra, message, tmp_path, capsys, monkeypatch):
+    from nemo_dflash.inference import eval_run
+
+    monkeypatch.setattr(eval_run, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        _cli((tmp_path / "no-target", tmp_path / "no-draft"), tmp_path / "out", "--method", "replay", *extra)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err

@@ -199,6 +199,8 @@ class EvalRun:
                   "block_size": protocol.block_size, "decode": protocol.decode}
         if opts.reasoning is not None:  # answers of another thinking mode are another evaluation
             header["reasoning"] = opts.reasoning
+        if protocol.method != "sequential":  # replay's answers are the sequential decoder's only up to rounding
+            header["method"] = protocol.method
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
@@ -229,7 +231,10 @@ class EvalRun:
                 if self._expired():
                     break
                 self.timed.add(key, _decode(models, decoders, s, p, warmup=True))
-        if items and not self._expired():
+        if items and not self._expired() and self.protocol.method == "replay":
+            models = models or load_models(self.model_spec)
+            self._replay(models, items)
+        elif items and not self._expired():
             logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
             if self.opts.workers == 1:
                 models = models or load_models(self.model_spec)
@@ -244,6 +249,23 @@ class EvalRun:
                     torch.cuda.empty_cache()
                 self._run_workers(items)
         return self.write_results()
+
+    def _replay(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
+        """T=0 acceptance of every conversation not yet in the journal, in one batched replay
+        (`inference.replay`); each conversation is journalled as its walk ends."""
+        from nemo_dflash.inference.replay import ReplayEvaluator
+
+        target, tokenizer, draft = models
+        settings = items[0][1]
+        if any(s.temperature != 0 for _, s, _ in items):  # the command refuses this before any load
+            raise ValueError("--method replay measures T=0 only: pass --temperatures 0")
+        logger.info("Replaying %d conversations (T=0): batched greedy answers, then the draft at every position",
+                    len(items))
+        evaluator = ReplayEvaluator(target, tokenizer, draft, settings)
+        trained = int(draft.config.block_size)
+        for i, answers in evaluator.run([p for _, _, p in items]):
+            self.journal.add(items[i][0], {"block_size": evaluator.block_size, "trained_block_size": trained,
+                                           "answers": [a.record() for a in answers]})
 
     def _run_workers(self, items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         import multiprocessing as mp
@@ -305,7 +327,7 @@ class EvalRun:
         head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
                 f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
-                f"decode {pr['decode']}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
+                f"decode {pr['decode']}, method {pr.get('method', 'sequential')}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 
 

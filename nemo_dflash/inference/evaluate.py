@@ -60,13 +60,14 @@ class EvalProtocol:
     block_size: Optional[int] = None
     decode: str = "eager"
     first_prompt: int = 0
+    method: str = "sequential"  # how acceptance is measured: "sequential" decoder or "replay" (T=0 only)
     overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
 
     def label(self, temperature: float, block_size: int, turns: Optional[int] = None) -> str:
         """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
         n = self.turns if turns is None else min(turns, self.turns)
         return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, T={temperature:g}, "
-                f"B={block_size}, {self.decode}")
+                f"B={block_size}, {self.decode}{', replay' if self.method == 'replay' else ''}")
 
     def with_overrides(self, **changes: Any) -> "EvalProtocol":
         """This protocol with explicit values replacing its own; the changed fields are recorded."""
@@ -74,6 +75,8 @@ class EvalProtocol:
         kept = {k: v for k, v in changes.items() if v is not None}
         return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
 
+
+METHODS = ("sequential", "replay")  # replay: T=0 acceptance from batched greedy answers (inference.replay)
 
 PROTOCOLS: dict[str, EvalProtocol] = {
     # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
@@ -606,6 +609,7 @@ __all__ = [
     "EvalProtocol",
     "EvalSettings",
     "FIRST_TOKENS",
+    "METHODS",
     "PROTOCOLS",
     "answer_metrics",
     "answer_text",
