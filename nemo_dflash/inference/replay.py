@@ -26,6 +26,7 @@ identity: it keeps the sequential decoder.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ class GreedyTurn:
     output_ids: list[int]
     stopped: bool
     beyond: list[int]
+
+
+def _release() -> None:
+    """Give a finished slot engine's KV cache back before the next allocation."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def walk(output_ids: Sequence[int], beyond: Sequence[int], drafts: Sequence[Sequence[int]], stops: set[int],
@@ -168,7 +176,8 @@ class ReplayEvaluator:
                 history[i].append({"role": "assistant", "content": answer_text(self.tokenizer, c.token_ids,
                                                                                self.stops)})
                 pending.append(request(i, t + 1, after=c))
-        del engine
+        del engine, pending
+        _release()
         return self._continue(raw)
 
     def _continue(self, raw: dict[tuple[int, int], tuple[list[int], list[int], bool]]
@@ -195,6 +204,8 @@ class ReplayEvaluator:
                 out[k] = GreedyTurn(prompt_ids, body + nxt[:1], True, nxt[1:])
             else:
                 out[k] = GreedyTurn(prompt_ids, body, False, nxt)
+        del engine, pending
+        _release()
         if mismatched:
             logger.warning("%d answers ended at a stop token that a re-run of their prefix did not predict "
                            "(low-precision near ties)", mismatched)
