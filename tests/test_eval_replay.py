@@ -306,3 +306,53 @@ def test_replay_refusals_are_one_line_before_any_model(extra, message, tmp_path,
         _cli((tmp_path / "no-target", tmp_path / "no-draft"), tmp_path / "out", "--method", "replay", *extra)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_per_prompt_speedup_spread(capsys):
+    """Three prompts timed at 2x (two turns), 1x and 3x: min 1, median 2, max 3, and the mean over
+    all tokens; the printed table shows the spread."""
+    from nemo_dflash.inference.evaluate import PROTOCOLS, Answer, format_table, speedup_metrics
+
+    def ans(pid, turn, spec_s, ar_s, n=11):
+        return Answer(id=pid, turn=turn, output_ids=[1] * n, acceptance_lengths=[2] * 5, stopped=False,
+                      decode_time_s=spec_s, ar_decode_time_s=ar_s, ar_new_tokens=n, ar_match=True)
+
+    answers = [ans("a", 1, 1.0, 1.5), ans("a", 2, 1.0, 2.5), ans("b", 1, 1.0, 1.0), ans("c", 1, 0.5, 1.5)]
+    m = speedup_metrics(answers, 0.0)
+    assert m["per_prompt_speedup"] == {"prompts": 3, "min": 1.0, "median": 2.0, "max": 3.0}
+    assert m["speedup"] == pytest.approx(6.5 / 3.5)  # total plain time / total speculative time, same tokens
+    text = format_table({}, PROTOCOLS["quick"], 4, {"0": {"mtbench": m}})
+    assert "mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts)" in text
+
+
+def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
+    """benchmarks/eval_speed.py end to end on the tiny target: the row and its figures."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "eval_speed", Path(__file__).parent.parent / "benchmarks" / "eval_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target_dir, draft_dir = saved
+    rows = tmp_path / "rows.json"
+    argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--protocol", "quick", "--num-prompts", "3",
+            "--max-new-tokens", str(MAX_NEW), "--turns", "2", "--sequential-prompts", "2", "--device", "cpu",
+            "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(rows)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    row = json.loads(rows.read_text())[-1]
+    assert {"date", "commit", "device", "command", "protocol", "answers", "t0_seconds", "t1_seconds",
+            "speedup_seconds", "max_abs_tau_diff_vs_sequential", "checked_answers"} <= set(row)
+    assert row["protocol"]["method"] == "replay" and row["t1_seconds"] is None and row["device"] == "cpu"
+    assert row["answers"] == 3 * 2 + 3  # MT-Bench 3 x 2 turns, HumanEval 3
+    assert row["checked_answers"] == 2 * 2 + 2 and row["identical_answers"] == row["checked_answers"]
+    assert row["max_abs_tau_diff_vs_sequential"] == 0.0
+    for s in row["sets"].values():
+        assert s["replay_tau_checked"] == s["sequential_tau_checked"] and s["speedup_prompts"] == 2
+        assert s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
+    assert "replay vs sequential: 6/6 answers identical" in printed
+    # a bad flag: one line, exit 2, no row
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
+    assert e.value.code == 2 and len(json.loads(rows.read_text())) == 1

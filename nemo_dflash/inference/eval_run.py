@@ -206,6 +206,8 @@ class EvalRun:
         self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
         self.timed = Journal(self.out / "speedup.jsonl", header, opts.overwrite)
         self.deadline = None if opts.max_minutes is None else time.monotonic() + 60 * opts.max_minutes
+        self._loaded: Optional[tuple[Any, Any, Any]] = None  # (target, tokenizer, draft), loaded on first use
+        self._decoders: dict = {}
 
     def settings(self, temperature: float, timed: bool) -> EvalSettings:
         p = self.protocol
@@ -222,33 +224,53 @@ class EvalRun:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     def execute(self) -> dict[str, Any]:
-        timed, items = self._items(self.timed, True), self._items(self.journal, False)
-        models, decoders = None, {}
-        if timed:  # alone on the device: no worker exists yet
-            models = load_models(self.model_spec)
-            logger.info("Timing %d conversations against plain decoding", len(timed))
-            for key, s, p in timed:
+        """The speedup phase, then the acceptance phase, then results.json."""
+        self.run_speedup()
+        self.run_acceptance()
+        return self.write_results()
+
+    def _models(self) -> tuple[Any, Any, Any]:
+        if self._loaded is None:
+            self._loaded = load_models(self.model_spec)
+        return self._loaded
+
+    def release_models(self) -> None:
+        """Drop this process's target and draft (and the decoders built on them) from the device."""
+        self._loaded, self._decoders = None, {}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run_speedup(self) -> None:
+        """Time the first `speedup_prompts` conversations of each set against plain decoding, alone
+        on the device (no worker exists yet); journalled in speedup.jsonl."""
+        timed = self._items(self.timed, True)
+        if not timed:
+            return
+        logger.info("Timing %d conversations against plain decoding", len(timed))
+        for key, s, p in timed:
+            if self._expired():
+                break
+            self.timed.add(key, _decode(self._models(), self._decoders, s, p, warmup=True))
+
+    def run_acceptance(self) -> None:
+        """Every conversation not yet in answers.jsonl: replayed in one batch (method replay), or decoded
+        one at a time in this process or in --workers processes."""
+        items = self._items(self.journal, False)
+        if not items or self._expired():
+            return
+        if self.protocol.method == "replay":
+            self._replay(self._models(), items)
+            return
+        logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
+        if self.opts.workers == 1:
+            for key, s, p in items:
                 if self._expired():
                     break
-                self.timed.add(key, _decode(models, decoders, s, p, warmup=True))
-        if items and not self._expired() and self.protocol.method == "replay":
-            models = models or load_models(self.model_spec)
-            self._replay(models, items)
-        elif items and not self._expired():
-            logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
-            if self.opts.workers == 1:
-                models = models or load_models(self.model_spec)
-                for key, s, p in items:
-                    if self._expired():
-                        break
-                    self.journal.add(key, _decode(models, decoders, s, p))
-            else:
-                del models, decoders
-                gc.collect()  # the parent's models leave the device before the workers load theirs
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                self._run_workers(items)
-        return self.write_results()
+                self.journal.add(key, _decode(self._models(), self._decoders, s, p))
+        else:
+            self.release_models()  # the parent's models leave the device before the workers load theirs
+            self._run_workers(items)
 
     def _replay(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         """T=0 acceptance of every conversation not yet in the journal, in one batched replay

@@ -13,6 +13,7 @@ import gzip
 import inspect
 import json
 import logging
+import statistics
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -440,6 +441,22 @@ def _timing(time_s: float, tokens: int) -> dict[str, Any]:
             "tokens_per_s": tokens / time_s if time_s > 0 else None}
 
 
+def per_prompt_speedup(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The spread beside the mean speedup: each prompt's own speedup (its turns' plain time per output
+    token / speculative time per output token), and its min / median / max over the prompts."""
+    by_prompt: dict[str, list[Answer]] = {}
+    for a in answers:
+        by_prompt.setdefault(a.id, []).append(a)
+    ratios = []
+    for group in by_prompt.values():
+        spec = _timing(sum(a.decode_time_s for a in group), sum(max(len(a.output_ids) - 1, 0) for a in group))
+        ar = _timing(sum(a.ar_decode_time_s for a in group), sum(max(a.ar_new_tokens - 1, 0) for a in group))
+        if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None:
+            ratios.append(ar["time_per_token_ms"] / spec["time_per_token_ms"])
+    return {"prompts": len(ratios), "min": min(ratios, default=None),
+            "median": statistics.median(ratios) if ratios else None, "max": max(ratios, default=None)}
+
+
 def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, Any]:
     """Speculative vs plain decoding of the same prompts: time per output token, prefill excluded
     (the prefill yields the first token, so each answer counts its new tokens minus one)."""
@@ -450,7 +467,7 @@ def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, 
     ratio = (ar["time_per_token_ms"] / spec["time_per_token_ms"]
              if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None else None)
     res: dict[str, Any] = {"answers": len(timed), "mean_acceptance_length": _mean([t for t in taus if t is not None]),
-                           "spec": spec, "ar": ar, "speedup": ratio}
+                           "spec": spec, "ar": ar, "speedup": ratio, "per_prompt_speedup": per_prompt_speedup(timed)}
     if temperature <= 0:
         matches = sum(bool(a.ar_match) for a in timed)
         res["greedy_match"] = matches / len(timed) if timed else None
@@ -559,6 +576,14 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
     if speedup:
         lines.append("speedup: plain / speculative time per output token, first "
                      f"{protocol.speedup_prompts} prompts per dataset, measured alone on the device")
+        for tkey, sets in speedup.items():
+            for name, sp in sets.items():
+                spread = sp.get("per_prompt_speedup") or {}
+                if sp.get("speedup") is None or not spread.get("prompts"):
+                    continue
+                lines.append(f"  {name} T={float(tkey):g}: mean {sp['speedup']:.2f}x; per prompt min "
+                             f"{spread['min']:.2f}x, median {spread['median']:.2f}x, max {spread['max']:.2f}x "
+                             f"({spread['prompts']} prompts)")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")
     lines.extend("  " + h for h in hists)
     return "\n".join(lines)
@@ -625,6 +650,7 @@ __all__ = [
     "load_mtbench",
     "load_prompt_set",
     "plot_histograms",
+    "per_prompt_speedup",
     "protocol_record",
     "speedup_metrics",
     "steps_within",
