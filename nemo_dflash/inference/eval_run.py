@@ -64,6 +64,28 @@ def check_paths(draft: str, target: str) -> None:
         raise FileNotFoundError(f"--target {target} does not exist: pass a local HF dir, a .gguf file or pkg:smollm2")
 
 
+def check_draft_files(draft: str) -> str:
+    """A draft inside a complete-marked checkpoint or run is checked against its COMPLETE marker (the check
+    resume and export make); returns the content hash of its weights, which keys the answers."""
+    from nemo_dflash.draft.build import draft_weights_sha256, resolve_draft_dir
+    from nemo_dflash.files import DamagedFilesError, verify_marked_draft
+
+    try:
+        verify_marked_draft(resolve_draft_dir(draft))
+    except DamagedFilesError as e:
+        raise ValueError(f"--draft {draft}: {e}: evaluate another checkpoint of the run, or copy it again") from None
+    return draft_weights_sha256(draft)
+
+
+def check_draft_fits(draft: str, target: str) -> None:
+    """A draft trained for another target (hidden size, vocabulary, layer ids) is refused from the two
+    configs alone, before either model loads (`load_models` checks the loaded pair again)."""
+    from nemo_dflash.draft.build import check_draft_fits_target, load_draft_config
+    from nemo_dflash.target.loading import load_target_config
+
+    check_draft_fits_target(load_draft_config(draft), load_target_config(target))
+
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -130,6 +152,7 @@ def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
 
 
 Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
+_HEADER_NAMES = {"draft_sha256": "the draft's weights (draft_sha256)"}
 
 
 class Journal:
@@ -146,7 +169,8 @@ class Journal:
             old = _json_or_none(lines[0]) or {}
             if old.get("header") != header:
                 diff = sorted(k for k in header if (old.get("header") or {}).get(k) != header[k])
-                raise ValueError(f"{path} holds answers of another evaluation ({', '.join(diff) or 'header'} "
+                named = [_HEADER_NAMES.get(k, k) for k in diff]
+                raise ValueError(f"{path} holds answers of another evaluation ({', '.join(named) or 'header'} "
                                  "differ): pass --overwrite or another --out")
             for row in filter(None, map(_json_or_none, lines[1:])):
                 if {"temperature", "dataset", "id", "answers"} <= set(row):
@@ -190,10 +214,13 @@ class EvalRun:
                 raise ValueError(f"two datasets are named {display!r}: rename one file")
             self.sets.append((display, prompts))
         check_paths(str(opts.draft), str(opts.target))
+        self.draft_sha256 = check_draft_files(str(opts.draft))
+        check_draft_fits(str(opts.draft), str(opts.target))
         check_reasoning_switch(str(opts.target), opts.reasoning)
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
-        header = {"draft": str(opts.draft), "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
+        # keyed on the draft's weights, not its path: more training into the same path is another evaluation
+        header = {"draft_sha256": self.draft_sha256, "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
                   "seed": opts.seed, "chat_template": opts.chat_template,
                   "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
                   "block_size": protocol.block_size, "decode": protocol.decode}
@@ -330,7 +357,7 @@ class EvalRun:
         counts = {name: {"prompts": len(ps), "answers_per_temperature": sum(min(p.turns, len(x.turns)) for x in ps)}
                   for name, ps in self.sets}
         res = {
-            "draft": str(self.opts.draft), "target": str(self.opts.target),
+            "draft": str(self.opts.draft), "draft_sha256": self.draft_sha256, "target": str(self.opts.target),
             "protocol": protocol_record(p, block, trained, counts),
             "settings": {"device": self.model_spec.device, "dtype": self.model_spec.dtype, "seed": self.opts.seed,
                          "workers": self.opts.workers, "chat_template": self.opts.chat_template,
@@ -353,4 +380,5 @@ class EvalRun:
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 
 
-__all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_paths", "load_models"]
+__all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_draft_files", "check_draft_fits", "check_paths",
+           "load_models"]
