@@ -215,8 +215,8 @@ class EvalRun:
             self.sets.append((display, prompts))
         check_paths(str(opts.draft), str(opts.target))
         self.draft_sha256 = check_draft_files(str(opts.draft))
-        check_draft_fits(str(opts.draft), str(opts.target))
         check_reasoning_switch(str(opts.target), opts.reasoning)
+        check_draft_fits(str(opts.draft), str(opts.target))
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
         # keyed on the draft's weights, not its path: more training into the same path is another evaluation
