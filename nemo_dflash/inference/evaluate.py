@@ -82,7 +82,7 @@ METHODS = ("sequential", "replay")  # replay: T=0 acceptance from batched greedy
 PROTOCOLS: dict[str, EvalProtocol] = {
     # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
     "paper": EvalProtocol("paper", max_new_tokens=2048, turns=2, temperatures=(0.0, 1.0),
-                          datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=10),
+                          datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=20),
     # CI and the demo: minutes on a CPU. Its figures are not comparable with the paper's.
     "quick": EvalProtocol("quick", max_new_tokens=64, turns=1, temperatures=(0.0,),
                           datasets=("mtbench", "humaneval"), num_prompts=8, speedup_prompts=8),

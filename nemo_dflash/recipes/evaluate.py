@@ -10,7 +10,7 @@ the share of looping answers, and speedup over plain decoding.
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
-10 prompts per dataset also timed against plain decoding. --protocol quick (CI, the demo): 8
+20 prompts per dataset also timed against plain decoding. --protocol quick (CI, the demo): 8
 prompts per dataset, 64 new tokens, one turn, T=0. Explicit flags override the protocol's values.
 --method replay (with --temperatures 0) takes the T=0 acceptance from batched greedy answers and one
 draft forward over every answer position: per answer the sequential decoder's figures, in minutes.
