@@ -356,3 +356,13 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
     assert e.value.code == 2 and len(json.loads(rows.read_text())) == 1
+
+
+def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
+    """The GPU's draft attention (flex_attention with a BlockMask), run eagerly on the CPU."""
+    target, draft, settings = case
+    monkeypatch.setitem(replay.DRAFT_ATTENTION, "cpu", "flex")
+    items = prompts()[:3]
+    got = replayed(target, tokenizer, draft, settings, items)
+    assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
+                                                       for c in sequential(target, tokenizer, draft, settings, items)]

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 ANCHOR_TOKENS = 8192  # block tokens per draft forward (anchors x block): bounds the dense mask's memory
 MAX_SLOTS = 512  # slot-engine rows at most
 KV_SHARE = 0.6  # of the free GPU memory, for the slot engine's KV cache (the rest: activations, the replay)
+# The draft's attention over all anchors, by device: flex_attention with a BlockMask on a GPU, as training
+# runs it (a dense mask with grouped KV heads falls back to SDPA's math kernel, which materialises the
+# scores); the dense SDPA mask elsewhere. The benchmarks may set it.
+DRAFT_ATTENTION = {"cuda": "flex", "cpu": "sdpa"}
 
 
 @dataclass
@@ -223,14 +227,17 @@ class ReplayEvaluator:
         prompt_len = len(turn.prompt_ids)
         feats, _ = self.target.forward_features(seq)  # [1, S, n*H], stops after the last captured layer
         embed, head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        key_valid = torch.ones_like(seq)
+        backend = DRAFT_ATTENTION.get(self.device.type, "sdpa")
         per = max(1, self.anchor_tokens // blk)
         out: list[list[int]] = []
         for start in range(0, n_anchor, per):
-            anchors = torch.arange(prompt_len + start, prompt_len + min(start + per, n_anchor),
-                                   device=self.device).unsqueeze(0)
-            hidden = draft_block_hidden(self.draft, embed, seq, feats, key_valid, anchors,
-                                        torch.ones_like(anchors, dtype=torch.bool), blk, int(self.draft.mask_token_id))
+            stop = min(start + per, n_anchor)
+            end = prompt_len + stop  # keys past the chunk's last anchor are never visible: left out
+            anchors = torch.arange(prompt_len + start, end, device=self.device).unsqueeze(0)
+            ids = seq[:, :end]
+            hidden = draft_block_hidden(self.draft, embed, ids, feats[:, :end], torch.ones_like(ids), anchors,
+                                        torch.ones_like(anchors, dtype=torch.bool), blk, int(self.draft.mask_token_id),
+                                        backend=backend)
             hidden = hidden.view(anchors.shape[1], blk, -1)[:, 1:]
             out.extend(head(hidden.to(head.weight.dtype)).argmax(dim=-1).tolist())
         return out
