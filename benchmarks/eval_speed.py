@@ -3,11 +3,14 @@ decoder's figures; with the speedup timed over 20 prompts per set and its spread
 
     python benchmarks/eval_speed.py --target pkg:smollm2 --draft EXPORT_DIR \
         [--protocol paper] [--datasets mtbench,humaneval] [--num-prompts K] [--max-new-tokens N] [--turns N]
-        [--sequential-prompts 20] [--decode graphs|eager] [--t1] [--workers N]
-        [--device auto|cpu|cuda] [--dtype auto|bf16|fp32] [--out DIR] [--json docs/bench/eval_speed.json]
+        [--sequential-prompts 20] [--decode graphs|eager] [--t1] [--workers N] [--draft-attention flex|sdpa]
+        [--device auto|cpu|cuda] [--dtype auto|bf16|fp32] [--out DIR] [--overwrite] [--max-minutes M]
+        [--json docs/bench/eval_speed.json]
 
 Three phases, each an `evaluate` run (`nemo_dflash.inference.eval_run.EvalRun`) into its own
-directory under --out, started afresh:
+directory under --out. The same command again continues them from their journals (under a
+command time limit, with --max-minutes), each phase's seconds summed over the runs; --overwrite
+starts afresh. The row is appended once every phase is complete:
 
 1. `t0_seconds`: the protocol's T=0 acceptance by replay (`evaluate --method replay`), models
    loaded included: every answer of every set.
@@ -27,6 +30,7 @@ speedup mean / min / median / max}}}. Runs on a CPU with a tiny target (the test
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -40,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rows import append_rows, provenance  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "eval_speed.json"
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "nemo_dflash_eval_speed"
+TIMES = "eval_speed_seconds.json"  # in --out: each phase's seconds so far, summed over interrupted runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="directory for the three runs (default: a new temporary directory)")
+    p.add_argument("--out", default=str(DEFAULT_OUT),
+                   help="directory for the three runs; the same command again continues them (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="start the runs in --out afresh")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no conversation after this (a command time limit): run again to continue; the row is "
+                        "appended once every phase is complete, its seconds summed over the runs")
+    p.add_argument("--draft-attention", default=None, choices=["flex", "sdpa"],
+                   help="the replay draft forward's attention on this device (default: replay.DRAFT_ATTENTION)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the row here")
     return p
 
@@ -72,9 +85,10 @@ def _evaluate_args(args: argparse.Namespace, out: Path, *extra: str) -> argparse
     from nemo_dflash.recipes import evaluate
 
     argv = ["--draft", args.draft, "--target", args.target, "--out", str(out), "--protocol", args.protocol,
-            "--device", args.device, "--dtype", args.dtype, "--overwrite"]
+            "--device", args.device, "--dtype", args.dtype] + (["--overwrite"] if args.overwrite else [])
     for flag, value in (("--datasets", args.datasets), ("--max-new-tokens", args.max_new_tokens),
-                        ("--turns", args.turns), ("--block-size", args.block_size), ("--threads", args.threads)):
+                        ("--turns", args.turns), ("--block-size", args.block_size), ("--threads", args.threads),
+                        ("--max-minutes", args.max_minutes)):
         if value is not None:
             argv += [flag, str(value)]
     return evaluate.build_parser().parse_args(argv + list(extra))
@@ -109,7 +123,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.sequential_prompts < 1:
         raise ValueError(f"--sequential-prompts must be >= 1 (got {args.sequential_prompts})")
-    out = Path(args.out or tempfile.mkdtemp(prefix="eval_speed_"))
+    if args.draft_attention is not None:
+        from nemo_dflash.inference import replay as replay_mod
+
+        replay_mod.DRAFT_ATTENTION["cuda"] = replay_mod.DRAFT_ATTENTION["cpu"] = args.draft_attention
+    out = Path(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
     num = [] if args.num_prompts is None else ["--num-prompts", str(args.num_prompts)]
@@ -124,26 +142,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     replay, protocol = _run(replay_ns)
     sequential, _ = _run(seq_ns)
     t1_run = _run(t1_ns)[0] if t1_ns is not None else None
+    times_path = out / TIMES
+    times = {} if args.overwrite or not times_path.is_file() else json.loads(times_path.read_text())
 
-    t = time.perf_counter()
-    replay.run_acceptance()
-    rep_res = replay.write_results()
-    t0_seconds = time.perf_counter() - t
-    replay.release_models()
-
-    t = time.perf_counter()
-    sequential.run_speedup()
-    seq_res = sequential.write_results()
-    speedup_seconds = time.perf_counter() - t
-    sequential.release_models()
-
-    t1_seconds = None
-    if t1_run is not None:
+    def phase(name: str, work) -> dict[str, Any]:
+        """Run one phase (if anything is left of it), adding its seconds to those of earlier runs."""
         t = time.perf_counter()
+        res = work()
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t
+        tmp = times_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(times))
+        os.replace(tmp, times_path)
+        return res
+
+    def replay_phase() -> dict[str, Any]:
+        replay.run_acceptance()
+        replay.release_models()
+        return replay.write_results()
+
+    def speedup_phase() -> dict[str, Any]:
+        sequential.run_speedup()
+        sequential.release_models()
+        return sequential.write_results()
+
+    def t1_phase() -> dict[str, Any]:
         t1_run.run_acceptance()
-        t1_run.write_results()
-        t1_seconds = time.perf_counter() - t
         t1_run.release_models()
+        return t1_run.write_results()
+
+    rep_res = phase("t0", replay_phase)
+    seq_res = phase("speedup", speedup_phase)
+    t1_res = phase("t1", t1_phase) if t1_run is not None else None
+    timed_done = all(("0", name, p.id) in sequential.timed.rows for name, ps in sequential.sets for p in ps[:k])
+    complete = bool(rep_res["complete"]) and timed_done and (t1_res is None or bool(t1_res["complete"]))
+    t0_seconds, speedup_seconds = times["t0"], times["speedup"]
+    t1_seconds = times.get("t1") if t1_run is not None else None
 
     sets: dict[str, Any] = {}
     diffs: list[float] = []
@@ -182,7 +215,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_seconds": round(speedup_seconds, 2),
         "max_abs_tau_diff_vs_sequential": max(diffs) if diffs else None,
         "checked_answers": sum(s["checked_answers"] for s in sets.values()), "identical_answers": identical,
-        "complete": bool(rep_res["complete"]), "sets": sets, "out": str(out),
+        "complete": complete, "sets": sets, "out": str(out),
     }
 
 
@@ -214,6 +247,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with user_errors(ValueError, FileNotFoundError):  # one line, exit 2
         row = measure(args)
     print(table(row))
+    if not row["complete"]:
+        print(f"partial (--max-minutes): run the same command again to continue; no row appended to {args.json}")
+        return 0
     append_rows(Path(args.json), [row])
     print(f"row appended to {args.json}")
     return 0

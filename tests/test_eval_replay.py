@@ -339,6 +339,9 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--protocol", "quick", "--num-prompts", "3",
             "--max-new-tokens", str(MAX_NEW), "--turns", "2", "--sequential-prompts", "2", "--device", "cpu",
             "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(rows)]
+    # under a time limit nothing is started and no row is written; the same command continues
+    assert bench.main(argv + ["--max-minutes", "1e-6"]) == 0
+    assert "partial" in capsys.readouterr().out and not rows.exists()
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     row = json.loads(rows.read_text())[-1]
