@@ -369,3 +369,17 @@ def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
     got = replayed(target, tokenizer, draft, settings, items)
     assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
                                                        for c in sequential(target, tokenizer, draft, settings, items)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_replay_equals_sequential(case, tokenizer):
+    """The GPU path (slot engine with flex decoding and CUDA graphs, the draft's compiled flex attention)
+    in fp32, where near ties do not flip: the same answers and acceptance lengths as the sequential decoder."""
+    import copy
+
+    target, draft, settings = case
+    target, draft = copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+    items = prompts()
+    got = replayed(target, tokenizer, draft, settings, items)
+    assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
+                                                       for c in sequential(target, tokenizer, draft, settings, items)]
