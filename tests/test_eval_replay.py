@@ -383,3 +383,13 @@ def test_gpu_replay_equals_sequential(case, tokenizer):
     got = replayed(target, tokenizer, draft, settings, items)
     assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
                                                        for c in sequential(target, tokenizer, draft, settings, items)]
+
+
+def test_replay_refuses_a_target_the_slot_engine_cannot_run(tokenizer):
+    target = tiny_qwen3(num_layers=2, seed=0)
+    target.config.sliding_window, target.config.use_sliding_window = 4, True
+    draft = make_draft(target, block_size=BLOCK, layer_ids=[0, 1])
+    with pytest.raises(ValueError, match="sliding-window.*use --method sequential"):
+        ReplayEvaluator(target, tokenizer, draft, EvalSettings(temperature=0.0))
+    with pytest.raises(ValueError, match="T=0 only"):
+        ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(temperature=1.0))

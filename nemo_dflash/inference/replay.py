@@ -115,6 +115,14 @@ class ReplayEvaluator:
             raise ValueError(f"replay measures T=0 only (got temperature {settings.temperature:g}): "
                              "use the sequential decoder for T > 0")
         check_draft_fits_target(draft.config, target_model.config)
+        from nemo_dflash.data.generation import check_supported
+
+        try:
+            check_supported(target_model)
+        except ValueError as e:
+            reason = str(e).split(":")[0]
+            raise ValueError(f"--method replay generates with the slot engine, and {reason}: "
+                             "use --method sequential for this target") from None
         self.model, self.tokenizer, self.draft, self.settings = target_model, tokenizer, draft, settings
         self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)
         self.block_size = int(settings.block_size or draft.config.block_size)
