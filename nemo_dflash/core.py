@@ -694,6 +694,44 @@ def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torc
     return 1 + ok.cumprod(dim=-1).sum(dim=-1)
 
 
+def draft_block_hidden(
+    draft: nn.Module,
+    embed_tokens: nn.Module,
+    input_ids: torch.Tensor,
+    target_hidden: torch.Tensor,
+    key_valid: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    *,
+    backend: str = "sdpa",
+    ctx_pos: Optional[torch.Tensor] = None,
+    anchor_pos: Optional[torch.Tensor] = None,
+    ctx_start: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The draft's final hidden states of every block, [B, A*block, H]: block i is `[token[a_i], MASK...]`
+    at positions a_i.., seeing the target features strictly before a_i and its own block.
+
+    The training step's forward; evaluation's replay (`inference.replay`) runs the same one to read the
+    draft's greedy block at every answer position. `ctx_pos` / `anchor_pos` default to absolute positions.
+    """
+    bsz, seq = input_ids.shape
+    block_ids = build_block_input_ids(input_ids, anchors, block_size, mask_token_id)
+    with torch.no_grad():
+        noise = embed_tokens(block_ids.flatten(1))  # [B, A*blk, H], frozen
+    if ctx_pos is None:
+        ctx_pos = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+    anchor_pos = anchor_pos if anchor_pos is not None else anchors
+    pos = torch.cat([ctx_pos, block_positions(anchor_pos, block_size).flatten(1)], dim=1)
+    if backend == "flex":
+        mask = build_flex_block_mask(anchors, valid, key_valid, block_size, ctx_start=ctx_start)
+    else:
+        mask = build_dense_block_mask(anchors, valid, key_valid, block_size, ctx_start=ctx_start)
+    return draft(noise_embedding=noise, target_hidden=target_hidden, position_ids=pos, attention_mask=mask,
+                 backend=backend)
+
+
 # ----------------------------------------------------------------------------- module
 
 
@@ -777,19 +815,10 @@ class DFlashTrainerModule(nn.Module):
         anchors, valid, label_valid, sel = plan.anchors, plan.valid, plan.label_valid, plan.sel
         n_blk = anchors.shape[1]
 
-        block_ids = build_block_input_ids(input_ids, anchors, blk, self.mask_token_id)
-        with torch.no_grad():
-            noise = self.embed_tokens(block_ids.flatten(1))  # [B, A*blk, H], frozen
-        if batch.position_ids is not None:
-            ctx_pos = batch.position_ids
-        else:
-            ctx_pos = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
-        anchor_pos = plan.anchor_pos if plan.anchor_pos is not None else anchors
-        pos = torch.cat([ctx_pos, block_positions(anchor_pos, blk).flatten(1)], dim=1)
-        mask = self.build_mask(anchors, valid, attn, plan.ctx_start)
-        hidden = self.draft(
-            noise_embedding=noise, target_hidden=batch.hidden_states, position_ids=pos,
-            attention_mask=mask, backend=self.attn_backend,
+        hidden = draft_block_hidden(
+            self.draft, self.embed_tokens, input_ids, batch.hidden_states, attn, anchors, valid, blk,
+            self.mask_token_id, backend=self.attn_backend, ctx_pos=batch.position_ids, anchor_pos=plan.anchor_pos,
+            ctx_start=plan.ctx_start,
         )  # [B, A*blk, H]
 
         decay = loss_decay_weights(blk, self.gamma, input_ids.device)
@@ -864,6 +893,7 @@ __all__ = [
     "document_bounds",
     "sample_packed_anchors",
     "chunked_lm_loss",
+    "draft_block_hidden",
     "loss_decay_weights",
     "plan_blocks",
     "sample_anchors",

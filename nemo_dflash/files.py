@@ -145,6 +145,14 @@ def verify_complete(root: Path, prefix: str = "") -> bool:
     return True
 
 
+def verify_marked_draft(draft_dir: str | Path) -> None:
+    """A draft inside a checkpoint (or a run's final/) checked against the sizes and CRC-32s its COMPLETE
+    recorded (`DamagedFilesError` naming the first file that differs); a draft without a marker passes."""
+    draft_dir = Path(draft_dir)
+    if (draft_dir.parent / COMPLETE).is_file():
+        verify_complete(draft_dir.parent, prefix=f"{draft_dir.name}/")
+
+
 # ----------------------------------------------------------------------------- output places
 
 

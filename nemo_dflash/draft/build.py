@@ -106,11 +106,13 @@ def check_draft_fits_target(draft_config: DFlashConfig, target_config: Any, toke
         check_mask_token_id(mask_id, vocab, source="the draft's dflash_config")
     except MaskTokenError as e:
         problems.append(str(e))
+    if int(draft_config.vocab_size) != vocab:
+        problems.append(
+            f"draft vocab_size {draft_config.vocab_size} != target vocab_size {vocab} (the draft was trained on "
+            "another target's token table): evaluate or serve it with the target it was trained for"
+        )
     if problems:
         raise DraftError("The draft does not fit the target:\n  - " + "\n  - ".join(problems))
-    if int(draft_config.vocab_size) != vocab:
-        logger.warning("Draft vocab_size %s != target vocab_size %s; engines size the shared head from the target.",
-                       draft_config.vocab_size, vocab)
     if tokenizer is not None and int(mask_id) < len(tokenizer):
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -408,6 +410,30 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
+def draft_weights_sha256(path: PathLike) -> str:
+    """A content hash of a stored draft's weight files (names and bytes): what an evaluation's answers
+    are keyed on, so new weights at an old path are never mistaken for the old ones."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in _weight_files(resolve_draft_dir(path)):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(16 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_draft_config(path: PathLike, config_cls: type[DFlashConfig] = DFlashConfig) -> DFlashConfig:
+    """A stored draft's config alone (no weights read): enough to check it against a target first."""
+    d = resolve_draft_dir(path)
+    try:
+        raw = json.loads((d / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise DraftError(f"{d / CONFIG_NAME} is not valid JSON: {e}") from None
+    return draft_config_from_dict(raw, source=str(d / CONFIG_NAME), config_cls=config_cls)
+
+
 def load_draft(
     path: PathLike,
     device: Union[str, torch.device] = "cpu",
@@ -427,11 +453,7 @@ def load_draft(
 
     spec = resolve_dflash_draft_spec(architectures) if architectures else DraftSpec()
     d = resolve_draft_dir(path)
-    try:
-        raw = json.loads((d / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise DraftError(f"{d / CONFIG_NAME} is not valid JSON: {e}") from None
-    config = draft_config_from_dict(raw, source=str(d / CONFIG_NAME), config_cls=spec.config_cls)
+    config = load_draft_config(d, config_cls=spec.config_cls)
     tensors = _read_safetensors(_weight_files(d))
     shared = sorted(k for k in tensors if _SHARED_WITH_TARGET.match(k))
     if shared:
@@ -465,6 +487,6 @@ def load_draft_for_target(
 __all__ = [
     "CONFIG_NAME", "DraftError", "MaskTokenError", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "build_draft_for_target",
     "check_draft_fits_target", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
-    "draft_for_recipe", "load_draft", "load_draft_for_target", "placeholder_token_id", "resolve_draft_dir",
+    "draft_for_recipe", "draft_weights_sha256", "load_draft", "load_draft_config", "load_draft_for_target", "placeholder_token_id", "resolve_draft_dir",
     "resolve_mask_token_id", "serving_weight_shapes", "target_vocab_size", "validate_serving_weights",
 ]

@@ -64,6 +64,28 @@ def check_paths(draft: str, target: str) -> None:
         raise FileNotFoundError(f"--target {target} does not exist: pass a local HF dir, a .gguf file or pkg:smollm2")
 
 
+def check_draft_files(draft: str) -> str:
+    """A draft inside a complete-marked checkpoint or run is checked against its COMPLETE marker (the check
+    resume and export make); returns the content hash of its weights, which keys the answers."""
+    from nemo_dflash.draft.build import draft_weights_sha256, resolve_draft_dir
+    from nemo_dflash.files import DamagedFilesError, verify_marked_draft
+
+    try:
+        verify_marked_draft(resolve_draft_dir(draft))
+    except DamagedFilesError as e:
+        raise ValueError(f"--draft {draft}: {e}: evaluate another checkpoint of the run, or copy it again") from None
+    return draft_weights_sha256(draft)
+
+
+def check_draft_fits(draft: str, target: str) -> None:
+    """A draft trained for another target (hidden size, vocabulary, layer ids) is refused from the two
+    configs alone, before either model loads (`load_models` checks the loaded pair again)."""
+    from nemo_dflash.draft.build import check_draft_fits_target, load_draft_config
+    from nemo_dflash.target.loading import load_target_config
+
+    check_draft_fits_target(load_draft_config(draft), load_target_config(target))
+
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -130,6 +152,7 @@ def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
 
 
 Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
+_HEADER_NAMES = {"draft_sha256": "the draft's weights (draft_sha256)"}
 
 
 class Journal:
@@ -146,7 +169,8 @@ class Journal:
             old = _json_or_none(lines[0]) or {}
             if old.get("header") != header:
                 diff = sorted(k for k in header if (old.get("header") or {}).get(k) != header[k])
-                raise ValueError(f"{path} holds answers of another evaluation ({', '.join(diff) or 'header'} "
+                named = [_HEADER_NAMES.get(k, k) for k in diff]
+                raise ValueError(f"{path} holds answers of another evaluation ({', '.join(named) or 'header'} "
                                  "differ): pass --overwrite or another --out")
             for row in filter(None, map(_json_or_none, lines[1:])):
                 if {"temperature", "dataset", "id", "answers"} <= set(row):
@@ -190,20 +214,27 @@ class EvalRun:
                 raise ValueError(f"two datasets are named {display!r}: rename one file")
             self.sets.append((display, prompts))
         check_paths(str(opts.draft), str(opts.target))
+        self.draft_sha256 = check_draft_files(str(opts.draft))
         check_reasoning_switch(str(opts.target), opts.reasoning)
+        check_draft_fits(str(opts.draft), str(opts.target))
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
-        header = {"draft": str(opts.draft), "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
+        # keyed on the draft's weights, not its path: more training into the same path is another evaluation
+        header = {"draft_sha256": self.draft_sha256, "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
                   "seed": opts.seed, "chat_template": opts.chat_template,
                   "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
                   "block_size": protocol.block_size, "decode": protocol.decode}
         if opts.reasoning is not None:  # answers of another thinking mode are another evaluation
             header["reasoning"] = opts.reasoning
+        if protocol.method != "sequential":  # replay's answers are the sequential decoder's only up to rounding
+            header["method"] = protocol.method
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
         self.timed = Journal(self.out / "speedup.jsonl", header, opts.overwrite)
         self.deadline = None if opts.max_minutes is None else time.monotonic() + 60 * opts.max_minutes
+        self._loaded: Optional[tuple[Any, Any, Any]] = None  # (target, tokenizer, draft), loaded on first use
+        self._decoders: dict = {}
 
     def settings(self, temperature: float, timed: bool) -> EvalSettings:
         p = self.protocol
@@ -220,30 +251,70 @@ class EvalRun:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     def execute(self) -> dict[str, Any]:
-        timed, items = self._items(self.timed, True), self._items(self.journal, False)
-        models, decoders = None, {}
-        if timed:  # alone on the device: no worker exists yet
-            models = load_models(self.model_spec)
-            logger.info("Timing %d conversations against plain decoding", len(timed))
-            for key, s, p in timed:
+        """The speedup phase, then the acceptance phase, then results.json."""
+        self.run_speedup()
+        self.run_acceptance()
+        return self.write_results()
+
+    def _models(self) -> tuple[Any, Any, Any]:
+        if self._loaded is None:
+            self._loaded = load_models(self.model_spec)
+        return self._loaded
+
+    def release_models(self) -> None:
+        """Drop this process's target and draft (and the decoders built on them) from the device."""
+        self._loaded, self._decoders = None, {}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run_speedup(self) -> None:
+        """Time the first `speedup_prompts` conversations of each set against plain decoding, alone
+        on the device (no worker exists yet); journalled in speedup.jsonl."""
+        timed = self._items(self.timed, True)
+        if not timed:
+            return
+        logger.info("Timing %d conversations against plain decoding", len(timed))
+        for key, s, p in timed:
+            if self._expired():
+                break
+            self.timed.add(key, _decode(self._models(), self._decoders, s, p, warmup=True))
+
+    def run_acceptance(self) -> None:
+        """Every conversation not yet in answers.jsonl: replayed in one batch (method replay), or decoded
+        one at a time in this process or in --workers processes."""
+        items = self._items(self.journal, False)
+        if not items or self._expired():
+            return
+        if self.protocol.method == "replay":
+            self._replay(self._models(), items)
+            return
+        logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
+        if self.opts.workers == 1:
+            for key, s, p in items:
                 if self._expired():
                     break
-                self.timed.add(key, _decode(models, decoders, s, p, warmup=True))
-        if items and not self._expired():
-            logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
-            if self.opts.workers == 1:
-                models = models or load_models(self.model_spec)
-                for key, s, p in items:
-                    if self._expired():
-                        break
-                    self.journal.add(key, _decode(models, decoders, s, p))
-            else:
-                del models, decoders
-                gc.collect()  # the parent's models leave the device before the workers load theirs
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                self._run_workers(items)
-        return self.write_results()
+                self.journal.add(key, _decode(self._models(), self._decoders, s, p))
+        else:
+            self.release_models()  # the parent's models leave the device before the workers load theirs
+            self._run_workers(items)
+
+    def _replay(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
+        """T=0 acceptance of every conversation not yet in the journal, in one batched replay
+        (`inference.replay`); each conversation is journalled as its walk ends."""
+        from nemo_dflash.inference.replay import ReplayEvaluator
+
+        target, tokenizer, draft = models
+        settings = items[0][1]
+        if any(s.temperature != 0 for _, s, _ in items):  # the command refuses this before any load
+            raise ValueError("--method replay measures T=0 only: pass --temperatures 0")
+        logger.info("Replaying %d conversations (T=0): batched greedy answers, then the draft at every position",
+                    len(items))
+        evaluator = ReplayEvaluator(target, tokenizer, draft, settings)
+        trained = int(draft.config.block_size)
+        for i, answers in evaluator.run([p for _, _, p in items]):
+            self.journal.add(items[i][0], {"block_size": evaluator.block_size, "trained_block_size": trained,
+                                           "answers": [a.record() for a in answers]})
 
     def _run_workers(self, items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         import multiprocessing as mp
@@ -286,7 +357,7 @@ class EvalRun:
         counts = {name: {"prompts": len(ps), "answers_per_temperature": sum(min(p.turns, len(x.turns)) for x in ps)}
                   for name, ps in self.sets}
         res = {
-            "draft": str(self.opts.draft), "target": str(self.opts.target),
+            "draft": str(self.opts.draft), "draft_sha256": self.draft_sha256, "target": str(self.opts.target),
             "protocol": protocol_record(p, block, trained, counts),
             "settings": {"device": self.model_spec.device, "dtype": self.model_spec.dtype, "seed": self.opts.seed,
                          "workers": self.opts.workers, "chat_template": self.opts.chat_template,
@@ -305,8 +376,9 @@ class EvalRun:
         head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
                 f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
-                f"decode {pr['decode']}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
+                f"decode {pr['decode']}, method {pr.get('method', 'sequential')}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 
 
-__all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_paths", "load_models"]
+__all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_draft_files", "check_draft_fits", "check_paths",
+           "load_models"]

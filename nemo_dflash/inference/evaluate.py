@@ -13,6 +13,7 @@ import gzip
 import inspect
 import json
 import logging
+import statistics
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -60,13 +61,14 @@ class EvalProtocol:
     block_size: Optional[int] = None
     decode: str = "eager"
     first_prompt: int = 0
+    method: str = "sequential"  # how acceptance is measured: "sequential" decoder or "replay" (T=0 only)
     overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
 
     def label(self, temperature: float, block_size: int, turns: Optional[int] = None) -> str:
         """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
         n = self.turns if turns is None else min(turns, self.turns)
         return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, T={temperature:g}, "
-                f"B={block_size}, {self.decode}")
+                f"B={block_size}, {self.decode}{', replay' if self.method == 'replay' else ''}")
 
     def with_overrides(self, **changes: Any) -> "EvalProtocol":
         """This protocol with explicit values replacing its own; the changed fields are recorded."""
@@ -75,10 +77,12 @@ class EvalProtocol:
         return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
 
 
+METHODS = ("sequential", "replay")  # replay: T=0 acceptance from batched greedy answers (inference.replay)
+
 PROTOCOLS: dict[str, EvalProtocol] = {
     # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
     "paper": EvalProtocol("paper", max_new_tokens=2048, turns=2, temperatures=(0.0, 1.0),
-                          datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=10),
+                          datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=20),
     # CI and the demo: minutes on a CPU. Its figures are not comparable with the paper's.
     "quick": EvalProtocol("quick", max_new_tokens=64, turns=1, temperatures=(0.0,),
                           datasets=("mtbench", "humaneval"), num_prompts=8, speedup_prompts=8),
@@ -270,6 +274,17 @@ def answer_seed(seed: int, temperature: float, prompt_id: str) -> int:
     return zlib.crc32(f"{seed}|{temperature:g}|{prompt_id}".encode())
 
 
+def conversation_turns(prompt: EvalPrompt, turns: int) -> int:
+    """How many answers a conversation gets: up to `turns` of its user turns (message lists: one)."""
+    return 1 if prompt.messages is not None else min(max(turns, 1), len(prompt.turns))
+
+
+def answer_text(tokenizer: Any, output_ids: Sequence[int], stops: Iterable[int]) -> str:
+    """An answer as the next turn's history holds it: decoded text, stop and special tokens dropped."""
+    stop = set(stops)
+    return tokenizer.decode([i for i in output_ids if i not in stop], skip_special_tokens=True)
+
+
 def _decode_kwargs(fn: Any, decode: str) -> dict[str, str]:
     """`decode=` for decoders that take it; only "eager" may be asked of one that does not."""
     try:
@@ -322,7 +337,7 @@ class ConversationDecoder:
             autoregressive_generate(self.target, ids, generator=g, **kw, **self.ar_kw)
 
     def answer_text(self, output_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([i for i in output_ids if i not in self.stops], skip_special_tokens=True)
+        return answer_text(self.tokenizer, output_ids, self.stops)
 
     @torch.no_grad()
     def run(self, prompt: EvalPrompt) -> list[Answer]:
@@ -332,7 +347,7 @@ class ConversationDecoder:
         g_spec = torch.Generator(device=self.gen_device).manual_seed(seed)
         g_ar = torch.Generator(device=self.gen_device).manual_seed(seed)
         history = prompt.history()
-        turns = 1 if prompt.messages is not None else min(max(s.turns, 1), len(prompt.turns))
+        turns = conversation_turns(prompt, s.turns)
         answers = []
         for t in range(turns):
             if prompt.messages is None:
@@ -426,6 +441,22 @@ def _timing(time_s: float, tokens: int) -> dict[str, Any]:
             "tokens_per_s": tokens / time_s if time_s > 0 else None}
 
 
+def per_prompt_speedup(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The spread beside the mean speedup: each prompt's own speedup (its turns' plain time per output
+    token / speculative time per output token), and its min / median / max over the prompts."""
+    by_prompt: dict[str, list[Answer]] = {}
+    for a in answers:
+        by_prompt.setdefault(a.id, []).append(a)
+    ratios = []
+    for group in by_prompt.values():
+        spec = _timing(sum(a.decode_time_s for a in group), sum(max(len(a.output_ids) - 1, 0) for a in group))
+        ar = _timing(sum(a.ar_decode_time_s for a in group), sum(max(a.ar_new_tokens - 1, 0) for a in group))
+        if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None:
+            ratios.append(ar["time_per_token_ms"] / spec["time_per_token_ms"])
+    return {"prompts": len(ratios), "min": min(ratios, default=None),
+            "median": statistics.median(ratios) if ratios else None, "max": max(ratios, default=None)}
+
+
 def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, Any]:
     """Speculative vs plain decoding of the same prompts: time per output token, prefill excluded
     (the prefill yields the first token, so each answer counts its new tokens minus one)."""
@@ -436,7 +467,7 @@ def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, 
     ratio = (ar["time_per_token_ms"] / spec["time_per_token_ms"]
              if spec["time_per_token_ms"] and ar["time_per_token_ms"] is not None else None)
     res: dict[str, Any] = {"answers": len(timed), "mean_acceptance_length": _mean([t for t in taus if t is not None]),
-                           "spec": spec, "ar": ar, "speedup": ratio}
+                           "spec": spec, "ar": ar, "speedup": ratio, "per_prompt_speedup": per_prompt_speedup(timed)}
     if temperature <= 0:
         matches = sum(bool(a.ar_match) for a in timed)
         res["greedy_match"] = matches / len(timed) if timed else None
@@ -545,6 +576,14 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
     if speedup:
         lines.append("speedup: plain / speculative time per output token, first "
                      f"{protocol.speedup_prompts} prompts per dataset, measured alone on the device")
+        for tkey, sets in speedup.items():
+            for name, sp in sets.items():
+                spread = sp.get("per_prompt_speedup") or {}
+                if sp.get("speedup") is None or not spread.get("prompts"):
+                    continue
+                lines.append(f"  {name} T={float(tkey):g}: mean {sp['speedup']:.2f}x; per prompt min "
+                             f"{spread['min']:.2f}x, median {spread['median']:.2f}x, max {spread['max']:.2f}x "
+                             f"({spread['prompts']} prompts)")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")
     lines.extend("  " + h for h in hists)
     return "\n".join(lines)
@@ -595,8 +634,11 @@ __all__ = [
     "EvalProtocol",
     "EvalSettings",
     "FIRST_TOKENS",
+    "METHODS",
     "PROTOCOLS",
     "answer_metrics",
+    "answer_text",
+    "conversation_turns",
     "answer_seed",
     "as_eval_prompt",
     "dataset_result",
@@ -608,6 +650,7 @@ __all__ = [
     "load_mtbench",
     "load_prompt_set",
     "plot_histograms",
+    "per_prompt_speedup",
     "protocol_record",
     "speedup_metrics",
     "steps_within",

@@ -5,12 +5,15 @@ the share of looping answers, and speedup over plain decoding.
         [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
         [--turns N] [--temperatures 0,1] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
+        [--method sequential|replay]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
-10 prompts per dataset also timed against plain decoding. --protocol quick (CI, the demo): 8
+20 prompts per dataset also timed against plain decoding. --protocol quick (CI, the demo): 8
 prompts per dataset, 64 new tokens, one turn, T=0. Explicit flags override the protocol's values.
+--method replay (with --temperatures 0) takes the T=0 acceptance from batched greedy answers and one
+draft forward over every answer position: per answer the sequential decoder's figures, in minutes.
 
 Speedup is timed first, in this process, with nothing else running on the device; only then
 are the --workers processes started for the acceptance runs (their clocks are not used).
@@ -32,7 +35,7 @@ from typing import Optional, Sequence
 
 from nemo_dflash.inference.eval_run import EvalRun, RunOptions
 from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path of the library names)
-    Answer, ConversationDecoder, EvalPrompt, EvalProtocol, EvalSettings, PROTOCOLS, dataset_result, encode_chat,
+    METHODS, Answer, ConversationDecoder, EvalPrompt, EvalProtocol, EvalSettings, PROTOCOLS, dataset_result, encode_chat,
     evaluate_acceptance, format_table, load_chat_file, load_humaneval, load_mtbench, load_prompt_set,
     plot_histograms, protocol_record, speedup_metrics,
 )
@@ -60,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the first K prompts of each dataset against plain decoding, alone on the device "
                         "before any worker starts (0: no speedup)")
     p.add_argument("--no-speedup", action="store_true", help="same as --speedup-prompts 0")
+    p.add_argument("--method", default=None, choices=list(METHODS),
+                   help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder) or "
+                        "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
+                        "the same figures, in minutes; docs/evaluation.md)")
     p.add_argument("--decode", default=None, choices=["eager", "graphs"],
                    help="decoder mode, for both the speculative and the plain side (default eager)")
     p.add_argument("--workers", type=int, default=1,
@@ -101,10 +108,15 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
                         ("--first-prompt", args.first_prompt, 0), ("--speedup-prompts", speedup, 0)]:
         if v is not None and v < lo:
             raise ValueError(f"{flag} must be >= {lo} (got {v})")
-    return PROTOCOLS[args.protocol].with_overrides(
+    protocol = PROTOCOLS[args.protocol].with_overrides(
         max_new_tokens=args.max_new_tokens, turns=turns, temperatures=temps, datasets=datasets,
         num_prompts=args.num_prompts, speedup_prompts=speedup, block_size=args.block_size, decode=args.decode,
-        first_prompt=args.first_prompt)
+        first_prompt=args.first_prompt, method=args.method)
+    if protocol.method == "replay" and any(t != 0 for t in protocol.temperatures):
+        raise ValueError(f"--method replay measures T=0 only (temperatures "
+                         f"{','.join(f'{t:g}' for t in protocol.temperatures)}): pass --temperatures 0, "
+                         "or --method sequential for T > 0")
+    return protocol
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -115,6 +127,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1 (got {args.threads})")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
+    if args.method == "replay" and args.workers != 1:
+        raise ValueError("--method replay batches every answer in one process: drop --workers")
 
 
 def check_out(args: argparse.Namespace) -> None:

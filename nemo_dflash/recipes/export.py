@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from nemo_dflash.files import (
-    CHECKPOINTS_DIR, COMPLETE, FINAL_DIR, DamagedFilesError, check_writable_dir, paths_overlap, verify_complete,
+    CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, check_writable_dir, paths_overlap, verify_marked_draft,
 )
 from nemo_dflash.recipes._cli import UsageError, setup_logging, user_errors
 
@@ -70,8 +70,7 @@ def check_out(out: Path, checkpoint: str, src: Path) -> None:
 
 def verify_draft_files(src: Path) -> None:
     """A draft inside a checkpoint (or final/) is checked against the sizes and CRC-32s its COMPLETE recorded."""
-    if (src.parent / COMPLETE).is_file():
-        verify_complete(src.parent, prefix=f"{src.name}/")
+    verify_marked_draft(src)
 
 
 def run_parity_check(draft: object, target: Optional[str], n_prompts: int, engine: str = "any",

@@ -151,6 +151,15 @@ def resolve_model_dir(path: str) -> str:
     return path
 
 
+def load_target_config(path: str) -> Any:
+    """The target's transformers config alone (no weights): checks that need no model."""
+    from transformers import AutoConfig
+
+    model_dir = resolve_model_dir(path)
+    check_model_dir(model_dir)
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -197,5 +206,5 @@ def load_target(
     return model, tok
 
 
-__all__ = ["check_model_dir", "convert_gguf", "load_target", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
+__all__ = ["check_model_dir", "convert_gguf", "load_target", "load_target_config", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
            "package_file", "smollm2_gguf_path", "cache_root"]

@@ -1,0 +1,395 @@
+"""T=0 acceptance by replay equals the sequential speculative decoder's, answer by answer.
+
+Reference: `ConversationDecoder` (one prompt at a time, the decoder the speedup is timed with) on
+tiny random Llama- and Qwen3-shaped targets in fp32, with a draft trained for a few seconds on
+the targets' own answers, so that blocks accept 1..B tokens; answers of different lengths, stops
+inside an accepted block, the token cap inside a block, one and two turns. A perturbed walk must
+be caught.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from nemo_dflash.core import draft_block_hidden, sample_anchors
+from nemo_dflash.inference import replay
+from nemo_dflash.inference.evaluate import ConversationDecoder, EvalPrompt, EvalSettings, load_mtbench
+from nemo_dflash.inference.replay import ReplayEvaluator, walk
+from nemo_dflash.target import HFDFlashTargetModel
+
+from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_llama, tiny_qwen3
+
+QWEN3_MASK_ID = 151669
+BLOCK = 4
+MAX_NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    for f in qwen_tokenizer_files().iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+def sharp(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """Scaled random weights: varied greedy answers instead of one repeated token."""
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "norm" not in name:
+                w.mul_(scale)
+    return model
+
+
+def make_target(kind: str, tokenizer) -> torch.nn.Module:
+    if kind == "qwen3":
+        model = sharp(tiny_qwen3(num_layers=2, vocab=151936, hidden=32, seed=4), 10.0)
+    else:
+        model = sharp(tiny_llama(num_layers=2, vocab=151936, seed=4), 3.0)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return model
+
+
+def train_draft(target, draft, sequences: list[tuple[list[int], list[int]]], steps: int = 120) -> float:
+    """A few seconds of DFlash training on (prompt, answer) pairs: the training forward
+    (`core.draft_block_hidden`), the CE restricted to the tokens that occur (the 151936-row head
+    would cost seconds per step). Returns the last step's accuracy."""
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    width = max(len(p) + len(a) for p, a in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(sequences):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        attn[i, : len(p) + len(a)] = 1
+        loss_mask[i, len(p): len(p) + len(a)] = 1
+    feats = wrapper.generate_batch(ids, attn, loss_mask, right_padded=True).hidden_states
+    cand = torch.unique(ids)
+    head = wrapper.get_output_embeddings().weight[cand].detach()
+    remap = torch.full((151936,), -100, dtype=torch.long)
+    remap[cand] = torch.arange(len(cand))
+    embed = wrapper.get_input_embeddings()
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    draft.train()
+    acc = 0.0
+    for _ in range(steps):
+        anchors, valid = sample_anchors(loss_mask, attn, BLOCK, 16, g)
+        hidden = draft_block_hidden(draft, embed, ids, feats, attn, anchors, valid, BLOCK, QWEN3_MASK_ID)
+        pos = (anchors.unsqueeze(-1) + torch.arange(BLOCK)).clamp(max=width - 1)
+        labels = remap[ids.gather(1, pos.flatten(1)).view_as(pos)]
+        ok = valid.unsqueeze(-1) & loss_mask.gather(1, pos.flatten(1)).view_as(pos).bool()
+        ok[..., 0] = False
+        logits = hidden.view(*pos.shape, -1) @ head.T
+        loss = torch.nn.functional.cross_entropy(logits[ok], labels[ok])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        acc = float((logits[ok].argmax(-1) == labels[ok]).float().mean())
+    draft.eval()
+    return acc
+
+
+def prompts() -> list[EvalPrompt]:
+    return load_mtbench(3) + [
+        EvalPrompt(turns=["Name three rivers."], id="one-turn"),
+        EvalPrompt(turns=[], id="messages", messages=[{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Count to five."}]),
+    ]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def case(request, tokenizer):
+    return build_case(request.param, tokenizer)
+
+
+def build_case(kind: str, tokenizer):
+    """(target, draft, settings): the draft trained on the target's greedy answers, and a second
+    stop token that occurs inside answers (so some end mid-block)."""
+    target = make_target(kind, tokenizer)
+    draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
+    settings = EvalSettings(max_new_tokens=MAX_NEW, temperature=0.0, turns=2, warmup=False)
+    greedy = ReplayEvaluator(target, tokenizer, draft, settings).greedy_answers(prompts())
+    train_draft(target, draft, [(g.prompt_ids, g.output_ids + g.beyond) for g in greedy.values()])
+    # a token that several answers hold mid-way becomes a stop token: those answers end early
+    counts: dict[int, int] = {}
+    for g in greedy.values():
+        for tok in set(g.output_ids[6:18]):
+            counts[tok] = counts.get(tok, 0) + 1
+    stop = max(counts, key=lambda t: (counts[t], -t))
+    target.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), stop]
+    return target, draft, settings
+
+
+def sequential(target, tokenizer, draft, settings, items):
+    dec = ConversationDecoder(target, tokenizer, draft, settings)
+    return [dec.run(p) for p in items]
+
+
+def replayed(target, tokenizer, draft, settings, items):
+    return [answers for _, answers in ReplayEvaluator(target, tokenizer, draft, settings).run(items)]
+
+
+def _fields(a):
+    return (a.id, a.turn, a.output_ids, a.acceptance_lengths, a.stopped, a.loop_start, a.prompt_ids)
+
+
+def test_replay_equals_sequential(case, tokenizer):
+    target, draft, settings = case
+    items = prompts()
+    ref = sequential(target, tokenizer, draft, settings, items)
+    got = replayed(target, tokenizer, draft, settings, items)
+    assert [[_fields(a) for a in conv] for conv in got] == [[_fields(a) for a in conv] for conv in ref]
+    answers = [a for conv in ref for a in conv]
+    steps = [s for a in answers for s in a.acceptance_lengths]
+    # the check can fail: blocks accept 1..B, answers differ in length, both turns are decoded,
+    # a stop token and the cap each fall inside an accepted block (tokens cut after them)
+    assert {1, BLOCK} <= set(steps), steps
+    assert len({len(a.output_ids) for a in answers}) >= 3
+    assert {1, 2} <= {a.turn for a in answers}
+    cut = [a for a in answers if 1 + sum(a.acceptance_lengths) > len(a.output_ids)]
+    assert any(a.stopped for a in cut) and any(not a.stopped and len(a.output_ids) == MAX_NEW for a in cut)
+
+
+def test_smaller_block_than_trained(case, tokenizer):
+    """--block-size below the draft's trained block: both decoders draft B-1 = 2 tokens."""
+    target, draft, settings = case
+    s = EvalSettings(max_new_tokens=17, temperature=0.0, turns=1, warmup=False, block_size=3)
+    items = prompts()[:3]
+    got = replayed(target, tokenizer, draft, s, items)
+    assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
+                                                       for c in sequential(target, tokenizer, draft, s, items)]
+    assert max(x for c in got for a in c for x in a.acceptance_lengths) == 3
+
+
+@pytest.mark.parametrize("how", ["anchor_shift", "kept_length", "no_continuation", "context_leak"])
+def test_a_perturbed_replay_is_caught(case, tokenizer, monkeypatch, how):
+    """Each perturbation of the walk or the draft forward changes some answer's figures (or fails)."""
+    target, draft, settings = case
+    items = prompts()
+    ref = sequential(target, tokenizer, draft, settings, items)
+    if how == "anchor_shift":  # the block drafted from the next anchor
+        real = ReplayEvaluator.draft_tokens
+        monkeypatch.setattr(ReplayEvaluator, "draft_tokens", lambda self, t: real(self, t)[1:] + [[]])
+    elif how == "kept_length":  # record the tokens kept after a stop / the cap, not the step's length
+        real_walk = replay.walk
+
+        def kept(output_ids, beyond, drafts, stops, max_new_tokens):
+            lens = real_walk(output_ids, beyond, drafts, stops, max_new_tokens)
+            if lens:
+                lens[-1] -= 1 + sum(lens) - len(output_ids)
+            return lens
+
+        monkeypatch.setattr(replay, "walk", kept)
+    elif how == "no_continuation":  # the greedy tokens past the answer's end left out
+        real_cont = ReplayEvaluator._continue
+
+        def bare(self, raw):
+            out = real_cont(self, raw)
+            for g in out.values():
+                g.beyond = []
+            return out
+
+        monkeypatch.setattr(ReplayEvaluator, "_continue", bare)
+    else:  # context up to and including the anchor (the known leak)
+        real_hidden = replay.draft_block_hidden
+
+        def leak(draft_, embed, ids, feats, key_valid, anchors, *args, **kw):
+            return real_hidden(draft_, embed, torch.cat([ids, ids[:, -1:]], 1), torch.cat([feats, feats[:, -1:]], 1),
+                               torch.cat([key_valid, key_valid[:, -1:]], 1), anchors + 1, *args, **kw)
+
+        monkeypatch.setattr(replay, "draft_block_hidden", leak)
+    try:
+        got = replayed(target, tokenizer, draft, settings, items)
+    except (RuntimeError, IndexError):
+        return  # the walk refused to rebuild the answer: caught
+    assert [[_fields(a) for a in c] for c in got] != [[_fields(a) for a in c] for c in ref]
+
+
+def test_walk_hand_computed():
+    """Output [10, 11, 12, 2, ...]: 2 is a stop token; block 4 (3 drafted tokens per step)."""
+    out, beyond = [10, 11, 12, 2], [13, 14, 15]
+    drafts = [[11, 12, 2], [99, 99, 99], [2, 13, 99]]  # anchor 0: all three right
+    # step from anchor 0 accepts 3 drafts + bonus 13 (past the stop): 4 tokens, 3 kept
+    assert walk(out, beyond, drafts, {2}, 100) == [4]
+    drafts = [[11, 99, 99], [99, 99, 99], [2, 13, 99]]
+    # anchor 0: 11 right -> 2 tokens (11, 12); anchor 2: 2 and 13 right, bonus 14 -> 3 tokens, stop kept
+    assert walk(out, beyond, drafts, {2}, 100) == [2, 3]
+    # the cap: 3 tokens at most; anchor 0 yields 11, 12 (2 tokens) and the run ends at the cap
+    assert walk(out[:3], [2, 13, 14], drafts, {2}, 3) == [2]
+    assert walk([2], [5, 6], [], {2}, 100) == []  # the prefill's token is a stop token: no step
+    with pytest.raises(RuntimeError):  # the last step needs greedy tokens past those given
+        walk([10, 11, 5], [], [[11, 5, 9], [9, 9, 9]], {2}, 100)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def saved(tokenizer_dir, tokenizer, tmp_path_factory):
+    """The trained Qwen3-shaped case on disk: (target dir, exported draft dir)."""
+    from nemo_dflash.export import export_draft
+
+    target, draft, _ = build_case("qwen3", tokenizer)
+    out = tmp_path_factory.mktemp("saved")
+    target_dir = out / "target"
+    target.save_pretrained(target_dir)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, target_dir / f.name)
+    return target_dir, export_draft(draft, out / "draft")
+
+
+def _cli(saved, out, *extra):
+    from nemo_dflash.recipes import evaluate as evaluate_cmd
+
+    target_dir, draft_dir = saved
+    return evaluate_cmd.main(["--draft", str(draft_dir), "--target", str(target_dir), "--out", str(out),
+                              "--device", "cpu", "--dtype", "fp32", "--threads", "1", *extra])
+
+
+ARGS = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "3", "--max-new-tokens",
+        str(MAX_NEW), "--turns", "2", "--temperatures", "0", "--no-speedup"]
+
+
+def test_cli_replay_equals_sequential_and_resumes(saved, tmp_path, capsys):
+    assert _cli(saved, tmp_path / "seq", *ARGS) == 0
+    assert _cli(saved, tmp_path / "rep", *ARGS, "--method", "replay") == 0
+    printed = capsys.readouterr().out
+    assert "method replay" in printed and f"quick: {MAX_NEW} tok, 2 turns, T=0, B={BLOCK}, eager, replay" in printed
+    seq = json.loads((tmp_path / "seq" / "results.json").read_text())
+    rep = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert rep["protocol"]["method"] == "replay" and seq["protocol"]["method"] == "sequential"
+    assert rep["results"] == seq["results"]  # every figure, per answer included
+    assert {1, BLOCK} <= {int(k) for k, v in rep["results"]["0"]["mtbench"]["acceptance_histogram"].items() if v}
+
+    # resume: a cut journal line is redone, the rest kept
+    journal = (tmp_path / "rep" / "answers.jsonl").read_text()
+    lines = journal.split("\n")
+    (tmp_path / "rep" / "answers.jsonl").write_text("\n".join(lines[:-3]) + "\n" + lines[-2][:40])
+    assert _cli(saved, tmp_path / "rep", *ARGS, "--method", "replay") == 0
+    assert (tmp_path / "rep" / "answers.jsonl").read_text() == journal
+    # a sequential run's journal is not mixed with replay answers
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _cli(saved, tmp_path / "seq", *ARGS, "--method", "replay")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "method" in err and "--overwrite" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperatures", "0,1"], "--temperatures 0"),
+    (["--protocol", "paper"], "T=0 only"),
+    (["--temperatures", "0", "--workers", "2"], "drop --workers"),
+])
+def test_replay_refusals_are_one_line_before_any_model(extra, message, tmp_path, capsys, monkeypatch):
+    from nemo_dflash.inference import eval_run
+
+    monkeypatch.setattr(eval_run, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        _cli((tmp_path / "no-target", tmp_path / "no-draft"), tmp_path / "out", "--method", "replay", *extra)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_per_prompt_speedup_spread(capsys):
+    """Three prompts timed at 2x (two turns), 1x and 3x: min 1, median 2, max 3, and the mean over
+    all tokens; the printed table shows the spread."""
+    from nemo_dflash.inference.evaluate import PROTOCOLS, Answer, format_table, speedup_metrics
+
+    def ans(pid, turn, spec_s, ar_s, n=11):
+        return Answer(id=pid, turn=turn, output_ids=[1] * n, acceptance_lengths=[2] * 5, stopped=False,
+                      decode_time_s=spec_s, ar_decode_time_s=ar_s, ar_new_tokens=n, ar_match=True)
+
+    answers = [ans("a", 1, 1.0, 1.5), ans("a", 2, 1.0, 2.5), ans("b", 1, 1.0, 1.0), ans("c", 1, 0.5, 1.5)]
+    m = speedup_metrics(answers, 0.0)
+    assert m["per_prompt_speedup"] == {"prompts": 3, "min": 1.0, "median": 2.0, "max": 3.0}
+    assert m["speedup"] == pytest.approx(6.5 / 3.5)  # total plain time / total speculative time, same tokens
+    text = format_table({}, PROTOCOLS["quick"], 4, {"0": {"mtbench": m}})
+    assert "mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts)" in text
+
+
+def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
+    """benchmarks/eval_speed.py end to end on the tiny target: the row and its figures."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "eval_speed", Path(__file__).parent.parent / "benchmarks" / "eval_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target_dir, draft_dir = saved
+    rows = tmp_path / "rows.json"
+    argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--protocol", "quick", "--num-prompts", "3",
+            "--max-new-tokens", str(MAX_NEW), "--turns", "2", "--sequential-prompts", "2", "--device", "cpu",
+            "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(rows)]
+    # under a time limit nothing is started and no row is written; the same command continues
+    assert bench.main(argv + ["--max-minutes", "1e-6"]) == 0
+    assert "partial" in capsys.readouterr().out and not rows.exists()
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    row = json.loads(rows.read_text())[-1]
+    assert {"date", "commit", "device", "command", "protocol", "answers", "t0_seconds", "t1_seconds",
+            "speedup_seconds", "max_abs_tau_diff_vs_sequential", "checked_answers"} <= set(row)
+    assert row["protocol"]["method"] == "replay" and row["t1_seconds"] is None and row["device"] == "cpu"
+    assert row["answers"] == 3 * 2 + 3  # MT-Bench 3 x 2 turns, HumanEval 3
+    assert row["checked_answers"] == 2 * 2 + 2 and row["identical_answers"] == row["checked_answers"]
+    assert row["max_abs_tau_diff_vs_sequential"] == 0.0
+    for s in row["sets"].values():
+        assert s["replay_tau_checked"] == s["sequential_tau_checked"] and s["speedup_prompts"] == 2
+        assert s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
+    assert "replay vs sequential: 6/6 answers identical" in printed
+    # a bad flag: one line, exit 2, no row
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
+    assert e.value.code == 2 and len(json.loads(rows.read_text())) == 1
+
+
+def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
+    """The GPU's draft attention (flex_attention with a BlockMask), run eagerly on the CPU."""
+    target, draft, settings = case
+    monkeypatch.setitem(replay.DRAFT_ATTENTION, "cpu", "flex")
+    items = prompts()[:3]
+    got = replayed(target, tokenizer, draft, settings, items)
+    assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
+                                                       for c in sequential(target, tokenizer, draft, settings, items)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_replay_equals_sequential(case, tokenizer):
+    """The GPU path (slot engine with flex decoding and CUDA graphs, the draft's compiled flex attention)
+    in fp32, where near ties do not flip: the same answers and acceptance lengths as the sequential decoder."""
+    import copy
+
+    target, draft, settings = case
+    target, draft = copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+    items = prompts()
+    got = replayed(target, tokenizer, draft, settings, items)
+    assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
+                                                       for c in sequential(target, tokenizer, draft, settings, items)]
+
+
+def test_replay_refuses_a_target_the_slot_engine_cannot_run(tokenizer):
+    target = tiny_qwen3(num_layers=2, seed=0)
+    target.config.sliding_window, target.config.use_sliding_window = 4, True
+    draft = make_draft(target, block_size=BLOCK, layer_ids=[0, 1])
+    with pytest.raises(ValueError, match="sliding-window.*use --method sequential"):
+        ReplayEvaluator(target, tokenizer, draft, EvalSettings(temperature=0.0))
+    with pytest.raises(ValueError, match="T=0 only"):
+        ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(temperature=1.0))
