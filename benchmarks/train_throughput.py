@@ -262,6 +262,27 @@ def make_step_batches(n: int, rows: int, seq: int, jitter: float, prompt_frac: f
     return out
 
 
+def make_real_packed_batches(n: int, rows: int, pack_length: int, data: str, tokenizer_path: str,
+                             max_length: int = 2048) -> list[dict[str, torch.Tensor]]:
+    """`n` packed loader batches of real conversations (a regenerated JSONL), tokenised by the
+    training dataset itself and planned and laid out by the loader's packer and collator."""
+    import numpy as np
+
+    from nemo_dflash.data.config import DataConfig, DataSourceConfig
+    from nemo_dflash.data.dataset import build_datasets
+    from nemo_dflash.data.packing import PackedCollator, plan_packed_steps
+    from nemo_dflash.target.loading import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    ds, _ = build_datasets(DataConfig(sources=[DataSourceConfig(path=data)], max_length=max_length), tok)
+    order = np.random.default_rng(0).permutation(len(ds))[: (n + 2) * rows * pack_length // 64]  # enough for n steps
+    steps = plan_packed_steps(order, ds.lengths, rows, pack_length)[:n]
+    if len(steps) < n:
+        raise SystemExit(f"{data}: {len(ds)} conversations fill only {len(steps)} packed steps; ask fewer")
+    collate = PackedCollator(pad_token_id=0, rows=rows, pack_length=pack_length)
+    return [collate([ds[int(i)] for i in step]) for step in steps]
+
+
 def make_packed_batches(n: int, rows: int, pack_length: int, seq: int, jitter: float, prompt_frac: float,
                         vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """`n` packed loader batches (`data.pack_length`): documents of lengths uniform in
@@ -316,7 +337,8 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
     row = provenance(device_name)
     if args.commit:
         row["commit"] = args.commit
-    row.update({"shape": args.shape, "case": case, "world": world, "data": "synthetic", "packed": packed,
+    row.update({"shape": args.shape, "case": case, "world": world,
+                "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed,
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
                 "tflops": round(r["tflops"], 1)})
@@ -464,8 +486,12 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     if case.pack_length:
         if cuda:
             wrapper.use_flex_attention()
-        batches = make_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length, case.seq,
-                                      args.jitter, args.prompt_frac, shape["vocab_size"])
+        if args.data:
+            batches = make_real_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length,
+                                               args.data, args.tokenizer)
+        else:
+            batches = make_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length, case.seq,
+                                          args.jitter, args.prompt_frac, shape["vocab_size"])
     else:
         wrapper.model.set_attn_implementation("sdpa")
         batches = make_step_batches(args.distinct_batches, case.mbs * case.accum, case.seq, args.jitter,
@@ -724,6 +750,9 @@ def main() -> None:
     g.add_argument("--cases", default=None, help='instead of the product: "MBS:ANCHORS:SEQ:COMPILE:TARGET ..."')
     g.add_argument("--distill-weight", type=float, default=0.0,
                    help="loss.distill_weight: soft CE against the target, formed chunk by chunk from its final hidden states")
+    g.add_argument("--data", default=None, help="packed rows of this regenerated JSONL's conversations (real data; "
+                                                "needs --pack-length) instead of synthetic documents")
+    g.add_argument("--tokenizer", default="pkg:smollm2", help="tokenizer for --data (the target's)")
     g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
     g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
