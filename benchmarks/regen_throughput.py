@@ -31,6 +31,7 @@ import argparse
 import gc
 import collections
 import json
+from pathlib import Path
 import os
 import sys
 import time
@@ -295,6 +296,8 @@ def main() -> None:
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
     p.add_argument("--json", default=None)
+    p.add_argument("--append", default=None, type=Path,
+                   help="also append the rows to this JSON list of rows (e.g. docs/bench/regen_summary.json)")
     args = p.parse_args()
     from nemo_dflash.data import generation
 
@@ -387,6 +390,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
+    if args.append and rows:
+        from bench_rows import append_rows, provenance
+
+        append_rows(args.append, [{**provenance(name), "what": f"regen_throughput.py {r['mode']}",
+                                   **{k: v for k, v in r.items() if k != "device"}} for r in rows])
 
 
 if __name__ == "__main__":
