@@ -159,7 +159,8 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
 
 def run_step(model, prompts, args, stop_ids) -> dict:
     """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
-    from nemo_dflash.data.generation import Request, SlotEngine, keyed_sample_candidates
+    from nemo_dflash.data.generation import Request, SlotEngine
+    from nemo_dflash.sampling import keyed_sample_candidates
 
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,

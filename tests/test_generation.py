@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from _spec_fixtures import sabotage_slot_reuse
 
-from nemo_dflash.data.generation import Request, SlotEngine, keyed_sample
+from nemo_dflash.data.generation import Request, SlotEngine
+from nemo_dflash.sampling import keyed_sample
 
 STOP = 2
 
@@ -279,7 +280,7 @@ def _partitions(items: list[int]):
 def test_min_cost_prefill_plan_is_the_cheapest_partition(seed):
     """The dynamic program's split of sorted lengths costs what the cheapest of all set partitions
     costs (brute force), every chunk within the cap (a single row always allowed)."""
-    from nemo_dflash.data.generation import min_cost_prefill_plan
+    from nemo_dflash.data.prefill_plan import min_cost_prefill_plan
 
     g = torch.Generator().manual_seed(seed)
     lengths = sorted(torch.randint(1, 60, (7,), generator=g).tolist())
@@ -301,7 +302,7 @@ def test_prefill_plans_on_a_hand_case():
     pass the cap (4 rows x 10 = 40 fits, 5 x 10 does not); at no cost per forward the cheapest plan
     pads nothing (equal lengths only); at a cost of 100 per forward it keeps greedy's 3 forwards
     but pads less: 1-3 | 10 10 | 40 is 9 + 20 + 40 = 69 tokens against greedy's 40 + 10 + 40."""
-    from nemo_dflash.data.generation import greedy_prefill_plan, min_cost_prefill_plan
+    from nemo_dflash.data.prefill_plan import greedy_prefill_plan, min_cost_prefill_plan
 
     lengths = [1, 2, 3, 10, 10, 40]
     assert greedy_prefill_plan(lengths, 40) == [(0, 4), (4, 5), (5, 6)]
@@ -325,7 +326,7 @@ def test_min_cost_attention_plan_is_the_cheapest_contiguous_split(seed):
     """The attention groups of a packed prefill: the dynamic program's split of rows sorted by span
     costs what the cheapest of all contiguous splits costs (brute force), for random queries,
     spans, group costs and key-read weights."""
-    from nemo_dflash.data.generation import min_cost_attention_plan
+    from nemo_dflash.data.prefill_plan import min_cost_attention_plan
 
     g = torch.Generator().manual_seed(seed)
     spans = sorted(torch.randint(1, 60, (8,), generator=g).tolist())
@@ -343,7 +344,7 @@ def test_min_cost_attention_plan_is_the_cheapest_contiguous_split(seed):
 def test_min_cost_attention_plan_on_a_hand_case():
     """Fresh rows (queries == span) 2, 2, 50: at a group cost of 100 pairs, 2 2 | 50 costs
     100 + 2x2x2 + 100 + 50x50 = 2708, and one group 100 + 3x50x50 = 7600; at 10^5 one group wins."""
-    from nemo_dflash.data.generation import min_cost_attention_plan
+    from nemo_dflash.data.prefill_plan import min_cost_attention_plan
 
     assert min_cost_attention_plan([2, 2, 50], [2, 2, 50], 100.0) == [(0, 2), (2, 3)]
     assert min_cost_attention_plan([2, 2, 50], [2, 2, 50], 1e5) == [(0, 3)]
@@ -355,14 +356,14 @@ def test_packed_prefill_runs_one_forward_per_refill(group_cost, monkeypatch):
     """A packed refill is one forward where the padded layout needs several, and every answer is
     still HF's unbatched greedy answer, whether attention runs one group per prompt length (cost 0),
     a few, or all rows in one group."""
-    from nemo_dflash.data import generation
+    from nemo_dflash.data import generation, slot_attention
 
     monkeypatch.setattr(generation, "ATTENTION_GROUP_COST_PAIRS", {"cpu": group_cost, "cuda": group_cost})
     model, prompts = _llama(), _prompts()
     total = sum(map(len, prompts))
     calls, groups = {}, []
-    real = generation._packed_attention
-    monkeypatch.setattr(generation, "_packed_attention", lambda ck, cv, packed, *a: groups.append(len(packed.groups))
+    real = slot_attention.packed_attention
+    monkeypatch.setattr(slot_attention, "packed_attention", lambda ck, cv, packed, *a: groups.append(len(packed.groups))
                         or real(ck, cv, packed, *a))
     for layout in ("padded", "packed"):
         monkeypatch.setattr(generation, "PREFILL_LAYOUT", layout)
@@ -444,7 +445,7 @@ def test_a_kv_cache_that_cannot_fit_is_refused_in_one_line():
     80 GB GPU with 76 GB free, 85% holds 1,095 slots, so 2,048 are refused naming the batch that fits."""
     from transformers import LlamaConfig
 
-    from nemo_dflash.data.generation import SlotKVCache, check_kv_fits
+    from nemo_dflash.data.slot_attention import SlotKVCache, check_kv_fits
 
     cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
     per_slot = SlotKVCache.slot_bytes(cfg, 2560, torch.bfloat16)
@@ -558,7 +559,7 @@ def test_gpu_clock_reads_only_finished_work(monkeypatch):
 def test_flash_varlen_attention_equals_the_per_row_reference():
     """PyTorch's flash varlen kernel, causal aligned at each row's end (rows with a cached prefix:
     fewer queries than keys), GQA 9:3 as SmolLM2, bf16: the per-row SDPA reference's output."""
-    from nemo_dflash.data.generation import varlen_attention, varlen_attention_reference
+    from nemo_dflash.data.slot_attention import varlen_attention, varlen_attention_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q_lens, k_lens = [5, 1, 130, 40, 7], [5, 300, 130, 41, 900]  # fresh, decode-like, fresh, 1 cached, long prefix
