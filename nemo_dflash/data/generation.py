@@ -7,8 +7,8 @@ MLP, lm_head); only its attention is swapped, through transformers' ``AttentionI
 one that writes into the slot cache and reads each slot's filled prefix: flex_attention decoding
 on a GPU (it skips the unfilled KV blocks of every slot), SDPA with a length mask elsewhere.
 
-A refill's prompts run as one packed row of their real tokens (``PREFILL_LAYOUT``), attention
-grouped by length; decode steps are queued ``DECODE_WINDOW`` at a time, each step stopping the
+A refill's prompts run as one packed row of their real tokens, attention grouped by length;
+decode steps are queued ``EngineConfig.decode_window`` at a time, each step stopping the
 slots whose answers end, so the host's bookkeeping and the caller's work overlap queued steps.
 
 Why not transformers' own continuous batching (``generate_batch``, 5.17 on the benchmark GPUs): its
@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -51,7 +51,7 @@ from torch import nn
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.data.loops import LoopDetector
-from nemo_dflash.data.prefill_plan import greedy_prefill_plan, min_cost_attention_plan, min_cost_prefill_plan
+from nemo_dflash.data.prefill_plan import min_cost_attention_plan
 from nemo_dflash.data.slot_attention import (
     ATTN_NAME,
     KV_BLOCK,
@@ -67,62 +67,65 @@ from nemo_dflash.sampling import keyed_sample_candidates, redo_wide_rows, sample
 
 logger = logging.getLogger(__name__)
 
-REFILL_FRACTION = 16  # on a GPU, refill once 1/REFILL_FRACTION of the slots are idle (regen_throughput.py --refill-fraction)
-# True: fresh prompts and continuations share prefill forwards (the continuation path is exact for
-# both), half the forwards of a whole-set run; off until timed on a GPU (regen_throughput.py --merge-prefills)
-MERGE_PREFILLS = False
-# How a refill's prompts are split into prefill forwards. Every row of a forward is padded to the
-# forward's longest, and ShareGPT prompt lengths are heavy-tailed (median 55 tokens, p90 396), so
-# splitting sorted rows only when rows x longest passes max_prefill_tokens ("greedy") pads ~6x for a
-# refill of 64. "min_cost" picks the split that minimises the padded tokens plus a fixed cost per
-# forward (docs/data.md; regen_throughput.py --prefill-plan).
-PREFILL_PLAN = "min_cost"
-# A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
-# whatever its size, and ~1.7 us per padded token beyond (docs/data.md);
-# on CPU, where tokens dominate, a rough 256.
-FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
-# "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
-# a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
-# forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
-# run per group of rows, padded within the group (regen_throughput.py --prefill-layout). On one H200,
-# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/regen_runs/packed_window).
-PREFILL_LAYOUT = "packed"
-# A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
-# computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
-# pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
-ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
-# How a packed prefill attends: "groups" (the rows split into right-padded SDPA batches by
-# min_cost_attention_plan: ~a dozen groups x 5 kernels per layer, launched eagerly) or "varlen"
-# (one variable-length flash-attention call per layer over every row, keys gathered from the
-# slots; on CPU or in fp32 a per-row reference computes the same thing). One H200, whole ShareGPT
-# set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s (docs/data.md, 2026-11-24). The CPU
-# keeps groups: its reference loops over rows.
-PREFILL_ATTENTION = {"cuda": "varlen", "cpu": "groups"}
-ATTENTION_KV_READ_QUERIES = 16
-# Decode steps launched per host round trip. The host reads the step's flags (answers that ended,
-# loop checks due) only once per window, so its bookkeeping and the caller's work (the next turn's
-# template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
-# inside the window (a slot that ends is deactivated by the step itself), so a window changes no
-# output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
-# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s (docs/data.md,
-# 1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
-# (one run each: within run-to-run noise). A CPU runs each step synchronously, so there a
-# window would only idle ended slots.
-DECODE_WINDOW = {"cuda": 12, "cpu": 1}
-# Launch the next decode window as soon as the ended and check-due answers are read, so the loop
-# checks and the completions' bookkeeping run under it instead of idling the GPU (~8 s of 93 at
-# 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
-# discarded and not counted, and the flags it set are cleared, so no output or count changes.
-# Off: timed slower on an H200 (69.1k against 73.4k tokens/s, the host's seconds 6.9 -> 54.4: its
-# overlapped bookkeeping still synchronises somewhere; docs/data.md).
-OVERLAP_CHECKS = {"cuda": False, "cpu": False}
-# Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
-# is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
-# rows its cost is mostly kernel count; inductor fuses the elementwise ones. One H200, whole
-# ShareGPT set: GPU decode time 56.7 -> 42.9 s, 73.4k -> 93.5k tokens/s; the compile itself takes
-# ~40 s once per process (the recipe pays it, the benchmark's warm-up hides it). A step that fails to
-# compile or capture runs eagerly. Off on CPU: the tests and the demo would pay the compile.
-DECODE_COMPILE = {"cuda": True, "cpu": False}
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's speed settings; none of them changes an answer. A field left None takes the
+    device's default (:meth:`resolved`), the setting that measured fastest:
+
+    - ``decode_window``: decode steps launched per host round trip. The host reads the step's flags
+      (answers that ended, loop checks due) once per window, so its bookkeeping and the caller's work
+      (the next turn's template) overlap queued GPU steps. Answers stop inside the window (the step
+      deactivates an ended slot), so a window changes no output; an ended slot idles for the rest of
+      its window. One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s
+      (1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
+      (one run each: within run-to-run noise). A CPU runs each step synchronously: 1 there.
+    - ``decode_compile``: the decode step through torch.compile (inductor) before it is captured: an
+      eager step is ~40 small kernels per layer, which inductor fuses. One H200, whole ShareGPT set: GPU
+      decode time 56.7 -> 42.9 s, 73.4k -> 93.5k tokens/s; the compile takes ~40 s once per process. A
+      step that fails to compile or capture runs eagerly. Off on CPU (the tests and the demo would pay it).
+    - ``prefill_attention``: how a packed prefill attends: "groups" (rows split into right-padded SDPA
+      batches by :func:`~nemo_dflash.data.prefill_plan.min_cost_attention_plan`) or "varlen" (one
+      variable-length flash call per layer over every row; on CPU or in fp32 a per-row reference). One
+      H200, whole ShareGPT set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s. CPU: groups.
+    - ``overlap_checks``: launch the next decode window before the loop checks run (an answer found
+      looping then runs one window past its cut; those tokens are discarded and not counted). Off:
+      timed slower on an H200 (69.1k against 73.4k tokens/s).
+    - ``attention_group_cost``: a packed prefill's fixed cost per attention group (its ~10 extra
+      kernels per layer), in (query, key) pairs; ``kv_read_queries``: a continuing row's keys read from
+      its slot, counted as this many extra queries.
+    - ``refill_fraction``: refill once ``num_slots // refill_fraction`` slots are idle. A prefill is one
+      forward with a fixed cost: on a GPU the decode step is cheap next to it at any fill (16), on a CPU
+      an idle slot costs little (2).
+
+    Prefills always run packed: a refill's prompts as one row of their real tokens, attention per
+    group of rows (on one H200, whole ShareGPT set: 55.9k tokens/s against 48.9k for right-padded
+    batches, which were removed with their split plans and shared-forward switch).
+    """
+
+    decode_window: Optional[int] = None
+    decode_compile: Optional[bool] = None
+    prefill_attention: Optional[str] = None
+    overlap_checks: Optional[bool] = None
+    attention_group_cost: Optional[float] = None
+    kv_read_queries: float = 16.0
+    refill_fraction: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_attention not in (None, "groups", "varlen"):
+            raise ValueError(f"prefill_attention must be 'groups' or 'varlen' (got {self.prefill_attention!r})")
+        for name in ("decode_window", "refill_fraction"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
+
+    def resolved(self, device_type: str) -> "EngineConfig":
+        """This configuration with every None replaced by ``device_type``'s default."""
+        cpu = device_type == "cpu"
+        defaults = {"decode_window": 1 if cpu else 12, "decode_compile": not cpu,
+                    "prefill_attention": "groups" if cpu else "varlen", "overlap_checks": False,
+                    "attention_group_cost": 4096.0 if cpu else 2_000_000.0,
+                    "refill_fraction": 16 if device_type == "cuda" else 2}
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 def check_supported(model: nn.Module) -> None:
@@ -247,17 +250,12 @@ class SlotEngine:
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
-        decode_window: Optional[int] = None,
-        decode_compile: Optional[bool] = None,
-        prefill_attention: Optional[str] = None,
-        overlap_checks: Optional[bool] = None,
+        config: Optional[EngineConfig] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
-        if prefill_attention not in (None, "groups", "varlen"):
-            raise ValueError(f"prefill_attention must be 'groups' or 'varlen' (got {prefill_attention!r})")
         check_supported(model)
         register_slot_attention()
         self.model = model
@@ -275,32 +273,28 @@ class SlotEngine:
                     - torch.cuda.memory_allocated(self.device))
             check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype), free)
         self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
+        self.config = (config or EngineConfig()).resolved(self.device.type)
         self.stop_ids = set(stop_ids)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         # a window shorter than the loop-check period: an answer is due at most once per window
-        if decode_window is None:
-            decode_window = DECODE_WINDOW.get(self.device.type, DECODE_WINDOW["cuda"])
-        self.decode_window = max(1, min(decode_window,
+        self.decode_window = max(1, min(self.config.decode_window,
                                         loop_check_every - 1 if loop_check_every > 1 else 1))
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
         self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
-        self.min_refill = max(1, num_slots // (REFILL_FRACTION if self.device.type == "cuda" else 2))
+        self.min_refill = max(1, num_slots // self.config.refill_fraction)
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
         self._graph: Optional[torch.cuda.CUDAGraph] = None
-        if decode_compile is None:
-            decode_compile = DECODE_COMPILE.get(self.device.type, DECODE_COMPILE["cuda"])
-        self.decode_compile = decode_compile
-        # None: the device's default (the module's constants, which the benchmarks set)
-        self.prefill_attention = prefill_attention or PREFILL_ATTENTION.get(self.device.type, PREFILL_ATTENTION["cuda"])
-        self.overlap_checks = (OVERLAP_CHECKS.get(self.device.type, OVERLAP_CHECKS["cuda"]) if overlap_checks is None
-                               else overlap_checks)
+        decode_compile = self.config.decode_compile
+        self.decode_compile = decode_compile  # set False when the compiled step fails and it falls back to eager
+        self.prefill_attention = self.config.prefill_attention
+        self.overlap_checks = self.config.overlap_checks
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
@@ -308,7 +302,7 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        self.discarded = 0  # OVERLAP_CHECKS: tokens of answers cut at a loop, decoded in the window past the cut
+        self.discarded = 0  # overlap_checks: tokens of answers cut at a loop, decoded in the window past the cut
         self.redone = 0  # decode samples redone over the whole vocabulary (a nucleus wider than the candidates)
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
@@ -365,9 +359,8 @@ class SlotEngine:
         the GPU: nothing here waits for it."""
         dev, rows = self.device, len(requests)
         starts = [0] * rows if starts is None else starts
-        forward = self._packed_forward if PREFILL_LAYOUT == "packed" else self._padded_forward
         with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
-            last = forward(slots, requests, starts)
+            last = self._packed_forward(slots, requests, starts)
         slot_t = self._index(slots)
         self.cache.lengths[slot_t] = self._index([len(r.prompt_ids) for r in requests])
         return self._logits(last), self._index([r.key for r in requests])
@@ -376,33 +369,6 @@ class SlotEngine:
         """:meth:`_prefill_logits`, then the first answer token of each prompt, sampled exactly."""
         logits, keys = self._prefill_logits(slots, requests, starts)
         return self._sample(logits, keys, torch.zeros_like(keys))
-
-    def _padded_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
-        """The prompts as right-padded rows of one batch -> the last prompt token's hidden state [R, hidden]."""
-        dev, rows = self.device, len(requests)
-        lens = np.fromiter((len(r.prompt_ids) - s for r, s in zip(requests, starts)), dtype=np.int64, count=rows)
-        width = int(lens.max())
-        real = np.arange(width)[None, :] < lens[:, None]  # [R, W]: the prompt tokens of the right-padded rows
-        ids = np.zeros((rows, width), dtype=np.int64)
-        ids[real] = np.fromiter(
-            itertools.chain.from_iterable(r.prompt_ids[s:] if s else r.prompt_ids for r, s in zip(requests, starts)),
-            dtype=np.int64, count=int(lens.sum()),
-        )
-        self.prefill_tokens += int(lens.sum())
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
-        len_t = torch.from_numpy(lens).to(dev)
-        positions = start_t[:, None] + torch.arange(width, device=dev)[None, :]
-        slot_pass = SlotPass(self.cache, slot_t, decode=False)
-        if any(starts):
-            row, col = (torch.from_numpy(a).to(dev) for a in np.nonzero(real))
-            slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
-            span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
-            slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        hidden = self.decoder(
-            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
-        ).last_hidden_state
-        return hidden[torch.arange(rows, device=dev), len_t - 1]
 
     def _packed_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
         """The prompts' tokens packed into one row (no padding outside attention) -> the last prompt
@@ -418,11 +384,11 @@ class SlotEngine:
         if varlen:
             order = np.arange(len(requests))
         else:
-            group_cost = ATTENTION_GROUP_COST_PAIRS.get(dev.type, ATTENTION_GROUP_COST_PAIRS["cuda"])
+            group_cost = self.config.attention_group_cost
             for fresh in (True, False):
                 idx = np.flatnonzero((start == 0) == fresh)
                 idx = idx[np.argsort(span[idx], kind="stable")]
-                kv_read = 0.0 if fresh else ATTENTION_KV_READ_QUERIES
+                kv_read = 0.0 if fresh else self.config.kv_read_queries
                 plan += [idx[i:j] for i, j in min_cost_attention_plan(lens[idx], span[idx], group_cost, kv_read)]
             order = np.concatenate(plan)
         offsets = np.concatenate([[0], np.cumsum(lens[order])])
@@ -460,7 +426,7 @@ class SlotEngine:
                 slot_t[self._index(order[key_row])], self._index(kv_pos),
                 self._index(offsets, torch.int32), self._index(cu_k, torch.int32),
                 int(lens.max()), int(spans.max()))
-        slot_pass = SlotPass(self.cache, None, decode=False, packed=packed)
+        slot_pass = SlotPass(self.cache, decode=False, packed=packed)
         hidden = self.decoder(
             input_ids=self._index(ids)[None], position_ids=pos_t[None], use_cache=False,
             slot_pass=slot_pass,
@@ -472,7 +438,7 @@ class SlotEngine:
     def _decode_logits(self) -> torch.Tensor:
         """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
         lengths = self.cache.lengths
-        slot_pass = SlotPass(self.cache, None, decode=True)
+        slot_pass = SlotPass(self.cache, decode=True)
         if self.use_flex:
             self._kv_len.copy_(lengths + 1)
             self._kv_blocks.copy_(((lengths + KV_BLOCK) // KV_BLOCK).view(-1, 1, 1))
@@ -737,40 +703,21 @@ class SlotEngine:
         held.clear()
 
     def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
-        """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
-        (a fresh chunk attends over its own keys only) unless ``MERGE_PREFILLS``, sorted by the
-        tokens to prefill so rows of one chunk pad little, each within ``max_prefill_tokens``
-        (rows x longest), split as ``PREFILL_PLAN`` says. Packed (``PREFILL_LAYOUT``): fresh and
-        continuing rows together, each chunk within ``max_prefill_tokens`` real tokens."""
-
-        def kind(it: tuple[int, Request, int]) -> bool:
-            return False if MERGE_PREFILLS else it[2] > 0
+        """``items`` (slot, request, start) in packed prefill chunks: fresh and continuing rows
+        together, sorted by the tokens to prefill, each chunk within ``max_prefill_tokens`` real tokens."""
 
         def todo(it: tuple[int, Request, int]) -> int:
             return len(it[1].prompt_ids) - it[2]
 
-        if PREFILL_LAYOUT == "packed":  # no padding: as many tokens per forward as the cap allows
-            chunk, tokens = [], 0
-            for it in sorted(items, key=todo):
-                if chunk and tokens + todo(it) > self.max_prefill_tokens:
-                    yield chunk
-                    chunk, tokens = [], 0
-                chunk.append(it)
-                tokens += todo(it)
-            if chunk:
+        chunk, tokens = [], 0
+        for it in sorted(items, key=todo):
+            if chunk and tokens + todo(it) > self.max_prefill_tokens:
                 yield chunk
-            return
-        items = sorted(items, key=lambda it: (kind(it), todo(it)))
-        forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS["cuda"])
-        for _, group in itertools.groupby(items, key=kind):
-            rows = list(group)
-            lengths = [todo(it) for it in rows]
-            if PREFILL_PLAN == "greedy":
-                bounds = greedy_prefill_plan(lengths, self.max_prefill_tokens)
-            else:
-                bounds = min_cost_prefill_plan(lengths, self.max_prefill_tokens, forward_cost)
-            for i, j in bounds:
-                yield rows[i:j]
+                chunk, tokens = [], 0
+            chunk.append(it)
+            tokens += todo(it)
+        if chunk:
+            yield chunk
 
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
         self._start_state()

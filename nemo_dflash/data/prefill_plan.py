@@ -1,7 +1,7 @@
-"""Prefill planning for the slot engine: how a refill's rows are split into forwards and attention groups.
+"""Prefill planning for the slot engine: how a packed refill's rows are split into attention groups.
 
-Pure functions of the rows' lengths (numpy, no torch): each returns [i, j) bounds over rows sorted
-ascending, the split of least cost under its cost model. The engine (``generation.py``) calls them;
+Pure functions of the rows' lengths (numpy, no torch): [i, j) bounds over rows sorted ascending,
+the split of least cost under the cost model. The engine (``generation.py``) calls them;
 ``tests/test_generation.py`` checks them against brute force.
 """
 
@@ -10,19 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-
-
-def greedy_prefill_plan(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
-    """[i, j) bounds over ``lengths`` (ascending): a chunk ends only when the next row would take
-    rows x longest past ``max_tokens``."""
-    bounds, start = [], 0
-    for j, n in enumerate(lengths):
-        if j > start and n * (j - start + 1) > max_tokens:
-            bounds.append((start, j))
-            start = j
-    if lengths:
-        bounds.append((start, len(lengths)))
-    return bounds
 
 
 def cheapest_split(n: int, group_costs: Callable[[int], np.ndarray]) -> list[tuple[int, int]]:
@@ -40,22 +27,6 @@ def cheapest_split(n: int, group_costs: Callable[[int], np.ndarray]) -> list[tup
         bounds.append((int(cut[j]), j))
         j = int(cut[j])
     return bounds[::-1]
-
-
-def min_cost_prefill_plan(lengths: Sequence[int], max_tokens: int, forward_cost: float) -> list[tuple[int, int]]:
-    """[i, j) bounds over ``lengths`` (ascending) minimising sum(forward_cost + rows x longest) with
-    rows x longest <= ``max_tokens`` (one row always fits): each forward pads its rows to its
-    longest. Contiguous groups suffice for sorted lengths (n <= the slots)."""
-    length = np.asarray(lengths, dtype=np.float64)
-
-    def group_costs(j: int) -> np.ndarray:
-        rows = j - np.arange(j)  # the group [i, j) for every i < j
-        padded = rows * length[j - 1]
-        cost = forward_cost + padded
-        cost[(padded > max_tokens) & (rows > 1)] = np.inf
-        return cost
-
-    return cheapest_split(len(length), group_costs)
 
 
 def min_cost_attention_plan(queries: Sequence[int], spans: Sequence[int], group_cost: float,

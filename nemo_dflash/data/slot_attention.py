@@ -66,14 +66,10 @@ class SlotPass:
     """What the swapped-in attention needs to know about the forward in flight."""
 
     cache: "SlotKVCache"
-    slots: Optional[torch.Tensor]  # [R] slot of each row of a prefill; None: a decode pass over every slot
-    decode: bool  # one token per slot at position ``lengths[slot]``; else a prefill from position 0
+    decode: bool  # one token per slot at position ``lengths[slot]``; else a packed prefill (``packed``)
     block_mask: Any = None  # flex BlockMask of a decode pass on GPU
-    kv_mask: Optional[torch.Tensor] = None  # [R, 1, 1, T] bool of a decode pass without flex
-    # a prefill that continues slots whose KV already holds a prefix (None: every row starts at 0)
-    prefix_mask: Optional[torch.Tensor] = None  # [R, 1, S, T] bool: key k visible to query q of row r
-    write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
-    packed: Optional[PackedRows] = None  # a packed prefill (PREFILL_LAYOUT): one row of every prompt's tokens
+    kv_mask: Optional[torch.Tensor] = None  # [S, 1, 1, T] bool of a decode pass without flex
+    packed: Optional[PackedRows] = None  # a prefill: one row of every prompt's tokens
 
 
 def heads_for_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -97,49 +93,31 @@ def slot_attention(
     slot_pass: Optional[SlotPass] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: q [R, H, S, D], k/v [R, KVH, S, D] -> ([R, S, H, D], None)."""
+    """transformers attention function: q [R, H, S, D], k/v [R, KVH, S, D] -> ([R, S, H, D], None).
+    A decode pass (S = 1, one row per slot) or a packed prefill (R = 1, every prompt's tokens)."""
     if slot_pass is None:
         raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside SlotEngine")
     cache, layer = slot_pass.cache, module.layer_idx
     if slot_pass.packed is not None:
         return packed_attention(cache.k[layer], cache.v[layer], slot_pass.packed, query, key, value, scaling), None
-    if slot_pass.decode:
-        rows = torch.arange(key.shape[0], device=key.device)
-        cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
-        cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
-        k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
-        if slot_pass.block_mask is not None:
-            # The query heads that share a KV head become that head's query rows: no GQA for flex
-            # (its decoding kernel takes only power-of-two GQA ratios; SmolLM2's is 3), and q_len < 128
-            # picks the decoding kernel, which reads each slot's filled KV blocks once for the group.
-            rows, heads, _, dim = query.shape
-            grouped = query.reshape(rows, k_all.shape[1], heads // k_all.shape[1], dim)
-            out = cache.flex(grouped, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling)
-            out = out.reshape(rows, heads, 1, dim)
-        else:
-            out = F.scaled_dot_product_attention(
-                query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
-            )
-    elif slot_pass.prefix_mask is not None:
-        # rows continue at their own offsets: write the real tokens' K/V after each slot's kept
-        # prefix, then attend over the slot rows up to the longest (the mask bounds each row)
-        row, col, slot, pos = slot_pass.write_at
-        cache.k[layer][slot, :, pos] = key.transpose(1, 2)[row, col]
-        cache.v[layer][slot, :, pos] = value.transpose(1, 2)[row, col]
-        span = slot_pass.prefix_mask.shape[-1]
-        k_all = cache.k[layer][slot_pass.slots, :, :span]
-        v_all = cache.v[layer][slot_pass.slots, :, :span]
-        k_all, v_all, gqa = heads_for_sdpa(query, k_all, v_all)
-        out = F.scaled_dot_product_attention(
-            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=gqa
-        )
+    if not slot_pass.decode:
+        raise RuntimeError("a prefill pass needs its packed rows")
+    rows = torch.arange(key.shape[0], device=key.device)
+    cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
+    cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
+    k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
+    if slot_pass.block_mask is not None:
+        # The query heads that share a KV head become that head's query rows: no GQA for flex
+        # (its decoding kernel takes only power-of-two GQA ratios; SmolLM2's is 3), and q_len < 128
+        # picks the decoding kernel, which reads each slot's filled KV blocks once for the group.
+        rows, heads, _, dim = query.shape
+        grouped = query.reshape(rows, k_all.shape[1], heads // k_all.shape[1], dim)
+        out = cache.flex(grouped, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling)
+        out = out.reshape(rows, heads, 1, dim)
     else:
-        width = key.shape[2]
-        cache.k[layer][slot_pass.slots, :, :width] = key
-        cache.v[layer][slot_pass.slots, :, :width] = value
-        # prompts are right-padded and start at position 0: causal attention over the new keys only
-        key, value, gqa = heads_for_sdpa(query, key, value)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
