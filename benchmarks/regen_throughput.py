@@ -280,8 +280,6 @@ def main() -> None:
     g.add_argument("--decode-window", type=int, default=None, help="decode steps per host round trip")
     g.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
                    help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
-    g.add_argument("--overlap-checks", choices=("on", "off"), default=None,
-                   help="launch the next decode window before the loop checks")
     g.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="the decode step through torch.compile before capture")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
@@ -298,7 +296,7 @@ def main() -> None:
     on_off = {"on": True, "off": False, None: None}
     args.engine_config = EngineConfig(
         decode_window=args.decode_window, decode_compile=on_off[args.decode_compile],
-        prefill_attention=args.prefill_attention, overlap_checks=on_off[args.overlap_checks],
+        prefill_attention=args.prefill_attention,
         attention_group_cost=args.attention_group_cost, refill_fraction=args.refill_fraction)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -87,9 +87,6 @@ class EngineConfig:
       batches by :func:`~nemo_dflash.data.prefill_plan.min_cost_attention_plan`) or "varlen" (one
       variable-length flash call per layer over every row; on CPU or in fp32 a per-row reference). One
       H200, whole ShareGPT set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s. CPU: groups.
-    - ``overlap_checks``: launch the next decode window before the loop checks run (an answer found
-      looping then runs one window past its cut; those tokens are discarded and not counted). Off:
-      timed slower on an H200 (69.1k against 73.4k tokens/s).
     - ``attention_group_cost``: a packed prefill's fixed cost per attention group (its ~10 extra
       kernels per layer), in (query, key) pairs; ``kv_read_queries``: a continuing row's keys read from
       its slot, counted as this many extra queries.
@@ -100,12 +97,13 @@ class EngineConfig:
     Prefills always run packed: a refill's prompts as one row of their real tokens, attention per
     group of rows (on one H200, whole ShareGPT set: 55.9k tokens/s against 48.9k for right-padded
     batches, which were removed with their split plans and shared-forward switch).
+    Launching the next decode window before the loop checks ran was timed slower (69.1k against 73.4k
+    tokens/s) and removed too.
     """
 
     decode_window: Optional[int] = None
     decode_compile: Optional[bool] = None
     prefill_attention: Optional[str] = None
-    overlap_checks: Optional[bool] = None
     attention_group_cost: Optional[float] = None
     kv_read_queries: float = 16.0
     refill_fraction: Optional[int] = None
@@ -122,7 +120,7 @@ class EngineConfig:
         """This configuration with every None replaced by ``device_type``'s default."""
         cpu = device_type == "cpu"
         defaults = {"decode_window": 1 if cpu else 12, "decode_compile": not cpu,
-                    "prefill_attention": "groups" if cpu else "varlen", "overlap_checks": False,
+                    "prefill_attention": "groups" if cpu else "varlen",
                     "attention_group_cost": 4096.0 if cpu else 2_000_000.0,
                     "refill_fraction": 16 if device_type == "cuda" else 2}
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
@@ -294,7 +292,6 @@ class SlotEngine:
         decode_compile = self.config.decode_compile
         self.decode_compile = decode_compile  # set False when the compiled step fails and it falls back to eager
         self.prefill_attention = self.config.prefill_attention
-        self.overlap_checks = self.config.overlap_checks
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
@@ -302,7 +299,6 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        self.discarded = 0  # overlap_checks: tokens of answers cut at a loop, decoded in the window past the cut
         self.redone = 0  # decode samples redone over the whole vocabulary (a nucleus wider than the candidates)
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
@@ -572,11 +568,6 @@ class SlotEngine:
         any_ended, any_wide, any_due, generated = self._flags.tolist()
         self.gpu.read()
         self._generated.zero_()
-        if self.overlap_checks:  # the window's tokens of answers cut before it ran (queued after it)
-            wasted = int(self._wasted)
-            self.discarded += wasted
-            generated -= wasted
-            self._wasted.zero_()
         rows = (self._wide_at >= 0).nonzero()[:, 0] if any_wide else None  # none left if only a cut answer's
         if rows is not None and len(rows):
             self.redone += len(rows)
@@ -657,12 +648,11 @@ class SlotEngine:
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
             self._wide_at = torch.full((S,), -1, dtype=torch.long, device=dev)  # answer position of a redo, -1: none
             self._generated = torch.zeros((), dtype=torch.long, device=dev)
-            self._wasted = torch.zeros((), dtype=torch.long, device=dev)  # tokens of cut answers past a window
             sampled = self.temperature > 0 and self.top_p < 1.0  # only then can a sample be too wide
             vocab = self.lm_head.weight.shape[0] if sampled else 1
             self._wide_logits = torch.zeros((S, vocab), dtype=torch.float32, device=dev)
         for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths,
-                  self._generated, self._wasted):
+                  self._generated):
             t.zero_()
         self._wide_at.fill_(-1)
 
@@ -763,7 +753,7 @@ class SlotEngine:
             checking = 0.0
             ended = self._ended.nonzero()[:, 0].tolist() if any_ended else []
             due = self._due.nonzero()[:, 0].tolist() if any_due else []
-            launching, early = 0.0, False
+            launching = 0.0
             if ended or due:
                 slots = ended + due
                 lengths = self._answer_pos[slots].tolist()
@@ -772,11 +762,6 @@ class SlotEngine:
                 self._due[slots] = False
                 length_of = dict(zip(slots, lengths))
                 row_of = dict(zip(slots, rows))
-                if self.overlap_checks and len(requests) > len(ended):  # some answer goes on: launch now
-                    t3 = time.perf_counter()
-                    self._launch_window()
-                    launching = time.perf_counter() - t3
-                    in_flight = early = True
                 if self.stop_on_loop and due:
                     # each answer is checked at its own lengths k, 2k, ... (within a window an answer
                     # is due at most once, and it may have gone on past its due length): the cut does
@@ -815,14 +800,6 @@ class SlotEngine:
                         gone.append(s)
                 idx = self._index(list(finished))
                 self._active[idx] = 0
-                cut = [s for s in due if s in finished and s not in ended] if early else []
-                if cut:  # answers cut at a loop ran the window launched above: drop its tokens and flags
-                    cut_t = self._index(cut)
-                    seen = self._index([length_of[s] for s in cut])
-                    self._wasted.add_((self._answer_pos[cut_t] - seen).sum())
-                    self._ended[cut_t] = False
-                    self._due[cut_t] = False
-                    self._wide_at[cut_t] = -1
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
                     self.cache.lengths[self._index(gone)] = 0
             if requests and not in_flight:

@@ -403,7 +403,6 @@ def regenerate_conversations(
     schedule: str = "most_turns_first",
     prefill_attention: Optional[str] = None,
     decode_compile: Optional[bool] = None,
-    overlap_checks: Optional[bool] = None,
     engine_config: Optional[EngineConfig] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
@@ -443,8 +442,8 @@ def regenerate_conversations(
     (with ``turns="all"``; it reads every conversation before the first starts) or as given.
 
     ``engine_config`` holds the slot engine's speed settings (:class:`~nemo_dflash.data.generation.EngineConfig`;
-    None: the device's defaults); ``prefill_attention``, ``decode_compile`` and ``overlap_checks``, when
-    given, override its fields. None of them changes a record.
+    None: the device's defaults); ``prefill_attention`` and ``decode_compile``, when given, override its
+    fields. None of them changes a record.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
@@ -474,8 +473,8 @@ def regenerate_conversations(
             stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
             stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
             config=replace(engine_config or EngineConfig(), **{
-                k: v for k, v in (("prefill_attention", prefill_attention), ("decode_compile", decode_compile),
-                                  ("overlap_checks", overlap_checks)) if v is not None}),
+                k: v for k, v in (("prefill_attention", prefill_attention), ("decode_compile", decode_compile))
+                if v is not None}),
         )
     else:
         gen = BatchedGenerateEngine(
