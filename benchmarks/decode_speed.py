@@ -578,6 +578,8 @@ def main() -> None:
     p.add_argument("--baseline", default=None, help="a spec_decode.py of another revision, timed as an extra row")
     p.add_argument("--profile", default=None, help="append a torch.profiler table of the eager loop to this file")
     p.add_argument("--json", default=None)
+    p.add_argument("--append", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / "decode_speed.json"),
+                   help="append the rows (GPU runs only) to this JSON list of rows ('': do not)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -606,6 +608,13 @@ def main() -> None:
     for shape in [s for s in args.shapes.split(",") if s]:
         measure_shape(shape, modes, device, args, rows, save)
     print_table(rows)
+    if args.append and device.type == "cuda" and (rows or exact):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_rows import append_rows, provenance
+
+        head = provenance(f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})")
+        append_rows(Path(args.append), [{**head, "kind": "step cost", **r} for r in rows]
+                    + [{**head, "kind": "exactness", **r} for r in exact])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import gc
 import collections
+import dataclasses
 import json
+from pathlib import Path
 import os
 import sys
 import time
@@ -105,7 +107,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
             max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
             after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
-            prepare_ahead=args.prepare_ahead, schedule=args.schedule,
+            prepare_ahead=args.prepare_ahead, schedule=args.schedule, engine_config=args.engine_config,
         ):
             pass
         _sync()
@@ -132,7 +134,8 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
                         top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens,
-                        loop_detector=LoopDetector() if args.stop_loops else None, stop_on_loop=args.stop_loops)
+                        loop_detector=LoopDetector() if args.stop_loops else None, stop_on_loop=args.stop_loops,
+                        config=args.engine_config)
     warm = collections.deque(Request(i, p) for i, p in enumerate(prompts[: min(len(prompts), 64)]))
     for _ in engine.generate(warm):  # compile / warm up
         pass
@@ -158,11 +161,13 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
 
 def run_step(model, prompts, args, stop_ids) -> dict:
     """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
-    from nemo_dflash.data.generation import Request, SlotEngine, keyed_sample_candidates
+    from nemo_dflash.data.generation import Request, SlotEngine
+    from nemo_dflash.sampling import keyed_sample_candidates
 
     engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
-                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False)
+                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False,
+                        config=args.engine_config)
     S = args.batch_size
     engine._start_state()
     reqs = [Request(i, prompts[i % len(prompts)]) for i in range(S)]
@@ -268,55 +273,32 @@ def main() -> None:
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
     p.add_argument("--modes", default="slots,generate", help="comma list of slots, generate, hf_cb, step (the "
                    "parts of one decode step)")
-    p.add_argument("--refill-fraction", type=int, default=None,
-                   help="GPU: refill once 1/N of the slots are idle (generation.REFILL_FRACTION, default 16)")
-    p.add_argument("--merge-prefills", action="store_true",
-                   help="fresh prompts and continuations share prefill forwards (generation.MERGE_PREFILLS)")
-    p.add_argument("--prefill-plan", choices=("min_cost", "greedy"), default=None,
-                   help="how a refill is split into prefill forwards (generation.PREFILL_PLAN, default min_cost)")
-    p.add_argument("--prefill-layout", choices=("padded", "packed"), default=None,
-                   help="prefill forwards as right-padded batches or one packed row per refill "
-                        "(generation.PREFILL_LAYOUT, default packed)")
-    p.add_argument("--attention-group-cost", type=float, default=None,
-                   help="packed prefills: the fixed cost of an attention group in (query, key) pairs on this device "
-                        "(generation.ATTENTION_GROUP_COST_PAIRS)")
-    p.add_argument("--decode-window", type=int, default=None,
-                   help="decode steps per host round trip (generation.DECODE_WINDOW: 8 on a GPU, 1 on a CPU)")
-    p.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
-                   help="packed prefills: attention by right-padded groups or one varlen flash call per layer "
-                        "(generation.PREFILL_ATTENTION)")
-    p.add_argument("--overlap-checks", choices=("on", "off"), default=None,
-                   help="launch the next decode window before the loop checks (generation.OVERLAP_CHECKS)")
-    p.add_argument("--decode-compile", choices=("on", "off"), default=None,
-                   help="the decode step through torch.compile before capture (generation.DECODE_COMPILE)")
+    g = p.add_argument_group("engine settings (nemo_dflash.data.generation.EngineConfig; default: the device's)")
+    g.add_argument("--refill-fraction", type=int, default=None, help="refill once 1/N of the slots are idle")
+    g.add_argument("--attention-group-cost", type=float, default=None,
+                   help="packed prefills: the fixed cost of an attention group in (query, key) pairs")
+    g.add_argument("--decode-window", type=int, default=None, help="decode steps per host round trip")
+    g.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
+                   help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
+    g.add_argument("--decode-compile", choices=("on", "off"), default=None,
+                   help="the decode step through torch.compile before capture")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
     p.add_argument("--json", default=None)
+    p.add_argument("--append", default=None, type=Path,
+                   help="also append the rows to this JSON list of rows (e.g. docs/bench/regen_summary.json)")
     args = p.parse_args()
-    from nemo_dflash.data import generation
+    from nemo_dflash.data.generation import EngineConfig
 
-    if args.refill_fraction:
-        generation.REFILL_FRACTION = args.refill_fraction
-    if args.merge_prefills:
-        generation.MERGE_PREFILLS = True
-    if args.prefill_plan:
-        generation.PREFILL_PLAN = args.prefill_plan
-    if args.prefill_layout:
-        generation.PREFILL_LAYOUT = args.prefill_layout
+    on_off = {"on": True, "off": False, None: None}
+    args.engine_config = EngineConfig(
+        decode_window=args.decode_window, decode_compile=on_off[args.decode_compile],
+        prefill_attention=args.prefill_attention,
+        attention_group_cost=args.attention_group_cost, refill_fraction=args.refill_fraction)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.decode_window:
-        generation.DECODE_WINDOW = {**generation.DECODE_WINDOW, device: args.decode_window}
-    if args.attention_group_cost is not None:
-        generation.ATTENTION_GROUP_COST_PAIRS = {**generation.ATTENTION_GROUP_COST_PAIRS, device: args.attention_group_cost}
-    if args.prefill_attention:
-        generation.PREFILL_ATTENTION = {**generation.PREFILL_ATTENTION, device: args.prefill_attention}
-    if args.overlap_checks:
-        generation.OVERLAP_CHECKS = {**generation.OVERLAP_CHECKS, device: args.overlap_checks == "on"}
-    if args.decode_compile:
-        generation.DECODE_COMPILE = {**generation.DECODE_COMPILE, device: args.decode_compile == "on"}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
         model, tokenizer = smollm2_shape(device, dtype), None
@@ -370,14 +352,9 @@ def main() -> None:
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                  top_p=args.top_p, target=args.target or args.random_shape,
-                 engine={"prefill_layout": generation.PREFILL_LAYOUT, "prefill_plan": generation.PREFILL_PLAN,
-                         "merge_prefills": generation.MERGE_PREFILLS, "refill_fraction": generation.REFILL_FRACTION,
+                 engine={**dataclasses.asdict(args.engine_config.resolved(device)),
                          "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
-                         "attention_group_cost": generation.ATTENTION_GROUP_COST_PAIRS[device],
-                         "decode_window": generation.DECODE_WINDOW[device], "schedule": args.schedule,
-                         "decode_compile": generation.DECODE_COMPILE[device],
-                         "prefill_attention": generation.PREFILL_ATTENTION[device],
-                         "overlap_checks": generation.OVERLAP_CHECKS[device]})
+                         "schedule": args.schedule})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)
@@ -387,6 +364,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
+    if args.append and rows:
+        from bench_rows import append_rows, provenance
+
+        append_rows(args.append, [{**provenance(name), "what": f"regen_throughput.py {r['mode']}",
+                                   **{k: v for k, v in r.items() if k != "device"}} for r in rows])
 
 
 if __name__ == "__main__":

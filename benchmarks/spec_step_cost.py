@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--new-tokens", type=int, default=128, help="tokens for the whole-loop timing")
     p.add_argument("--json", default=None)
+    p.add_argument("--append", default=None, type=Path,
+                   help="also append one row to this JSON list of rows (e.g. docs/bench/decode_speed.json)")
     args = p.parse_args()
     device = torch.device(args.device)
     target, tok = load_target(args.target, dtype=args.dtype, device=device)
@@ -144,6 +146,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"ms": rows, "break_even_tau": ratio, "block_size": blk,
                                                "loop_break_even_tau": spec_step / ar_step,
                                                "prompt_tokens": plen, "device": str(device)}, indent=2))
+    if args.append:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_rows import append_rows, provenance
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        append_rows(args.append, [{**provenance(f"{name} (torch {torch.__version__})"), "kind": "spec step cost",
+                                   "target": args.target, "draft": args.draft, "dtype": args.dtype, "ms": rows,
+                                   "break_even_tau": ratio, "loop_break_even_tau": spec_step / ar_step,
+                                   "block_size": blk, "prompt_tokens": plen}])
 
 
 if __name__ == "__main__":

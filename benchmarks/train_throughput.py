@@ -32,10 +32,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_rows import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
 from nemo_dflash.core import DFlashTrainerModule  # noqa: E402
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
@@ -329,24 +332,20 @@ def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tenso
     return total
 
 
-def append_rows(path: str, rows: list[dict]) -> None:
-    """Append rows to a JSON list (written to a temp file, then replaced: never half-written)."""
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(old + rows, f, indent=1)
-    os.replace(tmp, path)
-
-
-def bench_row(args, device_name: str, r: dict, packed: bool, compiled: bool, shape_text: str) -> dict:
-    """One row of docs/bench/train_throughput.json."""
-    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": args.commit, "device": device_name,
-            "shape": shape_text, "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed, "compiled": compiled,
-            "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
-            "command": "python " + " ".join(sys.argv)}
+def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, compiled: bool, case: str) -> dict:
+    """One row of docs/bench/train_throughput.json (schema: benchmarks/bench_rows.py)."""
+    row = provenance(device_name)
+    if args.commit:
+        row["commit"] = args.commit
+    row.update({"shape": args.shape, "case": case, "world": world,
+                "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed,
+                "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
+                "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
+                "tflops": round(r["tflops"], 1)})
+    for k in ("backend", "fused_ce", "mbs", "target_ms", "draft_fwd_bwd_ms"):
+        if k in r:
+            row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
+    return row
 
 
 def batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int, seeds: list[int]) -> float:
@@ -713,12 +712,13 @@ def main_trainer_step(args, device, peak: float) -> None:
             json.dump({"device": name, "shape": args.shape, "matmul_tflops": peak, "args": vars(args), "rows": rows}, f,
                       indent=2)
     if args.append and device.type == "cuda":
-        append_rows(args.append, [
-            bench_row(args, name, r, bool(r["pack_length"]), r["compile"] != "0" or bool(r["compile_target"]),
-                      f"{args.shape} mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
+        append_rows(Path(args.append), [
+            bench_row(args, name, r, world=1, packed=bool(r["pack_length"]),
+                      compiled=r["compile"] != "0" or bool(r["compile_target"]),
+                      case=f"mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
                       + (f" pack {r['pack_length']}" if r["pack_length"] else "")
                       + f" compile {r['compile']} target {int(r['compile_target'])}"
-            + (f" distill {args.distill_weight}" if args.distill_weight else ""))
+                      + (f" distill {args.distill_weight}" if args.distill_weight else ""))
             for r in rows if "error" not in r])
 
 
@@ -745,7 +745,8 @@ def main() -> None:
     p.add_argument("--append", default=os.path.join(os.path.dirname(__file__), "..", "docs", "bench",
                                                      "train_throughput.json"),
                    help="append the GPU rows to this JSON list ('' : do not)")
-    p.add_argument("--commit", default=None, help="commit recorded in the appended rows (default: git rev-parse)")
+    p.add_argument("--commit", default=None,
+                   help="commit recorded in the appended rows (default: the checkout's, from git)")
     g.add_argument("--cases", default=None, help='instead of the product: "MBS:ANCHORS:SEQ:COMPILE:TARGET ..."')
     g.add_argument("--distill-weight", type=float, default=0.0,
                    help="loss.distill_weight: soft CE against the target, formed chunk by chunk from its final hidden states")
@@ -761,14 +762,6 @@ def main() -> None:
     g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
-    if args.commit is None:
-        import subprocess
-
-        try:
-            args.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-        except OSError:
-            args.commit = "unknown"
     if args.shape in LLAMA_SHAPES:
         if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
             args.anchors, args.seq = "256", "416"
@@ -829,10 +822,10 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "world": world, "shape": args.shape, "matmul_tflops": peak, "rows": rows}, f,
                           indent=2)
-        if args.append and world == 1:
-            append_rows(args.append, [
-                bench_row(args, name, r, bool(r["pack_length"]), bool(r["compile"]),
-                          f"{args.shape} anchors {r['anchors']} seq {r['seq']}"
+        if args.append:
+            append_rows(Path(args.append), [
+                bench_row(args, name, r, world=world, packed=bool(r["pack_length"]), compiled=bool(r["compile"]),
+                          case=f"anchors {r['anchors']} seq {r['seq']}"
                           + (f" pack {r['pack_length']}" if r["pack_length"] else "") + f" {r['backend']}")
                 for r in rows if "error" not in r])
     if world > 1:

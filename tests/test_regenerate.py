@@ -726,7 +726,7 @@ def test_schedule_orders_by_user_turns_and_changes_no_record(target):
 
 def test_speed_switches_change_no_record(target):
     """The slot engine's speed switches, passed through ``regenerate_conversations`` (what the
-    recipe's --prefill-attention / --overlap-checks / --decode-compile set): records in order and
+    recipe's --prefill-attention / --decode-compile set): records in order and
     every stats counter equal the defaults'; an unknown attention is refused."""
     from nemo_dflash.data.loops import LoopDetector
 
@@ -735,7 +735,7 @@ def test_speed_switches_change_no_record(target):
     detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
     limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
     runs = {}
-    for switches in ({}, {"prefill_attention": "varlen", "overlap_checks": True}):
+    for switches in ({}, {"prefill_attention": "varlen", "decode_compile": False}):
         stats = RegenStats()
         records = list(regenerate_conversations(
             model, tokenizer, convs, max_new_tokens=16, turns="all", batch_size=2, after_cut="continue",

@@ -7,8 +7,8 @@ MLP, lm_head); only its attention is swapped, through transformers' ``AttentionI
 one that writes into the slot cache and reads each slot's filled prefix: flex_attention decoding
 on a GPU (it skips the unfilled KV blocks of every slot), SDPA with a length mask elsewhere.
 
-A refill's prompts run as one packed row of their real tokens (``PREFILL_LAYOUT``), attention
-grouped by length; decode steps are queued ``DECODE_WINDOW`` at a time, each step stopping the
+A refill's prompts run as one packed row of their real tokens, attention grouped by length;
+decode steps are queued ``EngineConfig.decode_window`` at a time, each step stopping the
 slots whose answers end, so the host's bookkeeping and the caller's work overlap queued steps.
 
 Why not transformers' own continuous batching (``generate_batch``, 5.17 on the benchmark GPUs): its
@@ -24,6 +24,11 @@ common prefix with those tokens is prefilled (the chat template's end of turn, t
 turn, the generation prompt). A prefix is correct by causality whatever follows it, so a shorter
 common prefix (a cut answer, a template that rewrites earlier turns) only costs prefill.
 
+This module owns the engine: slots, requests and completions, refills, decode steps and windows,
+CUDA graph capture. The slot cache and the attention swapped into the model live in
+``slot_attention.py``; how a refill is split into forwards and attention groups in ``prefill_plan.py``;
+keyed sampling in ``nemo_dflash.sampling``.
+
 Sampling is keyed: the Gumbel noise of token ``v`` at answer position ``t`` of request ``key`` is
 a hash of ``(seed, key, t, v)``. An answer therefore does not depend on which other requests
 share its batch, on the slot it lands in, or on whether the run was interrupted and resumed.
@@ -37,330 +42,88 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.data.loops import LoopDetector
-from nemo_dflash.sampling import (  # noqa: F401  (keyed sampling lives in the bottom layer; re-exported)
-    gumbel,
-    keyed_sample,
-    keyed_sample_candidates,
-    keyed_uniform,
-    redo_wide_rows,
-    sample_full,
-    top_p_filter,
+from nemo_dflash.data.prefill_plan import min_cost_attention_plan
+from nemo_dflash.data.slot_attention import (
+    ATTN_NAME,
+    KV_BLOCK,
+    AttentionGroup,
+    PackedRows,
+    SlotKVCache,
+    SlotPass,
+    VarlenRows,
+    check_kv_fits,
+    register_slot_attention,
 )
+from nemo_dflash.sampling import keyed_sample_candidates, redo_wide_rows, sample_full
 
 logger = logging.getLogger(__name__)
 
-ATTN_NAME = "nemo_dflash_slots"
-REFILL_FRACTION = 16  # on a GPU, refill once 1/REFILL_FRACTION of the slots are idle (regen_throughput.py --refill-fraction)
-# True: fresh prompts and continuations share prefill forwards (the continuation path is exact for
-# both), half the forwards of a whole-set run; off until timed on a GPU (regen_throughput.py --merge-prefills)
-MERGE_PREFILLS = False
-# How a refill's prompts are split into prefill forwards. Every row of a forward is padded to the
-# forward's longest, and ShareGPT prompt lengths are heavy-tailed (median 55 tokens, p90 396), so
-# splitting sorted rows only when rows x longest passes max_prefill_tokens ("greedy") pads ~6x for a
-# refill of 64. "min_cost" picks the split that minimises the padded tokens plus a fixed cost per
-# forward (docs/data.md; regen_throughput.py --prefill-plan).
-PREFILL_PLAN = "min_cost"
-# A prefill forward's fixed cost in padded tokens: on an H200, SmolLM2's eager forward costs ~22 ms
-# whatever its size, and ~1.7 us per padded token beyond (docs/data.md);
-# on CPU, where tokens dominate, a rough 256.
-FORWARD_COST_TOKENS = {"cuda": 13000, "cpu": 256}
-# "padded": each prefill forward is a [rows x longest] batch (split as PREFILL_PLAN says). "packed":
-# a refill's prompts run as one [1 x real tokens] row, so the projections and MLP, nearly all of a
-# forward's FLOPs, see no padding and a refill costs one forward's fixed overhead; only attention is
-# run per group of rows, padded within the group (regen_throughput.py --prefill-layout). On one H200,
-# whole ShareGPT set: packed 55.9k tokens/s against padded 48.9k (docs/bench/regen_runs/packed_window).
-PREFILL_LAYOUT = "packed"
-# A packed forward's attention groups: the split of its rows minimises the (query, key) pairs
-# computed, padding included, plus a fixed cost per group (its ~10 extra kernels per layer), in
-# pairs; and each continuing row's keys are read from its slot (counted as this many extra queries).
-ATTENTION_GROUP_COST_PAIRS = {"cuda": 2_000_000, "cpu": 4096}
-# How a packed prefill attends: "groups" (the rows split into right-padded SDPA batches by
-# min_cost_attention_plan: ~a dozen groups x 5 kernels per layer, launched eagerly) or "varlen"
-# (one variable-length flash-attention call per layer over every row, keys gathered from the
-# slots; on CPU or in fp32 a per-row reference computes the same thing). One H200, whole ShareGPT
-# set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s (docs/data.md, 2026-11-24). The CPU
-# keeps groups: its reference loops over rows.
-PREFILL_ATTENTION = {"cuda": "varlen", "cpu": "groups"}
-ATTENTION_KV_READ_QUERIES = 16
-# Decode steps launched per host round trip. The host reads the step's flags (answers that ended,
-# loop checks due) only once per window, so its bookkeeping and the caller's work (the next turn's
-# template) overlap queued GPU steps instead of idling the GPU between single steps. Answers stop
-# inside the window (a slot that ends is deactivated by the step itself), so a window changes no
-# output; an ended slot idles for the rest of its window (regen_throughput.py --decode-window).
-# One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s (docs/data.md,
-# 1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
-# (one run each: within run-to-run noise). A CPU runs each step synchronously, so there a
-# window would only idle ended slots.
-DECODE_WINDOW = {"cuda": 12, "cpu": 1}
-# Launch the next decode window as soon as the ended and check-due answers are read, so the loop
-# checks and the completions' bookkeeping run under it instead of idling the GPU (~8 s of 93 at
-# 2,048 slots). An answer found looping then runs one window past its cut: those tokens are
-# discarded and not counted, and the flags it set are cleared, so no output or count changes.
-# Off: timed slower on an H200 (69.1k against 73.4k tokens/s, the host's seconds 6.9 -> 54.4: its
-# overlapped bookkeeping still synchronises somewhere; docs/data.md).
-OVERLAP_CHECKS = {"cuda": False, "cpu": False}
-# Compile the decode step (torch.compile, inductor) before it is captured: a step of the eager model
-# is ~40 small kernels per layer (norms, RoPE, residuals, SiLU, the sampler), so at a few thousand
-# rows its cost is mostly kernel count; inductor fuses the elementwise ones. One H200, whole
-# ShareGPT set: GPU decode time 56.7 -> 42.9 s, 73.4k -> 93.5k tokens/s; the compile itself takes
-# ~40 s once per process (the recipe pays it, the benchmark's warm-up hides it). A step that fails to
-# compile or capture runs eagerly. Off on CPU: the tests and the demo would pay the compile.
-DECODE_COMPILE = {"cuda": True, "cpu": False}
-_KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
-KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's speed settings; none of them changes an answer. A field left None takes the
+    device's default (:meth:`resolved`), the setting that measured fastest:
 
+    - ``decode_window``: decode steps launched per host round trip. The host reads the step's flags
+      (answers that ended, loop checks due) once per window, so its bookkeeping and the caller's work
+      (the next turn's template) overlap queued GPU steps. Answers stop inside the window (the step
+      deactivates an ended slot), so a window changes no output; an ended slot idles for the rest of
+      its window. One H200, whole ShareGPT set: 1 -> 53.5k, 4 -> 55.9k, 8 -> 57.1k, 16 -> 54.1k tokens/s
+      (1,024 slots); with the compiled step, varlen prefills and 2,048 slots 8 -> 99.5k, 12 -> 100.1k
+      (one run each: within run-to-run noise). A CPU runs each step synchronously: 1 there.
+    - ``decode_compile``: the decode step through torch.compile (inductor) before it is captured: an
+      eager step is ~40 small kernels per layer, which inductor fuses. One H200, whole ShareGPT set: GPU
+      decode time 56.7 -> 42.9 s, 73.4k -> 93.5k tokens/s; the compile takes ~40 s once per process. A
+      step that fails to compile or capture runs eagerly. Off on CPU (the tests and the demo would pay it).
+    - ``prefill_attention``: how a packed prefill attends: "groups" (rows split into right-padded SDPA
+      batches by :func:`~nemo_dflash.data.prefill_plan.min_cost_attention_plan`) or "varlen" (one
+      variable-length flash call per layer over every row; on CPU or in fp32 a per-row reference). One
+      H200, whole ShareGPT set: GPU prefill time 12.5 -> 7.4 s, 73.4k -> 81.0k tokens/s. CPU: groups.
+    - ``attention_group_cost``: a packed prefill's fixed cost per attention group (its ~10 extra
+      kernels per layer), in (query, key) pairs; ``kv_read_queries``: a continuing row's keys read from
+      its slot, counted as this many extra queries.
+    - ``refill_fraction``: refill once ``num_slots // refill_fraction`` slots are idle. A prefill is one
+      forward with a fixed cost: on a GPU the decode step is cheap next to it at any fill (16), on a CPU
+      an idle slot costs little (2).
 
-# ----------------------------------------------------------------------------- slot attention
+    Prefills always run packed: a refill's prompts as one row of their real tokens, attention per
+    group of rows (on one H200, whole ShareGPT set: 55.9k tokens/s against 48.9k for right-padded
+    batches, which were removed with their split plans and shared-forward switch).
+    Launching the next decode window before the loop checks ran was timed slower (69.1k against 73.4k
+    tokens/s) and removed too.
+    """
 
+    decode_window: Optional[int] = None
+    decode_compile: Optional[bool] = None
+    prefill_attention: Optional[str] = None
+    attention_group_cost: Optional[float] = None
+    kv_read_queries: float = 16.0
+    refill_fraction: Optional[int] = None
 
-def greedy_prefill_plan(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
-    """[i, j) bounds over ``lengths`` (ascending): a chunk ends only when the next row would take
-    rows x longest past ``max_tokens``."""
-    bounds, start = [], 0
-    for j, n in enumerate(lengths):
-        if j > start and n * (j - start + 1) > max_tokens:
-            bounds.append((start, j))
-            start = j
-    if lengths:
-        bounds.append((start, len(lengths)))
-    return bounds
+    def __post_init__(self) -> None:
+        if self.prefill_attention not in (None, "groups", "varlen"):
+            raise ValueError(f"prefill_attention must be 'groups' or 'varlen' (got {self.prefill_attention!r})")
+        for name in ("decode_window", "refill_fraction"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
 
-
-def _cheapest_split(n: int, group_costs: Callable[[int], np.ndarray]) -> list[tuple[int, int]]:
-    """[i, j) bounds splitting rows 0..n-1 into contiguous groups of least total cost; ``group_costs(j)``
-    gives the cost of the group [i, j) for every i < j. A dynamic program over the end of the last
-    group, O(n^2) in numpy; among equal costs the first minimum, i.e. the largest group."""
-    best = np.zeros(n + 1)
-    cut = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):
-        cost = best[:j] + group_costs(j)
-        cut[j] = int(np.argmin(cost))
-        best[j] = cost[cut[j]]
-    bounds, j = [], n
-    while j > 0:
-        bounds.append((int(cut[j]), j))
-        j = int(cut[j])
-    return bounds[::-1]
-
-
-def min_cost_prefill_plan(lengths: Sequence[int], max_tokens: int, forward_cost: float) -> list[tuple[int, int]]:
-    """[i, j) bounds over ``lengths`` (ascending) minimising sum(forward_cost + rows x longest) with
-    rows x longest <= ``max_tokens`` (one row always fits): each forward pads its rows to its
-    longest. Contiguous groups suffice for sorted lengths (n <= the slots)."""
-    length = np.asarray(lengths, dtype=np.float64)
-
-    def group_costs(j: int) -> np.ndarray:
-        rows = j - np.arange(j)  # the group [i, j) for every i < j
-        padded = rows * length[j - 1]
-        cost = forward_cost + padded
-        cost[(padded > max_tokens) & (rows > 1)] = np.inf
-        return cost
-
-    return _cheapest_split(len(length), group_costs)
-
-
-def min_cost_attention_plan(queries: Sequence[int], spans: Sequence[int], group_cost: float,
-                            kv_read: float = 0.0) -> list[tuple[int, int]]:
-    """[i, j) bounds over rows sorted by ``spans`` (ascending) minimising, over contiguous groups,
-    sum(group_cost + rows x longest span x (most queries + kv_read)): a group's attention pads every
-    row to its most queries and its longest span."""
-    q = np.asarray(queries, dtype=np.float64)
-    span = np.asarray(spans, dtype=np.float64)
-
-    def group_costs(j: int) -> np.ndarray:
-        most = np.maximum.accumulate(q[:j][::-1])[::-1]  # most queries of the group [i, j), every i < j
-        return group_cost + (j - np.arange(j)) * span[j - 1] * (most + kv_read)
-
-    return _cheapest_split(len(span), group_costs)
-
-
-@dataclass
-class _Group:
-    """One attention group of a packed prefill: ``rows`` rows padded to ``width`` queries each."""
-
-    rows: int
-    width: int
-    gather: torch.Tensor  # [rows * width] packed token of each padded query (pads: any token of the row)
-    real: torch.Tensor  # [real tokens] the padded positions of the group's real tokens, in packed order
-    slots: Optional[torch.Tensor] = None  # [rows] continuing rows: their slots (keys come from the cache)
-    mask: Optional[torch.Tensor] = None  # [rows, 1, width, span] continuing rows: key k visible to query q
-
-
-@dataclass
-class _Varlen:
-    """A packed prefill's attention as one variable-length call: row r's queries are packed tokens
-    ``cu_q[r]:cu_q[r+1]`` and its keys, gathered from its slot, are positions 0.. of ``kv_slot`` /
-    ``kv_pos`` entries ``cu_k[r]:cu_k[r+1]`` (its prefix, then its new tokens): causal aligned at
-    the end (query i of a row of q queries and k keys sees keys 0..k-q+i)."""
-
-    kv_slot: torch.Tensor  # [keys] slot of each gathered key
-    kv_pos: torch.Tensor  # [keys] its position in the slot
-    cu_q: torch.Tensor  # [rows + 1] int32
-    cu_k: torch.Tensor  # [rows + 1] int32
-    max_q: int
-    max_k: int
-
-
-@dataclass
-class _Packed:
-    """Where a packed prefill's tokens go: token t of the row is slot ``slot[t]`` position ``pos[t]``;
-    the groups cover the tokens in order (or ``varlen`` attends over every row in one call)."""
-
-    slot: torch.Tensor
-    pos: torch.Tensor
-    groups: list[_Group]
-    varlen: Optional[_Varlen] = None
-
-
-@dataclass
-class _Pass:
-    """What the swapped-in attention needs to know about the forward in flight."""
-
-    cache: "SlotKVCache"
-    slots: Optional[torch.Tensor]  # [R] slot of each row of a prefill; None: a decode pass over every slot
-    decode: bool  # one token per slot at position ``lengths[slot]``; else a prefill from position 0
-    block_mask: Any = None  # flex BlockMask of a decode pass on GPU
-    kv_mask: Optional[torch.Tensor] = None  # [R, 1, 1, T] bool of a decode pass without flex
-    # a prefill that continues slots whose KV already holds a prefix (None: every row starts at 0)
-    prefix_mask: Optional[torch.Tensor] = None  # [R, 1, S, T] bool: key k visible to query q of row r
-    write_at: Optional[tuple[torch.Tensor, ...]] = None  # (row, column, slot, position) of each real token
-    packed: Optional[_Packed] = None  # a packed prefill (PREFILL_LAYOUT): one row of every prompt's tokens
-
-
-def _heads_for_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """(key, value, enable_gqa) for a prefill's SDPA call. On CUDA every query head gets its own
-    K/V: a GQA call there may fall to the math kernel once cuDNN is excluded (nemo_dflash.attention)."""
-    gqa = query.shape[1] != key.shape[1]
-    if gqa and query.is_cuda:
-        group = query.shape[1] // key.shape[1]
-        return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1), False
-    return key, value, gqa
-
-
-def _slot_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    scaling: Optional[float] = None,
-    dropout: float = 0.0,
-    slot_pass: Optional[_Pass] = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: q [R, H, S, D], k/v [R, KVH, S, D] -> ([R, S, H, D], None)."""
-    if slot_pass is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside SlotEngine")
-    cache, layer = slot_pass.cache, module.layer_idx
-    if slot_pass.packed is not None:
-        return _packed_attention(cache.k[layer], cache.v[layer], slot_pass.packed, query, key, value, scaling), None
-    if slot_pass.decode:
-        rows = torch.arange(key.shape[0], device=key.device)
-        cache.k[layer][rows, :, cache.lengths] = key[:, :, 0]
-        cache.v[layer][rows, :, cache.lengths] = value[:, :, 0]
-        k_all, v_all = cache.k[layer], cache.v[layer]  # the whole cache, no copy: the mask bounds each slot
-        if slot_pass.block_mask is not None:
-            # The query heads that share a KV head become that head's query rows: no GQA for flex
-            # (its decoding kernel takes only power-of-two GQA ratios; SmolLM2's is 3), and q_len < 128
-            # picks the decoding kernel, which reads each slot's filled KV blocks once for the group.
-            rows, heads, _, dim = query.shape
-            grouped = query.reshape(rows, k_all.shape[1], heads // k_all.shape[1], dim)
-            out = cache.flex(grouped, k_all, v_all, block_mask=slot_pass.block_mask, scale=scaling)
-            out = out.reshape(rows, heads, 1, dim)
-        else:
-            out = F.scaled_dot_product_attention(
-                query, k_all, v_all, attn_mask=slot_pass.kv_mask, scale=scaling, enable_gqa=True
-            )
-    elif slot_pass.prefix_mask is not None:
-        # rows continue at their own offsets: write the real tokens' K/V after each slot's kept
-        # prefix, then attend over the slot rows up to the longest (the mask bounds each row)
-        row, col, slot, pos = slot_pass.write_at
-        cache.k[layer][slot, :, pos] = key.transpose(1, 2)[row, col]
-        cache.v[layer][slot, :, pos] = value.transpose(1, 2)[row, col]
-        span = slot_pass.prefix_mask.shape[-1]
-        k_all = cache.k[layer][slot_pass.slots, :, :span]
-        v_all = cache.v[layer][slot_pass.slots, :, :span]
-        k_all, v_all, gqa = _heads_for_sdpa(query, k_all, v_all)
-        out = F.scaled_dot_product_attention(
-            query, k_all, v_all, attn_mask=slot_pass.prefix_mask, scale=scaling, enable_gqa=gqa
-        )
-    else:
-        width = key.shape[2]
-        cache.k[layer][slot_pass.slots, :, :width] = key
-        cache.v[layer][slot_pass.slots, :, :width] = value
-        # prompts are right-padded and start at position 0: causal attention over the new keys only
-        key, value, gqa = _heads_for_sdpa(query, key, value)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _packed_attention(cache_k: torch.Tensor, cache_v: torch.Tensor, packed: _Packed, query: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
-    """A packed prefill's attention: q [1, H, N, D], k/v [1, KVH, N, D] -> [1, N, H, D]. Every token's
-    K/V goes to its slot; each group's rows are gathered into a right-padded batch: fresh rows attend
-    causally over their own keys, continuing rows over their slot's keys up to each query."""
-    q_tok, k_tok, v_tok = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, heads, D]
-    cache_k[packed.slot, :, packed.pos] = k_tok
-    cache_v[packed.slot, :, packed.pos] = v_tok
-    if packed.varlen is not None:
-        vl = packed.varlen
-        k = cache_k[vl.kv_slot, :, vl.kv_pos]  # [keys, KV heads, D]
-        v = cache_v[vl.kv_slot, :, vl.kv_pos]
-        return varlen_attention(q_tok, k, v, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, scaling)[None]
-    heads, dim = q_tok.shape[1:]
-    outs = []
-    for g in packed.groups:
-        q = q_tok[g.gather].view(g.rows, g.width, heads, dim).transpose(1, 2)
-        if g.slots is None:  # fresh rows from position 0: right-padded, causal over the new keys
-            k = k_tok[g.gather].view(g.rows, g.width, -1, dim).transpose(1, 2)
-            v = v_tok[g.gather].view(g.rows, g.width, -1, dim).transpose(1, 2)
-            k, v, gqa = _heads_for_sdpa(q, k, v)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:
-            span = g.mask.shape[-1]
-            k, v, gqa = _heads_for_sdpa(q, cache_k[g.slots, :, :span], cache_v[g.slots, :, :span])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).reshape(g.rows * g.width, heads, dim)[g.real])
-    return torch.cat(outs)[None]
-
-
-def varlen_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
-                               cu_k: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-    """:func:`varlen_attention` one row at a time with SDPA and an explicit end-aligned causal mask."""
-    outs = []
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
-    for r in range(len(bounds_q) - 1):
-        q = query[bounds_q[r]:bounds_q[r + 1]].transpose(0, 1)[None]  # [1, H, q, D]
-        k = key[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
-        v = value[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
-        nq, nk = q.shape[2], k.shape[2]
-        mask = torch.arange(nk, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None] + (nk - nq)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
-
-
-def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:
-    """Causal attention over packed rows of different lengths, aligned at each row's end:
-    q [queries, H, D], k/v [keys, KV heads, D] -> [queries, H, D]. On CUDA in 16-bit, one flash
-    call (PyTorch's own varlen kernel, GQA native); elsewhere :func:`varlen_attention_reference`."""
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        # is_causal: flash-attention 2 aligns the causal mask at the bottom right when rows have
-        # fewer queries than keys, which is what a row continuing after its cached prefix needs
-        return torch.ops.aten._flash_attention_forward(
-            query.contiguous(), key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
-    return varlen_attention_reference(query, key, value, cu_q, cu_k, scale)
+    def resolved(self, device_type: str) -> "EngineConfig":
+        """This configuration with every None replaced by ``device_type``'s default."""
+        cpu = device_type == "cpu"
+        defaults = {"decode_window": 1 if cpu else 12, "decode_compile": not cpu,
+                    "prefill_attention": "groups" if cpu else "varlen",
+                    "attention_group_cost": 4096.0 if cpu else 2_000_000.0,
+                    "refill_fraction": 16 if device_type == "cuda" else 2}
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 def check_supported(model: nn.Module) -> None:
@@ -375,53 +138,6 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"{name} uses sliding-window attention; the slot engine does not: use --engine generate")
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"{name} does not take transformers' attention interface: use --engine generate")
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, _slot_attention)
-
-
-def check_kv_fits(num_slots: int, width: int, slot_bytes: int, free_bytes: int) -> None:
-    """Raise ValueError (one line, naming the fix) if ``num_slots`` KV rows of ``slot_bytes`` each do
-    not fit in ``KV_MEMORY_FRACTION`` of ``free_bytes``: caught before the cache is allocated."""
-    fit = int(free_bytes * KV_MEMORY_FRACTION) // slot_bytes
-    if num_slots > fit:
-        raise ValueError(f"{num_slots} slots x {width} tokens need a {num_slots * slot_bytes / 1e9:.1f} GB KV cache "
-                         f"and {free_bytes / 1e9:.1f} GB is free: use --batch-size {max(fit, 1)} or less, or lower "
-                         f"--max-prompt-tokens / --max-new-tokens")
-
-
-class SlotKVCache:
-    """Per-layer K/V of ``num_slots`` sequences of up to ``width`` tokens, and each slot's fill."""
-
-    def __init__(self, config: Any, num_slots: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
-        layers, kv_heads, head_dim = self.kv_shape(config)
-        shape = (num_slots, kv_heads, width, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.width = width
-        self.flex: Optional[Callable[..., torch.Tensor]] = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    @staticmethod
-    def kv_shape(config: Any) -> tuple[int, int, int]:
-        """(layers, KV heads, head dim) of a transformers config."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return text.num_hidden_layers, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads
-
-    @classmethod
-    def slot_bytes(cls, config: Any, width: int, dtype: torch.dtype) -> int:
-        """Bytes of one slot's K and V over every layer."""
-        layers, kv_heads, head_dim = cls.kv_shape(config)
-        return 2 * layers * kv_heads * width * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -532,19 +248,14 @@ class SlotEngine:
         use_flex: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         reuse_slots: bool = True,
-        decode_window: Optional[int] = None,
-        decode_compile: Optional[bool] = None,
-        prefill_attention: Optional[str] = None,
-        overlap_checks: Optional[bool] = None,
+        config: Optional[EngineConfig] = None,
     ) -> None:
         if num_slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_slots, max_prompt_tokens and max_new_tokens must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
-        if prefill_attention not in (None, "groups", "varlen"):
-            raise ValueError(f"prefill_attention must be 'groups' or 'varlen' (got {prefill_attention!r})")
         check_supported(model)
-        _register_attention()
+        register_slot_attention()
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -553,39 +264,34 @@ class SlotEngine:
         self.num_slots = num_slots
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
-        width = _KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / _KV_BLOCK)
+        width = KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / KV_BLOCK)
         if self.device.type == "cuda":
             # free by the driver, plus what PyTorch's allocator holds unused (an earlier engine's cache)
             free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
                     - torch.cuda.memory_allocated(self.device))
             check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype), free)
         self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
+        self.config = (config or EngineConfig()).resolved(self.device.type)
         self.stop_ids = set(stop_ids)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.loop_detector, self.loop_check_every = loop_detector, loop_check_every
         self.stop_on_loop = stop_on_loop and loop_detector is not None
         # a window shorter than the loop-check period: an answer is due at most once per window
-        if decode_window is None:
-            decode_window = DECODE_WINDOW.get(self.device.type, DECODE_WINDOW["cuda"])
-        self.decode_window = max(1, min(decode_window,
+        self.decode_window = max(1, min(self.config.decode_window,
                                         loop_check_every - 1 if loop_check_every > 1 else 1))
         self.max_prefill_tokens = max(max_prefill_tokens, max_prompt_tokens)
         self.reuse_slots = reuse_slots  # False: every request is prefilled whole (the A/B baseline)
         # Free slots that trigger a refill. A prefill is one eager forward with a fixed cost: on a GPU
         # the decode step is cheap next to it at any fill, on a CPU an idle slot costs little.
-        self.min_refill = max(1, num_slots // (REFILL_FRACTION if self.device.type == "cuda" else 2))
+        self.min_refill = max(1, num_slots // self.config.refill_fraction)
         self.use_flex = self.device.type == "cuda" if use_flex is None else use_flex
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
         self._graph: Optional[torch.cuda.CUDAGraph] = None
-        if decode_compile is None:
-            decode_compile = DECODE_COMPILE.get(self.device.type, DECODE_COMPILE["cuda"])
-        self.decode_compile = decode_compile
-        # None: the device's default (the module's constants, which the benchmarks set)
-        self.prefill_attention = prefill_attention or PREFILL_ATTENTION.get(self.device.type, PREFILL_ATTENTION["cuda"])
-        self.overlap_checks = (OVERLAP_CHECKS.get(self.device.type, OVERLAP_CHECKS["cuda"]) if overlap_checks is None
-                               else overlap_checks)
+        decode_compile = self.config.decode_compile
+        self.decode_compile = decode_compile  # set False when the compiled step fails and it falls back to eager
+        self.prefill_attention = self.config.prefill_attention
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if decode_compile else self._step
         self.generated_tokens = 0
         self.steps = 0
@@ -593,7 +299,6 @@ class SlotEngine:
         self.reused_tokens = 0  # prompt tokens whose K/V a follow-up found in its slot (not prefilled)
         self.continued = 0  # follow-ups that continued in their conversation's slot
         self.prefix_short = 0  # of those, slots whose tokens were not all a prefix of the new prompt
-        self.discarded = 0  # OVERLAP_CHECKS: tokens of answers cut at a loop, decoded in the window past the cut
         self.redone = 0  # decode samples redone over the whole vocabulary (a nucleus wider than the candidates)
         # wall time by phase: prefill_fresh / _continue / _mixed, decode, host (bookkeeping), loop_check, caller
         # (between yields)
@@ -614,7 +319,7 @@ class SlotEngine:
 
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-        n_blocks = self.cache.width // _KV_BLOCK
+        n_blocks = self.cache.width // KV_BLOCK
         self._kv_len = torch.ones(self.num_slots, dtype=torch.int32, device=self.device)
         self._kv_blocks = torch.ones((self.num_slots, 1, 1), dtype=torch.int32, device=self.device)
         kv_indices = (
@@ -632,7 +337,7 @@ class SlotEngine:
         text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         self._block_mask = BlockMask.from_kv_blocks(
-            self._kv_blocks, kv_indices, BLOCK_SIZE=_KV_BLOCK, mask_mod=mask_mod,
+            self._kv_blocks, kv_indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
             seq_lengths=(group, self.cache.width), **extra,
         )
         self.cache.flex = flex_attention if self.device.type != "cuda" else torch.compile(flex_attention, dynamic=False)
@@ -650,9 +355,8 @@ class SlotEngine:
         the GPU: nothing here waits for it."""
         dev, rows = self.device, len(requests)
         starts = [0] * rows if starts is None else starts
-        forward = self._packed_forward if PREFILL_LAYOUT == "packed" else self._padded_forward
         with eager_attention_backends(dev):  # a new shape every prefill: no cuDNN plan builds
-            last = forward(slots, requests, starts)
+            last = self._packed_forward(slots, requests, starts)
         slot_t = self._index(slots)
         self.cache.lengths[slot_t] = self._index([len(r.prompt_ids) for r in requests])
         return self._logits(last), self._index([r.key for r in requests])
@@ -661,33 +365,6 @@ class SlotEngine:
         """:meth:`_prefill_logits`, then the first answer token of each prompt, sampled exactly."""
         logits, keys = self._prefill_logits(slots, requests, starts)
         return self._sample(logits, keys, torch.zeros_like(keys))
-
-    def _padded_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
-        """The prompts as right-padded rows of one batch -> the last prompt token's hidden state [R, hidden]."""
-        dev, rows = self.device, len(requests)
-        lens = np.fromiter((len(r.prompt_ids) - s for r, s in zip(requests, starts)), dtype=np.int64, count=rows)
-        width = int(lens.max())
-        real = np.arange(width)[None, :] < lens[:, None]  # [R, W]: the prompt tokens of the right-padded rows
-        ids = np.zeros((rows, width), dtype=np.int64)
-        ids[real] = np.fromiter(
-            itertools.chain.from_iterable(r.prompt_ids[s:] if s else r.prompt_ids for r, s in zip(requests, starts)),
-            dtype=np.int64, count=int(lens.sum()),
-        )
-        self.prefill_tokens += int(lens.sum())
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
-        len_t = torch.from_numpy(lens).to(dev)
-        positions = start_t[:, None] + torch.arange(width, device=dev)[None, :]
-        slot_pass = _Pass(self.cache, slot_t, decode=False)
-        if any(starts):
-            row, col = (torch.from_numpy(a).to(dev) for a in np.nonzero(real))
-            slot_pass.write_at = (row, col, slot_t[row], positions[row, col])
-            span = min(self.cache.width, 16 * math.ceil(int((start_t + len_t).max()) / 16))  # aligned mask rows
-            slot_pass.prefix_mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None])[:, None]
-        hidden = self.decoder(
-            input_ids=torch.from_numpy(ids).to(dev), position_ids=positions, use_cache=False, slot_pass=slot_pass
-        ).last_hidden_state
-        return hidden[torch.arange(rows, device=dev), len_t - 1]
 
     def _packed_forward(self, slots: list[int], requests: list[Request], starts: list[int]) -> torch.Tensor:
         """The prompts' tokens packed into one row (no padding outside attention) -> the last prompt
@@ -703,11 +380,11 @@ class SlotEngine:
         if varlen:
             order = np.arange(len(requests))
         else:
-            group_cost = ATTENTION_GROUP_COST_PAIRS.get(dev.type, ATTENTION_GROUP_COST_PAIRS["cuda"])
+            group_cost = self.config.attention_group_cost
             for fresh in (True, False):
                 idx = np.flatnonzero((start == 0) == fresh)
                 idx = idx[np.argsort(span[idx], kind="stable")]
-                kv_read = 0.0 if fresh else ATTENTION_KV_READ_QUERIES
+                kv_read = 0.0 if fresh else self.config.kv_read_queries
                 plan += [idx[i:j] for i, j in min_cost_attention_plan(lens[idx], span[idx], group_cost, kv_read)]
             order = np.concatenate(plan)
         offsets = np.concatenate([[0], np.cumsum(lens[order])])
@@ -724,7 +401,7 @@ class SlotEngine:
             cols = np.arange(width)[None, :]
             gather = offsets[first:first + n, None] + np.minimum(cols, glen[:, None] - 1)  # pads repeat the last
             real = np.flatnonzero((cols < glen[:, None]).ravel())
-            group = _Group(n, width, self._index(gather.ravel()), self._index(real))
+            group = AttentionGroup(n, width, self._index(gather.ravel()), self._index(real))
             if start[members].any():
                 keys = min(self.cache.width, 16 * math.ceil(int(span[members].max()) / 16))  # aligned mask rows
                 at = self._index(start[members][:, None] + cols)  # [n, width] each query's position
@@ -735,17 +412,17 @@ class SlotEngine:
         slot_t = self._index(slots)
         slot_tok = slot_t[self._index(order[row_of])]
         pos_t = self._index(pos)
-        packed = _Packed(slot_tok, pos_t, groups)
+        packed = PackedRows(slot_tok, pos_t, groups)
         if varlen:  # every row's keys: its slot's positions 0..span-1
             spans = span[order]
             cu_k = np.concatenate([[0], np.cumsum(spans)])
             key_row = np.repeat(np.arange(len(order)), spans)
             kv_pos = np.arange(int(cu_k[-1])) - cu_k[:-1][key_row]
-            packed.varlen = _Varlen(
+            packed.varlen = VarlenRows(
                 slot_t[self._index(order[key_row])], self._index(kv_pos),
                 self._index(offsets, torch.int32), self._index(cu_k, torch.int32),
                 int(lens.max()), int(spans.max()))
-        slot_pass = _Pass(self.cache, None, decode=False, packed=packed)
+        slot_pass = SlotPass(self.cache, decode=False, packed=packed)
         hidden = self.decoder(
             input_ids=self._index(ids)[None], position_ids=pos_t[None], use_cache=False,
             slot_pass=slot_pass,
@@ -757,10 +434,10 @@ class SlotEngine:
     def _decode_logits(self) -> torch.Tensor:
         """The forward of a decode pass: each slot's last token at its fill position -> logits [S, V]."""
         lengths = self.cache.lengths
-        slot_pass = _Pass(self.cache, None, decode=True)
+        slot_pass = SlotPass(self.cache, decode=True)
         if self.use_flex:
             self._kv_len.copy_(lengths + 1)
-            self._kv_blocks.copy_(((lengths + _KV_BLOCK) // _KV_BLOCK).view(-1, 1, 1))
+            self._kv_blocks.copy_(((lengths + KV_BLOCK) // KV_BLOCK).view(-1, 1, 1))
             slot_pass.block_mask = self._block_mask
         else:
             visible = torch.arange(self.cache.width, device=self.device)[None, :] <= lengths[:, None]
@@ -891,11 +568,6 @@ class SlotEngine:
         any_ended, any_wide, any_due, generated = self._flags.tolist()
         self.gpu.read()
         self._generated.zero_()
-        if self.overlap_checks:  # the window's tokens of answers cut before it ran (queued after it)
-            wasted = int(self._wasted)
-            self.discarded += wasted
-            generated -= wasted
-            self._wasted.zero_()
         rows = (self._wide_at >= 0).nonzero()[:, 0] if any_wide else None  # none left if only a cut answer's
         if rows is not None and len(rows):
             self.redone += len(rows)
@@ -976,12 +648,11 @@ class SlotEngine:
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
             self._wide_at = torch.full((S,), -1, dtype=torch.long, device=dev)  # answer position of a redo, -1: none
             self._generated = torch.zeros((), dtype=torch.long, device=dev)
-            self._wasted = torch.zeros((), dtype=torch.long, device=dev)  # tokens of cut answers past a window
             sampled = self.temperature > 0 and self.top_p < 1.0  # only then can a sample be too wide
             vocab = self.lm_head.weight.shape[0] if sampled else 1
             self._wide_logits = torch.zeros((S, vocab), dtype=torch.float32, device=dev)
         for t in (self._tokens, self._keys, self._answer_pos, self._active, self._ended, self._due, self.cache.lengths,
-                  self._generated, self._wasted):
+                  self._generated):
             t.zero_()
         self._wide_at.fill_(-1)
 
@@ -1022,40 +693,21 @@ class SlotEngine:
         held.clear()
 
     def _chunks(self, items: list[tuple[int, Request, int]]) -> Iterator[list[tuple[int, Request, int]]]:
-        """``items`` (slot, request, start) in prefill chunks: fresh prompts and continuations apart
-        (a fresh chunk attends over its own keys only) unless ``MERGE_PREFILLS``, sorted by the
-        tokens to prefill so rows of one chunk pad little, each within ``max_prefill_tokens``
-        (rows x longest), split as ``PREFILL_PLAN`` says. Packed (``PREFILL_LAYOUT``): fresh and
-        continuing rows together, each chunk within ``max_prefill_tokens`` real tokens."""
-
-        def kind(it: tuple[int, Request, int]) -> bool:
-            return False if MERGE_PREFILLS else it[2] > 0
+        """``items`` (slot, request, start) in packed prefill chunks: fresh and continuing rows
+        together, sorted by the tokens to prefill, each chunk within ``max_prefill_tokens`` real tokens."""
 
         def todo(it: tuple[int, Request, int]) -> int:
             return len(it[1].prompt_ids) - it[2]
 
-        if PREFILL_LAYOUT == "packed":  # no padding: as many tokens per forward as the cap allows
-            chunk, tokens = [], 0
-            for it in sorted(items, key=todo):
-                if chunk and tokens + todo(it) > self.max_prefill_tokens:
-                    yield chunk
-                    chunk, tokens = [], 0
-                chunk.append(it)
-                tokens += todo(it)
-            if chunk:
+        chunk, tokens = [], 0
+        for it in sorted(items, key=todo):
+            if chunk and tokens + todo(it) > self.max_prefill_tokens:
                 yield chunk
-            return
-        items = sorted(items, key=lambda it: (kind(it), todo(it)))
-        forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS["cuda"])
-        for _, group in itertools.groupby(items, key=kind):
-            rows = list(group)
-            lengths = [todo(it) for it in rows]
-            if PREFILL_PLAN == "greedy":
-                bounds = greedy_prefill_plan(lengths, self.max_prefill_tokens)
-            else:
-                bounds = min_cost_prefill_plan(lengths, self.max_prefill_tokens, forward_cost)
-            for i, j in bounds:
-                yield rows[i:j]
+                chunk, tokens = [], 0
+            chunk.append(it)
+            tokens += todo(it)
+        if chunk:
+            yield chunk
 
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
         self._start_state()
@@ -1101,7 +753,7 @@ class SlotEngine:
             checking = 0.0
             ended = self._ended.nonzero()[:, 0].tolist() if any_ended else []
             due = self._due.nonzero()[:, 0].tolist() if any_due else []
-            launching, early = 0.0, False
+            launching = 0.0
             if ended or due:
                 slots = ended + due
                 lengths = self._answer_pos[slots].tolist()
@@ -1110,11 +762,6 @@ class SlotEngine:
                 self._due[slots] = False
                 length_of = dict(zip(slots, lengths))
                 row_of = dict(zip(slots, rows))
-                if self.overlap_checks and len(requests) > len(ended):  # some answer goes on: launch now
-                    t3 = time.perf_counter()
-                    self._launch_window()
-                    launching = time.perf_counter() - t3
-                    in_flight = early = True
                 if self.stop_on_loop and due:
                     # each answer is checked at its own lengths k, 2k, ... (within a window an answer
                     # is due at most once, and it may have gone on past its due length): the cut does
@@ -1153,14 +800,6 @@ class SlotEngine:
                         gone.append(s)
                 idx = self._index(list(finished))
                 self._active[idx] = 0
-                cut = [s for s in due if s in finished and s not in ended] if early else []
-                if cut:  # answers cut at a loop ran the window launched above: drop its tokens and flags
-                    cut_t = self._index(cut)
-                    seen = self._index([length_of[s] for s in cut])
-                    self._wasted.add_((self._answer_pos[cut_t] - seen).sum())
-                    self._ended[cut_t] = False
-                    self._due[cut_t] = False
-                    self._wide_at[cut_t] = -1
                 if gone:  # a held slot keeps its fill: decode steps write past it, never into it
                     self.cache.lengths[self._index(gone)] = 0
             if requests and not in_flight:

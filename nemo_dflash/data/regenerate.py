@@ -21,7 +21,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
     TURNS, encode_prompt, encode_prompt_text, special_token_strings, split_prompt, stop_token_ids,
 )
-from nemo_dflash.data.generation import Completion, Request, SlotEngine
+from nemo_dflash.data.generation import Completion, EngineConfig, Request, SlotEngine
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.data.sources import Conversation
 
@@ -403,7 +403,7 @@ def regenerate_conversations(
     schedule: str = "most_turns_first",
     prefill_attention: Optional[str] = None,
     decode_compile: Optional[bool] = None,
-    overlap_checks: Optional[bool] = None,
+    engine_config: Optional[EngineConfig] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -441,9 +441,9 @@ def regenerate_conversations(
     ``schedule`` (:data:`SCHEDULES`) is the order conversations start in: ``"most_turns_first"``
     (with ``turns="all"``; it reads every conversation before the first starts) or as given.
 
-    ``prefill_attention``, ``decode_compile`` and ``overlap_checks`` are the slot engine's speed
-    switches (:class:`~nemo_dflash.data.generation.SlotEngine`; None: its defaults); none of them
-    changes a record.
+    ``engine_config`` holds the slot engine's speed settings (:class:`~nemo_dflash.data.generation.EngineConfig`;
+    None: the device's defaults); ``prefill_attention`` and ``decode_compile``, when given, override its
+    fields. None of them changes a record.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
@@ -472,7 +472,9 @@ def regenerate_conversations(
             model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
             stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
             stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
-            prefill_attention=prefill_attention, decode_compile=decode_compile, overlap_checks=overlap_checks,
+            config=replace(engine_config or EngineConfig(), **{
+                k: v for k, v in (("prefill_attention", prefill_attention), ("decode_compile", decode_compile))
+                if v is not None}),
         )
     else:
         gen = BatchedGenerateEngine(

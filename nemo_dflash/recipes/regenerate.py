@@ -102,9 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="slots: the decode step through torch.compile before it is captured (default: the "
                         "engine's); the output does not depend on it")
-    p.add_argument("--overlap-checks", choices=("on", "off"), default=None,
-                   help="slots: launch the next decode window before the loop checks (default: the engine's); "
-                        "the output does not depend on it")
     p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
                    help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
                         "ends there), drop the turn, or keep it")
@@ -670,7 +667,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
                 max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
                 schedule=args.schedule, prefill_attention=args.prefill_attention,
-                decode_compile=_on_off(args.decode_compile), overlap_checks=_on_off(args.overlap_checks),
+                decode_compile=_on_off(args.decode_compile),
                 stats=stats, progress=progress, should_stop=out_of_time,
             )
         try:

@@ -1,0 +1,108 @@
+"""docs/bench/ and benchmarks/: one row schema for the measurement files, and docs that cite only what exists."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "docs" / "bench"
+SCRIPTS = REPO / "benchmarks"
+HEAD = ("date", "commit", "device", "command")
+# The reference pages: they cite the current tools and files. CHANGELOG.md is history and may name removed ones.
+PAGES = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", sorted(BENCH.glob("*.json")), ids=lambda p: p.name)
+def test_every_measurement_file_is_a_list_of_rows(path):
+    rows = json.loads(path.read_text())
+    assert isinstance(rows, list) and rows, path
+    for i, row in enumerate(rows):
+        assert isinstance(row, dict), (path.name, i)
+        assert [k for k in HEAD if k not in row] == [], (path.name, i)
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), (path.name, i, row["date"])
+    dates = [r["date"] for r in rows]
+    assert dates == sorted(dates), f"{path.name}: rows are appended, so dates never go back"
+
+
+def test_training_throughput_rows_share_one_schema():
+    """Every row, old or new, names its shape, case and GPU count, and has the figures or the error."""
+    rows = json.loads((BENCH / "train_throughput.json").read_text())
+    for row in rows:
+        assert row["shape"] in ("qwen3_8b", "qwen3_4b", "small", "smollm2_135m"), row
+        assert isinstance(row["case"], str) and isinstance(row["world"], int), row
+        assert isinstance(row["packed"], bool) and isinstance(row["compiled"], bool), row
+        if "error" not in row:
+            assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_gb"] > 0, row
+    assert {r["world"] for r in rows} >= {1, 2, 4}
+
+
+def _expand(ref: str) -> list[str]:
+    """`a{b,c}d` -> [abd, acd]; `a|b` alternatives of one path segment -> both."""
+    parts = re.split(r"\{([^}]*)\}", ref)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    out = ["".join(c) for c in itertools.product(*choices)]
+    return [re.sub(r"[^/]*\|[^/]*", lambda m: m.group(0).split("|")[k], o) for o in out for k in (0, 1)] \
+        if any("|" in o for o in out) else out
+
+
+def _cited(pattern: str) -> set[tuple[str, str]]:
+    found = set()
+    for page in PAGES:
+        for ref in re.findall(pattern, page.read_text()):
+            found.add((page.name, ref.rstrip(".,:)")))
+    return found
+
+
+def test_the_pages_cite_only_scripts_that_exist():
+    missing = {(page, ref) for page, ref in _cited(r"benchmarks/[A-Za-z0-9_-]+\.(?:py|sh)\b") if not (REPO / ref).is_file()}
+    assert not missing, sorted(missing)
+
+
+def test_the_pages_cite_only_measurement_files_that_exist():
+    """A cited file exists, or is the output a shipped benchmark names and has not been run for yet."""
+    outputs = {m for f in SCRIPTS.iterdir() if f.is_file() for m in re.findall(r"docs/bench/[\w.-]+\.json", f.read_text())}
+    missing = set()
+    for page, ref in _cited(r"docs/bench/[A-Za-z0-9_./{},|-]+"):
+        if ref in outputs or "*" in ref:
+            continue
+        missing.update((page, p) for p in _expand(ref) if not (REPO / p).exists())
+    assert not missing, sorted(missing)
+
+
+def _py_scripts() -> list[Path]:
+    return sorted(p for p in SCRIPTS.glob("*.py") if p.name != "bench_rows.py")
+
+
+@pytest.mark.parametrize("script", _py_scripts(), ids=lambda p: p.name)
+def test_benchmarks_take_flags_not_environment_variables(script):
+    """Knobs are argparse flags; the environment is read only for torchrun's rank variables."""
+    tree = ast.parse(script.read_text())
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            owner = ast.unparse(node.func.value)
+            if (owner == "os.environ" and node.func.attr == "get") or ast.unparse(node.func) == "os.getenv":
+                reads.add(node.args[0].value)
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ" \
+                and isinstance(node.ctx, ast.Load):
+            reads.add(node.slice.value if isinstance(node.slice, ast.Constant) else ast.unparse(node.slice))
+    assert reads <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"}, sorted(reads)
+    assert "argparse" in script.read_text()
+
+
+@pytest.mark.parametrize("script", _py_scripts(), ids=lambda p: p.name)
+def test_every_benchmark_script_starts(script):
+    """`--help` runs: the script imports, and its flags parse."""
+    res = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout
