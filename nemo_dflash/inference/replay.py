@@ -135,7 +135,8 @@ class ReplayEvaluator:
     # ------------------------------------------------------------------ 1. greedy answers
 
     def _engine(self, n: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids: list[int]):
-        from nemo_dflash.data.generation import SlotEngine, SlotKVCache
+        from nemo_dflash.data.generation import EngineConfig, SlotEngine
+        from nemo_dflash.data.slot_attention import SlotKVCache
 
         slots = min(n, self.num_slots or MAX_SLOTS)
         if self.device.type == "cuda":
@@ -146,7 +147,7 @@ class ReplayEvaluator:
             slots = max(1, min(slots, int(free * KV_SHARE) // per_slot))
         return SlotEngine(self.model, num_slots=slots, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=0.0,
-                          decode_compile=self.decode_compile)
+                          config=EngineConfig(decode_compile=self.decode_compile))
 
     def _prompt_bound(self, prompts: Sequence[EvalPrompt]) -> int:
         """Tokens a turn's prompt can take: the whole conversation's user turns plus every earlier answer
