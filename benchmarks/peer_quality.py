@@ -1,4 +1,4 @@
-"""Drafter quality side by side with a peer trainer (SpecForge's DFlash), at equal data and steps (issue 17).
+"""Drafter quality side by side with a peer trainer (SpecForge's DFlash), at equal data and steps.
 
     python benchmarks/peer_quality.py --stage train --peer-src /path/to/SpecForge --target SmolLM2.gguf \
         --data regen.jsonl --out OUT [--json docs/bench/peer_quality.json] [--steps 800] [--minutes 7]
