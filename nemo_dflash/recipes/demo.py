@@ -61,9 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # Sizes per device. CPU: answers as long as the evaluation's (64 new tokens), prompts <= 128 tokens,
 # ShareGPT and HumanEval-style code prompts about half and half (1,413 and 1,383 in the pool).
+# Regeneration stops generating after 2 minutes (it then finishes the answers in flight, and reading
+# the prompt sources takes ~0.4 min): 3 minutes left training 2 of an 11-minute budget on a shared CPU.
 SIZES = {
     "cpu": dict(out="outputs/smollm2_demo", num_conversations=512, max_new_tokens=64, max_prompt_tokens=128,
-                batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=3.0, train_minutes=None,
+                batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=2.0, train_minutes=None,
                 budget_minutes=11.0, recipe="smollm2_135m.yaml"),
     "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=20000, max_new_tokens=512, max_prompt_tokens=192,
                  batch_size=1024, data=("sharegpt",), regenerate_minutes=None, train_minutes=8.0,
