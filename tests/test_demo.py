@@ -86,3 +86,14 @@ def test_report_names_existing_outputs_the_curve_and_the_table(tmp_path):
     assert text.splitlines()[-1].endswith("block 4): before 1.00 -> after 1.30 (1.30x)")
     assert "8 prompts per benchmark, up to 64 new tokens, 1 turn, T=0" in text.splitlines()[-1]
     assert "10.0 min on cpu, 1 thread(s), fp32" in text
+
+
+def test_threads_are_probed_again_before_a_phase_unless_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "pick_cpu_settings", lambda threads, dtype: calls.append((threads, dtype)) or (1, dtype, {}))
+    cpu = {"threads": 2, "dtype": "fp32"}
+    demo.refresh_threads(cpu, "train", None)
+    assert calls == [(None, "fp32")] and cpu["threads_by_phase"] == {"train": 1}  # the dtype is kept
+    demo.refresh_threads(cpu, "eval_after", 2)  # --threads given: never re-probed
+    demo.refresh_threads({}, "train", None)  # GPU run: nothing to probe
+    assert len(calls) == 1

@@ -128,6 +128,17 @@ def pick_cpu_settings(threads: Optional[int], dtype: str) -> tuple[int, str, dic
     return best_threads, best_dtype, {f"{t} thread(s) {d}": round(s * 1e3, 2) for (t, d), s in table.items()}
 
 
+def refresh_threads(cpu: dict[str, Any], phase: str, given: Optional[int]) -> None:
+    """Probe the threads again before `phase` (the dtype stays: the model is loaded): other work that
+    started on a core since the last probe would make two threads many times slower."""
+    if not cpu or given is not None:
+        return
+    threads, _, probe = pick_cpu_settings(None, cpu["dtype"])
+    cpu.setdefault("threads_by_phase", {})[phase] = threads
+    if threads != cpu["threads"]:
+        logger.info("%s: %d thread(s) now (probe, ms: %s)", phase, threads, probe)
+
+
 def train_minutes_left(budget_min: float, elapsed_min: float, eval_min: float) -> float:
     """Training's share of a time budget: what is left after the phases so far, less one more
     evaluation (the after-training one costs about what the before one did) and a reserve."""
@@ -216,10 +227,12 @@ def main(argv=None) -> dict:
     sizes["train_minutes"] = round(train_minutes, 2)
     trainer.cfg.train.max_minutes = train_minutes
     logger.info("training for up to %.1f minutes", train_minutes)
+    refresh_threads(cpu, "train", args.threads)
     t1 = time.perf_counter()
     with user_errors(*user_error_types()):
         summary = trainer.fit()
     timings["train_s"] = time.perf_counter() - t1
+    refresh_threads(cpu, "eval_after", args.threads)
     t1 = time.perf_counter()
     after = _acceptance(trainer.target_model, trainer.tokenizer, trainer.draft, prompt_sets, args.eval_new_tokens)
     timings["eval_after_s"] = time.perf_counter() - t1
