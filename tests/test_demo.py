@@ -1,0 +1,99 @@
+"""The demo's CPU decisions and its closing report (no model: the pieces `main` composes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_dflash.recipes import demo
+
+
+def test_probe_picks_the_fastest_threads_and_dtype(monkeypatch):
+    seconds = {(1, "bf16"): 0.015, (1, "fp32"): 0.012, (2, "bf16"): 0.140, (2, "fp32"): 0.139}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(demo, "_probe_seconds",
+                        lambda threads, dtype: seconds[(threads, "bf16" if "bfloat16" in str(dtype) else "fp32")])
+    threads, dtype, table = demo.pick_cpu_settings(None, "auto")
+    assert (threads, dtype) == (1, "fp32")
+    assert table == {"1 thread(s) bf16": 15.0, "1 thread(s) fp32": 12.0, "2 thread(s) bf16": 140.0,
+                     "2 thread(s) fp32": 139.0}
+    # an idle machine with fast bf16: two threads, bf16
+    seconds.update({(2, "bf16"): 0.004})
+    assert demo.pick_cpu_settings(None, "auto")[:2] == (2, "bf16")
+    # given values are kept (only they are timed)
+    assert demo.pick_cpu_settings(2, "fp32")[:2] == (2, "fp32")
+    assert list(demo.pick_cpu_settings(1, "bf16")[2]) == ["1 thread(s) bf16"]
+
+
+def test_the_real_probe_times_something():
+    assert 0 < demo._probe_seconds(1, torch.float32, reps=1) < 10
+
+
+def test_training_gets_the_budget_left_after_one_more_evaluation():
+    # 11-minute budget, 4.0 spent (regeneration and the first evaluation), the first evaluation took 1.5
+    assert demo.train_minutes_left(11.0, 4.0, 1.5) == pytest.approx(11.0 - 4.0 - 1.5 - demo.EVAL_RESERVE_MIN)
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--budget-minutes", "0"], ["--train-minutes", "-1"],
+                                  ["--num-conversations", "0"]])
+def test_bad_sizes_are_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and argv[0] in err[0]
+
+
+def test_cpu_sizes_fill_only_what_is_unset():
+    args = demo.parse_args(["--device", "cpu", "--budget-minutes", "9", "--num-conversations", "64"])
+    device, sizes = demo.resolve_sizes(args)
+    assert device == "cpu" and sizes["budget_minutes"] == 9 and sizes["num_conversations"] == 64
+    assert sizes["max_new_tokens"] == demo.QUICK.max_new_tokens  # answers as long as the evaluation decodes
+    assert sizes["train_minutes"] is None  # fitted into the budget
+
+
+def _metrics(run: Path) -> None:
+    rows = [{"step": 0, "eval_accept_len": 1.0}, {"step": 5, "loss": 9.0, "tokens": 10, "accept_len": 1.0},
+            {"step": 25, "eval_accept_len": 1.0625}, {"step": 40, "eval_accept_len": 1.25, "tokens": 99}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_names_existing_outputs_the_curve_and_the_table(tmp_path):
+    run = tmp_path / "run"
+    (run / "final" / "draft").mkdir(parents=True)
+    _metrics(run)
+    (run / "curves.png").write_bytes(b"png")
+    result = {
+        "device": "cpu", "cpu": {"threads": 1, "dtype": "fp32"},
+        "acceptance_before": {"mt_bench": 1.0, "humaneval": 1.0},
+        "acceptance_after": {"mt_bench": 1.1, "humaneval": 1.5},
+        "timings": {"total_s": 600, "regenerate_s": 120, "train_s": 240, "eval_before_s": 90, "eval_after_s": 80},
+        "train": {"steps": 40, "tokens_seen": 1000, "eval_accept_len": 1.25, "final_draft": str(run / "final" / "draft"),
+                  "data": {"train_samples": 200, "supervised_tokens": 9000}},
+    }
+    cfg = SimpleNamespace(draft=SimpleNamespace(num_layers=2, block_size=4))
+    text = demo.report(result, cfg, tmp_path, {"mt_bench": [0] * 8, "humaneval": [0] * 8}, 64)
+    assert f"curves (PNG)      {run / 'curves.png'}" in text
+    assert f"trained draft     {run / 'final' / 'draft'}" in text
+    assert "run config" not in text and "regenerated data" not in text  # not written: not named
+    assert "held-out simulated acceptance by step: 0:1.00 25:1.06 40:1.25" in text
+    assert "humaneval      1.00    1.50  1.50x" in text
+    assert text.splitlines()[-1].endswith("block 4): before 1.00 -> after 1.30 (1.30x)")
+    assert "8 prompts per benchmark, up to 64 new tokens, 1 turn, T=0" in text.splitlines()[-1]
+    assert "10.0 min on cpu, 1 thread(s), fp32" in text
+
+
+def test_threads_are_probed_again_before_a_phase_unless_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "pick_cpu_settings", lambda threads, dtype: calls.append((threads, dtype)) or (1, dtype, {}))
+    cpu = {"threads": 2, "dtype": "fp32"}
+    demo.refresh_threads(cpu, "train", None)
+    assert calls == [(None, "fp32")] and cpu["threads_by_phase"] == {"train": 1}  # the dtype is kept
+    demo.refresh_threads(cpu, "eval_after", 2)  # --threads given: never re-probed
+    demo.refresh_threads({}, "train", None)  # GPU run: nothing to probe
+    assert len(calls) == 1
