@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-minutes", type=float, default=None,
                    help="training time budget (default on a CPU: what --budget-minutes leaves)")
     p.add_argument("--budget-minutes", type=float, default=None,
-                   help="the whole run's time budget on a CPU (default 11); training is fitted into it")
+                   help="the whole run's time budget on a CPU (default 11.5); training is fitted into it")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 or every core, whichever the probe finds faster now)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 SIZES = {
     "cpu": dict(out="outputs/smollm2_demo", num_conversations=512, max_new_tokens=64, max_prompt_tokens=128,
                 batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=2.0, train_minutes=None,
-                budget_minutes=11.0, recipe="smollm2_135m.yaml"),
+                budget_minutes=11.5, recipe="smollm2_135m.yaml"),
     "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=20000, max_new_tokens=512, max_prompt_tokens=192,
                  batch_size=1024, data=("sharegpt",), regenerate_minutes=None, train_minutes=8.0,
                  budget_minutes=None, recipe="smollm2_135m_gpu.yaml"),
