@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Sizes per device. CPU: answers as long as the evaluation's (64 new tokens), prompts <= 128 tokens,
 # ShareGPT and HumanEval-style code prompts about half and half (1,413 and 1,383 in the pool).
 # Regeneration stops generating after 2 minutes (it then finishes the answers in flight, and reading
-# the prompt sources takes ~0.4 min): 3 minutes left training 2 of an 11-minute budget on a shared CPU.
+# the prompt sources takes ~0.4 min: 3.2 minutes on a shared CPU). The evaluations by replay take
+# ~0.5 min (greedy answers 19 s, each replay 11-13 s): training gets ~7 of the 11.5 minutes.
 SIZES = {
     "cpu": dict(out="outputs/smollm2_demo", num_conversations=512, max_new_tokens=64, max_prompt_tokens=128,
                 batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=2.0, train_minutes=None,
