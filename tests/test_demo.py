@@ -1,4 +1,8 @@
-"""The demo's CPU decisions and its closing report (no model: the pieces `main` composes)."""
+"""The demo's CPU decisions, its held-out acceptance and its closing report (the pieces `main` composes).
+
+The held-out acceptance (replay of the target's greedy answers, generated once) is checked against
+the one-at-a-time speculative decoder on a tiny random fp32 target, before and after the draft learns.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,18 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import shutil
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from nemo_dflash.inference.evaluate import evaluate_acceptance
+from nemo_dflash.inference.replay import ReplayEvaluator
 from nemo_dflash.recipes import demo
+
+from _spec_fixtures import make_draft, qwen_tokenizer_files
+from test_eval_replay import BLOCK, QWEN3_MASK_ID, make_target, prompts, train_draft
 
 
 def test_probe_picks_the_fastest_threads_and_dtype(monkeypatch):
@@ -72,7 +84,8 @@ def test_report_names_existing_outputs_the_curve_and_the_table(tmp_path):
         "device": "cpu", "cpu": {"threads": 1, "dtype": "fp32"},
         "acceptance_before": {"mt_bench": 1.0, "humaneval": 1.0},
         "acceptance_after": {"mt_bench": 1.1, "humaneval": 1.5},
-        "timings": {"total_s": 600, "regenerate_s": 120, "train_s": 240, "eval_before_s": 90, "eval_after_s": 80},
+        "timings": {"total_s": 600, "regenerate_s": 120, "train_s": 240, "eval_greedy_s": 30, "eval_before_s": 12,
+                    "eval_after_s": 12},
         "train": {"steps": 40, "tokens_seen": 1000, "eval_accept_len": 1.25, "final_draft": str(run / "final" / "draft"),
                   "data": {"train_samples": 200, "supervised_tokens": 9000}},
     }
@@ -85,7 +98,8 @@ def test_report_names_existing_outputs_the_curve_and_the_table(tmp_path):
     assert "humaneval      1.00    1.50  1.50x" in text
     assert text.splitlines()[-1].endswith("block 4): before 1.00 -> after 1.30 (1.30x)")
     assert "8 prompts per benchmark, up to 64 new tokens, 1 turn, T=0" in text.splitlines()[-1]
-    assert "10.0 min on cpu, 1 thread(s), fp32" in text
+    assert "10.0 min on cpu, 1 thread(s), fp32 (regenerate 2.0, train 4.0, evaluate 0.9)" in text
+    assert "(T=0 speculative decoding, by replay; 8 prompts per benchmark" in text.splitlines()[-1]
 
 
 def test_threads_are_probed_again_before_a_phase_unless_given(monkeypatch):
@@ -97,3 +111,51 @@ def test_threads_are_probed_again_before_a_phase_unless_given(monkeypatch):
     demo.refresh_threads(cpu, "eval_after", 2)  # --threads given: never re-probed
     demo.refresh_threads({}, "train", None)  # GPU run: nothing to probe
     assert len(calls) == 1
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+    for f in qwen_tokenizer_files().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    return AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+
+
+def test_held_out_acceptance_is_the_sequential_decoders_and_generates_once(tokenizer, monkeypatch):
+    """Reference: `evaluate_acceptance` (the one-at-a-time speculative decoder the demo used before),
+    in fp32, on the same prompts: equal before training (an untrained draft) and after (the same draft
+    trained on the target's answers), while the target's greedy answers are generated only once."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _held_out_acceptance_case(tokenizer, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _held_out_acceptance_case(tokenizer, monkeypatch) -> None:
+    target = make_target("llama", tokenizer)
+    draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
+    items = prompts()
+    sets = {"mt_bench": items[:3], "other": items[3:]}
+    generated = []
+    greedy_answers = ReplayEvaluator.greedy_answers
+    monkeypatch.setattr(ReplayEvaluator, "greedy_answers",
+                        lambda self, ps: generated.append(len(ps)) or greedy_answers(self, ps))
+    acceptance = demo.HeldOutAcceptance(sets, max_new_tokens=24)
+
+    def sequential() -> dict[str, float]:
+        return {name: evaluate_acceptance(target, tokenizer, draft, ps, max_new_tokens=24, warmup=False)[
+            "mean_acceptance_length"] for name, ps in sets.items()}
+
+    draft.train()
+    before = acceptance(target, tokenizer, draft)
+    assert draft.training  # the draft's mode is given back, as a training loop expects
+    assert before == sequential()
+    assert generated == [len(items)] and acceptance.greedy_s > 0  # both sets in one batch
+    # the draft learns the target's answers (as the demo's training does between the two evaluations)
+    pairs = [(g.prompt_ids, g.output_ids + g.beyond) for name in sets for g in acceptance.greedy[name]]
+    train_draft(target, draft, pairs)
+    after = acceptance(target, tokenizer, draft)
+    assert generated == [len(items)]  # the same greedy answers, replayed along the trained draft
+    assert after == sequential()
+    assert all(after[name] > before[name] for name in sets), (before, after)  # the check can fail
