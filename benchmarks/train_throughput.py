@@ -269,7 +269,7 @@ def make_real_packed_batches(n: int, rows: int, pack_length: int, data: str, tok
     import numpy as np
 
     from nemo_dflash.data.config import DataConfig, DataSourceConfig
-    from nemo_dflash.data.dataset import build_datasets
+    from nemo_dflash.data.dataset import build_datasets, pad_token_id_of
     from nemo_dflash.data.packing import PackedCollator, plan_packed_steps
     from nemo_dflash.target.loading import load_tokenizer
 
@@ -279,7 +279,7 @@ def make_real_packed_batches(n: int, rows: int, pack_length: int, data: str, tok
     steps = plan_packed_steps(order, ds.lengths, rows, pack_length)[:n]
     if len(steps) < n:
         raise SystemExit(f"{data}: {len(ds)} conversations fill only {len(steps)} packed steps; ask fewer")
-    collate = PackedCollator(pad_token_id=0, rows=rows, pack_length=pack_length)
+    collate = PackedCollator(pad_token_id=pad_token_id_of(tok), rows=rows, pack_length=pack_length)
     return [collate([ds[int(i)] for i in step]) for step in steps]
 
 

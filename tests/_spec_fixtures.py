@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -15,6 +16,17 @@ from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
 
 VOCAB = 256
 MASK_ID = VOCAB - 1
+QWEN3_MASK_ID = 151669  # a spare row of the real Qwen3 vocabulary (151936 rows)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Many tiny forwards: on a shared 2-core CPU extra threads only add contention. Import it into a
+    test module to make it apply there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_qwen3(num_layers: int = 4, vocab: int = VOCAB, hidden: int = 64, seed: int = 0) -> Qwen3ForCausalLM:
@@ -61,7 +73,7 @@ def qwen_tokenizer_files() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
 
 
-def save_tiny_qwen3_target(out: Path, num_layers: int = 2, hidden: int = 32) -> Path:
+def save_tiny_qwen3_target(out: Path, num_layers: int = 2, hidden: int = 32, seed: int = 0) -> Path:
     """A tiny random Qwen3 causal LM with the real Qwen3 tokenizer, saved as an HF dir."""
     from transformers import AutoTokenizer
 
@@ -70,7 +82,7 @@ def save_tiny_qwen3_target(out: Path, num_layers: int = 2, hidden: int = 32) -> 
     for f in src.iterdir():
         shutil.copy(f, out / f.name)
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    model = tiny_qwen3(num_layers=num_layers, vocab=151936, hidden=hidden)
+    model = tiny_qwen3(num_layers=num_layers, vocab=151936, hidden=hidden, seed=seed)
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
     return out

@@ -9,36 +9,22 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from nemo_dflash.export import export_draft
 from nemo_dflash.files import write_complete_marker
 from nemo_dflash.inference import eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 
-from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_llama, tiny_qwen3
+from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_llama, tiny_qwen3
+from _spec_fixtures import single_thread  # noqa: F401 (an autouse fixture, applied by importing it)
 
-QWEN3_MASK_ID = 151669
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("target")
-    for f in qwen_tokenizer_files().iterdir():
-        shutil.copy(f, out / f.name)
-    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    model = tiny_qwen3(num_layers=2, vocab=151936, hidden=32, seed=4)
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(out)
-    return out
+    return save_tiny_qwen3_target(tmp_path_factory.mktemp("target"), seed=4)
 
 
 def _draft(seed: int = 1, **kw):

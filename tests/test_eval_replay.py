@@ -22,19 +22,13 @@ from nemo_dflash.inference.evaluate import ConversationDecoder, EvalPrompt, Eval
 from nemo_dflash.inference.replay import ReplayEvaluator, walk
 from nemo_dflash.target import HFDFlashTargetModel
 
-from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_llama, tiny_qwen3
+from _spec_fixtures import QWEN3_MASK_ID, make_draft, qwen_tokenizer_files, tiny_llama, tiny_qwen3
+from _spec_fixtures import single_thread  # noqa: F401 (an autouse fixture, applied by importing it)
 
-QWEN3_MASK_ID = 151669
 BLOCK = 4
 MAX_NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

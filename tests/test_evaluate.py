@@ -4,7 +4,6 @@ bookkeeping (first-256 tau, loops), and the command end to end (resume, workers,
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -33,32 +32,18 @@ from nemo_dflash.inference import eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 from nemo_dflash.data.regenerate import stop_token_ids
 
-from _spec_fixtures import make_draft, qwen_tokenizer_files, tiny_qwen3
+from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_qwen3
+from _spec_fixtures import single_thread  # noqa: F401 (an autouse fixture, applied by importing it)
 
-QWEN3_MASK_ID = 151669
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Many tiny forwards: on a shared 2-core CPU extra threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
     """A tiny random Qwen3 with the real tokenizer; seed 4 answers MT-Bench with visible text
     (most seeds answer newlines only, which would make "turn 2 holds the answer" a weak check)."""
-    out = tmp_path_factory.mktemp("target")
-    for f in qwen_tokenizer_files().iterdir():
-        shutil.copy(f, out / f.name)
-    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    model = tiny_qwen3(num_layers=2, vocab=151936, hidden=32, seed=4)
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(out)
-    return out
+    return save_tiny_qwen3_target(tmp_path_factory.mktemp("target"), seed=4)
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,14 @@ computes the same global plan and takes every world_size-th step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 
-from nemo_dflash.data.sampler import EpochBatchIterator
+from nemo_dflash.data.sampler import EpochSampler
 
 
 def first_fit(lengths: Sequence[int], rows: int, pack_length: int) -> tuple[list[int], int]:
@@ -88,7 +87,7 @@ def plan_packed_steps(order: np.ndarray, lengths: np.ndarray, rows: int, pack_le
     return steps
 
 
-class PackedBatchSampler(Sampler[list[int]]):
+class PackedBatchSampler(EpochSampler):
     """Yield this rank's packed steps as lists of dataset indices (in placement order)."""
 
     def __init__(
@@ -135,15 +134,6 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.batches(self.epoch))
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return EpochBatchIterator(self, self.epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch = int(state_dict["epoch"])
 
     def _signature(self) -> dict[str, Any]:
         return {

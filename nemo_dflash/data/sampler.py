@@ -25,7 +25,23 @@ from nemo_dflash.data.sources import DataError
 logger = logging.getLogger(__name__)
 
 
-class ChatBatchSampler(Sampler[list[int]]):
+class EpochSampler(Sampler[list[int]]):
+    """What the padded and the packed samplers share: an epoch counter as their whole state, and an
+    iterator over ``batches(epoch)`` that resumes mid-epoch (`EpochBatchIterator`)."""
+
+    epoch: int
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return EpochBatchIterator(self, self.epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epoch = int(state_dict["epoch"])
+
+
+class ChatBatchSampler(EpochSampler):
     """Yield this rank's batches of dataset indices.
 
     The epoch's index permutation is padded by repetition to a multiple of
@@ -102,15 +118,6 @@ class ChatBatchSampler(Sampler[list[int]]):
     def batches(self, epoch: int) -> np.ndarray:
         """This rank's batches for ``epoch``: ``[steps, batch_size]``."""
         return self.global_batches(epoch)[:, self.rank, :]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return EpochBatchIterator(self, self.epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch = int(state_dict["epoch"])
 
     def _signature(self) -> dict[str, Any]:
         return {
