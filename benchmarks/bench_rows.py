@@ -28,7 +28,9 @@ def git_commit() -> Optional[str]:
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        # a copied tree without .git (e.g. sent to a GPU machine) names its commit in .commit
+        marker = REPO / ".commit"
+        return marker.read_text().strip() + " (copied tree)" if marker.is_file() else None
     return head + ("+dirty" if dirty else "")
 
 

@@ -15,17 +15,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from bench_rows import git_commit
+
 
 def row(summary: dict[str, Any], device: str, command: str) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = git_commit() or "unknown"
     return {
         "date": datetime.date.today().isoformat(), "commit": commit, "device": device, "command": command,
         "sources": summary["sources"], "decontamination": summary["decontamination"],
