@@ -159,3 +159,47 @@ def _held_out_acceptance_case(tokenizer, monkeypatch) -> None:
     assert generated == [len(items)]  # the same greedy answers, replayed along the trained draft
     assert after == sequential()
     assert all(after[name] > before[name] for name in sets), (before, after)  # the check can fail
+
+
+def test_gpu_report_gives_tau_and_speedup_with_the_protocol(tmp_path):
+    result = {
+        "device": "cuda", "cpu": {},
+        "acceptance_before": {"mt_bench": 1.0, "humaneval": 1.0},
+        "acceptance_after": {"mt_bench": 1.5, "humaneval": 1.5},
+        "timings": {"total_s": 420, "regenerate_s": 80, "train_s": 220, "eval_greedy_s": 10, "eval_before_s": 5,
+                    "eval_after_s": 3},
+        "train": {"steps": 500, "tokens_seen": 10**7, "final_draft": str(tmp_path)},
+        "speedup": {"mtbench": {"mean_acceptance_length": 1.45, "speedup": 0.9393,
+                                "per_prompt_speedup": {"median": 0.95}}},
+    }
+    result["train"]["data"] = {"train_samples": 10, "supervised_tokens": 100}
+    cfg = SimpleNamespace(draft=SimpleNamespace(num_layers=5, block_size=16))
+    text = demo.report(result, cfg, tmp_path, {"mt_bench": [0] * 8, "humaneval": [0] * 8}, 64)
+    assert ("mtbench     tau 1.45, speedup 0.94x (median prompt 0.95x; T=0, 1 turn, up to 64 new tokens, "
+            "CUDA graphs on both sides, batch 1)") in text
+    assert "7.0 min on cuda (" in text
+
+
+def test_timed_speedup_runs_evaluate_on_the_run_and_reads_its_results(tmp_path, monkeypatch):
+    """The GPU demo's speedup is `evaluate`'s, on the demo's run dir, at the demo's protocol."""
+    from nemo_dflash.recipes import evaluate
+
+    seen = {}
+
+    def fake_main(argv):
+        seen["argv"] = argv
+        out = tmp_path / "eval"
+        out.mkdir()
+        r = {"mean_acceptance_length": 1.5, "speedup": 1.1, "per_prompt_speedup": {"median": 1.0}, "ar": {}}
+        (out / "results.json").write_text(json.dumps({"speedup": {"0": {"mtbench": r, "humaneval": r}}}))
+        return 0
+
+    monkeypatch.setattr(evaluate, "main", fake_main)
+    speed = demo.timed_speedup(tmp_path, 8, 64)
+    argv = seen["argv"]
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag("--draft") == str(tmp_path / "run") and flag("--decode") == "graphs"
+    assert flag("--temperatures") == "0" and flag("--num-prompts") == flag("--speedup-prompts") == "8"
+    assert flag("--max-new-tokens") == "64" and "--overwrite" in argv
+    assert speed == {n: {"mean_acceptance_length": 1.5, "speedup": 1.1, "per_prompt_speedup": {"median": 1.0}}
+                     for n in ("mtbench", "humaneval")}
