@@ -40,7 +40,9 @@ def test_training_throughput_rows_share_one_schema():
         assert isinstance(row["case"], str) and isinstance(row["world"], int), row
         assert isinstance(row["packed"], bool) and isinstance(row["compiled"], bool), row
         if "error" not in row:
-            assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_gb"] > 0, row
+            assert row["tokens_per_s"] > 0 and row["peak_gb"] > 0, row
+            # a recipe's own training logs no FLOP count: its row has no MFU rather than a borrowed one
+            assert (0 < row["mfu"] < 1) if row["mfu"] is not None else "recipes.train" in row["command"], row
     assert {r["world"] for r in rows} >= {1, 2, 4}
 
 

@@ -167,7 +167,7 @@ def test_gpu_report_gives_tau_and_speedup_with_the_protocol(tmp_path):
         "acceptance_before": {"mt_bench": 1.0, "humaneval": 1.0},
         "acceptance_after": {"mt_bench": 1.5, "humaneval": 1.5},
         "timings": {"total_s": 420, "regenerate_s": 80, "train_s": 220, "eval_greedy_s": 10, "eval_before_s": 5,
-                    "eval_after_s": 3},
+                    "eval_after_s": 3, "speedup_s": 42},
         "train": {"steps": 500, "tokens_seen": 10**7, "final_draft": str(tmp_path)},
         "speedup": {"mtbench": {"mean_acceptance_length": 1.45, "speedup": 0.9393,
                                 "per_prompt_speedup": {"median": 0.95}}},
@@ -177,7 +177,7 @@ def test_gpu_report_gives_tau_and_speedup_with_the_protocol(tmp_path):
     text = demo.report(result, cfg, tmp_path, {"mt_bench": [0] * 8, "humaneval": [0] * 8}, 64)
     assert ("mtbench     tau 1.45, speedup 0.94x (median prompt 0.95x; T=0, 1 turn, up to 64 new tokens, "
             "CUDA graphs on both sides, batch 1)") in text
-    assert "7.0 min on cuda (" in text
+    assert "7.0 min on cuda (regenerate 1.3, train 3.7, evaluate 1.0)" in text  # the timed decodes included
 
 
 def test_timed_speedup_runs_evaluate_on_the_run_and_reads_its_results(tmp_path, monkeypatch):

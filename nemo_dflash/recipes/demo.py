@@ -334,7 +334,8 @@ def report(result: dict, cfg, out: Path, prompt_sets: dict, eval_new_tokens: int
         "acceptance_after"]
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     run = out / "run"
-    evaluate_s = timings.get("eval_greedy_s", 0.0) + timings["eval_before_s"] + timings["eval_after_s"]
+    evaluate_s = (timings.get("eval_greedy_s", 0.0) + timings["eval_before_s"] + timings["eval_after_s"]
+                  + timings.get("speedup_s", 0.0))
     device = result["device"]
     on = f"{device}, {result['cpu']['threads']} thread(s), {result['cpu']['dtype']}" if result.get("cpu") else device
     lines = [
