@@ -203,3 +203,18 @@ def test_timed_speedup_runs_evaluate_on_the_run_and_reads_its_results(tmp_path, 
     assert flag("--max-new-tokens") == "64" and "--overwrite" in argv
     assert speed == {n: {"mean_acceptance_length": 1.5, "speedup": 1.1, "per_prompt_speedup": {"median": 1.0}}
                      for n in ("mtbench", "humaneval")}
+
+
+def test_replay_hands_the_cuda_graph_choice_to_its_engine(tokenizer):
+    """The GPU demo replays with eager modules, whose uncompiled flex_attention a CUDA graph cannot
+    capture: it asks for no graph rather than a failed capture and a warning."""
+    from nemo_dflash.inference.evaluate import EvalSettings
+
+    target = make_target("llama", tokenizer)
+    draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
+    settings = EvalSettings(max_new_tokens=8, temperature=0.0, turns=1, warmup=False)
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):  # asked for, on a CPU: refused
+        ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=True).greedy_answers(prompts()[:1])
+    assert ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=False).greedy_answers(prompts()[:1])
+    assert demo.HeldOutAcceptance({}, 8, eager=True).cuda_graph is False
+    assert demo.HeldOutAcceptance({}, 8).cuda_graph is None

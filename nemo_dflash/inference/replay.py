@@ -108,7 +108,7 @@ class ReplayEvaluator:
 
     def __init__(self, target_model: nn.Module, tokenizer: Any, draft: DFlashDraftModel, settings: EvalSettings,
                  *, num_slots: Optional[int] = None, anchor_tokens: int = ANCHOR_TOKENS,
-                 decode_compile: Optional[bool] = False) -> None:
+                 decode_compile: Optional[bool] = False, cuda_graph: Optional[bool] = None) -> None:
         from nemo_dflash.draft.build import check_draft_fits_target
 
         if settings.temperature != 0:
@@ -130,6 +130,7 @@ class ReplayEvaluator:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self.stops = stop_token_ids(target_model, tokenizer)
         self.num_slots, self.anchor_tokens, self.decode_compile = num_slots, anchor_tokens, decode_compile
+        self.cuda_graph = cuda_graph  # None: the slot engine's default (a graph on CUDA)
         self.device = next(target_model.parameters()).device
 
     # ------------------------------------------------------------------ 1. greedy answers
@@ -147,7 +148,7 @@ class ReplayEvaluator:
             slots = max(1, min(slots, int(free * KV_SHARE) // per_slot))
         return SlotEngine(self.model, num_slots=slots, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=0.0,
-                          config=EngineConfig(decode_compile=self.decode_compile))
+                          cuda_graph=self.cuda_graph, config=EngineConfig(decode_compile=self.decode_compile))
 
     def _prompt_bound(self, prompts: Sequence[EvalPrompt]) -> int:
         """Tokens a turn's prompt can take: the whole conversation's user turns plus every earlier answer

@@ -161,10 +161,12 @@ class HeldOutAcceptance:
     along them (one target forward and one draft forward per answer).
     """
 
-    def __init__(self, prompt_sets: dict[str, list], max_new_tokens: int) -> None:
+    def __init__(self, prompt_sets: dict[str, list], max_new_tokens: int, eager: bool = False) -> None:
         from nemo_dflash.inference.evaluate import EvalSettings
 
         self.prompt_sets = prompt_sets
+        # under `eager_modules` flex_attention runs uncompiled, which a CUDA graph cannot capture
+        self.cuda_graph = False if eager else None
         self.settings = EvalSettings(max_new_tokens=max_new_tokens, temperature=0.0, turns=1, warmup=False)
         self.greedy: Optional[dict[str, list]] = None
         self.greedy_s = 0.0  # seconds the greedy answers took (the first call only)
@@ -173,7 +175,7 @@ class HeldOutAcceptance:
         from nemo_dflash.inference.evaluate import dataset_result
         from nemo_dflash.inference.replay import ReplayEvaluator
 
-        evaluator = ReplayEvaluator(target, tokenizer, draft, self.settings)
+        evaluator = ReplayEvaluator(target, tokenizer, draft, self.settings, cuda_graph=self.cuda_graph)
         if self.greedy is None:
             t0 = time.perf_counter()
             everything = [p for prompts in self.prompt_sets.values() for p in prompts]
@@ -282,7 +284,7 @@ def main(argv=None) -> dict:
         ])
         trainer = Trainer(cfg, overwrite=True)  # the demo retrains its own run dir each time
     prompt_sets = {"mt_bench": load_mtbench(args.eval_prompts), "humaneval": load_humaneval(args.eval_prompts)}
-    acceptance = HeldOutAcceptance(prompt_sets, args.eval_new_tokens)
+    acceptance = HeldOutAcceptance(prompt_sets, args.eval_new_tokens, eager=device == "cuda")
     refresh_threads(cpu, "eval_before", args.threads)
     t1 = time.perf_counter()
     with eager_modules(device):
