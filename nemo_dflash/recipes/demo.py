@@ -20,6 +20,7 @@ two-thread matmul many times slower; some CPUs run bf16 slower than fp32).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -220,8 +221,6 @@ def eager_modules(device: str):
     evaluation feeds other shapes, and recompiling for each one took minutes (and fell inside the
     timed plain and speculative decodes, which made their ratio meaningless).
     """
-    import contextlib
-
     import torch
 
     return torch.compiler.set_stance("force_eager") if device == "cuda" else contextlib.nullcontext()
