@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from nemo_dflash.export import export_draft
 from nemo_dflash.files import write_complete_marker
@@ -17,9 +16,6 @@ from nemo_dflash.recipes import evaluate as evaluate_cmd
 
 from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_llama, tiny_qwen3
 from _spec_fixtures import single_thread  # noqa: F401 (an autouse fixture, applied by importing it)
-
-
-
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,6 @@ BLOCK = 4
 MAX_NEW = 24
 
 
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")

@@ -32,11 +32,8 @@ from nemo_dflash.inference import eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 from nemo_dflash.data.regenerate import stop_token_ids
 
-from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_qwen3
+from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target
 from _spec_fixtures import single_thread  # noqa: F401 (an autouse fixture, applied by importing it)
-
-
-
 
 
 @pytest.fixture(scope="module")
