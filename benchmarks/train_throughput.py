@@ -498,23 +498,32 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
                                     args.prompt_frac, shape["vocab_size"])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times, tokens = [], []
     t_first = time.perf_counter()
-    warm_s = 0.0
-    for it in range(warmup + steps):
-        sync()
-        t = time.perf_counter()
-        res = stepper(it, batches[it % len(batches)])
-        sync()
-        if it == warmup - 1:
-            warm_s = time.perf_counter() - t_first
-            import torch._dynamo.utils as dutils
+    for it in range(warmup):
+        res = stepper(it, batches[it % len(batches)]).result()
+    sync()
+    warm_s = time.perf_counter() - t_first
+    import torch._dynamo.utils as dutils
 
-            graphs_after_warmup = int(dutils.counters["stats"]["unique_graphs"])
-        if it >= warmup:
-            times.append(time.perf_counter() - t)
-            tokens.append(float(res.totals[6]))
-    med = statistics.median(times)
+    graphs_after_warmup = int(dutils.counters["stats"]["unique_graphs"])
+    # As the training loop runs: step n+1 is launched before step n's outcome is read (--overlap 1),
+    # or every step is read before the next is launched (--overlap 0: the loop before that change).
+    tokens, prev = [], None
+    t = time.perf_counter()
+    for it in range(warmup, warmup + steps):
+        cur = stepper(it, batches[it % len(batches)])
+        if args.overlap:
+            if prev is not None:
+                tokens.append(prev.result().tokens)
+            prev = cur
+        else:
+            res = cur.result()
+            tokens.append(res.tokens)
+    if prev is not None:
+        res = prev.result()
+        tokens.append(res.tokens)
+    sync()
+    med = (time.perf_counter() - t) / steps  # mean step time of the pipelined loop
     tok_step = statistics.mean(tokens)
     count = packed_batch_flops if case.pack_length else batch_flops
     flops = statistics.mean(
@@ -532,7 +541,12 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
-           "warmup_s": warm_s, "loss": res.loss}
+           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap)}
+    if args.sync_debug and cuda:
+        row["sync_sites"] = sync_sites(lambda: stepper(warmup + steps, batches[0]).result())
+        print("host syncs inside one step (torch.cuda.set_sync_debug_mode), by call site:")
+        for site, n in row["sync_sites"].items():
+            print(f"  {n:3d}x  {site}")
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -547,6 +561,33 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         row["profile"] = summarize_profile(prof, profile_steps, wall)
     del opt, stepper
     return row
+
+
+def sync_sites(fn) -> dict[str, int]:
+    """Call sites (this repository's frames) of every operation that makes the host wait for the
+    GPU while `fn` runs, counted."""
+    import collections
+    import traceback
+    import warnings
+
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if f.filename.startswith(repo) and "site-packages" not in f.filename]
+        sites[" < ".join(f"{os.path.relpath(f.filename, repo)}:{f.lineno}" for f in reversed(frames[-3:]))
+              + f" [{str(message).splitlines()[0][:60]}]"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(sites.most_common())
 
 
 def _cuda_ms(fn, reps: int = 10) -> tuple[float, float]:
@@ -651,6 +692,72 @@ def probe(args, device) -> None:
         print(f"draft forward+backward, compile {mode}: host {h:.1f} ms, wall {w:.1f} ms")
         draft.zero_grad(set_to_none=True)
     sys.stdout.flush()
+
+
+# Backward tiles tried by `probe_flex_tiles`: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages);
+# the kernel needs N1 % M1 == 0 and M2 % N2 == 0, and each must divide the 128-token mask tile.
+BWD_TILES = [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 4, 3),
+             (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 4, 2), (16, 64, 64, 16, 4, 3), (64, 128, 128, 64, 4, 2)]
+
+
+def probe_flex_tiles(args, device) -> None:
+    """One draft layer's flex_attention alone at the packed step's shape (the first --cases entry,
+    its real block mask), forward and forward + backward, with the backward's tiles varied."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from nemo_dflash.core import DFlashTrainerModule, build_flex_block_mask
+    from nemo_dflash.draft.model.modeling import flex_kernel_options
+    from nemo_dflash.train.trainer import row_seeds
+
+    mbs, anchors, seq, _, _, pack = args.cases.split()[0].split(":")[:6]
+    mbs, anchors, seq, pack = int(mbs), int(anchors), int(seq), int(pack)
+    shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
+    if args.data:
+        batch = make_real_packed_batches(1, mbs, pack, args.data, args.tokenizer)[0]
+    else:
+        batch = make_packed_batches(1, mbs, pack, seq, args.jitter, args.prompt_frac, shape["vocab_size"])[0]
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=anchors, loss_decay_gamma=7.0, attn_backend="flex")
+    plan = module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
+                       row_seeds=row_seeds(0, 0, 0, mbs), doc_ids=batch.get("doc_ids"),
+                       position_ids=batch.get("position_ids")).to(device)
+    bm = build_flex_block_mask(plan.anchors, plan.valid, batch["attention_mask"].to(device), args.block,
+                               ctx_start=plan.ctx_start)
+    q_len, kv_len = bm.seq_lengths
+    hq, hkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    print(f"\n== flex probe: {mbs} packed rows of {pack}, {anchors} anchors per row: Q {q_len}, KV {kv_len}; "
+          f"kv tiles per q-tile {bm.kv_num_blocks.float().mean():.2f}; sparsity {bm.sparsity():.1f}% ==")
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(mbs, hq, q_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(mbs, hkv, kv_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(mbs, hkv, kv_len, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    go = torch.randn(mbs, hq, q_len, hd, device=device, dtype=torch.bfloat16, generator=g)
+    base = flex_kernel_options(hd)
+    variants = [("as the draft runs it", base, {})]
+    variants += [(f"bwd M1 {m1} N1 {n1} M2 {m2} N2 {n2} warps {w} stages {st}",
+                  {**(base or {}), "bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2,
+                   "bwd_num_warps": w, "bwd_num_stages": st}, {}) for m1, n1, m2, n2, w, st in BWD_TILES]
+    variants.append(("mode=max-autotune-no-cudagraphs", None, {"mode": "max-autotune-no-cudagraphs"}))
+    rows = []
+    for name, opts, compile_kw in variants:
+        torch._dynamo.reset()
+        fn = torch.compile(flex_attention, **compile_kw)
+        kw = dict(block_mask=bm, enable_gqa=hq != hkv, kernel_options=opts)
+        try:
+            t0 = time.perf_counter()
+            fn(q, k, v, **kw).backward(go)
+            torch.cuda.synchronize()
+            c = time.perf_counter() - t0
+            with torch.no_grad():
+                _, fwd = _cuda_ms(lambda: fn(q, k, v, **kw))
+            _, both = _cuda_ms(lambda: fn(q, k, v, **kw).backward(go))
+            rows.append({"variant": name, "kernel_options": opts, "fwd_ms": fwd, "bwd_ms": both - fwd})
+            print(f"  {name:<48} fwd {fwd:6.2f} ms  bwd {both - fwd:6.2f} ms  (compile {c:5.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not stop the rest
+            print(f"  {name:<48} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 def main_trainer_step(args, device, peak: float) -> None:
@@ -759,6 +866,10 @@ def main() -> None:
     g.add_argument("--profile", type=int, default=0, help="torch.profiler summary over this many steps (first case)")
     g.add_argument("--profile-all", action="store_true", help="profile every case, not only the first")
     g.add_argument("--verbose", action="store_true", help="a JSON line per case as it finishes")
+    g.add_argument("--overlap", type=int, default=1, choices=(0, 1),
+                   help="1: launch step n+1 before reading step n, as the training loop does; 0: read every step")
+    g.add_argument("--sync-debug", action="store_true", help="list the call sites that make the host wait inside "
+                   "one step (torch.cuda.set_sync_debug_mode)")
     g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
@@ -768,6 +879,9 @@ def main() -> None:
         device = torch.device(args.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if args.probe and args.cases and len(args.cases.split()[0].split(":")) > 5:
+            probe_flex_tiles(args, device)
+            return
         if args.probe:
             probe(args, device)
             return

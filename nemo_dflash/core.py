@@ -463,6 +463,11 @@ class LossSums:
         """The weight sum inside a sums vector, left on its device (the step decides on it without a sync)."""
         return vec[0]
 
+    @staticmethod
+    def loss_sum_of(vec: torch.Tensor) -> torch.Tensor:
+        """The loss sum inside a sums vector, left on its device."""
+        return vec[1]
+
     @property
     def loss(self) -> float:
         return self.loss_sum / self.weight_sum if self.weight_sum > 0 else 0.0

@@ -324,7 +324,7 @@ def test_compiled_packed_step_does_not_recompile():
         step(i, batch())
     before = dutils.counters["stats"]["unique_graphs"]
     for i in range(3, 8):
-        res = step(i, batch())
+        res = step(i, batch()).result()
     assert dutils.counters["stats"]["unique_graphs"] == before
     assert res.status == "ok"
 

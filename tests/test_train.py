@@ -1,6 +1,7 @@
 """Recipe config, the training loop end to end on a tiny target, checkpoints and exact resume."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -148,6 +149,39 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
         assert (part / "config.yaml").read_text() == config
 
 
+def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
+    """With a fused AdamW the loop launches step n+1 before reading step n (GPUs: no idle gap
+    between steps). Same losses and weights as reading every step at once; a stop voted in step
+    n ends the run after step n+1, and resuming from there is exact."""
+    import nemo_dflash.train.trainer as trainer_mod
+    from nemo_dflash.recipes.train import main
+    from safetensors.torch import load_file
+
+    target, data = tiny_assets
+    lag, sync, part = tmp_path / "lag", tmp_path / "sync", tmp_path / "part"
+    common = ("train.max_steps=8", "optim.fused=true", "train.eval_every=4", "checkpoint.every_steps=3")
+    main(_args(target, data, lag, *common))
+
+    class ReadEveryStep(trainer_mod.TrainStep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "defer": False})
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "TrainStep", ReadEveryStep)
+        main(_args(target, data, sync, *common))
+    assert len(_losses(lag)) == 8 and _losses(lag) == _losses(sync)
+    evals = lambda out: [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals(lag)] == [0, 4, 8, 8] and evals(lag) == evals(sync)
+    assert sorted(p.name for p in (lag / "checkpoints").iterdir()) == sorted(p.name for p in (sync / "checkpoints").iterdir())
+    a, b = (load_file(out / "final" / "draft" / "model.safetensors") for out in (lag, sync))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    main(_args(target, data, part, *common[:2], "train.max_minutes=0.0", "checkpoint.every_steps=100"))
+    assert [s for s, _ in _losses(part)] == [1, 2]  # step 1's stop vote is read once step 2 is launched
+    main(_args(target, data, part, *common[:2]))
+    assert _losses(part) == _losses(lag)[:8]
+
+
 def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, tmp_path, capsys, caplog):
     """Another loader batch size on resume: one line, exit 2, no "Resumed from" in the log and the
     run's config.yaml untouched (StatefulDataLoader restores lazily, so the refusal came after both)."""
@@ -255,7 +289,7 @@ def test_recipe_defaults_pieces(tmp_path):
 # ------------------------------------------------------------------ the training step
 
 
-def _step_pieces(seed: int = 0):
+def _step_pieces(seed: int = 0, fused: bool = False):
     from nemo_dflash.config import OptimConfig
     from nemo_dflash.train.distributed import DistState
     from nemo_dflash.train.optim import build_optimizer
@@ -266,7 +300,7 @@ def _step_pieces(seed: int = 0):
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=6, loss_decay_gamma=4.0)
     params = [p for p in draft.parameters()]
-    opt = build_optimizer(params, OptimConfig(lr=1e-2), torch.device("cpu"))
+    opt = build_optimizer(params, OptimConfig(lr=1e-2, fused=fused or None), torch.device("cpu"))
     state = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     return wrapper, draft, module, params, opt, state
 
@@ -280,7 +314,7 @@ def test_train_step_matches_a_hand_written_step():
     step_batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": lm}
     wrapper, draft, module, params, opt, state = _step_pieces()
     res = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=5, grad_clip=0.05,
-                    use_bf16=False)(3, step_batch)
+                    use_bf16=False)(3, step_batch).result()
     got = [p.detach().clone() for p in params]
 
     wrapper, draft, module, params, opt, state = _step_pieces()
@@ -315,10 +349,64 @@ def test_train_step_without_labels_leaves_the_draft_alone():
     wrapper, draft, module, params, opt, state = _step_pieces()
     before = [p.detach().clone() for p in params]
     res = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=0, grad_clip=1.0,
-                    use_bf16=False)(0, step_batch)
+                    use_bf16=False)(0, step_batch).result()
     assert res.status == "no_labels" and res.loss == 0.0 and res.grad_norm == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert all(p.grad is None for p in params)
+
+
+def _two_batches():
+    out = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        ids, attn, lm = random_batch(bsz=4, seq=36)
+        out.append({"input_ids": ids, "attention_mask": attn, "loss_mask": lm})
+    return out
+
+
+def test_update_decided_on_the_device_equals_the_host_decision():
+    """With a fused AdamW the step decides on the device (found_inf, no host sync): the same
+    results and bit-identical weights as the step that reads its statistics first."""
+    from nemo_dflash.train.trainer import TrainStep
+
+    batches = _two_batches()
+    runs = {}
+    for defer in (False, True):
+        wrapper, draft, module, params, opt, state = _step_pieces(fused=True)
+        step = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=5, grad_clip=0.05,
+                         use_bf16=False, defer=defer)
+        pending = [step(i, b) for i, b in enumerate(batches)]
+        assert all(p.deferred is defer for p in pending)
+        runs[defer] = ([p.result() for p in pending], [p.detach().clone() for p in params])
+    (host_res, host_w), (dev_res, dev_w) = runs[False], runs[True]
+    assert [r.status for r in dev_res] == ["ok", "ok"]
+    for a, b in zip(host_res, dev_res):
+        assert (a.loss, a.grad_norm, a.tokens, a.stop) == (b.loss, b.grad_norm, b.tokens, b.stop)
+    assert all(torch.equal(a, b) for a, b in zip(host_w, dev_w))
+
+
+def test_nonfinite_update_is_skipped_on_the_device():
+    """A NaN gradient: the device-side skip leaves weights and AdamW state as if the step never
+    ran, so the next good step equals that step taken by a fresh optimizer."""
+    from nemo_dflash.train.trainer import TrainStep
+
+    bad, good = _two_batches()
+    wrapper, draft, module, params, opt, state = _step_pieces(fused=True)
+    step = TrainStep(wrapper, module, params, opt, state, micro_batch_size=2, seed=5, grad_clip=1.0,
+                     use_bf16=False, defer=True)
+    before = [p.detach().clone() for p in params]
+    hook = next(p for p in params if p.requires_grad).register_hook(lambda g: g * float("nan"))
+    res = step(0, bad).result()
+    hook.remove()
+    assert res.status == "nonfinite" and not math.isfinite(res.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in opt.state.values())
+    assert step(1, good).result().status == "ok"
+
+    wrapper, draft, module, ref_params, opt, state = _step_pieces(fused=True)
+    TrainStep(wrapper, module, ref_params, opt, state, micro_batch_size=2, seed=5, grad_clip=1.0,
+              use_bf16=False, defer=False)(1, good).result()
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
 def test_right_padded_check():

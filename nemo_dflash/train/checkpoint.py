@@ -332,9 +332,13 @@ class Checkpointer:
                 "resume from the last complete checkpoint"
             ) from None
 
+    def due(self, step: int) -> bool:
+        """Whether the `every_steps` schedule saves after `step`."""
+        return bool(self.every_steps and step % self.every_steps == 0)
+
     def maybe_save(self, step: int, tokens_seen: int) -> Optional[Path]:
         """Save on the `every_steps` schedule."""
-        if self.every_steps and step % self.every_steps == 0:
+        if self.due(step):
             return self.save(step, tokens_seen)
         return None
 

@@ -158,6 +158,37 @@ class StepResult:
         return torch.tensor([*(getattr(self.sums, k) for k in LossSums.__dataclass_fields__), self.tokens,
                              float(self.stop)], dtype=torch.float64)
 
+    @classmethod
+    def from_host(cls, host: torch.Tensor) -> "StepResult":
+        """Read the step's host vector: `LossSums` fields, tokens, stop votes, grad norm, skipped (0/1)."""
+        sums = LossSums.from_vector(host)
+        tokens, stops, gnorm, skipped = host[LossSums.size():].tolist()
+        supervised = sums.weight_sum > 0
+        gnorm, loss = (gnorm, sums.loss) if supervised else (0.0, 0.0)
+        status = "no_labels" if not supervised else ("nonfinite" if skipped else "ok")
+        return cls(sums=sums, tokens=int(tokens), stop=stops > 0, grad_norm=gnorm, loss=loss, status=status)
+
+
+class PendingStep:
+    """A launched step whose outcome may still be on its way from the GPU.
+
+    `result()` waits for that step's one device-to-host copy only, so a loop that launches the
+    next step before reading this one keeps the GPU fed across the step boundary.
+    """
+
+    def __init__(self, host: torch.Tensor, event: Optional[torch.cuda.Event] = None, deferred: bool = False) -> None:
+        self._host = host
+        self._event = event
+        self.deferred = deferred  # the update was decided on the device; False: on the host, inside the step
+        self._result: Optional[StepResult] = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = StepResult.from_host(self._host)
+        return self._result
+
 
 class TrainStep:
     """One optimizer step over this rank's share of a global batch: the training loop's hot path.
@@ -168,7 +199,11 @@ class TrainStep:
     The GPU never waits for the host mid-step: anchors and label slots are planned on the CPU
     from the loader's batch (`DFlashTrainerModule.plan`) and copied with it from pinned memory,
     the target runs without the padding mask (rows are right-padded), and the gradient scale,
-    clipping and statistics stay on the GPU until one copy to the host before the update.
+    clipping and statistics stay on the GPU. With a fused AdamW (the default on GPUs) the
+    skip of a non-finite or unsupervised update is decided on the device too (the optimizer's
+    `found_inf`, as GradScaler uses it), so the step ends without waiting for the GPU and
+    returns a `PendingStep`. Otherwise (FSDP2's DTensor gradients, an unfused optimizer) the
+    step reads its statistics to the host once, before the update, and returns them read.
     """
 
     def __init__(
@@ -184,6 +219,7 @@ class TrainStep:
         grad_clip: float,
         use_bf16: bool,
         return_logits: bool = False,
+        defer: Optional[bool] = None,
     ) -> None:
         self.target = target
         self.model = model
@@ -197,6 +233,11 @@ class TrainStep:
         self.grad_clip = grad_clip
         self.use_bf16 = use_bf16
         self.return_logits = return_logits
+        fused = bool(optimizer.defaults.get("fused"))
+        # defer=None: decide on the device whenever the optimizer can (fused AdamW takes found_inf)
+        self.defer = fused if defer is None else defer
+        if self.defer and not fused:
+            raise ValueError("TrainStep(defer=True) needs a fused optimizer (found_inf skips its update)")
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
@@ -216,7 +257,7 @@ class TrainStep:
         with self.autocast():
             return module(tb, plan=plan)
 
-    def __call__(self, step: int, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
+    def __call__(self, step: int, step_batch: dict[str, torch.Tensor], stop: bool = False) -> PendingStep:
         parts, n_tok = [], 0.0
         rows = step_batch["input_ids"].shape[0]
         mbs = self.micro_batch_size
@@ -247,27 +288,52 @@ class TrainStep:
                 gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip).full_tensor()
             else:
                 gnorm_t = torch.zeros((), device=self.device)
-            host = torch.cat([totals, gnorm_t.double().cpu().view(1)])
-        else:
-            # No-op on zero gradients when nothing is supervised (W = 0): the update is skipped then.
-            scale = self.state.world_size / LossSums.weight_of(totals).clamp(min=1e-30)
-            if grads:
-                torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-            gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            host = torch.cat([totals, gnorm_t.double().view(1)]).cpu()  # the step's one host sync
-        sums = LossSums.from_vector(host)
-        tokens, stops, gnorm = host[LossSums.size():].tolist()
-        supervised = sums.weight_sum > 0
-        gnorm, loss = (gnorm, sums.loss) if supervised else (0.0, 0.0)
-        if not (math.isfinite(gnorm) and math.isfinite(loss)):
-            status = "nonfinite"
-        elif supervised:
-            status = "ok"
+            return self._update_on_host(torch.cat([totals, gnorm_t.double().cpu().view(1)]))
+        # No-op on zero gradients when nothing is supervised (W = 0): the update is skipped then.
+        weight = LossSums.weight_of(totals)
+        scale = self.state.world_size / weight.clamp(min=1e-30)
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        gnorm_t = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        if not self.defer:
+            return self._update_on_host(torch.cat([totals, gnorm_t.double().view(1)]).cpu())  # the one host sync
+        skip = ~(torch.isfinite(gnorm_t) & torch.isfinite(LossSums.loss_sum_of(totals)) & (weight > 0))
+        self.optimizer.found_inf = skip.float()  # fused AdamW leaves params and state alone where it is 1
+        self.optimizer.grad_scale = None
+        try:
             self.optimizer.step()
-        else:
-            status = "no_labels"
+        finally:
+            del self.optimizer.found_inf, self.optimizer.grad_scale
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(sums=sums, tokens=int(tokens), stop=stops > 0, grad_norm=gnorm, loss=loss, status=status)
+        vec = torch.cat([totals, gnorm_t.double().view(1), skip.double().view(1)])
+        if self.device.type != "cuda":
+            return PendingStep(vec.cpu(), deferred=True)
+        host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+        host.copy_(vec, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(host, event, deferred=True)
+
+    def _update_on_host(self, host: torch.Tensor) -> PendingStep:
+        """Decide the update from statistics already on the host (host: sums, tokens, stops, grad norm)."""
+        sums = LossSums.from_vector(host)
+        gnorm = float(host[-1])
+        finite = math.isfinite(gnorm) and math.isfinite(sums.loss)
+        supervised = sums.weight_sum > 0
+        if finite and supervised:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
+        return PendingStep(torch.cat([host.double(), skipped]))
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step the loop launched: its number (after it), the learning rate after it, its outcome."""
+
+    step: int
+    lr: float
+    pending: PendingStep
 
 
 @dataclass(frozen=True)
@@ -397,6 +463,7 @@ class Trainer:
         self.tokens_seen = 0
         self.bad_steps = 0
         self.skipped_steps = 0
+        self._stop = _StopFlag()  # fit() installs it as the SIGTERM handler
 
     # ------------------------------------------------------------------ pieces
 
@@ -454,40 +521,84 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def train_step(self, step_batch: dict[str, torch.Tensor], stop: bool = False) -> StepResult:
-        """One optimizer step and the counters it moves (step, schedule, tokens, skipped steps).
+    def train_step(self, step_batch: dict[str, torch.Tensor], stop: bool = False) -> "_Launched":
+        """Launch one optimizer step and advance the step counter and the schedule.
 
-        A non-finite step is skipped but counted as a step; past `train.max_bad_steps` of them in
-        a row the step is not advanced, and `fit` stops.
+        Its outcome (loss, skipped or not) is read later by `_account`: on GPUs the loop launches
+        the next step first, so the GPU never waits for the host between steps.
         """
-        res = self.stepper(self.step, step_batch, stop=stop)
+        pending = self.stepper(self.step, step_batch, stop=stop)
+        self.scheduler.step()
+        self.step += 1
+        return _Launched(self.step, float(self.scheduler.get_last_lr()[0]), pending)
+
+    def _boundary(self, step: int) -> bool:
+        """Steps whose outcome is read before the next one is launched: the last one, and those an
+        evaluation or a checkpoint follows (they must see this step's weights, not the next's).
+        A function of the step number alone, so every rank agrees without talking."""
+        every = self.cfg.train.eval_every
+        return (step >= self.total_steps or bool(every and step % every == 0)
+                or self.checkpointer.due(step))
+
+    def _account(self, launched: "_Launched", metrics: MetricsLogger, window: ThroughputWindow,
+                 last: dict[str, float]) -> Optional[StopReason]:
+        """Read a launched step's outcome; count, log, evaluate and checkpoint as its step number asks.
+
+        A non-finite step was skipped on the device but counts as a step; more than
+        `train.max_bad_steps` of them in a row stop the run (its last good checkpoint is kept).
+        """
+        cfg = self.cfg
+        res = launched.pending.result()
+        step = launched.step
         self.tokens_seen += res.tokens
+        window.tokens += res.tokens
         if res.status == "nonfinite":
             self.bad_steps += 1
             self.skipped_steps += 1
-            logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", self.step, self.bad_steps)
-            if self.bad_steps > self.cfg.train.max_bad_steps:
-                return res
+            logger.warning("non-finite loss/grad at step %d: skipped (%d in a row)", step, self.bad_steps)
+            if self.bad_steps > cfg.train.max_bad_steps:
+                logger.error("Stopping: %d %s. The last good checkpoint is kept.", self.bad_steps,
+                             StopReason.NONFINITE.value)
+                return StopReason.NONFINITE
+            return self._stop_reason(res)
+        self.bad_steps = 0
+        if res.status == "no_labels":
+            self.skipped_steps += 1
+        last.clear()
+        last.update({**res.sums.rates(), "grad_norm": res.grad_norm, "lr": launched.lr,
+                     "tokens": float(self.tokens_seen)})
+        if step % cfg.train.log_every == 0 or step == self.total_steps:
+            last.update(window.rates(step))
+            if self.device.type == "cuda":
+                last["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics.log(step, last)
+            if not metrics.bar_visible:
+                logger.info("step %d/%d %s", step, self.total_steps, " ".join(f"{k}={v:.4g}" for k, v in last.items()))
         else:
-            self.bad_steps = 0
-            if res.status == "no_labels":
-                self.skipped_steps += 1
-        self.scheduler.step()
-        self.step += 1
-        return res
+            metrics.set_progress(step)
+        if step == self.step:  # nothing launched after it: evaluation and checkpoint see its weights
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                self._log_eval(metrics)
+            self.checkpointer.maybe_save(step, self.tokens_seen)
+        return self._stop_reason(res)
 
-    def _step_metrics(self, res: StepResult) -> dict[str, float]:
-        return {
-            **res.sums.rates(),  # loss, accuracy, accept_len
-            "grad_norm": res.grad_norm,
-            "lr": float(self.scheduler.get_last_lr()[0]),
-            "tokens": float(self.tokens_seen),
-        }
+    def _stop_reason(self, res: StepResult) -> Optional[StopReason]:
+        """A stop some rank voted for in this step (all ranks read the same vote)."""
+        if not res.stop:
+            return None
+        reason = StopReason.SIGTERM if self._stop.requested else StopReason.TIME_LIMIT
+        logger.warning("Stopping at step %d (%s)", self.step, reason.value)
+        return reason
 
     def fit(self) -> dict[str, Any]:
-        """Resume, train to `total_steps` or a stop, then save, evaluate and summarise."""
+        """Resume, train to `total_steps` or a stop, then save, evaluate and summarise.
+
+        Step n+1 is launched before step n's outcome is read (unless step n ends with an
+        evaluation or a checkpoint). A stop (SIGTERM, the time limit, non-finite steps) seen in
+        step n's outcome therefore ends the run after step n+1, on every rank alike.
+        """
         cfg = self.cfg
-        stop = _StopFlag()
+        stop = self._stop
         stop.install()
         self.resume()
         self._write_config()
@@ -505,36 +616,21 @@ class Trainer:
         reason: Optional[StopReason] = None
         if self.step == 0 and cfg.train.eval_every:
             self._log_eval(metrics)
-        while self.step < self.total_steps:
+        in_flight: Optional[_Launched] = None
+        while self.step < self.total_steps and reason is None:
             step_batch = next(data)
             minutes = (time.perf_counter() - t_start) / 60
             timed_out = cfg.train.max_minutes is not None and minutes >= cfg.train.max_minutes
-            res = self.train_step(step_batch, stop=stop.requested or timed_out)
-            window.tokens += res.tokens
-            if res.status == "nonfinite":
-                if self.bad_steps > cfg.train.max_bad_steps:
-                    reason = StopReason.NONFINITE
-                    logger.error("Stopping: %d %s. The last good checkpoint is kept.", self.bad_steps, reason.value)
-                    break
-                continue
-            last = self._step_metrics(res)
-            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
-                last.update(window.rates(self.step))
-                if self.device.type == "cuda":
-                    last["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                metrics.log(self.step, last)
-                if not metrics.bar_visible:
-                    logger.info("step %d/%d %s", self.step, self.total_steps,
-                                " ".join(f"{k}={v:.4g}" for k, v in last.items()))
-            else:
-                metrics.set_progress(self.step)
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                self._log_eval(metrics)
-            self.checkpointer.maybe_save(self.step, self.tokens_seen)
-            if res.stop:
-                reason = StopReason.SIGTERM if stop.requested else StopReason.TIME_LIMIT
-                logger.warning("Stopping at step %d (%s)", self.step, reason.value)
-                break
+            launched = self.train_step(step_batch, stop=stop.requested or timed_out)
+            if in_flight is not None:
+                reason = self._account(in_flight, metrics, window, last)
+            in_flight = launched
+            if reason is None and (not launched.pending.deferred or self._boundary(launched.step)):
+                in_flight = None
+                reason = self._account(launched, metrics, window, last)
+        if in_flight is not None:  # launched before the stop was seen: it ran, so it counts
+            later = self._account(in_flight, metrics, window, last)
+            reason = StopReason.NONFINITE if later is StopReason.NONFINITE else reason
         return self._finish(metrics, reason, last, time.perf_counter() - t_start)
 
     def _finish(
@@ -583,4 +679,4 @@ def train(cfg: RecipeConfig, *, overwrite: bool = False) -> dict[str, Any]:
         trainer.close()
 
 
-__all__ = ["RunSettings", "StepResult", "StopReason", "TrainStep", "Trainer", "resolve_settings", "train"]
+__all__ = ["PendingStep", "RunSettings", "StepResult", "StopReason", "TrainStep", "Trainer", "resolve_settings", "train"]

@@ -37,6 +37,11 @@ _compiled_flex = None
 _SMALL_HEAD_FWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
+def flex_kernel_options(head_dim: int) -> Optional[dict]:
+    """The tiles the draft's flex_attention asks for at this head size (None: Inductor's defaults)."""
+    return dict(_SMALL_HEAD_FWD_TILES) if head_dim <= 64 else None
+
+
 def _flex(q, k, v, block_mask, scale, enable_gqa):
     """Compiled flex_attention on accelerators (the eager one materialises the scores).
 
@@ -49,7 +54,7 @@ def _flex(q, k, v, block_mask, scale, enable_gqa):
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
-    options = _SMALL_HEAD_FWD_TILES if q.shape[-1] <= 64 else None
+    options = flex_kernel_options(q.shape[-1])
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options)
 
 
