@@ -177,11 +177,14 @@ def build_block_input_ids(
 
 
 def loss_decay_weights(block_size: int, gamma: Optional[float], device=None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for k >= 1; slot 0 (the anchor) has weight 0; no decay if gamma unset."""
+    """w_k = exp(-(k-1)/gamma) for k >= 1; slot 0 (the anchor) has weight 0; no decay if gamma unset.
+
+    Formed without writing a Python scalar into a device tensor: on a GPU that write is a
+    pageable copy, which makes the host wait for every kernel queued before it (mid-step).
+    """
     k = torch.arange(block_size, dtype=torch.float32, device=device)
     w = torch.exp(-(k - 1) / gamma) if gamma else torch.ones(block_size, device=device)
-    w[0] = 0.0
-    return w
+    return torch.where(k > 0, w, torch.zeros_like(w))
 
 
 def build_labels(

@@ -274,7 +274,8 @@ class TrainStep:
                 out.loss_sum.backward()
             parts.append(out.sums())
         extra = torch.tensor([n_tok, 1.0 if stop else 0.0], dtype=torch.float64)
-        totals = torch.cat([torch.stack(parts).sum(0), extra.to(self.device)])  # LossSums, tokens, stop votes
+        extra = _to_device({"extra": extra}, self.device)["extra"]  # pinned: a pageable copy would wait for the GPU
+        totals = torch.cat([torch.stack(parts).sum(0), extra])  # LossSums, tokens, stop votes
         all_reduce_sum(totals, self.state)
 
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -30,16 +30,18 @@ AttnMask = Union[torch.Tensor, "BlockMask", None]
 _compiled_flex = None
 
 
-# Forward tiles for head_dim <= 64. Inductor's H100/H200 default for bf16 at head_dim 64 is
-# 128x128 with 4 warps: in the SmolLM2 draft's training step its forward took 12 ms per layer,
-# six times its own backward, against 0.65 ms with 64x64 tiles (max-autotune's pick; H200,
-# docs/performance.md). BLOCK_M/BLOCK_N name forward tiles only; the backward keeps its defaults.
-_SMALL_HEAD_FWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
+# Tiles for head_dim <= 64 (docs/performance.md). Forward: Inductor's H100/H200 default for bf16 at
+# head_dim 64 is 128x128 with 4 warps; in the SmolLM2 draft's training step its forward took 12 ms
+# per layer, six times its own backward, against 0.65 ms with 64x64 tiles (max-autotune's pick; H200).
+# Backward: at the packed step's shape (4 x 8192-token rows, 5,120 anchors a row; H100) the default
+# (64, 128, 128, 64; 8 warps) took 9.19 ms per layer, 64x64 tiles with 4 warps 8.22 ms.
+_SMALL_HEAD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                         "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}
 
 
 def flex_kernel_options(head_dim: int) -> Optional[dict]:
     """The tiles the draft's flex_attention asks for at this head size (None: Inductor's defaults)."""
-    return dict(_SMALL_HEAD_FWD_TILES) if head_dim <= 64 else None
+    return dict(_SMALL_HEAD_TILES) if head_dim <= 64 else None
 
 
 def _flex(q, k, v, block_mask, scale, enable_gqa):
