@@ -285,6 +285,22 @@ def test_cli_replay_equals_sequential_and_resumes(saved, tmp_path, capsys):
     assert e.value.code == 2 and "method" in err and "--overwrite" in err and err.count("\n") == 1
 
 
+def test_cli_batched_equals_sequential_at_t0_and_samples_at_t1(saved, tmp_path, capsys):
+    """`--method batched`: at T=0 every figure equals the sequential decoder's (turn 2 built on the
+    batch's own turn-1 answers); at T=1 every conversation gets its answers, protocol recorded."""
+    assert _cli(saved, tmp_path / "seq", *ARGS) == 0
+    assert _cli(saved, tmp_path / "bat", *ARGS, "--method", "batched", "--batch-size", "4") == 0
+    assert f"quick: {MAX_NEW} tok, 2 turns, T=0, B={BLOCK}, eager, batched" in capsys.readouterr().out
+    seq = json.loads((tmp_path / "seq" / "results.json").read_text())
+    bat = json.loads((tmp_path / "bat" / "results.json").read_text())
+    assert bat["protocol"]["method"] == "batched" and bat["results"] == seq["results"]
+    t1 = [*ARGS[:-3], "--temperatures", "1", "--no-speedup"]
+    assert _cli(saved, tmp_path / "t1", *t1, "--method", "batched") == 0
+    res = json.loads((tmp_path / "t1" / "results.json").read_text())
+    mt = res["results"]["1"]["mtbench"]
+    assert res["complete"] and mt["num_prompts"] == 3 and len(mt["per_answer"]) == 6 and mt["turns"] == 2
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--temperatures", "0,1"], "--temperatures 0"),
     (["--protocol", "paper"], "T=0 only"),

@@ -52,6 +52,7 @@ class RunOptions:
     max_minutes: Optional[float] = None
     overwrite: bool = False
     reasoning: Optional[str] = None  # the thinking mode prompts are rendered in; None: the template's default
+    batch_size: int = 32  # conversations per batch (--method batched)
 
 
 def check_paths(draft: str, target: str) -> None:
@@ -289,6 +290,9 @@ class EvalRun:
         if self.protocol.method == "replay":
             self._replay(self._models(), items)
             return
+        if self.protocol.method == "batched":
+            self._batched(self._models(), items)
+            return
         logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
         if self.opts.workers == 1:
             for key, s, p in items:
@@ -314,6 +318,25 @@ class EvalRun:
         trained = int(draft.config.block_size)
         for i, answers in evaluator.run([p for _, _, p in items]):
             self.journal.add(items[i][0], {"block_size": evaluator.block_size, "trained_block_size": trained,
+                                           "answers": [a.record() for a in answers]})
+
+    def _batched(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
+        """Every conversation not yet in the journal, `batch_size` at a time per temperature, by the
+        batched speculative decoder; each batch is journalled as it ends."""
+        n = self.opts.batch_size
+        by_settings: dict[EvalSettings, list[tuple[Key, EvalSettings, EvalPrompt]]] = {}
+        for item in items:
+            by_settings.setdefault(item[1], []).append(item)
+        for settings, group in by_settings.items():
+            dec = ConversationDecoder(*models, settings)
+            trained = int(dec.spec.draft.config.block_size)
+            logger.info("Decoding %d conversations at T=%g in batches of %d", len(group), settings.temperature, n)
+            for start in range(0, len(group), n):
+                if self._expired():
+                    return
+                chunk = group[start : start + n]
+                for (key, _, _), answers in zip(chunk, dec.run_batch([p for _, _, p in chunk])):
+                    self.journal.add(key, {"block_size": dec.block_size, "trained_block_size": trained,
                                            "answers": [a.record() for a in answers]})
 
     def _run_workers(self, items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:

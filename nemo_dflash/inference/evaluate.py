@@ -61,14 +61,14 @@ class EvalProtocol:
     block_size: Optional[int] = None
     decode: str = "eager"
     first_prompt: int = 0
-    method: str = "sequential"  # how acceptance is measured: "sequential" decoder or "replay" (T=0 only)
+    method: str = "sequential"  # how acceptance is measured: "sequential", "replay" (T=0 only) or "batched"
     overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
 
     def label(self, temperature: float, block_size: int, turns: Optional[int] = None) -> str:
         """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
         n = self.turns if turns is None else min(turns, self.turns)
         return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, T={temperature:g}, "
-                f"B={block_size}, {self.decode}{', replay' if self.method == 'replay' else ''}")
+                f"B={block_size}, {self.decode}{'' if self.method == 'sequential' else ', ' + self.method}")
 
     def with_overrides(self, **changes: Any) -> "EvalProtocol":
         """This protocol with explicit values replacing its own; the changed fields are recorded."""
@@ -77,7 +77,9 @@ class EvalProtocol:
         return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
 
 
-METHODS = ("sequential", "replay")  # replay: T=0 acceptance from batched greedy answers (inference.replay)
+# replay: T=0 acceptance from batched greedy answers (inference.replay); batched: the speculative decoder
+# on many conversations at once (inference.batched_spec), any temperature
+METHODS = ("sequential", "replay", "batched")
 
 PROTOCOLS: dict[str, EvalProtocol] = {
     # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
@@ -338,6 +340,37 @@ class ConversationDecoder:
 
     def answer_text(self, output_ids: Sequence[int]) -> str:
         return answer_text(self.tokenizer, output_ids, self.stops)
+
+    @torch.no_grad()
+    def run_batch(self, prompts: Sequence[EvalPrompt]) -> list[list[Answer]]:
+        """`run` for many conversations at once (`inference.batched_spec`): turn t of every
+        conversation that has one is decoded in one batch. At T=0 the answers are `run`'s; at T > 0
+        they are samples of the same distribution from one generator (seeded by the first prompt),
+        not `run`'s per-conversation samples. No timing: the batch's clock is shared."""
+        from nemo_dflash.inference.batched_spec import batched_speculative_generate
+
+        s = self.settings
+        g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.temperature, prompts[0].id))
+        histories = [p.history() for p in prompts]
+        turns = [conversation_turns(p, s.turns) for p in prompts]
+        answers: list[list[Answer]] = [[] for _ in prompts]
+        for t in range(max(turns)):
+            live = [i for i in range(len(prompts)) if t < turns[i]]
+            for i in live:
+                if prompts[i].messages is None:
+                    histories[i].append({"role": "user", "content": prompts[i].turns[t]})
+            ids = [encode_chat(self.tokenizer, histories[i], s.use_chat_template) for i in live]
+            outs = batched_speculative_generate(self.spec, ids, generator=g, **self._kw())
+            for i, prompt_ids, out in zip(live, ids, outs):
+                body = out.output_ids[:-1] if out.stopped else out.output_ids
+                answers[i].append(Answer(
+                    id=prompts[i].id, turn=t + 1, output_ids=out.output_ids,
+                    acceptance_lengths=list(out.acceptance_lengths), stopped=out.stopped,
+                    loop_start=find_loop_start(body), prompt_ids=list(prompt_ids),
+                ))
+                if t + 1 < turns[i]:
+                    histories[i].append({"role": "assistant", "content": self.answer_text(out.output_ids)})
+        return answers
 
     @torch.no_grad()
     def run(self, prompt: EvalPrompt) -> list[Answer]:

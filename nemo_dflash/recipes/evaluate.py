@@ -5,7 +5,7 @@ the share of looping answers, and speedup over plain decoding.
         [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
         [--turns N] [--temperatures 0,1] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
-        [--method sequential|replay]
+        [--method sequential|replay|batched] [--batch-size N]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
@@ -14,6 +14,8 @@ the share of looping answers, and speedup over plain decoding.
 prompts per dataset, 64 new tokens, one turn, T=0. Explicit flags override the protocol's values.
 --method replay (with --temperatures 0) takes the T=0 acceptance from batched greedy answers and one
 draft forward over every answer position: per answer the sequential decoder's figures, in minutes.
+--method batched runs the speculative decoder on --batch-size conversations at once (any temperature;
+at T=0 the sequential decoder's answers, at T > 0 samples of the same distribution).
 
 Speedup is timed first, in this process, with nothing else running on the device; only then
 are the --workers processes started for the acceptance runs (their clocks are not used).
@@ -64,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "before any worker starts (0: no speedup)")
     p.add_argument("--no-speedup", action="store_true", help="same as --speedup-prompts 0")
     p.add_argument("--method", default=None, choices=list(METHODS),
-                   help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder) or "
+                   help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder), "
                         "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
-                        "the same figures, in minutes; docs/evaluation.md)")
+                        "the same figures, in minutes) or batched (the speculative decoder on --batch-size "
+                        "conversations at once, any temperature; docs/evaluation.md)")
+    p.add_argument("--batch-size", type=int, default=32, help="conversations decoded together (--method batched)")
     p.add_argument("--decode", default=None, choices=["eager", "graphs"],
                    help="decoder mode, for both the speculative and the plain side (default eager)")
     p.add_argument("--workers", type=int, default=1,
@@ -127,8 +131,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1 (got {args.threads})")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
-    if args.method == "replay" and args.workers != 1:
-        raise ValueError("--method replay batches every answer in one process: drop --workers")
+    if args.method in ("replay", "batched") and args.workers != 1:
+        raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -164,7 +170,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(draft=str(args.draft), target=str(args.target), out=Path(args.out), device=device, dtype=dtype,
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
-                      reasoning=args.reasoning)
+                      reasoning=args.reasoning, batch_size=args.batch_size)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,198 @@
+"""Speculative decoding of many prompts at once, each row at its own position.
+
+The sequential decoder (`spec_decode.DFlashSpeculativeDecoder.generate`) runs one prompt; serving
+engines run many, and a draft's speedup changes with their concurrency. This decoder runs the same
+algorithm on B prompts in one batch: one draft forward drafts every row's block, one target forward
+verifies every row's block, and each row keeps its own accepted prefix (T=0: the longest prefix equal
+to the target's argmax; T>0: speculative sampling, `sampling.verify_block`, row by row).
+
+Rows drift apart, each accepting a different number of tokens, so the caches are never cropped:
+every verify appends B x block entries, and a per-row validity mask hides each row's rejected
+entries and padding. Positions are explicit per row (RoPE reads them, not the cache slot), so where
+an entry sits in the cache does not matter. When more than half the slots are dead, each row's live
+entries are gathered to the front (`_compact`), so the attention never reads more than twice the
+live entries (plus one step's block).
+
+Eager HF forwards with a 4D mask (SDPA or eager attention, full-attention layers only).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from nemo_dflash.draft.model import DFlashContextCache
+from nemo_dflash.inference import recurrent_cache
+from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, visible_to_mask
+from nemo_dflash.sampling import select_tokens, verify_block
+
+COMPACT_DEAD_SHARE = 0.5  # compact the caches once more than this share of their slots is dead
+
+
+def _compact(valid: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Gather each row's live entries (valid [B, L]) to the front of every [B, H, L, D] tensor, in order."""
+    bsz, length = valid.shape
+    counts = valid.sum(1)
+    new_len = int(counts.max())
+    slot = torch.arange(length, device=valid.device)
+    order = torch.argsort((~valid).long() * length + slot, dim=1)[:, :new_len]  # live first, in order
+    out = []
+    for t in tensors:
+        idx = order.view(bsz, 1, new_len, 1).expand(bsz, t.shape[1], new_len, t.shape[3])
+        out.append(t.gather(2, idx))
+    return slot[:new_len].view(1, -1) < counts.view(-1, 1), out
+
+
+def _target_kv(cache: DynamicCache) -> list[tuple[object, str]]:
+    return [(layer, name) for layer in cache.layers for name in ("keys", "values")]
+
+
+@torch.no_grad()
+def batched_speculative_generate(
+    decoder,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    stop_token_ids: Optional[Iterable[int]] = None,
+    generator: Optional[torch.Generator] = None,
+) -> list[GenerationOutput]:
+    """Generate up to `max_new_tokens` after each prompt, all prompts in one batch.
+
+    `decoder` is a `DFlashSpeculativeDecoder` (its target, draft and block size are used). Returns
+    one `GenerationOutput` per prompt, in order; at T=0 each equals what `decoder.generate` returns
+    for that prompt alone (in exact arithmetic), acceptance lengths included. `decode_time_s` and
+    `prefill_time_s` are the batch's, shared by all rows.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched_speculative_generate needs at least one prompt, each of at least one token")
+    model = decoder.target.model
+    impl = attn_implementation(model)
+    if (impl not in SUPPORTED_ATTN or recurrent_cache.model_has_recurrent_layers(model)
+            or recurrent_cache.has_windowed_layers(model)):
+        raise ValueError(f"batched speculative decoding needs a full-attention target with attention in "
+                         f"{SUPPORTED_ATTN} (got '{impl}'); decode these prompts one at a time instead")
+    device = decoder.device
+    dtype = decoder.lm_head.weight.dtype
+    blk = decoder.block_size
+    greedy = temperature <= 0
+    stop_ids = stop_set(stop_token_ids)
+    bsz = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    plen = int(lens.max())
+    ids = torch.zeros(bsz, plen, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(list(p), device=device)
+    arange_p = torch.arange(plen, device=device)
+    kv_valid = arange_p.view(1, -1) < lens.view(-1, 1)  # [B, L]: live target cache entries
+    causal = torch.ones(blk, blk, dtype=torch.bool, device=device).tril()
+    cache = DynamicCache()
+    dcache = DFlashContextCache(len(decoder.draft.layers))
+    d_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=device)  # live draft cache entries
+
+    with decoder.target.capture(stop_early=False) as captured:
+        sync(device)
+        t0 = time.perf_counter()
+        visible = (arange_p.view(1, 1, -1) <= arange_p.view(1, -1, 1)) & kv_valid.view(bsz, 1, -1)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    position_ids=arange_p.view(1, -1).expand(bsz, -1),
+                    attention_mask=visible_to_mask(visible.unsqueeze(1), impl, dtype))
+        pending = decoder.target.concat(captured)  # [B, C, F]: features the draft has not seen
+        pend_valid, pend_pos = kv_valid.clone(), arange_p.view(1, -1).expand(bsz, -1)
+        last_logits = out.logits[torch.arange(bsz, device=device), lens - 1]
+        last, _ = select_tokens(last_logits, temperature, generator)  # [B]
+        outputs = [[t] for t in last.tolist()]
+        sync(device)
+        t1 = time.perf_counter()
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs]
+        accept = [[] for _ in range(bsz)]
+        block_ar = torch.arange(blk, device=device)
+        masks = torch.full((bsz, blk - 1), decoder.mask_token_id, dtype=torch.long, device=device)
+        while not all(stopped):
+            pos = lens + torch.tensor([len(o) for o in outputs], device=device) - 1  # [B] last token's position
+            # draft every row's block: context = the verified features not yet cached, plus the cache
+            if blk > 1:
+                noise = decoder.embed_tokens(torch.cat([last.view(-1, 1), masks], 1))
+                d_pos = torch.cat([pend_pos, pos.view(-1, 1) + block_ar], 1)
+                seen = torch.cat([d_valid, pend_valid, torch.ones(bsz, blk, dtype=torch.bool, device=device)], 1)
+                hidden = decoder.draft(noise_embedding=noise, target_hidden=pending, position_ids=d_pos,
+                                       attention_mask=seen.view(bsz, 1, 1, -1).expand(-1, -1, blk, -1), cache=dcache)
+                d_valid = torch.cat([d_valid, pend_valid], 1)
+                d_logits = decoder.lm_head(hidden[:, 1:].to(dtype))  # [B, blk-1, V]
+                d_flat, d_probs = select_tokens(d_logits.reshape(bsz * (blk - 1), -1), temperature, generator)
+                d_tokens = d_flat.view(bsz, blk - 1)
+            else:
+                d_tokens = torch.empty(bsz, 0, dtype=torch.long, device=device)
+                d_probs = None
+            # verify every row's block against the live part of its own cache
+            q_pos = pos.view(-1, 1) + block_ar
+            seen = torch.cat([kv_valid.view(bsz, 1, -1).expand(-1, blk, -1), causal.expand(bsz, -1, -1)], 2)
+            out = model(input_ids=torch.cat([last.view(-1, 1), d_tokens], 1), past_key_values=cache, use_cache=True,
+                        position_ids=q_pos, attention_mask=visible_to_mask(seen.unsqueeze(1), impl, dtype))
+            feats = decoder.target.concat(captured)  # [B, blk, F]
+            if greedy:
+                tgt = out.logits.argmax(-1)  # [B, blk]
+                n_acc_t = (d_tokens == tgt[:, :-1]).long().cumprod(1).sum(1)
+                host = torch.cat([n_acc_t.view(-1, 1), tgt], 1).tolist()  # the step's one host sync
+                n_acc = [r[0] for r in host]
+                news = [r[1 : r[0] + 2] for r in host]
+            else:
+                n_acc, news = [], []
+                vocab = out.logits.shape[-1]
+                probs = d_probs.view(bsz, blk - 1, vocab) if d_probs is not None else None
+                for b in range(bsz):
+                    if stopped[b]:
+                        n_acc.append(0)
+                        news.append([0])
+                        continue
+                    n, nxt = verify_block(d_tokens[b], out.logits[b], temperature,
+                                          probs[b] if probs is not None else None, generator)
+                    n_acc.append(n)
+                    news.append(d_tokens[b, :n].tolist() + [nxt])
+            kept = torch.tensor([0 if stopped[b] else n_acc[b] + 1 for b in range(bsz)], device=device)
+            new_valid = block_ar.view(1, -1) < kept.view(-1, 1)  # the last token and the accepted drafts
+            kv_valid = torch.cat([kv_valid, new_valid], 1)
+            pending, pend_valid, pend_pos = feats, new_valid, q_pos
+            last = torch.tensor([news[b][-1] for b in range(bsz)], device=device)
+            for b in range(bsz):
+                if stopped[b]:
+                    continue
+                accept[b].append(len(news[b]))
+                tokens, stopped[b] = truncate(news[b], stop_ids, max_new_tokens - len(outputs[b]))
+                outputs[b].extend(tokens)
+                stopped[b] = stopped[b] or len(outputs[b]) >= max_new_tokens
+            if (~kv_valid).float().mean() > COMPACT_DEAD_SHARE:
+                kv_valid, _ = _compact_cache(kv_valid, cache)
+            if d_valid.numel() and (~d_valid).float().mean() > COMPACT_DEAD_SHARE:
+                d_valid = _compact_draft(d_valid, dcache)
+        sync(device)
+        t2 = time.perf_counter()
+    return [
+        GenerationOutput(output_ids=outputs[b], num_target_forwards=len(accept[b]), acceptance_lengths=accept[b],
+                         decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=bool(outputs[b][-1] in stop_ids))
+        for b in range(bsz)
+    ]
+
+
+def _compact_cache(valid: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, None]:
+    slots = _target_kv(cache)
+    new_valid, tensors = _compact(valid, [getattr(layer, name) for layer, name in slots])
+    for (layer, name), t in zip(slots, tensors):
+        setattr(layer, name, t)
+    return new_valid, None
+
+
+def _compact_draft(valid: torch.Tensor, dcache: DFlashContextCache) -> torch.Tensor:
+    n = len(dcache.keys)
+    new_valid, tensors = _compact(valid, [*dcache.keys, *dcache.values])
+    dcache.keys, dcache.values = list(tensors[:n]), list(tensors[n:])
+    return new_valid
+
+
+__all__ = ["batched_speculative_generate"]

@@ -1,0 +1,100 @@
+"""Batched speculative decoding against the one-prompt decoder (T=0, answer for answer) and
+against the target's own distribution (T=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _spec_fixtures import make_draft, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
+from nemo_dflash.draft.model import DFlashContextCache
+from nemo_dflash.inference import batched_spec
+from nemo_dflash.inference.batched_spec import _compact, batched_speculative_generate
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+
+def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 17, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("block", [4, 8])
+def test_t0_equals_the_one_prompt_decoder_answer_for_answer(make_target, block, monkeypatch):
+    """fp32: the same tokens and the same acceptance length at every step, for prompts of different
+    lengths, a stop token that ends some answers early, and the cap; with the caches compacted
+    often (the threshold lowered) and never."""
+    target = make_target()
+    draft = make_draft(target, block_size=8)
+    decoder = DFlashSpeculativeDecoder(target, draft, block_size=block)
+    prompts = _prompts(6)
+    free = [decoder.generate(torch.tensor([p]), max_new_tokens=30) for p in prompts]
+    stop = free[0].output_ids[5]  # ends the first answer (and maybe others) early
+    want = [decoder.generate(torch.tensor([p]), max_new_tokens=30, stop_token_ids=[stop]) for p in prompts]
+    assert any(w.stopped for w in want) and any(not w.stopped for w in want)
+    for share in (batched_spec.COMPACT_DEAD_SHARE, 0.0, 1.0):
+        monkeypatch.setattr(batched_spec, "COMPACT_DEAD_SHARE", share)
+        got = batched_speculative_generate(decoder, prompts, max_new_tokens=30, stop_token_ids=[stop])
+        for w, g in zip(want, got):
+            assert g.output_ids == w.output_ids
+            assert g.acceptance_lengths == w.acceptance_lengths
+            assert g.stopped == w.stopped
+
+
+def test_a_trained_like_draft_accepts_the_same_blocks_in_batch():
+    """A draft that agrees with the target often (its own greedy answer trained in) exercises long
+    accepted prefixes, where rows drift furthest apart."""
+    from _spec_fixtures import train_on_greedy_answer
+
+    target = tiny_qwen3()
+    draft = make_draft(target, block_size=8)
+    prompts = _prompts(4)
+    train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    want = [decoder.generate(torch.tensor([p]), max_new_tokens=40) for p in prompts]
+    got = batched_speculative_generate(decoder, prompts, max_new_tokens=40)
+    assert max(max(w.acceptance_lengths) for w in want) > 2
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+
+
+def test_t1_keeps_the_target_distribution():
+    """The second token (the first one the draft proposes) of 8,000 rows of one prompt, against
+    its exact marginal (tolerance ~5 standard errors). The marginal of the draft's unverified
+    proposals is more than twice the tolerance away from it, so a decoder that skipped the
+    verification would fail."""
+    target, draft, ids, p2 = second_token_case()
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    n, tol = 8000, 0.02
+    outs = batched_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=1.0,
+                                        generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
+    assert (counts / n - p2).abs().max() < tol
+    with torch.no_grad():  # the draft's proposal for slot 1 after each first token, averaged over p(first)
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        feats = decoder.target.forward_features(ids)[0]
+        q = torch.stack([decoder.draft_logits(torch.tensor([t]), ids.shape[1], feats,
+                                              DFlashContextCache(len(draft.layers)), 4)[0].softmax(-1)
+                         for t in range(8)])
+    assert ((p1.unsqueeze(1) * q).sum(0) - p2).abs().max() > 2 * tol
+
+
+def test_compact_keeps_each_rows_live_entries_in_order():
+    valid = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    t = torch.arange(3 * 2 * 5 * 1, dtype=torch.float).view(3, 2, 5, 1)
+    new_valid, (c,) = _compact(valid, [t])
+    assert new_valid.tolist() == [[True, True, True, False, False], [True, False, False, False, False], [True] * 5]
+    for b in range(3):
+        live = t[b, :, valid[b]]
+        assert torch.equal(c[b, :, : live.shape[1]], live)
+
+
+def test_refuses_empty_input():
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target))
+    with pytest.raises(ValueError, match="at least one prompt"):
+        batched_speculative_generate(decoder, [[1, 2], []])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        batched_speculative_generate(decoder, [[1, 2]], max_new_tokens=0)
+
