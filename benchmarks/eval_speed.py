@@ -19,7 +19,8 @@ starts afresh. The row is appended once every phase is complete:
    for both sides). Their speculative answers are the sequential reference: each is compared with
    the replay's answer to the same turn (`max_abs_tau_diff_vs_sequential` over `checked_answers`;
    `identical_answers`: the same tokens and acceptance lengths).
-3. `t1_seconds` (with --t1): the protocol's T=1 acceptance by the sequential decoder; null otherwise.
+3. `t1_seconds` (with --t1): the protocol's T=1 acceptance by the sequential decoder, or with
+   `--t1-method batched` by the batched speculative decoder (`evaluate --method batched`); null otherwise.
 
 Prints a table and appends one row to --json: {"date", "commit", "device", "command", "protocol",
 "answers", "t0_seconds", "t1_seconds", "speedup_seconds", "max_abs_tau_diff_vs_sequential",
@@ -64,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", default=None, choices=["eager", "graphs"],
                    help="both sides of the speedup (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--t1", action="store_true", help="also time the protocol's T=1 acceptance (sequential decoder)")
-    p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run")
+    p.add_argument("--t1-method", default="sequential", choices=["sequential", "batched"],
+                   help="how the T=1 run decodes: one conversation at a time, or --batch-size at once")
+    p.add_argument("--batch-size", type=int, default=32, help="conversations per batch (--t1-method batched)")
+    p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run (sequential)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -137,8 +141,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                *num)
     seq_ns = _evaluate_args(args, out / "sequential_t0", "--temperatures", "0", "--num-prompts", str(k),
                             "--speedup-prompts", str(k), "--decode", decode)
-    t1_ns = (_evaluate_args(args, out / "sequential_t1", "--temperatures", "1", "--no-speedup",
-                            "--workers", str(args.workers), *num) if args.t1 else None)
+    t1_extra = (["--method", "batched", "--batch-size", str(args.batch_size)] if args.t1_method == "batched"
+                else ["--workers", str(args.workers)])
+    t1_ns = (_evaluate_args(args, out / f"{args.t1_method}_t1", "--temperatures", "1", "--no-speedup", *t1_extra,
+                            *num) if args.t1 else None)
     replay, protocol = _run(replay_ns)
     sequential, _ = _run(seq_ns)
     t1_run = _run(t1_ns)[0] if t1_ns is not None else None
@@ -212,6 +218,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "protocol": rep_res["protocol"], "dtype": rep_res["settings"]["dtype"], "decode_speedup": decode,
         "answers": sum(s["answers"] or 0 for s in sets.values()),
         "t0_seconds": round(t0_seconds, 2), "t1_seconds": None if t1_seconds is None else round(t1_seconds, 2),
+        "t1_method": args.t1_method if t1_run is not None else None,
+        "t1_tau": {name: r.get("mean_acceptance_length") for name, r in (t1_res or {}).get("results", {}).get(
+            "1", {}).items()} if t1_res is not None else None,
         "speedup_seconds": round(speedup_seconds, 2),
         "max_abs_tau_diff_vs_sequential": max(diffs) if diffs else None,
         "checked_answers": sum(s["checked_answers"] for s in sets.values()), "identical_answers": identical,
@@ -224,7 +233,9 @@ def table(row: dict[str, Any]) -> str:
     lines = [f"protocol {pr['name']}: up to {pr['max_new_tokens']} new tokens, {pr['turns']} turn(s), T=0, "
              f"block {pr['block_size']}, {row['dtype']} on {row['device']}; speedup decode {row['decode_speedup']}",
              f"T=0 acceptance by replay: {row['answers']} answers in {row['t0_seconds']:.1f} s; "
-             f"T=1 (sequential): {'-' if row['t1_seconds'] is None else format(row['t1_seconds'], '.1f') + ' s'}; "
+             f"T=1 ({row.get('t1_method') or '-'}): "
+             f"{'-' if row['t1_seconds'] is None else format(row['t1_seconds'], '.1f') + ' s'}"
+             f"{'' if not row.get('t1_tau') else ' (tau ' + ', '.join(f'{k} {_fmt(v)}' for k, v in row['t1_tau'].items()) + ')'}; "
              f"speedup + sequential check: {row['speedup_seconds']:.1f} s",
              f"replay vs sequential: {row['identical_answers']}/{row['checked_answers']} answers identical, "
              f"max |tau diff| {_fmt(row['max_abs_tau_diff_vs_sequential'], '.4f')}",

@@ -367,6 +367,11 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
     assert e.value.code == 2 and len(json.loads(rows.read_text())) == 1
+    # T=1 by the batched decoder: its time and tau per set in the row
+    assert bench.main(argv + ["--t1", "--t1-method", "batched", "--batch-size", "2"]) == 0
+    row = json.loads(rows.read_text())[-1]
+    assert row["t1_method"] == "batched" and row["t1_seconds"] > 0 and set(row["t1_tau"]) == {"mtbench", "humaneval"}
+    assert "T=1 (batched)" in capsys.readouterr().out
 
 
 def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
