@@ -9,8 +9,8 @@ import torch
 from _spec_fixtures import make_draft, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference import batched_spec
-from nemo_dflash.inference.batched_spec import _compact, batched_speculative_generate
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+from nemo_dflash.inference.batched_spec import _compact, batched_autoregressive_generate, batched_speculative_generate
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 
 
 def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
@@ -98,3 +98,19 @@ def test_refuses_empty_input():
     with pytest.raises(ValueError, match="max_new_tokens"):
         batched_speculative_generate(decoder, [[1, 2]], max_new_tokens=0)
 
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_batched_plain_decoding_equals_one_prompt_decoding(make_target):
+    """The speedup baseline at concurrency B: each row's tokens are the one-prompt greedy answer,
+    stop tokens and the cap included."""
+    target = make_target()
+    prompts = _prompts(5)
+    free = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25) for p in prompts]
+    stop = free[1].output_ids[4]
+    want = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, stop_token_ids=[stop])
+            for p in prompts]
+    got = batched_autoregressive_generate(target, prompts, max_new_tokens=25, stop_token_ids=[stop])
+    assert any(w.stopped for w in want) and any(not w.stopped for w in want)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.stopped for g in got] == [w.stopped for w in want]

@@ -51,6 +51,85 @@ def _target_kv(cache: DynamicCache) -> list[tuple[object, str]]:
     return [(layer, name) for layer in cache.layers for name in ("keys", "values")]
 
 
+def _check(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
+    """The attention implementation, once the inputs and the target are known to suit batching."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched decoding needs at least one prompt, each of at least one token")
+    impl = attn_implementation(model)
+    if (impl not in SUPPORTED_ATTN or recurrent_cache.model_has_recurrent_layers(model)
+            or recurrent_cache.has_windowed_layers(model)):
+        raise ValueError(f"batched decoding needs a full-attention target with attention in {SUPPORTED_ATTN} "
+                         f"(got '{impl}'); decode these prompts one at a time instead")
+    return impl
+
+
+def _prefill(model, prompts: Sequence[Sequence[int]], impl: str, dtype: torch.dtype, device: torch.device):
+    """All prompts right-padded in one forward: (cache, live entries [B, L], lengths [B], last logits [B, V])."""
+    bsz = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    plen = int(lens.max())
+    ids = torch.zeros(bsz, plen, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(list(p), device=device)
+    ar = torch.arange(plen, device=device)
+    kv_valid = ar.view(1, -1) < lens.view(-1, 1)
+    visible = (ar.view(1, 1, -1) <= ar.view(1, -1, 1)) & kv_valid.view(bsz, 1, -1)
+    cache = DynamicCache()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=ar.view(1, -1).expand(bsz, -1),
+                attention_mask=visible_to_mask(visible.unsqueeze(1), impl, dtype))
+    return cache, kv_valid, lens, out.logits[torch.arange(bsz, device=device), lens - 1]
+
+
+@torch.no_grad()
+def batched_autoregressive_generate(
+    target_model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    stop_token_ids: Optional[Iterable[int]] = None,
+    generator: Optional[torch.Generator] = None,
+) -> list[GenerationOutput]:
+    """Plain decoding of all prompts in one batch, one token per row per forward: the baseline a
+    batched speculative run is timed against (the same caches, masks and compaction)."""
+    impl = _check(target_model, prompts, max_new_tokens)
+    device = next(target_model.parameters()).device
+    dtype = target_model.get_output_embeddings().weight.dtype
+    stop_ids = stop_set(stop_token_ids)
+    bsz = len(prompts)
+    sync(device)
+    t0 = time.perf_counter()
+    cache, kv_valid, lens, logits = _prefill(target_model, prompts, impl, dtype, device)
+    last, _ = select_tokens(logits, temperature, generator)
+    outputs = [[t] for t in last.tolist()]
+    sync(device)
+    t1 = time.perf_counter()
+    stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs]
+    one = torch.ones(bsz, 1, dtype=torch.bool, device=device)
+    while not all(stopped):
+        pos = lens + torch.tensor([len(o) for o in outputs], device=device) - 1
+        alive = torch.tensor([not x for x in stopped], device=device)
+        seen = torch.cat([kv_valid, one], 1)
+        out = target_model(input_ids=last.view(-1, 1), past_key_values=cache, use_cache=True,
+                           position_ids=pos.view(-1, 1),
+                           attention_mask=visible_to_mask(seen.view(bsz, 1, 1, -1), impl, dtype))
+        kv_valid = torch.cat([kv_valid, alive.view(-1, 1)], 1)
+        last, _ = select_tokens(out.logits[:, -1], temperature, generator)
+        for b, t in enumerate(last.tolist()):  # the step's one host sync
+            if not stopped[b]:
+                outputs[b].append(t)
+                stopped[b] = t in stop_ids or len(outputs[b]) >= max_new_tokens
+        if (~kv_valid).float().mean() > COMPACT_DEAD_SHARE:
+            kv_valid, _ = _compact_cache(kv_valid, cache)
+    sync(device)
+    t2 = time.perf_counter()
+    return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
+                             decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=o[-1] in stop_ids)
+            for o in outputs]
+
+
 @torch.no_grad()
 def batched_speculative_generate(
     decoder,
@@ -68,44 +147,25 @@ def batched_speculative_generate(
     for that prompt alone (in exact arithmetic), acceptance lengths included. `decode_time_s` and
     `prefill_time_s` are the batch's, shared by all rows.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("batched_speculative_generate needs at least one prompt, each of at least one token")
     model = decoder.target.model
-    impl = attn_implementation(model)
-    if (impl not in SUPPORTED_ATTN or recurrent_cache.model_has_recurrent_layers(model)
-            or recurrent_cache.has_windowed_layers(model)):
-        raise ValueError(f"batched speculative decoding needs a full-attention target with attention in "
-                         f"{SUPPORTED_ATTN} (got '{impl}'); decode these prompts one at a time instead")
+    impl = _check(model, prompts, max_new_tokens)
     device = decoder.device
     dtype = decoder.lm_head.weight.dtype
     blk = decoder.block_size
     greedy = temperature <= 0
     stop_ids = stop_set(stop_token_ids)
     bsz = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=device)
-    plen = int(lens.max())
-    ids = torch.zeros(bsz, plen, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.as_tensor(list(p), device=device)
-    arange_p = torch.arange(plen, device=device)
-    kv_valid = arange_p.view(1, -1) < lens.view(-1, 1)  # [B, L]: live target cache entries
     causal = torch.ones(blk, blk, dtype=torch.bool, device=device).tril()
-    cache = DynamicCache()
     dcache = DFlashContextCache(len(decoder.draft.layers))
     d_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=device)  # live draft cache entries
 
     with decoder.target.capture(stop_early=False) as captured:
         sync(device)
         t0 = time.perf_counter()
-        visible = (arange_p.view(1, 1, -1) <= arange_p.view(1, -1, 1)) & kv_valid.view(bsz, 1, -1)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                    position_ids=arange_p.view(1, -1).expand(bsz, -1),
-                    attention_mask=visible_to_mask(visible.unsqueeze(1), impl, dtype))
+        cache, kv_valid, lens, last_logits = _prefill(model, prompts, impl, dtype, device)
         pending = decoder.target.concat(captured)  # [B, C, F]: features the draft has not seen
-        pend_valid, pend_pos = kv_valid.clone(), arange_p.view(1, -1).expand(bsz, -1)
-        last_logits = out.logits[torch.arange(bsz, device=device), lens - 1]
+        pend_valid = kv_valid.clone()
+        pend_pos = torch.arange(pending.shape[1], device=device).view(1, -1).expand(bsz, -1)
         last, _ = select_tokens(last_logits, temperature, generator)  # [B]
         outputs = [[t] for t in last.tolist()]
         sync(device)
@@ -195,4 +255,4 @@ def _compact_draft(valid: torch.Tensor, dcache: DFlashContextCache) -> torch.Ten
     return new_valid
 
 
-__all__ = ["batched_speculative_generate"]
+__all__ = ["batched_autoregressive_generate", "batched_speculative_generate"]
