@@ -543,7 +543,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
            "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap)}
     if args.sync_debug and cuda:
-        row["sync_sites"] = sync_sites(lambda: stepper(warmup + steps, batches[0]).result())
+        row["sync_sites"] = sync_sites(lambda s=stepper: s(warmup + steps, batches[0]).result())
         print("host syncs inside one step (torch.cuda.set_sync_debug_mode), by call site:")
         for site, n in row["sync_sites"].items():
             print(f"  {n:3d}x  {site}")
