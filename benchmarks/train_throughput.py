@@ -591,6 +591,18 @@ def sync_sites(fn) -> dict[str, int]:
     return dict(sites.most_common())
 
 
+def _time_flex(fn, q, k, v, go, kw: dict) -> tuple[float, float, float]:
+    """(first call's seconds, compile included; forward ms; forward + backward ms) of one flex_attention."""
+    t0 = time.perf_counter()
+    fn(q, k, v, **kw).backward(go)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    with torch.no_grad():
+        _, fwd = _cuda_ms(lambda: fn(q, k, v, **kw))
+    _, both = _cuda_ms(lambda: fn(q, k, v, **kw).backward(go))
+    return first, fwd, both
+
+
 def _cuda_ms(fn, reps: int = 10) -> tuple[float, float]:
     """(host ms per call without waiting, GPU-inclusive wall ms per call)."""
     fn()
@@ -645,13 +657,7 @@ def probe(args, device) -> None:
         kk, vv = (k, v) if gqa else (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1))
         kw = dict(block_mask=mask, enable_gqa=gqa, kernel_options=kernel_options)
         try:
-            t0 = time.perf_counter()
-            fn(q, kk, vv, **kw).backward(go)
-            torch.cuda.synchronize()
-            c = time.perf_counter() - t0
-            with torch.no_grad():
-                _, fwd = _cuda_ms(lambda: fn(q, kk, vv, **kw))
-            _, both = _cuda_ms(lambda: fn(q, kk, vv, **kw).backward(go))
+            c, fwd, both = _time_flex(fn, q, kk, vv, go, kw)
             print(f"  {name:<52} fwd {fwd:7.2f} ms  fwd+bwd {both:7.2f} ms  (compile {c:5.1f} s)", flush=True)
         except Exception as e:  # one variant failing must not stop the rest
             print(f"  {name:<52} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
@@ -745,13 +751,7 @@ def probe_flex_tiles(args, device) -> None:
         fn = torch.compile(flex_attention, **compile_kw)
         kw = dict(block_mask=bm, enable_gqa=hq != hkv, kernel_options=opts)
         try:
-            t0 = time.perf_counter()
-            fn(q, k, v, **kw).backward(go)
-            torch.cuda.synchronize()
-            c = time.perf_counter() - t0
-            with torch.no_grad():
-                _, fwd = _cuda_ms(lambda: fn(q, k, v, **kw))
-            _, both = _cuda_ms(lambda: fn(q, k, v, **kw).backward(go))
+            c, fwd, both = _time_flex(fn, q, k, v, go, kw)
             rows.append({"variant": name, "kernel_options": opts, "fwd_ms": fwd, "bwd_ms": both - fwd})
             print(f"  {name:<48} fwd {fwd:6.2f} ms  bwd {both - fwd:6.2f} ms  (compile {c:5.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - one variant failing must not stop the rest

@@ -333,15 +333,20 @@ def test_per_prompt_speedup_spread(capsys):
     assert "mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts)" in text
 
 
-def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
-    """benchmarks/eval_speed.py end to end on the tiny target: the row and its figures."""
+def _benchmark(name: str):
+    """A script of benchmarks/ loaded as a module."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "eval_speed", Path(__file__).parent.parent / "benchmarks" / "eval_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
+    """benchmarks/eval_speed.py end to end on the tiny target: the row and its figures."""
+    bench = _benchmark("eval_speed")
     target_dir, draft_dir = saved
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--protocol", "quick", "--num-prompts", "3",
@@ -377,13 +382,7 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
 def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     """benchmarks/concurrency.py on the tiny target: a row per concurrency, plain and speculative
     answers identical at T=0 in fp32; a bad flag is one line, exit 2, before any model."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "concurrency", Path(__file__).parent.parent / "benchmarks" / "concurrency.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("concurrency")
     target_dir, draft_dir = saved
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", "3", "--batches", "1,3",
