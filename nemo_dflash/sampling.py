@@ -178,3 +178,46 @@ def verify_block(
         dist = residual / total if total > 0 else p[n_acc]
         return n_acc, int(sample_from(dist, generator))
     return n_acc, int(sample_from(p[k_len], generator))
+
+
+def verify_blocks(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float,
+    draft_probs: Optional[torch.Tensor],
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_block` for B rows at once, on the device: (num_accepted [B], next_token [B]).
+
+    draft_tokens [B, K], target_logits [B, K + 1, V], draft_probs [B, K, V] (T > 0). The same rule
+    per row (T = 0: the longest prefix equal to the argmax; T > 0: accept slot k with probability
+    min(1, p/q), then a sample of the residual at the first rejection, or the bonus from p), drawn
+    from one generator for the whole batch: the same distribution as `verify_block` row by row,
+    without a host sync per row.
+    """
+    bsz, k_len = draft_tokens.shape
+    if temperature <= 0:
+        target_tokens = target_logits.argmax(dim=-1)  # [B, K + 1]
+        n_acc = (draft_tokens == target_tokens[:, :k_len]).long().cumprod(dim=1).sum(dim=1)
+        return n_acc, target_tokens.gather(1, n_acc.view(-1, 1)).squeeze(1)
+    if draft_probs is None and k_len:
+        raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
+    p = probs_at(target_logits, temperature)  # [B, K + 1, V]
+    rows = torch.arange(bsz, device=p.device)
+    if k_len:
+        idx = draft_tokens.unsqueeze(-1)
+        p_tok = p[:, :-1].gather(-1, idx).squeeze(-1)
+        q = draft_probs.float()
+        q_tok = q.gather(-1, idx).squeeze(-1)
+        u = torch.rand(bsz, k_len, device=p.device, generator=generator)
+        n_acc = (u * q_tok < p_tok).long().cumprod(dim=1).sum(dim=1)  # u < p/q without dividing by a zero q
+        at = n_acc.clamp(max=k_len - 1)
+        residual = (p[rows, at] - q[rows, at]).clamp(min=0)
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[rows, at])
+        dist = torch.where((n_acc < k_len).view(-1, 1), residual, p[rows, n_acc])
+    else:
+        n_acc = torch.zeros(bsz, dtype=torch.long, device=p.device)
+        dist = p[:, 0]
+    return n_acc, sample_from(dist, generator)
+

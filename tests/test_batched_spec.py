@@ -20,7 +20,7 @@ def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
-@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("block", [1, 4, 8])
 def test_t0_equals_the_one_prompt_decoder_answer_for_answer(make_target, block, monkeypatch):
     """fp32: the same tokens and the same acceptance length at every step, for prompts of different
     lengths, a stop token that ends some answers early, and the cap; with the caches compacted
@@ -114,3 +114,27 @@ def test_batched_plain_decoding_equals_one_prompt_decoding(make_target):
     assert any(w.stopped for w in want) and any(not w.stopped for w in want)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.stopped for g in got] == [w.stopped for w in want]
+
+
+def test_verify_blocks_matches_verify_block_in_distribution():
+    """The batched rule against the one-row rule on a hand-made case (vocabulary 4, two drafted
+    slots, draft and target disagreeing): the joint frequencies of (accepted, next token) over
+    20,000 rows each agree within 0.015; at T=0 the two agree exactly."""
+    from nemo_dflash.sampling import verify_block, verify_blocks
+
+    # slot 1 is accepted with probability 0.3/0.6, slot 2 with 0.25/0.7: 0, 1 and 2 accepted all occur
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]).log()
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1]])
+    drafts = torch.tensor([1, 2])
+    n = 20000
+    g = torch.Generator().manual_seed(1)
+    n_acc, nxt = verify_blocks(drafts.expand(n, -1), logits.expand(n, -1, -1), 1.0, q.expand(n, -1, -1), g)
+    batched = torch.bincount(n_acc * 4 + nxt, minlength=12).float() / n
+    one = torch.zeros(12)
+    for _ in range(n):
+        a, t = verify_block(drafts, logits, 1.0, q, g)
+        one[a * 4 + t] += 1
+    assert (batched - one / n).abs().max() < 0.015
+    assert batched[:4].sum() == pytest.approx(0.5, abs=0.02) and batched[8:].sum() == pytest.approx(0.5 * 0.25 / 0.7, abs=0.02)
+    n_acc, nxt = verify_blocks(drafts.view(1, -1), logits.view(1, 3, 4), 0.0, None)
+    assert (int(n_acc), int(nxt)) == verify_block(drafts, logits, 0.0)

@@ -4,7 +4,7 @@ The sequential decoder (`spec_decode.DFlashSpeculativeDecoder.generate`) runs on
 engines run many, and a draft's speedup changes with their concurrency. This decoder runs the same
 algorithm on B prompts in one batch: one draft forward drafts every row's block, one target forward
 verifies every row's block, and each row keeps its own accepted prefix (T=0: the longest prefix equal
-to the target's argmax; T>0: speculative sampling, `sampling.verify_block`, row by row).
+to the target's argmax; T>0: speculative sampling, `sampling.verify_blocks`, all rows at once).
 
 Rows drift apart, each accepting a different number of tokens, so the caches are never cropped:
 every verify appends B x block entries, and a per-row validity mask hides each row's rejected
@@ -28,7 +28,7 @@ from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference import recurrent_cache
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, visible_to_mask
-from nemo_dflash.sampling import select_tokens, verify_block
+from nemo_dflash.sampling import select_tokens, verify_blocks
 
 COMPACT_DEAD_SHARE = 0.5  # compact the caches once more than this share of their slots is dead
 
@@ -152,7 +152,6 @@ def batched_speculative_generate(
     device = decoder.device
     dtype = decoder.lm_head.weight.dtype
     blk = decoder.block_size
-    greedy = temperature <= 0
     stop_ids = stop_set(stop_token_ids)
     bsz = len(prompts)
     causal = torch.ones(blk, blk, dtype=torch.bool, device=device).tril()
@@ -196,25 +195,12 @@ def batched_speculative_generate(
             out = model(input_ids=torch.cat([last.view(-1, 1), d_tokens], 1), past_key_values=cache, use_cache=True,
                         position_ids=q_pos, attention_mask=visible_to_mask(seen.unsqueeze(1), impl, dtype))
             feats = decoder.target.concat(captured)  # [B, blk, F]
-            if greedy:
-                tgt = out.logits.argmax(-1)  # [B, blk]
-                n_acc_t = (d_tokens == tgt[:, :-1]).long().cumprod(1).sum(1)
-                host = torch.cat([n_acc_t.view(-1, 1), tgt], 1).tolist()  # the step's one host sync
-                n_acc = [r[0] for r in host]
-                news = [r[1 : r[0] + 2] for r in host]
-            else:
-                n_acc, news = [], []
-                vocab = out.logits.shape[-1]
-                probs = d_probs.view(bsz, blk - 1, vocab) if d_probs is not None else None
-                for b in range(bsz):
-                    if stopped[b]:
-                        n_acc.append(0)
-                        news.append([0])
-                        continue
-                    n, nxt = verify_block(d_tokens[b], out.logits[b], temperature,
-                                          probs[b] if probs is not None else None, generator)
-                    n_acc.append(n)
-                    news.append(d_tokens[b, :n].tolist() + [nxt])
+            vocab = out.logits.shape[-1]
+            probs = d_probs.view(bsz, blk - 1, vocab) if d_probs is not None else None
+            n_acc_t, nxt_t = verify_blocks(d_tokens, out.logits, temperature, probs, generator)
+            host = torch.cat([n_acc_t.view(-1, 1), nxt_t.view(-1, 1), d_tokens], 1).tolist()  # the step's one host sync
+            n_acc = [r[0] for r in host]
+            news = [r[2 : 2 + r[0]] + [r[1]] for r in host]  # accepted proposals, then the target's token
             kept = torch.tensor([0 if stopped[b] else n_acc[b] + 1 for b in range(bsz)], device=device)
             new_valid = block_ar.view(1, -1) < kept.view(-1, 1)  # the last token and the accepted drafts
             kv_valid = torch.cat([kv_valid, new_valid], 1)
