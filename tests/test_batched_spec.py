@@ -33,9 +33,15 @@ def test_t0_equals_the_one_prompt_decoder_answer_for_answer(make_target, block, 
     stop = free[0].output_ids[5]  # ends the first answer (and maybe others) early
     want = [decoder.generate(torch.tensor([p]), max_new_tokens=30, stop_token_ids=[stop]) for p in prompts]
     assert any(w.stopped for w in want) and any(not w.stopped for w in want)
+    compactions = []
+    real = batched_spec._compact
+    monkeypatch.setattr(batched_spec, "_compact", lambda *a: compactions.append(1) or real(*a))
     for share in (batched_spec.COMPACT_DEAD_SHARE, 0.0, 1.0):
         monkeypatch.setattr(batched_spec, "COMPACT_DEAD_SHARE", share)
+        compactions.clear()
         got = batched_speculative_generate(decoder, prompts, max_new_tokens=30, stop_token_ids=[stop])
+        if share in (0.0, 1.0):  # 0.0: compacted whenever a slot is dead; 1.0: never
+            assert bool(compactions) == (share == 0.0)
         for w, g in zip(want, got):
             assert g.output_ids == w.output_ids
             assert g.acceptance_lengths == w.acceptance_lengths

@@ -173,8 +173,13 @@ def batched_speculative_generate(
         accept = [[] for _ in range(bsz)]
         block_ar = torch.arange(blk, device=device)
         masks = torch.full((bsz, blk - 1), decoder.mask_token_id, dtype=torch.long, device=device)
+        # Per-step state stays on the device (positions, live rows); the host reads the step's tokens once
+        # and keeps the live-entry counts that decide compaction.
+        pos = lens.clone()  # [B] the position of each row's last token
+        alive = torch.tensor([not x for x in stopped], device=device)
+        live_kv = live_pending = int(lens.sum())  # live entries of the target cache; of `pending`
+        live_d = 0  # live entries of the draft cache
         while not all(stopped):
-            pos = lens + torch.tensor([len(o) for o in outputs], device=device) - 1  # [B] last token's position
             # draft every row's block: context = the verified features not yet cached, plus the cache
             if blk > 1:
                 noise = decoder.embed_tokens(torch.cat([last.view(-1, 1), masks], 1))
@@ -183,6 +188,7 @@ def batched_speculative_generate(
                 hidden = decoder.draft(noise_embedding=noise, target_hidden=pending, position_ids=d_pos,
                                        attention_mask=seen.view(bsz, 1, 1, -1).expand(-1, -1, blk, -1), cache=dcache)
                 d_valid = torch.cat([d_valid, pend_valid], 1)
+                live_d += live_pending
                 d_logits = decoder.lm_head(hidden[:, 1:].to(dtype))  # [B, blk-1, V]
                 d_flat, d_probs = select_tokens(d_logits.reshape(bsz * (blk - 1), -1), temperature, generator)
                 d_tokens = d_flat.view(bsz, blk - 1)
@@ -198,24 +204,28 @@ def batched_speculative_generate(
             vocab = out.logits.shape[-1]
             probs = d_probs.view(bsz, blk - 1, vocab) if d_probs is not None else None
             n_acc_t, nxt_t = verify_blocks(d_tokens, out.logits, temperature, probs, generator)
-            host = torch.cat([n_acc_t.view(-1, 1), nxt_t.view(-1, 1), d_tokens], 1).tolist()  # the step's one host sync
-            n_acc = [r[0] for r in host]
-            news = [r[2 : 2 + r[0]] + [r[1]] for r in host]  # accepted proposals, then the target's token
-            kept = torch.tensor([0 if stopped[b] else n_acc[b] + 1 for b in range(bsz)], device=device)
-            new_valid = block_ar.view(1, -1) < kept.view(-1, 1)  # the last token and the accepted drafts
+            kept = torch.where(alive, n_acc_t + 1, 0)  # the last token and the accepted drafts, per live row
+            new_valid = block_ar.view(1, -1) < kept.view(-1, 1)
             kv_valid = torch.cat([kv_valid, new_valid], 1)
             pending, pend_valid, pend_pos = feats, new_valid, q_pos
-            last = torch.tensor([news[b][-1] for b in range(bsz)], device=device)
-            for b in range(bsz):
-                if stopped[b]:
+            last, pos = nxt_t, pos + kept
+            host = torch.cat([n_acc_t.view(-1, 1), nxt_t.view(-1, 1), d_tokens], 1).tolist()  # the step's one host sync
+            was, live_pending = list(stopped), 0
+            for b, r in enumerate(host):
+                if was[b]:
                     continue
-                accept[b].append(len(news[b]))
-                tokens, stopped[b] = truncate(news[b], stop_ids, max_new_tokens - len(outputs[b]))
+                new = r[2 : 2 + r[0]] + [r[1]]  # accepted proposals, then the target's token
+                accept[b].append(len(new))
+                live_kv += len(new)
+                live_pending += len(new)
+                tokens, stopped[b] = truncate(new, stop_ids, max_new_tokens - len(outputs[b]))
                 outputs[b].extend(tokens)
                 stopped[b] = stopped[b] or len(outputs[b]) >= max_new_tokens
-            if (~kv_valid).float().mean() > COMPACT_DEAD_SHARE:
+            if stopped != was:
+                alive = torch.tensor([not x for x in stopped], device=device)
+            if live_kv < (1 - COMPACT_DEAD_SHARE) * bsz * kv_valid.shape[1]:
                 kv_valid, _ = _compact_cache(kv_valid, cache)
-            if d_valid.numel() and (~d_valid).float().mean() > COMPACT_DEAD_SHARE:
+            if d_valid.shape[1] and live_d < (1 - COMPACT_DEAD_SHARE) * bsz * d_valid.shape[1]:
                 d_valid = _compact_draft(d_valid, dcache)
         sync(device)
         t2 = time.perf_counter()
