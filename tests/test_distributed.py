@@ -117,6 +117,25 @@ def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path, where):
     assert not list(ckpts.glob(".tmp-*"))
 
 
+def test_ddp_lagged_loop_matches_single_process_and_stops_together(assets, tmp_path):
+    """With a fused AdamW each rank launches step n+1 before reading step n. Two ranks give the
+    single process's losses, and a stop voted in step 1 (the time limit) ends both ranks after step
+    2: no rank waits in a collective the other never joins."""
+    target, data = assets
+    common = ("train.max_steps=4", "optim.fused=true")
+    _run(_cmd(1, target, data, tmp_path / "single", *common, "train.micro_batch_size=4", "distributed.strategy=none"))
+    _run(_cmd(2, target, data, tmp_path / "ddp", *common, "train.micro_batch_size=2", "distributed.strategy=ddp"))
+    single, got = _losses(tmp_path / "single"), _losses(tmp_path / "ddp")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, loss in single.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    out = tmp_path / "stopped"
+    _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", "distributed.strategy=ddp",
+              "train.max_minutes=0.0"), timeout=120)
+    assert sorted(_losses(out)) == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["stopped_early"] == "train.max_minutes reached"
+
+
 def test_sigterm_leaves_a_complete_checkpoint(assets, tmp_path):
     target, data = assets
     out = tmp_path / "run"
