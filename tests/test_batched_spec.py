@@ -107,9 +107,11 @@ def test_refuses_empty_input():
 
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
-def test_batched_plain_decoding_equals_one_prompt_decoding(make_target):
+@pytest.mark.parametrize("share", [0.0, 1.0], ids=["compacted", "never-compacted"])
+def test_batched_plain_decoding_equals_one_prompt_decoding(make_target, share, monkeypatch):
     """The speedup baseline at concurrency B: each row's tokens are the one-prompt greedy answer,
-    stop tokens and the cap included."""
+    stop tokens and the cap included, with the cache compacted whenever a slot is dead or never."""
+    monkeypatch.setattr(batched_spec, "COMPACT_DEAD_SHARE", share)
     target = make_target()
     prompts = _prompts(5)
     free = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25) for p in prompts]

@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
+from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference import recurrent_cache
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
@@ -99,32 +100,39 @@ def batched_autoregressive_generate(
     dtype = target_model.get_output_embeddings().weight.dtype
     stop_ids = stop_set(stop_token_ids)
     bsz = len(prompts)
-    sync(device)
-    t0 = time.perf_counter()
-    cache, kv_valid, lens, logits = _prefill(target_model, prompts, impl, dtype, device)
-    last, _ = select_tokens(logits, temperature, generator)
-    outputs = [[t] for t in last.tolist()]
-    sync(device)
-    t1 = time.perf_counter()
-    stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs]
-    one = torch.ones(bsz, 1, dtype=torch.bool, device=device)
-    while not all(stopped):
-        pos = lens + torch.tensor([len(o) for o in outputs], device=device) - 1
+    with eager_attention_backends(device):  # key lengths change every step (nemo_dflash.attention)
+        sync(device)
+        t0 = time.perf_counter()
+        cache, kv_valid, lens, logits = _prefill(target_model, prompts, impl, dtype, device)
+        last, _ = select_tokens(logits, temperature, generator)
+        outputs = [[t] for t in last.tolist()]
+        sync(device)
+        t1 = time.perf_counter()
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs]
+        one = torch.ones(bsz, 1, dtype=torch.bool, device=device)
+        pos = lens.clone()  # [B] the position of each row's last token (as in the speculative loop)
         alive = torch.tensor([not x for x in stopped], device=device)
-        seen = torch.cat([kv_valid, one], 1)
-        out = target_model(input_ids=last.view(-1, 1), past_key_values=cache, use_cache=True,
-                           position_ids=pos.view(-1, 1),
-                           attention_mask=visible_to_mask(seen.view(bsz, 1, 1, -1), impl, dtype))
-        kv_valid = torch.cat([kv_valid, alive.view(-1, 1)], 1)
-        last, _ = select_tokens(out.logits[:, -1], temperature, generator)
-        for b, t in enumerate(last.tolist()):  # the step's one host sync
-            if not stopped[b]:
-                outputs[b].append(t)
-                stopped[b] = t in stop_ids or len(outputs[b]) >= max_new_tokens
-        if (~kv_valid).float().mean() > COMPACT_DEAD_SHARE:
-            kv_valid, _ = _compact_cache(kv_valid, cache)
-    sync(device)
-    t2 = time.perf_counter()
+        live_kv = int(lens.sum())
+        while not all(stopped):
+            seen = torch.cat([kv_valid, one], 1)
+            out = target_model(input_ids=last.view(-1, 1), past_key_values=cache, use_cache=True,
+                               position_ids=pos.view(-1, 1),
+                               attention_mask=visible_to_mask(seen.view(bsz, 1, 1, -1), impl, dtype))
+            kv_valid = torch.cat([kv_valid, alive.view(-1, 1)], 1)
+            last, _ = select_tokens(out.logits[:, -1], temperature, generator)
+            pos = pos + alive.long()
+            was = list(stopped)
+            for b, t in enumerate(last.tolist()):  # the step's one host sync
+                if not was[b]:
+                    live_kv += 1
+                    outputs[b].append(t)
+                    stopped[b] = t in stop_ids or len(outputs[b]) >= max_new_tokens
+            if stopped != was:
+                alive = torch.tensor([not x for x in stopped], device=device)
+            if live_kv < (1 - COMPACT_DEAD_SHARE) * bsz * kv_valid.shape[1]:
+                kv_valid, _ = _compact_cache(kv_valid, cache)
+        sync(device)
+        t2 = time.perf_counter()
     return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
                              decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=o[-1] in stop_ids)
             for o in outputs]
@@ -158,7 +166,8 @@ def batched_speculative_generate(
     dcache = DFlashContextCache(len(decoder.draft.layers))
     d_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=device)  # live draft cache entries
 
-    with decoder.target.capture(stop_early=False) as captured:
+    # key lengths change every step: SDPA backends without a per-shape plan (nemo_dflash.attention)
+    with decoder.target.capture(stop_early=False) as captured, eager_attention_backends(device):
         sync(device)
         t0 = time.perf_counter()
         cache, kv_valid, lens, last_logits = _prefill(model, prompts, impl, dtype, device)
