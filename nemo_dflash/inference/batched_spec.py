@@ -48,10 +48,6 @@ def _compact(valid: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Te
     return slot[:new_len].view(1, -1) < counts.view(-1, 1), out
 
 
-def _target_kv(cache: DynamicCache) -> list[tuple[object, str]]:
-    return [(layer, name) for layer in cache.layers for name in ("keys", "values")]
-
-
 def _check(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
     """The attention implementation, once the inputs and the target are known to suit batching."""
     if max_new_tokens < 1:
@@ -69,11 +65,9 @@ def _check(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
 def _prefill(model, prompts: Sequence[Sequence[int]], impl: str, dtype: torch.dtype, device: torch.device):
     """All prompts right-padded in one forward: (cache, live entries [B, L], lengths [B], last logits [B, V])."""
     bsz = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=device)
-    plen = int(lens.max())
-    ids = torch.zeros(bsz, plen, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.as_tensor(list(p), device=device)
+    plen = max(len(p) for p in prompts)
+    ids = torch.tensor([list(p) + [0] * (plen - len(p)) for p in prompts], dtype=torch.long).to(device)
+    lens = torch.tensor([len(p) for p in prompts]).to(device)
     ar = torch.arange(plen, device=device)
     kv_valid = ar.view(1, -1) < lens.view(-1, 1)
     visible = (ar.view(1, 1, -1) <= ar.view(1, -1, 1)) & kv_valid.view(bsz, 1, -1)
@@ -130,7 +124,7 @@ def batched_autoregressive_generate(
             if stopped != was:
                 alive = torch.tensor([not x for x in stopped], device=device)
             if live_kv < (1 - COMPACT_DEAD_SHARE) * bsz * kv_valid.shape[1]:
-                kv_valid, _ = _compact_cache(kv_valid, cache)
+                kv_valid = _compact_cache(kv_valid, cache)
         sync(device)
         t2 = time.perf_counter()
     return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
@@ -233,7 +227,7 @@ def batched_speculative_generate(
             if stopped != was:
                 alive = torch.tensor([not x for x in stopped], device=device)
             if live_kv < (1 - COMPACT_DEAD_SHARE) * bsz * kv_valid.shape[1]:
-                kv_valid, _ = _compact_cache(kv_valid, cache)
+                kv_valid = _compact_cache(kv_valid, cache)
             if d_valid.shape[1] and live_d < (1 - COMPACT_DEAD_SHARE) * bsz * d_valid.shape[1]:
                 d_valid = _compact_draft(d_valid, dcache)
         sync(device)
@@ -245,12 +239,12 @@ def batched_speculative_generate(
     ]
 
 
-def _compact_cache(valid: torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, None]:
-    slots = _target_kv(cache)
+def _compact_cache(valid: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    slots = [(layer, name) for layer in cache.layers for name in ("keys", "values")]
     new_valid, tensors = _compact(valid, [getattr(layer, name) for layer, name in slots])
     for (layer, name), t in zip(slots, tensors):
         setattr(layer, name, t)
-    return new_valid, None
+    return new_valid
 
 
 def _compact_draft(valid: torch.Tensor, dcache: DFlashContextCache) -> torch.Tensor:

@@ -300,6 +300,17 @@ def _decode_kwargs(fn: Any, decode: str) -> dict[str, str]:
     return {}
 
 
+def _answer(prompt_id: str, turn: int, prompt_ids: Sequence[int], out: Any, ar: Any = None) -> Answer:
+    """One decoded turn as an `Answer`; with `ar` (plain decoding of the same prompt) its timing too."""
+    body = out.output_ids[:-1] if out.stopped else out.output_ids  # a stop token ends the output
+    return Answer(
+        id=prompt_id, turn=turn, output_ids=out.output_ids, acceptance_lengths=list(out.acceptance_lengths),
+        stopped=out.stopped, loop_start=find_loop_start(body), prompt_ids=list(prompt_ids),
+        decode_time_s=out.decode_time_s if ar else None, ar_decode_time_s=ar.decode_time_s if ar else None,
+        ar_new_tokens=ar.num_new_tokens if ar else None, ar_match=ar.output_ids == out.output_ids if ar else None,
+    )
+
+
 class ConversationDecoder:
     """Decodes conversations turn by turn with one target and one draft.
 
@@ -362,12 +373,7 @@ class ConversationDecoder:
             ids = [encode_chat(self.tokenizer, histories[i], s.use_chat_template) for i in live]
             outs = batched_speculative_generate(self.spec, ids, generator=g, **self._kw())
             for i, prompt_ids, out in zip(live, ids, outs):
-                body = out.output_ids[:-1] if out.stopped else out.output_ids
-                answers[i].append(Answer(
-                    id=prompts[i].id, turn=t + 1, output_ids=out.output_ids,
-                    acceptance_lengths=list(out.acceptance_lengths), stopped=out.stopped,
-                    loop_start=find_loop_start(body), prompt_ids=list(prompt_ids),
-                ))
+                answers[i].append(_answer(prompts[i].id, t + 1, prompt_ids, out))
                 if t + 1 < turns[i]:
                     histories[i].append({"role": "assistant", "content": self.answer_text(out.output_ids)})
         return answers
@@ -389,14 +395,7 @@ class ConversationDecoder:
             out = self.spec.generate(ids, generator=g_spec, **self._kw(), **self.spec_kw)
             ar = (autoregressive_generate(self.target, ids, generator=g_ar, **self._kw(), **self.ar_kw)
                   if s.measure_speedup else None)
-            body = out.output_ids[:-1] if out.stopped else out.output_ids  # a stop token ends the output
-            answers.append(Answer(
-                id=prompt.id, turn=t + 1, output_ids=out.output_ids, acceptance_lengths=list(out.acceptance_lengths),
-                stopped=out.stopped, loop_start=find_loop_start(body), prompt_ids=list(ids),
-                decode_time_s=out.decode_time_s if ar else None, ar_decode_time_s=ar.decode_time_s if ar else None,
-                ar_new_tokens=ar.num_new_tokens if ar else None,
-                ar_match=ar.output_ids == out.output_ids if ar else None,
-            ))
+            answers.append(_answer(prompt.id, t + 1, ids, out, ar))
             if t + 1 < turns:
                 history.append({"role": "assistant", "content": self.answer_text(out.output_ids)})
         return answers

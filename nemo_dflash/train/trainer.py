@@ -78,13 +78,14 @@ class _StopFlag:
         self.requested = True
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy from pinned memory without blocking the host (a pageable copy may wait for the GPU)."""
-    pin = device.type == "cuda"
-    return {
-        k: (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v).to(device, non_blocking=True)
-        for k, v in batch.items()
-    }
+    pin = device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned()
+    return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: _to(v, device) for k, v in batch.items()}
 
 
 def _micro_slice(batch: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
@@ -274,8 +275,7 @@ class TrainStep:
                 out.loss_sum.backward()
             parts.append(out.sums())
         extra = torch.tensor([n_tok, 1.0 if stop else 0.0], dtype=torch.float64)
-        extra = _to_device({"extra": extra}, self.device)["extra"]  # pinned: a pageable copy would wait for the GPU
-        totals = torch.cat([torch.stack(parts).sum(0), extra])  # LossSums, tokens, stop votes
+        totals = torch.cat([torch.stack(parts).sum(0), _to(extra, self.device)])  # LossSums, tokens, stop votes
         all_reduce_sum(totals, self.state)
 
         grads = [p.grad for p in self.params if p.grad is not None]

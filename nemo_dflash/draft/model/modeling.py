@@ -36,7 +36,7 @@ _compiled_flex = None
 # Backward: at the packed step's shape (4 x 8192-token rows, 5,120 anchors a row; H100) the default
 # (64, 128, 128, 64; 8 warps) took 9.19 ms per layer, 64x64 tiles with 4 warps 8.22 ms.
 _SMALL_HEAD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                         "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}
+                     "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}
 
 
 def flex_kernel_options(head_dim: int) -> Optional[dict]:
