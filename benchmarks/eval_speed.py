@@ -219,8 +219,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "answers": sum(s["answers"] or 0 for s in sets.values()),
         "t0_seconds": round(t0_seconds, 2), "t1_seconds": None if t1_seconds is None else round(t1_seconds, 2),
         "t1_method": args.t1_method if t1_run is not None else None,
-        "t1_tau": {name: r.get("mean_acceptance_length") for name, r in (t1_res or {}).get("results", {}).get(
-            "1", {}).items()} if t1_res is not None else None,
+        "t1_tau": None if t1_res is None else {
+            name: r.get("mean_acceptance_length") for name, r in t1_res["results"].get("1", {}).items()},
         "speedup_seconds": round(speedup_seconds, 2),
         "max_abs_tau_diff_vs_sequential": max(diffs) if diffs else None,
         "checked_answers": sum(s["checked_answers"] for s in sets.values()), "identical_answers": identical,

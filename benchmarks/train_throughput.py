@@ -342,7 +342,7 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
                 "tflops": round(r["tflops"], 1)})
-    for k in ("backend", "fused_ce", "mbs", "target_ms", "draft_fwd_bwd_ms"):
+    for k in ("backend", "fused_ce", "mbs", "overlap", "target_ms", "draft_fwd_bwd_ms"):
         if k in r:
             row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
     return row
