@@ -30,6 +30,8 @@
 #                conversations), "quarter" = a quarter of the new data's conversations, "new" = all of
 #                the new data (the main run's data at the ablations' step count)
 #   --abl-eval     evaluate arguments for the ablation drafts (default: first 24 prompts per set, T=0)
+#   --nproc        GPUs for regeneration and training (torchrun, one process a GPU; default 1)
+#   --recipe       the training recipe (default smollm2_135m_gpu.yaml; the 200 M-token run: smollm2_135m_200m.yaml)
 #   --stop-after   export: end after the export (evaluate elsewhere; rerun with --main-train 0 to evaluate)
 #   --main-train   0: do not train the main draft (evaluate an export already at OUT/export/main, e.g.
 #                to continue an evaluation on another machine)
@@ -51,8 +53,8 @@ ABL=; ABL_STEPS=800; ABL_MIN=4; MAIN_TRAIN=1
 ABL_EVAL="--num-prompts 24 --temperatures 0 --no-speedup"
 EVAL_WORKERS=2; SPEED_PROMPTS=3; DECODE=graphs
 PROTOCOL=paper; EVAL_MIN=6; MAGPIE=; SPP=1
-STOP_AFTER=; PYTHON=python3
-KNOBS=" TARGET DATA_SRC MAGPIE SPP NSAMPLES HOLDOUT TURNS MAXNEW MAXPROMPT TEMP TOPP SAMPLING LOOPS REGEN_BS REGEN_MIN STEPS CAL_STEPS TRAIN_MIN EXTRA ABL ABL_STEPS ABL_MIN ABL_EVAL STOP_AFTER MAIN_TRAIN EVAL_WORKERS SPEED_PROMPTS DECODE PROTOCOL EVAL_MIN PYTHON "
+STOP_AFTER=; PYTHON=python3; NPROC=1; RECIPE=smollm2_135m_gpu.yaml
+KNOBS=" NPROC RECIPE TARGET DATA_SRC MAGPIE SPP NSAMPLES HOLDOUT TURNS MAXNEW MAXPROMPT TEMP TOPP SAMPLING LOOPS REGEN_BS REGEN_MIN STEPS CAL_STEPS TRAIN_MIN EXTRA ABL ABL_STEPS ABL_MIN ABL_EVAL STOP_AFTER MAIN_TRAIN EVAL_WORKERS SPEED_PROMPTS DECODE PROTOCOL EVAL_MIN PYTHON "
 while [ $# -gt 0 ]; do
     name=$(printf '%s' "${1#--}" | tr 'a-z-' 'A-Z_')
     case $1 in --*) ;; *) echo "unexpected argument '$1': $usage" >&2; exit 2 ;; esac
@@ -61,6 +63,8 @@ while [ $# -gt 0 ]; do
     printf -v "$name" '%s' "$2"; shift 2
 done
 PY=$PYTHON
+RUN=("$PY")  # regeneration and training: under torchrun with --nproc > 1
+[ "$NPROC" -gt 1 ] && RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 export OMP_NUM_THREADS=2 NEMO_DFLASH_NO_BAR=1 WANDB_MODE=disabled
 mkdir -p "$OUT"/{data,runs,eval,export,logs}
 stage() { echo "[$(date +%T)] $*" | tee -a "$OUT/logs/stages.log"; }
@@ -83,7 +87,7 @@ regen() {  # out log [extra args]
     local out=$1 log=$2; shift 2
     [ -f "$out" ] && return 0
     NS=(); [ -n "$NSAMPLES" ] && NS=(--num-samples "$NSAMPLES")
-    $PY -m nemo_dflash.recipes.regenerate --target "$TARGET" "${SRC_ARGS[@]}" --out "$out" \
+    "${RUN[@]}" -m nemo_dflash.recipes.regenerate --target "$TARGET" "${SRC_ARGS[@]}" --out "$out" \
         --holdout "$HOLDOUT" --max-prompt-tokens "$MAXPROMPT" --batch-size "$REGEN_BS" --dtype bf16 \
         --samples-per-prompt "$SPP" --summary-json "$OUT/data/regen_sources.json" \
         --max-minutes "$REGEN_MIN" "${NS[@]}" "$@" > "$OUT/logs/$log.log" 2>&1
@@ -105,7 +109,7 @@ train() {  # name data steps minutes [overrides...]
     local name=$1 data=$2 steps=$3 minutes=$4; shift 4
     [ -f "$OUT/runs/$name/final/draft/config.json" ] && return 0
     # shellcheck disable=SC2086
-    $PY -m nemo_dflash.recipes.train --config smollm2_135m_gpu.yaml target.path="$TARGET" \
+    "${RUN[@]}" -m nemo_dflash.recipes.train --config "$RECIPE" target.path="$TARGET" \
         "data.sources=[{path: $data}]" output_dir="$OUT/runs/$name" train.max_steps="$steps" \
         train.max_minutes="$minutes" wandb.mode=disabled $EXTRA "$@" > "$OUT/logs/train_$name.log" 2>&1 \
         || { echo "training $name failed:"; tail -n 30 "$OUT/logs/train_$name.log"; }

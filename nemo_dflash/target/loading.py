@@ -86,9 +86,15 @@ def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cac
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / ".complete").write_text("ok\n")
+        if (out / ".complete").exists():  # another process (a torchrun rank) finished first: keep its copy,
+            return out                    # which that process may be reading now
         if out.exists():  # a stale, incomplete cache: replace it
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process renamed its copy into place in between
+            if not (out / ".complete").exists():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
