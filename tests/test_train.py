@@ -124,6 +124,11 @@ def test_train_cli_end_to_end(tiny_assets, tmp_path):
     assert (out / "curves.png").stat().st_size > 1000
     assert [p.name for p in (out / "checkpoints").iterdir()] and (out / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
     assert "eval_accept_len" in summary
+    # The held-out curve: steps 0, 3 and 6, one row each (the last step is an eval_every multiple,
+    # and the final evaluation reuses it), and the summary's figures are that last row's.
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-6)
 
 
 def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):

@@ -404,6 +404,7 @@ class Trainer:
         self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
+        self._eval_done: Optional[tuple[int, dict[str, float]]] = None  # (step, figures): one eval a step
         mask_id = self.draft.config.mask_token_id
         uses = self.train_ds.count_token(mask_id)
         if uses and not cfg.draft.allow_mask_token_in_data:
@@ -515,9 +516,14 @@ class Trainer:
         return LossSums.from_vector(totals.cpu()).rates(prefix="eval_")
 
     def _log_eval(self, metrics: MetricsLogger) -> dict[str, float]:
+        """Evaluate the current weights once: a step already evaluated (the last step on an
+        `eval_every` multiple) reuses its figures, so the curve holds one row a step."""
+        if self._eval_done is not None and self._eval_done[0] == self.step:
+            return self._eval_done[1]
         ev = self.evaluate(self.cfg.train.eval_batches)
         if ev:
             metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen)}, bar=False)
+        self._eval_done = (self.step, ev)
         return ev
 
     # ------------------------------------------------------------------ loop
@@ -640,10 +646,8 @@ class Trainer:
         """The last checkpoint, the final draft and eval, summary.json and the curves."""
         if reason is None or reason.saves:
             self.checkpointer.save_last(self.step, self.tokens_seen, always=reason is StopReason.SIGTERM)
-        final_eval = self.evaluate(self.cfg.train.eval_batches) if self.holdout_ds is not None else {}
+        final_eval = self._log_eval(metrics) if self.holdout_ds is not None else {}
         final_draft = self.checkpointer.save_final()
-        if final_eval:
-            metrics.log(self.step, {**final_eval, "tokens": float(self.tokens_seen)}, bar=False)
         metrics.close()
         summary = {
             "steps": self.step,
