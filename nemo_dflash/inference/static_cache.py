@@ -78,6 +78,26 @@ def _kv_shape(model: nn.Module) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
+def write_at(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             positions: torch.Tensor, row: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new K/V [R, H, Q, D] into preallocated [R, H, L, D] buffers at absolute positions, in place.
+
+    `positions` is [Q] (every row at the same positions) or [R, Q] (each row at its own: batched
+    decoding, rows drifting apart). `row` sends a one-row forward (a batched runner's per-row
+    prefill) into that row of the buffers. Returns the buffers (or that row) as written.
+    """
+    if row is not None:
+        keys, values = keys[row : row + 1], values[row : row + 1]
+    if positions.dim() == 1:
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+    else:
+        idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        keys.scatter_(2, idx, k)
+        values.scatter_(2, idx, v)
+    return keys, values
+
+
 class TargetStaticCache:
     """HF `StaticCache` (preallocated per-layer K/V) written at explicit positions.
 
@@ -88,22 +108,26 @@ class TargetStaticCache:
     layer instead of 5, no rewind, and no dependence on how a transformers version counts.
     `update` returns the first `view_len` positions only (default: all); the caller sets it
     with the matching mask length, and must cover every position its queries can see.
+    With `batch` rows, `write_positions` may be [rows, Q] (`write_at`), and `row` directs a
+    one-row forward into one row.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype,
+                 batch: int = 1) -> None:
         check_static_target(model)
         self.max_len = int(max_len)
         self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
         heads, head_dim = _kv_shape(model)
         try:
-            self.cache.early_initialization(1, heads, head_dim, dtype, device)
+            self.cache.early_initialization(batch, heads, head_dim, dtype, device)
         except AttributeError as e:  # pragma: no cover - transformers < 5
             raise ValueError(f"decode='graphs' needs transformers >= 5 ({e}): use decode='eager'.") from None
         self.write_positions: Optional[torch.Tensor] = None
+        self.row: Optional[int] = None
         self.view_len = self.max_len
         for layer in self.cache.layers:
             keys = getattr(layer, "keys", None)
-            if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (1, heads, self.max_len, head_dim):
+            if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (batch, heads, self.max_len, head_dim):
                 raise ValueError(
                     f"decode='graphs' could not preallocate a StaticCache for {type(model).__name__} "
                     f"(layer keys {getattr(keys, 'shape', None)}): use decode='eager'."
@@ -112,10 +136,9 @@ class TargetStaticCache:
 
     def _writer(self, layer: Any) -> Any:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            layer.keys.index_copy_(2, self.write_positions, key_states)
-            layer.values.index_copy_(2, self.write_positions, value_states)
+            keys, values = write_at(layer.keys, layer.values, key_states, value_states, self.write_positions, self.row)
             n = self.view_len
-            return layer.keys[:, :, :n], layer.values[:, :, :n]
+            return keys[:, :, :n], values[:, :, :n]
 
         return update
 
@@ -127,26 +150,29 @@ class StaticDraftContextCache:
     draft's attention writes the new context K/V there and gets the buffer's first `view_len`
     positions back (a Python int fixed per captured step), so its shapes never change within a
     graph. Slots at or after the current position hold stale or padding K/V that the mask hides.
+    `batch` rows (default: the first forward's batch) and `row` as in `TargetStaticCache`.
     """
 
-    def __init__(self, num_layers: int, max_len: int) -> None:
+    def __init__(self, num_layers: int, max_len: int, batch: Optional[int] = None) -> None:
         self.max_len = int(max_len)
+        self.batch = batch
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.write_positions: Optional[torch.Tensor] = None
+        self.row: Optional[int] = None
         self.view_len = self.max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.write_positions is None:
             raise RuntimeError("StaticDraftContextCache.write_positions must be set before the draft forward")
         if self.keys[layer] is None:
-            self.keys[layer] = k.new_zeros(k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self.values[layer] = v.new_zeros(v.shape[0], v.shape[1], self.max_len, v.shape[3])
-        keys, values = self.keys[layer], self.values[layer]
-        keys.index_copy_(2, self.write_positions, k)  # type: ignore[union-attr]
-        values.index_copy_(2, self.write_positions, v)  # type: ignore[union-attr]
+            rows = self.batch or k.shape[0]
+            self.keys[layer] = k.new_zeros(rows, k.shape[1], self.max_len, k.shape[3])
+            self.values[layer] = v.new_zeros(rows, v.shape[1], self.max_len, v.shape[3])
+        keys, values = write_at(self.keys[layer], self.values[layer], k, v,  # type: ignore[arg-type]
+                                self.write_positions, self.row)
         n = self.view_len
-        return keys[:, :, :n], values[:, :, :n]  # type: ignore[index]
+        return keys[:, :, :n], values[:, :, :n]
 
     def get_seq_length(self) -> int:
         return self.max_len
@@ -160,4 +186,5 @@ __all__ = [
     "causal_mask",
     "check_static_target",
     "visible_to_mask",
+    "write_at",
 ]

@@ -1,0 +1,327 @@
+"""Batched decoding on fixed shapes (CUDA graphs), plain and speculative, at T=0.
+
+What a serving engine runs at concurrency R: R prompts decode together, one draft forward drafts
+every row's block and one target forward verifies every row's block, and each step is a captured
+CUDA graph. It is `static_decode`'s loop with a batch dimension:
+
+- one static cache per model with R rows ([R, H, L, D]), indexed by absolute position; each row
+  writes at its own positions (`static_cache.write_at`), and a row's rejected entries stay where
+  they were written, hidden by that row's mask (key j visible to a query at p iff j <= p; j < p for
+  the draft's context), until a later step overwrites them;
+- prompts are prefilled row by row, eagerly (the prefill is not part of decode time), and the first
+  draft block of each row is drafted eagerly against its whole prompt, as the one-prompt loop does;
+- every later step has the same shapes: R rows, and an attention view of the smallest multiple of
+  `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
+  (step, view length), captured up front;
+- a row that has finished stays in the batch (the shapes never change) with its position frozen
+  (`alive`, a device buffer the host rewrites only when a row stops); the host reads back each
+  step's accepted lengths and tokens once.
+
+At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
+arithmetic; tested in fp32 on CPU, where the same code runs eagerly). Sampling (T > 0) is left to
+`batched_spec` (eager), which verifies all rows with `sampling.verify_blocks`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.inference.static_cache import (
+    StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
+)
+from nemo_dflash.inference.static_decode import _BucketedSteps, _make_step, cache_length_for, view_lengths
+
+
+def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched decoding needs at least one prompt, each of at least one token")
+    if temperature > 0:
+        raise ValueError("batched decoding with CUDA graphs runs at T=0 only: use the eager batched decoder "
+                         "(evaluate --method batched) to sample")
+
+
+class _Rows:
+    """What both batched runners share: R rows of one target on a static cache, their positions
+    and live flags on the device, and the per-row eager prefill."""
+
+    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
+        check_static_target(model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.attn = attn_implementation(model)
+        self.rows, self.max_len, self.use_graphs = int(rows), int(max_len), use_graphs
+        self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype, batch=self.rows)
+        self.key_index = torch.arange(self.max_len, device=self.device)
+        self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
+
+    def causal(self, q_pos: torch.Tensor, view_len: int) -> torch.Tensor:
+        """[R, 1, Q, view] mask: key j visible to row r's query at position p iff j <= p."""
+        visible = self.key_index[:view_len].view(1, 1, -1) <= q_pos.unsqueeze(-1)
+        return visible_to_mask(visible.unsqueeze(1), self.attn, self.dtype)
+
+    def prefill_row(self, row: int, ids: Sequence[int], view_len: int, capture: Any = None):
+        """One prompt into its row of the cache, eagerly: (last logits [V], the forward's output)."""
+        positions = torch.arange(len(ids), device=self.device)
+        self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
+        try:
+            out = self.model(input_ids=torch.tensor([list(ids)], device=self.device),
+                             position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
+                             attention_mask=self.causal(positions.unsqueeze(0), view_len))
+        finally:
+            self.kv.row = None
+        return out.logits[0, -1]
+
+    def set_alive(self, stopped: list[bool]) -> None:
+        self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
+
+
+class BatchedStaticPlainRunner(_Rows):
+    """R rows of one-token greedy decoding, one captured graph per view length."""
+
+    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
+        super().__init__(model, rows, max_len, use_graphs)
+        self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
+        self.steps = _BucketedSteps(lambda n: _make_step(lambda: self._step(n), self.device, use_graphs, model),
+                                    self.max_len, "the batched 1-token step", use_graphs)
+
+    def _step(self, view_len: int) -> torch.Tensor:
+        q_pos = self.pos.view(-1, 1)
+        self.kv.write_positions, self.kv.view_len = q_pos, view_len
+        out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
+                         attention_mask=self.causal(q_pos, view_len))
+        self.tok.copy_(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+        self.pos.add_(self.alive)
+        return self.tok
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]
+                 ) -> list[GenerationOutput]:
+        n = len(prompts)
+        sync(self.device)
+        t0 = time.perf_counter()
+        firsts = [int(self.prefill_row(r, p, self.steps.view(len(p))).argmax()) for r, p in enumerate(prompts)]
+        firsts += [firsts[0]] * (self.rows - n)  # rows past the prompts decode a copy of the first, unread
+        self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
+        host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)
+        self.pos.copy_(torch.tensor(host_pos, device=self.device))
+        outputs = [[t] for t in firsts[:n]]
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs] + [True] * (self.rows - n)
+        self.set_alive(stopped)
+        sync(self.device)
+        t1 = time.perf_counter()
+        while not all(stopped):
+            need = max(p for p, s in zip(host_pos, stopped) if not s) + 1
+            toks = self.steps.get(self.steps.view(need)).replay().view(-1).tolist()  # the step's one host sync
+            was = list(stopped)
+            for r in range(n):
+                if was[r]:
+                    continue
+                host_pos[r] += 1
+                outputs[r].append(toks[r])
+                stopped[r] = toks[r] in stop_ids or len(outputs[r]) >= max_new_tokens
+            if stopped != was:
+                self.set_alive(stopped)
+        sync(self.device)
+        t2 = time.perf_counter()
+        return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
+                                 decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=o[-1] in stop_ids)
+                for o in outputs]
+
+
+class BatchedStaticSpecRunner(_Rows):
+    """R rows of greedy speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
+    block of every row and the B-token verify of every row, each one captured graph per view length."""
+
+    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool) -> None:
+        super().__init__(decoder.target.model, rows, max_len, use_graphs)
+        self.dec = decoder
+        R, B, dev = self.rows, decoder.block_size, self.device
+        self.B = B
+        self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len, batch=R)
+        self.blk = torch.zeros(R, B, dtype=torch.long, device=dev)  # verify input: [last, proposals] a row
+        self.ctx_start = torch.zeros(R, dtype=torch.long, device=dev)  # first position of each row's new context
+        self.arange_b = torch.arange(B, device=dev)
+        self.mask_ids = torch.full((R, B - 1), decoder.mask_token_id, dtype=torch.long, device=dev)
+        self.block_visible = torch.ones(R, B, dtype=torch.bool, device=dev)
+        n_feat = len(decoder.target.target_layer_ids) * self.model.config.hidden_size
+        self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
+        self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
+        self.draft_steps = _BucketedSteps(
+            lambda n: _make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
+            "the batched draft block", use_graphs) if B > 1 else None
+        self.verify_steps = _BucketedSteps(
+            lambda n: _make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
+            f"the batched {B}-token verify", use_graphs)
+
+    def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
+                       pos: torch.Tensor, view_len: int) -> torch.Tensor:
+        """Greedy proposals [rows, B-1] for blocks at `pos` [rows], new context `feats` [rows, C, F]
+        written at `ctx_pos` [rows, C] (or [C]), attending over the context cache's first `view_len`
+        positions (those before each row's `pos`) plus the block."""
+        rows = noise_ids.shape[0]
+        self.dcache.write_positions, self.dcache.view_len = ctx_pos, view_len
+        ctx = ctx_pos if ctx_pos.dim() == 2 else ctx_pos.unsqueeze(0)
+        position_ids = torch.cat([ctx.expand(rows, -1), pos.view(-1, 1) + self.arange_b], 1)
+        visible = torch.cat([self.key_index[:view_len].view(1, -1) < pos.view(-1, 1),
+                             self.block_visible[:rows]], 1).view(rows, 1, 1, -1)
+        hidden = self.dec.draft(noise_embedding=self.dec.embed_tokens(noise_ids), target_hidden=feats,
+                                position_ids=position_ids, attention_mask=visible, cache=self.dcache)
+        logits = self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype))
+        return logits.argmax(dim=-1)
+
+    def _draft(self, view_len: int) -> torch.Tensor:
+        """The captured draft step: every row's block from its last verify's features."""
+        ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
+        noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
+        self.blk[:, 1:].copy_(self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len))
+        return self.blk
+
+    def _first_draft(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> None:
+        """Step 1 of one row, eagerly: its block drafted against the row's whole prompt."""
+        self.dcache.row = row
+        try:
+            noise = torch.cat([self.blk[row : row + 1, :1], self.mask_ids[:1]], 1)
+            ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
+            props = self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + 1], view_len)
+        finally:
+            self.dcache.row = None
+        self.blk[row, 1:].copy_(props[0])
+
+    def _verify(self, view_len: int) -> torch.Tensor:
+        """The captured verify step: every row's block at its own positions; accept and advance
+        the live rows on the device."""
+        q_pos = self.pos.view(-1, 1) + self.arange_b
+        self.kv.write_positions, self.kv.view_len = q_pos, view_len
+        with self.dec.target.capture(stop_early=False) as captured:
+            out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
+                             attention_mask=self.causal(q_pos, view_len))
+        self.feats.copy_(self.dec.target.concat(captured))
+        tgt = out.logits.argmax(dim=-1)  # [R, B]
+        n_acc = (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [R]
+        self.result[:, 0].copy_(n_acc)
+        self.result[:, 1:].copy_(tgt)
+        self.ctx_start.copy_(self.pos)
+        self.pos.add_((n_acc + 1) * self.alive)
+        self.blk[:, :1].copy_(tgt.gather(1, n_acc.view(-1, 1)))
+        return self.result
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]
+                 ) -> list[GenerationOutput]:
+        n, B = len(prompts), self.B
+        sync(self.device)
+        t0 = time.perf_counter()
+        host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)  # rows past the prompts: unread
+        view = self.verify_steps.view(max(host_pos) + B)
+        firsts, prompt_feats = [], []
+        with self.dec.target.capture(stop_early=False) as captured:
+            for r, p in enumerate(prompts):
+                firsts.append(int(self.prefill_row(r, p, view).argmax()))
+                prompt_feats.append(self.dec.target.concat(captured))
+        firsts += [firsts[0]] * (self.rows - n)
+        prompt_feats += [prompt_feats[0]] * (self.rows - n)
+        self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
+        self.pos.copy_(torch.tensor(host_pos, device=self.device))
+        self.ctx_start.zero_()
+        outputs = [[t] for t in firsts[:n]]
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs] + [True] * (self.rows - n)
+        self.set_alive(stopped)
+        accept: list[list[int]] = [[] for _ in range(n)]
+        sync(self.device)
+        t1 = time.perf_counter()
+        step_one = True
+        while not all(stopped):
+            view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
+            if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
+                if step_one:
+                    for r in range(n):
+                        self._first_draft(r, prompt_feats[r], view)
+                else:
+                    self.draft_steps.get(view).replay()
+            step_one = False
+            res = self.verify_steps.get(view).replay().tolist()  # the step's one host sync
+            was = list(stopped)
+            for r in range(n):
+                if was[r]:
+                    continue
+                n_acc = res[r][0]
+                host_pos[r] += n_acc + 1
+                new = res[r][1 : n_acc + 2]  # the kept proposals and the target's next token
+                accept[r].append(len(new))
+                kept, stopped[r] = truncate(new, stop_ids, max_new_tokens - len(outputs[r]))
+                outputs[r].extend(kept)
+                stopped[r] = stopped[r] or len(outputs[r]) >= max_new_tokens
+            if stopped != was:
+                self.set_alive(stopped)
+        sync(self.device)
+        t2 = time.perf_counter()
+        return [GenerationOutput(output_ids=outputs[r], num_target_forwards=len(accept[r]),
+                                 acceptance_lengths=accept[r], decode_time_s=t2 - t1, prefill_time_s=t1 - t0,
+                                 stopped=bool(outputs[r][-1] in stop_ids))
+                for r in range(n)]
+
+
+# Runners are kept per (model or decoder) and (kind, rows, use_graphs), as long as their owner lives:
+# capture costs far more than a step.
+_RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int, bool], Any]]" = weakref.WeakKeyDictionary()
+
+
+def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: int, use_graphs: bool) -> Any:
+    runners = _RUNNERS.setdefault(owner, {})
+    runner = runners.get((kind, rows, use_graphs))
+    if runner is None or runner.max_len < need:
+        runners.pop((kind, rows, use_graphs), None)  # free the old graphs and caches first
+        runner = runners[(kind, rows, use_graphs)] = make(need)
+    return runner
+
+
+def batched_static_autoregressive_generate(
+    target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+    temperature: float = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
+    use_graphs: bool = True,
+) -> list[GenerationOutput]:
+    """Greedy plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts)."""
+    _check(prompts, max_new_tokens, temperature)
+    rows = rows or len(prompts)
+    if rows < len(prompts):
+        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    need = cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1)
+    runner = _runner("plain", target_model,
+                     lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs), rows, need, use_graphs)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids))
+
+
+def batched_static_speculative_generate(
+    decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
+    stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None, use_graphs: bool = True,
+) -> list[GenerationOutput]:
+    """Greedy speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the
+    prompts); each row's answer and acceptance lengths are `decoder.generate`'s for that prompt."""
+    _check(prompts, max_new_tokens, temperature)
+    rows = rows or len(prompts)
+    if rows < len(prompts):
+        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
+    need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
+    runner = _runner("spec", decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs),
+                     rows, need, use_graphs)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids))
+
+
+__all__ = [
+    "BatchedStaticPlainRunner",
+    "BatchedStaticSpecRunner",
+    "batched_static_autoregressive_generate",
+    "batched_static_speculative_generate",
+    "view_lengths",
+]
