@@ -4,12 +4,16 @@
         --prompts 16 --batches 1,4,16 --max-new-tokens 256
 
 For each concurrency B the same prompts (the first --prompts of the set, one turn, chat template)
-are decoded in batches of B twice: plainly (`inference.batched_spec.batched_autoregressive_generate`)
-and speculatively (`batched_speculative_generate`), both eager, with the same masked caches, at
-T=0. Tokens per second of each side, their ratio (the speedup) and the mean acceptance length tau
-go to a table and, as rows, to docs/bench/concurrency.json. CUDA graphs are not used on either side
-here: at batch 1 the figures are therefore below `evaluate --decode graphs`'s speedup for a small
-target, whose eager steps are launch-bound.
+are decoded in batches of B twice, plainly and speculatively, at T=0:
+
+- `--decode graphs` (the default on a GPU): `inference.batched_static`, B rows on fixed shapes, each
+  step a captured CUDA graph on both sides (what a serving engine runs);
+- `--decode eager` (the default on a CPU): `inference.batched_spec`, eager forwards on masked
+  dynamic caches on both sides.
+
+Tokens per second of each side, their ratio (the speedup) and the mean acceptance length tau go to
+a table and, as rows, to docs/bench/concurrency.json. Only decode time is timed (prefills are
+not), as `evaluate` times speedup; a first batch of each concurrency warms up (and captures) first.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,4,16", help="concurrencies to time, comma separated")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--decode", default=None, choices=["eager", "graphs"],
+                   help="both sides: graphs (CUDA graphs; default on GPU) or eager (default on CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -58,6 +64,11 @@ def check(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--batches {args.batches!r}: give concurrencies like 1,4,16") from None
     if not batches or min(batches) < 1:
         raise ValueError(f"--batches {args.batches!r}: give concurrencies >= 1, like 1,4,16")
+    if args.decode == "graphs":
+        from nemo_dflash.inference.graphs import check_decode_mode
+        from nemo_dflash.recipes._cli import resolve_device_dtype
+
+        check_decode_mode("graphs", resolve_device_dtype(args.device, args.dtype)[0])
     return batches
 
 
@@ -74,7 +85,7 @@ def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any]]:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.data.chat_template import stop_token_ids
-    from nemo_dflash.inference.batched_spec import batched_autoregressive_generate, batched_speculative_generate
+    from nemo_dflash.inference import batched_spec, batched_static
     from nemo_dflash.inference.eval_run import ModelSpec, load_models
     from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
@@ -90,16 +101,23 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                     [{"role": "user", "content": p.turns[0]}]))
                for p in prompt_set]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=stops)
-
-    def plain(ps):
-        return batched_autoregressive_generate(target, ps, **kw)
-
-    def spec(ps):
-        return batched_speculative_generate(decoder, ps, **kw)
-
+    decode = args.decode or ("graphs" if device == "cuda" else "eager")
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     for bsz in batches:
+        if decode == "graphs":  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
+            def plain(ps, bsz=bsz):
+                return batched_static.batched_static_autoregressive_generate(target, ps, rows=bsz, **kw)
+
+            def spec(ps, bsz=bsz):
+                return batched_static.batched_static_speculative_generate(decoder, ps, rows=bsz, **kw)
+        else:
+            def plain(ps):
+                return batched_spec.batched_autoregressive_generate(target, ps, **kw)
+
+            def spec(ps):
+                return batched_spec.batched_speculative_generate(decoder, ps, **kw)
+
         for fn in (plain, spec):  # warm-up: allocator, kernels
             fn(prompts[:bsz])
         t_plain, o_plain = _timed(plain, prompts, bsz)
@@ -111,7 +129,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({
             **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz,
             "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": decoder.block_size,
-            "decode": "eager", "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
+            "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
             "tau": statistics.mean(steps) if steps else None, "identical_answers": same,
         })
@@ -121,7 +139,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     r0 = rows[0]
     head = (f"{r0['dataset']}, {r0['prompts']} prompts, up to {r0['max_new_tokens']} new tokens, 1 turn, T=0, "
-            f"block {r0['block_size']}, eager on both sides, {r0['dtype']} on {r0['device']}")
+            f"block {r0['block_size']}, {r0['decode']} on both sides, {r0['dtype']} on {r0['device']}")
     lines = [head, f"{'concurrency':>11} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'tau':>6} {'same':>5}"]
     for r in rows:
         lines.append(f"{r['concurrency']:>11} {r['plain_tokens_per_s']:>12.1f} {r['spec_tokens_per_s']:>11.1f} "

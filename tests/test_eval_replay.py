@@ -395,6 +395,9 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv[:4] + ["--batches", "0"])
     assert e.value.code == 2 and "--batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # CUDA graphs on a CPU: refused in one line
+        bench.main(argv + ["--decode", "graphs"])
+    assert e.value.code == 2 and "decode='eager'" in capsys.readouterr().err
 
 
 def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
