@@ -131,6 +131,24 @@ def test_train_cli_end_to_end(tiny_assets, tmp_path):
     assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-6)
 
 
+def test_a_time_limit_that_cuts_the_schedule_is_named_early(tiny_assets, tmp_path, caplog):
+    """A run whose train.max_minutes ends it before train.max_steps says so after two logging
+    windows, with the limit that would fit; a limit that fits says nothing."""
+    from nemo_dflash.recipes.train import main
+
+    target, data = tiny_assets
+    with caplog.at_level("WARNING", logger="nemo_dflash.train.trainer"):
+        summary = main(_args(target, data, tmp_path / "cut", "train.max_steps=100000", "train.max_minutes=0.05",
+                             "train.log_every=2", "checkpoint.every_steps=100000"))
+    warned = [r.getMessage() for r in caplog.records if "before its learning-rate schedule ends" in r.getMessage()]
+    assert summary["stopped_early"] == "train.max_minutes reached" and summary["steps"] < 100000
+    assert len(warned) == 1 and "raise train.max_minutes to" in warned[0] and "of 100000" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nemo_dflash.train.trainer"):
+        main(_args(target, data, tmp_path / "fits", "train.max_steps=6", "train.max_minutes=30", "train.log_every=2"))
+    assert not [r for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+
+
 def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
     from nemo_dflash.recipes.train import main
 

@@ -405,6 +405,7 @@ class Trainer:
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
         self._eval_done: Optional[tuple[int, dict[str, float]]] = None  # (step, figures): one eval a step
+        self._t_start, self._start_step, self._time_checked = 0.0, 0, False  # fit()'s clock, for the budget check
         mask_id = self.draft.config.mask_token_id
         uses = self.train_ds.count_token(mask_id)
         if uses and not cfg.draft.allow_mask_token_in_data:
@@ -579,6 +580,7 @@ class Trainer:
             if self.device.type == "cuda":
                 last["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             metrics.log(step, last)
+            self._check_time_budget(step, last.get("step_s"))
             if not metrics.bar_visible:
                 logger.info("step %d/%d %s", step, self.total_steps, " ".join(f"{k}={v:.4g}" for k, v in last.items()))
         else:
@@ -588,6 +590,23 @@ class Trainer:
                 self._log_eval(metrics)
             self.checkpointer.maybe_save(step, self.tokens_seen)
         return self._stop_reason(res)
+
+    def _check_time_budget(self, step: int, step_s: Optional[float]) -> None:
+        """Once, after two logging windows: warn when `train.max_minutes` will stop the run before
+        `total_steps` (the learning-rate schedule would not reach its end), with the limit that fits."""
+        cfg = self.cfg.train
+        if (self._time_checked or cfg.max_minutes is None or not step_s
+                or step - self._start_step < 2 * cfg.log_every):
+            return
+        self._time_checked = True
+        elapsed = time.perf_counter() - self._t_start
+        need = elapsed + (self.total_steps - step) * step_s
+        if need > cfg.max_minutes * 60:
+            stop_near = step + max(0.0, cfg.max_minutes * 60 - elapsed) / step_s
+            logger.warning(
+                "At %.0f ms a step, train.max_minutes=%g stops this run near step %d of %d, before its learning-rate "
+                "schedule ends: raise train.max_minutes to %.1f or lower train.max_steps to %d.",
+                step_s * 1e3, cfg.max_minutes, stop_near, self.total_steps, need / 60 * 1.05, stop_near)
 
     def _stop_reason(self, res: StepResult) -> Optional[StopReason]:
         """A stop some rank voted for in this step (all ranks read the same vote)."""
@@ -617,7 +636,8 @@ class Trainer:
         metrics.set_progress(self.step)
         data = endless_batches(self.loader)
         self.draft.train()
-        t_start = time.perf_counter()
+        t_start = self._t_start = time.perf_counter()
+        self._start_step, self._time_checked = self.step, False
         window = ThroughputWindow(self.step)
         last: dict[str, float] = {}
         reason: Optional[StopReason] = None
