@@ -97,6 +97,13 @@ def hf_greedy(target: torch.nn.Module, ids: torch.Tensor, n: int, eos: Optional[
     return out[0, ids.shape[1]:].tolist()
 
 
+def random_prompts(n: int, seed: int, max_len: int, vocab: int = 250) -> list[list[int]]:
+    """`n` prompts of random tokens, 3 to `max_len` - 1 tokens long: rows of a batch at different positions."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, max_len, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def prompt(seed: int, vocab: int = 250, n: int = 9) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -152,6 +159,28 @@ def train_on_greedy_answer(target: torch.nn.Module, draft: DFlashDraftModel, ids
         opt.zero_grad()
     draft.eval()
     return ref, float(step.accept_sum) / max(float(step.num_blocks), 1.0)
+
+
+def plain_answers_with_a_stop(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int,
+                              row: int, k: int):
+    """(one-prompt greedy answers, stop id): the stop is token k of row's free answer, so some
+    answers end at it and others run to the cap."""
+    from nemo_dflash.inference.spec_decode import autoregressive_generate
+
+    stop = autoregressive_generate(target, torch.tensor([prompts[row]]), max_new_tokens=max_new_tokens).output_ids[k]
+    want = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=max_new_tokens, stop_token_ids=[stop])
+            for p in prompts]
+    return want, stop
+
+
+def trained_like_decoder(target: torch.nn.Module, prompts: list[list[int]], block_size: int = 8):
+    """A speculative decoder whose draft was trained on the target's greedy answer to prompts[0]:
+    it accepts long prefixes there (rows of a batch drift far apart), short ones elsewhere."""
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    draft = make_draft(target, block_size=block_size)
+    train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))
+    return DFlashSpeculativeDecoder(target, draft)
 
 
 def sabotage_slot_reuse(monkeypatch, how) -> None:

@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spec_fixtures import make_draft, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
+from _spec_fixtures import make_draft, plain_answers_with_a_stop, random_prompts, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference import batched_spec
 from nemo_dflash.inference.batched_spec import _compact, batched_autoregressive_generate, batched_speculative_generate
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
 
 
-def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 17, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+def _prompts(n: int) -> list[list[int]]:
+    return random_prompts(n, seed=7, max_len=17)
 
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
@@ -51,13 +49,10 @@ def test_t0_equals_the_one_prompt_decoder_answer_for_answer(make_target, block, 
 def test_a_trained_like_draft_accepts_the_same_blocks_in_batch():
     """A draft that agrees with the target often (its own greedy answer trained in) exercises long
     accepted prefixes, where rows drift furthest apart."""
-    from _spec_fixtures import train_on_greedy_answer
+    from _spec_fixtures import trained_like_decoder
 
-    target = tiny_qwen3()
-    draft = make_draft(target, block_size=8)
     prompts = _prompts(4)
-    train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))
-    decoder = DFlashSpeculativeDecoder(target, draft)
+    decoder = trained_like_decoder(tiny_qwen3(), prompts)
     want = [decoder.generate(torch.tensor([p]), max_new_tokens=40) for p in prompts]
     got = batched_speculative_generate(decoder, prompts, max_new_tokens=40)
     assert max(max(w.acceptance_lengths) for w in want) > 2
@@ -114,10 +109,7 @@ def test_batched_plain_decoding_equals_one_prompt_decoding(make_target, share, m
     monkeypatch.setattr(batched_spec, "COMPACT_DEAD_SHARE", share)
     target = make_target()
     prompts = _prompts(5)
-    free = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25) for p in prompts]
-    stop = free[1].output_ids[4]
-    want = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, stop_token_ids=[stop])
-            for p in prompts]
+    want, stop = plain_answers_with_a_stop(target, prompts, 25, row=1, k=4)
     got = batched_autoregressive_generate(target, prompts, max_new_tokens=25, stop_token_ids=[stop])
     assert any(w.stopped for w in want) and any(not w.stopped for w in want)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]

@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spec_fixtures import make_draft, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
+from _spec_fixtures import make_draft, plain_answers_with_a_stop, random_prompts, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
 from nemo_dflash.inference.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
 
 
-def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+def _prompts(n: int) -> list[list[int]]:
+    return random_prompts(n, seed=11, max_len=40)
 
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
@@ -42,13 +40,10 @@ def test_speculative_rows_equal_the_one_prompt_decoder(make_target, block):
 def test_long_accepted_blocks_and_a_reused_runner():
     """A draft trained on the target's own answer accepts long prefixes (rows drift far apart);
     the second call reuses the first call's runner and caches (stale entries must stay hidden)."""
-    from _spec_fixtures import train_on_greedy_answer
+    from _spec_fixtures import trained_like_decoder
 
-    target = tiny_qwen3()
-    draft = make_draft(target, block_size=8)
     prompts = _prompts(4)
-    train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))
-    decoder = DFlashSpeculativeDecoder(target, draft)
+    decoder = trained_like_decoder(tiny_qwen3(), prompts)
     want = [decoder.generate(torch.tensor([p]), max_new_tokens=40) for p in prompts]
     assert max(max(w.acceptance_lengths) for w in want) > 2
     for order in (prompts, prompts[::-1]):
@@ -62,10 +57,7 @@ def test_long_accepted_blocks_and_a_reused_runner():
 def test_plain_rows_equal_plain_decoding(make_target):
     target = make_target()
     prompts = _prompts(4)
-    free = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25) for p in prompts]
-    stop = free[1].output_ids[3]
-    want = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, stop_token_ids=[stop])
-            for p in prompts]
+    want, stop = plain_answers_with_a_stop(target, prompts, 25, row=1, k=3)
     got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, stop_token_ids=[stop],
                                                  rows=6, use_graphs=False)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
@@ -93,13 +85,10 @@ def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
     """Stronger than equal answers (a random draft's proposals are mostly rejected either way): each
     row's draft output at every step equals the one-prompt decoder's, so each row's context, positions
     and masks are its own."""
-    from _spec_fixtures import train_on_greedy_answer
+    from _spec_fixtures import trained_like_decoder
 
-    target = make_target()
-    draft = make_draft(target, block_size=8)
     prompts = _prompts(4)
-    train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))
-    decoder = DFlashSpeculativeDecoder(target, draft)
+    decoder = trained_like_decoder(make_target(), prompts)
     want, lens = [], []
     for p in prompts:
         calls, handle = _record_draft(decoder)
