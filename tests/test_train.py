@@ -131,19 +131,36 @@ def test_train_cli_end_to_end(tiny_assets, tmp_path):
     assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-6)
 
 
-def test_a_time_limit_that_cuts_the_schedule_is_named_early(tiny_assets, tmp_path, caplog):
-    """A run whose train.max_minutes ends it before train.max_steps says so after two logging
-    windows, with the limit that would fit; a limit that fits says nothing."""
-    from nemo_dflash.recipes.train import main
+def test_a_time_limit_that_cuts_the_schedule_is_named_early(tiny_assets, tmp_path, caplog, monkeypatch):
+    """Two logging windows in, a train.max_minutes that would stop the run before train.max_steps is
+    named once, with the step it stops near and the limit that fits (hand-computed case below); a
+    limit that fits says nothing, through the command."""
+    from types import SimpleNamespace
 
-    target, data = tiny_assets
+    from nemo_dflash.recipes.train import main
+    from nemo_dflash.train import trainer as trainer_mod
+
+    # 60 s in at step 100 of 1,000 (started at step 0), 0.5 s a step: 60 + 900 * 0.5 = 510 s needed,
+    # 300 allowed, so it stops near step 100 + 240 / 0.5 = 580; the limit that fits is 510 s * 1.05 = 8.9 min.
+    run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(max_minutes=5.0, log_every=25)), total_steps=1000,
+                          _start_step=0, _t_start=1000.0, _time_checked=False)
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: 1060.0)
+    check = trainer_mod.Trainer._check_time_budget
     with caplog.at_level("WARNING", logger="nemo_dflash.train.trainer"):
-        summary = main(_args(target, data, tmp_path / "cut", "train.max_steps=100000", "train.max_minutes=0.05",
-                             "train.log_every=2", "checkpoint.every_steps=100000"))
-    warned = [r.getMessage() for r in caplog.records if "before its learning-rate schedule ends" in r.getMessage()]
-    assert summary["stopped_early"] == "train.max_minutes reached" and summary["steps"] < 100000
-    assert len(warned) == 1 and "raise train.max_minutes to" in warned[0] and "of 100000" in warned[0]
+        check(run, 25, 0.5)  # one window only: too early to judge
+        assert not caplog.records and not run._time_checked
+        check(run, 100, 0.5)
+        check(run, 125, 0.5)  # once
+    assert [r.getMessage() for r in caplog.records] == [
+        "At 500 ms a step, train.max_minutes=5 stops this run near step 580 of 1000, before its learning-rate "
+        "schedule ends: raise train.max_minutes to 8.9 or lower train.max_steps to 580."]
+    run._time_checked, run.cfg.train.max_minutes = False, 9.0  # 540 s >= 510 s: fits
     caplog.clear()
+    with caplog.at_level("WARNING", logger="nemo_dflash.train.trainer"):
+        check(run, 100, 0.5)
+    assert not caplog.records
+    monkeypatch.undo()
+    target, data = tiny_assets
     with caplog.at_level("WARNING", logger="nemo_dflash.train.trainer"):
         main(_args(target, data, tmp_path / "fits", "train.max_steps=6", "train.max_minutes=30", "train.log_every=2"))
     assert not [r for r in caplog.records if "learning-rate schedule" in r.getMessage()]
@@ -194,7 +211,7 @@ def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets,
         main(_args(target, data, sync, *common))
     assert len(_losses(lag)) == 8 and _losses(lag) == _losses(sync)
     evals = lambda out: [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
-    assert [r["step"] for r in evals(lag)] == [0, 4, 8, 8] and evals(lag) == evals(sync)
+    assert [r["step"] for r in evals(lag)] == [0, 4, 8] and evals(lag) == evals(sync)  # one row a step
     assert sorted(p.name for p in (lag / "checkpoints").iterdir()) == sorted(p.name for p in (sync / "checkpoints").iterdir())
     a, b = (load_file(out / "final" / "draft" / "model.safetensors") for out in (lag, sync))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
