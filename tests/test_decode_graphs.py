@@ -434,7 +434,7 @@ def test_a_too_short_view_is_noticed_by_the_exactness_checks(target, small_bucke
     logits check of the bucket tests above fails: those tests are not vacuous."""
     ids = prompt(4)
     short = _one_bucket_short(view_length)
-    monkeypatch.setattr(static_decode._BucketedSteps, "view", lambda self, need: short(need, self.max_len))
+    monkeypatch.setattr(static_decode.BucketedSteps, "view", lambda self, need: short(need, self.max_len))
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
     runner = new_spec_runner(decoder, 64)
     logits = []

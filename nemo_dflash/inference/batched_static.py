@@ -35,7 +35,7 @@ from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, trunc
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
-from nemo_dflash.inference.static_decode import _BucketedSteps, _make_step, cache_length_for, view_lengths
+from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
 
 
 def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
@@ -69,8 +69,8 @@ class _Rows:
         visible = self.key_index[:view_len].view(1, 1, -1) <= q_pos.unsqueeze(-1)
         return visible_to_mask(visible.unsqueeze(1), self.attn, self.dtype)
 
-    def prefill_row(self, row: int, ids: Sequence[int], view_len: int, capture: Any = None):
-        """One prompt into its row of the cache, eagerly: (last logits [V], the forward's output)."""
+    def prefill_row(self, row: int, ids: Sequence[int], view_len: int) -> torch.Tensor:
+        """One prompt into its row of the cache, eagerly; its last position's logits [V]."""
         positions = torch.arange(len(ids), device=self.device)
         self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
         try:
@@ -91,7 +91,7 @@ class BatchedStaticPlainRunner(_Rows):
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
         super().__init__(model, rows, max_len, use_graphs)
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
-        self.steps = _BucketedSteps(lambda n: _make_step(lambda: self._step(n), self.device, use_graphs, model),
+        self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
                                     self.max_len, "the batched 1-token step", use_graphs)
 
     def _step(self, view_len: int) -> torch.Tensor:
@@ -156,11 +156,11 @@ class BatchedStaticSpecRunner(_Rows):
         n_feat = len(decoder.target.target_layer_ids) * self.model.config.hidden_size
         self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
         self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
-        self.draft_steps = _BucketedSteps(
-            lambda n: _make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
+        self.draft_steps = BucketedSteps(
+            lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
             "the batched draft block", use_graphs) if B > 1 else None
-        self.verify_steps = _BucketedSteps(
-            lambda n: _make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
+        self.verify_steps = BucketedSteps(
+            lambda n: make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
             f"the batched {B}-token verify", use_graphs)
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
@@ -323,5 +323,4 @@ __all__ = [
     "BatchedStaticSpecRunner",
     "batched_static_autoregressive_generate",
     "batched_static_speculative_generate",
-    "view_lengths",
 ]

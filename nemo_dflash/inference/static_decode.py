@@ -94,7 +94,7 @@ def _bucket_key() -> int:
     return LENGTH_BUCKET if USE_BUCKETS else 0
 
 
-class _BucketedSteps:
+class BucketedSteps:
     """One step (EagerStep or CapturedStep) per view length, made up front or on first use."""
 
     def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool) -> None:
@@ -126,7 +126,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module) -> Any:
+def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module) -> Any:
+    """`fn` as a step: captured as a CUDA graph (its models' elementwise work fused), or run eagerly."""
     if not use_graphs:
         return EagerStep(fn)
     if not FUSE_ELEMENTWISE:
@@ -154,8 +155,8 @@ class StaticPlainRunner:
         if use_graphs:
             logger.info("Capturing the target's 1-token step as CUDA graphs (cache length %d, views %s)",
                         self.max_len, view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
-        self.steps = _BucketedSteps(
-            lambda n: _make_step(lambda: self._step(n), self.device, use_graphs, model), self.max_len,
+        self.steps = BucketedSteps(
+            lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model), self.max_len,
             "the 1-token step", use_graphs)
 
     def _step(self, view_len: int) -> torch.Tensor:
@@ -286,11 +287,11 @@ class StaticSpecRunner:
                         "views %s)", B, self.max_len,
                         view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
         # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
-        self.draft_steps = _BucketedSteps(
-            lambda n: _make_step(lambda: self._draft(self.feats, n), dev, use_graphs, decoder.draft),
+        self.draft_steps = BucketedSteps(
+            lambda n: make_step(lambda: self._draft(self.feats, n), dev, use_graphs, decoder.draft),
             self.max_len, "the draft block", use_graphs) if B > 1 else None
-        self.verify_steps = _BucketedSteps(
-            lambda n: _make_step(lambda: self._verify(n), dev, use_graphs, model), self.max_len,
+        self.verify_steps = BucketedSteps(
+            lambda n: make_step(lambda: self._verify(n), dev, use_graphs, model), self.max_len,
             f"the {B}-token verify", use_graphs)
 
     def view(self, pos: int) -> int:
@@ -464,12 +465,14 @@ def static_speculative_generate(
 
 
 __all__ = [
+    "BucketedSteps",
     "CAPTURE_ALL_BUCKETS",
     "LENGTH_BUCKET",
     "USE_BUCKETS",
     "StaticPlainRunner",
     "StaticSpecRunner",
     "cache_length_for",
+    "make_step",
     "static_autoregressive_generate",
     "static_speculative_generate",
     "view_length",
