@@ -20,7 +20,8 @@
 #   --turns        all (every user turn) or first; --maxnew / --maxprompt answer and prompt caps
 #   --temp, --topp   sampling (SmolLM2's model card: temperature 0.2, top_p 0.9); --sampling target takes the
 #                target's generation_config when it has sampling settings (SmolLM2's has none)
-#   --loops        cut | drop | keep; --regen-bs answers in flight; --regen-min regeneration time cap
+#   --loops        cut | drop | keep; --regen-bs answers in flight a GPU (auto: as many as its memory holds,
+#                at most 2,048); --regen-min regeneration time cap
 #   --steps        train.max_steps; "auto" (default) times --cal-steps steps of a throw-away run first and
 #                sets the number of steps that fits --train-min, so the cosine schedule ends in time
 #   --train-min    the training time cap (also the budget that --steps auto fills)
@@ -47,7 +48,7 @@ OUT=${1:?$usage}; shift
 TARGET=pkg:smollm2; DATA_SRC=sharegpt
 NSAMPLES=; HOLDOUT=200; TURNS=all
 MAXNEW=1024; MAXPROMPT=1536; TEMP=0.2; TOPP=0.9
-SAMPLING=given; LOOPS=cut; REGEN_BS=2048; REGEN_MIN=5
+SAMPLING=given; LOOPS=cut; REGEN_BS=auto; REGEN_MIN=5
 STEPS=auto; TRAIN_MIN=12; CAL_STEPS=150; EXTRA=
 ABL=; ABL_STEPS=800; ABL_MIN=4; MAIN_TRAIN=1
 ABL_EVAL="--num-prompts 24 --temperatures 0 --no-speedup"

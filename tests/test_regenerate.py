@@ -156,7 +156,27 @@ def test_cli_writes_openai_jsonl_and_holdout(tmp_path, target_dir, chat_file):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
 
 
-def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target):
+def test_batch_size_auto_fits_the_kv_cache():
+    """--batch-size auto: 97% of the slots whose KV cache fits the free memory, capped at 2,048; 8 off a
+    GPU. The fit is the one the refusal names (an H100's 84.2 GB free at 59 MB a slot: 1,213)."""
+    from nemo_dflash.data.slot_attention import slots_that_fit
+    from nemo_dflash.recipes.regenerate import AUTO_BATCH_CAP, build_parser, resolve_batch_size
+
+    assert slots_that_fit(59_000_000, 84_200_000_000) == 1213  # int(84.2e9 * 0.85) // 59e6
+    assert resolve_batch_size("auto", 1213) == 1213 - 37
+    assert resolve_batch_size("auto", 10_000) == AUTO_BATCH_CAP == 2048
+    assert resolve_batch_size("auto", None) == 8 and resolve_batch_size(16, 1213) == 16
+    parser = build_parser()
+    base = ["--target", "x", "--data", "d.jsonl", "--out", "o.jsonl"]
+    assert parser.parse_args(base + ["--batch-size", "auto"]).batch_size == "auto"
+    assert parser.parse_args(base + ["--batch-size", "12"]).batch_size == 12
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(base + ["--batch-size", "many"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("batch", ["2", "auto"])
+def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target, batch):
     model, tokenizer = cached_target
     prompts: list[str] = []
     _forcing_sampler(monkeypatch, tokenizer, prompts)
@@ -167,7 +187,7 @@ def test_cli_all_turns_feeds_answers_back(tmp_path, monkeypatch, cached_target):
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     out = tmp_path / "multi_out.jsonl"
     summary = cli.main(["--target", "x", "--data", str(data), "--out", str(out), "--turns", "all",
-                        "--max-new-tokens", "8", "--batch-size", "2"])
+                        "--max-new-tokens", "8", "--batch-size", batch])
     records = _read_jsonl(out)
     assert summary["turns"] == 9 and len(records) == 3
     for r in records:

@@ -61,7 +61,9 @@ from nemo_dflash.data.slot_attention import (
     SlotPass,
     VarlenRows,
     check_kv_fits,
+    free_device_bytes,
     register_slot_attention,
+    slots_that_fit,
 )
 from nemo_dflash.sampling import keyed_sample_candidates, redo_wide_rows, sample_full
 
@@ -124,6 +126,20 @@ class EngineConfig:
                     "attention_group_cost": 4096.0 if cpu else 2_000_000.0,
                     "refill_fraction": 16 if device_type == "cuda" else 2}
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+
+def cache_width(max_prompt_tokens: int, max_new_tokens: int) -> int:
+    """Tokens a slot of the KV cache holds: prompt and answer, rounded up to the KV block."""
+    return KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / KV_BLOCK)
+
+
+def max_slots(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int) -> Optional[int]:
+    """The most answers in flight whose KV cache fits the GPU's free memory now (None off a GPU)."""
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return None
+    width = cache_width(max_prompt_tokens, max_new_tokens)
+    return slots_that_fit(SlotKVCache.slot_bytes(model.config, width, param.dtype), free_device_bytes(param.device))
 
 
 def check_supported(model: nn.Module) -> None:
@@ -264,12 +280,10 @@ class SlotEngine:
         self.num_slots = num_slots
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
-        width = KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / KV_BLOCK)
+        width = cache_width(max_prompt_tokens, max_new_tokens)
         if self.device.type == "cuda":
-            # free by the driver, plus what PyTorch's allocator holds unused (an earlier engine's cache)
-            free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
-                    - torch.cuda.memory_allocated(self.device))
-            check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype), free)
+            check_kv_fits(num_slots, width, SlotKVCache.slot_bytes(model.config, width, param.dtype),
+                          free_device_bytes(self.device))
         self.cache = SlotKVCache(model.config, num_slots, width, self.device, param.dtype)
         self.config = (config or EngineConfig()).resolved(self.device.type)
         self.stop_ids = set(stop_ids)

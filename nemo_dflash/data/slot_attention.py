@@ -186,10 +186,22 @@ def register_slot_attention() -> None:
     AttentionInterface.register(ATTN_NAME, slot_attention)
 
 
+def slots_that_fit(slot_bytes: int, free_bytes: int) -> int:
+    """How many KV rows of ``slot_bytes`` fit in ``KV_MEMORY_FRACTION`` of ``free_bytes``."""
+    return int(free_bytes * KV_MEMORY_FRACTION) // slot_bytes
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """GPU memory a new KV cache can take: free by the driver, plus what PyTorch's allocator holds
+    unused (an earlier engine's cache)."""
+    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+
+
 def check_kv_fits(num_slots: int, width: int, slot_bytes: int, free_bytes: int) -> None:
     """Raise ValueError (one line, naming the fix) if ``num_slots`` KV rows of ``slot_bytes`` each do
     not fit in ``KV_MEMORY_FRACTION`` of ``free_bytes``: caught before the cache is allocated."""
-    fit = int(free_bytes * KV_MEMORY_FRACTION) // slot_bytes
+    fit = slots_that_fit(slot_bytes, free_bytes)
     if num_slots > fit:
         raise ValueError(f"{num_slots} slots x {width} tokens need a {num_slots * slot_bytes / 1e9:.1f} GB KV cache "
                          f"and {free_bytes / 1e9:.1f} GB is free: use --batch-size {max(fit, 1)} or less, or lower "

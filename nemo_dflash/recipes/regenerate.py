@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("slots", "generate"), default="slots",
                    help="slots: continuous batching, a finished answer's row refilled at once (full-attention "
                         "models); generate: model.generate batch after batch (any model)")
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="answers in flight (slots: rows of the KV cache; generate: prompts per call)")
+    p.add_argument("--batch-size", type=_batch_size, default=8,
+                   help="answers in flight (slots: rows of the KV cache; generate: prompts per call); auto: as "
+                        f"many as the GPU's free memory holds, at most {AUTO_BATCH_CAP} (on a CPU or with "
+                        "--engine generate: 8)")
     p.add_argument("--max-prefill-tokens", type=int, default=65536,
                    help="slots: cap on the prompt tokens of one prefill forward (a refill's prompts are packed "
                         "into one row)")
@@ -127,11 +129,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+AUTO_BATCH_CAP = 2048  # --batch-size auto: answers in flight at most (the H200's 2,048 fill its decode step)
+
+
+def _batch_size(text: str) -> "int | str":
+    """--batch-size: a count, or `auto` (fitted to the GPU's memory once the model is loaded)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number of answers in flight or auto, got {text!r}") from None
+
+
+def resolve_batch_size(asked: "int | str", fit: Optional[int]) -> int:
+    """The answers in flight: `asked` as given, or for `auto` 97% of the `fit` (a margin for what the
+    engine allocates before its cache), capped; 8 where nothing was fitted (off a GPU)."""
+    if asked != "auto":
+        return int(asked)
+    return 8 if fit is None else max(1, min(fit - fit // 32, AUTO_BATCH_CAP))
+
+
 def _validate(args: argparse.Namespace) -> None:
     for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens",
                  "samples_per_prompt"):
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if value is not None and value != "auto" and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
     if args.prepare_ahead < 0:
         fail(f"--prepare-ahead must be >= 0 (got {args.prepare_ahead})")
@@ -600,6 +623,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if max_prompt + args.max_new_tokens > context or max_prompt < 1:
             fail(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                  f"context of {context} tokens; lower one of them")
+
+    if args.batch_size == "auto":
+        from nemo_dflash.data.generation import max_slots
+
+        fit = (max_slots(model, max_prompt, args.max_new_tokens)
+               if args.engine == "slots" and max_prompt is not None else None)
+        args.batch_size = resolve_batch_size("auto", fit)
+        logger.info("--batch-size auto: %d answers in flight%s", args.batch_size,
+                    f" ({fit} fit in the GPU's free memory)" if fit is not None else "")
 
     want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
     chosen, select_skipped, examined = select(pool, tokenizer, count=want, seed=args.seed, turns=args.turns,
