@@ -48,12 +48,17 @@ def _compact(valid: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Te
     return slot[:new_len].view(1, -1) < counts.view(-1, 1), out
 
 
-def _check(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
-    """The attention implementation, once the inputs and the target are known to suit batching."""
+def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """A one-line ValueError for inputs no batched decoder can take (eager or fixed-shape)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("batched decoding needs at least one prompt, each of at least one token")
+
+
+def _check(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
+    """The attention implementation, once the inputs and the target are known to suit batching."""
+    check_batch(prompts, max_new_tokens)
     impl = attn_implementation(model)
     if (impl not in SUPPORTED_ATTN or recurrent_cache.model_has_recurrent_layers(model)
             or recurrent_cache.has_windowed_layers(model)):
@@ -254,4 +259,4 @@ def _compact_draft(valid: torch.Tensor, dcache: DFlashContextCache) -> torch.Ten
     return new_valid
 
 
-__all__ = ["batched_autoregressive_generate", "batched_speculative_generate"]
+__all__ = ["batched_autoregressive_generate", "batched_speculative_generate", "check_batch"]

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from nemo_dflash.inference.batched_spec import check_batch
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
@@ -38,14 +39,16 @@ from nemo_dflash.inference.static_cache import (
 from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
 
 
-def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("batched decoding needs at least one prompt, each of at least one token")
+def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, rows: Optional[int]) -> int:
+    """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
+    check_batch(prompts, max_new_tokens)
     if temperature > 0:
         raise ValueError("batched decoding with CUDA graphs runs at T=0 only: use the eager batched decoder "
                          "(evaluate --method batched) to sample")
+    rows = rows or len(prompts)
+    if rows < len(prompts):
+        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    return rows
 
 
 class _Rows:
@@ -229,7 +232,6 @@ class BatchedStaticSpecRunner(_Rows):
                 firsts.append(int(self.prefill_row(r, p, view).argmax()))
                 prompt_feats.append(self.dec.target.concat(captured))
         firsts += [firsts[0]] * (self.rows - n)
-        prompt_feats += [prompt_feats[0]] * (self.rows - n)
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
@@ -291,10 +293,7 @@ def batched_static_autoregressive_generate(
     use_graphs: bool = True,
 ) -> list[GenerationOutput]:
     """Greedy plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts)."""
-    _check(prompts, max_new_tokens, temperature)
-    rows = rows or len(prompts)
-    if rows < len(prompts):
-        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    rows = _rows(prompts, max_new_tokens, temperature, rows)
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1)
     runner = _runner("plain", target_model,
                      lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs), rows, need, use_graphs)
@@ -307,10 +306,7 @@ def batched_static_speculative_generate(
 ) -> list[GenerationOutput]:
     """Greedy speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the
     prompts); each row's answer and acceptance lengths are `decoder.generate`'s for that prompt."""
-    _check(prompts, max_new_tokens, temperature)
-    rows = rows or len(prompts)
-    if rows < len(prompts):
-        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    rows = _rows(prompts, max_new_tokens, temperature, rows)
     # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
     runner = _runner("spec", decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs),
