@@ -1,7 +1,7 @@
 """The rows of a `benchmarks/smollm2_drafter.sh` run, read from the run's own files.
 
-    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] \
-        [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
+    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C] \
+        [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
 Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/bench_rows.py);
@@ -77,8 +77,42 @@ def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: di
     return rows + [res]
 
 
-def drafter_row(out: Path, head: dict[str, Any]) -> dict[str, Any]:
-    ev = _load(out / "eval" / "main" / "results.json") or {}
+def merge_evals(paths: list[Path]) -> dict[str, Any]:
+    """One evaluate result from several runs of the same draft (e.g. eval_speed.py's replay, sequential and
+    batched phases): figures per temperature and set, the first run that has one winning. The protocol is the
+    first run's, with the temperatures of all; `complete` holds when every run whose acceptance figures were
+    taken covered the whole protocol (a speedup-only run on K prompts does not count); `sources` says which
+    run gave what."""
+    merged: dict[str, Any] = {"results": {}, "speedup": {}, "sources": []}
+    complete = []
+    for path in paths:
+        ev = _load(path)
+        if ev is None:
+            raise SystemExit(f"error: no evaluate results at {path}; give a results.json that `evaluate` wrote")
+        proto = ev.get("protocol") or {}
+        merged.setdefault("protocol", dict(proto))
+        taken = []
+        for key in ("results", "speedup"):
+            for t, sets in (ev.get(key) or {}).items():
+                for ds, figures in sets.items():
+                    if ds not in merged[key].setdefault(t, {}):
+                        merged[key][t][ds] = figures
+                        taken.append(f"{key} T={t} {ds}")
+                        if key == "results":
+                            complete.append(bool(ev.get("complete")))
+                        else:
+                            merged["protocol"]["speedup_decode"] = proto.get("decode")
+        merged["sources"].append({"file": str(path), "method": proto.get("method"), "decode": proto.get("decode"),
+                                  "complete": ev.get("complete"), "taken": taken})
+    merged["complete"] = bool(complete) and all(complete)
+    temps = sorted({float(t) for key in ("results", "speedup") for t in merged[key]})
+    if "protocol" in merged:
+        merged["protocol"]["temperatures"] = temps
+    return merged
+
+
+def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
+    ev = merge_evals(evals) if evals else _load(out / "eval" / "main" / "results.json") or {}
     train = _load(out / "runs" / "main" / "summary.json") or {}
     protocol = dict(ev.get("protocol") or {})
     if "turns" in protocol:  # the issue's name for it
@@ -96,10 +130,15 @@ def drafter_row(out: Path, head: dict[str, Any]) -> dict[str, Any]:
             res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
             res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
             res[f"{ds}_t{t}_speedup"] = s.get("speedup")
+            spread = s.get("per_prompt_speedup") or {}
+            res[f"{ds}_t{t}_speedup_per_prompt"] = ({k: spread.get(k) for k in ("prompts", "min", "median", "max")}
+                                                   if spread else None)
             res[f"{ds}_t{t}_plain_ms_per_token"] = s.get("ar", {}).get("time_per_token_ms")
             res[f"{ds}_t{t}_spec_ms_per_token"] = s.get("spec", {}).get("time_per_token_ms")
     speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
     res["speedup_t0"] = min(speedups) if speedups else None
+    if ev.get("sources"):
+        res["eval_sources"] = ev["sources"]
     return res
 
 
@@ -108,10 +147,16 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--device", required=True, help="the GPU the run used, e.g. 'NVIDIA H200'")
     p.add_argument("--command", default=None, help="the command that ran the measured run (default: this one)")
+    p.add_argument("--commit", default=None,
+                   help="the commit(s) the measured run used, when it is not this checkout's (e.g. '005dcf4 (training), "
+                        "93de145 (evaluation)')")
     p.add_argument("--data", type=Path, default=None, help="the regenerated .jsonl (or .jsonl.gz); default OUT/data")
     p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
     p.add_argument("--regen-json", type=Path, default=None)
     p.add_argument("--drafter-json", type=Path, default=None)
+    p.add_argument("--eval", type=Path, nargs="*", default=[],
+                   help="evaluate results.json files to merge (default: OUT/eval/main/results.json), e.g. "
+                        "eval_speed.py's OUT/replay_t0, sequential_t0 and batched_t1 results")
     args = p.parse_args()
     data = args.data or (args.out / "data" / "regen.jsonl")
     throughput = args.throughput or [x for x in [args.out / "regen_throughput.json"] if x.is_file()]
@@ -119,8 +164,10 @@ def main() -> None:
         if path is not None:
             read_rows(path)  # refuse a file that is not a list of rows before writing either
     head = provenance(args.device, args.command)
+    if args.commit:
+        head["commit"] = args.commit
     regen = regen_rows(args.out, data if data.is_file() else None, throughput, head)
-    drafter = [drafter_row(args.out, head)]
+    drafter = [drafter_row(args.out, head, args.eval)]
     for path, rows in ((args.regen_json, regen), (args.drafter_json, drafter)):
         if path is None:
             print(json.dumps(rows, indent=1))

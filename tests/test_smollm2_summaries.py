@@ -1,0 +1,63 @@
+"""benchmarks/smollm2_summaries.py: the drafter row is read from the run's files, merging several evaluate runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "smollm2_summaries.py"
+
+
+def _results(path: Path, method: str, complete: bool, results: dict, speedup: dict, temps: list) -> Path:
+    path.write_text(json.dumps({"protocol": {"name": "paper", "method": method, "decode": "graphs" if speedup else "eager",
+                                             "temperatures": temps, "turns": 2},
+                                "complete": complete, "results": results, "speedup": speedup}))
+    return path
+
+
+def _figures(tau: float) -> dict:
+    return {"answers": 3, "mean_acceptance_length": tau, "mean_acceptance_length_first256": tau - 0.5, "loop_share": 0.25}
+
+
+def test_drafter_row_merges_replay_sequential_and_batched_runs(tmp_path):
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "regenerate.log").write_text("")
+    (out / "runs" / "main").mkdir(parents=True)
+    (out / "runs" / "main" / "summary.json").write_text(json.dumps({"tokens_seen": 123, "steps": 7, "eval_accept_len": 4.5, "data": {"tokens": 50, "supervised_tokens": 40}}))
+    replay = _results(tmp_path / "replay.json", "replay", True,
+                      {"0": {"mtbench": _figures(4.0), "humaneval": _figures(3.0)}}, {}, [0.0])
+    speed = {"answers": 2, "speedup": 2.5, "ar": {"time_per_token_ms": 2.0}, "spec": {"time_per_token_ms": 0.8},
+             "per_prompt_speedup": {"prompts": 2, "min": 1.5, "median": 2.0, "max": 3.5}}
+    sequential = _results(tmp_path / "seq.json", "sequential", False,  # 2 prompts only: not the whole protocol
+                          {"0": {"mtbench": _figures(9.0), "humaneval": _figures(9.0)}},
+                          {"0": {"mtbench": {**speed, "speedup": 1.9}, "humaneval": speed}}, [0.0])
+    batched = _results(tmp_path / "t1.json", "batched", True,
+                       {"1": {"mtbench": _figures(1.5), "humaneval": _figures(1.75)}}, {}, [1.0])
+    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--commit", "abc (training)",
+                          "--eval", str(replay), str(sequential), str(batched)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    row = json.loads(text[text.rindex("[\n {"):])[-1]
+    # acceptance from the whole-protocol replay, not the 2-prompt sequential run given after it
+    assert (row["mtbench_t0_tau"], row["humaneval_t0_tau"], row["humaneval_t0_tau_first256"]) == (4.0, 3.0, 2.5)
+    assert (row["mtbench_t1_tau"], row["humaneval_t1_tau"]) == (1.5, 1.75)
+    assert row["humaneval_t0_speedup"] == 2.5 and row["speedup_t0"] == 1.9  # the smaller set's speedup
+    assert row["humaneval_t0_speedup_per_prompt"] == {"prompts": 2, "min": 1.5, "median": 2.0, "max": 3.5}
+    assert row["humaneval_t0_spec_ms_per_token"] == 0.8 and row["humaneval_t1_speedup"] is None
+    assert row["complete"] is True  # the incomplete run gave only the speedup
+    assert row["protocol"]["temperatures"] == [0.0, 1.0] and row["protocol"]["speedup_decode"] == "graphs"
+    assert row["commit"] == "abc (training)" and row["train_tokens"] == 123 and row["sim_tau_heldout"] == 4.5
+    assert [s["taken"] for s in row["eval_sources"]][1] == ["speedup T=0 mtbench", "speedup T=0 humaneval"]
+
+
+def test_a_missing_results_file_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "regenerate.log").write_text("")
+    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: no evaluate results at")
