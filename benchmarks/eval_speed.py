@@ -25,7 +25,7 @@ starts afresh. The row is appended once every phase is complete:
 Prints a table and appends one row to --json: {"date", "commit", "device", "command", "protocol",
 "answers", "t0_seconds", "t1_seconds", "speedup_seconds", "max_abs_tau_diff_vs_sequential",
 "checked_answers", "identical_answers", "sets": {set: {replay and sequential tau side by side,
-speedup mean / min / median / max}}}. Runs on a CPU with a tiny target (the test of its plumbing).
+speedup mean / min / median / max, and over the answers that do not loop}}}. Runs on a CPU with a tiny target (the test of its plumbing).
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "checked_answers": len(rep_checked), "replay_tau_checked": _tau(rep_checked),
             "sequential_tau_checked": _tau(seq_checked), "speedup_prompts": spread.get("prompts"),
             "speedup": sp.get("speedup"), "speedup_min": spread.get("min"), "speedup_median": spread.get("median"),
-            "speedup_max": spread.get("max"), "greedy_match": sp.get("greedy_match"),
+            "speedup_max": spread.get("max"), "speedup_no_loop": sp.get("speedup_no_loop"),
+            "answers_no_loop": sp.get("answers_no_loop"), "greedy_match": sp.get("greedy_match"),
         }
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {
@@ -240,13 +241,13 @@ def table(row: dict[str, Any]) -> str:
              f"replay vs sequential: {row['identical_answers']}/{row['checked_answers']} answers identical, "
              f"max |tau diff| {_fmt(row['max_abs_tau_diff_vs_sequential'], '.4f')}",
              f"{'set':<12}{'answers':>8}{'tau replay':>11}{'checked':>8}{'replay':>8}{'sequential':>11}"
-             f"{'speedup':>9}{'min':>7}{'median':>8}{'max':>7}{'prompts':>8}"]
+             f"{'speedup':>9}{'min':>7}{'median':>8}{'max':>7}{'no loop':>8}{'prompts':>8}"]
     for name, s in row["sets"].items():
         lines.append(f"{name[:11]:<12}{s['answers'] or 0:>8}{_fmt(s['replay_tau']):>11}{s['checked_answers']:>8}"
                      f"{_fmt(s['replay_tau_checked']):>8}{_fmt(s['sequential_tau_checked']):>11}"
                      f"{_fmt(s['speedup'], '.2f'):>9}{_fmt(s['speedup_min'], '.2f'):>7}"
                      f"{_fmt(s['speedup_median'], '.2f'):>8}{_fmt(s['speedup_max'], '.2f'):>7}"
-                     f"{s['speedup_prompts'] or 0:>8}")
+                     f"{_fmt(s.get('speedup_no_loop'), '.2f'):>8}{s['speedup_prompts'] or 0:>8}")
     return "\n".join(lines)
 
 

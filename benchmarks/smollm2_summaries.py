@@ -130,6 +130,7 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
             res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
             res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
             res[f"{ds}_t{t}_speedup"] = s.get("speedup")
+            res[f"{ds}_t{t}_speedup_no_loop"] = s.get("speedup_no_loop")
             spread = s.get("per_prompt_speedup") or {}
             res[f"{ds}_t{t}_speedup_per_prompt"] = ({k: spread.get(k) for k in ("prompts", "min", "median", "max")}
                                                    if spread else None)

@@ -329,8 +329,27 @@ def test_per_prompt_speedup_spread(capsys):
     m = speedup_metrics(answers, 0.0)
     assert m["per_prompt_speedup"] == {"prompts": 3, "min": 1.0, "median": 2.0, "max": 3.0}
     assert m["speedup"] == pytest.approx(6.5 / 3.5)  # total plain time / total speculative time, same tokens
+    assert m["speedup_no_loop"] == pytest.approx(6.5 / 3.5) and m["answers_no_loop"] == 4
     text = format_table({}, PROTOCOLS["quick"], 4, {"0": {"mtbench": m}})
-    assert "mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts)" in text
+    assert ("mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts); "
+            "answers without loops 1.86x (4 of 4)") in text
+
+
+def test_speedup_without_looping_answers():
+    """A looping answer timed at 8x beside two plain ones at 1.5x: the mean over all tokens is
+    carried by the long loop; the no-loop figure is the other two's, computed by hand."""
+    from nemo_dflash.inference.evaluate import Answer, speedup_metrics
+
+    def ans(pid, n, spec_s, ar_s, loop_start=None):
+        return Answer(id=pid, turn=1, output_ids=[1] * (n + 1), acceptance_lengths=[2], stopped=False,
+                      loop_start=loop_start, decode_time_s=spec_s, ar_decode_time_s=ar_s, ar_new_tokens=n + 1,
+                      ar_match=True)
+
+    answers = [ans("a", 100, 1.0, 1.5), ans("b", 300, 2.0, 3.0), ans("c", 2000, 1.0, 8.0, loop_start=50)]
+    m = speedup_metrics(answers, 0.0)
+    assert m["speedup"] == pytest.approx((1.5 + 3.0 + 8.0) / (1.0 + 2.0 + 1.0))  # 3.125x, same tokens both sides
+    assert m["speedup_no_loop"] == pytest.approx((1.5 + 3.0) / (1.0 + 2.0)) and m["answers_no_loop"] == 2
+    assert speedup_metrics(answers[2:], 0.0)["speedup_no_loop"] is None
 
 
 def _benchmark(name: str):
