@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t1", action="store_true", help="also time the protocol's T=1 acceptance (sequential decoder)")
     p.add_argument("--t1-method", default="sequential", choices=["sequential", "batched"],
                    help="how the T=1 run decodes: one conversation at a time, or --batch-size at once")
-    p.add_argument("--batch-size", type=int, default=32, help="conversations per batch (--t1-method batched)")
+    p.add_argument("--batch-size", default="auto",
+                   help="conversations per batch (--t1-method batched): a number or auto (evaluate's default)")
     p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run (sequential)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -316,6 +316,57 @@ def test_replay_refusals_are_one_line_before_any_model(extra, message, tmp_path,
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
 
+def test_automatic_batch_halves_on_out_of_memory(saved, tmp_path, monkeypatch, caplog):
+    """--batch-size auto: a batch that runs out of GPU memory runs again at half the rows, until it
+    fits; every conversation is decoded once and the figures equal a run at the size that fits.
+    With a fixed --batch-size the error is not swallowed."""
+    import torch
+
+    from nemo_dflash.inference import eval_run
+
+    real = eval_run.ConversationDecoder.run_batch
+    sizes = []
+
+    def tight(self, prompts):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, prompts)
+
+    monkeypatch.setattr(eval_run.ConversationDecoder, "run_batch", tight)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert _cli(saved, tmp_path / "auto", *ARGS, "--method", "batched") == 0  # batch_size auto: 6 rows on a CPU
+    assert sizes == [6, 3, 2, 2, 2]  # halved twice, then three batches of 2
+    assert "6 conversations at once ran out of GPU memory: again at 3 a batch" in caplog.text
+    monkeypatch.setattr(eval_run.ConversationDecoder, "run_batch", real)
+    assert _cli(saved, tmp_path / "two", *ARGS, "--method", "batched", "--batch-size", "2") == 0
+    auto = json.loads((tmp_path / "auto" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert auto["complete"] and auto["results"] == two["results"]
+    rows = [json.loads(x) for x in (tmp_path / "auto" / "answers.jsonl").read_text().splitlines()[1:]]
+    assert len(rows) == len({(r["temperature"], r["dataset"], r["id"]) for r in rows}) == 6
+
+    monkeypatch.setattr(eval_run.ConversationDecoder, "run_batch", tight)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _cli(saved, tmp_path / "fixed", *ARGS, "--method", "batched", "--batch-size", "4")
+
+
+def test_batch_rows_default():
+    from nemo_dflash.inference.eval_run import batch_rows
+
+    assert (batch_rows(244, "cuda"), batch_rows(300, "cuda:1"), batch_rows(244, "cpu"), batch_rows(5, "cpu")) == (
+        244, 256, 32, 5)
+
+
+@pytest.mark.parametrize("value", ["0", "many", "-3"])
+def test_bad_batch_size_is_one_line(saved, tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as e:
+        _cli(saved, tmp_path / "out", *ARGS, "--method", "batched", "--batch-size", value)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--batch-size must be a number >= 1 or auto (got '{value}')" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_per_prompt_speedup_spread(capsys):
     """Three prompts timed at 2x (two turns), 1x and 3x: min 1, median 2, max 3, and the mean over
     all tokens; the printed table shows the spread."""

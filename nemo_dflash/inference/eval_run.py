@@ -52,7 +52,20 @@ class RunOptions:
     max_minutes: Optional[float] = None
     overwrite: bool = False
     reasoning: Optional[str] = None  # the thinking mode prompts are rendered in; None: the template's default
-    batch_size: int = 32  # conversations per batch (--method batched)
+    batch_size: Optional[int] = None  # conversations per batch (--method batched); None: auto (batch_rows)
+
+
+# rows of the automatic batch on a GPU; on a CPU (memory the OS shares) the fixed default
+MAX_AUTO_ROWS = 256
+CPU_BATCH_ROWS = 32
+
+
+def batch_rows(conversations: int, device: str) -> int:
+    """The automatic --batch-size: on a GPU every conversation of a temperature at once, up to
+    MAX_AUTO_ROWS (a batch runs until its longest answer ends, so fewer batches is faster; one that
+    runs out of memory is halved); on a CPU, CPU_BATCH_ROWS."""
+    cap = MAX_AUTO_ROWS if str(device).startswith("cuda") else CPU_BATCH_ROWS
+    return max(1, min(conversations, cap))
 
 
 def check_paths(draft: str, target: str) -> None:
@@ -322,22 +335,34 @@ class EvalRun:
 
     def _batched(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         """Every conversation not yet in the journal, `batch_size` at a time per temperature, by the
-        batched speculative decoder; each batch is journalled as it ends."""
-        n = self.opts.batch_size
+        batched speculative decoder; each batch is journalled as it ends. With the automatic size, a
+        batch that runs out of GPU memory is run again at half the rows."""
         by_settings: dict[EvalSettings, list[tuple[Key, EvalSettings, EvalPrompt]]] = {}
         for item in items:
             by_settings.setdefault(item[1], []).append(item)
         for settings, group in by_settings.items():
             dec = ConversationDecoder(*models, settings)
             trained = int(dec.spec.draft.config.block_size)
+            n = self.opts.batch_size or batch_rows(len(group), self.model_spec.device)
             logger.info("Decoding %d conversations at T=%g in batches of %d", len(group), settings.temperature, n)
-            for start in range(0, len(group), n):
+            start = 0
+            while start < len(group):
                 if self._expired():
                     return
                 chunk = group[start : start + n]
-                for (key, _, _), answers in zip(chunk, dec.run_batch([p for _, _, p in chunk])):
+                try:
+                    done = dec.run_batch([p for _, _, p in chunk])
+                except torch.cuda.OutOfMemoryError:
+                    if self.opts.batch_size or n == 1:
+                        raise
+                    n = (n + 1) // 2
+                    logger.warning("%d conversations at once ran out of GPU memory: again at %d a batch", len(chunk), n)
+                    torch.cuda.empty_cache()
+                    continue
+                for (key, _, _), answers in zip(chunk, done):
                     self.journal.add(key, {"block_size": dec.block_size, "trained_block_size": trained,
                                            "answers": [a.record() for a in answers]})
+                start += len(chunk)
 
     def _run_workers(self, items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         import multiprocessing as mp

@@ -5,7 +5,7 @@ the share of looping answers, and speedup over plain decoding.
         [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
         [--turns N] [--temperatures 0,1] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
-        [--method sequential|replay|batched] [--batch-size N]
+        [--method sequential|replay|batched] [--batch-size N|auto]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
@@ -46,6 +46,19 @@ from nemo_dflash.recipes._cli import add_device_args, resolve_device_dtype, setu
 logger = logging.getLogger("nemo_dflash.evaluate")
 
 
+def batch_size(text: str) -> Optional[int]:
+    """--batch-size: a number >= 1, or auto (None); anything else is refused in one line."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--batch-size must be a number >= 1 or auto (got {text!r})")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
                         "the same figures, in minutes) or batched (the speculative decoder on --batch-size "
                         "conversations at once, any temperature; docs/evaluation.md)")
-    p.add_argument("--batch-size", type=int, default=32, help="conversations decoded together (--method batched)")
+    p.add_argument("--batch-size", default="auto",
+                   help="conversations decoded together (--method batched): a number, or auto (the default: on a GPU "
+                        "every conversation of a temperature at once, up to 256, halved if it runs out of memory; "
+                        "32 on a CPU)")
     p.add_argument("--decode", default=None, choices=["eager", "graphs"],
                    help="decoder mode, for both the speculative and the plain side (default eager)")
     p.add_argument("--workers", type=int, default=1,
@@ -133,8 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.method in ("replay", "batched") and args.workers != 1:
         raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    batch_size(args.batch_size)
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -170,7 +185,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(draft=str(args.draft), target=str(args.target), out=Path(args.out), device=device, dtype=dtype,
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
-                      reasoning=args.reasoning, batch_size=args.batch_size)
+                      reasoning=args.reasoning, batch_size=batch_size(args.batch_size))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
