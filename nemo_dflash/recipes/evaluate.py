@@ -50,13 +50,9 @@ def batch_size(text: str) -> Optional[int]:
     """--batch-size: a number >= 1, or auto (None); anything else is refused in one line."""
     if text == "auto":
         return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
+    if not text.isdigit() or int(text) < 1:
         raise ValueError(f"--batch-size must be a number >= 1 or auto (got {text!r})")
-    return n
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
