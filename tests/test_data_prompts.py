@@ -299,6 +299,29 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
     assert len(out.read_text().splitlines()) == 9
 
 
+def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
+    """--batch-size auto: the slot count the engine's memory fit gives (8 off a GPU), resolved after the
+    model loads; the fit is asked for the longest topic prefix."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data import generation, prompts as data_prompts
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    asked, fits = [], []
+    monkeypatch.setattr(generation, "max_slots", lambda model, prompt, new: fits.append((prompt, new)) or fit)
+    monkeypatch.setattr(data_prompts, "magpie_prompts", lambda *a, **k: asked.append(k["batch_size"]) or [])
+    for fit, want in ((None, 8), (1213, 1213 - 37)):
+        with pytest.raises(SystemExit):  # every topic empty (the stub writes none): refused after the fit
+            recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl"), "--topics", "code=2,chat=1",
+                         "--batch-size", "auto", "--max-new-tokens", "12"])
+        assert asked[-1] == want
+    longest = max(len(data_prompts.magpie_prefix(target[1], data_prompts.MAGPIE_TOPICS[t])) for t in ("code", "chat"))
+    assert fits == [(longest, 12)] * 2
+
+
 def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
     """`train` reads its data through the same check (any role: answers are learnt too); a source
     that is all contamination is refused naming it."""

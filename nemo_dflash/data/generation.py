@@ -133,6 +133,19 @@ def cache_width(max_prompt_tokens: int, max_new_tokens: int) -> int:
     return KV_BLOCK * math.ceil((max_prompt_tokens + max_new_tokens) / KV_BLOCK)
 
 
+AUTO_SLOTS_CAP = 2048  # `auto` slots at most (the H200's 2,048 fill its decode step)
+CPU_AUTO_SLOTS = 8  # `auto` where nothing is fitted (off a GPU)
+
+
+def resolve_num_slots(asked: "int | str", fit: Optional[int]) -> int:
+    """The answers in flight: `asked` as given, or for `auto` 97% of the `fit` (`max_slots`; a margin
+    for what the engine allocates before its cache), capped at AUTO_SLOTS_CAP; CPU_AUTO_SLOTS where
+    nothing was fitted (off a GPU)."""
+    if asked != "auto":
+        return int(asked)
+    return CPU_AUTO_SLOTS if fit is None else max(1, min(fit - fit // 32, AUTO_SLOTS_CAP))
+
+
 def max_slots(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int) -> Optional[int]:
     """The most answers in flight whose KV cache fits the GPU's free memory now (None off a GPU)."""
     param = next(model.parameters())

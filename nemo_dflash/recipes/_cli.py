@@ -58,6 +58,16 @@ def user_errors(*types: type[BaseException]) -> Iterator[None]:
         fail(e)
 
 
+def count_or_auto(text: str) -> "int | str":
+    """argparse type of a --batch-size that takes `auto` (fitted once the model is loaded)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number or auto, got {text!r}") from None
+
+
 def add_device_args(p: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto") -> None:
     p.add_argument("--device", default=device, choices=DEVICES, help=f"default {device}: cuda if visible, else cpu")
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"default {dtype}: bf16 on cuda, fp32 on cpu")

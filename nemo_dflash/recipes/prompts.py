@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from nemo_dflash.recipes._cli import (
-    add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+    add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
 )
 
 logger = logging.getLogger("nemo_dflash.prompts")
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TOPIC=COUNT,... prompts per topic (topics: chat, code, math)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
-    p.add_argument("--batch-size", type=int, default=64, help="prompts in flight")
+    p.add_argument("--batch-size", type=count_or_auto, default=64,
+                   help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (8 on a CPU)")
     p.add_argument("--oversample", type=float, default=1.5,
                    help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (Magpie samples at 1)")
@@ -102,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return write_builtin(args.source, out)
     counts = parse_topics(args.topics)
     for name in ("max_new_tokens", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) != "auto" and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not 1 <= args.oversample <= 100:
@@ -125,6 +126,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         fail(f"cannot load --target {args.target}: {e}")
     if not getattr(tokenizer, "chat_template", None):
         fail(f"the tokenizer of {args.target} has no chat template; Magpie prompts need the instruct model")
+    if args.batch_size == "auto":
+        from nemo_dflash.data.generation import max_slots, resolve_num_slots
+        from nemo_dflash.data.prompts import MAGPIE_TOPICS, magpie_prefix
+
+        with user_errors(DataError):
+            longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
+        args.batch_size = resolve_num_slots("auto", max_slots(model, longest, args.max_new_tokens))
+        logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
     with user_errors(DataError, ValueError):
         convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,

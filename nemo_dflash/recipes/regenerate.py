@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 from nemo_dflash.files import check_writable_dir, paths_overlap
 from nemo_dflash.recipes._cli import (
-    add_device_args, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+    add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
 )
 
 logger = logging.getLogger("nemo_dflash.regenerate")
@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("slots", "generate"), default="slots",
                    help="slots: continuous batching, a finished answer's row refilled at once (full-attention "
                         "models); generate: model.generate batch after batch (any model)")
-    p.add_argument("--batch-size", type=_batch_size, default=8,
+    p.add_argument("--batch-size", type=count_or_auto, default=8,
                    help="answers in flight (slots: rows of the KV cache; generate: prompts per call); auto: as "
-                        f"many as the GPU's free memory holds, at most {AUTO_BATCH_CAP} (on a CPU or with "
+                        "many as the GPU's free memory holds, at most 2,048 (on a CPU or with "
                         "--engine generate: 8)")
     p.add_argument("--max-prefill-tokens", type=int, default=65536,
                    help="slots: cap on the prompt tokens of one prefill forward (a refill's prompts are packed "
@@ -127,27 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop generating after this long and finish OUT with the conversations done so far "
                         "(default: no limit)")
     return p
-
-
-AUTO_BATCH_CAP = 2048  # --batch-size auto: answers in flight at most (the H200's 2,048 fill its decode step)
-
-
-def _batch_size(text: str) -> "int | str":
-    """--batch-size: a count, or `auto` (fitted to the GPU's memory once the model is loaded)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"give a number of answers in flight or auto, got {text!r}") from None
-
-
-def resolve_batch_size(asked: "int | str", fit: Optional[int]) -> int:
-    """The answers in flight: `asked` as given, or for `auto` 97% of the `fit` (a margin for what the
-    engine allocates before its cache), capped; 8 where nothing was fitted (off a GPU)."""
-    if asked != "auto":
-        return int(asked)
-    return 8 if fit is None else max(1, min(fit - fit // 32, AUTO_BATCH_CAP))
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -625,11 +604,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                  f"context of {context} tokens; lower one of them")
 
     if args.batch_size == "auto":
-        from nemo_dflash.data.generation import max_slots
+        from nemo_dflash.data.generation import max_slots, resolve_num_slots
 
         fit = (max_slots(model, max_prompt, args.max_new_tokens)
                if args.engine == "slots" and max_prompt is not None else None)
-        args.batch_size = resolve_batch_size("auto", fit)
+        args.batch_size = resolve_num_slots("auto", fit)
         logger.info("--batch-size auto: %d answers in flight%s", args.batch_size,
                     f" ({fit} fit in the GPU's free memory)" if fit is not None else "")
 
