@@ -10,8 +10,9 @@ distributions. Along answers the target sampled itself (an `evaluate` journal at
 turn 1), every answer position is an anchor; the draft's block from it gives q for slots 1..B-1 and
 the target's teacher-forced logits give p. Per anchor, the expected acceptance length is
 1 + sum_k prod_{j<=k} overlap_j (slots treated as independent along the sampled path); the mean over
-anchors is printed beside the overlap of slot 1, for the draft sampled at the target's temperature and
-at others (q = softmax(z / t_draft)). Any q keeps the output distribution equal to the target's;
+anchors is printed beside the overlap of slot 1, for the draft sampled at the target's temperature,
+at others (q = softmax(z / t_draft)), and for greedy proposals (the draft's argmax, kept with
+probability p of it). Any q keeps the output distribution equal to the target's;
 only acceptance changes. Prints a table; not a test.
 """
 
@@ -35,9 +36,12 @@ log = logging.getLogger("t1_calibration")
 
 
 def overlaps(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, draft_temps: list[float]) -> torch.Tensor:
-    """[A, K, V] target and draft logits -> [len(draft_temps), A, K] overlaps sum_v min(p_v, q_v)."""
+    """[A, K, V] target and draft logits -> [len(draft_temps) + 1, A, K] overlaps sum_v min(p_v, q_v), the
+    last row for a greedy proposal (q one-hot on the draft's argmax: the overlap is p of that token)."""
     p = torch.softmax(p_logits.float() / temperature, dim=-1)
-    return torch.stack([torch.minimum(p, torch.softmax(q_logits.float() / t, dim=-1)).sum(-1) for t in draft_temps])
+    rows = [torch.minimum(p, torch.softmax(q_logits.float() / t, dim=-1)).sum(-1) for t in draft_temps]
+    rows.append(p.gather(-1, q_logits.argmax(-1, keepdim=True)).squeeze(-1))
+    return torch.stack(rows)
 
 
 def expected_tau(ov: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -105,8 +109,8 @@ def main() -> None:
     log.info("%s: %d answers (turn 1, first %d tokens), target T=%g, block %d, %s %s", name, used, args.tokens,
              args.temperature, blk, device, dtype)
     log.info("| draft temperature | slot-1 overlap | expected tau |\n| ---: | ---: | ---: |")
-    for t, a, e in zip(draft_temps, s1.tolist(), tau.tolist()):
-        log.info("| %g | %.3f | %.3f |", t, a, e)
+    for t, a, e in zip([f"{t:g}" for t in draft_temps] + ["greedy (argmax)"], s1.tolist(), tau.tolist()):
+        log.info("| %s | %.3f | %.3f |", t, a, e)
 
 
 if __name__ == "__main__":
