@@ -160,13 +160,13 @@ def test_batch_size_auto_fits_the_kv_cache():
     """--batch-size auto: 97% of the slots whose KV cache fits the free memory, capped at 2,048; 8 off a
     GPU. The fit is the one the refusal names (an H100's 84.2 GB free at 59 MB a slot: 1,213)."""
     from nemo_dflash.data.slot_attention import slots_that_fit
-    from nemo_dflash.data.generation import AUTO_SLOTS_CAP, resolve_num_slots
+    from nemo_dflash.data.generation import AUTO_SLOTS_CAP, auto_num_slots
     from nemo_dflash.recipes.regenerate import build_parser
 
     assert slots_that_fit(59_000_000, 84_200_000_000) == 1213  # int(84.2e9 * 0.85) // 59e6
-    assert resolve_num_slots("auto", 1213) == 1213 - 37
-    assert resolve_num_slots("auto", 10_000) == AUTO_SLOTS_CAP == 2048
-    assert resolve_num_slots("auto", None) == 8 and resolve_num_slots(16, 1213) == 16
+    assert auto_num_slots(1213) == 1213 - 37
+    assert auto_num_slots(10_000) == AUTO_SLOTS_CAP == 2048
+    assert auto_num_slots(None) == 8
     parser = build_parser()
     base = ["--target", "x", "--data", "d.jsonl", "--out", "o.jsonl"]
     assert parser.parse_args(base + ["--batch-size", "auto"]).batch_size == "auto"

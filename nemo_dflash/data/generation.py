@@ -137,12 +137,10 @@ AUTO_SLOTS_CAP = 2048  # `auto` slots at most (the H200's 2,048 fill its decode 
 CPU_AUTO_SLOTS = 8  # `auto` where nothing is fitted (off a GPU)
 
 
-def resolve_num_slots(asked: "int | str", fit: Optional[int]) -> int:
-    """The answers in flight: `asked` as given, or for `auto` 97% of the `fit` (`max_slots`; a margin
-    for what the engine allocates before its cache), capped at AUTO_SLOTS_CAP; CPU_AUTO_SLOTS where
-    nothing was fitted (off a GPU)."""
-    if asked != "auto":
-        return int(asked)
+def auto_num_slots(fit: Optional[int]) -> int:
+    """`--batch-size auto`: 97% of the slots that fit (`max_slots`; a margin for what the engine
+    allocates before its cache), capped at AUTO_SLOTS_CAP; CPU_AUTO_SLOTS where nothing was fitted
+    (off a GPU)."""
     return CPU_AUTO_SLOTS if fit is None else max(1, min(fit - fit // 32, AUTO_SLOTS_CAP))
 
 

@@ -127,12 +127,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if not getattr(tokenizer, "chat_template", None):
         fail(f"the tokenizer of {args.target} has no chat template; Magpie prompts need the instruct model")
     if args.batch_size == "auto":
-        from nemo_dflash.data.generation import max_slots, resolve_num_slots
+        from nemo_dflash.data.generation import auto_num_slots, max_slots
         from nemo_dflash.data.prompts import MAGPIE_TOPICS, magpie_prefix
 
         with user_errors(DataError):
             longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
-        args.batch_size = resolve_num_slots("auto", max_slots(model, longest, args.max_new_tokens))
+        args.batch_size = auto_num_slots(max_slots(model, longest, args.max_new_tokens))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
     with user_errors(DataError, ValueError):
         convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,

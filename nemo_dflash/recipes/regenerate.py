@@ -604,11 +604,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                  f"context of {context} tokens; lower one of them")
 
     if args.batch_size == "auto":
-        from nemo_dflash.data.generation import max_slots, resolve_num_slots
+        from nemo_dflash.data.generation import auto_num_slots, max_slots
 
         fit = (max_slots(model, max_prompt, args.max_new_tokens)
                if args.engine == "slots" and max_prompt is not None else None)
-        args.batch_size = resolve_num_slots("auto", fit)
+        args.batch_size = auto_num_slots(fit)
         logger.info("--batch-size auto: %d answers in flight%s", args.batch_size,
                     f" ({fit} fit in the GPU's free memory)" if fit is not None else "")
 
