@@ -17,6 +17,7 @@ from nemo_dflash.data.prompts import (
     SourceSpec,
     chitchat_prompts,
     code_prompts,
+    code_tree_prompts,
     humaneval_style_prompt,
     keep_prompt,
     magpie_prefix,
@@ -189,6 +190,129 @@ def test_code_prompts_are_humaneval_format_and_skip_humaneval_names():
                for c in convs)  # a method is asked as a free function
     assert humaneval_style_prompt(lambda x: x) is None  # undocumented
     assert humaneval_style_prompt(textwrap.indent).startswith("def indent(text, prefix, predicate=None):\n    \"\"\"")
+
+
+# A module of every signature shape the two code-prompt readers must agree on. Docstrings are distinct
+# except `again`'s, which repeats `plain`'s (the tree reader asks a docstring once).
+_TREE_MODULE = r'''
+import os
+
+
+def plain(a, b=2, *args, c, d=None, **kw):
+    """Plain function with every kind of parameter in it."""
+
+
+def annotated(x: int, y: "list[str]" = (), /, z: dict = {"k": [1, 2.5]}) -> os.PathLike:
+    """Annotated, positional-only, with literal defaults of several kinds."""
+
+
+async def fetch(url: str, *, timeout: float = 1e-3, retries=-1):
+    """An async function: its prompt is a plain def like the others."""
+
+
+def quoting(pattern=r"\d+", sep=' '):
+    """Escapes: a backslash \\ and \"\"\"triple quotes\"\"\" inside the docstring text."""
+
+
+def short():
+    """Too short."""
+
+
+def undocumented(a):
+    return a
+
+
+def _private(a):
+    """A private function is never asked for, however documented."""
+
+
+class Shape:
+    """A class: its public methods become free functions."""
+
+    def area(self, scale: float = 1.0) -> float:
+        """Area of the shape times the scale, in square units."""
+
+    def _hidden(self):
+        """Private method that is never asked for at all."""
+
+    def again(self, a, b=2, *args, c, d=None, **kw):
+        """Plain function with every kind of parameter in it."""
+
+    class Inner:
+        def deep(self):
+            """A nested class's method is not asked for here."""
+
+
+class _Private:
+    def visible(self):
+        """A method of a private class is not asked for either."""
+'''
+
+
+def test_code_tree_prompts_equal_the_imported_modules_prompts(tmp_path, monkeypatch):
+    """The ast reader (nothing imported) against the inspect reader on the same module imported."""
+    pkg = tmp_path / "treepkg"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "shapes.py").write_text(_TREE_MODULE)
+    (pkg / "test_shapes.py").write_text('def helper(x):\n    """A test file is never read for prompts."""\n')
+    (pkg / "tests" / "util.py").write_text('def helper(x):\n    """A tests folder is never read for prompts."""\n')
+    (pkg / "broken.py").write_text("def (:\n")  # another Python's syntax: skipped
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    tree = {c.location: c.messages for c in code_tree_prompts(tmp_path, name="t", exclude={"fetch"})}
+    imported = {c.location: c.messages for c in code_prompts(["treepkg.shapes"], name="t", exclude={"fetch"})}
+    assert "t:treepkg.shapes.again" not in tree  # its docstring was asked already (as `plain`)
+    del imported["t:treepkg.shapes.Shape.again"]
+    assert tree == imported
+    assert sorted(tree) == ["t:treepkg.shapes.Shape.area", "t:treepkg.shapes.annotated", "t:treepkg.shapes.plain",
+                            "t:treepkg.shapes.quoting"]
+    area = tree["t:treepkg.shapes.Shape.area"][0]["content"]
+    assert "def area(scale: float = 1.0) -> float:\n" in area  # asked without self, as a free function
+    for messages in tree.values():
+        code = messages[0]["content"].split("```python\n", 1)[1][: -len("```")]
+        fn = ast.parse(code + "    pass\n").body[0]
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn)
+    # an async def is asked as a plain def (both readers), unless its name is excluded as above
+    with_fetch = {c.location: c.messages for c in code_tree_prompts(tmp_path, exclude=set())}
+    assert "def fetch(url: str, *, timeout: float = 0.001, retries=-1):\n" in \
+        with_fetch["code:treepkg.shapes.fetch"][0]["content"]
+    assert with_fetch["code:treepkg.shapes.fetch"] == \
+        {c.location: c.messages for c in code_prompts(["treepkg.shapes"], exclude=set())}["code:treepkg.shapes.fetch"]
+
+
+def test_code_stdlib_and_folder_sources(tmp_path):
+    from nemo_dflash.data.prompts import stdlib_root
+
+    spec = parse_source("code_stdlib:40@2")
+    assert spec == SourceSpec("code_stdlib", "code_stdlib:40", 2.0)
+    what, some = read_source(spec, BadRecordCounter())
+    assert what == f"code_stdlib:{stdlib_root()}" and len(some) == 40
+    _, again = read_source(spec, BadRecordCounter())
+    assert [c.messages for c in again] == [c.messages for c in some]  # seeded
+    _, everything = read_source(parse_source("code_stdlib"), BadRecordCounter())
+    assert len(everything) > 2000  # 3,505 on Python 3.11
+    order = {c.location: i for i, c in enumerate(everything)}
+    picked = [order[c.location] for c in some]
+    assert picked == sorted(picked) and picked[-1] - picked[0] > len(everything) // 2  # a spread, in order
+    assert not any(".idlelib." in c.location or c.location.startswith("code_stdlib:test.") for c in everything)
+    # any folder is read as Python source
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "m.py").write_text('def double(x):\n    """Return x doubled, for every kind of x."""\n')
+    what, convs = read_source(parse_source(f"mine={tmp_path / 'lib'}"), BadRecordCounter())
+    assert what == str(tmp_path / "lib") and [c.location for c in convs] == ["mine:m.double"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no documented Python functions under the folder"):
+        read_source(parse_source(str(tmp_path / "empty")), BadRecordCounter())
+
+
+def test_prompts_recipe_writes_code_stdlib(tmp_path):
+    from nemo_dflash.recipes import prompts as recipe
+
+    out = tmp_path / "code.jsonl"
+    assert recipe.main(["--source", "code_stdlib:25", "--out", str(out)])["written"] == 25
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 25 and all(r["id"].startswith("code_stdlib:") for r in rows)
+    assert all(r["messages"][0]["content"].startswith(CODE_INSTRUCTION.split("```")[0]) for r in rows)
 
 
 def test_magpie_prefix_ends_at_the_user_header():

@@ -12,6 +12,9 @@ any chat file. Sources (docs/data.md has their licences):
   never evaluate on GSM8K with a draft trained on them.
 - :func:`code_prompts`: HumanEval-format code prompts (a signature and its docstring, complete the
   body) built from the documented Python functions of installed modules.
+- :func:`code_tree_prompts`: the same format from every documented function of a tree of Python
+  source files, read with :mod:`ast` (nothing is imported): the standard library (``code_stdlib``)
+  or any directory, such as a ``site-packages``.
 - :func:`magpie_prompts`: prompts the target writes itself (Magpie, arXiv 2406.08464): its chat
   template up to the user header, steered by a system prompt, and the user turn sampled.
 
@@ -20,6 +23,8 @@ Every builder filters empty, too short, too long and duplicate prompts.
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib
 import inspect
 import json
@@ -28,6 +33,7 @@ import math
 import os
 import random
 import re
+import sysconfig
 import textwrap
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -211,10 +217,14 @@ def humaneval_style_prompt(func: Any) -> Optional[str]:
     params = list(sig.parameters.values())
     if params and params[0].name in ("self", "cls") and "." in func.__qualname__:  # a method: a free function
         sig = sig.replace(parameters=params[1:])
-    signature = str(sig)
+    return _humaneval_layout(func.__name__, str(sig), doc)
+
+
+def _humaneval_layout(name: str, signature: str, doc: str) -> str:
+    """``def name(signature):`` over the docstring, indented, in triple double quotes."""
     doc = doc.replace('"""', "'''").replace("\\", "\\\\")
     body = textwrap.indent(f'"""{doc}\n"""\n', "    ")
-    return f"def {func.__name__}{signature}:\n{body}"
+    return f"def {name}{signature}:\n{body}"
 
 
 def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
@@ -223,12 +233,7 @@ def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
     named like a function of ``exclude`` (default: HumanEval's entry points, when installed) is
     left out, and ``regenerate``'s 13-gram check drops any whose text overlaps HumanEval."""
     if exclude is None:
-        from nemo_dflash.data.decontaminate import humaneval_entry_points
-
-        try:
-            exclude = humaneval_entry_points()
-        except FileNotFoundError:
-            exclude = set()
+        exclude = _humaneval_names()
     out, dropped, seen = [], {}, set()
     for module_name in modules:
         for qualname, func in _documented_functions(module_name):
@@ -247,6 +252,131 @@ def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
                                     f"{name}:{qualname}"))
     _log_dropped(name, len(out), dropped)
     return out
+
+
+# Folders of a source tree that hold no library functions worth asking for (tests, GUIs, vendored
+# copies, installers); the standard library's own are the second set.
+SKIP_DIRS = frozenset({"__pycache__", "test", "tests", "testing", "_vendor", "vendored", "_vendored"})
+STDLIB_SKIP_DIRS = frozenset({"idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "pydoc_data",
+                              "site-packages", "dist-packages", "venv"})
+
+
+def _tree_functions(root: Path, skip_dirs: frozenset[str]) -> Iterator[tuple[str, str, str, str]]:
+    """(qualified name, name, signature, docstring) of each public, documented module-level function
+    and public method of a public top-level class in the ``.py`` files under ``root``, in path order.
+    A method is given without its ``self``/``cls``, as :func:`humaneval_style_prompt` gives it."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in skip_dirs and not d.startswith(".") and not d.endswith(".dist-info"))
+        for fname in sorted(filenames):
+            if not fname.endswith(".py") or fname.startswith("test_"):
+                continue
+            path = Path(dirpath) / fname
+            try:
+                tree = ast.parse(path.read_bytes())
+            except (SyntaxError, ValueError, OSError):  # another Python's syntax, or unreadable: no prompts
+                continue
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            for node, owner in _public_defs(tree.body):
+                doc = ast.get_docstring(node)
+                if not doc or len(doc.split()) < 5:
+                    continue
+                args = node.args
+                if owner is not None:  # a method: asked as a free function
+                    args = copy.copy(args)
+                    if args.posonlyargs and args.posonlyargs[0].arg in ("self", "cls"):
+                        args.posonlyargs = args.posonlyargs[1:]
+                    elif not args.posonlyargs and args.args and args.args[0].arg in ("self", "cls"):
+                        args.args = args.args[1:]
+                signature = f"({_format_args(args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
+                qual = f"{module}.{owner}.{node.name}" if owner else f"{module}.{node.name}"
+                yield qual, node.name, signature, doc
+
+
+def _format_args(args: ast.arguments) -> str:
+    """A parameter list as ``inspect.Signature`` prints it (PEP 8: ``x=1`` but ``x: int = 1``), from
+    source; ``ast.unparse`` would print ``x: int=1``."""
+    def one(arg: ast.arg, default: Optional[ast.expr], star: str = "") -> str:
+        text = star + arg.arg + (f": {ast.unparse(arg.annotation)}" if arg.annotation is not None else "")
+        if default is not None:
+            text += (" = " if arg.annotation is not None else "=") + ast.unparse(default)
+        return text
+
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    parts = []
+    for i, (arg, default) in enumerate(zip(positional, defaults)):
+        parts.append(one(arg, default))
+        if args.posonlyargs and i == len(args.posonlyargs) - 1:
+            parts.append("/")
+    if args.vararg is not None:
+        parts.append(one(args.vararg, None, "*"))
+    elif args.kwonlyargs:
+        parts.append("*")
+    parts += [one(arg, default) for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg is not None:
+        parts.append(one(args.kwarg, None, "**"))
+    return ", ".join(parts)
+
+
+def _public_defs(body: list[ast.stmt], owner: Optional[str] = None) -> Iterator[tuple[Any, Optional[str]]]:
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            yield node, owner
+        elif isinstance(node, ast.ClassDef) and owner is None and not node.name.startswith("_"):
+            yield from _public_defs(node.body, node.name)
+
+
+def code_tree_prompts(root: str | Path, name: str = "code", exclude: Optional[set[str]] = None,
+                      skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Conversation]:
+    """A HumanEval-format prompt per documented public function (and method) of the Python files
+    under ``root``, read with :mod:`ast`, so no module is imported (no side effects, any installed
+    version). Left out: test folders and files, functions named like a HumanEval entry point
+    (``exclude``), and a docstring already asked (inherited and overloaded copies)."""
+    if exclude is None:
+        exclude = _humaneval_names()
+    out, dropped, seen, docs = [], {}, set(), set()
+    for qual, fname, signature, doc in _tree_functions(Path(root), skip_dirs):
+        if fname in exclude:
+            dropped["humaneval_name"] = dropped.get("humaneval_name", 0) + 1
+            continue
+        key = " ".join(doc.split())
+        if key in docs:
+            dropped["duplicate_docstring"] = dropped.get("duplicate_docstring", 0) + 1
+            continue
+        code = _humaneval_layout(fname, signature, doc)
+        why = keep_prompt(code, seen)
+        if why is not None:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        docs.add(key)
+        out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
+                                f"{name}:{qual}"))
+    _log_dropped(name, len(out), dropped)
+    return out
+
+
+def stdlib_root() -> Path:
+    """The running Python's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _humaneval_names() -> set[str]:
+    from nemo_dflash.data.decontaminate import humaneval_entry_points
+
+    try:
+        return humaneval_entry_points()
+    except FileNotFoundError:
+        return set()
+
+
+def sample_in_order(items: list[Any], count: int, seed: int = 0) -> list[Any]:
+    """``count`` of ``items`` drawn without replacement (seeded), kept in their order: a spread over a
+    whole tree rather than its alphabetically first packages."""
+    if count >= len(items):
+        return list(items)
+    keep = sorted(random.Random(seed).sample(range(len(items)), count))
+    return [items[i] for i in keep]
 
 
 def magpie_prefix(tokenizer: Any, system: str) -> list[int]:
@@ -334,7 +464,7 @@ def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 # Sources built in (no file to name): what each reads.
-BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code")
+BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code", "code_stdlib")
 GSM_SYMBOLIC_DEFAULT_COUNT = 20_000
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -412,11 +542,24 @@ def read_source(spec: SourceSpec, bad: Any) -> tuple[str, list[Conversation]]:
         if arg:
             convs = convs[:_count(spec, arg, len(convs))]
         return "code", convs
+    elif builtin == "code_stdlib":
+        root = stdlib_root()
+        convs = code_tree_prompts(root, name=spec.name, skip_dirs=SKIP_DIRS | STDLIB_SKIP_DIRS)
+        if arg:
+            convs = sample_in_order(convs, _count(spec, arg, len(convs)))
+        return f"code_stdlib:{root}", convs
+    elif os.path.isdir(spec.what):
+        convs = code_tree_prompts(spec.what, name=spec.name)
+        if not convs:
+            raise DataError(f"--data {spec.name}: no documented Python functions under the folder {spec.what}; "
+                            "a folder is read as Python source (give a file of conversations otherwise)")
+        return spec.what, convs
     else:
         path = spec.what
         if not os.path.isfile(path):
             raise DataError(f"data source not found: {path!r} (--data {spec.name}): give an existing "
-                            f".jsonl/.json/.parquet file or one of {', '.join(BUILTIN_SOURCES)}")
+                            f".jsonl/.json/.parquet file, a folder of Python source or one of "
+                            f"{', '.join(BUILTIN_SOURCES)}")
         if os.path.getsize(path) == 0:
             raise DataError(f"--data {spec.name}: {path} is empty; give a file with conversations")
     return path, list(read_conversations(path, bad=bad))

@@ -13,14 +13,16 @@ that overlap the evaluation prompts).
 
     python -m nemo_dflash.recipes.prompts --source gsm_symbolic:20000 --out data/gsm.jsonl
 
-writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT]) to a file
-instead, without a model: build them once on any machine and carry the file to the GPU one.
+writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT], code_stdlib[:COUNT], or
+a folder of Python source: code prompts from its documented functions, read without importing it) to a
+file instead, without a model: build them once on any machine and carry the file to the GPU one.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
     p.add_argument("--source", default=None,
-                   help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT]; "
-                        "no model)")
+                   help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
+                        "code_stdlib[:COUNT], or a folder of Python source; no model)")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
     p.add_argument("--topics", default="chat=1000,code=1000,math=1000",
                    help="TOPIC=COUNT,... prompts per topic (topics: chat, code, math)")
@@ -78,8 +80,9 @@ def write_builtin(source: str, out: Path) -> dict[str, Any]:
 
     with user_errors(DataError, OSError):
         spec = parse_source(source)
-        if spec.builtin in (None, "sharegpt"):
-            raise DataError(f"--source {source!r}: give chitchat, gsm_symbolic[:COUNT] or code[:COUNT]")
+        if spec.builtin == "sharegpt" or (spec.builtin is None and not os.path.isdir(spec.what)):
+            raise DataError(f"--source {source!r}: give chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
+                            "code_stdlib[:COUNT] or a folder of Python source")
         _, convs = read_source(spec, BadRecordCounter())
         out.parent.mkdir(parents=True, exist_ok=True)
         n = write_prompts(str(out), convs)
