@@ -520,21 +520,61 @@ def _chunk_loss(
     return loss, logits.argmax(-1)
 
 
+def teacher_expected_embedding(final_hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """E_t = softmax(h_t @ W.T) @ W per row of the target's final hidden states [..., H]: the lm_head
+    rows averaged under the target's next-token distribution, in `final_hidden`'s dtype.
+
+    Soft cross-entropy against the target through the same frozen lm_head W needs nothing else:
+    sum_v p_t,v * logit_v = h . E_t for a draft state h, so its value is lse - h . E_t and its
+    gradient softmax @ W - E_t. E_t depends on the target position only, so it is formed once per
+    position (a packed step's 32 k positions, not its 327 k block slots) and no [rows, vocab]
+    teacher tensor is kept. Chunks of `chunk_size` rows; matmuls in the autocast dtype when on.
+    """
+    dev = final_hidden.device.type
+    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    flat = final_hidden.reshape(-1, final_hidden.shape[-1])
+    out = torch.empty_like(flat)
+    w_mm = weight.to(mm_dtype)
+    run = _expected_chunk_fn(final_hidden.device) or _expected_chunk
+    with torch.no_grad(), torch.autocast(dev, enabled=False):
+        for s in range(0, flat.shape[0], chunk_size):
+            out[s : s + chunk_size] = run(flat[s : s + chunk_size], w_mm)
+    return out.view(final_hidden.shape)
+
+
+def _expected_chunk(h: torch.Tensor, w_mm: torch.Tensor) -> torch.Tensor:
+    p_t = F.linear(h.to(w_mm.dtype), w_mm).float().softmax(-1)
+    return torch.matmul(p_t.to(w_mm.dtype), w_mm).to(h.dtype)
+
+
+_compiled_expected_chunk = None
+
+
+def _expected_chunk_fn(device: torch.device):
+    """The compiled E_t chunk on GPUs (softmax and cast fused into one pass); None elsewhere."""
+    global _compiled_expected_chunk
+    if device.type != "cuda":
+        return None
+    if _compiled_expected_chunk is None:
+        _compiled_expected_chunk = torch.compile(_expected_chunk)
+    return _compiled_expected_chunk
+
+
 def _ce_chunk(
     h: torch.Tensor,
     weight: torch.Tensor,
     y: torch.Tensor,
     mm_dtype: torch.dtype,
     need_grad: bool,
-    th: Optional[torch.Tensor] = None,
+    te: Optional[torch.Tensor] = None,
     soft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One chunk of `_FusedLinearCE`: per-row loss, argmax and dL/dh = (softmax - target) @ W, in fp32.
 
-    Hard CE has target = onehot(y). With the teacher's final hidden states `th`, the chunk also
-    forms the teacher's logits `th @ W.T` (and drops them with the chunk) and mixes the soft
-    cross-entropy in: loss = lse - (1-w) * logit_y - w * sum_v p_t,v * logit_v, whose gradient
-    is softmax - (1-w) * onehot - w * p_t. So distillation needs no [tokens, vocab] tensor.
+    Hard CE has target = onehot(y). With the teacher's expected embeddings `te`
+    (`teacher_expected_embedding`), the soft cross-entropy is mixed in:
+    loss = lse - (1-w) * logit_y - w * h . te, whose gradient is softmax @ W - (1-w) * W_y - w * te.
+    So distillation costs a dot product a row on top of hard CE, and no [tokens, vocab] tensor.
 
     Written for `torch.compile` (the onehot as a `where`, no in-place ops), which fuses the
     reductions over the [rows, vocab] logits into one pass and the softmax, onehot and cast
@@ -542,26 +582,25 @@ def _ce_chunk(
     The matmuls run in `mm_dtype` (what autocast would pick), the rest in fp32, as in the loop.
     """
     w_mm = weight.to(mm_dtype)
-    logits = F.linear(h.to(mm_dtype), w_mm).float()
+    h_mm = h.to(mm_dtype)
+    logits = F.linear(h_mm, w_mm).float()
     lse = torch.logsumexp(logits, dim=-1)
     logit_y = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-    p_t = None
-    if th is not None:
-        p_t = F.linear(th.to(mm_dtype), w_mm).float().softmax(-1)
-        loss = lse - (1.0 - soft_weight) * logit_y - soft_weight * (p_t * logits).sum(-1)
+    if te is not None:
+        te = te.float()
+        loss = lse - (1.0 - soft_weight) * logit_y - soft_weight * (h_mm.float() * te).sum(-1)
+        hard = 1.0 - soft_weight
     else:
         loss = lse - logit_y
+        hard = 1.0
     pred = logits.argmax(-1)
     if not need_grad:
         return loss, pred, None
     probs = torch.exp(logits - lse.unsqueeze(1))
     onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == y.unsqueeze(1)
-    if p_t is not None:
-        probs = probs - soft_weight * p_t
-        probs = torch.where(onehot, probs - (1.0 - soft_weight), probs)
-    else:
-        probs = torch.where(onehot, probs - 1.0, probs)
-    return loss, pred, torch.matmul(probs.to(mm_dtype), w_mm).float()
+    probs = torch.where(onehot, probs - hard, probs)
+    grad = torch.matmul(probs.to(mm_dtype), w_mm).float()
+    return loss, pred, grad - soft_weight * te if te is not None else grad
 
 
 _compiled_ce_chunk = None
@@ -584,8 +623,8 @@ class _FusedLinearCE(torch.autograd.Function):
     kept as one [N, H] fp32 tensor. Backward only scales it by the incoming per-row gradient,
     so the lm_head matmul is never recomputed (the checkpointed path runs it twice) and no
     [N, vocab] tensor outlives its chunk. `weight` is the frozen lm_head: it gets no gradient.
-    With `teacher` (the target's final hidden states for the same rows), the soft CE against
-    the target's distribution is mixed in with weight `soft_weight`, chunk by chunk as well.
+    With `teacher` (the target's expected embeddings for the same rows, `teacher_expected_embedding`),
+    the soft CE against the target's distribution is mixed in with weight `soft_weight`.
     """
 
     @staticmethod
@@ -663,13 +702,15 @@ def chunked_lm_loss(
     distill_weight: float = 0.0,
     fused: bool = True,
     teacher_hidden: Optional[torch.Tensor] = None,
+    teacher_embedding: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and argmax over [N, H] hidden states, `chunk_size` rows at a time.
 
     The [N, vocab] fp32 logits never exist whole. With `fused` (and a frozen, bias-free
     Linear lm_head) the gradient is formed in the forward pass (`_FusedLinearCE`), also for
-    distillation against `teacher_hidden` (the target's final hidden states, [N, H]: its logits
-    are formed per chunk); otherwise each chunk is checkpointed and recomputed in backward
+    distillation against `teacher_embedding` (the target's expected embeddings per row, [N, H],
+    `teacher_expected_embedding`) or `teacher_hidden` (its final hidden states, [N, H], from which
+    they are formed here); otherwise each chunk is checkpointed and recomputed in backward
     (distillation then against `teacher_logits` [N, vocab]).
     """
     weight = getattr(lm_head, "weight", None)
@@ -677,8 +718,13 @@ def chunked_lm_loss(
             and not torch.is_autocast_enabled(hidden.device.type)):
         hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target without autocast
     n = hidden.shape[0]
+    if teacher_embedding is not None and distill_weight > 0:
+        if not _fusable(lm_head, None, 0.0):
+            raise ValueError("teacher_embedding needs a frozen, bias-free Linear lm_head; give teacher_hidden")
+        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_embedding, float(distill_weight))
     if teacher_hidden is not None and distill_weight > 0 and _fusable(lm_head, None, 0.0):
-        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_hidden, float(distill_weight))
+        te = teacher_expected_embedding(teacher_hidden, lm_head.weight, chunk_size)
+        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, te, float(distill_weight))
     if teacher_hidden is not None and distill_weight > 0 and teacher_logits is None:
         teacher_logits = lm_head(teacher_hidden)
     if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
@@ -841,7 +887,7 @@ class DFlashTrainerModule(nn.Module):
             w_sel = decay[sel % blk]
             h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
             src = None
-        teacher = teacher_h = None
+        teacher = teacher_h = teacher_e = None
         if self.distill_weight > 0:
             if batch.logits is None and batch.final_hidden is None:
                 raise ValueError("distill_weight > 0 needs the target's distribution: call "
@@ -849,17 +895,24 @@ class DFlashTrainerModule(nn.Module):
             if src is None:
                 src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
             source = batch.final_hidden if batch.final_hidden is not None else batch.logits
+            # through the shared frozen head, the target's distribution at a position enters the loss
+            # only as its expected embedding: formed once per position, then gathered per block slot
+            expected = batch.final_hidden is not None and _fusable(self.lm_head, None, 0.0)
+            if expected:
+                source = teacher_expected_embedding(source, self.lm_head.weight, self.ce_chunk_size)
             rows = source.gather(1, src.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
             rows = rows.reshape(-1, source.shape[-1])
             if sel is not None:
                 rows = rows.view(bsz * n_blk * blk, -1).index_select(0, sel)
-            if batch.final_hidden is not None:
+            if expected:
+                teacher_e = rows
+            elif batch.final_hidden is not None:
                 teacher_h = rows
             else:
                 teacher = rows
         tok_loss, pred = chunked_lm_loss(
             h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
-            teacher_hidden=teacher_h,
+            teacher_hidden=teacher_h, teacher_embedding=teacher_e,
         )
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).

@@ -17,6 +17,7 @@ from nemo_dflash.core import (
     chunked_lm_loss,
     loss_decay_weights,
     sample_anchors,
+    teacher_expected_embedding,
 )
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -260,6 +261,51 @@ def test_distillation_loss_against_target_distribution():
     assert float(out.loss_sum) == pytest.approx(float(ref), rel=1e-4)
 
 
+@pytest.mark.parametrize("weight", [1.0, 0.4])
+def test_distillation_from_final_hidden_equals_per_slot_teacher_logits(weight, monkeypatch):
+    """The trainer's expected-embedding path (final hidden states -> one E_t per position) against the
+    per-slot path that forms the teacher's full logits for every block slot: loss, weights and draft
+    gradients agree (fp32, same anchors)."""
+    target = tiny_qwen3()
+    draft = make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=2, seq=48)
+    anchors, valid = sample_anchors(lm, attn, draft.block_size, 6, torch.Generator().manual_seed(2))
+    import nemo_dflash.core as core
+
+    calls, real = [], core.teacher_expected_embedding
+    monkeypatch.setattr(core, "teacher_expected_embedding", lambda h, *a: calls.append(h.shape) or real(h, *a))
+    results = []
+    for kw in ({"return_final_hidden": True}, {"return_logits": True}):
+        batch = wrapper.generate_batch(ids, attn, lm, **kw)
+        assert (batch.final_hidden is not None) == ("return_final_hidden" in kw)
+        draft.zero_grad(set_to_none=True)
+        out = _trainer(wrapper, draft, distill_weight=weight)(batch, anchors=anchors, valid=valid)
+        out.loss_sum.backward()
+        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (e_out, e_grads), (l_out, l_grads) = results
+    assert calls == [torch.Size([2, 48, target.config.hidden_size])]  # once, over every position
+    assert float(e_out.loss_sum) == pytest.approx(float(l_out.loss_sum), rel=1e-5)
+    assert float(e_out.weight_sum) == float(l_out.weight_sum)
+    assert e_grads.keys() == l_grads.keys() and e_grads
+    for n, g in l_grads.items():
+        torch.testing.assert_close(e_grads[n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_teacher_expected_embedding_matches_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 16, generator=g)
+    h = torch.randn(2, 7, 16, generator=g)
+    ref = ((h.double() @ w.double().T).softmax(-1) @ w.double()).float()
+    for chunk in (3, 64):
+        out = teacher_expected_embedding(h, w, chunk)
+        assert out.shape == h.shape and out.dtype == h.dtype
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    head = torch.nn.Linear(16, 300, bias=True).requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen, bias-free Linear"):
+        chunked_lm_loss(h[0], torch.zeros(7, dtype=torch.long), head, 4, distill_weight=1.0, teacher_embedding=h[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
 def test_flex_loss_and_grads_match_dense_on_gpu():
@@ -397,12 +443,19 @@ def test_compiled_loss_chunk_matches_eager_on_gpu():
     w = (torch.randn(v, h, device="cuda", generator=g) * 0.3).bfloat16()
     hidden = torch.randn(n, h, device="cuda", generator=g)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
-    for rows in (n, 77):  # a second shape: the last chunk of a loss is shorter
-        ref = _ce_chunk(hidden[:rows], w, labels[:rows], torch.bfloat16, True)
-        got = _ce_chunk_fn(hidden.device)(hidden[:rows], w, labels[:rows], torch.bfloat16, True)
+    te = (torch.randn(n, h, device="cuda", generator=g) * 0.3).bfloat16()  # a teacher's expected embeddings
+    for rows, teacher, sw in ((n, None, 0.0), (77, None, 0.0), (n, te, 0.5)):  # 77: a shorter last chunk
+        t = teacher[:rows] if teacher is not None else None
+        ref = _ce_chunk(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
+        got = _ce_chunk_fn(hidden.device)(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1], ref[1])
         torch.testing.assert_close(got[2], ref[2], rtol=1e-2, atol=1e-4)  # bf16 matmul, same inputs
+    from nemo_dflash.core import _expected_chunk, _expected_chunk_fn
+
+    fh = hidden.bfloat16()
+    torch.testing.assert_close(_expected_chunk_fn(fh.device)(fh, w).float(), _expected_chunk(fh, w).float(),
+                               rtol=1e-2, atol=1e-3)
 
 
 def test_target_without_padding_mask_on_right_padded_rows(target_and_draft):
