@@ -257,12 +257,15 @@ def test_code_tree_prompts_equal_the_imported_modules_prompts(tmp_path, monkeypa
     (pkg / "test_shapes.py").write_text('def helper(x):\n    """A test file is never read for prompts."""\n')
     (pkg / "tests" / "util.py").write_text('def helper(x):\n    """A tests folder is never read for prompts."""\n')
     (pkg / "broken.py").write_text("def (:\n")  # another Python's syntax: skipped
+    (pkg / "__init__.py").write_text('def version(full=True):\n    """The version of the package, as a string."""\n')
     monkeypatch.syspath_prepend(str(tmp_path))
 
     tree = {c.location: c.messages for c in code_tree_prompts(tmp_path, name="t", exclude={"fetch"})}
     imported = {c.location: c.messages for c in code_prompts(["treepkg.shapes"], name="t", exclude={"fetch"})}
     assert "t:treepkg.shapes.again" not in tree  # its docstring was asked already (as `plain`)
     del imported["t:treepkg.shapes.Shape.again"]
+    package = tree.pop("t:treepkg.version")  # a package's __init__ is named as the package
+    assert package == {c.location: c.messages for c in code_prompts(["treepkg"], name="t")}["t:treepkg.version"]
     assert tree == imported
     assert sorted(tree) == ["t:treepkg.shapes.Shape.area", "t:treepkg.shapes.annotated", "t:treepkg.shapes.plain",
                             "t:treepkg.shapes.quoting"]

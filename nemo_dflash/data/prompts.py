@@ -276,7 +276,8 @@ def _tree_functions(root: Path, skip_dirs: frozenset[str]) -> Iterator[tuple[str
                 tree = ast.parse(path.read_bytes())
             except (SyntaxError, ValueError, OSError):  # another Python's syntax, or unreadable: no prompts
                 continue
-            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            parts = path.relative_to(root).with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             for node, owner in _public_defs(tree.body):
                 doc = ast.get_docstring(node)
                 if not doc or len(doc.split()) < 5:
@@ -289,7 +290,7 @@ def _tree_functions(root: Path, skip_dirs: frozenset[str]) -> Iterator[tuple[str
                     elif not args.posonlyargs and args.args and args.args[0].arg in ("self", "cls"):
                         args.args = args.args[1:]
                 signature = f"({_format_args(args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
-                qual = f"{module}.{owner}.{node.name}" if owner else f"{module}.{node.name}"
+                qual = ".".join(x for x in (module, owner, node.name) if x)
                 yield qual, node.name, signature, doc
 
 
