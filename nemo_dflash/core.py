@@ -535,7 +535,7 @@ def teacher_expected_embedding(final_hidden: torch.Tensor, weight: torch.Tensor,
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])
     out = torch.empty_like(flat)
     w_mm = weight.to(mm_dtype)
-    run = _expected_chunk_fn(final_hidden.device) or _expected_chunk
+    run = _compiled_on_cuda(_expected_chunk, final_hidden.device) or _expected_chunk
     with torch.no_grad(), torch.autocast(dev, enabled=False):
         for s in range(0, flat.shape[0], chunk_size):
             out[s : s + chunk_size] = run(flat[s : s + chunk_size], w_mm)
@@ -547,17 +547,17 @@ def _expected_chunk(h: torch.Tensor, w_mm: torch.Tensor) -> torch.Tensor:
     return torch.matmul(p_t.to(w_mm.dtype), w_mm).to(h.dtype)
 
 
-_compiled_expected_chunk = None
+_COMPILED: dict = {}
 
 
-def _expected_chunk_fn(device: torch.device):
-    """The compiled E_t chunk on GPUs (softmax and cast fused into one pass); None elsewhere."""
-    global _compiled_expected_chunk
+def _compiled_on_cuda(fn, device: torch.device):
+    """`fn` compiled once, on GPUs (the loss chunk's reductions, softmax and casts fused into passes);
+    None elsewhere: the eager loops run there, in place, with less memory."""
     if device.type != "cuda":
         return None
-    if _compiled_expected_chunk is None:
-        _compiled_expected_chunk = torch.compile(_expected_chunk)
-    return _compiled_expected_chunk
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 def _ce_chunk(
@@ -603,19 +603,6 @@ def _ce_chunk(
     return loss, pred, grad - soft_weight * te if te is not None else grad
 
 
-_compiled_ce_chunk = None
-
-
-def _ce_chunk_fn(device: torch.device):
-    """The compiled chunk on GPUs; None elsewhere (the eager loop, in place, uses less memory)."""
-    global _compiled_ce_chunk
-    if device.type != "cuda":
-        return None
-    if _compiled_ce_chunk is None:
-        _compiled_ce_chunk = torch.compile(_ce_chunk)
-    return _compiled_ce_chunk
-
-
 class _FusedLinearCE(torch.autograd.Function):
     """Cross-entropy of `hidden @ weight.T` whose input gradient is formed in the forward pass.
 
@@ -635,7 +622,7 @@ class _FusedLinearCE(torch.autograd.Function):
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        compiled = _ce_chunk_fn(hidden.device)
+        compiled = _compiled_on_cuda(_ce_chunk, hidden.device)
         dev = hidden.device.type
         if compiled is not None:
             mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
@@ -721,7 +708,8 @@ def chunked_lm_loss(
     if teacher_embedding is not None and distill_weight > 0:
         if not _fusable(lm_head, None, 0.0):
             raise ValueError("teacher_embedding needs a frozen, bias-free Linear lm_head; give teacher_hidden")
-        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_embedding, float(distill_weight))
+        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_embedding,
+                                    float(distill_weight))
     if teacher_hidden is not None and distill_weight > 0 and _fusable(lm_head, None, 0.0):
         te = teacher_expected_embedding(teacher_hidden, lm_head.weight, chunk_size)
         return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, te, float(distill_weight))

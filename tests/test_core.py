@@ -436,7 +436,7 @@ def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on GPUs")
 def test_compiled_loss_chunk_matches_eager_on_gpu():
-    from nemo_dflash.core import _ce_chunk, _ce_chunk_fn
+    from nemo_dflash.core import _ce_chunk, _compiled_on_cuda, _expected_chunk
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 300, 64, 5000
@@ -447,15 +447,14 @@ def test_compiled_loss_chunk_matches_eager_on_gpu():
     for rows, teacher, sw in ((n, None, 0.0), (77, None, 0.0), (n, te, 0.5)):  # 77: a shorter last chunk
         t = teacher[:rows] if teacher is not None else None
         ref = _ce_chunk(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
-        got = _ce_chunk_fn(hidden.device)(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
+        compiled = _compiled_on_cuda(_ce_chunk, hidden.device)
+        got = compiled(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1], ref[1])
         torch.testing.assert_close(got[2], ref[2], rtol=1e-2, atol=1e-4)  # bf16 matmul, same inputs
-    from nemo_dflash.core import _expected_chunk, _expected_chunk_fn
-
     fh = hidden.bfloat16()
-    torch.testing.assert_close(_expected_chunk_fn(fh.device)(fh, w).float(), _expected_chunk(fh, w).float(),
-                               rtol=1e-2, atol=1e-3)
+    expected = _compiled_on_cuda(_expected_chunk, fh.device)(fh, w)
+    torch.testing.assert_close(expected.float(), _expected_chunk(fh, w).float(), rtol=1e-2, atol=1e-3)
 
 
 def test_target_without_padding_mask_on_right_padded_rows(target_and_draft):
