@@ -306,7 +306,9 @@ class EvalRun:
         if self.protocol.method == "batched":
             self._batched(self._models(), items)
             return
-        logger.info("Decoding %d conversations with %d worker(s)", len(items), self.opts.workers)
+        logger.info("Decoding %d conversations with %d worker(s), one at a time (the reference decoder; "
+                    "--method replay gives T=0 and --method batched any temperature in minutes)",
+                    len(items), self.opts.workers)
         if self.opts.workers == 1:
             for key, s, p in items:
                 if self._expired():
