@@ -232,24 +232,41 @@ def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
     """A HumanEval-format prompt per documented public function (and method) of ``modules``; one
     named like a function of ``exclude`` (default: HumanEval's entry points, when installed) is
     left out, and ``regenerate``'s 13-gram check drops any whose text overlaps HumanEval."""
+    found = ((qualname, func.__name__, humaneval_style_prompt(func), None)
+             for module_name in modules for qualname, func in _documented_functions(module_name))
+    return _code_conversations(found, name, exclude)
+
+
+def _code_conversations(found: Iterable[tuple[str, str, Optional[str], Optional[str]]], name: str,
+                        exclude: Optional[set[str]]) -> list[Conversation]:
+    """A user turn asking for each (qualified name, function name, HumanEval-format code or None: no
+    docstring, docstring or None) of ``found``, less those named in ``exclude`` (default: HumanEval's
+    entry points), the filtered ones (:func:`keep_prompt`) and a docstring already asked."""
     if exclude is None:
         exclude = _humaneval_names()
-    out, dropped, seen = [], {}, set()
-    for module_name in modules:
-        for qualname, func in _documented_functions(module_name):
-            if func.__name__ in exclude:
-                dropped["humaneval_name"] = dropped.get("humaneval_name", 0) + 1
-                continue
-            code = humaneval_style_prompt(func)
-            if code is None:
-                dropped["undocumented"] = dropped.get("undocumented", 0) + 1
-                continue
-            why = keep_prompt(code, seen)
-            if why is not None:
-                dropped[why] = dropped.get(why, 0) + 1
-                continue
-            out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
-                                    f"{name}:{qualname}"))
+    out, dropped, seen, asked = [], {}, set(), set()
+
+    def drop(why: str) -> None:
+        dropped[why] = dropped.get(why, 0) + 1
+
+    for qualname, fname, code, doc in found:
+        if fname in exclude:
+            drop("humaneval_name")
+            continue
+        if code is None:
+            drop("undocumented")
+            continue
+        key = " ".join(doc.split()) if doc is not None else None
+        if key is not None and key in asked:
+            drop("duplicate_docstring")
+            continue
+        why = keep_prompt(code, seen)
+        if why is not None:
+            drop(why)
+            continue
+        asked.add(key)
+        out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
+                                f"{name}:{qualname}"))
     _log_dropped(name, len(out), dropped)
     return out
 
@@ -334,27 +351,9 @@ def code_tree_prompts(root: str | Path, name: str = "code", exclude: Optional[se
     under ``root``, read with :mod:`ast`, so no module is imported (no side effects, any installed
     version). Left out: test folders and files, functions named like a HumanEval entry point
     (``exclude``), and a docstring already asked (inherited and overloaded copies)."""
-    if exclude is None:
-        exclude = _humaneval_names()
-    out, dropped, seen, docs = [], {}, set(), set()
-    for qual, fname, signature, doc in _tree_functions(Path(root), skip_dirs):
-        if fname in exclude:
-            dropped["humaneval_name"] = dropped.get("humaneval_name", 0) + 1
-            continue
-        key = " ".join(doc.split())
-        if key in docs:
-            dropped["duplicate_docstring"] = dropped.get("duplicate_docstring", 0) + 1
-            continue
-        code = _humaneval_layout(fname, signature, doc)
-        why = keep_prompt(code, seen)
-        if why is not None:
-            dropped[why] = dropped.get(why, 0) + 1
-            continue
-        docs.add(key)
-        out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
-                                f"{name}:{qual}"))
-    _log_dropped(name, len(out), dropped)
-    return out
+    found = ((qual, fname, _humaneval_layout(fname, signature, doc), doc)
+             for qual, fname, signature, doc in _tree_functions(Path(root), skip_dirs))
+    return _code_conversations(found, name, exclude)
 
 
 def stdlib_root() -> Path:
