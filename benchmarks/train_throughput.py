@@ -1,4 +1,4 @@
-"""Training-step throughput and MFU of nemo_dflash on one GPU (or several under torchrun).
+"""Training-step throughput and MFU of nemo_dflash on one GPU (the Qwen3 shapes also on several, under torchrun).
 
 Runs the real step (frozen target through the hook wrapper -> trainer module -> backward ->
 clip -> fused AdamW) on a random-weight target of a given shape, and prints one table.
@@ -874,6 +874,10 @@ def main() -> None:
     g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
+    if args.shape in LLAMA_SHAPES and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # its trainer step is not wrapped for DDP: under torchrun every rank would time its own step on one GPU
+        p.exit(2, f"error: --shape {args.shape} times one GPU; run it without torchrun, and for several GPUs read "
+                  "the recipe's own log: bash benchmarks/smollm2_drafter.sh OUT --nproc 2 (docs/performance.md)\n")
     if args.shape in LLAMA_SHAPES:
         if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
             args.anchors, args.seq = "256", "416"

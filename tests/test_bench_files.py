@@ -108,3 +108,13 @@ def test_every_benchmark_script_starts(script):
                          timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
+
+
+def test_the_trainer_step_shape_refuses_torchrun_in_one_line():
+    """The SmolLM2 shape times one GPU's step; under torchrun each rank would time its own step on cuda:0 and
+    report it as a one-GPU figure. It refuses before anything loads, exit 2."""
+    res = subprocess.run([sys.executable, str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m",
+                          "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "WORLD_SIZE": "2"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.count("\n") == 1 and "smollm2_drafter.sh OUT --nproc 2" in res.stderr, res.stderr
