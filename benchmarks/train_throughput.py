@@ -1,4 +1,4 @@
-"""Training-step throughput and MFU of nemo_dflash on one GPU (the Qwen3 shapes also on several, under torchrun).
+"""Training-step throughput and MFU of nemo_dflash on one GPU (or several under torchrun).
 
 Runs the real step (frozen target through the hook wrapper -> trainer module -> backward ->
 clip -> fused AdamW) on a random-weight target of a given shape, and prints one table.
@@ -17,6 +17,8 @@ work around the kernels is what decides the speed:
     python benchmarks/train_throughput.py --shape smollm2_135m --mbs 16 --anchors 256 --seq 416 \
         --compile 0 --profile 3 --json out.json
     python benchmarks/train_throughput.py --shape smollm2_135m --cases "16:256:416:layers:1 64:256:416:layers:1"
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m \
+        --cases 4:5120:416:draft:1:8192 --data REGEN.jsonl      # DDP as `train` runs it; rows of the world
 
 Every knob takes a comma list; the cases are their product. MFU = model FLOPs of a step / step
 time / the bf16 matmul rate measured in the same run (formula in docs/performance.md).
@@ -458,11 +460,15 @@ class StepCase:
 
 
 def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
-                     profile_steps: int = 0) -> dict:
-    """Time `TrainStep`, the trainer's own step, on synthetic length-grouped batches."""
+                     profile_steps: int = 0, state=None) -> dict:
+    """Time `TrainStep`, the trainer's own step, on synthetic length-grouped batches.
+
+    Under torchrun (`state.world_size` > 1) the trainer module is wrapped in DDP as `train` wraps it,
+    each rank steps its own batches, and the row gives the world's tokens a step over the slowest rank's
+    step time."""
     from nemo_dflash.config import OptimConfig
     from nemo_dflash.core import DFlashTrainerModule
-    from nemo_dflash.train.distributed import DistState
+    from nemo_dflash.train.distributed import DistState, wrap_draft
     from nemo_dflash.train.optim import build_optimizer
     from nemo_dflash.train.trainer import TrainStep, apply_compile, row_seeds
 
@@ -480,22 +486,25 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = [q for q in draft.parameters() if q.requires_grad]
     opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
-    state = DistState(rank=0, world_size=1, local_rank=0, device=device)
-    stepper = TrainStep(wrapper, module, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
+    state = state or DistState(rank=0, world_size=1, local_rank=0, device=device)
+    world, rank = state.world_size, state.rank
+    model = wrap_draft(module, "ddp", state, torch.bfloat16 if cuda else None) if world > 1 else module
+    stepper = TrainStep(wrapper, model, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
                         use_bf16=True, return_logits=args.distill_weight > 0)
     if case.pack_length:
         if cuda:
             wrapper.use_flex_attention()
         if args.data:
-            batches = make_real_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length,
-                                               args.data, args.tokenizer)
+            batches = make_real_packed_batches(args.distinct_batches * world, case.mbs * case.accum,
+                                               case.pack_length, args.data, args.tokenizer)
         else:
-            batches = make_packed_batches(args.distinct_batches, case.mbs * case.accum, case.pack_length, case.seq,
-                                          args.jitter, args.prompt_frac, shape["vocab_size"])
+            batches = make_packed_batches(args.distinct_batches * world, case.mbs * case.accum, case.pack_length,
+                                          case.seq, args.jitter, args.prompt_frac, shape["vocab_size"])
     else:
         wrapper.model.set_attn_implementation("sdpa")
-        batches = make_step_batches(args.distinct_batches, case.mbs * case.accum, case.seq, args.jitter,
+        batches = make_step_batches(args.distinct_batches * world, case.mbs * case.accum, case.seq, args.jitter,
                                     args.prompt_frac, shape["vocab_size"])
+    batches = batches[rank::world]  # every rank the same count, each its own
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t_first = time.perf_counter()
@@ -529,6 +538,12 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     flops = statistics.mean(
         count(shape, draft, wrapper, batches[i % len(batches)], case.anchors,
               row_seeds(0, i, 0, case.mbs * case.accum)) for i in range(min(len(batches), 4)))
+    if world > 1:  # the step's tokens are the world's already; FLOPs are summed, the slowest rank's time kept
+        total = torch.tensor([flops], dtype=torch.float64, device=device)
+        slowest = torch.tensor([med], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(total)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        flops, med = total.item(), slowest.item()
     recompiles = None
     try:
         import torch._dynamo.utils as dutils
@@ -539,9 +554,9 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     row = {"mbs": case.mbs, "accum": case.accum, "anchors": case.anchors, "seq": case.seq, "compile": case.compile,
            "compile_target": case.compile_target, "pack_length": case.pack_length, "graphs_after_warmup": recompiles,
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
-           "block_tokens_s": case.mbs * case.accum * case.anchors * draft.config.block_size / med,
+           "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
-           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap)}
+           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap), "world": world}
     if args.sync_debug and cuda:
         row["sync_sites"] = sync_sites(lambda s=stepper: s(warmup + steps, batches[0]).result())
         print("host syncs inside one step (torch.cuda.set_sync_debug_mode), by call site:")
@@ -761,7 +776,9 @@ def probe_flex_tiles(args, device) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def main_trainer_step(args, device, peak: float) -> None:
+def main_trainer_step(args, device, peak: float, state=None) -> None:
+    """The trainer-step cases; under torchrun (`state`) rank 0 prints and appends the world's rows."""
+    world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
     shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
         cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0)
@@ -774,7 +791,8 @@ def main_trainer_step(args, device, peak: float) -> None:
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
-    title = (f"{name}, {args.shape}, draft {args.draft_layers} layers, block {args.block}, TrainStep; "
+    title = (f"{name}{f' x{world} (DDP)' if world > 1 else ''}, {args.shape}, draft {args.draft_layers} layers, "
+             f"block {args.block}, TrainStep; "
              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
              f"prompt {args.prompt_frac:.0%}")
     hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'step ms':>8} {'tok/step':>8} "
@@ -792,11 +810,15 @@ def main_trainer_step(args, device, peak: float) -> None:
     for i, case in enumerate(cases):
         try:
             r = run_trainer_case(shape, wrapper, draft, case, args.steps, args.warmup, device, args,
-                                 profile_steps=args.profile if (i == 0 or args.profile_all) else 0)
-            r["mfu"] = r["tflops"] / peak
+                                 profile_steps=args.profile if (i == 0 or args.profile_all) else 0, state=state)
+            r["mfu"] = r["tflops"] / (peak * world)
         except torch.OutOfMemoryError:
+            if world > 1:
+                raise  # the other ranks wait in a collective: end the run
             r = {**vars(case), "error": "OOM"}
         except Exception as e:  # one failing case must not lose the others
+            if world > 1:
+                raise
             import traceback
 
             traceback.print_exc()
@@ -805,12 +827,16 @@ def main_trainer_step(args, device, peak: float) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append(r)
+        if not main_rank:
+            continue
         if args.verbose:
             print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
         if "profile" in r:
             print_profile(f"mbs {case.mbs} anchors {case.anchors} seq {case.seq} compile {case.compile} "
                           f"target {int(case.compile_target)}", r["profile"])
         print(f"[{i + 1}/{len(cases)}] {line(r)}", flush=True)
+    if not main_rank:
+        return
     print(f"\n{title}\n{hdr}\n{'-' * len(hdr)}")
     for r in rows:
         print(line(r))
@@ -821,7 +847,7 @@ def main_trainer_step(args, device, peak: float) -> None:
                       indent=2)
     if args.append and device.type == "cuda":
         append_rows(Path(args.append), [
-            bench_row(args, name, r, world=1, packed=bool(r["pack_length"]),
+            bench_row(args, name, r, world=world, packed=bool(r["pack_length"]),
                       compiled=r["compile"] != "0" or bool(r["compile_target"]),
                       case=f"mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
                       + (f" pack {r['pack_length']}" if r["pack_length"] else "")
@@ -874,26 +900,39 @@ def main() -> None:
     g.add_argument("--probe", action="store_true", help="flex_attention variants and host-vs-GPU time of the parts")
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
-    if args.shape in LLAMA_SHAPES and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # its trainer step is not wrapped for DDP: under torchrun every rank would time its own step on one GPU
-        p.exit(2, f"error: --shape {args.shape} times one GPU; run it without torchrun, and for several GPUs read "
-                  "the recipe's own log: bash benchmarks/smollm2_drafter.sh OUT --nproc 2 (docs/performance.md)\n")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.shape in LLAMA_SHAPES:
         if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
             args.anchors, args.seq = "256", "416"
+        if world > 1 and (args.probe or args.profile or args.sync_debug):
+            p.error("--probe, --profile and --sync-debug time one GPU: run them without torchrun")
         device = torch.device(args.device)
+        state = None
+        if world > 1:  # DDP over torchrun's ranks: one GPU each (gloo with --device cpu)
+            from nemo_dflash.train.distributed import DistState
+
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local) if device.type == "cuda" else device
+            state = DistState(rank=int(os.environ.get("RANK", "0")), local_rank=local, world_size=world, device=device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if state is not None:
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                                 device_id=device if device.type == "cuda" else None)
         if args.probe and args.cases and len(args.cases.split()[0].split(":")) > 5:
             probe_flex_tiles(args, device)
             return
         if args.probe:
             probe(args, device)
             return
-        main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"))
+        try:
+            main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"),
+                              state)
+        finally:
+            if state is not None:
+                torch.distributed.destroy_process_group()
         return
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

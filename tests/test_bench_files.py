@@ -110,11 +110,27 @@ def test_every_benchmark_script_starts(script):
     assert "usage:" in res.stdout
 
 
-def test_the_trainer_step_shape_refuses_torchrun_in_one_line():
-    """The SmolLM2 shape times one GPU's step; under torchrun each rank would time its own step on cuda:0 and
-    report it as a one-GPU figure. It refuses before anything loads, exit 2."""
-    res = subprocess.run([sys.executable, str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m",
-                          "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "WORLD_SIZE": "2"})
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert res.stderr.count("\n") == 1 and "smollm2_drafter.sh OUT --nproc 2" in res.stderr, res.stderr
+
+def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monkeypatch):
+    """`train_throughput.py --shape smollm2_135m` under torchrun (two CPU ranks, gloo): DDP as `train` wraps it,
+    each rank its own batches, and a step's tokens are both ranks' batches, counted here from the batches."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports bench_rows from its own folder
+    spec = importlib.util.spec_from_file_location("train_throughput", SCRIPTS / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_throughput", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    # 2 batches a rank (4 in all), warm-up step 0 then steps 1 and 2: each batch stepped once, on its rank
+    batches = bench.make_packed_batches(4, 1, 1024, 416, 0.15, 0.25, 49152)
+    expected = sum(float(b["attention_mask"].sum()) for b in batches) / 2
+    out = tmp_path / "rows.json"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m", "--device", "cpu",
+                          "--cases", "1:128:416:0:0:1024", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
+                          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cpu x2 (DDP)" in res.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
