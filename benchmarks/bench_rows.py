@@ -35,8 +35,10 @@ def git_commit() -> Optional[str]:
 
 
 def this_command() -> str:
-    """The command line that is running, as a user would type it."""
-    return " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+    """The command line that is running, as a user would type it (under torchrun, as torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = ["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"]
+    return " ".join(shlex.quote(a) for a in [*launcher, *sys.argv])
 
 
 def provenance(device: str, command: Optional[str] = None) -> dict[str, Any]:

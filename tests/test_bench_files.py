@@ -134,3 +134,14 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     assert "cpu x2 (DDP)" in res.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
+
+
+def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_rows
+
+    monkeypatch.setattr(sys, "argv", ["benchmarks/train_throughput.py", "--shape", "smollm2_135m"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert bench_rows.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert bench_rows.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"
