@@ -384,6 +384,13 @@ def test_per_prompt_speedup_spread(capsys):
     text = format_table({}, PROTOCOLS["quick"], 4, {"0": {"mtbench": m}})
     assert ("mtbench T=0: mean 1.86x; per prompt min 1.00x, median 2.00x, max 3.00x (3 prompts); "
             "answers without loops 1.86x (4 of 4)") in text
+    assert "slower than plain decoding" not in text
+    # the same answers with the two sides' times swapped: 3.5 / 6.5 = 0.54x, said in words
+    slow = speedup_metrics([ans(a.id, a.turn, a.ar_decode_time_s, a.decode_time_s) for a in answers], 1.0)
+    assert slow["speedup"] == pytest.approx(3.5 / 6.5)
+    text = format_table({}, PROTOCOLS["quick"], 4, {"1": {"humaneval": slow}})
+    assert ("humaneval T=1: speculative decoding with this draft is slower than plain decoding; do not serve it at "
+            "this temperature") in text
 
 
 def test_speedup_without_looping_answers():

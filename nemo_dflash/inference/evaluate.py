@@ -631,6 +631,9 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
                 lines.append(f"  {name} T={float(tkey):g}: mean {sp['speedup']:.2f}x; per prompt min "
                              f"{spread['min']:.2f}x, median {spread['median']:.2f}x, max {spread['max']:.2f}x "
                              f"({spread['prompts']} prompts){no_loop}")
+                if sp["speedup"] < 1.0:  # the one figure a user acts on: say it plainly
+                    lines.append(f"  {name} T={float(tkey):g}: speculative decoding with this draft is slower than "
+                                 "plain decoding; do not serve it at this temperature")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")
     lines.extend("  " + h for h in hists)
     return "\n".join(lines)
