@@ -160,7 +160,7 @@ def test_batch_size_auto_fits_the_kv_cache():
     """--batch-size auto: 97% of the slots whose KV cache fits the free memory, capped at 2,048; 8 off a
     GPU. The fit is the one the refusal names (an H100's 84.2 GB free at 59 MB a slot: 1,213)."""
     from nemo_dflash.data.slot_attention import slots_that_fit
-    from nemo_dflash.data.generation import AUTO_SLOTS_CAP, auto_num_slots
+    from nemo_dflash.data.generation import AUTO_SLOTS_CAP, CPU_AUTO_SLOTS, auto_num_slots
     from nemo_dflash.recipes.regenerate import build_parser
 
     assert slots_that_fit(59_000_000, 84_200_000_000) == 1213  # int(84.2e9 * 0.85) // 59e6
@@ -174,6 +174,12 @@ def test_batch_size_auto_fits_the_kv_cache():
     with pytest.raises(SystemExit) as e:
         parser.parse_args(base + ["--batch-size", "many"])
     assert e.value.code == 2
+    # the two recipes' help names the cap as written (kept out of their imports, which stay torch-free)
+    from nemo_dflash.recipes.prompts import build_parser as prompts_parser
+
+    for p in (parser, prompts_parser()):
+        (action,) = [a for a in p._actions if "--batch-size" in a.option_strings]
+        assert f"at most {AUTO_SLOTS_CAP:,}" in action.help and f"{CPU_AUTO_SLOTS})" in action.help
 
 
 @pytest.mark.parametrize("batch", ["2", "auto"])
