@@ -179,7 +179,7 @@ def test_batch_size_auto_fits_the_kv_cache():
 
     for p in (parser, prompts_parser()):
         (action,) = [a for a in p._actions if "--batch-size" in a.option_strings]
-        assert f"at most {AUTO_SLOTS_CAP:,}" in action.help and f"{CPU_AUTO_SLOTS})" in action.help
+        assert f"at most {AUTO_SLOTS_CAP:,}" in action.help and f": {CPU_AUTO_SLOTS})" in action.help
 
 
 @pytest.mark.parametrize("batch", ["2", "auto"])

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
     p.add_argument("--batch-size", type=count_or_auto, default=64,
-                   help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (8 on a CPU)")
+                   help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (on a CPU: 8)")
     p.add_argument("--oversample", type=float, default=1.5,
                    help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (Magpie samples at 1)")
