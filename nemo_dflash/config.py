@@ -101,6 +101,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: Optional[int] = None  # held-out simulated acceptance every N steps
     eval_batches: int = 8
+    # the held-out expected acceptance under speculative sampling (eval_sampled_accept_len): the sampling it
+    # assumes for both target and draft; eval_temperature 0 turns it off
+    eval_temperature: float = 1.0
+    eval_top_p: float = 1.0
+    eval_top_k: int = 0
     max_bad_steps: int = 20  # consecutive non-finite steps before training stops
     compile: bool = False  # torch.compile the draft layers (GPU)
     compile_target: bool = False  # torch.compile the frozen target's decoder layers (GPU; launch-bound small targets)
@@ -374,6 +379,12 @@ def validate(cfg: RecipeConfig) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    from nemo_dflash.sampling import check_sampling
+
+    try:
+        check_sampling(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
+    except ValueError as e:
+        raise ConfigError(f"train.eval_temperature / eval_top_p / eval_top_k: {e}") from None
     if cfg.draft.target_layer_ids is not None:  # the target's depth is checked once it is loaded
         from nemo_dflash.target import check_target_layer_ids
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nemo_dflash.target import DFlashTargetBatch
+from nemo_dflash.sampling import SamplingParams
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -450,6 +451,9 @@ class LossSums:
     num_labels: float = 0.0
     accept_sum: float = 0.0
     num_blocks: float = 0.0
+    sampled_accept_sum: float = 0.0  # expected block length under speculative sampling (held-out only)
+    greedy_draft_accept_sum: float = 0.0  # the same with the draft proposing its argmax (one-hot q)
+    sampled_blocks: float = 0.0
 
     @classmethod
     def size(cls) -> int:
@@ -476,12 +480,17 @@ class LossSums:
         return self.loss_sum / self.weight_sum if self.weight_sum > 0 else 0.0
 
     def rates(self, prefix: str = "") -> dict[str, float]:
-        """Loss per unit weight, label accuracy and simulated acceptance length per block."""
-        return {
+        """Loss per unit weight, label accuracy and simulated acceptance length per block; where the
+        sampled acceptance was measured, its expected block length (draft sampled, and draft argmax)."""
+        out = {
             f"{prefix}loss": self.loss,
             f"{prefix}accuracy": self.correct / max(self.num_labels, 1.0),
             f"{prefix}accept_len": self.accept_sum / max(self.num_blocks, 1.0),
         }
+        if self.sampled_blocks > 0:
+            out[f"{prefix}sampled_accept_len"] = self.sampled_accept_sum / self.sampled_blocks
+            out[f"{prefix}sampled_accept_len_greedy_draft"] = self.greedy_draft_accept_sum / self.sampled_blocks
+        return out
 
 
 @dataclass
@@ -494,6 +503,9 @@ class DFlashLossOutput:
     num_labels: torch.Tensor
     accept_sum: torch.Tensor  # sum over valid blocks of the simulated acceptance length
     num_blocks: torch.Tensor
+    sampled_accept_sum: Optional[torch.Tensor] = None  # `expected_acceptance` summed over blocks, when measured
+    greedy_draft_accept_sum: Optional[torch.Tensor] = None
+    sampled_blocks: Optional[torch.Tensor] = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -502,7 +514,9 @@ class DFlashLossOutput:
     def sums(self) -> torch.Tensor:
         """The detached sums as one float64 vector in `LossSums` order, on the loss's device:
         added over micro-steps and all-reduced in one call, then read with `LossSums.from_vector`."""
-        return torch.stack([getattr(self, f.name).detach().double() for f in fields(LossSums)])
+        zero = self.weight_sum.new_zeros(())
+        return torch.stack([(getattr(self, f.name) if getattr(self, f.name) is not None else zero).detach().double()
+                            for f in fields(LossSums)])
 
 
 def _chunk_loss(
@@ -736,6 +750,35 @@ def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torc
     return 1 + ok.cumprod(dim=-1).sum(dim=-1)
 
 
+def slot_acceptance(
+    draft_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head: nn.Module, sampling: SamplingParams,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per label slot, the probability speculative sampling accepts it: (sum_x min(p, q), p(argmax q)).
+
+    p is the target's distribution at the slot (from its final hidden state there, through the shared
+    lm_head), q the draft's, both at `sampling`'s temperature and filtered by its top-k / top-p; the
+    second figure is the accept probability when the draft proposes its argmax as a one-hot q. Rows of
+    [N, H] in, [N] fp32 out; `chunk_size` rows of logits at a time, no gradient.
+    """
+    a_sampled = torch.empty(draft_hidden.shape[0], dtype=torch.float32, device=draft_hidden.device)
+    a_greedy = torch.empty_like(a_sampled)
+    w = lm_head.weight
+    with torch.no_grad():
+        for s in range(0, draft_hidden.shape[0], chunk_size):
+            q_logits = lm_head(draft_hidden[s : s + chunk_size].to(w.dtype)).float()
+            p = sampling.probs(lm_head(teacher_hidden[s : s + chunk_size].to(w.dtype)))
+            a_sampled[s : s + chunk_size] = torch.minimum(p, sampling.probs(q_logits)).sum(-1)
+            a_greedy[s : s + chunk_size] = p.gather(-1, q_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    return a_sampled, a_greedy
+
+
+def expected_block_length(alpha: torch.Tensor) -> torch.Tensor:
+    """[..., K] per-slot accept probabilities (0 past the answer) -> [...] expected tokens a step:
+    1 + sum_k prod_{j<=k} alpha_j (the target's own token, plus each slot kept only if all before it were)."""
+    return 1 + alpha.cumprod(dim=-1).sum(dim=-1)
+
+
 def draft_block_hidden(
     draft: nn.Module,
     embed_tokens: nn.Module,
@@ -796,6 +839,7 @@ class DFlashTrainerModule(nn.Module):
         distill_weight: float = 0.0,
         ce_chunk_size: int = 4096,
         fused_ce: bool = True,
+        accept_sampling: Optional[SamplingParams] = None,
     ) -> None:
         super().__init__()
         if attn_backend not in ("sdpa", "eager", "flex"):
@@ -810,6 +854,8 @@ class DFlashTrainerModule(nn.Module):
         self.distill_weight = float(distill_weight)
         self.ce_chunk_size = int(ce_chunk_size)
         self.fused_ce = bool(fused_ce)
+        # held-out only (no grad, final hidden states given): the expected acceptance under speculative sampling
+        self.accept_sampling = accept_sampling
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -902,6 +948,16 @@ class DFlashTrainerModule(nn.Module):
             h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
             teacher_hidden=teacher_h, teacher_embedding=teacher_e,
         )
+        sampled = None
+        if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()
+                and batch.final_hidden is not None):
+            if src is None:
+                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
+            fh = batch.final_hidden
+            t_rows = fh.gather(1, src.unsqueeze(-1).expand(-1, -1, fh.shape[-1])).reshape(-1, fh.shape[-1])
+            if sel is not None:
+                t_rows = t_rows.index_select(0, sel)
+            sampled = slot_acceptance(h_sel, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
         loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
@@ -924,6 +980,18 @@ class DFlashTrainerModule(nn.Module):
                 accept_sum=(acc_len * block_ok).sum().float(),
                 num_blocks=block_ok.sum(),
             )
+            if sampled is not None:
+                lengths = []
+                for alpha in sampled:
+                    if sel is None:
+                        per_slot = alpha.view(bsz, n_blk, blk - 1) * label_valid[..., 1:]
+                    else:
+                        full = torch.zeros(bsz * n_blk * blk, dtype=alpha.dtype, device=alpha.device)
+                        full[sel] = alpha
+                        per_slot = full.view(bsz, n_blk, blk)[..., 1:] * label_valid[..., 1:]
+                    lengths.append((expected_block_length(per_slot) * block_ok).sum())
+                return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
+                return_out.sampled_blocks = block_ok.sum()
         return return_out
 
 
@@ -933,6 +1001,8 @@ __all__ = [
     "DFlashTrainerModule",
     "LossSums",
     "acceptance_lengths",
+    "expected_block_length",
+    "slot_acceptance",
     "build_block_input_ids",
     "build_dense_block_mask",
     "build_flex_block_mask",

@@ -6,13 +6,155 @@ Bottom layer: imports torch only, so both sides take their noise and acceptance 
   does not depend on batch composition or launch order, and a sampling step is one CUDA graph.
 - `select_tokens` / `verify_block`: the one-prompt decoder's token choice (generator-driven) and the
   speculative acceptance rule (accept slot k with probability min(1, p/q), else sample the residual).
+- `SamplingParams`: temperature, top-p, top-k and how the draft proposes, one value every decoder takes
+  (a bare float still means a temperature). With top-p / top-k both the target's and the draft's
+  distributions are filtered and renormalised before the accept test, so the output follows the
+  target's filtered distribution exactly.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
+
+DRAFT_PROPOSALS = ("sample", "greedy")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen: T = 0 is greedy; T > 0 samples softmax(logits / T) within top-k, then top-p.
+
+    ``draft`` is how the draft proposes at T > 0: "sample" draws each block slot from its own filtered
+    distribution q; "greedy" proposes its argmax and verifies it as a one-hot q (accept with probability
+    p(x), else draw from p without x). Both leave the output distribution the target's: the accept rule
+    is exact for any proposal distribution.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    draft: str = "sample"
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k, self.draft)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits / T with the tokens outside top-k, then top-p, at -inf."""
+        return filter_scores(logits.float() / self.temperature, self.top_p, self.top_k)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The filtered, renormalised distribution [..., V] (T > 0)."""
+        return torch.softmax(self.scores(logits), dim=-1)
+
+    @property
+    def key(self) -> str:
+        """A short stable key: "0", "1" (a plain temperature, as journals always wrote it), "0.2,p0.9", "1,greedy"."""
+        if self.greedy:
+            return "0"
+        parts = [f"{self.temperature:g}"]
+        if self.top_p < 1.0:
+            parts.append(f"p{self.top_p:g}")
+        if self.top_k > 0:
+            parts.append(f"k{self.top_k}")
+        if self.draft != "sample":
+            parts.append(self.draft)
+        return ",".join(parts)
+
+    @property
+    def label(self) -> str:
+        """For reports: "T=0", "T=0.2, top-p 0.9", "T=1, draft greedy"."""
+        if self.greedy:
+            return "T=0"
+        out = f"T={self.temperature:g}"
+        if self.top_p < 1.0:
+            out += f", top-p {self.top_p:g}"
+        if self.top_k > 0:
+            out += f", top-k {self.top_k}"
+        if self.draft != "sample":
+            out += f", draft {self.draft}"
+        return out
+
+    def __format__(self, spec: str) -> str:
+        """``f"{s:g}"`` is `key`, as ``f"{t:g}"`` of a bare temperature: reports and journals key either alike."""
+        return self.key
+
+    def record(self) -> dict:
+        """For JSON files: the temperature, and the filters and draft proposals where they are not the defaults."""
+        out: dict = {"temperature": self.temperature}
+        if self.top_p < 1.0:
+            out["top_p"] = self.top_p
+        if self.top_k > 0:
+            out["top_k"] = self.top_k
+        if self.draft != "sample":
+            out["draft"] = self.draft
+        return out
+
+    @classmethod
+    def from_key(cls, key: str) -> "SamplingParams":
+        """The inverse of `key`; a bare number is a temperature."""
+        head, *rest = [x.strip() for x in str(key).split(",") if x.strip()] or ["0"]
+        kw: dict = {"temperature": float(head)}
+        for part in rest:
+            if part.startswith("p"):
+                kw["top_p"] = float(part[1:])
+            elif part.startswith("k"):
+                kw["top_k"] = int(part[1:])
+            else:
+                kw["draft"] = part
+        return cls(**kw)
+
+
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, draft: str = "sample") -> None:
+    """One-line errors for settings a user can give (temperature, top-p, top-k, draft proposals)."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature {temperature!r}: give a finite number >= 0 (0 = greedy)")
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top-p {top_p!r}: give a number in (0, 1] (1 = off)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top-k {top_k!r}: give an integer >= 0 (0 = off)")
+    if draft not in DRAFT_PROPOSALS:
+        raise ValueError(f"draft proposals {draft!r}: give one of {', '.join(DRAFT_PROPOSALS)}")
+
+
+Sampling = Union[float, int, SamplingParams]
+
+
+def as_sampling(x: Sampling) -> SamplingParams:
+    """A `SamplingParams` from itself or a bare temperature."""
+    return x if isinstance(x, SamplingParams) else SamplingParams(temperature=float(x))
+
+
+def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
+                  top_k: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+    """``scores`` with the tokens outside the top-k, then outside the smallest set of probability >= top-p
+    of what remains (renormalised), set to -inf: the order vLLM and HF apply them in.
+
+    ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
+    Ties at the top-k boundary keep the first in sort order.
+    """
+    if not isinstance(top_p, torch.Tensor) and not isinstance(top_k, torch.Tensor) and top_p >= 1.0 and top_k <= 0:
+        return scores
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(scores.shape[-1], device=scores.device)
+    k = top_k if isinstance(top_k, torch.Tensor) else torch.tensor(top_k, device=scores.device)
+    drop_sorted = (k > 0) & (rank >= k)
+    sorted_scores = sorted_scores.masked_fill(drop_sorted, float("-inf"))
+    probs = sorted_scores.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop_sorted = drop_sorted | (before >= top_p)  # the first token always stays (before == 0)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
 
 _MASK32 = 0xFFFFFFFF
 
@@ -48,14 +190,7 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
 
 def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """``scores`` with the tokens outside the smallest set of probability >= top_p set to -inf."""
-    if top_p >= 1.0:
-        return scores
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    probs = sorted_scores.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-    drop_sorted = before >= top_p  # the first token always stays (before == 0)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+    return filter_scores(scores, top_p, 0)
 
 
 def sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
@@ -121,8 +256,9 @@ def redo_wide_rows(
 # ----------------------------------------------------------------------------- generator-driven sampling
 
 
-def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def probs_at(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The filtered distribution of `sampling` (a temperature or `SamplingParams`), T > 0."""
+    return as_sampling(sampling).probs(logits)
 
 
 def sample_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -130,19 +266,38 @@ def sample_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> to
 
 
 def select_tokens(
-    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, temperature: Sampling, generator: Optional[torch.Generator] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[N, V] logits -> (tokens [N], probs [N, V] or None at T=0)."""
-    if temperature <= 0:
+    """[N, V] logits -> (tokens [N], the filtered probs [N, V] or None at T=0): the target's own choice."""
+    s = as_sampling(temperature)
+    if s.greedy:
         return logits.argmax(dim=-1), None
-    probs = probs_at(logits, temperature)
+    probs = s.probs(logits)
     return sample_from(probs, generator), probs
+
+
+def propose_tokens(
+    logits: torch.Tensor, temperature: Sampling, generator: Optional[torch.Generator] = None
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The draft's proposals for [N, V] logits: (tokens [N], q [N, V] or None at T=0).
+
+    q is what the accept test divides by: the filtered distribution the tokens were drawn from, or,
+    with ``draft="greedy"``, the one-hot of the argmax proposed.
+    """
+    s = as_sampling(temperature)
+    if s.greedy:
+        return logits.argmax(dim=-1), None
+    if s.draft == "greedy":
+        tokens = logits.argmax(dim=-1)
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return tokens, q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+    return select_tokens(logits, s, generator)
 
 
 def verify_block(
     draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    temperature: float = 0.0,
+    temperature: Sampling = 0.0,
     draft_probs: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[int, int]:
@@ -152,17 +307,19 @@ def verify_block(
     the target's prediction after slot k (row k judges draft_tokens[k]; row K gives the bonus).
     T = 0: accept the longest prefix where draft == target argmax; the next token is the
     target's argmax after it. T > 0: accept slot k with probability min(1, p/q); on the first
-    rejection sample from norm(max(p - q, 0)); if all pass, sample the bonus from p.
+    rejection sample from norm(max(p - q, 0)); if all pass, sample the bonus from p. With top-p /
+    top-k, p is the target's filtered distribution and q the draft's (`propose_tokens`).
     """
     k_len = draft_tokens.shape[0]
-    if temperature <= 0:
+    s = as_sampling(temperature)
+    if s.greedy:
         target_tokens = target_logits.argmax(dim=-1)
         match = (draft_tokens == target_tokens[:k_len]).long()
         n_acc = int(match.cumprod(dim=0).sum()) if k_len else 0
         return n_acc, int(target_tokens[n_acc])
     if draft_probs is None and k_len:
         raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
-    p = probs_at(target_logits, temperature)  # [K + 1, V]
+    p = s.probs(target_logits)  # [K + 1, V]
     if k_len:
         idx = draft_tokens.unsqueeze(-1)
         p_tok = p[:-1].gather(-1, idx).squeeze(-1)
@@ -183,7 +340,7 @@ def verify_block(
 def verify_blocks(
     draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    temperature: float,
+    temperature: Sampling,
     draft_probs: Optional[torch.Tensor],
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,13 +353,14 @@ def verify_blocks(
     without a host sync per row.
     """
     bsz, k_len = draft_tokens.shape
-    if temperature <= 0:
+    s = as_sampling(temperature)
+    if s.greedy:
         target_tokens = target_logits.argmax(dim=-1)  # [B, K + 1]
         n_acc = (draft_tokens == target_tokens[:, :k_len]).long().cumprod(dim=1).sum(dim=1)
         return n_acc, target_tokens.gather(1, n_acc.view(-1, 1)).squeeze(1)
     if draft_probs is None and k_len:
         raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
-    p = probs_at(target_logits, temperature)  # [B, K + 1, V]
+    p = s.probs(target_logits)  # [B, K + 1, V]
     rows = torch.arange(bsz, device=p.device)
     if k_len:
         idx = draft_tokens.unsqueeze(-1)

@@ -390,7 +390,7 @@ def test_per_prompt_speedup_spread(capsys):
     assert slow["speedup"] == pytest.approx(3.5 / 6.5)
     text = format_table({}, PROTOCOLS["quick"], 4, {"1": {"humaneval": slow}})
     assert ("humaneval T=1: speculative decoding with this draft is slower than plain decoding; do not serve it at "
-            "this temperature") in text
+            "these sampling settings") in text
 
 
 def test_speedup_without_looping_answers():

@@ -29,7 +29,7 @@ from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference import recurrent_cache
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, visible_to_mask
-from nemo_dflash.sampling import select_tokens, verify_blocks
+from nemo_dflash.sampling import Sampling, propose_tokens, select_tokens, verify_blocks
 
 COMPACT_DEAD_SHARE = 0.5  # compact the caches once more than this share of their slots is dead
 
@@ -88,7 +88,7 @@ def batched_autoregressive_generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int = 256,
-    temperature: float = 0.0,
+    temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
@@ -143,7 +143,7 @@ def batched_speculative_generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int = 256,
-    temperature: float = 0.0,
+    temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
@@ -198,7 +198,7 @@ def batched_speculative_generate(
                 d_valid = torch.cat([d_valid, pend_valid], 1)
                 live_d += live_pending
                 d_logits = decoder.lm_head(hidden[:, 1:].to(dtype))  # [B, blk-1, V]
-                d_flat, d_probs = select_tokens(d_logits.reshape(bsz * (blk - 1), -1), temperature, generator)
+                d_flat, d_probs = propose_tokens(d_logits.reshape(bsz * (blk - 1), -1), temperature, generator)
                 d_tokens = d_flat.view(bsz, blk - 1)
             else:
                 d_tokens = torch.empty(bsz, 0, dtype=torch.long, device=device)

@@ -33,16 +33,17 @@ from torch import nn
 
 from nemo_dflash.inference.batched_spec import check_batch
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.sampling import Sampling, as_sampling
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
 from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
 
 
-def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, rows: Optional[int]) -> int:
+def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: Sampling, rows: Optional[int]) -> int:
     """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
     check_batch(prompts, max_new_tokens)
-    if temperature > 0:
+    if not as_sampling(temperature).greedy:
         raise ValueError("batched decoding with CUDA graphs runs at T=0 only: use the eager batched decoder "
                          "(evaluate --method batched) to sample")
     rows = rows or len(prompts)
@@ -289,7 +290,7 @@ def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: 
 
 def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
-    temperature: float = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
+    temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True,
 ) -> list[GenerationOutput]:
     """Greedy plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts)."""
@@ -301,7 +302,7 @@ def batched_static_autoregressive_generate(
 
 
 def batched_static_speculative_generate(
-    decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
+    decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None, use_graphs: bool = True,
 ) -> list[GenerationOutput]:
     """Greedy speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from nemo_dflash.sampling import Sampling, as_sampling
 from nemo_dflash.inference.evaluate import (
     Answer,
     ConversationDecoder,
@@ -250,7 +251,7 @@ class EvalRun:
         self._loaded: Optional[tuple[Any, Any, Any]] = None  # (target, tokenizer, draft), loaded on first use
         self._decoders: dict = {}
 
-    def settings(self, temperature: float, timed: bool) -> EvalSettings:
+    def settings(self, temperature: Sampling, timed: bool) -> EvalSettings:
         p = self.protocol
         return EvalSettings(max_new_tokens=p.max_new_tokens, temperature=temperature, block_size=p.block_size,
                             turns=p.turns, decode=p.decode, measure_speedup=timed, warmup=False,
@@ -325,7 +326,7 @@ class EvalRun:
 
         target, tokenizer, draft = models
         settings = items[0][1]
-        if any(s.temperature != 0 for _, s, _ in items):  # the command refuses this before any load
+        if any(not as_sampling(s.temperature).greedy for _, s, _ in items):  # the command refuses this first
             raise ValueError("--method replay measures T=0 only: pass --temperatures 0")
         logger.info("Replaying %d conversations (T=0): batched greedy answers, then the draft at every position",
                     len(items))
@@ -346,7 +347,8 @@ class EvalRun:
             dec = ConversationDecoder(*models, settings)
             trained = int(dec.spec.draft.config.block_size)
             n = self.opts.batch_size or batch_rows(len(group), self.model_spec.device)
-            logger.info("Decoding %d conversations at T=%g in batches of %d", len(group), settings.temperature, n)
+            logger.info("Decoding %d conversations at %s in batches of %d", len(group),
+                        as_sampling(settings.temperature).label, n)
             start = 0
             while start < len(group):
                 if self._expired():

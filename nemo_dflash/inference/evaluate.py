@@ -28,6 +28,7 @@ from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.data.sources import BadRecordCounter, MalformedRecord, iter_records, normalize_record
 from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class EvalProtocol:
     name: str
     max_new_tokens: int
     turns: int
-    temperatures: tuple[float, ...]
+    temperatures: tuple[Sampling, ...]  # a bare temperature, or `SamplingParams` (top-p, top-k, draft proposals)
     datasets: tuple[str, ...]
     num_prompts: Optional[int]
     speedup_prompts: int
@@ -64,10 +65,11 @@ class EvalProtocol:
     method: str = "sequential"  # how acceptance is measured: "sequential", "replay" (T=0 only) or "batched"
     overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
 
-    def label(self, temperature: float, block_size: int, turns: Optional[int] = None) -> str:
+    def label(self, temperature: Sampling, block_size: int, turns: Optional[int] = None) -> str:
         """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
         n = self.turns if turns is None else min(turns, self.turns)
-        return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, T={temperature:g}, "
+        return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, "
+                f"{as_sampling(temperature).label}, "
                 f"B={block_size}, {self.decode}{'' if self.method == 'sequential' else ', ' + self.method}")
 
     def with_overrides(self, **changes: Any) -> "EvalProtocol":
@@ -96,7 +98,7 @@ class EvalSettings:
     """How one set of prompts is decoded (the keyword arguments of `evaluate_acceptance`)."""
 
     max_new_tokens: int = 128
-    temperature: float = 0.0
+    temperature: Sampling = 0.0  # a bare temperature or `SamplingParams`
     block_size: Optional[int] = None
     turns: int = 1
     decode: str = "eager"
@@ -271,7 +273,7 @@ class Answer:
         return cls(**{k: v for k, v in row.items() if k != "prompt_ids"})
 
 
-def answer_seed(seed: int, temperature: float, prompt_id: str) -> int:
+def answer_seed(seed: int, temperature: Sampling, prompt_id: str) -> int:
     """A sampling seed per conversation: results do not depend on which worker or order decoded it."""
     return zlib.crc32(f"{seed}|{temperature:g}|{prompt_id}".encode())
 
@@ -498,7 +500,7 @@ def _speedup_of(answers: Sequence[Answer]) -> tuple[dict[str, Any], dict[str, An
     return spec, ar, ratio
 
 
-def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, Any]:
+def speedup_metrics(answers: Sequence[Answer], temperature: Sampling) -> dict[str, Any]:
     """Speculative vs plain decoding of the same prompts: time per output token, prefill excluded
     (the prefill yields the first token, so each answer counts its new tokens minus one).
 
@@ -513,7 +515,7 @@ def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, 
                            "spec": spec, "ar": ar, "speedup": ratio, "per_prompt_speedup": per_prompt_speedup(timed),
                            "speedup_no_loop": _speedup_of(no_loop)[2] if no_loop else None,
                            "answers_no_loop": len(no_loop)}
-    if temperature <= 0:
+    if as_sampling(temperature).greedy:
         matches = sum(bool(a.ar_match) for a in timed)
         res["greedy_match"] = matches / len(timed) if timed else None
         if matches != len(timed):
@@ -522,14 +524,14 @@ def speedup_metrics(answers: Sequence[Answer], temperature: float) -> dict[str, 
     return res
 
 
-def dataset_result(answers: Sequence[Answer], *, block_size: int, temperature: float, max_new_tokens: int,
+def dataset_result(answers: Sequence[Answer], *, block_size: int, temperature: Sampling, max_new_tokens: int,
                    num_prompts: int) -> dict[str, Any]:
-    """One dataset at one temperature: the figures over all answers, per turn, and per answer."""
+    """One dataset at one sampling setting: the figures over all answers, per turn, and per answer."""
     turns = sorted({a.turn for a in answers})
     return {
         "num_prompts": num_prompts,
         "turns": max(turns, default=0),
-        "temperature": temperature,
+        **as_sampling(temperature).record(),
         "max_new_tokens": max_new_tokens,
         "block_size": block_size,
         **summarize(answers, block_size),
@@ -605,7 +607,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
     hists = []
     for tkey, sets in results.items():
         for name, r in sets.items():
-            label = protocol.label(float(tkey), block_size, r["turns"])
+            label = protocol.label(SamplingParams.from_key(tkey), block_size, r["turns"])
             sp = speedup.get(tkey, {}).get(name)
             sp_txt = "-" if not sp or sp.get("speedup") is None else f"{sp['speedup']:.2f}x"
             rows = [("all", r, sp_txt)] + ([(t, pt, "") for t, pt in r["per_turn"].items()] if r["turns"] > 1 else [])
@@ -628,12 +630,13 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
                     continue
                 no_loop = (f"; answers without loops {sp['speedup_no_loop']:.2f}x ({sp['answers_no_loop']} of "
                            f"{sp['answers']})" if sp.get("speedup_no_loop") is not None else "")
-                lines.append(f"  {name} T={float(tkey):g}: mean {sp['speedup']:.2f}x; per prompt min "
+                setting = SamplingParams.from_key(tkey).label
+                lines.append(f"  {name} {setting}: mean {sp['speedup']:.2f}x; per prompt min "
                              f"{spread['min']:.2f}x, median {spread['median']:.2f}x, max {spread['max']:.2f}x "
                              f"({spread['prompts']} prompts){no_loop}")
                 if sp["speedup"] < 1.0:  # the one figure a user acts on: say it plainly
-                    lines.append(f"  {name} T={float(tkey):g}: speculative decoding with this draft is slower than "
-                                 "plain decoding; do not serve it at this temperature")
+                    lines.append(f"  {name} {setting}: speculative decoding with this draft is slower than "
+                                 "plain decoding; do not serve it at these sampling settings")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")
     lines.extend("  " + h for h in hists)
     return "\n".join(lines)
@@ -655,7 +658,8 @@ def plot_histograms(results: dict[str, dict[str, dict[str, Any]]], path: Union[s
         xs = [int(k) for k in hist]
         total = max(sum(hist.values()), 1)
         ax.bar(xs, [hist[str(x)] / total for x in xs], color="tab:blue")
-        tag = protocol.label(float(tkey), res["block_size"], res["turns"]) if protocol else f"T={float(tkey):g}"
+        setting = SamplingParams.from_key(tkey)
+        tag = protocol.label(setting, res["block_size"], res["turns"]) if protocol else setting.label
         ax.set_title(f"{name}: tau = {_fmt(res['mean_acceptance_length'], '.2f')}\n{tag}", fontsize=9)
         ax.set_xlabel("tokens per target forward")
         ax.set_ylabel("fraction of steps")
@@ -671,7 +675,8 @@ def protocol_record(protocol: EvalProtocol, block_size: int, trained_block_size:
                     prompt_counts: dict[str, dict[str, int]]) -> dict[str, Any]:
     """The "protocol" object of results.json."""
     rec = asdict(protocol)
-    rec.update(temperatures=list(protocol.temperatures), datasets=prompt_counts, block_size=block_size,
+    rec.update(temperatures=[format(t, "g") if isinstance(t, SamplingParams) else t for t in protocol.temperatures],
+               sampling={format(t, "g"): as_sampling(t).label for t in protocol.temperatures}, datasets=prompt_counts, block_size=block_size,
                trained_block_size=trained_block_size, overrides=list(protocol.overrides), stop=STOP_RULE,
                first_tokens=FIRST_TOKENS)
     return rec

@@ -42,6 +42,7 @@ from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.evaluate import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
 from nemo_dflash.inference.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel
+from nemo_dflash.sampling import as_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,8 @@ class ReplayEvaluator:
                  decode_compile: Optional[bool] = False, cuda_graph: Optional[bool] = None) -> None:
         from nemo_dflash.draft.build import check_draft_fits_target
 
-        if settings.temperature != 0:
-            raise ValueError(f"replay measures T=0 only (got temperature {settings.temperature:g}): "
+        if not as_sampling(settings.temperature).greedy:
+            raise ValueError(f"replay measures T=0 only (got {as_sampling(settings.temperature).label}): "
                              "use the sequential decoder for T > 0")
         check_draft_fits_target(draft.config, target_model.config)
         from nemo_dflash.data.generation import check_supported

@@ -41,7 +41,7 @@ from nemo_dflash.inference.graphs import check_decode_mode
 from nemo_dflash.inference.output import GenerationOutput, TokenIds, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
-from nemo_dflash.sampling import select_tokens, verify_block
+from nemo_dflash.sampling import Sampling, as_sampling, propose_tokens, select_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class DFlashSpeculativeDecoder:
         self.embed_tokens = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
-        self._static_runners: dict = {}  # (greedy, use_graphs) -> static_decode.StaticSpecRunner
+        self._static_runners: dict = {}  # (greedy, use_graphs[, filtered, draft greedy]) -> StaticSpecRunner
         self._recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
         # Our direct verify mask is plain causal: targets with recurrent, sliding or chunked layers
         # need HF's per-layer-type masks (a full causal mask past the window changes the output).
@@ -190,7 +190,7 @@ class DFlashSpeculativeDecoder:
         input_ids: TokenIds,
         *,
         max_new_tokens: int = 256,
-        temperature: float = 0.0,
+        temperature: Sampling = 0.0,
         stop_token_ids: Optional[Iterable[int]] = None,
         generator: Optional[torch.Generator] = None,
         past_key_values: Optional[DynamicCache] = None,
@@ -201,7 +201,8 @@ class DFlashSpeculativeDecoder:
 
         `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards
         (eager mode only). `decode`: "eager" (HF DynamicCache) or "graphs" (static cache + CUDA
-        graphs, CUDA only); both give the target's greedy output at T=0.
+        graphs, CUDA only); both give the target's greedy output at T=0. `temperature` is a
+        temperature or a `SamplingParams` (top-p, top-k, how the draft proposes).
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -242,7 +243,7 @@ class DFlashSpeculativeDecoder:
         self,
         ids: torch.Tensor,
         max_new_tokens: int,
-        temperature: float,
+        temperature: Sampling,
         stop_ids: set[int],
         generator: Optional[torch.Generator],
         past_key_values: Optional[DynamicCache],
@@ -250,7 +251,8 @@ class DFlashSpeculativeDecoder:
     ) -> GenerationOutput:
         device, model = self.device, self.target.model
         blk = self.block_size
-        greedy = temperature <= 0
+        temperature = as_sampling(temperature)
+        greedy = temperature.greedy
         cache = past_key_values if past_key_values is not None else _new_cache(model, self._recurrent)
         recurrent = recurrent_cache.has_recurrent_state(cache)
         if self._recurrent and not recurrent:
@@ -283,7 +285,7 @@ class DFlashSpeculativeDecoder:
                 position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
                 if blk > 1:
                     d_logits = self.draft_logits(last, position, pending, dcache, blk)
-                    d_tokens, d_probs = select_tokens(d_logits, temperature, generator)
+                    d_tokens, d_probs = propose_tokens(d_logits, temperature, generator)
                 else:
                     d_tokens, d_probs = no_draft, None
                 q_pos = torch.arange(position, position + blk, device=device)
@@ -333,7 +335,7 @@ def autoregressive_generate(
     input_ids: TokenIds,
     *,
     max_new_tokens: int = 256,
-    temperature: float = 0.0,
+    temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
     past_key_values: Optional[DynamicCache] = None,
@@ -361,7 +363,7 @@ def autoregressive_generate(
 
 
 def _autoregressive_eager(
-    target_model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    target_model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
     generator: Optional[torch.Generator], cache: DynamicCache, extra: dict,
 ) -> GenerationOutput:
     device = ids.device

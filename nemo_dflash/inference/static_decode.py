@@ -42,7 +42,7 @@ from torch import nn
 
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.output import GenerationOutput, sync, truncate
-from nemo_dflash.sampling import gumbel, keyed_uniform, select_tokens
+from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, gumbel, keyed_uniform, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
@@ -188,7 +188,7 @@ class StaticPlainRunner:
 
     @torch.no_grad()
     def generate(
-        self, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+        self, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
         generator: Optional[torch.Generator],
     ) -> GenerationOutput:
         device = self.device
@@ -231,11 +231,11 @@ _PLAIN_RUNNERS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, bool], St
 
 
 def static_autoregressive_generate(
-    model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
     generator: Optional[torch.Generator], use_graphs: bool,
 ) -> GenerationOutput:
     """Plain decoding on the static path; captures (or re-captures for a longer cache) as needed."""
-    greedy = temperature <= 0
+    greedy = as_sampling(temperature).greedy
     need = cache_length_for(ids.shape[1], max_new_tokens, 1)
     runners = _PLAIN_RUNNERS.setdefault(model, {})
     runner = runners.get((greedy, use_graphs))
@@ -252,7 +252,8 @@ def static_autoregressive_generate(
 class StaticSpecRunner:
     """Fixed-shape speculative decoding for one `DFlashSpeculativeDecoder` (see the module doc)."""
 
-    def __init__(self, decoder: Any, max_len: int, greedy: bool, use_graphs: bool) -> None:
+    def __init__(self, decoder: Any, max_len: int, greedy: bool, use_graphs: bool, filtered: bool = False,
+                 draft_greedy: bool = False) -> None:
         model = decoder.target.model
         check_static_target(model)
         self.dec = decoder
@@ -262,6 +263,9 @@ class StaticSpecRunner:
         self.attn = attn_implementation(model)
         self.B = decoder.block_size
         self.max_len, self.greedy, self.use_graphs = int(max_len), greedy, use_graphs
+        # baked into the captured steps: whether top-p / top-k filter (their values are buffers) and
+        # whether the draft proposes its argmax (one-hot q) instead of a sample
+        self.filtered, self.draft_greedy = filtered, draft_greedy
         self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype)
         self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len)
         dev, B = self.device, self.B
@@ -279,6 +283,8 @@ class StaticSpecRunner:
             vocab = decoder.lm_head.weight.shape[0]
             self.key = torch.zeros(1, dtype=torch.long, device=dev)
             self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
+            self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+            self.top_k = torch.zeros((), dtype=torch.long, device=dev)
             self.q = torch.zeros(B - 1, vocab, dtype=torch.float32, device=dev)
             self.vocab = torch.arange(vocab, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
@@ -330,9 +336,20 @@ class StaticSpecRunner:
             self._propose_sampled(logits)
         return logits
 
-    def _propose_sampled(self, logits: torch.Tensor) -> None:
-        """Gumbel-max draws from softmax(draft logits / T) into the block; q is kept for the accept test."""
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits / T, filtered by top-k / top-p when this runner filters (`sampling.filter_scores`)."""
         scores = logits.float() * self.inv_temp
+        return filter_scores(scores, self.top_p, self.top_k) if self.filtered else scores
+
+    def _propose_sampled(self, logits: torch.Tensor) -> None:
+        """Gumbel-max draws from the draft's filtered softmax into the block (or its argmax, q one-hot);
+        q is kept for the accept test."""
+        if self.draft_greedy:
+            tok = logits.argmax(dim=-1)
+            self.q.zero_().scatter_(-1, tok[:, None], 1.0)
+            self.blk[0, 1:].copy_(tok)
+            return
+        scores = self._scores(logits)
         self.q.copy_(torch.softmax(scores, dim=-1))
         slots = self.pos + 1 + self.arange_b[:-1]
         u = keyed_uniform(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.vocab)
@@ -368,7 +385,7 @@ class StaticSpecRunner:
         """Speculative sampling on the device: (accepted count, block tokens [B]) where tokens[:n]
         are the kept proposals and tokens[n] the next token (residual draw, or the bonus from p)."""
         B = self.B
-        p = torch.softmax(logits.float() * self.inv_temp, dim=-1)  # [B, V]; row k judges slot k + 1
+        p = torch.softmax(self._scores(logits), dim=-1)  # [B, V]; row k judges slot k + 1
         x = self.blk[0, 1:]
         p_tok = p[:-1].gather(-1, x[:, None]).squeeze(-1)
         q_tok = self.q.gather(-1, x[:, None]).squeeze(-1)
@@ -401,14 +418,15 @@ class StaticSpecRunner:
 
     @torch.no_grad()
     def generate(
-        self, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+        self, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
         generator: Optional[torch.Generator],
     ) -> GenerationOutput:
         device, B = self.device, self.B
+        sampling = as_sampling(temperature)
         sync(device)
         t0 = time.perf_counter()
         logits, prompt_feats = self.prefill(ids)
-        first, _ = select_tokens(logits, temperature, generator)
+        first, _ = select_tokens(logits, sampling, generator)
         output = [int(first[0])]
         plen = ids.shape[1]
         self.blk[0, :1].copy_(first)
@@ -421,7 +439,9 @@ class StaticSpecRunner:
             gen_device = generator.device if generator is not None else torch.device("cpu")
             key = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)
             self.key.copy_(key.to(device))
-            self.inv_temp.fill_(1.0 / temperature)
+            self.inv_temp.fill_(1.0 / sampling.temperature)
+            self.top_p.fill_(sampling.top_p)
+            self.top_k.fill_(sampling.top_k)
         stopped = output[0] in stop_ids
         accept_lens: list[int] = []
         step_one = True
@@ -450,17 +470,20 @@ class StaticSpecRunner:
 
 
 def static_speculative_generate(
-    decoder: Any, ids: torch.Tensor, max_new_tokens: int, temperature: float, stop_ids: set[int],
+    decoder: Any, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
     generator: Optional[torch.Generator], use_graphs: bool,
 ) -> GenerationOutput:
     """Speculative decoding on the static path, reusing the decoder's runner when it fits."""
-    greedy = temperature <= 0
+    s = as_sampling(temperature)
+    greedy = s.greedy
+    filtered, draft_greedy = (not greedy and s.filtered), (not greedy and s.draft == "greedy")
+    key: tuple = (greedy, use_graphs) + ((filtered, draft_greedy) if filtered or draft_greedy else ())
     need = cache_length_for(ids.shape[1], max_new_tokens, decoder.block_size)
-    runner = decoder._static_runners.get((greedy, use_graphs))
+    runner = decoder._static_runners.get(key)
     if runner is None or runner.max_len < need or runner.bucket_key != _bucket_key():
-        decoder._static_runners.pop((greedy, use_graphs), None)
-        runner = StaticSpecRunner(decoder, need, greedy, use_graphs)
-        decoder._static_runners[(greedy, use_graphs)] = runner
+        decoder._static_runners.pop(key, None)
+        runner = StaticSpecRunner(decoder, need, greedy, use_graphs, filtered, draft_greedy)
+        decoder._static_runners[key] = runner
     return runner.generate(ids, max_new_tokens, temperature, stop_ids, generator)
 
 

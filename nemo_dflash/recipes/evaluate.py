@@ -3,7 +3,8 @@ the share of looping answers, and speedup over plain decoding.
 
     python -m nemo_dflash.recipes.evaluate --draft DIR --target PATH --out DIR \
         [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
-        [--turns N] [--temperatures 0,1] [--block-size B] [--num-prompts K] [--first-prompt I]
+        [--turns N] [--temperatures 0,1] [--top-p P] [--top-k K] [--draft-proposals sample|greedy]
+        [--sampling target|none] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
         [--method sequential|replay|batched] [--batch-size N|auto]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N]
@@ -12,6 +13,11 @@ the share of looping answers, and speedup over plain decoding.
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
 20 prompts per dataset also timed against plain decoding. --protocol quick (CI, the demo): 8
 prompts per dataset, 64 new tokens, one turn, T=0. Explicit flags override the protocol's values.
+--top-p / --top-k filter every T > 0 setting (speculative sampling keeps the target's filtered
+distribution). --sampling target (the default when --temperatures is not given) also measures at the
+target's recommended settings: its generation_config.json, or a packaged target's model card (SmolLM2:
+T=0.2, top-p 0.9). --draft-proposals greedy: at T > 0 the draft proposes its argmax, verified as a
+one-hot q (exact, like sampling it).
 --method replay (with --temperatures 0) takes the T=0 acceptance from batched greedy answers and one
 draft forward over every answer position: per answer the sequential decoder's figures, in minutes.
 --method batched runs the speculative decoder on --batch-size conversations at once (any temperature;
@@ -42,6 +48,7 @@ from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path
     plot_histograms, protocol_record, speedup_metrics,
 )
 from nemo_dflash.recipes._cli import add_device_args, resolve_device_dtype, setup_logging, user_errors
+from nemo_dflash.sampling import SamplingParams, as_sampling, check_sampling
 
 logger = logging.getLogger("nemo_dflash.evaluate")
 
@@ -67,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None, help="user turns decoded per conversation (MT-Bench has 2)")
     p.add_argument("--multi-turn", action="store_true", help="same as --turns 2")
     p.add_argument("--temperatures", "--temperature", dest="temperatures", default=None, help="e.g. 0 or 0,1")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter for every T > 0 (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter for every T > 0 (0 = off)")
+    p.add_argument("--draft-proposals", default="sample", choices=("sample", "greedy"),
+                   help="at T > 0: the draft samples its proposals (default) or proposes its argmax (one-hot q)")
+    p.add_argument("--sampling", default=None, choices=("target", "none"),
+                   help="target: also measure at the target's recommended sampling settings (default when "
+                        "--temperatures is not given); none: only --temperatures")
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
     p.add_argument("--num-prompts", type=int, default=None, help="first K prompts of each dataset")
     p.add_argument("--first-prompt", type=int, default=None, help="skip this many prompts of each dataset first")
@@ -114,6 +128,7 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
             raise ValueError(f"--temperatures {args.temperatures!r}: give numbers, e.g. 0 or 0,1") from None
         if not temps or any(not math.isfinite(t) or t < 0 for t in temps):  # NaN passed `t < 0`
             raise ValueError(f"--temperatures {args.temperatures!r}: give one or more finite numbers >= 0, e.g. 0,1")
+    settings = sampling_settings(args, temps)
     datasets = None if args.datasets is None else tuple(d.strip() for d in args.datasets.split(",") if d.strip())
     if datasets is not None and not datasets:
         raise ValueError("--datasets is empty: e.g. --datasets mtbench,humaneval")
@@ -125,14 +140,47 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
         if v is not None and v < lo:
             raise ValueError(f"{flag} must be >= {lo} (got {v})")
     protocol = PROTOCOLS[args.protocol].with_overrides(
-        max_new_tokens=args.max_new_tokens, turns=turns, temperatures=temps, datasets=datasets,
+        max_new_tokens=args.max_new_tokens, turns=turns, temperatures=settings, datasets=datasets,
         num_prompts=args.num_prompts, speedup_prompts=speedup, block_size=args.block_size, decode=args.decode,
         first_prompt=args.first_prompt, method=args.method)
-    if protocol.method == "replay" and any(t != 0 for t in protocol.temperatures):
+    if protocol.method != "replay" and (args.sampling == "target" or (args.sampling is None and temps is None)):
+        rec = recommended(args)
+        if rec is not None and rec not in protocol.temperatures:
+            protocol = protocol.with_overrides(temperatures=tuple(sorted(
+                (*protocol.temperatures, rec), key=lambda t: (as_sampling(t).temperature, format(t, "g")))))
+    if protocol.method == "replay" and any(not as_sampling(t).greedy for t in protocol.temperatures):
         raise ValueError(f"--method replay measures T=0 only (temperatures "
                          f"{','.join(f'{t:g}' for t in protocol.temperatures)}): pass --temperatures 0, "
                          "or --method sequential for T > 0")
     return protocol
+
+
+def sampling_settings(args: argparse.Namespace, temps: Optional[tuple[float, ...]]):
+    """--temperatures with --top-p / --top-k / --draft-proposals applied to those above 0 (a bare float where
+    none is given, so plain temperatures key journals as they always did); None: the protocol's own."""
+    check_sampling(1.0, args.top_p, args.top_k, args.draft_proposals)  # one line each: --top-p 0, --top-k -1
+    plain = args.top_p >= 1.0 and args.top_k == 0 and args.draft_proposals == "sample"
+    if plain:
+        return temps
+    base = temps if temps is not None else PROTOCOLS[args.protocol].temperatures
+    return tuple(t if t <= 0 else SamplingParams(t, args.top_p, args.top_k, args.draft_proposals) for t in base)
+
+
+def recommended(args: argparse.Namespace) -> Optional[SamplingParams]:
+    """The target's recommended settings (read from its files, no load), with --draft-proposals; None if it has
+    none (said in the log, or refused in one line when --sampling target asked for them)."""
+    from nemo_dflash.target.loading import recommended_sampling
+
+    found = recommended_sampling(str(args.target))
+    if found is None:
+        if args.sampling == "target":
+            raise ValueError(f"--sampling target: {args.target} recommends no sampling settings (no "
+                             "generation_config.json with do_sample): pass --temperatures / --top-p instead")
+        logger.info("the target recommends no sampling settings: measuring the protocol's temperatures only")
+        return None
+    (t, top_p, top_k), source = found
+    logger.info("the target's recommended sampling (%s): T=%g, top-p %g, top-k %d", source, t, top_p, top_k)
+    return SamplingParams(t, top_p, top_k, args.draft_proposals) if t > 0 else None
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +48,27 @@ def smollm2_gguf_path() -> Path:
 
 
 PACKAGED_TARGETS = {"pkg:smollm2": smollm2_gguf_path}  # shorthand -> the bundled file
+# What a packaged target's model card recommends serving with (temperature, top_p, top_k), for targets whose
+# files carry no sampling settings (a GGUF has no generation_config): SmolLM2-135M-Instruct's card.
+PACKAGED_SAMPLING = {"pkg:smollm2": (0.2, 0.9, 0)}
+
+
+def recommended_sampling(path: str) -> Optional[tuple[tuple[float, float, int], str]]:
+    """((temperature, top_p, top_k), where from) the target recommends, read without loading it: its
+    generation_config.json when that samples (do_sample), else a packaged target's model card; None if neither."""
+    cfg = Path(path) / "generation_config.json"
+    if cfg.is_file():
+        try:
+            gen = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            gen = {}
+        if isinstance(gen, dict) and gen.get("do_sample"):
+            t, p, k = gen.get("temperature", 1.0), gen.get("top_p", 1.0), gen.get("top_k", 0)
+            return (float(1.0 if t is None else t), float(1.0 if p is None else p), int(k or 0)), \
+                "the target's generation_config.json"
+    if path in PACKAGED_SAMPLING:
+        return PACKAGED_SAMPLING[path], "the packaged target's model card"
+    return None
 
 
 def resolve_target_path(path: str) -> str:

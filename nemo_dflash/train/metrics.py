@@ -130,6 +130,12 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Optional[Path]:
     ev = [r for r in records if "eval_accept_len" in r]
     if ev:
         ax2.plot([r["tokens"] for r in ev], [r["eval_accept_len"] for r in ev], "o-", label="held-out (simulated)")
+    ev = [r for r in records if "eval_sampled_accept_len" in r]
+    if ev:  # the expected acceptance under speculative sampling at train.eval_temperature
+        ax2.plot([r["tokens"] for r in ev], [r["eval_sampled_accept_len"] for r in ev], "s--",
+                 label="held-out, sampled (expected)")
+        ax2.plot([r["tokens"] for r in ev], [r["eval_sampled_accept_len_greedy_draft"] for r in ev], "^:",
+                 label="held-out, sampled, draft argmax")
     ax2.set_xlabel("training tokens")
     ax2.set_ylabel("acceptance length")
     ax2.legend()

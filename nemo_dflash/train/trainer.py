@@ -29,6 +29,7 @@ from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
+from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.train.checkpoint import Checkpointer, plan_resume, run_identity
 from nemo_dflash.train.distributed import (
@@ -155,7 +156,7 @@ class StepResult:
 
     @property
     def totals(self) -> torch.Tensor:
-        """The flat float64 vector: `LossSums` fields, tokens, stop (benchmarks read tokens at [6])."""
+        """The flat float64 vector: `LossSums` fields, tokens, stop (tokens at [LossSums.size()])."""
         return torch.tensor([*(getattr(self.sums, k) for k in LossSums.__dataclass_fields__), self.tokens,
                              float(self.stop)], dtype=torch.float64)
 
@@ -243,8 +244,10 @@ class TrainStep:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
-    def forward(self, batch: dict[str, torch.Tensor], module, seeds: list[int]) -> DFlashLossOutput:
-        """Target features, then the trainer module, for one CPU (or device) batch."""
+    def forward(self, batch: dict[str, torch.Tensor], module, seeds: list[int],
+                final_hidden: bool = False) -> DFlashLossOutput:
+        """Target features, then the trainer module, for one CPU (or device) batch (`final_hidden`: also the
+        target's last hidden states, which held-out evaluation's sampled acceptance reads)."""
         plan = self.module.plan(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], row_seeds=seeds,
                                 doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
         right_padded = "doc_ids" not in batch and _right_padded(batch["attention_mask"])
@@ -252,7 +255,8 @@ class TrainStep:
         plan = plan.to(self.device, non_blocking=True)
         # distillation: the target's final hidden states; the loss forms its logits chunk by chunk
         tb = self.target.generate_batch(
-            batch["input_ids"], batch["attention_mask"], batch["loss_mask"], return_final_hidden=self.return_logits,
+            batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+            return_final_hidden=self.return_logits or final_hidden,
             right_padded=right_padded, position_ids=batch.get("position_ids"), doc_ids=batch.get("doc_ids"),
         )
         with self.autocast():
@@ -431,6 +435,8 @@ class Trainer:
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=self.settings.attn_backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
             fused_ce=cfg.loss.fused_ce,
+            accept_sampling=(SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
+                             if cfg.train.eval_temperature > 0 else None),
         )
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
@@ -472,8 +478,9 @@ class Trainer:
 
     _row_seeds = staticmethod(row_seeds)
 
-    def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int]) -> DFlashLossOutput:
-        return self.stepper.forward(batch, module, row_seeds)
+    def _forward(self, batch: dict[str, torch.Tensor], module, row_seeds: list[int],
+                 final_hidden: bool = False) -> DFlashLossOutput:
+        return self.stepper.forward(batch, module, row_seeds, final_hidden)
 
     def resume(self) -> None:
         """Continue from the checkpoint `checkpoint.resume` names, if any (the step, tokens, schedule)."""
@@ -497,7 +504,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> dict[str, float]:
-        """Simulated acceptance length on held-out data, with a fixed anchor seed."""
+        """Simulated acceptance length on held-out data, with a fixed anchor seed; with `train.eval_temperature`
+        > 0 also the expected acceptance under speculative sampling there (`core.slot_acceptance`)."""
         if self.holdout_ds is None:
             return {}
         loader = build_dataloader(
@@ -511,7 +519,8 @@ class Trainer:
             if max_batches is not None and i >= max_batches:
                 break
             bsz = batch["input_ids"].shape[0]
-            totals += self._forward(batch, self.module, self._row_seeds(777, i, self.state.rank * bsz, bsz)).sums()
+            seeds = self._row_seeds(777, i, self.state.rank * bsz, bsz)
+            totals += self._forward(batch, self.module, seeds, self.module.accept_sampling is not None).sums()
         self.draft.train(was_training)
         all_reduce_sum(totals, self.state)
         return LossSums.from_vector(totals.cpu()).rates(prefix="eval_")

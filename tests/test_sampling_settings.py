@@ -1,0 +1,262 @@
+"""Sampling settings (top-p, top-k, draft proposals) in speculative decoding, and the held-out expected
+acceptance under speculative sampling, against independent references: naive filters written token by
+token, exact marginals from the target, Monte Carlo through the decoder's own accept rule."""
+
+import math
+
+import pytest
+import torch
+
+import conftest
+from _spec_fixtures import second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
+from conftest import MASK_ID, random_batch
+from nemo_dflash.core import DFlashTrainerModule, expected_block_length, sample_anchors
+from nemo_dflash.inference import DFlashSpeculativeDecoder
+from nemo_dflash.inference.batched_spec import batched_speculative_generate
+from nemo_dflash.inference.spec_decode import DFlashContextCache
+from nemo_dflash.inference.static_decode import StaticSpecRunner, static_speculative_generate
+from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
+from nemo_dflash.target import HFDFlashTargetModel
+
+
+def naive_filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """One row at a time, token by token: keep the k best, renormalise, keep the best until their mass
+    reaches top_p (the token that crosses it included), renormalise."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    for r, row in enumerate(logits.double() / temperature):
+        order = sorted(range(row.numel()), key=lambda i: (-float(row[i]), i))
+        if top_k > 0:
+            order = order[:top_k]
+        z = sum(math.exp(float(row[i])) for i in order)
+        kept, mass = [], 0.0
+        for i in order:
+            if mass >= top_p:
+                break
+            kept.append(i)
+            mass += math.exp(float(row[i])) / z
+        z = sum(math.exp(float(row[i])) for i in kept)
+        for i in kept:
+            out[r, i] = math.exp(float(row[i])) / z
+    return out.float()
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.6, 5), (0.95, 1)])
+def test_filtered_distribution_matches_naive_filter(top_p, top_k):
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(1)) * 2
+    s = SamplingParams(0.8, top_p, top_k)
+    torch.testing.assert_close(s.probs(logits), naive_filtered_probs(logits, 0.8, top_p, top_k), rtol=1e-5, atol=1e-6)
+    # the captured step reads top-p / top-k from 0-d buffers: the same filter
+    as_tensors = filter_scores(logits / 0.8, torch.tensor(top_p), torch.tensor(top_k))
+    torch.testing.assert_close(as_tensors.softmax(-1), s.probs(logits))
+
+
+@pytest.mark.parametrize("bad", [dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-1),
+                                 dict(temperature=-1.0), dict(temperature=float("inf")), dict(draft="beam")])
+def test_bad_sampling_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**{"temperature": 1.0, **bad})
+
+
+def test_sampling_keys_round_trip_and_bare_temperatures_keep_their_keys():
+    for s in (SamplingParams(0.2, 0.9), SamplingParams(1.0, 1.0, 20), SamplingParams(1.0, draft="greedy"),
+              SamplingParams(0.0)):
+        assert SamplingParams.from_key(s.key) == s
+    assert f"{as_sampling(1.0):g}" == f"{1.0:g}" == "1" and f"{as_sampling(0.0):g}" == "0"
+    assert SamplingParams(0.2, 0.9).label == "T=0.2, top-p 0.9"
+
+
+@pytest.mark.parametrize("flag", [["--top-p", "0"], ["--top-p", "1.2"], ["--top-k", "-1"], ["--temperatures", "nan"]])
+def test_evaluate_refuses_bad_sampling_flags_before_any_load(flag, tmp_path, capsys):
+    from nemo_dflash.recipes import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--draft", str(tmp_path / "none"), "--target", str(tmp_path / "none"), "--out",
+                       str(tmp_path / "out"), *flag])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("top" in err[0] or "temperature" in err[0])
+
+
+def test_recommended_settings_come_from_generation_config_or_the_model_card(tmp_path):
+    from nemo_dflash.target.loading import recommended_sampling
+
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.95, '
+                                                     '"top_k": 20}')
+    assert recommended_sampling(str(tmp_path))[0] == (0.6, 0.95, 20)
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert recommended_sampling(str(tmp_path)) is None
+    assert recommended_sampling("pkg:smollm2")[0] == (0.2, 0.9, 0)
+
+
+# ----------------------------------------------------------------------------- decoders keep p filtered
+
+
+def filtered_second_token(target, ids, s: SamplingParams) -> torch.Tensor:
+    """The exact marginal of the 2nd generated token when every token is drawn from the filtered p."""
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        p1 = s.probs(target(ids).logits[0, -1:])[0]
+        nxt = torch.cat([ids.repeat(vocab, 1), torch.arange(vocab).view(vocab, 1)], 1)
+        return (p1.unsqueeze(1) * s.probs(target(nxt).logits[:, -1])).sum(0)
+
+
+def proposals_marginal(decoder, target, ids, s: SamplingParams) -> torch.Tensor:
+    """The marginal of the draft's unverified slot-1 proposal: what a decoder that skipped verifying emits."""
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        p1 = s.probs(target(ids).logits[0, -1:])[0]
+        feats = decoder.target.forward_features(ids)[0]
+        q = torch.stack([propose_tokens(decoder.draft_logits(torch.tensor([t]), ids.shape[1], feats,
+                                                             DFlashContextCache(len(decoder.draft.layers)), 4)[:1],
+                                        s)[1][0] for t in range(vocab)])
+    return (p1.unsqueeze(1) * q).sum(0)
+
+
+@pytest.mark.parametrize("draft_mode", ["sample", "greedy"])
+def test_batched_decoder_keeps_the_filtered_target_distribution(draft_mode):
+    """8,000 rows of one prompt: the second token (the draft's first proposal, verified) against the exact
+    filtered marginal; the unverified proposals' marginal is more than twice the tolerance away from it."""
+    target, draft, ids, unfiltered = second_token_case()
+    s = SamplingParams(1.0, top_p=0.6, top_k=4, draft=draft_mode)
+    want = filtered_second_token(target, ids, s)
+    assert (want - unfiltered).abs().max() > 0.05  # the filter matters here
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    n, tol = 8000, 0.02
+    outs = batched_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=s,
+                                        generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
+    assert (counts / n - want).abs().max() < tol
+    assert (proposals_marginal(decoder, target, ids, s) - want).abs().max() > 2 * tol
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_one_prompt_decoders_keep_the_filtered_target_distribution(decode):
+    target, draft, ids, unfiltered = second_token_case()
+    s = SamplingParams(1.0, top_p=0.6, top_k=4)
+    want = filtered_second_token(target, ids, s)
+    assert (want - unfiltered).abs().max() > 0.1
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    g = torch.Generator().manual_seed(0)
+    n, counts = 700, torch.zeros(8)
+    for _ in range(n):
+        if decode == "eager":
+            out = decoder.generate(ids, max_new_tokens=2, temperature=s, generator=g)
+        else:
+            out = static_speculative_generate(decoder, ids, 2, s, set(), g, use_graphs=False)
+        counts[out.output_ids[1]] += 1
+    assert (counts / n - want).abs().max() < 0.065
+
+
+@pytest.mark.parametrize("draft_mode", ["sample", "greedy"])
+def test_verify_block_with_filters_keeps_the_filtered_distribution(draft_mode):
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 7, 8000
+    p_logits = torch.randn(2, vocab, generator=g) * 1.5
+    q_logits = torch.randn(1, vocab, generator=g) * 1.5
+    s = SamplingParams(1.0, top_p=0.8, top_k=5, draft=draft_mode)
+    counts = torch.zeros(vocab)
+    for _ in range(n):
+        d, q = propose_tokens(q_logits, s, g)
+        n_acc, nxt = verify_block(d, p_logits, s, q, g)
+        counts[int(d) if n_acc == 1 else nxt] += 1
+    assert (counts / n - s.probs(p_logits[:1])[0]).abs().max() < 0.03
+
+
+def test_static_step_with_filters_keeps_the_filtered_distribution():
+    """The captured sampled step with top-p / top-k read from buffers, hand-set p and q."""
+    p = torch.tensor([[0.50, 0.25, 0.15, 0.06, 0.04], [0.05, 0.05, 0.10, 0.10, 0.70], [0.2] * 5])
+    q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
+    r = StaticSpecRunner.__new__(StaticSpecRunner)
+    r.B, r.greedy, r.filtered, r.draft_greedy = 3, False, True, False
+    r.blk, r.pos, r.arange_b = torch.zeros(1, 3, dtype=torch.long), torch.tensor(7), torch.arange(3)
+    r.key, r.inv_temp = torch.zeros(1, dtype=torch.long), torch.tensor(1.0)
+    r.top_p, r.top_k = torch.tensor(0.8), torch.tensor(0)
+    r.q, r.vocab = torch.zeros(2, 5), torch.arange(5)
+    want = SamplingParams(1.0, top_p=0.8).probs(p.log()[:1])[0]  # tokens 0, 1, 2 (0.5 + 0.25 < 0.8)
+    n, first = 6000, torch.zeros(5)
+    for key in range(n):
+        r.key.fill_(key * 7919 + 11)
+        r._propose_sampled(q.log())
+        n_acc, tokens = r._accept_sampled(p.log())
+        first[tokens[0]] += 1
+    assert first[3:].sum() == 0
+    assert (first / n - want).abs().max() < 0.02
+
+
+# ----------------------------------------------------------------------------- the held-out metric
+
+
+def test_expected_acceptance_against_brute_force_and_the_accept_rule():
+    """eval's sampled acceptance per block: each block run alone as inference runs it, the target's p from
+    its own logits, the filtered overlap computed token by token; and a Monte Carlo of the decoder's accept
+    rule (`verify_block`, draft tokens drawn from q) along the same answer agrees within its error."""
+    target = conftest.tiny_qwen3(num_layers=2)
+    draft = conftest.make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=2, seq=30, pad_last=0)
+    batch = wrapper.generate_batch(ids, attn, lm, return_final_hidden=True)
+    s = SamplingParams(1.0, top_p=0.9, top_k=12)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=3, accept_sampling=s)
+    anchors, valid = sample_anchors(lm, attn, 4, 3, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = module(batch, anchors=anchors, valid=valid)
+        t_logits = target(ids).logits
+    embed, head, blk = wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), 4
+    want_s, want_g, n_blocks, g = 0.0, 0.0, 0, torch.Generator().manual_seed(1)
+    for b in range(2):
+        for i in range(anchors.shape[1]):
+            if not valid[b, i]:
+                continue
+            a = int(anchors[b, i])
+            block_ids = torch.tensor([[int(ids[b, a])] + [MASK_ID] * (blk - 1)])
+            pos = torch.cat([torch.arange(a), a + torch.arange(blk)]).unsqueeze(0)
+            with torch.no_grad():
+                q_logits = head(draft(embed(block_ids), batch.hidden_states[b : b + 1, :a], pos, None))[0, 1:]
+            k_ok = [a + k < ids.shape[1] and bool(lm[b, a + k]) for k in range(1, blk)]
+            p = naive_filtered_probs(t_logits[b, a : a + blk - 1], 1.0, 0.9, 12)
+            q = naive_filtered_probs(q_logits, 1.0, 0.9, 12)
+            alpha_s = [float(torch.minimum(p[k], q[k]).sum()) if k_ok[k] else 0.0 for k in range(blk - 1)]
+            alpha_g = [float(p[k, q_logits[k].argmax()]) if k_ok[k] else 0.0 for k in range(blk - 1)]
+            for alpha, acc in ((alpha_s, "s"), (alpha_g, "g")):
+                run, length = 1.0, 1.0
+                for x in alpha:
+                    run *= x
+                    length += run
+                if acc == "s":
+                    want_s += length
+                else:
+                    want_g += length
+            n_blocks += 1
+            if b == 0 and i == 0 and all(k_ok):  # Monte Carlo through the decoder's accept rule
+                trials, total = 3000, 0
+                for _ in range(trials):
+                    d, dq = propose_tokens(q_logits, s, g)
+                    n_acc, _ = verify_block(d, t_logits[b, a : a + blk], s, dq, g)
+                    total += n_acc + 1
+                assert total / trials == pytest.approx(
+                    float(expected_block_length(torch.tensor(alpha_s))), abs=0.06)
+    assert float(out.sampled_blocks) == n_blocks
+    assert float(out.sampled_accept_sum) == pytest.approx(want_s, rel=1e-4)
+    assert float(out.greedy_draft_accept_sum) == pytest.approx(want_g, rel=1e-4)
+    assert float(out.sampled_accept_sum) < float(out.accept_sum) + n_blocks * (blk - 1)  # not trivially maximal
+
+
+def test_training_steps_do_not_pay_for_the_metric():
+    """With grad enabled (a training step) the metric is not computed, even with final hidden states."""
+    target = conftest.tiny_qwen3(num_layers=2)
+    draft = conftest.make_draft(target)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=1, seq=30, pad_last=0)
+    batch = wrapper.generate_batch(ids, attn, lm, return_final_hidden=True)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=3, accept_sampling=SamplingParams(1.0))
+    out = module(batch, generator=torch.Generator().manual_seed(0))
+    assert out.sampled_blocks is None and out.sums()[-1] == 0
+
+
+def test_recipe_refuses_bad_eval_sampling(tmp_path):
+    from nemo_dflash.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match="eval_top_p"):
+        load_recipe("smollm2_135m.yaml", ["train.eval_top_p=0"])
