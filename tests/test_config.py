@@ -73,7 +73,8 @@ def test_every_recorded_recipe_still_ships():
 
 
 # Schema fields added after the records were written, with their defaults (a record predates them).
-ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0}}
+ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0},
+                      "train": {"eval_temperature": 1.0, "eval_top_p": 1.0, "eval_top_k": 0}}
 # Recipes whose values changed on purpose since the record: compared with the naive merge instead.
 CHANGED_SINCE_RECORD = {
     "smollm2_135m_gpu",  # packed rows and the compiled step (docs/performance.md)

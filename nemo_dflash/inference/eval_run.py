@@ -427,7 +427,7 @@ class EvalRun:
                          for n, c in pr["datasets"].items())
         head = (f"protocol {pr['name']}{' (changed: ' + ', '.join(pr['overrides']) + ')' if pr['overrides'] else ''}: "
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
-                f"T = {','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
+                f"{'; '.join(pr['sampling'].values()) if pr.get('sampling') else 'T = ' + ','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
                 f"decode {pr['decode']}, method {pr.get('method', 'sequential')}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
         return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
 

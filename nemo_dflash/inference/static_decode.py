@@ -252,6 +252,9 @@ def static_autoregressive_generate(
 class StaticSpecRunner:
     """Fixed-shape speculative decoding for one `DFlashSpeculativeDecoder` (see the module doc)."""
 
+    filtered = False  # top-p / top-k filter the sampled step (values in buffers)
+    draft_greedy = False  # the draft proposes its argmax, verified as a one-hot q
+
     def __init__(self, decoder: Any, max_len: int, greedy: bool, use_graphs: bool, filtered: bool = False,
                  draft_greedy: bool = False) -> None:
         model = decoder.target.model
