@@ -74,8 +74,11 @@ def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path) -> di
     return codes
 
 
+CPU_ONLY = False  # --cpu: no GPU pinning (a dry run of every phase on a tiny target)
+
+
 def gpu_env(i: int) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": str(i)} if os.environ.get("LEVERS_CPU") is None else {}
+    return {} if CPU_ONLY else {"CUDA_VISIBLE_DEVICES": str(i)}
 
 
 def python() -> list[str]:
@@ -103,7 +106,7 @@ def regen(args: argparse.Namespace) -> None:
             argv += ["--max-minutes", str(args.max_minutes)]
         if args.dtype:
             argv += ["--dtype", args.dtype]
-        jobs.append((f"regen_{name}", argv, {} if os.environ.get("LEVERS_CPU") else {"CUDA_VISIBLE_DEVICES": gpus}))
+        jobs.append((f"regen_{name}", argv, {} if CPU_ONLY else {"CUDA_VISIBLE_DEVICES": gpus}))
     (out / "data").mkdir(parents=True, exist_ok=True)
     codes = run_all(jobs, out / "logs")
     if any(codes.values()):
@@ -238,22 +241,34 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
     summary = _read(run / "summary.json") or {}
     ev_dir = out / "eval" / name
     res = {tag: _read(ev_dir / tag / "results.json") for tag in (*ACCEPTANCE, "speed")}
-    weights = _sha256(export_dir(out, name) / "model.safetensors")
+    exp = export_dir(out, name)
+    computed = None
+    if (exp / "model.safetensors").exists():  # the hash evaluate keys answers on (names and bytes of the weights)
+        from nemo_dflash.draft.build import draft_weights_sha256
+
+        computed = draft_weights_sha256(exp)
     row: dict[str, Any] = {
         "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"],
         "data_temperature": DATA[lever["data"]][2], "samples_per_prompt": DATA[lever["data"]][1],
         "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
-        "stopped_early": summary.get("stopped_early"), "heldout_sim_tau": last.get("eval_accept_len"),
-        "heldout_t1_expected_tau": last.get("eval_sampled_accept_len"),
-        "heldout_t1_expected_tau_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
-        "heldout_loss": last.get("eval_loss"), "draft_sha256": weights, "target": target,
+        "train_seconds": summary.get("train_seconds"), "stopped_early": summary.get("stopped_early"),
+        "sim_tau_heldout": last.get("eval_accept_len"),
+        "sampled_tau_heldout": last.get("eval_sampled_accept_len"),
+        "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
+        "loss_heldout": last.get("eval_loss"), "target": target,
     }
     recorded = {r.get("draft_sha256") for r in res.values() if r}
-    row["eval_draft_sha256_match"] = recorded == {weights} if recorded else None
+    # the export's hash where its weights are here, else the one every evaluation file recorded (when they agree)
+    row["draft_sha256"] = computed or (next(iter(recorded)) if len(recorded) == 1 else None)
+    row["eval_draft_sha256_match"] = (recorded == {computed}) if computed else len(recorded) == 1
+    row["model_safetensors_sha256"] = _sha256(exp / "model.safetensors")
     for ds, short in (("humaneval", "humaneval"), ("mtbench", "mtbench")):
         t0 = _sets(res["t0"]).get(ds, {})
         t1 = _sets(res["t1"]).get(ds, {})
         t1g = _sets(res["t1_greedy_draft"]).get(ds, {})
+        row[f"{short}_t0_answers"] = t0.get("answers")
+        row[f"{short}_t1_answers"] = t1.get("answers")
+        row[f"{short}_t0_loop_share"] = t0.get("loop_share")
         row[f"{short}_t0_tau"] = t0.get("mean_acceptance_length")
         row[f"{short}_t0_tau_no_loop"] = t0.get("mean_acceptance_length_no_loop")
         row[f"{short}_t1_tau"] = t1.get("mean_acceptance_length")
@@ -264,10 +279,13 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
             s = _speed(sp, key, ds)
             row[f"{short}_{tag}_speedup"] = s.get("speedup") if s else None
             row[f"{short}_{tag}_speedup_prompts"] = s.get("num_prompts") if s else None
+            row[f"{short}_{tag}_speedup_no_loop"] = s.get("speedup_no_loop") if s else None
+            row[f"{short}_{tag}_speedup_per_prompt"] = s.get("per_prompt_speedup") if s else None
         rkey = next((k for k in ((sp or {}).get("speedup") or {}) if k not in ("0", "1")), None)
         s = _speed(sp, rkey, ds) if rkey else None
         row[f"{short}_recommended_speedup"] = s.get("speedup") if s else None
         row[f"{short}_recommended_tau"] = s.get("mean_acceptance_length") if s else None  # the timed prompts
+        row[f"{short}_recommended_speedup_prompts"] = s.get("num_prompts") if s else None
     protocols = {tag: r["protocol"] for tag, r in res.items() if r}
     row["protocol"] = {tag: {k: p.get(k) for k in ("max_new_tokens", "turns", "temperatures", "sampling", "method",
                                                     "decode", "block_size", "speedup_prompts", "num_prompts")}
@@ -280,8 +298,8 @@ def report(args: argparse.Namespace) -> None:
     rows = [lever_row(out, name, args.target) for name in levers_of(args) if (out / "runs" / name).exists()]
     cols = [("lever", lambda r: r["draft"].split()[-1]), ("loss", lambda r: r["loss"]),
             ("data T", lambda r: r["data_temperature"]), ("M tok", lambda r: r["train_tokens"] / 1e6),
-            ("sim tau", lambda r: r["heldout_sim_tau"]), ("T1 exp", lambda r: r["heldout_t1_expected_tau"]),
-            ("T1 exp argmax", lambda r: r["heldout_t1_expected_tau_greedy_draft"])]
+            ("sim tau", lambda r: r["sim_tau_heldout"]), ("T1 exp", lambda r: r["sampled_tau_heldout"]),
+            ("T1 exp argmax", lambda r: r["sampled_tau_heldout_greedy_draft"])]
     for ds in ("humaneval", "mtbench"):
         cols += [(f"{ds[:2]} T0", lambda r, d=ds: r[f"{d}_t0_tau"]),
                  (f"{ds[:2]} T0 noloop", lambda r, d=ds: r[f"{d}_t0_tau_no_loop"]),
@@ -300,14 +318,13 @@ def report(args: argparse.Namespace) -> None:
         print(" | ".join(cell(f(r)) for _, f in cols))
     if args.json:
         path = Path(args.json)
-        table = json.loads(path.read_text()) if path.exists() else {"rows": []}
-        stamp = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "commit": args.commit,
-                 "command": f"python benchmarks/sampling_levers.py {{regen,train,eval,speed}} OUT ({args.note})"}
+        table = json.loads(path.read_text()) if path.exists() else []
+        stamp = {"date": args.date or time.strftime("%Y-%m-%d"), "device": args.device, "commit": args.commit,
+                 "command": f"python benchmarks/sampling_levers.py {{regen,train,eval,speed}} OUT {args.note}".strip()}
         names = {r["draft"] for r in rows}
-        table["rows"] = [r for r in table.get("rows", []) if r.get("draft") not in names] + \
-            [{**r, **stamp} for r in rows]
+        table = [r for r in table if r.get("draft") not in names] + [{**stamp, **r} for r in rows]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=2) + "\n")
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
         os.replace(tmp, path)
         print(f"{len(rows)} rows -> {path}")
 
@@ -337,9 +354,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--commit", default=None)
-    p.add_argument("--note", default="")
+    p.add_argument("--note", default="", help="the phases' flags, recorded in the rows' command")
+    p.add_argument("--date", default=None, help="the runs' date (default today)")
+    p.add_argument("--cpu", action="store_true", help="pin no GPU (a dry run on a tiny target)")
     args = p.parse_args(argv)
     args.extra, args.eval_extra = shlex.split(args.extra), shlex.split(args.eval_extra)
+    global CPU_ONLY
+    CPU_ONLY = args.cpu
     {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report}[args.phase](args)
 
 

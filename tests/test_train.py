@@ -189,6 +189,29 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
         assert (part / "config.yaml").read_text() == config
 
 
+def test_distillation_recipe_default_trains_and_resumes_exactly_with_the_sampled_metric(tiny_assets, tmp_path):
+    """The GPU recipes' loss (distillation, weight 1) with the held-out sampled acceptance on: a run cut after
+    one step and resumed logs the uninterrupted run's losses and held-out figures, bit for bit on CPU."""
+    from nemo_dflash.recipes.train import main
+
+    target, data = tiny_assets
+    full, part = tmp_path / "full", tmp_path / "part"
+    extra = ("train.max_steps=6", "loss.distill_weight=1.0", "train.eval_every=3")
+    main(_args(target, data, full, *extra))
+    main(_args(target, data, part, *extra, "train.max_minutes=0.0", "checkpoint.every_steps=100"))
+    main(_args(target, data, part, *extra))
+    assert _losses(part) == _losses(full)
+
+    def evals(run):
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return [(r["step"], r["eval_sampled_accept_len"], r["eval_sampled_accept_len_greedy_draft"])
+                for r in rows if "eval_sampled_accept_len" in r]
+
+    assert [s for s, *_ in evals(full)] == [0, 3, 6]
+    assert evals(part)[-1] == evals(full)[-1]
+    assert all(1.0 <= x <= 4.0 for _, a, b in evals(full) for x in (a, b))  # block 4: 1..4 tokens a step
+
+
 def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
     """With a fused AdamW the loop launches step n+1 before reading step n (GPUs: no idle gap
     between steps). Same losses and weights as reading every step at once; a stop voted in step
