@@ -39,23 +39,58 @@ def test_conversion_writes_a_complete_cache_and_reuses_it(tmp_path, monkeypatch)
     assert (out / ".complete").exists() and (out / "config.json").exists()
     monkeypatch.setattr(loading, "_load_gguf_dense", lambda *a: pytest.fail("converted twice"))
     assert loading.convert_gguf(_gguf(tmp_path), cache_dir=tmp_path / "cache") == out
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]  # no temp dir left
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [out.name]  # no temp dir
 
 
-def test_a_rank_that_finishes_second_keeps_the_first_ranks_copy(tmp_path, monkeypatch):
-    """Another process completes the same cache while this one converts: its copy (which it may be
-    reading) must stay in place, and this process's temp copy goes."""
-    cache, gguf = tmp_path / "cache", _gguf(tmp_path)
-    first: dict[str, Path] = {}
+def _counting_conversion(monkeypatch, log: Path, pause: float = 0.0):
+    """A fake conversion that records each run in `log` (one line a run, any process) and takes `pause` s."""
+    import time
 
-    def other_rank_finishes():
-        if not first:  # the other rank's whole conversion, run while ours is saving
-            _fake_conversion(monkeypatch)
-            first["out"] = loading.convert_gguf(gguf, cache_dir=cache)
-            (first["out"] / "in_use").write_text("being read")
+    def save():
+        with open(log, "a") as f:
+            f.write("converted\n")
+        time.sleep(pause)
 
-    _fake_conversion(monkeypatch, on_save=other_rank_finishes)
+    _fake_conversion(monkeypatch, on_save=save)
+
+
+def _convert_in_child(gguf, cache, queue):
+    queue.put(str(loading.convert_gguf(gguf, cache_dir=cache)))
+
+
+def test_two_processes_converting_at_once_convert_once_and_both_read_a_complete_cache(tmp_path, monkeypatch):
+    """Two ranks of a fresh machine start together: one converts while the other waits on the lock, then
+    reuses the finished cache (before, both converted and one could delete the other's copy mid-read)."""
+    import multiprocessing as mp
+
+    log, cache, gguf = tmp_path / "runs.log", tmp_path / "cache", _gguf(tmp_path)
+    _counting_conversion(monkeypatch, log, pause=0.5)
+    ctx = mp.get_context("fork")  # the children keep this test's stand-in conversion
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_convert_in_child, args=(gguf, cache, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    outs = {queue.get(timeout=5), queue.get(timeout=5)}
+    assert len(outs) == 1 and log.read_text().count("converted") == 1
+    out = Path(outs.pop())
+    assert loading.cache_complete(out) and (out / "config.json").read_text() == "config.json"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "old_marker"])
+def test_a_damaged_cache_is_rebuilt_not_trusted(tmp_path, monkeypatch, damage):
+    log, cache, gguf = tmp_path / "runs.log", tmp_path / "cache", _gguf(tmp_path)
+    _counting_conversion(monkeypatch, log)
     out = loading.convert_gguf(gguf, cache_dir=cache)
-    assert out == first["out"]
-    assert (out / "in_use").read_text() == "being read"  # not deleted nor replaced under the other rank
-    assert [p.name for p in cache.iterdir()] == [out.name]
+    if damage == "truncated":
+        (out / "config.json").write_text("conf")  # shorter than the marker says
+    elif damage == "missing":
+        (out / "tok.txt").unlink()
+    else:  # a marker written before it listed the files
+        (out / ".complete").write_text("ok\n")
+    assert not loading.cache_complete(out)
+    assert loading.convert_gguf(gguf, cache_dir=cache) == out
+    assert log.read_text().count("converted") == 2 and loading.cache_complete(out)
+    assert (out / "tok.txt").read_text() == "tok.txt"

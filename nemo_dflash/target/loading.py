@@ -85,9 +85,10 @@ def resolve_target_path(path: str) -> str:
 def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cache_dir: Optional[Path] = None) -> Path:
     """Dequantise a GGUF checkpoint once into an HF safetensors directory; return its path.
 
-    The cache key includes the file's size and mtime; the directory is written to a temp
-    dir and renamed into place only when complete, so an interrupted conversion never
-    leaves a half-written cache behind.
+    The cache key includes the file's size and mtime. One process converts while the others wait on a
+    lock beside the cache (the ranks of a torchrun job on a fresh machine), into a temp dir renamed into
+    place only when complete; its `.complete` marker lists every file and its size, so a cache that lost
+    or truncated a file since (or an older marker without the list) is rebuilt, never trusted.
     """
     gguf_path = Path(gguf_path).resolve()
     if not gguf_path.is_file():
@@ -95,32 +96,63 @@ def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cac
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path}|{st.st_size}|{int(st.st_mtime)}|{dtype}".encode()).hexdigest()[:12]
     out = (cache_dir or cache_root()) / f"{gguf_path.stem}-{key}"
-    if (out / "config.json").exists() and (out / ".complete").exists():
+    if cache_complete(out):
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("Converting %s to %s safetensors at %s (once)", gguf_path.name, dtype, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-        model = _load_gguf_dense(gguf_path, dtype)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / ".complete").write_text("ok\n")
-        if (out / ".complete").exists():  # another process (a torchrun rank) finished first: keep its copy,
-            return out                    # which that process may be reading now
-        if out.exists():  # a stale, incomplete cache: replace it
+    with _waiting_lock(out.parent / f".{out.name}.lock"):
+        if cache_complete(out):  # another process converted it while this one waited
+            return out
+        if out.exists():
+            logger.warning("The converted cache %s is incomplete or damaged: converting again", out)
             shutil.rmtree(out)
+        logger.info("Converting %s to %s safetensors at %s (once)", gguf_path.name, dtype, out)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
         try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+            model = _load_gguf_dense(gguf_path, dtype)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+            (tmp / ".complete").write_text(json.dumps({"files": files}, indent=1) + "\n")
             os.replace(tmp, out)
-        except OSError:  # another process renamed its copy into place in between
-            if not (out / ".complete").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def cache_complete(out: Path) -> bool:
+    """Every file the `.complete` marker lists is there with its size (and the config among them)."""
+    try:
+        files = json.loads((out / ".complete").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(files, dict) or "config.json" not in files:
+        return False
+    try:
+        return all((out / name).stat().st_size == size for name, size in files.items())
+    except OSError:
+        return False
+
+
+class _waiting_lock:
+    """An exclusive `fcntl.flock` on `path`, waited for: the one-time conversion runs in one process at a
+    time. The kernel drops it when its process ends, however it ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> "_waiting_lock":
+        import fcntl
+
+        self._f = open(self.path, "a")
+        fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()  # closing the descriptor releases the lock
 
 
 def _load_gguf_dense(gguf_path: Path, dtype: torch.dtype) -> torch.nn.Module:
