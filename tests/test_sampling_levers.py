@@ -1,0 +1,77 @@
+"""benchmarks/sampling_levers.py: every figure of a lever's row is read from its run's and evaluations' files,
+and a run stopped by its time limit is continued, not taken as finished."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sampling_levers", REPO / "benchmarks" / "sampling_levers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _results(path: Path, key: str, sets: dict, speedup: dict | None = None, sha: str = "w" * 64) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.json").write_text(json.dumps({
+        "draft_sha256": sha, "complete": True, "protocol": {"max_new_tokens": 2048, "temperatures": [key]},
+        "results": {key: sets} if sets else {}, "speedup": speedup or {}}))
+
+
+def _set(tau: float, no_loop: float) -> dict:
+    return {"answers": 40, "mean_acceptance_length": tau, "mean_acceptance_length_no_loop": no_loop,
+            "loop_share": 0.1}
+
+
+def test_lever_row_reads_every_figure_from_the_files(tmp_path):
+    levers = _script()
+    out = tmp_path / "out"
+    run = out / "runs" / "b"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 10, "loss": 5.0, "tokens": 1000.0},
+        {"step": 10, "eval_loss": 4.0, "eval_accept_len": 2.5, "eval_sampled_accept_len": 1.9,
+         "eval_sampled_accept_len_greedy_draft": 1.7, "tokens": 1000.0},
+        {"step": 20, "eval_loss": 3.5, "eval_accept_len": 2.75, "eval_sampled_accept_len": 2.0,
+         "eval_sampled_accept_len_greedy_draft": 1.8, "tokens": 2000.0}]) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 20, "total_steps": 40, "train_seconds": 9.0,
+                                                  "stopped_early": "train.max_minutes reached"}))
+    ev = out / "eval" / "b"
+    _results(ev / "t0", "0", {"humaneval": _set(3.0, 2.5), "mtbench": _set(2.0, 1.9)})
+    _results(ev / "t1", "1", {"humaneval": _set(2.2, 2.1), "mtbench": _set(1.6, 1.6)})
+    _results(ev / "t1_greedy_draft", "1,greedy", {"humaneval": _set(1.5, 1.5), "mtbench": _set(1.4, 1.4)})
+    sp = {"speedup": 1.2, "num_prompts": 20, "mean_acceptance_length": 2.9, "speedup_no_loop": 1.1,
+          "per_prompt_speedup": {"median": 1.15}}
+    rec = {"speedup": 0.9, "num_prompts": 7, "mean_acceptance_length": 1.8}
+    _results(ev / "speed", "0", {}, {"0": {"humaneval": sp}, "0.2,p0.9": {"mtbench": rec}})
+    (out / "export" / "b").mkdir(parents=True)
+    (out / "export" / "b" / "model.safetensors.sha256").write_text("f" * 64 + "\n")
+
+    row = levers.lever_row(out, "b", "pkg:smollm2")
+    assert (row["loss"], row["distill_weight"], row["data_temperature"]) == ("distill 1.0", 1.0, "0.2 (top-p 0.9)")
+    assert (row["train_tokens"], row["train_steps"], row["planned_steps"]) == (2000.0, 20, 40)
+    assert row["stopped_early"] == "train.max_minutes reached"
+    assert (row["sim_tau_heldout"], row["sampled_tau_heldout"], row["sampled_tau_heldout_greedy_draft"]) == \
+        (2.75, 2.0, 1.8)  # the last held-out evaluation
+    assert (row["humaneval_t0_tau"], row["humaneval_t0_tau_no_loop"], row["humaneval_t1_tau"]) == (3.0, 2.5, 2.2)
+    assert (row["mtbench_t1_tau"], row["mtbench_t1_tau_greedy_draft"]) == (1.6, 1.4)
+    assert (row["humaneval_t0_speedup"], row["humaneval_t0_speedup_no_loop"]) == (1.2, 1.1)
+    assert row["humaneval_t1_speedup"] is None  # not timed
+    assert (row["mtbench_recommended_speedup"], row["mtbench_recommended_tau"]) == (0.9, 1.8)
+    assert row["mtbench_recommended_speedup_prompts"] == 7
+    # the weights hash: the one every evaluation file recorded (the weights stayed on their machine)
+    assert row["draft_sha256"] == "w" * 64 and row["eval_draft_sha256_match"] is True
+    assert row["model_safetensors_sha256"] == "f" * 64
+    _results(ev / "t1", "1", {"humaneval": _set(2.2, 2.1)}, sha="x" * 64)  # another draft's answers
+    assert levers.lever_row(out, "b", "pkg:smollm2")["eval_draft_sha256_match"] is False
+
+    # a run its time limit stopped is continued by `train`; one that ran its steps is finished
+    assert not levers.finished(run)
+    (run / "summary.json").write_text(json.dumps({"steps": 40, "total_steps": 40}))
+    assert levers.finished(run)
