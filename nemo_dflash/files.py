@@ -192,7 +192,7 @@ def guard_outputs(outputs: Sequence[Output], inputs: Sequence[tuple[str, str | P
     given = [(label, Path(p)) for label, p in inputs if p is not None and os.path.lexists(p)]
     for o in outputs:
         for label, p in given:
-            if o.path.resolve() == p.resolve():
+            if o.kind == "file" and o.path.resolve() == p.resolve():
                 raise OutputError(f"{o.flag} {o.path} is the input {label} {p}: writing there would destroy it; "
                                   f"choose another {o.flag}")
             if paths_overlap(o.path, p):
