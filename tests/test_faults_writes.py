@@ -209,15 +209,16 @@ def test_item09_two_regenerate_runs_on_one_out(assets, tmp_path, cached, monkeyp
 
     def first_run_generating(*a, **k):  # while the first run writes, a second one starts on the same --out
         if not second:
+            second.append("started")
             with pytest.raises(SystemExit) as exc:
                 main(args)
-            second.append(_refused(exc, capsys, f"--out {out} is being written by another regenerate",
-                                   f"pid {os.getpid()}"))
+            second[0] = _refused(exc, capsys, f"--out {out} is being written by another regenerate",
+                                 f"pid {os.getpid()}")
         yield from real(*a, **k)
 
     monkeypatch.setattr(regen, "regenerate_conversations", first_run_generating)
     main(args)
-    assert second
+    assert second != ["started"]
     sources = [r["source"] for r in _lines(out)]
     assert len(sources) == 4 == len(set(sources))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.jsonl"]  # the lock goes with the run
