@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' old home)
@@ -41,7 +42,7 @@ from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' ol
 )
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
 from nemo_dflash.engine_limits import check_engine_limits
-from nemo_dflash.files import apply_umask
+from nemo_dflash.files import apply_umask, write_error_reason
 from nemo_dflash.target import check_target_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -106,13 +107,39 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- export
 
+# The mark an export leaves in its weights' header (safetensors metadata, which the engines ignore): how
+# `--overwrite` recognises a directory it may replace without adding a file to the serving contract.
+EXPORT_MARK = ("written_by", "nemo_dflash export")
+
+
+def is_export_dir(path: PathLike) -> bool:
+    """Whether ``path`` holds an export this product wrote and nothing else: exactly config.json and a
+    model.safetensors whose header carries `EXPORT_MARK` (a target, a training run, data or a directory of
+    someone else's files never does)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_dir() or sorted(p.name for p in path.iterdir()) != sorted((CONFIG_NAME, WEIGHTS_NAME)):
+        return False
+    try:
+        with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError):
+        return False
+    return meta.get(EXPORT_MARK[0]) == EXPORT_MARK[1]
+
 
 def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None:
-    """Write into a temp dir next to `out`, then rename it into place."""
+    """Write into a temp dir next to `out`, then rename it into place. A non-empty `out` is replaced only
+    with `overwrite` and only when it is an export (`is_export_dir`): never a target, a run or data."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
+        if not is_export_dir(out):
+            raise FileExistsError(f"--overwrite refused: {out} holds files export did not write, and --overwrite "
+                                  "only replaces an export: choose another --out, or empty it yourself")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     old = None
@@ -153,15 +180,26 @@ def export_draft(
     check_engine_limits(cfg, engine, vocab=target_vocab)
     state = {k: v.detach().to(device="cpu", dtype=SERVING_DTYPE).contiguous() for k, v in draft.state_dict().items()}
     validate_serving_weights({k: tuple(v.shape) for k, v in state.items()}, config, source="The draft's weights")
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # through a symlink: the directory it points to is replaced, not the link
 
     def write_config(p: Path) -> None:
         p.write_text(json.dumps(cfg, indent=2) + "\n")
 
     def write_weights(p: Path) -> None:
-        save_file(state, str(p), metadata={"format": "pt"})
+        save_file(state, str(p), metadata={"format": "pt", EXPORT_MARK[0]: EXPORT_MARK[1]})
 
-    _atomic_write_dir(out, {CONFIG_NAME: write_config, WEIGHTS_NAME: write_weights}, overwrite)
+    try:
+        _atomic_write_dir(out, {CONFIG_NAME: write_config, WEIGHTS_NAME: write_weights}, overwrite)
+    except SafetensorError as e:  # safetensors wraps the OSError of a failed write (a full disk)
+        reason = write_error_reason(e)
+        if reason is None:
+            raise
+        raise OSError(f"cannot write {out} ({reason}): free space or fix the permissions, then export again") from None
+    except OSError as e:
+        reason = write_error_reason(e)
+        if reason is None or isinstance(e, FileExistsError):
+            raise
+        raise OSError(f"cannot write {out} ({reason}): free space or fix the permissions, then export again") from None
     n = sum(v.numel() for v in state.values())
     logger.info("Exported %d tensors (%.1fM params, bf16) to %s", len(state), n / 1e6, out)
     return out
@@ -172,6 +210,7 @@ __all__ = [
     "check_draft_fits_target",
     "draft_config_from_dict",
     "export_draft",
+    "is_export_dir",
     "load_draft",
     "resolve_draft_dir",
     "serving_config_dict",

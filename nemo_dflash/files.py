@@ -12,11 +12,11 @@ directory get the modes a plain `open()`/`mkdir()` would have given them.
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 # A run directory: <output_dir>/checkpoints/step_00000100/{draft,COMPLETE,...} and <output_dir>/final/draft.
 CHECKPOINTS_DIR = "checkpoints"
@@ -160,6 +160,173 @@ def paths_overlap(a: str | Path, b: str | Path) -> bool:
     """Whether one path is, contains or lies inside the other (symlinks and `..` resolved)."""
     ra, rb = Path(a).resolve(), Path(b).resolve()
     return ra == rb or ra in rb.parents or rb in ra.parents
+
+
+class OutputError(ValueError):
+    """An output a command must not write: it is (or holds) an input, it exists and --overwrite was not
+    given, --overwrite would delete what this product did not write, or two outputs are one file."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One place a command will write. ``flag``: how the user named it (``--out``, ``--summary-json``).
+    ``kind``: a ``file`` or a ``dir``. ``may_exist``: an existing one is continued, not replaced
+    (a resumed run's holdout file). ``ours``: for a ``dir``, whether an existing non-empty directory
+    is something this product wrote, which ``--overwrite`` may then replace (None: never)."""
+
+    path: Path
+    flag: str
+    kind: str = "file"
+    may_exist: bool = False
+    ours: Optional[Callable[[Path], bool]] = None
+
+
+def guard_outputs(outputs: Sequence[Output], inputs: Sequence[tuple[str, str | Path]], overwrite: bool) -> None:
+    """The one output check every writing command makes before anything loads; `OutputError` (one line
+    naming the fix) or `PermissionError` / `NotADirectoryError` (`check_writable_dir`) when refused.
+
+    Paths are compared resolved (symlinks, ``..``): no output is, contains or lies inside an input (not
+    even with ``overwrite``), and no two outputs are one file. An existing file is replaced only with
+    ``overwrite``; an existing non-empty directory only with ``overwrite`` and when its ``ours`` says this
+    product wrote it. Every output's directory must be writable. Nothing is created or deleted here."""
+    given = [(label, Path(p)) for label, p in inputs if p is not None and os.path.lexists(p)]
+    for o in outputs:
+        for label, p in given:
+            if o.kind == "file" and o.path.resolve() == p.resolve():
+                raise OutputError(f"{o.flag} {o.path} is the input {label} {p}: writing there would destroy it; "
+                                  f"choose another {o.flag}")
+            if paths_overlap(o.path, p):
+                raise OutputError(
+                    f"{o.flag} {o.path} overlaps the input {label} {p} (it is, contains or lies inside it), so "
+                    f"writing there would destroy the input: choose an {o.flag} outside {p}"
+                )
+    for i, a in enumerate(outputs):
+        for b in outputs[i + 1:]:
+            if a.path.resolve() == b.path.resolve():
+                raise OutputError(f"{a.flag} and {b.flag} are the same file {a.path}: give them different paths")
+    for o in outputs:
+        path = o.path.resolve()
+        if o.kind == "file":
+            if path.is_dir():
+                raise OutputError(f"{o.flag} {o.path} is a directory: name a file")
+            if path.exists() and not (overwrite or o.may_exist):
+                raise OutputError(f"{o.flag} {o.path} already exists: pass --overwrite to replace it, or choose "
+                                  f"another {o.flag}")
+            check_writable_dir(path.parent, f"{o.flag}'s directory")
+            continue
+        if path.exists() and not path.is_dir():
+            raise OutputError(f"{o.flag} {o.path} is a regular file, not a directory: choose another {o.flag}")
+        entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        if entries and not o.may_exist:
+            if not overwrite:
+                raise OutputError(f"{o.flag} {o.path} exists and is not empty: pass --overwrite to replace it, or "
+                                  f"choose another {o.flag}")
+            if o.ours is None or not o.ours(path):
+                raise OutputError(
+                    f"--overwrite refused: {o.flag} {o.path} holds what this command did not write "
+                    f"({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}), and --overwrite only replaces "
+                    f"its own output: choose another {o.flag}, or empty it yourself"
+                )
+        check_writable_dir(path, o.flag)
+
+
+# ----------------------------------------------------------------------------- one writer per output
+
+
+class LockBusyError(OSError):
+    """Another process holds the lock; ``holder`` is the pid it wrote ("unknown" if none)."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is held by pid {holder}")
+        self.path, self.holder = path, holder
+
+
+class LockReplacedError(OSError):
+    """The lock file was removed or replaced between opening and locking it (its holder just finished)."""
+
+
+class FileLock:
+    """An exclusive, non-blocking `fcntl.flock` on ``path``, holding the pid of its owner: one writer per
+    output. The kernel drops it when the process ends, however it ends, so a killed writer leaves nothing
+    stuck. `acquire` raises `LockBusyError`, `LockReplacedError`, or `OSError` on a filesystem without flock;
+    `release(remove=True)` deletes the lock file first (safe: a waiter that opened it finds it replaced)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: Any = None
+
+    def acquire(self) -> None:
+        import errno
+        import fcntl
+
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                f.close()
+                raise
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise LockBusyError(self.path, holder) from None
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            f.close()
+            raise LockReplacedError(f"{self.path} was replaced while it was being locked")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self, remove: bool = False) -> None:
+        if self._file is not None:
+            if remove:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+
+# ----------------------------------------------------------------------------- write failures
+
+
+# Errors a write can meet that the user fixes outside the program (space, quota, permissions, a
+# read-only or failing disk): libraries that wrap them (safetensors, torch.distributed.checkpoint)
+# keep only their text, so they are found by their `strerror` in it.
+_WRITE_ERRNOS = ("ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EFBIG", "EIO", "EMFILE")
+
+
+def write_error_reason(e: BaseException) -> Optional[str]:
+    """Why a write failed in words (``No space left on device``), found in ``e`` or in what a library
+    wrapped around it; None when it is not a write failure the user can fix."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno is not None and errno.errorcode.get(e.errno) in _WRITE_ERRNOS:
+        return e.strerror or os.strerror(e.errno)
+    # dcp's CheckpointException keeps {rank: exception or its formatted traceback} in `failures`
+    failures = getattr(e, "failures", None)
+    wrapped = list(failures.values()) if isinstance(failures, dict) else []
+    wrapped += [x for x in (e.__cause__, e.__context__) if x is not None]
+    for x in wrapped:
+        if isinstance(x, OSError) and x.errno is not None and errno.errorcode.get(x.errno) in _WRITE_ERRNOS:
+            return x.strerror or os.strerror(x.errno)
+    text = " ".join(str(x) for x in [e, *wrapped])
+    for name in _WRITE_ERRNOS:
+        code = getattr(errno, name)
+        if os.strerror(code) in text or f"code: {code}," in text:
+            return os.strerror(code)
+    return None
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:

@@ -200,8 +200,12 @@ def test_export_validates_before_writing_and_never_clobbers(draft, tmp_path):
     (out / "keep.txt").write_text("user data")
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_draft(draft, out)
+    with pytest.raises(FileExistsError, match="only replaces an export"):  # someone's files: never deleted
+        export_draft(draft, out, overwrite=True)
     assert (out / "keep.txt").exists()
-    export_draft(draft, out, overwrite=True)
+    (out / "keep.txt").unlink()
+    export_draft(draft, out)
+    export_draft(draft, out, overwrite=True)  # an export: replaced
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no temp dirs left behind
     empty = tmp_path / "empty"

@@ -389,6 +389,11 @@ def _weight_files(d: Path) -> list[Path]:
     if (d / WEIGHTS_INDEX_NAME).is_file():
         index = json.loads((d / WEIGHTS_INDEX_NAME).read_text())
         files = sorted(set(index.get("weight_map", {}).values()))
+        root = d.resolve()
+        outside = [f for f in files if not isinstance(f, str) or root not in (d / f).resolve().parents]
+        if outside:  # `../x`, an absolute path, a link out: a draft reads only its own directory's files
+            raise DraftError(f"{d / WEIGHTS_INDEX_NAME} names shards outside {d} ({outside[0]!r}): a draft's index "
+                             "may only name files in its own directory; re-save the draft")
         missing = [f for f in files if not (d / f).is_file()]
         if not files or missing:
             raise FileNotFoundError(f"{d / WEIGHTS_INDEX_NAME} lists missing shards {missing or '(none listed)'}")

@@ -8,8 +8,10 @@ dir (its `final/draft`, else its latest `checkpoints/step_N/draft`). With `--tar
 draft is checked against the target's config (and tokenizer) before anything is written.
 
 Refused in one line (exit 2) before the draft loads: an --out that is, contains or lies inside the
-input (the draft, or the training run it belongs to: --overwrite would delete it), an --out that
-cannot be written, and a draft whose files differ from what its checkpoint's COMPLETE recorded.
+input (the draft, the training run it belongs to, or --target: --overwrite would delete it), a
+non-empty --out without --overwrite, or with it one that is not an export this command wrote (a
+target, a run, someone's files: --overwrite only replaces an export), an --out that cannot be
+written, and a draft whose files differ from what its checkpoint's COMPLETE recorded.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from nemo_dflash.files import (
-    CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, check_writable_dir, paths_overlap, verify_marked_draft,
-)
-from nemo_dflash.recipes._cli import UsageError, setup_logging, user_errors
+from nemo_dflash.files import CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, Output, guard_outputs, verify_marked_draft
+from nemo_dflash.recipes._cli import setup_logging, user_errors
 
 logger = logging.getLogger("nemo_dflash.export")
 
@@ -55,17 +55,16 @@ def protected_inputs(checkpoint: str | Path, src: Path) -> list[Path]:
     return found
 
 
-def check_out(out: Path, checkpoint: str, src: Path) -> None:
-    """`UsageError` for an --out that overlaps the input; `OSError` (one line) for one that cannot be written."""
-    for p in protected_inputs(checkpoint, src):
-        if paths_overlap(out, p):
-            raise UsageError(
-                f"--out {out} overlaps the input {p} (it is, contains or lies inside it), so writing there would "
-                f"destroy the input: choose an --out outside {p}"
-            )
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a regular file, not a directory: choose another --out")
-    check_writable_dir(out.parent, "--out's parent directory")
+def check_out(out: Path, checkpoint: str, src: Path, target: Optional[str] = None, overwrite: bool = False) -> None:
+    """The output guard (`guard_outputs`): `OutputError` for an --out that overlaps the input (the draft, its
+    run, a local --target) or that --overwrite may not replace (not an export this product wrote); `OSError`
+    (one line) for one that cannot be written."""
+    from nemo_dflash.export import is_export_dir
+
+    inputs = [("--checkpoint", p) for p in protected_inputs(checkpoint, src)]
+    if target and Path(target).exists():
+        inputs.append(("--target", Path(target)))
+    guard_outputs([Output(out, "--out", kind="dir", ours=is_export_dir)], inputs, overwrite)
 
 
 def verify_draft_files(src: Path) -> None:
@@ -108,9 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # paths, --out (overlapping the input, not writable, not empty), damaged files, a draft that does not fit
     with user_errors(FileNotFoundError, FileExistsError, ValueError, PermissionError, NotADirectoryError,
-                     DamagedFilesError):
+                     DamagedFilesError, OSError):
         src = resolve_draft_dir(args.checkpoint)
-        check_out(Path(args.out), args.checkpoint, Path(src))
+        check_out(Path(args.out), args.checkpoint, Path(src), args.target, args.overwrite)
         verify_draft_files(Path(src))
         try:
             draft = load_draft(src)

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from nemo_dflash.files import Output, OutputError, guard_outputs
 from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
 )
@@ -98,10 +99,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     out = Path(args.out)
     if not out.name.endswith(".jsonl") or out.is_dir():
         fail(f"--out must be a .jsonl file (got {args.out!r})")
-    if out.exists() and not args.overwrite:
-        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     if (args.source is None) == (args.target is None):
         fail("give --target (Magpie prompts the target writes) or --source (a built-in source's prompts), not both")
+    # never an input, replaced only with --overwrite, writable: checked before the prompts are made
+    inputs = [(flag, value) for flag, value in (("--target", args.target), ("--source", args.source))
+              if value is not None and os.path.exists(value)]
+    with user_errors(OutputError, OSError):
+        guard_outputs([Output(out, "--out")], inputs, args.overwrite)
     if args.source is not None:
         return write_builtin(args.source, out)
     counts = parse_topics(args.topics)

@@ -33,9 +33,11 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-from nemo_dflash.files import check_writable_dir, paths_overlap
+from nemo_dflash.files import (
+    FileLock, LockBusyError, LockReplacedError, Output, OutputError, guard_outputs, write_error_reason,
+)
 from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
 )
@@ -129,12 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# --samples-per-prompt at most: each copy of a conversation is held in memory before the first answer
+MAX_SAMPLES_PER_PROMPT = 1024
+
+
 def _validate(args: argparse.Namespace) -> None:
+    from nemo_dflash.data.generation import AUTO_SLOTS_CAP
+
     for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens",
                  "samples_per_prompt"):
         value = getattr(args, name)
         if value is not None and value != "auto" and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.batch_size != "auto" and args.batch_size > AUTO_SLOTS_CAP:
+        fail(f"--batch-size {args.batch_size} is more answers in flight than any GPU holds: give at most "
+             f"{AUTO_SLOTS_CAP}, or auto (what the GPU's free memory holds)")
+    if args.samples_per_prompt > MAX_SAMPLES_PER_PROMPT:
+        fail(f"--samples-per-prompt {args.samples_per_prompt}: give at most {MAX_SAMPLES_PER_PROMPT} (each copy is "
+             "held in memory); for more data add prompts (--num-samples, more --data)")
     if args.prepare_ahead < 0:
         fail(f"--prepare-ahead must be >= 0 (got {args.prepare_ahead})")
     if args.max_minutes is not None and args.max_minutes <= 0:
@@ -306,6 +320,26 @@ def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str
     return chosen, dict(skipped), examined
 
 
+# Why no conversation could be a prompt, by `select`'s skip reason: what to change.
+_SKIP_FIXES = {
+    "template_error": "the chat template of {target} fails to render them: fix the template (or point --target at a "
+                      "model whose template renders)",
+    "prompt_too_long": "every prompt is longer than --max-prompt-tokens (default: the context minus "
+                       "--max-new-tokens): raise --max-prompt-tokens or lower --max-new-tokens",
+    "special_tokens_in_prompt": "the prompts hold the tokenizer's special tokens: clean the data",
+    "no_user_turn": "the records have no user turn: check the data's layout (ShareGPT or OpenAI)",
+}
+
+
+def no_usable_conversations(skipped: dict[str, int], target: str) -> str:
+    """The one line for a selection that found nothing usable, naming the most common cause's fix."""
+    if not skipped:
+        return "no conversations to regenerate: check --data"
+    reason = max(skipped, key=skipped.get)
+    fix = _SKIP_FIXES.get(reason, "check --data and --target").format(target=target)
+    return f"no usable conversations (skipped: {skipped}): {fix}"
+
+
 def _holdout_record(conv: Any, turns: str) -> dict[str, Any]:
     from nemo_dflash.data.regenerate import split_prompt
 
@@ -314,13 +348,28 @@ def _holdout_record(conv: Any, turns: str) -> dict[str, Any]:
 
 
 def write_jsonl_atomic(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    write_text_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def write_text_atomic(path: Path, chunks: Iterable[str]) -> None:
+    """Write ``path`` whole or not at all: a temp file beside it, flushed, renamed into place. A write that
+    fails (a full disk, permissions) removes the temp file and is one line (exit 2); ``path`` keeps what it
+    held."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = write_error_reason(e)
+        if reason is None:
+            raise
+        fail(f"cannot write {path} ({reason}): free space or fix the permissions, then run the same command again; "
+             "what was written before is kept")
 
 
 def _check_settings(partial: Path, meta: Path, settings: dict[str, Any]) -> None:
@@ -380,14 +429,16 @@ def dist_env() -> tuple[int, int, int]:
 
 def rank_files(out: Path, rank: int, world: int) -> dict[str, Path]:
     """Where rank ``rank`` of ``world`` journals its shard: ``partial`` (written as answers end),
-    ``meta`` (its settings), ``done`` (the finished shard) and ``stats``. One rank writes ``out``'s
-    own partial files and ``out`` itself."""
+    ``meta`` (its settings), ``done`` (the finished shard), ``stats`` and ``lock`` (held while it runs:
+    one writer per output; rank 0 holds ``out``'s own). One rank writes ``out``'s own partial files and
+    ``out`` itself."""
     if world == 1:
         return {"partial": out.with_name(out.name + ".partial"), "meta": out.with_name(out.name + ".partial.json"),
-                "done": out, "stats": out.with_name(out.name + ".stats.json")}
+                "done": out, "stats": out.with_name(out.name + ".stats.json"), "lock": out.with_name(out.name + ".lock")}
     stem = f"{out.name}.rank{rank}-of-{world}"
     return {"partial": out.with_name(stem + ".partial"), "meta": out.with_name(stem + ".partial.json"),
-            "done": out.with_name(stem + ".jsonl"), "stats": out.with_name(stem + ".stats.json")}
+            "done": out.with_name(stem + ".jsonl"), "stats": out.with_name(stem + ".stats.json"),
+            "lock": out.with_name((out.name if rank == 0 else stem) + ".lock")}
 
 
 def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
@@ -395,12 +446,7 @@ def _finish_output(partial: Path, out: Path, order: dict[str, int]) -> int:
     uninterrupted run's); the number of conversations."""
     lines = [line for line in partial.read_text(encoding="utf-8").split("\n") if line]
     lines.sort(key=lambda line: order[json.loads(line)["source"]])
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_text_atomic(out, (line + "\n" for line in lines))
     partial.unlink()
     return len(lines)
 
@@ -473,12 +519,7 @@ def _merge_ranks(out: Path, world: int, order: dict[str, int]) -> list[dict[str,
     keyed = sorted((order[json.loads(line)["source"]], line) for line in lines)
     if len({k for k, _ in keyed}) != len(keyed):
         fail(f"the rank shards of {out} hold a conversation twice; pass --overwrite to start over")
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("".join(line + "\n" for _, line in keyed))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+    write_text_atomic(out, (line + "\n" for _, line in keyed))
     stats = []
     for f in files:
         stats.append(json.loads(f["stats"].read_text()))
@@ -539,35 +580,71 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rank, world, local_rank = dist_env()
     with user_errors():  # --device cuda without a GPU: refused before any file is read
         device, dtype = resolve_device_dtype(args.device, args.dtype)
+    from nemo_dflash.data import DataError
+
+    wall0 = time.perf_counter()
+    out = Path(args.out)
+    files = rank_files(out, rank, world)
+    held = holdout_path(out) if args.holdout else None
+    # every file this run writes, checked at once: never an input, replaced only with --overwrite, writable
+    with user_errors(OutputError, DataError, OSError):
+        guard_outputs(output_places(args, files, held, world), input_places(args), args.overwrite)
+    lock = FileLock(files["lock"])
+    with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire()
+        except (LockBusyError, LockReplacedError) as e:
+            holder = f" (pid {e.holder})" if isinstance(e, LockBusyError) else ""
+            raise OSError(f"--out {out} is being written by another regenerate{holder}: wait for it to end, or "
+                          "choose another --out") from None
+    try:
+        return _run(args, out, files, held, rank, world, local_rank, device, dtype, wall0)
+    finally:
+        lock.release(remove=True)
+
+
+def output_places(args: argparse.Namespace, files: dict[str, Path], held: Optional[Path],
+                  world: int) -> list[Output]:
+    """What a run writes: --out, the holdout file and --summary-json (each replaced only with --overwrite;
+    the holdout file of a partial output being continued is kept), and its journal (continued)."""
+    resuming = files["partial"].exists() or (world > 1 and files["done"].exists())
+    places = [Output(Path(args.out), "--out")]
+    if held is not None:
+        places.append(Output(held, "--holdout's file", may_exist=resuming))
+    if args.summary_json:
+        places.append(Output(Path(args.summary_json), "--summary-json"))
+    journal = ("partial", "meta", "stats") if world == 1 else ("partial", "meta", "stats", "done")
+    places += [Output(files[k], "--out's journal", may_exist=True) for k in journal]
+    return places
+
+
+def input_places(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """What a run reads, as files: each --data entry's file (its NAME= and @WEIGHT taken off) and a local
+    --target."""
+    from nemo_dflash.data.prompts import parse_source
+
+    found = [("--target", args.target)] if os.path.exists(args.target) else []
+    for entry in args.data:
+        spec = parse_source(entry)
+        if spec.builtin is None:
+            found.append(("--data", spec.what))
+    return found
+
+
+def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Optional[Path], rank: int, world: int,
+         local_rank: int, device: str, dtype: str, wall0: float) -> dict[str, Any]:
+    """The run, once its outputs are checked and locked."""
     from tqdm import tqdm
 
     from nemo_dflash.data import DataError
     from nemo_dflash.data.regenerate import RegenStats, regenerate_conversations
     from nemo_dflash.target.loading import load_target
 
-    wall0 = time.perf_counter()
-    out = Path(args.out)
-    files = rank_files(out, rank, world)
-    partial, meta, held = files["partial"], files["meta"], None
-    if out.is_dir():
-        fail(f"--out {out} is a directory; name a .jsonl file")
-    for given in args.data:  # --overwrite would replace the input with the output
-        if Path(given).exists() and paths_overlap(out, given):
-            fail(f"--out {out} is the input --data {given}: choose another --out")
-    if out.exists() and not args.overwrite:
-        fail(f"{out} already exists; pass --overwrite to replace it or choose another --out")
-    if args.holdout:
-        held = holdout_path(out)
-        if held.exists() and not args.overwrite and not partial.exists() and not files["done"].exists():
-            fail(f"{held} already exists; pass --overwrite to replace it or choose another --out")
-    with user_errors(OSError):  # an --out folder that cannot be made or written (permissions, a file in the way)
-        check_writable_dir(out.parent, "--out's directory")
-        out.parent.mkdir(parents=True, exist_ok=True)
+    partial, meta = files["partial"], files["meta"]
     if args.overwrite:
         for key in ("partial", "meta", "stats") if world == 1 else ("partial", "meta", "stats", "done"):
             files[key].unlink(missing_ok=True)
-    with user_errors(OSError):  # an --out folder that cannot be made (permissions, a file in the way)
-        out.parent.mkdir(parents=True, exist_ok=True)
 
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
         pool, dataset, report = read_sources(args.data, args.max_bad_lines, decontaminate=args.decontaminate == "on",
@@ -597,9 +674,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     max_prompt = args.max_prompt_tokens
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None:
+        if args.max_new_tokens >= context:
+            fail(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context of "
+                 f"{context} tokens: give at most {context - 1}")
         if max_prompt is None:
             max_prompt = context - args.max_new_tokens
-        if max_prompt + args.max_new_tokens > context or max_prompt < 1:
+        if max_prompt + args.max_new_tokens > context:
             fail(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                  f"context of {context} tokens; lower one of them")
 
@@ -611,11 +691,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         args.batch_size = auto_num_slots(fit)
         logger.info("--batch-size auto: %d answers in flight%s", args.batch_size,
                     f" ({fit} fit in the GPU's free memory)" if fit is not None else "")
+    elif args.engine == "slots" and max_prompt is not None:
+        from nemo_dflash.data.generation import max_slots
+
+        fit = max_slots(model, max_prompt, args.max_new_tokens)
+        if fit is not None and args.batch_size > fit:
+            fail(f"--batch-size {args.batch_size}: the KV cache of only {fit} answers fits in the GPU's free memory; "
+                 "lower it, or pass --batch-size auto")
 
     want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
     chosen, select_skipped, examined = select(pool, tokenizer, count=want, seed=args.seed, turns=args.turns,
                                               max_prompt_tokens=max_prompt)
     del pool
+    if not chosen:
+        fail(no_usable_conversations(select_skipped, args.target))
     if len(chosen) <= args.holdout:
         fail(f"only {len(chosen)} usable conversations (skipped: {select_skipped}); lower --holdout {args.holdout}")
     if len(chosen) < want:
@@ -688,8 +777,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
                     f.flush()
                 os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as e:
             bar.close()
+            reason = write_error_reason(e)
+            if reason is not None:  # a full disk: the whole lines written are kept, a torn last one is cut on resume
+                fail(f"cannot write {partial} ({reason}): free space or fix the permissions, then run the same "
+                     "command again to continue it")
             logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
                          partial)
             raise

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from nemo_dflash.data import DataError
 from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir reads it too)
     CHECKPOINTS_DIR, COMPLETE, DRAFT_DIR, FINAL_DIR, STEP_PREFIX, apply_umask, checkpoint_root,
-    final_draft_dir, fsync_path, verify_complete, write_complete_marker,
+    final_draft_dir, fsync_path, verify_complete, write_complete_marker, write_error_reason,
 )
 from nemo_dflash.train.distributed import DistState, all_reduce_sum
 
@@ -60,6 +61,14 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # Fields that must match between a checkpoint and the run resuming from it (see `run_identity`).
 IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
+
+
+# What a failed write raises: the OSError itself, or the libraries' wrappers of it.
+_WRITE_FAILURES = (OSError, CheckpointException, SafetensorError)
+
+
+def one_line_error(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 class ResumeMismatchError(ValueError):
@@ -322,15 +331,24 @@ class Checkpointer:
                 self.output_dir, step, self.draft, self.optimizer, self.dataloader,
                 {**self.identity, "tokens_seen": tokens_seen}, self.state, self.keep_last,
             )
-        except OSError as e:
-            tmp = checkpoint_root(self.output_dir) / f".tmp-{step_dir_name(step)}"
-            if self.state.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"cannot write the checkpoint of step {step} in {checkpoint_root(self.output_dir)} "
-                f"({e.strerror or e}): free space or fix the permissions, then run the same command again to "
-                "resume from the last complete checkpoint"
-            ) from None
+        except _WRITE_FAILURES as e:
+            raise self._write_failed(e, checkpoint_root(self.output_dir) / f".tmp-{step_dir_name(step)}",
+                                     f"the checkpoint of step {step} in {checkpoint_root(self.output_dir)}",
+                                     "resume from the last complete checkpoint") from None
+
+    def _write_failed(self, e: BaseException, tmp: Path, what: str, then: str) -> BaseException:
+        """A write that failed (a full disk, a quota, permissions changed mid-run), wrapped or not by the
+        library that wrote (safetensors, torch.distributed.checkpoint): its half-written ``tmp`` removed
+        and a one-line `CheckpointError` to raise; any other error is returned as it was (a bug)."""
+        reason = write_error_reason(e)
+        if reason is None and not isinstance(e, OSError):
+            return e
+        if self.state.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(
+            f"cannot write {what} ({reason or one_line_error(e)}): free space or fix the permissions, then run "
+            f"the same command again to {then}"
+        )
 
     def due(self, step: int) -> bool:
         """Whether the `every_steps` schedule saves after `step`."""
@@ -357,11 +375,16 @@ class Checkpointer:
         while writing it keeps the previous one whole."""
         final = self.final_draft.parent
         tmp = final.parent / f".tmp-{final.name}"
-        if self.state.is_main and tmp.exists():
-            shutil.rmtree(tmp)
-        save_draft_dir(self.draft, tmp / self.final_draft.name, self.state)
+        try:
+            if self.state.is_main and tmp.exists():
+                shutil.rmtree(tmp)
+            save_draft_dir(self.draft, tmp / self.final_draft.name, self.state)
+            if self.state.is_main:
+                write_complete_marker(tmp)
+        except _WRITE_FAILURES as e:
+            raise self._write_failed(e, tmp, f"the final draft in {final}",
+                                     "write it from the last complete checkpoint") from None
         if self.state.is_main:
-            write_complete_marker(tmp)
             old = final.parent / f".old-{final.name}"
             if final.exists():
                 os.replace(final, old)

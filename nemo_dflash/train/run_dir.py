@@ -15,8 +15,6 @@ Under torchrun only rank 0 checks and locks; its verdict is shared with every ra
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import shutil
@@ -25,7 +23,9 @@ from typing import Optional
 
 import torch
 
-from nemo_dflash.files import CHECKPOINTS_DIR, COMPLETE, FINAL_DIR, check_writable_dir
+from nemo_dflash.files import (
+    CHECKPOINTS_DIR, COMPLETE, FINAL_DIR, FileLock, LockBusyError, LockReplacedError, check_writable_dir,
+)
 from nemo_dflash.train.distributed import DistState, all_reduce_sum
 
 logger = logging.getLogger(__name__)
@@ -60,55 +60,30 @@ def _has_checkpoint(output_dir: Path) -> bool:
     return ckpts.is_dir() and any((p / COMPLETE).is_file() for p in ckpts.iterdir() if p.name.startswith("step_"))
 
 
-class RunDirLock:
-    """An exclusive, non-blocking `flock` on `<output_dir>/.lock`, released by `release` or the process's end."""
+class RunDirLock(FileLock):
+    """`FileLock` on `<output_dir>/.lock`, its refusals worded for a training run (`RunDirError`)."""
 
     def __init__(self, output_dir: Path) -> None:
-        self.path = Path(output_dir) / LOCK_NAME
-        self._file = None
+        super().__init__(Path(output_dir) / LOCK_NAME)
 
     def acquire(self) -> None:
-        f = open(self.path, "a+")
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                f.close()
-                raise RunDirError(
-                    f"output_dir {self.path.parent} cannot be locked ({e.strerror}): choose an output_dir on a "
-                    "local or lock-capable filesystem"
-                ) from None
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
+            super().acquire()
+        except LockBusyError as e:
             raise RunDirError(
-                f"output_dir {self.path.parent} is in use by another training (pid {holder}): wait for it to end, "
+                f"output_dir {self.path.parent} is in use by another training (pid {e.holder}): wait for it to end, "
                 "or choose another output_dir"
             ) from None
-        try:
-            same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # renamed away between open and lock (another run's --overwrite replaced the directory)
-            f.close()
+        except LockReplacedError:  # renamed away between open and lock (another run's --overwrite)
             raise RunDirError(
                 f"output_dir {self.path.parent} was just replaced by another training: wait for it to end, "
                 "or choose another output_dir"
-            )
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self._file = f
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the descriptor drops the flock
-            self._file = None
-
-    @property
-    def held(self) -> bool:
-        return self._file is not None
+            ) from None
+        except OSError as e:
+            raise RunDirError(
+                f"output_dir {self.path.parent} cannot be locked ({e.strerror or e}): choose an output_dir on a "
+                "local or lock-capable filesystem"
+            ) from None
 
 
 def _clear_aside(output_dir: Path, lock: RunDirLock) -> RunDirLock:
@@ -165,7 +140,10 @@ def _claim_main(output_dir: Path, resume: str, overwrite: bool) -> RunDirLock:
 def claim_output_dir(output_dir: str | Path, resume: str, overwrite: bool, state: DistState) -> Optional[RunDirLock]:
     """Check and lock ``output_dir`` for this run (rank 0), before any model loads; every rank raises
     `RunDirError` when rank 0 refuses. Returns rank 0's lock (None elsewhere): release it at the end."""
-    output_dir = Path(output_dir)
+    if not str(output_dir).strip():
+        raise RunDirError("output_dir is empty, which would write the run into the working directory: set "
+                          "output_dir=PATH")
+    output_dir = Path(output_dir).resolve()  # through a symlink: the run it points to is the one claimed
     lock, error = None, None
     if state.is_main:
         try:

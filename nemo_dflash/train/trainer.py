@@ -395,7 +395,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.out = Path(cfg.output_dir)
         # Busy, holding another run, or not writable: refused here, before the target loads.
-        self.run_lock = claim_output_dir(self.out, cfg.checkpoint.resume, overwrite, self.state)
+        self.run_lock = claim_output_dir(cfg.output_dir, cfg.checkpoint.resume, overwrite, self.state)
         # The checkpoint to resume from, its files checked now: none intact is refused before the target loads.
         resume_plan = plan_resume(self.out, cfg.checkpoint.resume, self.state)
 
