@@ -63,8 +63,11 @@ def _has_checkpoint(output_dir: Path) -> bool:
 class RunDirLock:
     """An exclusive, non-blocking `flock` on `<output_dir>/.lock`, released by `release` or the process's end."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, user: str = "training", place: str = "output_dir") -> None:
+        """``user``, ``place``: what holds such a lock and the flag naming the directory, for the messages
+        (`evaluate` and `regenerate` lock their --out the same way)."""
         self.path = Path(output_dir) / LOCK_NAME
+        self.user, self.place = user, place
         self._file = None
 
     def acquire(self) -> None:
@@ -75,15 +78,15 @@ class RunDirLock:
             if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                 f.close()
                 raise RunDirError(
-                    f"output_dir {self.path.parent} cannot be locked ({e.strerror}): choose an output_dir on a "
+                    f"{self.place} {self.path.parent} cannot be locked ({e.strerror}): choose an {self.place} on a "
                     "local or lock-capable filesystem"
                 ) from None
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
             raise RunDirError(
-                f"output_dir {self.path.parent} is in use by another training (pid {holder}): wait for it to end, "
-                "or choose another output_dir"
+                f"{self.place} {self.path.parent} is in use by another {self.user} (pid {holder}): wait for it to end, "
+                f"or choose another {self.place}"
             ) from None
         try:
             same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
@@ -92,8 +95,8 @@ class RunDirLock:
         if not same:  # renamed away between open and lock (another run's --overwrite replaced the directory)
             f.close()
             raise RunDirError(
-                f"output_dir {self.path.parent} was just replaced by another training: wait for it to end, "
-                "or choose another output_dir"
+                f"{self.place} {self.path.parent} was just replaced by another {self.user}: wait for it to end, "
+                f"or choose another {self.place}"
             )
         f.seek(0)
         f.truncate()
