@@ -247,7 +247,7 @@ def test_item14_parquet_record_size_and_source_weight_are_bounded(tmp_path, caps
 
     with pytest.raises(DataError, match="weight must be in"):
         apply_weight([1, 2, 3], 1e9, seed=0)
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight must be in"):
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight must be at most 100"):
         load_recipe("qwen3_8b.yaml", [f"data.sources=[{{path: {path}, weight: 1e9}}]"])
 
 

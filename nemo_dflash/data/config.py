@@ -89,11 +89,13 @@ def validate_data_config(cfg: DataConfig) -> None:
     for i, src in enumerate(cfg.sources):
         if not isinstance(src.path, str) or not src.path or src.path == MISSING:
             raise DataError(f"data.sources[{i}].path is not set")
-        if not (math.isfinite(src.weight) and 0 < src.weight <= MAX_SOURCE_WEIGHT):
+        if not src.weight > 0:
             raise DataError(
-                f"data.sources[{i}].weight must be in (0, {MAX_SOURCE_WEIGHT:g}] (got {src.weight}); remove the source "
-                "to disable it, or repeat a file by a weight that fits"
+                f"data.sources[{i}].weight must be > 0 (got {src.weight}); remove the source to disable it"
             )
+        if not (math.isfinite(src.weight) and src.weight <= MAX_SOURCE_WEIGHT):
+            raise DataError(f"data.sources[{i}].weight must be at most {MAX_SOURCE_WEIGHT:g} (got {src.weight}): "
+                            "each unit repeats the whole file once")
         if src.max_samples is not None and src.max_samples <= 0:
             raise DataError(f"data.sources[{i}].max_samples must be positive or null (got {src.max_samples})")
     if not 0 < cfg.max_length <= MAX_TOKENS:
