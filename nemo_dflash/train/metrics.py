@@ -52,7 +52,7 @@ class MetricsLogger:
 
     def resume_at(self, step: int) -> None:
         """Keep the rows of steps <= ``step`` (atomically) and plot them too: the steps after the
-        checkpoint are redone, so their old rows would appear twice."""
+        checkpoint are redone, so their old rows would appear twice. A line cut short by a kill is dropped."""
         if not self.enabled or not self.path.is_file():
             return
         rows, torn = [], 0
