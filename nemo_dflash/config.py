@@ -13,13 +13,21 @@ error that names the closest valid key.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    GrammarParseError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    ValidationError,
+)
 
 from nemo_dflash.data.config import DataConfig
 
@@ -309,9 +317,14 @@ def _missing_option_error(e: Exception, recipe: Optional[Path]) -> ConfigError:
     return ConfigError(f"{where}config group option '{missing}' not found.{hint} Options in '{group}': {', '.join(options)}")
 
 
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
     """Hydra's Compose API: the schema's defaults, then the recipe (its defaults list, then its body),
     then the overrides. The recipe's folder comes first in the search path, then the shipped configs/."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
@@ -329,6 +342,12 @@ def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
             return compose(_RUN_NODE, overrides=[f"hydra.searchpath={search}", *overrides])
     except MissingConfigException as e:
         raise _missing_option_error(e, recipe) from None
+    except yaml.YAMLError as e:  # a recipe or config group file that is not YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(recipe)
+        what = getattr(e, "problem", None) or _one_line(str(e))
+        raise ConfigError(f"{where}: not valid YAML ({what}): fix the syntax there (a bracket or quote left open, "
+                          "a tab for indentation)") from None
     except ConfigCompositionException as e:
         cause = e.__cause__
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
@@ -352,10 +371,66 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
         raise _unknown_key_error(schema, str(e.full_key)) from None
     except MissingMandatoryValue as e:
         raise ConfigError(f"'{e.full_key}' must be set (in the recipe or as {e.full_key}=...)") from None
+    except (InterpolationResolutionError, GrammarParseError) as e:
+        raise ConfigError(f"'{e.full_key}' is an interpolation that does not resolve ({str(e.msg).splitlines()[0]}): "
+                          f"define what it names (e.g. export the environment variable), or write the value itself"
+                          ) from None
     except ValidationError as e:
         raise ConfigError(f"Invalid value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
     validate(cfg)
     return cfg
+
+
+def _finite(x: Optional[float]) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _in(x: Optional[float], lo: float, hi: float) -> bool:
+    """lo <= x <= hi for a finite x (NaN and +-inf are out of every range)."""
+    return _finite(x) and lo <= x <= hi  # type: ignore[operator]
+
+
+# Upper bounds of the counts and sizes: far above any real run, far below what takes a machine down.
+MAX_TOKENS = 1 << 20  # data.max_length, data.pack_length: a million tokens a row
+MAX_ROWS = 1 << 16  # train.micro_batch_size, train.grad_accum, train.eval_batches
+
+
+def _ranges(cfg: RecipeConfig) -> list[tuple[bool, str]]:
+    """Every count, rate and size of the recipe with its range, checked before anything loads."""
+    t, o, d, lo, ck = cfg.train, cfg.optim, cfg.draft, cfg.loss, cfg.checkpoint
+    return [
+        (1 <= d.num_layers <= 1024, "draft.num_layers must be in [1, 1024]"),
+        (2 <= d.block_size <= 4096, "draft.block_size must be in [2, 4096] (slot 0 is the anchor)"),
+        (d.intermediate_size is None or 1 <= d.intermediate_size <= 1 << 24,
+         "draft.intermediate_size must be >= 1 or null (null: the target's)"),
+        (d.mask_token_id is None or d.mask_token_id >= 0, "draft.mask_token_id must be >= 0 or null"),
+        (1 <= lo.num_anchors <= MAX_TOKENS, f"loss.num_anchors must be in [1, {MAX_TOKENS}]"),
+        (lo.gamma is None or (_finite(lo.gamma) and lo.gamma > 0), "loss.gamma must be a finite number > 0 or null"),
+        (_in(lo.distill_weight, 0.0, 1.0), "loss.distill_weight must be in [0, 1]"),
+        (1 <= lo.ce_chunk_size <= MAX_TOKENS, f"loss.ce_chunk_size must be in [1, {MAX_TOKENS}]"),
+        (_finite(o.lr) and 0 < o.lr <= 1, "optim.lr must be a finite number in (0, 1] (the recipes use 6e-4)"),
+        (_in(o.weight_decay, 0.0, 1e3), "optim.weight_decay must be a finite number >= 0"),
+        (len(o.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in o.betas),
+         "optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        (_finite(o.eps) and 0 < o.eps <= 1, "optim.eps must be a finite number in (0, 1], e.g. 1e-8"),
+        (_finite(o.warmup_ratio) and 0.0 <= o.warmup_ratio < 1.0, "optim.warmup_ratio must be in [0, 1)"),
+        (o.grad_clip > 0, "optim.grad_clip must be > 0 (the norm gradients are clipped to; inf: no clipping)"),
+        (_finite(t.epochs) and t.epochs > 0, "train.epochs must be a finite number > 0 (or set train.max_steps)"),
+        (t.max_steps is None or t.max_steps >= 1, "train.max_steps must be >= 1 or null"),
+        (t.max_minutes is None or (_finite(t.max_minutes) and t.max_minutes >= 0),
+         "train.max_minutes must be a finite number >= 0 or null (0: stop after the first step)"),
+        (1 <= t.micro_batch_size <= MAX_ROWS and 1 <= t.grad_accum <= MAX_ROWS,
+         f"train.micro_batch_size and train.grad_accum must be in [1, {MAX_ROWS}]"),
+        (t.log_every >= 1, "train.log_every must be >= 1 (steps between two logged rows)"),
+        (t.eval_every is None or t.eval_every >= 0, "train.eval_every must be >= 0 or null (0 or null: no evaluation)"),
+        (1 <= t.eval_batches <= MAX_ROWS, f"train.eval_batches must be in [1, {MAX_ROWS}]"),
+        (t.max_bad_steps >= 0, "train.max_bad_steps must be >= 0"),
+        (0 <= t.seed < 2**63, "train.seed must be in [0, 2**63)"),
+        (ck.every_steps is None or ck.every_steps >= 0,
+         "checkpoint.every_steps must be >= 0 or null (0 or null: only at the end when stopped early)"),
+        (ck.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+        (1 <= cfg.distributed.timeout_minutes <= 7 * 24 * 60, "distributed.timeout_minutes must be in [1, 10080]"),
+    ]
 
 
 def validate(cfg: RecipeConfig) -> None:
@@ -363,20 +438,7 @@ def validate(cfg: RecipeConfig) -> None:
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
         if value not in choices:
             raise ConfigError(f"'{key}' must be one of {list(choices)}, got {value!r}")
-    checks = [
-        (cfg.draft.num_layers >= 1, "draft.num_layers must be >= 1"),
-        (cfg.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
-        (cfg.loss.num_anchors >= 1, "loss.num_anchors must be >= 1"),
-        (cfg.loss.gamma is None or cfg.loss.gamma > 0, "loss.gamma must be > 0 or null"),
-        (0.0 <= cfg.loss.distill_weight <= 1.0, "loss.distill_weight must be in [0, 1]"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
-        (0.0 <= cfg.optim.warmup_ratio < 1.0, "optim.warmup_ratio must be in [0, 1)"),
-        (len(cfg.optim.betas) == 2, "optim.betas must be two numbers"),
-        (cfg.train.micro_batch_size >= 1 and cfg.train.grad_accum >= 1, "train.micro_batch_size and grad_accum >= 1"),
-        (cfg.train.max_steps is None or cfg.train.max_steps >= 1, "train.max_steps must be >= 1 or null"),
-        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
-    ]
-    for ok, msg in checks:
+    for ok, msg in _ranges(cfg):
         if not ok:
             raise ConfigError(msg)
     from nemo_dflash.sampling import check_sampling

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 BATCHING_MODES = ("random", "length_grouped")
+MAX_TOKENS = 1 << 20  # data.max_length, data.pack_length, data.pad_to_multiple_of: a million tokens a row
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity, else the machine's): the bound of every worker count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -67,7 +78,7 @@ def as_data_config(config: Any) -> DataConfig:
 def validate_data_config(cfg: DataConfig) -> None:
     """Fail early with a message naming the key to fix."""
     # Imported here: sources imports nothing from config, keep the module graph one-way.
-    from nemo_dflash.data.sources import DataError
+    from nemo_dflash.data.sources import MAX_SOURCE_WEIGHT, DataError
 
     if not cfg.sources:
         raise DataError(
@@ -82,24 +93,28 @@ def validate_data_config(cfg: DataConfig) -> None:
             raise DataError(
                 f"data.sources[{i}].weight must be > 0 (got {src.weight}); remove the source to disable it"
             )
+        if not (math.isfinite(src.weight) and src.weight <= MAX_SOURCE_WEIGHT):
+            raise DataError(f"data.sources[{i}].weight must be at most {MAX_SOURCE_WEIGHT:g} (got {src.weight}): "
+                            "each unit repeats the whole file once")
         if src.max_samples is not None and src.max_samples <= 0:
             raise DataError(f"data.sources[{i}].max_samples must be positive or null (got {src.max_samples})")
-    if cfg.max_length <= 0:
-        raise DataError(f"data.max_length must be positive (got {cfg.max_length})")
+    if not 0 < cfg.max_length <= MAX_TOKENS:
+        raise DataError(f"data.max_length must be in [1, {MAX_TOKENS}] (got {cfg.max_length})")
     if cfg.max_bad_lines < 0:
         raise DataError(f"data.max_bad_lines must be >= 0 (got {cfg.max_bad_lines})")
     if not 0.0 <= cfg.holdout_fraction < 1.0:
         raise DataError(f"data.holdout_fraction must be in [0, 1) (got {cfg.holdout_fraction})")
     if cfg.batching not in BATCHING_MODES:
         raise DataError(f"data.batching must be one of {BATCHING_MODES} (got {cfg.batching!r})")
-    if cfg.pad_to_multiple_of <= 0:
-        raise DataError(f"data.pad_to_multiple_of must be positive (got {cfg.pad_to_multiple_of})")
-    if cfg.pack_length < 0:
-        raise DataError(f"data.pack_length must be >= 0 (got {cfg.pack_length}); 0 turns packing off")
+    if not 0 < cfg.pad_to_multiple_of <= MAX_TOKENS:
+        raise DataError(f"data.pad_to_multiple_of must be in [1, {MAX_TOKENS}] (got {cfg.pad_to_multiple_of})")
+    if not 0 <= cfg.pack_length <= MAX_TOKENS:
+        raise DataError(f"data.pack_length must be in [0, {MAX_TOKENS}] (got {cfg.pack_length}); 0 turns packing off")
     if cfg.pack_length and cfg.max_length > cfg.pack_length:
         raise DataError(
             f"data.max_length ({cfg.max_length}) exceeds data.pack_length ({cfg.pack_length}): a conversation must fit "
             "one packed row; raise data.pack_length or lower data.max_length"
         )
-    if cfg.num_workers < 0:
-        raise DataError(f"data.num_workers must be >= 0 (got {cfg.num_workers})")
+    cpus = available_cpus()
+    if not 0 <= cfg.num_workers <= cpus:
+        raise DataError(f"data.num_workers must be in [0, {cpus}] (this machine's CPUs; got {cfg.num_workers})")

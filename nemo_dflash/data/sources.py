@@ -48,6 +48,14 @@ SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 # 20 MB record cost 5.4 GB and 4x a run's time downstream. ShareGPT's longest record is ~0.4 MB.
 MAX_RECORD_CHARS = 4 << 20
 
+# The largest data.sources[].weight: 100 copies of a file in the mix, not the 4 GB a weight of 1e9 asks for.
+MAX_SOURCE_WEIGHT = 100.0
+
+# A JSON escape of a UTF-16 surrogate (`\\ud800`): json.loads joins a valid pair into one character, so a
+# surrogate left in the decoded record is a lone one, which no tokenizer or UTF-8 writer accepts.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # Files are decoded with "surrogateescape": an invalid UTF-8 byte becomes one lone surrogate in
 # U+DC80..U+DCFF, which no valid text holds, so a damaged record is found, counted and skipped
 # instead of silently carrying U+FFFD into the training text.
@@ -155,6 +163,45 @@ def _damage(text: str) -> Optional[MalformedRecord]:
     return None
 
 
+def _strings(obj: Any) -> Iterator[str]:
+    """Every string (keys and values) of a decoded JSON value."""
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+
+
+def _lone_surrogate(text: str, obj: Any) -> Optional[MalformedRecord]:
+    """A record whose JSON escapes decode to a lone surrogate (`"\\ud800"`): refused like invalid UTF-8."""
+    if _SURROGATE_ESCAPE.search(text) is None:  # the cheap test: no escape, no surrogate
+        return None
+    if any(_SURROGATE.search(x) for x in _strings(obj)):
+        return MalformedRecord("a lone UTF-16 surrogate escape (e.g. \\ud800), which is no character")
+    return None
+
+
+def _decoded(text: str, obj: Any) -> Any:
+    """The decoded record, or why it is refused (a lone surrogate)."""
+    damage = _lone_surrogate(text, obj)
+    return obj if damage is None else damage
+
+
+def _record_chars(obj: Any, bound: int) -> int:
+    """Characters of the strings in a record, counted until past ``bound`` (a Parquet row has no JSON text)."""
+    n = 0
+    for x in _strings(obj):
+        n += len(x)
+        if n > bound:
+            break
+    return n
+
+
 def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
     name = os.path.basename(path)
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
@@ -166,9 +213,11 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
                 yield f"{name}:{lineno}", damage
                 continue
             try:
-                yield f"{name}:{lineno}", json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 yield f"{name}:{lineno}", MalformedRecord(f"invalid JSON ({e.msg} at column {e.colno})")
+                continue
+            yield f"{name}:{lineno}", _decoded(line, record)
 
 
 def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[str, Any]]:
@@ -252,8 +301,8 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[st
                     )
                     return
             damage = _damage(buf[pos:end])
-            pos = end
-            yield f"{name}:object {index}", (obj if damage is None else damage)
+            text, pos = buf[pos:end], end
+            yield f"{name}:object {index}", (_decoded(text, obj) if damage is None else damage)
             index += 1
             need_comma = True
 
@@ -273,7 +322,12 @@ def _iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[str, Any]
     for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
         for rec in batch.to_pylist():
             # Parquet has a schema: absent keys come back as None, drop them so the layout check works.
-            yield f"{name}:row {row}", {k: v for k, v in rec.items() if v is not None}
+            rec = {k: v for k, v in rec.items() if v is not None}
+            chars = _record_chars(rec, MAX_RECORD_CHARS)
+            if chars > MAX_RECORD_CHARS:  # the bound the JSON readers apply to a record's text
+                rec = MalformedRecord(f"record of over {MAX_RECORD_CHARS:,} characters, over the "
+                                      f"{MAX_RECORD_CHARS:,} bound")
+            yield f"{name}:row {row}", rec
             row += 1
 
 
@@ -333,8 +387,8 @@ def apply_weight(items: Sequence[T], weight: float, seed: int) -> list[T]:
 
     ``weight=2.0`` keeps every item twice, ``0.5`` a seeded half, ``1.5`` all once plus a seeded half.
     """
-    if not weight > 0:
-        raise DataError(f"source weight must be > 0 (got {weight})")
+    if not 0 < weight <= MAX_SOURCE_WEIGHT:  # NaN and inf too
+        raise DataError(f"source weight must be in (0, {MAX_SOURCE_WEIGHT:g}] (got {weight})")
     whole = int(weight)
     out = [x for _ in range(whole) for x in items]
     extra = round((weight - whole) * len(items))
@@ -343,3 +397,15 @@ def apply_weight(items: Sequence[T], weight: float, seed: int) -> list[T]:
         picked = sorted(rng.sample(range(len(items)), extra))  # keep file order inside the subset
         out.extend(items[i] for i in picked)
     return out
+
+
+def source_sha256(path: str) -> str:
+    """The sha256 of a data file's bytes: what a run's checkpoints and an evaluation's journal record, so
+    other contents at the same path are refused rather than mixed in (a moved file with the same bytes is not)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -167,7 +167,16 @@ def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
 
 
 Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
-_HEADER_NAMES = {"draft_sha256": "the draft's weights (draft_sha256)"}
+_HEADER_NAMES = {"draft_sha256": "the draft's weights (draft_sha256)",
+                 "target_weights": "the target's weights (target_weights)",
+                 "datasets_sha256": "a dataset file's contents (datasets_sha256)"}
+# Header keys a journal written before they were recorded lacks: such a journal is continued, and gains them.
+_RECORDED_LATER = ("target_weights", "datasets_sha256")
+
+
+def header_diffs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The header keys whose values differ between a journal on disk and this evaluation."""
+    return sorted(k for k in {*old, *new} if old.get(k) != new.get(k) and not (k in _RECORDED_LATER and k not in old))
 
 
 class Journal:
@@ -182,8 +191,9 @@ class Journal:
         if path.is_file() and not overwrite:
             lines = path.read_text().split("\n")
             old = _json_or_none(lines[0]) or {}
-            if old.get("header") != header:
-                diff = sorted(k for k in header if (old.get("header") or {}).get(k) != header[k])
+            old_header = old.get("header") if isinstance(old.get("header"), dict) else None
+            diff = header_diffs(old_header or {}, header) if old_header is not None else ["header"]
+            if diff:
                 named = [_HEADER_NAMES.get(k, k) for k in diff]
                 raise ValueError(f"{path} holds answers of another evaluation ({', '.join(named) or 'header'} "
                                  "differ): pass --overwrite or another --out")
@@ -212,6 +222,26 @@ def _json_or_none(line: str) -> Optional[dict]:
     return row if isinstance(row, dict) else None
 
 
+def target_fingerprint(target: str) -> str:
+    """The target's weights fingerprint (`target.identity`): part of what keys an evaluation's answers."""
+    from nemo_dflash.target.identity import weights_fingerprint
+    from nemo_dflash.target.loading import resolve_target_path
+
+    return weights_fingerprint(resolve_target_path(target))
+
+
+def lock_out(out: Path) -> Any:
+    """The run lock (`train.run_dir.RunDirLock`) on --out: a second evaluate into it is refused in one line."""
+    from nemo_dflash.train.run_dir import RunDirError, RunDirLock
+
+    lock = RunDirLock(out, user="evaluate", place="--out")
+    try:
+        lock.acquire()
+    except RunDirError as e:
+        raise ValueError(str(e)) from None
+    return lock
+
+
 class EvalRun:
     """One evaluation: prompt sets, the journals in --out, the speedup phase, then the acceptance phase."""
 
@@ -219,6 +249,7 @@ class EvalRun:
         opts = self.opts = options
         self.protocol = protocol
         self.sets: list[tuple[str, list[EvalPrompt]]] = []
+        self.dataset_hashes: dict[str, str] = {}
         for name in protocol.datasets:
             display, prompts = load_prompt_set(name)
             end = None if protocol.num_prompts is None else protocol.first_prompt + protocol.num_prompts
@@ -228,14 +259,21 @@ class EvalRun:
             if display in dict(self.sets):
                 raise ValueError(f"two datasets are named {display!r}: rename one file")
             self.sets.append((display, prompts))
+            if Path(name).is_file():  # a prompt file: its contents key the answers, not its path
+                from nemo_dflash.data.sources import source_sha256
+
+                self.dataset_hashes[display] = source_sha256(name)
         check_paths(str(opts.draft), str(opts.target))
         self.draft_sha256 = check_draft_files(str(opts.draft))
         check_reasoning_switch(str(opts.target), opts.reasoning)
         check_draft_fits(str(opts.draft), str(opts.target))
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
-        # keyed on the draft's weights, not its path: more training into the same path is another evaluation
-        header = {"draft_sha256": self.draft_sha256, "target": str(opts.target), "device": opts.device, "dtype": opts.dtype,
+        # keyed on the draft's and the target's weights and the dataset files' contents, not their paths: more
+        # training into the same path, another target or an edited prompt file is another evaluation
+        header = {"draft_sha256": self.draft_sha256, "target": str(opts.target),
+                  "target_weights": target_fingerprint(str(opts.target)), "datasets_sha256": self.dataset_hashes,
+                  "device": opts.device, "dtype": opts.dtype,
                   "seed": opts.seed, "chat_template": opts.chat_template,
                   "max_new_tokens": protocol.max_new_tokens, "turns": protocol.turns,
                   "block_size": protocol.block_size, "decode": protocol.decode}
@@ -245,8 +283,13 @@ class EvalRun:
             header["method"] = protocol.method
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
-        self.timed = Journal(self.out / "speedup.jsonl", header, opts.overwrite)
+        self.lock = lock_out(self.out)  # one evaluation per --out: held until execute() ends (or the process)
+        try:
+            self.journal = Journal(self.out / "answers.jsonl", header, opts.overwrite)
+            self.timed = Journal(self.out / "speedup.jsonl", header, opts.overwrite)
+        except BaseException:
+            self.lock.release()  # refused: --out is free again
+            raise
         self.deadline = None if opts.max_minutes is None else time.monotonic() + 60 * opts.max_minutes
         self._loaded: Optional[tuple[Any, Any, Any]] = None  # (target, tokenizer, draft), loaded on first use
         self._decoders: dict = {}
@@ -266,10 +309,13 @@ class EvalRun:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     def execute(self) -> dict[str, Any]:
-        """The speedup phase, then the acceptance phase, then results.json."""
-        self.run_speedup()
-        self.run_acceptance()
-        return self.write_results()
+        """The speedup phase, then the acceptance phase, then results.json; --out is free again after it."""
+        try:
+            self.run_speedup()
+            self.run_acceptance()
+            return self.write_results()
+        finally:
+            self.lock.release()
 
     def _models(self) -> tuple[Any, Any, Any]:
         if self._loaded is None:

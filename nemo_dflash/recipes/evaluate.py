@@ -185,8 +185,13 @@ def recommended(args: argparse.Namespace) -> Optional[SamplingParams]:
 
 def check_args(args: argparse.Namespace) -> None:
     """The remaining user errors that need no model."""
+    from nemo_dflash.data.config import available_cpus
+
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1 (got {args.workers})")
+    cpus = available_cpus()
+    if args.workers > cpus:  # each worker loads its own target: more than the CPUs only thrash
+        raise ValueError(f"--workers must be at most {cpus} (this machine's CPUs; got {args.workers})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads})")
     if args.max_minutes is not None and args.max_minutes <= 0:

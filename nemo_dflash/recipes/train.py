@@ -50,10 +50,28 @@ def check_paths(cfg) -> None:
     if Path(target).is_dir():
         with user_errors(FileNotFoundError):
             check_model_dir(target, "target.path")
+    if cfg.draft.init_from:
+        check_init_from(cfg.draft.init_from)
     block = cfg.draft.block_size
     if block is not None and cfg.data.max_length <= block:
         fail(f"data.max_length={cfg.data.max_length} leaves no room for a prompt and a block of draft.block_size="
              f"{block} tokens, so no conversation can be trained on: raise data.max_length (the recipes use 3072)")
+
+
+def check_init_from(init_from: str) -> None:
+    """`draft.init_from` inside a checkpoint or a run's final/ is checked against its COMPLETE marker (the
+    check export and evaluate make): damaged weights are never trained from."""
+    from nemo_dflash.draft.build import DraftError, resolve_draft_dir
+    from nemo_dflash.files import DamagedFilesError, verify_marked_draft
+
+    try:
+        draft_dir = resolve_draft_dir(init_from)
+    except (DraftError, FileNotFoundError) as e:
+        fail(f"draft.init_from={init_from}: {e}")
+    try:
+        verify_marked_draft(draft_dir)
+    except DamagedFilesError as e:
+        fail(f"draft.init_from={init_from}: {e}: start from another checkpoint of that run, or copy it again")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

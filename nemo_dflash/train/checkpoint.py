@@ -61,6 +61,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # Fields that must match between a checkpoint and the run resuming from it (see `run_identity`).
 IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
+# The inputs a checkpoint was trained on (see `run_inputs`): checked before the target loads.
+INPUT_KEYS = ("target_weights", "data_sha256")
 
 
 # What a failed write raises: the OSError itself, or the libraries' wrappers of it.
@@ -77,6 +79,10 @@ class ResumeMismatchError(ValueError):
 
 class CheckpointError(ValueError):
     """No checkpoint that resume may use can be loaded (damaged, cut short, unreadable), or one cannot be written."""
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """The draft's weights hold NaN or inf (a diverged run): no checkpoint or final draft is written from them."""
 
 
 def _barrier(state: DistState) -> None:
@@ -98,6 +104,61 @@ def run_identity(draft_config: Any, target_config: Any) -> dict[str, Any]:
         "target_architecture": archs[0],
         "num_draft_layers": int(draft_config.num_hidden_layers),
     }
+
+
+def run_inputs(target: str, data_paths: list[str], *, random_init: bool = False) -> dict[str, Any]:
+    """The `INPUT_KEYS` of a run: its target's weights fingerprint and each data file's sha256, in source order."""
+    from nemo_dflash.data.sources import source_sha256
+    from nemo_dflash.target.identity import weights_fingerprint
+    from nemo_dflash.target.loading import resolve_target_path
+
+    return {"target_weights": weights_fingerprint(resolve_target_path(target), random_init=random_init),
+            "data_sha256": [source_sha256(p) for p in data_paths]}
+
+
+def _input_diffs(saved: dict[str, Any], inputs: dict[str, Any]) -> list[str]:
+    """What of the run's inputs differs from those a checkpoint recorded (an older checkpoint recorded none)."""
+    diffs = []
+    if "target_weights" in saved and "target_weights" in inputs and saved["target_weights"] != inputs["target_weights"]:
+        diffs.append("target.path holds other weights than the checkpoint was trained with")
+    old, new = saved.get("data_sha256"), inputs.get("data_sha256")
+    if old is not None and new is not None:
+        if len(old) != len(new):
+            diffs.append(f"data.sources lists {len(new)} file(s), the checkpoint's run {len(old)}")
+        else:
+            changed = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+            if changed:
+                diffs.append(f"data.sources[{', '.join(map(str, changed))}] hold(s) other contents (sha256) "
+                             "than the checkpoint was trained on")
+    return diffs
+
+
+def check_inputs(ckpt: Path, inputs: dict[str, Any]) -> None:
+    """Refuse (one line, before the target loads) a resume whose target weights or data files changed."""
+    try:
+        saved = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # a damaged meta.json is the load's to report (and fall back from)
+    diffs = _input_diffs(saved, inputs)
+    if diffs:
+        raise ResumeMismatchError(
+            f"Refusing to resume from {ckpt}: {'; '.join(diffs)}. Restore the target and data the run used, or "
+            "start a fresh run with a new output_dir (or checkpoint.resume=none --overwrite)."
+        )
+
+
+def nonfinite_weights(module: torch.nn.Module, state: DistState) -> list[str]:
+    """The names of ``module``'s floating-point tensors holding NaN or inf (this rank's shards), [] when every
+    rank's are finite. A collective: every rank calls it."""
+    named = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()]
+    local = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
+    local = [(n, t) for n, t in local if t.numel()]
+    flags = torch.stack([~torch.isfinite(t.detach()).all() for _, t in local]) if local else torch.zeros(0, dtype=torch.bool)
+    bad = [n for (n, _), f in zip(local, flags.cpu().tolist()) if f]
+    total = all_reduce_sum(torch.tensor([float(len(bad))], device=state.device), state)
+    if float(total[0]) > 0 and not bad:
+        return ["(on another rank)"]
+    return bad
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -199,7 +260,7 @@ def check_identity(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
         f"{k}: checkpoint {saved.get(k)!r} vs this run {meta.get(k)!r}"
         for k in IDENTITY_KEYS
         if k in saved and saved.get(k) != meta.get(k)
-    ]
+    ] + _input_diffs(saved, meta)
     if diffs:
         raise ResumeMismatchError(
             f"Refusing to resume from {ckpt}: the run differs from the checkpoint ({'; '.join(diffs)}). "
@@ -244,6 +305,23 @@ def _damaged_warning(path: Path, error: str, older: Optional[Path]) -> None:
     logger.warning("Checkpoint %s cannot be loaded (%s): %s", path, error, after)
 
 
+def _check_same_run(output_dir: Path, ckpt: Path) -> None:
+    """`checkpoint.resume=PATH` of another run continues in an `output_dir` that holds no run of its own, never
+    into one that does: the two runs' checkpoints and metrics would be mixed."""
+    from nemo_dflash.train.run_dir import held_run
+
+    own = checkpoint_root(output_dir).resolve()
+    if ckpt.resolve().parent == own:
+        return
+    held = held_run(output_dir)
+    if held:
+        raise ResumeMismatchError(
+            f"checkpoint.resume={ckpt} belongs to another run than output_dir {output_dir}, which holds its own "
+            f"({', '.join(held)}): resuming would mix the two runs' checkpoints and metrics. Continue the run in "
+            f"{output_dir} with checkpoint.resume=auto, or start from {ckpt} in a new output_dir"
+        )
+
+
 def plan_resume(output_dir: str | Path, mode: str, state: DistState) -> list[Path]:
     """The checkpoints a resume may try, newest first, decided before any model loads.
 
@@ -262,6 +340,7 @@ def plan_resume(output_dir: str | Path, mode: str, state: DistState) -> list[Pat
         path = Path(mode)
         if not (path / COMPLETE).is_file():
             raise FileNotFoundError(f"checkpoint.resume={mode}: {path} is not a complete checkpoint")
+        _check_same_run(Path(output_dir), path)
         candidates = [path]
     first, errors = len(candidates), []
     if state.is_main:
@@ -323,9 +402,25 @@ class Checkpointer:
     def final_draft(self) -> Path:
         return final_draft_dir(self.output_dir)
 
+    def require_finite(self, step: Optional[int], what: str) -> None:
+        """Finite or nothing: `NonFiniteWeightsError` (one line) before ``what`` is written from weights holding
+        NaN or inf, naming the last complete checkpoint, which stays as it is."""
+        bad = nonfinite_weights(self.draft, self.state)
+        if not bad:
+            return
+        latest = find_latest_checkpoint(self.output_dir)
+        kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no complete checkpoint was written"
+        raise NonFiniteWeightsError(
+            f"the draft's weights hold NaN or inf{'' if step is None else f' at step {step}'} ({len(bad)} tensor(s), e.g. {', '.join(bad[:2])}): the "
+            f"run diverged, so {what} is not written; {kept}. Lower optim.lr (or optim.grad_clip) and resume "
+            "(checkpoint.resume=auto), or start afresh with checkpoint.resume=none --overwrite"
+        )
+
     def save(self, step: int, tokens_seen: int) -> Path:
         """A write that fails (a full disk, permissions changed mid-run) is one line, `CheckpointError`; its
-        half-written `.tmp-step_N` is removed and the complete checkpoints before it stay as they were."""
+        half-written `.tmp-step_N` is removed and the complete checkpoints before it stay as they were.
+        Weights holding NaN or inf are never saved (`require_finite`)."""
+        self.require_finite(step, f"the checkpoint of step {step}")
         try:
             return save_checkpoint(
                 self.output_dir, step, self.draft, self.optimizer, self.dataloader,
@@ -370,9 +465,10 @@ class Checkpointer:
             return None
         return self.save(step, tokens_seen)
 
-    def save_final(self) -> Path:
+    def save_final(self, step: Optional[int] = None) -> Path:
         """`final/draft`, written into `.tmp-final` with its COMPLETE and renamed into place: a run killed
-        while writing it keeps the previous one whole."""
+        while writing it keeps the previous one whole. Weights holding NaN or inf are never written."""
+        self.require_finite(step, f"{FINAL_DIR}/{DRAFT_DIR}")
         final = self.final_draft.parent
         tmp = final.parent / f".tmp-{final.name}"
         try:
@@ -450,7 +546,8 @@ class Checkpointer:
 
 __all__ = [
     "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS",
-    "STEP_PREFIX", "ResumeMismatchError", "check_identity", "checkpoint_root", "final_draft_dir",
+    "INPUT_KEYS", "NonFiniteWeightsError", "STEP_PREFIX", "ResumeMismatchError", "check_identity", "check_inputs",
+    "nonfinite_weights", "run_inputs", "checkpoint_root", "final_draft_dir",
     "find_latest_checkpoint", "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "plan_resume",
     "run_identity", "save_checkpoint", "save_draft_dir", "step_dir_name",
 ]

@@ -52,11 +52,25 @@ class MetricsLogger:
 
     def resume_at(self, step: int) -> None:
         """Keep the rows of steps <= ``step`` (atomically) and plot them too: the steps after the
-        checkpoint are redone, so their old rows would appear twice."""
+        checkpoint are redone, so their old rows would appear twice. A line cut short by a kill is dropped."""
         if not self.enabled or not self.path.is_file():
             return
-        rows = [json.loads(line) for line in self.path.read_text().split("\n") if line.strip()]
-        kept = [r for r in rows if r.get("step", 0) <= step]
+        rows, torn = [], 0
+        for line in self.path.read_text(errors="replace").split("\n"):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill mid-write: dropped, not fatal
+                torn += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                torn += 1
+        if torn:
+            logger.warning("metrics.jsonl: dropped %d line(s) cut short (a run killed while writing)", torn)
+        kept = [r for r in rows if isinstance(r.get("step", 0), (int, float)) and r.get("step", 0) <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)

@@ -61,27 +61,30 @@ def _has_checkpoint(output_dir: Path) -> bool:
 
 
 class RunDirLock(FileLock):
-    """`FileLock` on `<output_dir>/.lock`, its refusals worded for a training run (`RunDirError`)."""
+    """`FileLock` on `<output_dir>/.lock`, its refusals worded for what holds it (`RunDirError`)."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, user: str = "training", place: str = "output_dir") -> None:
+        """``user``, ``place``: what holds such a lock and the flag naming the directory, for the messages
+        (`evaluate` locks its --out the same way)."""
         super().__init__(Path(output_dir) / LOCK_NAME)
+        self.user, self.place = user, place
 
     def acquire(self) -> None:
         try:
             super().acquire()
         except LockBusyError as e:
             raise RunDirError(
-                f"output_dir {self.path.parent} is in use by another training (pid {e.holder}): wait for it to end, "
-                "or choose another output_dir"
+                f"{self.place} {self.path.parent} is in use by another {self.user} (pid {e.holder}): wait for it to "
+                f"end, or choose another {self.place}"
             ) from None
         except LockReplacedError:  # renamed away between open and lock (another run's --overwrite)
             raise RunDirError(
-                f"output_dir {self.path.parent} was just replaced by another training: wait for it to end, "
-                "or choose another output_dir"
+                f"{self.place} {self.path.parent} was just replaced by another {self.user}: wait for it to end, "
+                f"or choose another {self.place}"
             ) from None
         except OSError as e:
             raise RunDirError(
-                f"output_dir {self.path.parent} cannot be locked ({e.strerror or e}): choose an output_dir on a "
+                f"{self.place} {self.path.parent} cannot be locked ({e.strerror or e}): choose an {self.place} on a "
                 "local or lock-capable filesystem"
             ) from None
 

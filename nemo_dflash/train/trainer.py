@@ -31,7 +31,7 @@ from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
 from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.target.loading import load_target
-from nemo_dflash.train.checkpoint import Checkpointer, plan_resume, run_identity
+from nemo_dflash.train.checkpoint import Checkpointer, check_inputs, plan_resume, run_identity, run_inputs
 from nemo_dflash.train.distributed import (
     DistState,
     all_reduce_sum,
@@ -398,6 +398,11 @@ class Trainer:
         self.run_lock = claim_output_dir(cfg.output_dir, cfg.checkpoint.resume, overwrite, self.state)
         # The checkpoint to resume from, its files checked now: none intact is refused before the target loads.
         resume_plan = plan_resume(self.out, cfg.checkpoint.resume, self.state)
+        # What the run trains on (target weights, data contents): recorded in every checkpoint, and a resume
+        # with other weights or data at the same paths is refused here, before the target loads.
+        self.inputs = run_inputs(cfg.target.path, [s.path for s in cfg.data.sources], random_init=cfg.target.random_init)
+        if resume_plan:
+            check_inputs(resume_plan[0], self.inputs)
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
@@ -465,7 +470,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.out, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
             resume=cfg.checkpoint.resume, draft=self.draft, optimizer=self.optimizer, dataloader=self.loader,
-            identity=run_identity(self.draft.config, self.target_model.config), state=self.state,
+            identity={**run_identity(self.draft.config, self.target_model.config), **self.inputs}, state=self.state,
             resume_plan=resume_plan,
         )
         self.step = 0
@@ -676,8 +681,10 @@ class Trainer:
         if reason is None or reason.saves:
             self.checkpointer.save_last(self.step, self.tokens_seen, always=reason is StopReason.SIGTERM)
         final_eval = self._log_eval(metrics) if self.holdout_ds is not None else {}
-        final_draft = self.checkpointer.save_final()
-        metrics.close()
+        try:
+            final_draft = self.checkpointer.save_final(self.step)  # refused for NaN/inf weights (a diverged run)
+        finally:
+            metrics.close()
         summary = {
             "steps": self.step,
             "total_steps": self.total_steps,
