@@ -221,7 +221,7 @@ def test_item09_two_regenerate_runs_on_one_out(assets, tmp_path, cached, monkeyp
     assert second != ["started"]
     sources = [r["source"] for r in _lines(out)]
     assert len(sources) == 4 == len(set(sources))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.jsonl"]  # the lock goes with the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen.jsonl", "regen_report"]  # the lock goes with the run
     monkeypatch.setattr(regen, "regenerate_conversations", real)
     main(args + ["--overwrite"])  # and a later run takes the output again
 
