@@ -376,6 +376,10 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
                           f"define what it names (e.g. export the environment variable), or write the value itself"
                           ) from None
     except ValidationError as e:
+        value = OmegaConf.select(OmegaConf.create(data), str(e.full_key), default=None)
+        if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):  # a list or dict the override grammar could not read
+            raise ConfigError(f"'{e.full_key}': {value!r} is not a complete list or mapping: write it whole, e.g. "
+                              f"'{e.full_key}=[0.9,0.95]' (quoted for the shell)") from None
         raise ConfigError(f"Invalid value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
     validate(cfg)
     return cfg

@@ -303,3 +303,14 @@ def test_item18_a_lone_surrogate_record_is_skipped_by_train_and_evaluate(tmp_pat
     convs = list(read_conversations(str(path), bad=bad))  # training data
     assert [c.messages[0]["content"] for c in convs] == ["plain", "pair \U0001F600 kept"] and bad.count == 1
     assert [p.turns for p in load_chat_file(path)] == [["plain"], ["pair \U0001F600 kept"]]  # evaluate's prompts
+
+
+def test_item20_an_unfinished_list_override_names_the_fix():
+    """`optim.betas=[0.9,` (a list cut short) used to say 'AnyNode is not a ListConfig'."""
+    from nemo_dflash.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe("smollm2_135m.yaml", ["optim.betas=[0.9,"])
+    msg = str(e.value)
+    assert "AnyNode" not in msg and "'[0.9,' is not a complete list" in msg and "optim.betas=[0.9,0.95]" in msg
+    assert len(msg.splitlines()) == 1
