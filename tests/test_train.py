@@ -399,7 +399,9 @@ def test_train_step_matches_a_hand_written_step():
     assert res.status == "ok" and norm > 0.05  # the clip was active
     assert res.grad_norm == pytest.approx(norm, rel=1e-5)
     assert res.loss == pytest.approx(l_sum / w_sum, rel=1e-6)
-    assert res.tokens == tokens and int(res.totals[6]) == tokens
+    from nemo_dflash.core import LossSums
+
+    assert res.tokens == tokens and int(res.totals[LossSums.size()]) == tokens
     for a, b in zip(got, params):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
 
