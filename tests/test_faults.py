@@ -14,26 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
+from _tiny_target import tiny_train_args as _args
+from _fault_fixtures import assets, finished_run, unwritable_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 STEP2, STEP4 = "step_00000002", "step_00000004"
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
-
-
-@pytest.fixture(scope="module")
-def finished_run(assets, tmp_path_factory):
-    """A finished run with complete checkpoints at steps 2 and 4; tests work on copies of it."""
-    from nemo_dflash.recipes.train import main
-
-    out = tmp_path_factory.mktemp("runs") / "run"
-    main(_args(*assets, out, "train.max_steps=4", "checkpoint.every_steps=2"))
-    return out
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -294,23 +279,6 @@ def test_second_training_on_the_same_output_dir_refuses_and_a_killed_one_leaves_
 # ----------------------------------------------------------------- item 6: output places checked before the work
 
 
-@pytest.fixture()
-def unwritable_dir(tmp_path):
-    """A directory this process cannot create files in (root ignores modes: then a sysfs directory)."""
-    if os.geteuid() != 0:
-        d = tmp_path / "read_only"
-        d.mkdir()
-        d.chmod(0o555)
-        yield d
-        d.chmod(0o755)
-        return
-    d = Path("/sys/kernel")
-    try:
-        (d / "nemo_dflash_probe").open("w").close()
-    except OSError:
-        yield d
-        return
-    pytest.skip("no directory this root process cannot write to")
 
 
 def test_a_checkpoint_write_that_fails_mid_run_is_one_line(assets, tmp_path, monkeypatch, capsys):

@@ -12,24 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
+from _fault_fixtures import assets, finished_run  # noqa: F401  (fixtures)
 
 STEP2 = "step_00000002"
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
-
-
-@pytest.fixture(scope="module")
-def finished_run(assets, tmp_path_factory):
-    """A finished run with complete checkpoints at steps 2 and 4; tests work on copies of it."""
-    from nemo_dflash.recipes.train import main
-
-    out = tmp_path_factory.mktemp("runs") / "run"
-    main(_args(*assets, out, "train.max_steps=4", "checkpoint.every_steps=2"))
-    return out
 
 
 def _copy(run: Path, dst: Path) -> Path:

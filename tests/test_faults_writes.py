@@ -18,6 +18,7 @@ import pytest
 import nemo_dflash.target.loading
 from _spec_fixtures import make_draft, tiny_qwen3
 from _tiny_target import make_tiny_target_dir, tiny_train_args, write_chat_jsonl
+from _fault_fixtures import unwritable_dir  # noqa: F401  (fixtures)
 
 STEP2, STEP4 = "step_00000002", "step_00000004"
 
@@ -370,23 +371,6 @@ def test_item15_disk_full_while_regenerating_is_one_line(assets, tmp_path, cache
 # ----------------------------------------------------------------- item 19: permissions before the work
 
 
-@pytest.fixture()
-def unwritable_dir(tmp_path):
-    """A directory this process cannot create files in (root ignores modes: then a sysfs directory)."""
-    if os.geteuid() != 0:
-        d = tmp_path / "read_only"
-        d.mkdir()
-        d.chmod(0o555)
-        yield d
-        d.chmod(0o755)
-        return
-    d = Path("/sys/kernel")
-    try:
-        (d / "nemo_dflash_probe").open("w").close()
-    except OSError:
-        yield d
-        return
-    pytest.skip("no directory this root process cannot write to")
 
 
 def test_item19_unwritable_outputs_refused_before_the_work(assets, tmp_path, unwritable_dir, no_load, monkeypatch,
