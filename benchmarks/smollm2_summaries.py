@@ -105,7 +105,9 @@ def merge_evals(paths: list[Path]) -> dict[str, Any]:
         merged["sources"].append({"file": str(path), "method": proto.get("method"), "decode": proto.get("decode"),
                                   "complete": ev.get("complete"), "taken": taken})
     merged["complete"] = bool(complete) and all(complete)
-    temps = sorted({float(t) for key in ("results", "speedup") for t in merged[key]})
+    keys = {t for key in ("results", "speedup") for t in merged[key]}  # "0", "1", "0.2,p0.9" (evaluate's keys)
+    temps = [float(k) if "," not in k else k
+             for k in sorted(keys, key=lambda k: (float(k.split(",")[0]), k))]
     if "protocol" in merged:
         merged["protocol"]["temperatures"] = temps
     return merged
