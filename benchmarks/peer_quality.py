@@ -383,7 +383,7 @@ def tau_from_results(path: Path) -> dict[str, Any]:
     r = json.loads(path.read_text())
     out: dict[str, Any] = {"complete": r.get("complete"), "by_dataset": {}}
     for temp, per_ds in (r.get("results") or {}).items():
-        t = f"t{float(temp):g}"
+        t = f"t{float(temp):g}" if "," not in temp else "t" + temp.replace(",", "_")  # "0.2,p0.9": filtered
         taus = {}
         for ds, res in per_ds.items():
             taus[ds] = {"tau": res.get("mean_acceptance_length"), "answers": res.get("answers"),
