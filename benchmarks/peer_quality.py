@@ -409,7 +409,7 @@ def common_answer_taus(a: Path, b: Path) -> dict[str, Any]:
             keys = [k for k in pa if k in pb and pa[k] is not None and pb[k] is not None]
             if not keys:
                 continue
-            tag = f"t{float(temp):g}/{ds}"
+            tag = (f"t{float(temp):g}" if "," not in temp else "t" + temp.replace(",", "_")) + f"/{ds}"
             out["ours"][tag] = {"tau": sum(pa[k] for k in keys) / len(keys), "answers": len(keys)}
             out["peer"][tag] = {"tau": sum(pb[k] for k in keys) / len(keys), "answers": len(keys)}
     return out
