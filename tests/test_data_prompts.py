@@ -704,3 +704,21 @@ def test_planted_overlap_in_an_extra_evaluation_file_is_dropped(tmp_path, monkey
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --data leaky: every one of its 1 prompts")
     with pytest.raises(DataError, match="evaluation file .*missing.jsonl not found"):
         decontaminate.evaluation_index([str(tmp_path / "missing.jsonl")])
+
+
+def test_source_segment_equals_the_stdlib_call():
+    """The once-split segment reader against `ast.get_source_segment(padded=True)`: form feeds, tabs,
+    CRLF and CR line ends, non-ASCII text before a definition, one-line and nested definitions."""
+    import ast
+
+    from nemo_dflash.data.prompts import source_lines, source_segment
+
+    text = ('"""Módulo \u00e9."""\r\n\x0c\ndef f(x):\r\n    """Docs."""\r\n    return x\n'
+            'class C:\r\tdef m(self, y): return "\u00fc" + y\r\n\tdef n(self):\n\t\tpass\n'
+            'if True:\n\tdef g(): pass\n')
+    tree = ast.parse(text)
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert len(nodes) == 5
+    lines = source_lines(text)
+    for node in nodes:
+        assert source_segment(lines, node) == ast.get_source_segment(text, node, padded=True)

@@ -355,6 +355,30 @@ def evaluation_packages(root: Path) -> set[str]:
     return {n for n in names if n and not n.endswith(".dist-info") and n not in ("..", "__pycache__")}
 
 
+def source_lines(text: str) -> list[str]:
+    """``text`` split as the ast module numbers its lines: after ``\r\n``, ``\n`` or ``\r`` only (a form feed
+    does not end a line), line ends kept."""
+    out, start = [], 0
+    for m in re.finditer(r"\r\n|\n|\r", text):
+        out.append(text[start : m.end()])
+        start = m.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """``ast.get_source_segment(text, node, padded=True)`` from the file's `source_lines`, split once: the
+    stdlib call splits the whole file again for every node (most of a code source's reading time)."""
+    first, last = node.lineno - 1, node.end_lineno - 1  # type: ignore[attr-defined]
+    col, end_col = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]  (UTF-8 byte offsets)
+    if first == last:
+        return lines[first].encode()[col:end_col].decode()
+    pad = "".join(c if c in "\f\t" else " " for c in lines[first].encode()[:col].decode())
+    return (pad + lines[first].encode()[col:].decode() + "".join(lines[first + 1 : last])
+            + lines[last].encode()[:end_col].decode())
+
+
 def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
     """Each public, documented module, top-level class, module-level function and public method of a
     public top-level class in the ``.py`` files under ``root``, in path order (a module before its
@@ -378,6 +402,7 @@ def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
                 tree = ast.parse(text)
             except (SyntaxError, ValueError, OSError):  # another Python's syntax, or unreadable: no prompts
                 continue
+            lines = source_lines(text)
             parts = path.relative_to(root).with_suffix("").parts
             module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             doc = ast.get_docstring(tree)
@@ -389,7 +414,7 @@ def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
                 if not doc or len(doc.split()) < 5:
                     continue
                 qual = ".".join(x for x in (module, owner, node.name) if x)
-                source = textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")
+                source = textwrap.dedent(source_segment(lines, node))
                 if isinstance(node, ast.ClassDef):
                     yield CodeItem(qual, node.name, "class", doc, source)
                     continue
