@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from nemo_dflash.core import expected_block_length
 from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache
 from nemo_dflash.recipes._cli import resolve_device_dtype
@@ -34,11 +35,6 @@ from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.target.loading import load_target
 
 log = logging.getLogger("t1_ceiling")
-
-
-def block_length(accept: torch.Tensor) -> torch.Tensor:
-    """[..., K] accept probabilities -> [...] expected tokens a step: 1 + sum_k prod_{j<=k} accept_j."""
-    return 1 + accept.cumprod(-1).sum(-1)
 
 
 def repeated(cache, n: int):
@@ -64,7 +60,7 @@ def anchor_figures(model, cache, anchor_tok: int, pos: int, k: int, s: SamplingP
         x = logits.argmax(-1, keepdim=True)
         acc.append(s.probs(logits).gather(-1, x))
         tok = x
-    greedy = float(block_length(torch.cat(acc, -1))[0])
+    greedy = float(expected_block_length(torch.cat(acc, -1))[0])
     # the marginals q_k: p at slot k averaged over the target's own sampled continuations
     c, tok, q = repeated(cache, rollouts), torch.full((rollouts, 1), anchor_tok, device=dev), []
     for i in range(k):
@@ -77,11 +73,11 @@ def anchor_figures(model, cache, anchor_tok: int, pos: int, k: int, s: SamplingP
     p = s.probs(step(repeated(cache, sims), torch.cat([torch.full((sims, 1), anchor_tok, device=dev), x[:, :-1]], 1),
                      pos))  # [S, K, V]: row k judges slot k + 1
     ratio = (p.gather(-1, x.unsqueeze(-1)).squeeze(-1) / q.gather(-1, x.T).T).clamp(max=1.0)
-    marginal = float(block_length(ratio).mean())
+    marginal = float(expected_block_length(ratio).mean())
     # that draft proposing each marginal's argmax
     xa = q.argmax(-1).view(1, -1)
     pa = s.probs(step(copy.deepcopy(cache), torch.cat([torch.tensor([[anchor_tok]], device=dev), xa[:, :-1]], 1), pos))
-    marginal_argmax = float(block_length(pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1))[0])
+    marginal_argmax = float(expected_block_length(pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1))[0])
     return {"greedy": greedy, "marginal": marginal, "marginal_argmax": marginal_argmax}
 
 

@@ -773,6 +773,13 @@ def slot_acceptance(
     return a_sampled, a_greedy
 
 
+def _rows_at(source: torch.Tensor, src: torch.Tensor, sel: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, S, H] per-position rows -> [N, H] for the loss's label slots: the rows at `src` [B, L] (the position
+    each slot's token is predicted from), then `sel`'s valid slots when the plan selects them."""
+    rows = source.gather(1, src.unsqueeze(-1).expand(-1, -1, source.shape[-1])).reshape(-1, source.shape[-1])
+    return rows if sel is None else rows.index_select(0, sel)
+
+
 def expected_block_length(alpha: torch.Tensor) -> torch.Tensor:
     """[..., K] per-slot accept probabilities (0 past the answer) -> [...] expected tokens a step:
     1 + sum_k prod_{j<=k} alpha_j (the target's own token, plus each slot kept only if all before it were)."""
@@ -934,10 +941,7 @@ class DFlashTrainerModule(nn.Module):
             expected = batch.final_hidden is not None and _fusable(self.lm_head, None, 0.0)
             if expected:
                 source = teacher_expected_embedding(source, self.lm_head.weight, self.ce_chunk_size)
-            rows = source.gather(1, src.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
-            rows = rows.reshape(-1, source.shape[-1])
-            if sel is not None:
-                rows = rows.view(bsz * n_blk * blk, -1).index_select(0, sel)
+            rows = _rows_at(source, src, sel)
             if expected:
                 teacher_e = rows
             elif batch.final_hidden is not None:
@@ -953,10 +957,7 @@ class DFlashTrainerModule(nn.Module):
                 and batch.final_hidden is not None):
             if src is None:
                 src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
-            fh = batch.final_hidden
-            t_rows = fh.gather(1, src.unsqueeze(-1).expand(-1, -1, fh.shape[-1])).reshape(-1, fh.shape[-1])
-            if sel is not None:
-                t_rows = t_rows.index_select(0, sel)
+            t_rows = _rows_at(batch.final_hidden, src, sel)
             sampled = slot_acceptance(h_sel, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
