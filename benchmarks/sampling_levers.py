@@ -77,8 +77,13 @@ def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path) -> di
 CPU_ONLY = False  # --cpu: no GPU pinning (a dry run of every phase on a tiny target)
 
 
+GPU_LIST: list[str] = []  # --gpu-list: the GPU of the i-th lever (default: GPU i)
+
+
 def gpu_env(i: int) -> dict[str, str]:
-    return {} if CPU_ONLY else {"CUDA_VISIBLE_DEVICES": str(i)}
+    if CPU_ONLY:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": GPU_LIST[i % len(GPU_LIST)] if GPU_LIST else str(i)}
 
 
 def python() -> list[str]:
@@ -171,8 +176,13 @@ def evaluate(args: argparse.Namespace) -> None:
                                                           args.target], gpu_env(i)))
     run_all(exports, out / "logs")
     jobs = []
+    tags = [t.strip() for t in args.acceptance.split(",") if t.strip()]
+    unknown = [t for t in tags if t not in ACCEPTANCE]
+    if unknown:
+        sys.exit(f"unknown --acceptance run(s) {unknown}: choose from {', '.join(ACCEPTANCE)}")
     for i, name in enumerate(names):
-        for tag, extra in ACCEPTANCE.items():
+        for tag in tags:
+            extra = ACCEPTANCE[tag]
             dest = out / "eval" / name / tag
             if (dest / "results.json").exists() and json.loads((dest / "results.json").read_text()).get("complete"):
                 continue
@@ -192,9 +202,31 @@ def speed(args: argparse.Namespace) -> None:
         argv = evaluate_argv(args, export_dir(out, name), dest, [
             "--temperatures", args.speed_temperatures, "--sampling", "target", "--method", "batched",
             "--decode", "graphs", "--num-prompts", str(args.speedup_prompts), "--speedup-prompts",
-            str(args.speedup_prompts), "--max-minutes", str(args.max_minutes or 8)])
+            str(args.speedup_prompts), "--speedup-only", "--max-minutes", str(args.max_minutes or 8)]
+            + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []))
         jobs.append((f"speed_{name}", argv, gpu_env(i)))
     run_all(jobs, out / "logs")
+
+
+def chain(args: argparse.Namespace) -> None:
+    """Each lever's train -> export + acceptance -> speed on its own GPU, the levers side by side: a GPU
+    moves on as soon as its lever's phase ends (the phases' flags as given; --max-minutes caps each phase)."""
+    names = levers_of(args)
+    gpus = GPU_LIST or [str(i) for i in range(len(names))]
+    jobs = []
+    for i, name in enumerate(names):
+        argv = [sys.executable, os.path.abspath(__file__), "_chain_one", *args.argv_rest, "--levers", name,
+                "--gpu-list", gpus[i % len(gpus)]]
+        jobs.append((f"chain_{name}", argv, {}))
+    codes = run_all(jobs, Path(args.out) / "logs")
+    if any(codes.values()):
+        sys.exit(1)
+
+
+def _chain_one(args: argparse.Namespace) -> None:
+    train(args)
+    evaluate(args)
+    speed(args)
 
 
 # ----------------------------------------------------------------------------- report
@@ -331,7 +363,7 @@ def report(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("regen", "train", "eval", "speed", "report"))
+    p.add_argument("phase", choices=("regen", "train", "eval", "speed", "chain", "report", "_chain_one"))
     p.add_argument("out")
     p.add_argument("--target", default="pkg:smollm2")
     p.add_argument("--data", action="append", default=[], help="regenerate --data specs (regen)")
@@ -351,17 +383,38 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--eval-extra", default="", help="more evaluate flags (every evaluate run), one string")
     p.add_argument("--speedup-prompts", type=int, default=20)
     p.add_argument("--speed-temperatures", default="0,1")
+    p.add_argument("--speed-max-new-tokens", type=int, default=None,
+                   help="answer cap of the timed prompts (default: the protocol's)")
+    p.add_argument("--acceptance", default=",".join(ACCEPTANCE), help="acceptance runs of `eval`, comma list")
+    p.add_argument("--gpu-list", default="", help="GPU of each lever in order, comma list (default: 0, 1, ...)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--commit", default=None)
     p.add_argument("--note", default="", help="the phases' flags, recorded in the rows' command")
     p.add_argument("--date", default=None, help="the runs' date (default today)")
     p.add_argument("--cpu", action="store_true", help="pin no GPU (a dry run on a tiny target)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    args.argv_rest = _without(argv[1:], ("--levers", "--gpu-list"))  # what `chain` passes on to each lever
     args.extra, args.eval_extra = shlex.split(args.extra), shlex.split(args.eval_extra)
-    global CPU_ONLY
+    global CPU_ONLY, GPU_LIST
     CPU_ONLY = args.cpu
-    {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report}[args.phase](args)
+    GPU_LIST = [g.strip() for g in args.gpu_list.split(",") if g.strip()]
+    {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report, "chain": chain,
+     "_chain_one": _chain_one}[args.phase](args)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each of ``flags`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -75,3 +75,34 @@ def test_lever_row_reads_every_figure_from_the_files(tmp_path):
     assert not levers.finished(run)
     (run / "summary.json").write_text(json.dumps({"steps": 40, "total_steps": 40}))
     assert levers.finished(run)
+
+
+def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypatch):
+    """`chain` starts one `_chain_one` per lever with the same flags, its own --levers and --gpu-list; each
+    runs train, eval (only the --acceptance runs asked for) and speed (--speedup-only) on that GPU."""
+    levers = _script()
+    seen = []
+
+    def fake_run_all(jobs, logs):
+        seen.append(jobs)
+        return {name: 0 for name, _, _ in jobs}
+
+    monkeypatch.setattr(levers, "run_all", fake_run_all)
+    out = str(tmp_path / "out")
+    levers.main(["chain", out, "--levers", "a,c", "--gpu-list", "2,3", "--acceptance", "t0,t1",
+                 "--speed-max-new-tokens", "1024"])
+    (jobs,) = seen
+    assert [j[0] for j in jobs] == ["chain_a", "chain_c"]
+    for (_, argv, _), lever, gpu in zip(jobs, "ac", "23"):
+        assert argv[2:4] == ["_chain_one", out]
+        assert argv[-4:] == ["--levers", lever, "--gpu-list", gpu]
+        assert "a,c" not in argv and "2,3" not in argv and argv.count("--acceptance") == 1
+
+    seen.clear()
+    levers.main(jobs[1][1][2:])  # lever c's chain, in this process
+    train_jobs, export_jobs, eval_jobs, speed_jobs = seen
+    assert [j[0] for j in train_jobs] == ["train_c"] and train_jobs[0][2] == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert [j[0] for j in eval_jobs] == ["eval_c_t0", "eval_c_t1"]
+    assert all(env == {"CUDA_VISIBLE_DEVICES": "3"} for _, _, env in export_jobs + eval_jobs + speed_jobs)
+    (_, speed_argv, _), = speed_jobs
+    assert "--speedup-only" in speed_argv and speed_argv[speed_argv.index("--max-new-tokens") + 1] == "1024"

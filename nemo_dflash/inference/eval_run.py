@@ -54,6 +54,7 @@ class RunOptions:
     overwrite: bool = False
     reasoning: Optional[str] = None  # the thinking mode prompts are rendered in; None: the template's default
     batch_size: Optional[int] = None  # conversations per batch (--method batched); None: auto (batch_rows)
+    speedup_only: bool = False  # time the speedup prompts, skip the acceptance phase (their tau is in the timing)
 
 
 # rows of the automatic batch on a GPU; on a CPU (memory the OS shares) the fixed default
@@ -312,7 +313,8 @@ class EvalRun:
         """The speedup phase, then the acceptance phase, then results.json; --out is free again after it."""
         try:
             self.run_speedup()
-            self.run_acceptance()
+            if not self.opts.speedup_only:
+                self.run_acceptance()
             return self.write_results()
         finally:
             self.lock.release()
@@ -442,7 +444,7 @@ class EvalRun:
             for name, prompts in self.sets:
                 keys = [(tkey, name, x.id) for x in prompts]
                 done = [k for k in keys if k in self.journal.rows]
-                complete &= len(done) == len(keys)
+                complete &= self.opts.speedup_only or len(done) == len(keys)
                 if done:
                     results.setdefault(tkey, {})[name] = dataset_result(
                         [a for k in done for a in self.journal.answers(k)], block_size=block, temperature=t,

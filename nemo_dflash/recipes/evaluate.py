@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the first K prompts of each dataset against plain decoding, alone on the device "
                         "before any worker starts (0: no speedup)")
     p.add_argument("--no-speedup", action="store_true", help="same as --speedup-prompts 0")
+    p.add_argument("--speedup-only", action="store_true",
+                   help="time the speedup prompts and stop: no acceptance phase (the timed answers' tau is reported "
+                        "beside each speedup)")
     p.add_argument("--method", default=None, choices=list(METHODS),
                    help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder), "
                         "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
@@ -134,6 +137,8 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
         raise ValueError("--datasets is empty: e.g. --datasets mtbench,humaneval")
     turns = 2 if args.multi_turn and args.turns is None else args.turns
     speedup = 0 if args.no_speedup else args.speedup_prompts
+    if getattr(args, "speedup_only", False) and speedup == 0:
+        raise ValueError("--speedup-only times the speedup prompts: drop --no-speedup / --speedup-prompts 0")
     for flag, v, lo in [("--max-new-tokens", args.max_new_tokens, 1), ("--turns", turns, 1),
                         ("--block-size", args.block_size, 1), ("--num-prompts", args.num_prompts, 1),
                         ("--first-prompt", args.first_prompt, 0), ("--speedup-prompts", speedup, 0)]:
@@ -234,7 +239,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(draft=str(args.draft), target=str(args.target), out=Path(args.out), device=device, dtype=dtype,
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
-                      reasoning=args.reasoning, batch_size=batch_size(args.batch_size))
+                      reasoning=args.reasoning, batch_size=batch_size(args.batch_size),
+                      speedup_only=args.speedup_only)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
