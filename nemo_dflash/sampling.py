@@ -174,13 +174,32 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), one per (row, token): a pure function of (seed, key, position, token id).
 
-    ``token_ids`` is [N, K] (the candidates of each row) or [V] (the whole vocabulary, every row).
+    ``token_ids`` is [N, K] (the candidates of each row) or ``arange(V)`` (the whole vocabulary, every row).
     """
     row = _fmix32((keys.to(torch.int64) * 0x9E3779B1 + seed) & _MASK32)
     row = _fmix32((row ^ (positions.to(torch.int64) * 0x85EBCA77)) & _MASK32)
-    cols = token_ids.to(torch.int64) * 0xC2B2AE3D
+    cols = _vocab_cols(token_ids.shape[0], token_ids.device) if token_ids.dim() == 1 else _col_hash(token_ids)
     h = _fmix32((row[:, None] + (cols if cols.dim() == 2 else cols[None, :])) & _MASK32)
     return ((h.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
+
+
+def _col_hash(token_ids: torch.Tensor) -> torch.Tensor:
+    return token_ids.to(torch.int64) * 0xC2B2AE3D
+
+
+_VOCAB_COLS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+@torch.compiler.disable
+def _vocab_cols(n: int, device: torch.device) -> torch.Tensor:
+    """The column hashes of token ids 0..n-1, computed once, eagerly. Inside a compiled step, inductor fuses
+    ``arange(n) * 0xC2B2AE3D`` into int32 index arithmetic and Triton refuses the constant (out of int32 range):
+    the T=1, top-p 1 decode step failed to compile. Read from memory instead, the same values."""
+    key = (n, str(device))
+    cols = _VOCAB_COLS.get(key)
+    if cols is None:
+        cols = _VOCAB_COLS[key] = _col_hash(torch.arange(n, device=device))
+    return cols
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:

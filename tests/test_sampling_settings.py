@@ -260,3 +260,27 @@ def test_recipe_refuses_bad_eval_sampling(tmp_path):
 
     with pytest.raises(ConfigError, match="eval_top_p"):
         load_recipe("smollm2_135m.yaml", ["train.eval_top_p=0"])
+
+
+def test_keyed_uniform_over_the_vocabulary_is_the_murmur_formula_row_by_row():
+    """The whole-vocabulary path (column hashes read from a cache, so a compiled step never folds the
+    hash constant into int32 index arithmetic) gives, bit for bit, the murmur3-mixed formula written out
+    here, and the per-row candidate path on the same ids."""
+    from nemo_dflash.sampling import keyed_uniform
+
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    keys, positions, V = torch.tensor([3, 70000]), torch.tensor([0, 513]), 37
+    u = keyed_uniform(11, keys, positions, torch.arange(V))
+    for r in range(2):
+        row = fmix((int(keys[r]) * 0x9E3779B1 + 11) & 0xFFFFFFFF)
+        row = fmix((row ^ (int(positions[r]) * 0x85EBCA77)) & 0xFFFFFFFF)
+        want = [(fmix((row + t * 0xC2B2AE3D) & 0xFFFFFFFF) + 0.5) / 2.0**32 for t in range(V)]
+        assert torch.equal(u[r], torch.tensor(want, dtype=torch.float64).float())
+    ids = torch.arange(V).expand(2, V)
+    assert torch.equal(keyed_uniform(11, keys, positions, ids), u)
