@@ -336,3 +336,20 @@ def test_tokenizer_without_template(tiny_target_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir), local_files_only=True)
     tok.chat_template = None
     assert encode_chat(tok, [{"role": "user", "content": "plain"}]) == tok("plain")["input_ids"]
+
+
+def test_speedup_only_times_the_speedup_prompts_and_decodes_nothing_else(tiny_target_dir, exported_draft, tmp_path):
+    """--speedup-only: speedup.jsonl holds the timed prompts, answers.jsonl (the acceptance phase) is never
+    given a conversation, and results.json reports the timing (with its tau); without speedup prompts it is refused."""
+    out = tmp_path / "eval"
+    args = ["--protocol", "quick", "--datasets", "mtbench", "--num-prompts", "3", "--max-new-tokens", "5",
+            "--turns", "1", "--temperatures", "0", "--speedup-prompts", "1", "--speedup-only"]
+    assert _cli(tiny_target_dir, exported_draft, out, *args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 1  # its header alone: nothing decoded
+    assert len((out / "speedup.jsonl").read_text().splitlines()) == 2  # header + the timed prompt
+    sp = res["speedup"]["0"]["mtbench"]
+    assert sp["num_prompts"] == 1 and 1.0 <= sp["mean_acceptance_length"] <= 4.0 and res["results"] == {}
+    with pytest.raises(SystemExit) as e:
+        _cli(tiny_target_dir, exported_draft, tmp_path / "e2", *args[:-3], "--no-speedup", "--speedup-only")
+    assert e.value.code == 2
