@@ -94,3 +94,25 @@ def test_a_damaged_cache_is_rebuilt_not_trusted(tmp_path, monkeypatch, damage):
     assert loading.convert_gguf(gguf, cache_dir=cache) == out
     assert log.read_text().count("converted") == 2 and loading.cache_complete(out)
     assert (out / "tok.txt").read_text() == "tok.txt"
+
+
+def test_a_damaged_cache_is_replaced_whole_and_its_reason_logged(tmp_path, monkeypatch, caplog):
+    """The rebuild happens beside the damaged cache: while it converts, the old directory (and a file a
+    reader opened from it) is still there; afterwards the path holds the new conversion, nothing stale is left,
+    and the warning names the file that was wrong."""
+    cache, gguf = tmp_path / "cache", _gguf(tmp_path)
+    _fake_conversion(monkeypatch)
+    out = loading.convert_gguf(gguf, cache_dir=cache)
+    (out / "config.json").write_text("conf")  # truncated: the marker says 11 bytes
+    assert loading.cache_problem(out) == "config.json has 4 bytes, the marker says 11"
+    reader = open(out / "tok.txt")  # a process that resolved the cache earlier and is reading it
+    seen = []
+    _fake_conversion(monkeypatch, on_save=lambda: seen.append((out / "tok.txt").exists()))
+    with caplog.at_level("WARNING"):
+        assert loading.convert_gguf(gguf, cache_dir=cache) == out
+    assert seen == [True]  # the old cache stayed in place during the conversion
+    assert reader.read() == "tok.txt"
+    reader.close()
+    assert loading.cache_complete(out) and (out / "config.json").read_text() == "config.json"
+    assert sorted(p.name for p in cache.iterdir()) == [f".{out.name}.lock", out.name]
+    assert "config.json has 4 bytes" in caplog.text

@@ -100,11 +100,11 @@ def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cac
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _waiting_lock(out.parent / f".{out.name}.lock"):
-        if cache_complete(out):  # another process converted it while this one waited
+        problem = cache_problem(out)
+        if problem is None:  # another process converted it while this one waited
             return out
         if out.exists():
-            logger.warning("The converted cache %s is incomplete or damaged: converting again", out)
-            shutil.rmtree(out)
+            logger.warning("The converted cache %s is damaged (%s): converting again beside it", out, problem)
         logger.info("Converting %s to %s safetensors at %s (once)", gguf_path.name, dtype, out)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
         try:
@@ -116,25 +116,50 @@ def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cac
             tok.save_pretrained(tmp)
             files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
             (tmp / ".complete").write_text(json.dumps({"files": files}, indent=1) + "\n")
-            os.replace(tmp, out)
+            _swap_in(tmp, out)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def cache_complete(out: Path) -> bool:
-    """Every file the `.complete` marker lists is there with its size (and the config among them)."""
+def _swap_in(new: Path, out: Path) -> None:
+    """Put the finished directory ``new`` at ``out``. A damaged ``out`` is renamed aside first and removed after,
+    never deleted in place before the conversion: processes that resolved it earlier keep their open files, and
+    ``out`` is missing only between two renames, not for a whole conversion."""
+    stale = None
+    if out.exists():
+        stale = Path(tempfile.mkdtemp(prefix=out.name + ".stale", dir=out.parent))
+        os.replace(out, stale / "old")
+    os.replace(new, out)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def cache_problem(out: Path) -> Optional[str]:
+    """Why ``out`` is not a complete conversion (the first file whose size differs from the `.complete`
+    marker's list, a missing file or marker), or None when every listed file is there with its size."""
     try:
         files = json.loads((out / ".complete").read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    except FileNotFoundError:
+        return "no .complete marker"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable .complete marker ({type(e).__name__})"
     if not isinstance(files, dict) or "config.json" not in files:
-        return False
-    try:
-        return all((out / name).stat().st_size == size for name, size in files.items())
-    except OSError:
-        return False
+        return ".complete lists no config.json"
+    for name, size in files.items():
+        try:
+            actual = (out / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the marker says {size}"
+    return None
+
+
+def cache_complete(out: Path) -> bool:
+    """Every file the `.complete` marker lists is there with its size (and the config among them)."""
+    return cache_problem(out) is None
 
 
 class _waiting_lock:
@@ -266,5 +291,5 @@ def load_target(
     return model, tok
 
 
-__all__ = ["check_model_dir", "convert_gguf", "load_target", "load_target_config", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
+__all__ = ["cache_problem", "check_model_dir", "convert_gguf", "load_target", "load_target_config", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
            "package_file", "smollm2_gguf_path", "cache_root"]
