@@ -72,40 +72,27 @@ class Case:
 
 
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * iters / (time.perf_counter() - t) / 1e12
+    from nemo_dflash.train.flops import matmul_tflops
 
-
-def layer_linear_params(h, i, nq, nkv, hd) -> int:
-    return h * nq * hd + 2 * h * nkv * hd + nq * hd * h + 3 * h * i
+    return matmul_tflops(torch.device(device), n, iters)
 
 
 def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos: list[int], n_labels: int,
                last_target_layer: int) -> dict[str, float]:
-    """Model FLOPs of one step (2 per multiply-add; backward = 2x forward for trained parts)."""
-    h, i, nq, nkv, hd, v = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                 "num_key_value_heads", "head_dim", "vocab_size"))
-    lin = layer_linear_params(h, i, nq, nkv, hd)
-    n_t = last_target_layer + 1
-    target = n_t * (2 * seq * lin + 2 * 2 * nq * hd * seq * (seq + 1) / 2)  # causal attention: half the scores
-    q = len(anchors_pos) * block
-    n_ctx = len(build_target_layer_ids(shape["num_hidden_layers"], draft_layers))
-    fc = 2 * seq * n_ctx * h * h
-    per_layer = 2 * q * (h * nq * hd + nq * hd * h + 3 * h * i) + 2 * (seq + q) * 2 * h * nkv * hd
-    visible = sum(block * (a + block) for a in anchors_pos)  # keys each block may see
-    attn = 2 * 2 * nq * hd * visible
-    draft_fwd = fc + draft_layers * (per_layer + attn)
-    head_fwd = 2 * n_labels * h * v
-    return {"target": target, "draft": 3 * draft_fwd, "lm_head": 2 * head_fwd,
-            "total": target + 3 * draft_fwd + 2 * head_fwd}
+    """Model FLOPs of one document's step (`nemo_dflash.train.flops`, the formula the trainer logs MFU with)."""
+    from types import SimpleNamespace
+
+    from nemo_dflash.core import LossSums
+    from nemo_dflash.train.flops import Shape, StepShapes
+
+    shapes = StepShapes(target=Shape.of(SimpleNamespace(**shape)), target_layers_run=last_target_layer + 1,
+                        draft_layers=draft_layers,
+                        context_layers=len(build_target_layer_ids(shape["num_hidden_layers"], draft_layers)),
+                        block=block)
+    sums = LossSums(num_labels=n_labels, valid_blocks=len(anchors_pos),
+                    visible_keys=sum(block * (a + block) for a in anchors_pos), context_tokens=seq,
+                    context_pairs=seq * (seq + 1) / 2)
+    return shapes.flops(sums)
 
 
 def build(shape_name: str, draft_layers: int, block: int, device, fsdp2: bool):

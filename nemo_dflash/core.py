@@ -454,6 +454,13 @@ class LossSums:
     sampled_accept_sum: float = 0.0  # expected block length under speculative sampling (held-out only)
     greedy_draft_accept_sum: float = 0.0  # the same with the draft proposing its argmax (one-hot q)
     sampled_blocks: float = 0.0
+    # what a step's model FLOPs follow from (train/flops.py): blocks with a valid anchor, the keys their queries
+    # see (block x (anchor's position in its document + block)), context tokens the target runs, and its causal
+    # attention pairs (sum over documents of L(L+1)/2; unpacked rows count the batch's longest row, as padded)
+    valid_blocks: float = 0.0
+    visible_keys: float = 0.0
+    context_tokens: float = 0.0
+    context_pairs: float = 0.0
 
     @classmethod
     def size(cls) -> int:
@@ -506,6 +513,10 @@ class DFlashLossOutput:
     sampled_accept_sum: Optional[torch.Tensor] = None  # `expected_acceptance` summed over blocks, when measured
     greedy_draft_accept_sum: Optional[torch.Tensor] = None
     sampled_blocks: Optional[torch.Tensor] = None
+    valid_blocks: Optional[torch.Tensor] = None
+    visible_keys: Optional[torch.Tensor] = None
+    context_tokens: Optional[torch.Tensor] = None
+    context_pairs: Optional[torch.Tensor] = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -980,6 +991,7 @@ class DFlashTrainerModule(nn.Module):
                 num_labels=label_valid.sum(),
                 accept_sum=(acc_len * block_ok).sum().float(),
                 num_blocks=block_ok.sum(),
+                **_flop_counts(batch, plan, blk),
             )
             if sampled is not None:
                 lengths = []
@@ -994,6 +1006,23 @@ class DFlashTrainerModule(nn.Module):
                 return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
                 return_out.sampled_blocks = block_ok.sum()
         return return_out
+
+
+def _flop_counts(batch: DFlashTargetBatch, plan: BlockPlan, block: int) -> dict[str, torch.Tensor]:
+    """The `LossSums` counts a step's model FLOPs follow from, as tensors (no host sync)."""
+    anchor_pos = plan.anchor_pos if plan.anchor_pos is not None else plan.anchors
+    valid = plan.valid
+    visible = (block * (anchor_pos + block) * valid).sum()
+    if batch.doc_ids is not None and batch.position_ids is not None:  # packed: per document
+        real = batch.doc_ids >= 0
+        tokens = real.sum()
+        pairs = ((batch.position_ids + 1) * real).sum()
+    else:  # unpacked: every row as long as the longest, as the target runs them
+        rows = batch.attention_mask.shape[0]
+        length = batch.attention_mask.sum(1).max()
+        tokens = rows * length
+        pairs = rows * length * (length + 1) // 2
+    return {"valid_blocks": valid.sum(), "visible_keys": visible, "context_tokens": tokens, "context_pairs": pairs}
 
 
 __all__ = [

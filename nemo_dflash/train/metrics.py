@@ -109,18 +109,20 @@ class MetricsLogger:
 
 
 class ThroughputWindow:
-    """Tokens and wall time since the last logged step: `tok_s` and `step_s` of that window."""
+    """Tokens, model FLOPs and wall time since the last logged step: `tok_s`, `tflops` and `step_s` of that
+    window (FLOPs of every rank: train/flops.py)."""
 
     def __init__(self, step: int) -> None:
         self.reset(step)
 
     def reset(self, step: int) -> None:
-        self.start, self.tokens, self.first_step = time.perf_counter(), 0, step
+        self.start, self.tokens, self.flops, self.first_step = time.perf_counter(), 0, 0.0, step
 
     def rates(self, step: int) -> dict[str, float]:
         """The window's rates up to `step`; the next window starts there."""
-        dt = time.perf_counter() - self.start
-        out = {"tok_s": self.tokens / max(dt, 1e-9), "step_s": dt / max(step - self.first_step, 1)}
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        out = {"tok_s": self.tokens / dt, "tflops": self.flops / dt / 1e12,
+               "step_s": dt / max(step - self.first_step, 1)}
         self.reset(step)
         return out
 

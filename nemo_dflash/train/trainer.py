@@ -43,6 +43,7 @@ from nemo_dflash.train.distributed import (
     shutdown_distributed,
     wrap_draft,
 )
+from nemo_dflash.train.flops import Shape, StepShapes, matmul_tflops
 from nemo_dflash.train.metrics import MetricsLogger, ThroughputWindow, plot_curves
 from nemo_dflash.train.optim import build_optimizer, build_scheduler
 from nemo_dflash.train.run_dir import RunDirLock, claim_output_dir
@@ -411,6 +412,12 @@ class Trainer:
         )
         self.draft = draft_for_recipe(cfg.draft, self.target_model, self.tokenizer).to(self.device)
         self.target = HFDFlashTargetModel(self.target_model, self.draft.config.target_layer_ids)
+        self.step_shapes = StepShapes(
+            target=Shape.of(self.target_model.config), target_layers_run=max(self.draft.config.target_layer_ids) + 1,
+            draft_layers=self.draft.config.num_hidden_layers, context_layers=len(self.draft.config.target_layer_ids),
+            block=self.draft.config.block_size)
+        # MFU's denominator: the bf16 matmul rate of this GPU, measured once (CPU runs log no MFU)
+        self.peak_tflops = matmul_tflops(self.device) if self.device.type == "cuda" else None
 
         self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
         self._eval_done: Optional[tuple[int, dict[str, float]]] = None  # (step, figures): one eval a step
@@ -574,6 +581,7 @@ class Trainer:
         step = launched.step
         self.tokens_seen += res.tokens
         window.tokens += res.tokens
+        window.flops += self.step_shapes.flops(res.sums)["total"]
         if res.status == "nonfinite":
             self.bad_steps += 1
             self.skipped_steps += 1
@@ -591,6 +599,8 @@ class Trainer:
                      "tokens": float(self.tokens_seen)})
         if step % cfg.train.log_every == 0 or step == self.total_steps:
             last.update(window.rates(step))
+            if self.peak_tflops:
+                last["mfu"] = last["tflops"] / (self.peak_tflops * self.state.world_size)
             if self.device.type == "cuda":
                 last["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             metrics.log(step, last)
