@@ -75,6 +75,7 @@ def test_every_recorded_recipe_still_ships():
 # Schema fields added after the records were written, with their defaults (a record predates them).
 ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0},
                       "train": {"eval_temperature": 1.0, "eval_top_p": 1.0, "eval_top_k": 0}}
+SECTIONS_ADDED_SINCE_RECORD = ("run", "prompts", "regenerate", "export", "evaluate")
 # Recipes whose values changed on purpose since the record: compared with the naive merge instead.
 CHANGED_SINCE_RECORD = {
     "smollm2_135m_gpu",  # packed rows and the compiled step (docs/performance.md)
@@ -93,6 +94,9 @@ def test_hydra_composition_equals_the_recorded_resolved_config(recipe, kind):
     for section, fields in ADDED_SINCE_RECORD.items():
         for key, default in fields.items():
             assert got[section].pop(key) == default, f"{section}.{key}: a recipe sets it, update the record"
+    defaults = resolved(RecipeConfig())
+    for section in SECTIONS_ADDED_SINCE_RECORD:  # the pipeline's stages: every recorded recipe keeps their defaults
+        assert got.pop(section) == defaults[section], f"{section}: a recipe sets it, update the record"
     assert got == want
 
 
