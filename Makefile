@@ -25,7 +25,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 demo: install
-	$(PY) -m nemo_dflash.recipes.demo
+	$(PY) -m nemo_dflash.recipes.pipeline --config smollm2_demo.yaml
 
 bench: install
 	$(PY) benchmarks/train_throughput.py

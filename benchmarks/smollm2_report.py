@@ -1,4 +1,4 @@
-"""Tables and plots of a `benchmarks/smollm2_drafter.sh` run (the figures of docs/results.md).
+"""Tables and plots of a SmolLM2 drafter run directory (data/, runs/NAME/, eval/NAME/: the figures of docs/results.md).
 
     python benchmarks/smollm2_report.py OUT_DIR [--png-prefix docs/bench/smollm2_drafter]
 

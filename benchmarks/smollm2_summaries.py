@@ -1,4 +1,4 @@
-"""The rows of a `benchmarks/smollm2_drafter.sh` run, read from the run's own files.
+"""The rows of a SmolLM2 drafter run (data/, runs/main/, eval/main/ as docs/results.md's runs), read from its files.
 
     python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C] \
         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \

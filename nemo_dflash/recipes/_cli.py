@@ -7,6 +7,9 @@
 - `--device` / `--dtype` mean the same everywhere: `add_device_args` declares them and
   `resolve_device_dtype` decides "auto" (GPU if visible; bf16 on a GPU, fp32 on a CPU).
 - `--threads N` (`set_threads`) for the CPU commands.
+- A command's flags are its recipe section's keys (`--max-new-tokens` is `regenerate.max_new_tokens`) and
+  take their defaults from that section's dataclass (`section_defaults`): a flag and a recipe key cannot
+  mean two things. `section_argv` turns a section back into the command line (the pipeline's stages).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator, NoReturn, Optional
+from dataclasses import fields
+from typing import Any, Iterator, NoReturn, Optional, Sequence
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -93,6 +97,45 @@ def resolve_device_dtype(device: Optional[str] = "auto", dtype: Optional[str] = 
     return device, dtype
 
 
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def section_defaults(parser: argparse.ArgumentParser, section: type, pipeline_only: Sequence[str] = ()) -> None:
+    """Set ``parser``'s defaults from the recipe section dataclass ``section``: each field (but the
+    ``pipeline_only`` ones) is the dest of the flag of the same name. A field without a flag is a bug."""
+    values = {f.name: getattr(section(), f.name) for f in fields(section) if f.name not in pipeline_only}
+    actions = _actions(parser)
+    missing = sorted(set(values) - set(actions))
+    drifted = sorted(k for k, v in values.items()
+                     if k in actions and not actions[k].required and actions[k].default != v)
+    if missing or drifted:  # a programming error, caught by any test that builds the parser
+        raise AssertionError(f"{section.__name__} in {parser.prog}: fields without a flag {missing}, flags whose "
+                             f"written default differs from the field's {drifted}")
+    parser.set_defaults(**values)
+
+
+def section_argv(parser: argparse.ArgumentParser, section: Any, pipeline_only: Sequence[str] = ()) -> list[str]:
+    """The command line meaning ``section`` (a section dataclass instance) to ``parser``: each field
+    given as its flag; a null field (the flag's default) and a false switch are left out."""
+    actions = _actions(parser)
+    argv: list[str] = []
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if f.name in pipeline_only or value is None:
+            continue
+        action = actions[f.name]
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def set_threads(threads: int | None) -> None:
     """``--threads N`` of the CPU commands: torch's default (every core) can run many times slower on a
     machine whose cores are shared with another process (docs/performance.md)."""
@@ -106,4 +149,4 @@ def set_threads(threads: int | None) -> None:
 
 
 __all__ = ["DEVICES", "DTYPES", "UsageError", "add_device_args", "fail", "one_line", "resolve_device_dtype",
-           "set_threads", "setup_logging", "user_errors"]
+           "section_argv", "section_defaults", "set_threads", "setup_logging", "user_errors"]

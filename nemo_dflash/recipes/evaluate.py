@@ -47,7 +47,10 @@ from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path
     evaluate_acceptance, format_table, load_chat_file, load_humaneval, load_mtbench, load_prompt_set,
     plot_histograms, protocol_record, speedup_metrics,
 )
-from nemo_dflash.recipes._cli import add_device_args, resolve_device_dtype, setup_logging, user_errors
+from nemo_dflash.config import EvaluateConfig
+from nemo_dflash.recipes._cli import (
+    add_device_args, resolve_device_dtype, section_defaults, setup_logging, user_errors,
+)
 from nemo_dflash.sampling import SamplingParams, as_sampling, check_sampling
 
 logger = logging.getLogger("nemo_dflash.evaluate")
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / workers)")
     p.add_argument("--seed", type=int, default=0)
+    section_defaults(p, EvaluateConfig)  # the recipe's `evaluate` section is the source of the defaults
     return p
 
 

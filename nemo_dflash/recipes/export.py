@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from nemo_dflash.files import CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, Output, guard_outputs, verify_marked_draft
-from nemo_dflash.recipes._cli import setup_logging, user_errors
+from nemo_dflash.config import ExportConfig
+from nemo_dflash.recipes._cli import section_defaults, setup_logging, user_errors
 
 logger = logging.getLogger("nemo_dflash.export")
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-prompts", type=int, default=0, metavar="N",
                    help="with --target: before writing, decode N built-in prompts (at most 3) with our decoder and "
                         "with the DFlash rules applied to the exported config and weights; refuse on disagreement")
+    section_defaults(p, ExportConfig)  # the recipe's `export` section is the source of the defaults
     return p
 
 

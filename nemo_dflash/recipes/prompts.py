@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from nemo_dflash.files import Output, OutputError, guard_outputs
+from nemo_dflash.config import PromptJobConfig
 from nemo_dflash.recipes._cli import (
-    add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+    add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
+    user_errors,
 )
 
 logger = logging.getLogger("nemo_dflash.prompts")
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    # the recipe's `prompts.jobs` items are the source of the defaults
+    section_defaults(p, PromptJobConfig, pipeline_only=("name", "weight"))
     return p
 
 

@@ -38,8 +38,10 @@ from typing import Any, Iterable, Optional, Sequence
 from nemo_dflash.files import (
     FileLock, LockBusyError, LockReplacedError, Output, OutputError, guard_outputs, write_error_reason,
 )
+from nemo_dflash.config import RegenerateConfig
 from nemo_dflash.recipes._cli import (
-    add_device_args, count_or_auto, fail, resolve_device_dtype, set_threads, setup_logging, user_errors,
+    add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
+    user_errors,
 )
 
 logger = logging.getLogger("nemo_dflash.regenerate")
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop generating after this long and finish OUT with the conversations done so far "
                         "(default: no limit)")
+    section_defaults(p, RegenerateConfig)  # the recipe's `regenerate` section is the source of the defaults
     return p
 
 

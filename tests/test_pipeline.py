@@ -1,0 +1,224 @@
+"""`recipes.pipeline`: one recipe runs every stage on a tiny random target; a second run skips what is complete,
+changed settings are refused (nothing rewritten), `redo=` reruns a stage, a killed training resumes; and every
+command's defaults are its recipe section's."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_dflash.config import EvaluateConfig, ExportConfig, PromptJobConfig, RegenerateConfig, load_recipe
+from nemo_dflash.recipes import evaluate, export, pipeline, prompts, regenerate
+from nemo_dflash.recipes._cli import section_argv
+
+from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+
+RECIPE = """
+run: {{dir: {run}}}
+output_dir: {run}/train
+target: {{path: {target}, dtype: fp32}}
+draft: {{num_layers: 2, block_size: 4}}
+data: {{max_length: 64, holdout_fraction: 0.2}}
+loss: {{num_anchors: 8}}
+optim: {{lr: 3.0e-3}}
+train: {{micro_batch_size: 2, log_every: 1, max_steps: 4}}
+checkpoint: {{every_steps: 2}}
+distributed: {{strategy: none}}
+wandb: {{mode: disabled}}
+prompts:
+  jobs:
+    - {{name: code, source: "code:2"}}
+regenerate:
+  data: [{chat}]
+  max_new_tokens: 4
+  batch_size: 8
+  device: cpu
+evaluate: {{protocol: quick, num_prompts: 1, max_new_tokens: 4, temperatures: "0", no_speedup: true, device: cpu}}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pipeline")
+    target = make_tiny_target_dir(root)
+    chat = write_chat_jsonl(root / "chat.jsonl", n=6)
+    return {"root": root, "target": target, "chat": chat}
+
+
+def recipe(tiny: dict, run: Path) -> Path:
+    path = run.parent / f"{run.name}.yaml"
+    path.write_text(RECIPE.format(run=run, target=tiny["target"], chat=tiny["chat"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def done(tiny) -> dict:
+    """The whole pipeline, run once (the tests below read it and run it again)."""
+    run = tiny["root"] / "run"
+    config = recipe(tiny, run)
+    outcome = pipeline.main(["--config", str(config)])
+    return {"run": run, "config": config, "outcome": outcome}
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_every_stage_runs_and_leaves_its_outputs_and_marker(done):
+    run = done["run"]
+    assert done["outcome"] == {s: "done" for s in pipeline.STAGES}
+    assert (run / "prompts" / "code.jsonl").is_file()
+    regen = [json.loads(line) for line in (run / "data" / "regen.jsonl").read_text().splitlines()]
+    assert {r["dataset"] for r in regen} == {"chat", "code"}  # the prompt job's file joined regenerate's sources
+    assert (run / "train" / "final" / "draft" / "config.json").is_file()
+    assert (run / "export" / "config.json").is_file()
+    assert json.loads((run / "eval" / "results.json").read_text())["complete"] is True
+    recorded = load_recipe(str(run / "recipe.yaml"), data_optional=True)  # the resolved recipe reads back the same
+    assert recorded == load_recipe(str(done["config"]), data_optional=True)
+    for stage in pipeline.STAGES:
+        marker = json.loads((run / "stages" / f"{stage}.json").read_text())
+        assert marker["digest"] == pipeline.digest(marker["settings"])
+    assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
+    assert set(json.loads((run / "summary.json").read_text())["stages"]) == set(pipeline.STAGES)
+
+
+def test_a_second_run_skips_every_stage_and_says_so(done, caplog):
+    before = snapshot(done["run"])
+    with caplog.at_level("INFO", logger="nemo_dflash.pipeline"):
+        outcome = pipeline.main(["--config", str(done["config"])])
+    assert outcome == {s: "skipped" for s in pipeline.STAGES}
+    assert sum("skipped" in r.getMessage() for r in caplog.records) >= len(pipeline.STAGES)
+    after = snapshot(done["run"])
+    assert {k: v for k, v in after.items() if k != "summary.json"} == {k: v for k, v in before.items()
+                                                                      if k != "summary.json"}
+
+
+@pytest.mark.parametrize("override, stage", [("regenerate.max_new_tokens=5", "regenerate"),
+                                             ("optim.lr=1e-3", "train"), ("evaluate.num_prompts=2", "evaluate")])
+def test_changed_settings_are_refused_in_one_line_and_nothing_is_rewritten(done, override, stage, capsys):
+    before = snapshot(done["run"])
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(done["config"]), override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"redo={stage}" in err[0] and override.split("=")[0] in err[0]
+    assert snapshot(done["run"]) == before
+
+
+def test_redo_reruns_the_stage_and_the_stages_reading_its_outputs(done):
+    run = done["run"]
+    export_before = json.loads((run / "stages" / "export.json").read_text())
+    outcome = pipeline.main(["--config", str(done["config"]), "stages=export,evaluate", "redo=export",
+                             "evaluate.num_prompts=2"])  # evaluate's settings change: allowed, it is redone
+    assert outcome == {"export": "redone", "evaluate": "redone"}
+    assert json.loads((run / "stages" / "export.json").read_text())["finished"] >= export_before["finished"]
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["protocol"]["num_prompts"] == 2
+    assert pipeline.main(["--config", str(done["config"]), "stages=evaluate", "evaluate.num_prompts=2"]) == {
+        "evaluate": "skipped"}
+
+
+def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
+    from nemo_dflash.train import checkpoint
+
+    run = tiny["root"] / "killed"
+    config = recipe(tiny, run)
+    real_save, real_resume, resumed = checkpoint.Checkpointer.save, checkpoint.Checkpointer.resume, []
+
+    def save_then_die(self, step, tokens_seen):
+        path = real_save(self, step, tokens_seen)
+        raise KeyboardInterrupt  # the job is killed right after its first checkpoint
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
+    assert not (run / "stages" / "train.json").exists()  # not complete
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", real_save)
+
+    def spy(self):
+        saved = real_resume(self)
+        resumed.append(None if saved is None else int(saved["step"]))
+        return saved
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "resume", spy)
+    outcome = pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
+    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done"}
+    assert resumed == [2]
+    assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
+
+
+def test_stages_and_redo_name_real_stages(capsys):
+    for arg in ("stages=regen", "redo=trian", "stages="):
+        with pytest.raises(SystemExit) as e:
+            pipeline.parse_args(["--config", "x.yaml", arg])
+        assert e.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_source_without_its_package_is_refused_before_any_model_loads(tiny, tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pydantic" else real(name, *a))
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(recipe(tiny, tmp_path / "run")), "regenerate.data=[gsm_symbolic:10]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "pydantic" in err[0] and "pip install" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_stage_value_names_its_recipe_key(tiny, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(recipe(tiny, tmp_path / "run")), "regenerate.loops=sometimes"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "regenerate.loops" in err[0]
+
+
+# ---- one source of truth: each command's defaults are its recipe section's ----
+
+COMMANDS = [  # (module, section, the flags the pipeline fills in, the section's pipeline-only fields)
+    (prompts, PromptJobConfig, ["--out", "x.jsonl"], ("name", "weight")),
+    (regenerate, RegenerateConfig, ["--target", "t", "--data", "sharegpt", "--out", "x.jsonl"], ()),
+    (export, ExportConfig, ["--checkpoint", "c", "--out", "o"], ()),
+    (evaluate, EvaluateConfig, ["--draft", "d", "--target", "t", "--out", "o"], ()),
+]
+# The flags the pipeline sets itself (paths, the target, --overwrite): no recipe key.
+FILLED_BY_THE_PIPELINE = {"target", "out", "overwrite", "summary_json", "checkpoint", "draft"}
+
+
+@pytest.mark.parametrize("module, section, required, only", COMMANDS, ids=lambda x: getattr(x, "__name__", ""))
+def test_each_commands_defaults_are_its_sections(module, section, required, only):
+    parsed = vars(module.build_parser().parse_args(required))
+    want = {f.name: getattr(section(), f.name) for f in dataclasses.fields(section) if f.name not in only}
+    if module is regenerate:
+        want["data"] = ["sharegpt"]  # required: given above
+    assert {k: parsed[k] for k in want} == want
+    # every flag is a recipe key or one the pipeline fills in: no flag the recipe cannot set
+    assert set(parsed) - set(want) <= FILLED_BY_THE_PIPELINE
+
+
+@pytest.mark.parametrize("module, section, required, only", COMMANDS, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_section_given_as_flags_parses_back_to_itself(module, section, required, only):
+    """Every field set away from its default: the command line the pipeline builds means the same values."""
+    changed = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section(), f.name)
+        if f.name in only:
+            continue
+        if isinstance(value, bool):
+            changed[f.name] = not value
+        elif isinstance(value, list):
+            changed[f.name] = ["a=b.jsonl", "c"]
+    changed.update({k: v for k, v in {"seed": 7, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 9,
+                                      "turns": {regenerate: "all", prompts: "2-3"}.get(module, 2), "batch_size": 12,
+                                      "engine": "vllm" if module is export else None}.items()
+                    if k in {f.name for f in dataclasses.fields(section)} and v is not None})
+    if module is evaluate:
+        changed["batch_size"] = "12"
+    obj = section(**({"name": "n"} if "name" in only else {}), **changed)
+    parsed = vars(module.build_parser().parse_args([*required, *section_argv(module.build_parser(), obj, only)]))
+    for k, v in changed.items():
+        assert parsed[k] == (["sharegpt", *v] if (module, k) == (regenerate, "data") else v), k
