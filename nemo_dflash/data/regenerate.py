@@ -271,6 +271,15 @@ def _scheduled(conversations: Iterable[ConversationLike], schedule: str,
     return iter(sorted(indexed, key=lambda item: -user_turns(item)))
 
 
+def start_order(conversations: Iterable[ConversationLike], schedule: str, turns: str) -> list[ConversationLike]:
+    """The conversations in the order :func:`regenerate_conversations` starts them under ``schedule``:
+    ranks sharing one queue hand it out in this order (and run it with ``schedule="given"``), so
+    the longest serial chains start first across all ranks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return [conv for _, conv in _scheduled(conversations, schedule, turns)]
+
+
 def _ask_next_turn(
     job: _Job, tokenizer: Any, *, max_prompt_tokens: Optional[int], specials: Sequence[str]
 ) -> Optional[str]:
