@@ -229,35 +229,56 @@ def _chain_workload(path: Path, n: int, seed: int) -> Path:
     return path
 
 
-def test_ranks_share_an_unbalanced_workload_and_write_the_single_process_file(tmp_path, target_dir):
-    """Rank 0's static shard holds every 5-turn conversation; through the shared queue both ranks answer
-    a like number of turns (the static split: 5 to 1), and the merged file is the single-process one."""
+CHAIN_ARGS = ["--turns", "all", "--after-cut", "continue", "--loops", "keep", "--prepare-ahead", "0", *BASE,
+              "--max-new-tokens", "2", "--batch-size", "2"]
+
+
+def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_path, target_dir):
+    """benchmarks/regen_scaling.py --cpu runs one process and 2 gloo ranks on a workload where rank 0's
+    static shard holds every 5-turn conversation. Through the shared queue both ranks answer a like number
+    of turns (the static split: 5 to 1), the two runs write the same bytes, and the appended row's figures
+    are those of the two summaries (the rows before it kept)."""
     data = _chain_workload(tmp_path / "chains.jsonl", n=16, seed=0)
-    args = ["--target", str(target_dir), "--data", str(data), "--turns", "all", "--after-cut", "continue",
-            "--loops", "keep", "--prepare-ahead", "0", *BASE, "--max-new-tokens", "2", "--batch-size", "2"]
-    ref = tmp_path / "ref" / "out.jsonl"
-    cli.main([*args, "--out", str(ref)])
-    turns = [sum(m["role"] == "assistant" for m in r["messages"]) for r in _read(ref)]
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}]))
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen_scaling.py"), "--cpu", "--target",
+                           str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
+                           "strong", "--out-dir", str(runs), "--json", str(rows), "--", *CHAIN_ARGS],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = runs / "gpus2" / "regen.jsonl"
+    assert merged.read_bytes() == (runs / "gpus1" / "regen.jsonl").read_bytes()
+
+    turns = [sum(m["role"] == "assistant" for m in r["messages"]) for r in _read(merged)]  # in selection order
     static = [sum(turns[0::2]), sum(turns[1::2])]
     assert min(static) / max(static) < 0.3  # the workload is as unbalanced as meant
-
-    out = tmp_path / "multi" / "out.jsonl"
-    summary = tmp_path / "multi" / "summary.json"
-    proc = _torchrun([*args, "--out", str(out), "--summary-json", str(summary)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.read_bytes() == ref.read_bytes()
-    s = json.loads(summary.read_text())
-    detail = s["ranks_detail"]
+    one, two = (json.loads((runs / f"gpus{g}" / "summary.json").read_text()) for g in (1, 2))
+    detail = two["ranks_detail"]
     assert [d["rank"] for d in detail] == [0, 1]
-    assert sum(d["conversations"] for d in detail) == s["written"] == 16
-    assert sum(d["turns"] for d in detail) == sum(turns) == s["turns"]
-    assert sum(d["generated_tokens"] for d in detail) == s["generated_tokens"]
+    assert sum(d["conversations"] for d in detail) == two["written"] == 16
+    assert sum(d["turns"] for d in detail) == sum(turns) == two["turns"]
+    assert sum(d["generated_tokens"] for d in detail) == two["generated_tokens"]
     assert all(d["conversations"] > 0 and d["idle_seconds"] is not None and d["idle_seconds"] >= 0 for d in detail)
     shared = [d["turns"] for d in detail]
     assert min(shared) / max(shared) > 0.5, (shared, static)
     seconds = [d["generate_seconds"] for d in detail]
-    assert s["rank_imbalance"] == pytest.approx(max(seconds) / min(seconds), abs=1e-3)
+    assert two["rank_imbalance"] == pytest.approx(max(seconds) / min(seconds), abs=1e-3)
     assert "rank 1: " in proc.stderr  # one line per rank
+    assert one["ranks_detail"][0]["conversations"] == 16 and one["rank_imbalance"] == 1.0
+
+    old, row = json.loads(rows.read_text())
+    assert old == {"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}
+    assert row["gpus"] == [1, 2] and row["work"] == "strong" and row["device"] == "cpu (dry run)"
+    assert row["scaling_vs_one_gpu"] == {
+        "generation": {"1": 1.0, "2": round(two["tokens_per_s"] / one["tokens_per_s"], 3)},
+        "end_to_end": {"1": 1.0, "2": round(two["end_to_end_tokens_per_s"] / one["end_to_end_tokens_per_s"], 3)}}
+    assert row["rank_imbalance"] == {"1": one["rank_imbalance"], "2": two["rank_imbalance"]}
+    assert [r["generated_tokens"] for r in row["runs"]] == [one["generated_tokens"], two["generated_tokens"]]
+    assert [r["ranks_detail"] for r in row["runs"]] == [one["ranks_detail"], two["ranks_detail"]]
+    assert row["commit"] and row["date"] and "regen_scaling.py" in row["command"]
+    assert "| 2 | 16 |" in proc.stdout  # the table
 
 
 def test_a_resume_on_another_number_of_ranks_is_refused(tmp_path, no_model, monkeypatch, capsys):
