@@ -110,6 +110,25 @@ def test_generate_batch_finish_reason_and_stop_token():
     assert out == [([11, 12], "stop", 3), ([13, 14, 15, 16], "length", 4)]
 
 
+def test_stats_shared_by_two_calls_add_up(target, chat_file):
+    """One ``RegenStats`` over two calls (one per thinking mode) holds the sum of both calls' figures,
+    not the last call's."""
+    model, tokenizer = target
+    convs = list(read_conversations(str(chat_file), max_samples=4))
+    alone = []
+    for part in (convs[:2], convs[2:]):
+        stats = RegenStats()
+        list(regenerate_conversations(model, tokenizer, part, max_new_tokens=3, batch_size=2, stats=stats))
+        alone.append(stats)
+    shared = RegenStats()
+    for part in (convs[:2], convs[2:]):
+        list(regenerate_conversations(model, tokenizer, part, max_new_tokens=3, batch_size=2, stats=shared))
+    for name in ("generated_tokens", "prefill_tokens", "answers", "written"):
+        assert getattr(shared, name) == sum(getattr(s, name) for s in alone), name
+    assert shared.generated_tokens > alone[1].generated_tokens > 0
+    assert shared.seconds > alone[1].seconds * 0.5 and shared.seconds > 0
+
+
 def test_greedy_batched_equals_unpadded_hf_generate(target, chat_file):
     model, tokenizer = target
     convs = list(read_conversations(str(chat_file), max_samples=7))

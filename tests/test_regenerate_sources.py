@@ -143,17 +143,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_merge_the_single_process_file_and_a_killed_rank_resumes(tmp_path, target_dir, monkeypatch):
-    """2 gloo processes (torchrun) write the bytes of the single-process run; rank 1 was killed
-    mid-shard beforehand and continues its journal (nothing lost, nothing twice)."""
+def _torchrun(args: list[str], script: str = "-m nemo_dflash.recipes.regenerate",
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``args`` under 2 gloo ranks on this machine (one thread each)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), *script.split(), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _whole_lines(path: Path) -> list[dict]:
+    """The records of a journal, a torn last line (its writer was killed) left out."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
+
+
+def test_two_ranks_merge_the_single_process_file_and_killed_ranks_resume(tmp_path, target_dir, monkeypatch):
+    """Rank 1 alone (no process group: its static shard) is killed after 2 conversations; then 2 gloo
+    ranks sharing the queue start, and rank 0 is SIGKILLed after 2 more of its own; the same command
+    then finishes the bytes of the single-process run: nothing lost, nothing twice."""
     chats = write_chat_jsonl(tmp_path / "chats.jsonl", n=9, seed=2)
-    args = ["--target", str(target_dir), "--data", str(chats), "--num-samples", "7", "--samples-per-prompt", "2",
-            "--holdout", "1", *BASE]
+    args = ["--target", str(target_dir), "--data", str(chats), "--num-samples", "8", "--samples-per-prompt", "2",
+            "--holdout", "1", "--prepare-ahead", "1", *BASE]
     ref = tmp_path / "ref" / "out.jsonl"
     cli.main([*args, "--out", str(ref)])
 
     out = tmp_path / "multi" / "out.jsonl"
-    # Rank 1 alone (no process group), killed after writing 2 records of its shard.
     from nemo_dflash.data import regenerate as regen_mod
 
     real = regen_mod.regenerate_conversations
@@ -170,18 +187,175 @@ def test_two_ranks_merge_the_single_process_file_and_a_killed_rank_resumes(tmp_p
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(KeyboardInterrupt):
         cli.main([*args, "--out", str(out)])
-    journal = out.with_name("out.jsonl.rank1-of-2.partial")
-    assert len(_read(journal)) == 2 and not out.exists()
+    journal = {r: out.with_name(f"out.jsonl.rank{r}-of-2.partial") for r in (0, 1)}
+    assert len(_read(journal[1])) == 2 and not out.exists()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key)
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "nemo_dflash.recipes.regenerate", *args, "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = _torchrun([*args, "--out", str(out)], script=str(REPO / "tests" / "_regen_killed_rank.py"),
+                     env={"REGEN_KILL_RANK": "0", "REGEN_KILL_AT": "2"})
+    assert proc.returncode != 0 and not out.exists(), proc.stderr[-3000:]
+    assert "continuing" in proc.stderr and "2 of 16" in proc.stderr  # the shared run saw rank 1's journal
+    assert len(_whole_lines(journal[0])) == 2  # rank 0 died before its third
+    rank1 = _whole_lines(journal[1]) + _whole_lines(out.with_name("out.jsonl.rank1-of-2.jsonl"))
+    assert len(rank1) >= 2  # what rank 1 wrote is kept
+
+    proc = _torchrun([*args, "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "continuing" in proc.stderr and "2 of" in proc.stderr  # rank 1 resumed its journal
+    assert "continuing" in proc.stderr
     assert out.read_bytes() == ref.read_bytes()
     assert (out.parent / "out.holdout.jsonl").read_bytes() == (ref.parent / "out.holdout.jsonl").read_bytes()
     assert sorted(p.name for p in out.parent.iterdir()) == ["out.holdout.jsonl", "out.jsonl", "out_report"]
+
+
+def _chain_workload(path: Path, n: int, seed: int) -> Path:
+    """``n`` conversations where those the seeded selection puts at even positions (rank 0's static
+    shard under 2 ranks) have 5 user turns and the others one: a static split gives rank 0 five times
+    the turns of rank 1."""
+    import random
+
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    long = set(order[0::2])
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rnd = random.Random(seed + 1)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = []
+            for _ in range(5 if i in long else 1):
+                turns += [{"from": "human", "value": " ".join(rnd.choice(words) for _ in range(5))},
+                          {"from": "gpt", "value": "ok"}]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+CHAIN_ARGS = ["--turns", "all", "--after-cut", "continue", "--loops", "keep", "--prepare-ahead", "0", *BASE,
+              "--max-new-tokens", "2", "--batch-size", "2"]
+
+
+def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_path, target_dir):
+    """benchmarks/regen_scaling.py --cpu runs one process and 2 gloo ranks on a workload where rank 0's
+    static shard holds every 5-turn conversation. Through the shared queue both ranks answer a like number
+    of turns (the static split: 5 to 1), the two runs write the same bytes, and the appended row's figures
+    are those of the two summaries (the rows before it kept)."""
+    data = _chain_workload(tmp_path / "chains.jsonl", n=16, seed=0)
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}]))
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen_scaling.py"), "--cpu", "--target",
+                           str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
+                           "strong", "--out-dir", str(runs), "--json", str(rows), "--", *CHAIN_ARGS],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = runs / "gpus2" / "regen.jsonl"
+    assert merged.read_bytes() == (runs / "gpus1" / "regen.jsonl").read_bytes()
+
+    turns = [sum(m["role"] == "assistant" for m in r["messages"]) for r in _read(merged)]  # in selection order
+    static = [sum(turns[0::2]), sum(turns[1::2])]
+    assert min(static) / max(static) < 0.3  # the workload is as unbalanced as meant
+    one, two = (json.loads((runs / f"gpus{g}" / "summary.json").read_text()) for g in (1, 2))
+    detail = two["ranks_detail"]
+    assert [d["rank"] for d in detail] == [0, 1]
+    assert sum(d["conversations"] for d in detail) == two["written"] == 16
+    assert sum(d["turns"] for d in detail) == sum(turns) == two["turns"]
+    assert sum(d["generated_tokens"] for d in detail) == two["generated_tokens"]
+    assert all(d["conversations"] > 0 and d["idle_seconds"] is not None and d["idle_seconds"] >= 0 for d in detail)
+    shared = [d["turns"] for d in detail]
+    assert min(shared) / max(shared) > 0.5, (shared, static)
+    seconds = [d["generate_seconds"] for d in detail]
+    assert two["rank_imbalance"] == pytest.approx(max(seconds) / min(seconds), abs=1e-3)
+    assert "rank 1: " in proc.stderr  # one line per rank
+    assert one["ranks_detail"][0]["conversations"] == 16 and one["rank_imbalance"] == 1.0
+
+    old, row = json.loads(rows.read_text())
+    assert old == {"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}
+    assert row["gpus"] == [1, 2] and row["work"] == "strong" and row["device"] == "cpu (dry run)"
+    assert row["scaling_vs_one_gpu"] == {
+        "generation": {"1": 1.0, "2": round(two["tokens_per_s"] / one["tokens_per_s"], 3)},
+        "end_to_end": {"1": 1.0, "2": round(two["end_to_end_tokens_per_s"] / one["end_to_end_tokens_per_s"], 3)}}
+    assert row["rank_imbalance"] == {"1": one["rank_imbalance"], "2": two["rank_imbalance"]}
+    assert [r["generated_tokens"] for r in row["runs"]] == [one["generated_tokens"], two["generated_tokens"]]
+    assert [r["ranks_detail"] for r in row["runs"]] == [one["ranks_detail"], two["ranks_detail"]]
+    assert row["commit"] and row["date"] and "regen_scaling.py" in row["command"]
+    assert "| 2 | 16 |" in proc.stdout  # the table
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused(tmp_path, no_model, monkeypatch, capsys):
+    chats = write_chat_jsonl(tmp_path / "chats.jsonl", n=3, seed=2)
+    out = tmp_path / "out.jsonl"
+    out.with_name("out.jsonl.rank1-of-2.partial").write_text("")
+    args = ["--target", "x", "--data", str(chats), "--out", str(out), "--decontaminate", "off"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "2 ranks (torchrun --nproc-per-node 2)" in err
+    assert "--overwrite" in err
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "not 3 ranks" in err
+
+    out.with_name("out.jsonl.rank1-of-2.partial").unlink()
+    out.with_name("out.jsonl.partial").write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "one process (no torchrun)" in err
+
+
+def test_overwrite_removes_the_journals_of_another_number_of_ranks(tmp_path, cached_target):
+    chats = write_chat_jsonl(tmp_path / "chats.jsonl", n=3, seed=2)
+    out = tmp_path / "out.jsonl"
+    stale = [out.with_name(f"out.jsonl.rank{r}-of-2.{ext}") for r in (0, 1) for ext in ("partial", "jsonl")]
+    for p in stale:
+        p.write_text('{"source": "elsewhere"}\n')
+    s = cli.main(["--target", "x", "--data", str(chats), "--out", str(out), "--overwrite", *BASE])
+    assert s["written"] == 3 and not any(p.exists() for p in stale)
+    assert s["ranks_detail"][0]["conversations"] == 3 and s["rank_imbalance"] == 1.0
+
+
+class _CounterStore:
+    """A store's atomic add, as the process group's store does it."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+def test_shared_queue_hands_out_each_item_once_in_order(chunk):
+    from nemo_dflash.data.work_queue import SharedQueue
+
+    store, items = _CounterStore(), list(range(10))
+    a, b = iter(SharedQueue(store, "k", items, chunk)), iter(SharedQueue(store, "k", items, chunk))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    live = {"a": a, "b": b}
+    while live:  # a takes two for each one b takes
+        for name in ("a", "a", "b"):
+            if name not in live:
+                continue
+            try:
+                got[name].append(next(live[name]))
+            except StopIteration:
+                live.pop(name, None)
+    assert sorted(got["a"] + got["b"]) == items
+    for name in got:  # each rank's claims follow the list's order, in whole chunks
+        assert got[name] == sorted(got[name])
+        assert all(x // chunk == got[name][k - 1] // chunk or x % chunk == 0 for k, x in enumerate(got[name]) if k)
+    assert got["a"] and (chunk >= 10 or got["b"])
+
+
+def test_samples_of_a_thinking_mode_copy_keep_its_mode():
+    from nemo_dflash.data import Conversation
+
+    copies = cli.with_samples([Conversation([{"role": "user", "content": "hi"}], "f:1#reasoning=on", "on")], 3)
+    assert [c.location for c in copies] == ["f:1#reasoning=on", "f:1#reasoning=on#1", "f:1#reasoning=on#2"]
+    assert [c.reasoning for c in copies] == ["on", "on", "on"]

@@ -271,6 +271,15 @@ def _scheduled(conversations: Iterable[ConversationLike], schedule: str,
     return iter(sorted(indexed, key=lambda item: -user_turns(item)))
 
 
+def start_order(conversations: Iterable[ConversationLike], schedule: str, turns: str) -> list[ConversationLike]:
+    """The conversations in the order :func:`regenerate_conversations` starts them under ``schedule``:
+    ranks sharing one queue hand it out in this order (and run it with ``schedule="given"``), so
+    the longest serial chains start first across all ranks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return [conv for _, conv in _scheduled(conversations, schedule, turns)]
+
+
 def _ask_next_turn(
     job: _Job, tokenizer: Any, *, max_prompt_tokens: Optional[int], specials: Sequence[str]
 ) -> Optional[str]:
@@ -575,6 +584,15 @@ def regenerate_conversations(
         phases0 = collections.Counter(getattr(gen, "seconds", {}))
         gpu0 = collections.Counter(getattr(getattr(gen, "gpu", None), "seconds", {}))
         calls0 = collections.Counter(getattr(gen, "prefills", {}))
+        # ``stats`` may carry an earlier call's figures (one call per thinking mode): they are added to
+        before = (stats.seconds, stats.generated_tokens, stats.prefill_tokens, stats.reused_tokens)
+
+        def count_progress() -> None:
+            stats.seconds = before[0] + time.perf_counter() - t0
+            stats.generated_tokens = before[1] + gen.generated_tokens - generated0
+            stats.prefill_tokens = before[2] + getattr(gen, "prefill_tokens", 0) - prefill0
+            stats.reused_tokens = before[3] + getattr(gen, "reused_tokens", 0) - reused0
+
         for done in gen.generate(pending):
             job: _Job = done.request.tag
             stats.answers += 1
@@ -620,10 +638,7 @@ def regenerate_conversations(
                         stats.prefix_mismatch += job.prompt_ids[: len(history)] != history
                         job.last = done
                         pending.append(request(job))
-            stats.seconds = time.perf_counter() - t0
-            stats.generated_tokens = gen.generated_tokens - generated0
-            stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
-            stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
+            count_progress()
             if progress is not None:
                 progress(0, done.generated)
             if record is not None:
@@ -634,15 +649,12 @@ def regenerate_conversations(
                 if producer is not None:
                     producer.halt()  # nothing more is taken from it (joined when the run ends)
             admit()
-        stats.seconds = time.perf_counter() - t0
-        stats.generated_tokens = gen.generated_tokens - generated0
-        stats.prefill_tokens = getattr(gen, "prefill_tokens", 0) - prefill0
-        stats.reused_tokens = getattr(gen, "reused_tokens", 0) - reused0
-        stats.phase_seconds = collections.Counter(getattr(gen, "seconds", {})) - phases0
+        count_progress()
+        stats.phase_seconds += collections.Counter(getattr(gen, "seconds", {})) - phases0
         gpu = getattr(gen, "gpu", None)
         if gpu is not None:
             gpu.read()  # the last window's events (the run ended after its collect)
-        stats.gpu_seconds = collections.Counter(getattr(gpu, "seconds", {})) - gpu0
-        stats.prefill_calls = collections.Counter(getattr(gen, "prefills", {})) - calls0
+        stats.gpu_seconds += collections.Counter(getattr(gpu, "seconds", {})) - gpu0
+        stats.prefill_calls += collections.Counter(getattr(gen, "prefills", {})) - calls0
 
     return run()

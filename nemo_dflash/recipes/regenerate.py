@@ -15,8 +15,8 @@ with the evaluation prompts, shuffles them with --seed, takes the first --num-sa
 Writes OpenAI-layout JSONL, one conversation a line:
     {"messages": [{"role": ..., "content": ...}, ...], "finish_reason": "stop"|"length", "source": "file:line",
      "dataset": NAME}
-Under torchrun each rank answers every N-th conversation into its own journal and rank 0 merges
-them into the file a single process writes.
+Under torchrun the ranks take conversations from one shared queue (the longest first) into
+their own journals, and rank 0 merges them into the file a single process writes.
 The output is written to OUT.partial and renamed when complete; rerunning the same command
 after an interruption continues the partial file. --holdout N writes the prompts (no answers) of
 N further conversations to OUT_STEM.holdout.jsonl, for evaluation (`evaluate --datasets`).
@@ -30,10 +30,11 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from nemo_dflash.files import (
     FileLock, LockBusyError, LockReplacedError, Output, OutputError, guard_outputs, write_error_reason,
@@ -291,9 +292,9 @@ def read_pool(paths: Sequence[str], max_bad: int) -> list[Any]:
 def with_samples(conversations: Sequence[Any], samples: int) -> list[Any]:
     """Each conversation ``samples`` times, the K-th copy (K >= 1) located ``LOCATION#K``: its own
     sampling key, so the answers differ and a run with more samples keeps the first one's answers."""
-    from nemo_dflash.data import Conversation
+    import dataclasses
 
-    return [c if k == 0 else Conversation(c.messages, f"{c.location}#{k}")
+    return [c if k == 0 else dataclasses.replace(c, location=f"{c.location}#{k}")
             for c in conversations for k in range(samples)]
 
 
@@ -393,22 +394,19 @@ def _check_settings(partial: Path, meta: Path, settings: dict[str, Any]) -> None
              f"continue it, or {hint}")
 
 
-def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> set[str]:
-    """Sources of the conversations ``partial`` already holds, after checking it was made with ``settings``.
-
-    A torn last line (killed mid-write) is cut off. Conversations are written as they end, so the
-    ones not in the file (in flight at the kill) are simply redone: with keyed sampling a redone
-    answer is the one the interrupted run would have written.
-    """
-    hint = f"pass --overwrite to start over, or delete {partial}"
-    _check_settings(partial, meta, settings)
-    data = partial.read_bytes()
+def _journal_sources(path: Path, known: set[str], *, cut: bool, hint: str) -> set[str]:
+    """The sources of the whole lines of journal ``path``; a torn last line (a kill mid-write) is cut
+    off when ``cut`` (the journal is this process's), else skipped. A line that is not a record of
+    this run (``known``), or a conversation twice, is one line naming ``hint``."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # removed as stale by its rank
+        return set()
     keep = data.rfind(b"\n") + 1
-    if keep < len(data):
-        logger.warning("%s: dropping a torn last line (%d bytes)", partial, len(data) - keep)
-        with open(partial, "r+b") as f:
+    if keep < len(data) and cut:
+        logger.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - keep)
+        with open(path, "r+b") as f:
             f.truncate(keep)
-    known = {c.location for c in train}
     done: set[str] = set()
     for lineno, line in enumerate(data[:keep].split(b"\n")[:-1], start=1):
         try:
@@ -416,9 +414,92 @@ def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: lis
         except (ValueError, KeyError, TypeError):
             source = None
         if source not in known or source in done:
-            fail(f"{partial}:{lineno} is not a record of this run; {hint}")
+            fail(f"{path}:{lineno} is not a record of this run; {hint}")
         done.add(source)
     return done
+
+
+def _resume_done(partial: Path, meta: Path, settings: dict[str, Any], train: list[Any]) -> set[str]:
+    """Sources of the conversations ``partial`` already holds, after checking it was made with ``settings``.
+
+    A torn last line (killed mid-write) is cut off. Conversations are written as they end, so the
+    ones not in the file (in flight at the kill) are simply redone: with keyed sampling a redone
+    answer is the one the interrupted run would have written.
+    """
+    _check_settings(partial, meta, settings)
+    return _journal_sources(partial, {c.location for c in train}, cut=True,
+                            hint=f"pass --overwrite to start over, or delete {partial}")
+
+
+def ranks_done(out: Path, rank: int, world: int, settings: dict[str, Any], known: set[str]) -> set[str]:
+    """Sources of the conversations every rank's journal of ``out`` holds (journals being written and
+    finished ones), each checked to be made with ``settings``: what no rank of this run redoes.
+    Only this rank's own torn last line is cut; another rank's is skipped (never truncated here).
+    A conversation in two ranks' journals is refused: the merge could not tell which to keep."""
+    hint = f"pass --overwrite to start over (the journals are {out}.rank*-of-{world}.*)"
+    owner: dict[str, int] = {}
+    for r in range(world):
+        f = rank_files(out, r, world)
+        mine: set[str] = set()
+        for path in (f["done"], f["partial"]):  # a partial left beside its finished file repeats it
+            if path.exists():
+                _check_settings(path, f["meta"], settings)
+                mine |= _journal_sources(path, known, cut=r == rank and path == f["partial"], hint=hint)
+        for source in mine:
+            if owner.setdefault(source, r) != r:
+                fail(f"{source} is in the journals of ranks {owner[source]} and {r}; {hint}")
+    return set(owner)
+
+
+def _drop_stale_partial(files: dict[str, Path]) -> None:
+    """Remove this rank's journal when its finished file already holds every line of it (a kill
+    between writing the finished file and removing the journal)."""
+    partial, done = files["partial"], files["done"]
+    if not (partial.exists() and done.exists()):
+        return
+    finished = set(done.read_text(encoding="utf-8").split("\n"))
+    if all(line in finished for line in partial.read_text(encoding="utf-8").split("\n")):
+        partial.unlink()
+
+
+# A rank's files: OUT.rank{R}-of-{W}.partial / .partial.json / .jsonl / .stats.json (locks excluded).
+_RANK_FILE = r"\.rank(\d+)-of-(\d+)\.(?:partial|partial\.json|jsonl|stats\.json)$"
+
+
+def journal_worlds(out: Path) -> dict[int, list[Path]]:
+    """The journals of ``out`` by the number of processes that wrote them: 1 for a single process's
+    ``OUT.partial``, W for the ``OUT.rankR-of-W.*`` files of a torchrun run."""
+    found: dict[int, list[Path]] = {}
+    single = [p for p in (out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json"))
+              if p.exists()]
+    if single:
+        found[1] = single
+    if out.parent.is_dir():
+        pattern = re.compile(re.escape(out.name) + _RANK_FILE)
+        for p in sorted(out.parent.iterdir()):
+            m = pattern.match(p.name)
+            if m:
+                found.setdefault(int(m.group(2)), []).append(p)
+    return found
+
+
+def check_world(out: Path, world: int, rank: int, overwrite: bool) -> None:
+    """Refuse to continue journals written by another number of processes (their ranks' shares
+    cannot be told apart); with ``overwrite`` rank 0 removes them instead."""
+    others = {w: paths for w, paths in journal_worlds(out).items() if w != world}
+    if not others:
+        return
+    if overwrite:
+        if rank == 0:
+            for paths in others.values():
+                for p in paths:
+                    p.unlink(missing_ok=True)
+        return
+    w = max(others)
+    how = "one process (no torchrun)" if w == 1 else f"{w} ranks (torchrun --nproc-per-node {w})"
+    now = "one process" if world == 1 else f"{world} ranks"
+    fail(f"{out} has the journals of a run on {how}, not {now}: continue it on {how}, or pass --overwrite to "
+         "start over")
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -487,17 +568,26 @@ def in_modes(conversations: Sequence[Any], modes: Sequence[Optional[str]]) -> li
 
 
 def regenerate_in_modes(regenerate: Any, modes: Sequence[Optional[str]], model: Any, tokenizer: Any,
-                        conversations: Sequence[Any], **kwargs: Any) -> Any:
+                        conversations: Union[Sequence[Any], Callable[[Optional[str]], Iterable[Any]]],
+                        **kwargs: Any) -> Any:
     """``regenerate(model, tokenizer, conversations, **kwargs)`` once per thinking mode, the
-    tokenizer rendering every prompt in that mode; each record gets ``"reasoning"``."""
+    tokenizer rendering every prompt in that mode; each record gets ``"reasoning"``.
+    ``conversations`` may be a function of the mode giving that mode's conversations (a rank's
+    share of a queue, claimed as the engine admits them)."""
+    def of_mode(mode: Optional[str]) -> Iterable[Any]:
+        if callable(conversations):
+            return conversations(mode)
+        return [c for c in conversations if getattr(c, "reasoning", None) == mode]
+
     if modes == [None]:
-        return regenerate(model, tokenizer, conversations, **kwargs)
+        return regenerate(model, tokenizer, conversations(None) if callable(conversations) else conversations,
+                          **kwargs)
     from nemo_dflash.data.chat_template import ReasoningTokenizer
 
     def run() -> Any:
         for mode in modes:
-            mine = [c for c in conversations if getattr(c, "reasoning", None) == mode]
-            if not mine:
+            mine = of_mode(mode)
+            if isinstance(mine, list) and not mine:
                 continue
             for record in regenerate(model, ReasoningTokenizer(tokenizer, mode), mine, **kwargs):
                 record["reasoning"] = mode
@@ -516,9 +606,9 @@ def _merge_ranks(out: Path, world: int, order: dict[str, int]) -> list[dict[str,
     """Rank 0: write ``out`` from the ranks' finished shards, in selection order (the bytes a
     single-process run writes), then remove the rank files; the ranks' stats."""
     files = [rank_files(out, r, world) for r in range(world)]
-    missing = [r for r, f in enumerate(files) if not f["done"].exists()]
+    missing = [r for r, f in enumerate(files) if not f["done"].exists() or f["partial"].exists()]
     if missing:
-        fail(f"rank(s) {missing} of {world} have not finished their shard; rerun the same command to continue them")
+        fail(f"rank(s) {missing} of {world} have not finished their share; rerun the same command to continue them")
     lines: list[str] = []
     for f in files:
         lines.extend(line for line in f["done"].read_text(encoding="utf-8").split("\n") if line)
@@ -532,6 +622,33 @@ def _merge_ranks(out: Path, world: int, order: dict[str, int]) -> list[dict[str,
         for key in ("done", "meta", "stats"):
             f[key].unlink(missing_ok=True)
     return stats
+
+
+def _finish_rank(partial: Path, done: Path, order: dict[str, int]) -> int:
+    """Write this rank's finished file atomically from its journal and what an earlier run of it
+    finished, in selection order, then remove the journal; the number of conversations."""
+    lines: list[str] = []
+    for path in (done, partial):
+        if path.exists():
+            lines.extend(line for line in path.read_text(encoding="utf-8").split("\n") if line)
+    keyed = sorted((order[json.loads(line)["source"]], line) for line in lines)
+    if len({k for k, _ in keyed}) != len(keyed):
+        fail(f"{partial} repeats a conversation of {done}; pass --overwrite to start over")
+    write_text_atomic(done, (line + "\n" for _, line in keyed))
+    partial.unlink(missing_ok=True)
+    return len(keyed)
+
+
+def rank_balance(parts: Sequence[dict[str, Any]], idle: Sequence[Optional[float]]) -> tuple[list[dict[str, Any]], Optional[float]]:
+    """Per rank (this run): conversations written, turns, generated tokens, seconds generating and
+    seconds idle at the final barrier (None without one); and the ranks' imbalance, the slowest
+    rank's generation seconds over the fastest's (None when a rank generated nothing)."""
+    detail = [{"rank": p.get("rank", r), "conversations": p["written_this_run"], "turns": p["turns"],
+               "generated_tokens": p["generated_tokens"], "generate_seconds": p["generate_seconds"],
+               "idle_seconds": idle[r]} for r, p in enumerate(parts)]
+    seconds = [d["generate_seconds"] for d in detail]
+    imbalance = round(max(seconds) / min(seconds), 3) if min(seconds) > 0 else None
+    return detail, imbalance
 
 
 def _combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -614,7 +731,7 @@ def output_places(args: argparse.Namespace, files: dict[str, Path], held: Option
                   world: int) -> list[Output]:
     """What a run writes: --out, the holdout file and --summary-json (each replaced only with --overwrite;
     the holdout file of a partial output being continued is kept), and its journal (continued)."""
-    resuming = files["partial"].exists() or (world > 1 and files["done"].exists())
+    resuming = world in journal_worlds(Path(args.out))
     places = [Output(Path(args.out), "--out")]
     if held is not None:
         places.append(Output(held, "--holdout's file", may_exist=resuming))
@@ -648,6 +765,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     from nemo_dflash.target.loading import load_target
 
     partial, meta = files["partial"], files["meta"]
+    check_world(out, world, rank, args.overwrite)
     if args.overwrite:
         for key in ("partial", "meta", "stats") if world == 1 else ("partial", "meta", "stats", "done"):
             files[key].unlink(missing_ok=True)
@@ -724,9 +842,6 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     train = with_samples(train, args.samples_per_prompt)
     for i, conv in enumerate(train):  # the copies of --samples-per-prompt belong to their original's source
         dataset[conv.location] = dataset[train[i - i % args.samples_per_prompt].location]
-    shard = train[rank::world]
-    if world > 1:
-        logger.warning("rank %d of %d: %d of the %d conversations", rank, world, len(shard), len(train))
 
     temperature, top_p, sampling_from = resolve_sampling(args, model)
     logger.info("sampling: temperature %s, top_p %s (%s)", temperature, top_p, sampling_from)
@@ -734,21 +849,48 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     settings.update(data=[[r["name"], os.path.realpath(r["source"]) if os.path.exists(r["source"]) else r["source"],
                            r["weight"]] for r in report],
                     max_prompt_tokens=max_prompt, temperature=temperature, top_p=top_p)
+    order = {c.location: i for i, c in enumerate(train)}
     done: set[str] = set()
-    finished = world > 1 and files["done"].exists()
-    if finished:  # this rank's shard was done before another rank stopped
-        _check_settings(files["done"], meta, settings)
-        logger.warning("rank %d: shard already finished in %s", rank, files["done"])
-    elif partial.exists():
-        done = _resume_done(partial, meta, settings, shard)
-        logger.warning("continuing %s: %d of %d conversations already done", partial, len(done), len(shard))
+    queues: dict[Optional[str], Any] = {}
+    if world == 1:
+        if partial.exists():
+            done = _resume_done(partial, meta, settings, train)
+            logger.warning("continuing %s: %d of %d conversations already done", partial, len(done), len(train))
+        else:
+            write_jsonl_atomic(meta, [settings])  # one JSON line: readable with json.loads
     else:
-        write_jsonl_atomic(meta, [settings])  # one JSON line: readable with json.loads
+        if not args.overwrite:  # every rank reads every rank's journals: what is done is done by no one again
+            done = ranks_done(out, rank, world, settings, set(order))
+        if not (partial.exists() or files["done"].exists()):
+            write_jsonl_atomic(meta, [settings])
+        if group:
+            dist.barrier()  # all journals read before any rank writes to its own
+        _drop_stale_partial(files)
+        if done:
+            logger.warning("continuing %s: %d of %d conversations already done (journals of %d ranks)", out,
+                           len(done), len(train), world)
+    schedule = args.schedule
+    if group:  # the ranks share one queue per thinking mode, in start order (the longest chains first)
+        from nemo_dflash.data.regenerate import start_order
+        from nemo_dflash.data.work_queue import SharedQueue, process_group_store, queue_chunk
+
+        store, chunk = process_group_store(), queue_chunk(args.batch_size)
+        for mode in modes:
+            left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
+            queues[mode] = SharedQueue(store, f"next/{mode}", start_order(left, args.schedule, args.turns), chunk)
+        todo: Any = lambda mode: queues[mode]  # noqa: E731
+        schedule = "given"
+        logger.info("%d ranks share a queue of %d conversations (%d claimed at a time)", world,
+                    len(train) - len(done), chunk)
+    else:  # one process, or a rank started alone: its static shard
+        todo = [c for c in train[rank::world] if c.location not in done]
+        if world > 1:
+            logger.warning("rank %d of %d alone (no process group): its static shard, %d conversations left",
+                           rank, world, len(todo))
 
     stats = RegenStats()
-    todo = [] if finished else [c for c in shard if c.location not in done]
-    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", file=sys.stderr, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 15.0, disable=rank != 0)
+    bar = tqdm(total=None if queues else len(todo), unit="conv", desc="regenerate", file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 15.0, disable=rank != 0)
     t0 = time.perf_counter()
 
     def progress(finished: int, new_tokens: int) -> None:
@@ -765,38 +907,37 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         the conversations that are complete are written."""
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
-    if not finished:
-        with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
-            records = regenerate_in_modes(
-                regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
-                batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
-                engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
-                max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
-                schedule=args.schedule, prefill_attention=args.prefill_attention,
-                decode_compile=_on_off(args.decode_compile),
-                stats=stats, progress=progress, should_stop=out_of_time,
-            )
-        try:
-            with open(partial, "a", encoding="utf-8") as f:
-                for record in records:
-                    record["dataset"] = dataset[record["source"]]
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    f.flush()
-                os.fsync(f.fileno())
-        except BaseException as e:
-            bar.close()
-            reason = write_error_reason(e)
-            if reason is not None:  # a full disk: the whole lines written are kept, a torn last one is cut on resume
-                fail(f"cannot write {partial} ({reason}): free space or fix the permissions, then run the same "
-                     "command again to continue it")
-            logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
-                         partial)
-            raise
+    with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
+        records = regenerate_in_modes(
+            regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens,
+            temperature=temperature, top_p=top_p,
+            batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
+            engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
+            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
+            schedule=schedule, prefill_attention=args.prefill_attention,
+            decode_compile=_on_off(args.decode_compile),
+            stats=stats, progress=progress, should_stop=out_of_time,
+        )
+    try:
+        with open(partial, "a", encoding="utf-8") as f:
+            for record in records:
+                record["dataset"] = dataset[record["source"]]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        bar.close()
+        reason = write_error_reason(e)
+        if reason is not None:  # a full disk: the whole lines written are kept, a torn last one is cut on resume
+            fail(f"cannot write {partial} ({reason}): free space or fix the permissions, then run the same "
+                 "command again to continue it")
+        logger.error("regeneration stopped; %s keeps what was written: rerun the same command to continue it",
+                     partial)
+        raise
     bar.close()
     if stats.halted:
-        logger.warning("--max-minutes %.1f reached: finishing %s with %d of %d conversations", args.max_minutes,
-                       files["done"], len(done) + stats.written, len(shard))
-    order = {c.location: i for i, c in enumerate(train)}
+        logger.warning("--max-minutes %.1f reached: finishing %s with the conversations done (%d this run)",
+                       args.max_minutes, files["done"], stats.written)
     gen_time = time.perf_counter() - t0
     mine = {
         "written_this_run": stats.written, "turns": stats.turns, "answers": stats.answers,
@@ -804,28 +945,37 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         "looping_after": stats.looping_after, "capped_before": stats.capped_before, "capped_after": stats.capped_after,
         "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
         "reused_tokens": stats.reused_tokens, "prefix_mismatch": stats.prefix_mismatch,
-        "generated_tokens": stats.generated_tokens, "todo": len(todo), "finish": dict(stats.finish),
+        "generated_tokens": stats.generated_tokens, "finish": dict(stats.finish),
+        "todo": sum(q.claimed for q in queues.values()) if queues else len(todo), "rank": rank,
         "skipped_generation": dict(stats.skipped), "shortened": dict(stats.shortened),
         "generate_seconds": round(stats.seconds, 2), "regenerate_seconds": round(gen_time, 2), "halted": stats.halted,
     }
-    if not finished:
-        _finish_output(partial, files["done"], order)
-        if world > 1:
-            write_jsonl_atomic(files["stats"], [mine])
+    idle: list[Optional[float]] = [None] * world
     if world == 1:
+        _finish_output(partial, files["done"], order)
         meta.unlink(missing_ok=True)
         parts = [mine]
     else:
+        _finish_rank(partial, files["done"], order)
+        write_jsonl_atomic(files["stats"], [mine])
         if group:
-            dist.barrier()
+            waited = time.perf_counter()
+            dist.barrier()  # every rank's finished file is written
+            dist.all_gather_object(idle, round(time.perf_counter() - waited, 2))
             dist.destroy_process_group()
         if rank != 0:
-            logger.warning("rank %d: shard written to %s; rank 0 merges", rank, files["done"])
-            return {"rank": rank, "shard": str(files["done"]), **mine}
+            logger.warning("rank %d: %d conversations written to %s; rank 0 merges", rank, stats.written,
+                           files["done"])
+            return {"shard": str(files["done"]), **mine, "idle_seconds": idle[rank]}
         parts = _merge_ranks(out, world, order)
     if held is not None and rank == 0:
         write_jsonl_atomic(held, [_holdout_record(c, args.turns) for c in holdout])
     total = _combine(parts)
+    ranks_detail, imbalance = rank_balance(parts, idle if world > 1 else [0.0])
+    for d in ranks_detail:
+        logger.info("rank %d: %d conversations, %d turns, %d generated tokens, %.1fs generating, %s idle at the "
+                    "final barrier", d["rank"], d["conversations"], d["turns"], d["generated_tokens"],
+                    d["generate_seconds"], "-" if d["idle_seconds"] is None else f"{d['idle_seconds']:.1f}s")
     with open(out, encoding="utf-8") as f:
         total_written = sum(1 for _ in f)
 
@@ -863,6 +1013,8 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         "tokens_per_s": round(total["generated_tokens"] / gen_time, 2) if gen_time > 0 else 0.0,
         "end_to_end_tokens_per_s": round(total["generated_tokens"] / wall, 2) if wall > 0 else 0.0,
         "conversations_per_s": round(total["todo"] / gen_time, 3) if gen_time > 0 else 0.0,
+        "ranks_detail": ranks_detail,
+        "rank_imbalance": imbalance,
     }
     from nemo_dflash.data.report import report_dir, write_report
 
