@@ -234,6 +234,7 @@ class EvaluateConfig:
     first_prompt: Optional[int] = None
     speedup_prompts: Optional[int] = None
     no_speedup: bool = False
+    speedup_only: bool = False  # time the speedup prompts and stop (no acceptance phase)
     method: Optional[str] = None  # sequential | replay | batched
     batch_size: str = "auto"
     decode: Optional[str] = None  # eager | graphs
