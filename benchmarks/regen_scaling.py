@@ -157,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
             fail(f"--gpus {max(args.gpus)} but torch sees {torch.cuda.device_count()} GPUs: lower --gpus (or --cpu "
                  "for a dry run)")
     target = args.target or tiny_target(out_dir, args.tokenizer)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = dict(os.environ)  # the commands run with cwd=REPO: `python -m` finds the package there
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
     runs = []

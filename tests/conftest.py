@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -57,3 +59,14 @@ def target_and_draft(request):
     draft = make_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     return wrapper, draft
+
+
+_SLOW = frozenset(line.strip() for line in Path(__file__).with_name("slow.txt").read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests tests/slow.txt lists `slow`: `make test-fast` (-m "not slow") leaves them to `make test`."""
+    for item in items:
+        if item.nodeid in _SLOW:
+            item.add_marker(pytest.mark.slow)
