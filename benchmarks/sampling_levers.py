@@ -4,7 +4,8 @@ measured at T=0, at the target's recommended sampling and at T=1.
     python benchmarks/sampling_levers.py regen  OUT --target pkg:smollm2 --data sharegpt --data code=P/code.jsonl
     python benchmarks/sampling_levers.py train  OUT [--levers a,b,c,d] [--tokens 30e6] [--max-minutes M]
     python benchmarks/sampling_levers.py eval   OUT [--levers ...]          # export + acceptance (no timing)
-    python benchmarks/sampling_levers.py speed  OUT [--levers ...] [--speedup-prompts 20]
+    python benchmarks/sampling_levers.py speed  OUT [--levers ...] [--speedup-prompts 20] [--speed-max-new-tokens 512]
+    python benchmarks/sampling_levers.py chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
     python benchmarks/sampling_levers.py report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
 
 Levers (`LEVERS`): the data's sampling temperature and `loss.distill_weight`:
@@ -20,7 +21,9 @@ same command again after `--max-minutes`). `eval` exports each draft and runs, s
 turns, HumanEval). `speed` times batch-1 speedup with CUDA graphs at T=0, the recommended settings and T=1, alone
 on each GPU (tau at the recommended settings is read from those timed answers). `report` prints the table and appends one row per
 lever to the drafter summary, every figure read from the files those phases wrote.
-Every phase skips what is complete, so a phase can be re-run (or continued on a fresh machine).
+`chain` runs each lever's train, eval and speed phases one after another on its own GPU, the levers side by side,
+so a GPU moves on as soon as its lever's phase ends. Every phase skips what is complete, so a phase can be re-run
+(or continued on a fresh machine).
 """
 
 from __future__ import annotations
