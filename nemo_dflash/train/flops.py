@@ -38,10 +38,15 @@ class Shape:
                    vocab=int(config.vocab_size))
 
     @property
+    def kv_params(self) -> int:
+        """k and v projections of one layer."""
+        return 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
     def layer_linear_params(self) -> int:
         """q, k, v, o and the gated MLP of one layer."""
-        h, hd = self.hidden, self.head_dim
-        return h * self.heads * hd + 2 * h * self.kv_heads * hd + self.heads * hd * h + 3 * h * self.intermediate
+        h = self.hidden
+        return 2 * h * self.heads * self.head_dim + self.kv_params + 3 * h * self.intermediate
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,8 @@ class StepShapes:
                                            + 2 * 2 * t.heads * t.head_dim * sums.context_pairs)
         queries = sums.valid_blocks * self.block
         fc = 2 * sums.context_tokens * self.context_layers * h * h
-        per_layer = (2 * queries * (h * t.heads * t.head_dim + t.heads * t.head_dim * h + 3 * h * t.intermediate)
-                     + 2 * (sums.context_tokens + queries) * 2 * h * t.kv_heads * t.head_dim)
+        # the block's queries run every projection; k and v also run over the context they attend to
+        per_layer = 2 * queries * (t.layer_linear_params - t.kv_params) + 2 * (sums.context_tokens + queries) * t.kv_params
         attn = 2 * 2 * t.heads * t.head_dim * sums.visible_keys
         draft_fwd = fc + self.draft_layers * (per_layer + attn)
         head_fwd = 2 * sums.num_labels * h * t.vocab
