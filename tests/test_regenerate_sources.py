@@ -353,6 +353,19 @@ def test_shared_queue_hands_out_each_item_once_in_order(chunk):
     assert got["a"] and (chunk >= 10 or got["b"])
 
 
+def test_a_second_call_in_one_store_starts_its_queue_at_the_first_item():
+    """torchrun's store outlives a process group: a later regenerate call (or an elastic restart) in the same
+    launch gets a fresh prefix, so its queue hands out every item again, not only those past the old counter."""
+    from nemo_dflash.data.work_queue import SharedQueue, call_prefix
+
+    store, items = _CounterStore(), list(range(5))
+    first = [call_prefix(store, 2) for _ in range(2)]  # both ranks of the first call
+    assert first[0] == first[1] and list(SharedQueue(store, first[0] + "next", items, 2)) == items
+    second = [call_prefix(store, 2) for _ in range(2)]
+    assert second[0] == second[1] != first[0]
+    assert list(SharedQueue(store, second[0] + "next", items, 2)) == items
+
+
 def test_samples_of_a_thinking_mode_copy_keep_its_mode():
     from nemo_dflash.data import Conversation
 

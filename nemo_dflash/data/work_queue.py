@@ -58,10 +58,18 @@ def process_group_store() -> Any:
     return dist.PrefixStore(STORE_PREFIX, distributed_c10d._get_default_store())
 
 
+def call_prefix(store: CounterStore, world: int) -> str:
+    """A key prefix this call of every rank shares and no earlier call used. torchrun's store outlives a process
+    group (and an elastic restart), so a counter of an earlier call in the same launch would start the queue
+    past items nobody answered. Every rank adds once per call, after a barrier, so the ranks of one call read
+    values in the same block of ``world``."""
+    return f"call{(int(store.add('calls', 1)) - 1) // world}/"
+
+
 def queue_chunk(batch_size: int) -> int:
     """Items a rank claims at once: small, so the ranks run out of work within a few conversations of
     each other, yet one store round trip serves several admissions of a large batch."""
     return max(1, min(16, batch_size // 8))
 
 
-__all__ = ["CounterStore", "SharedQueue", "STORE_PREFIX", "process_group_store", "queue_chunk"]
+__all__ = ["CounterStore", "SharedQueue", "STORE_PREFIX", "call_prefix", "process_group_store", "queue_chunk"]

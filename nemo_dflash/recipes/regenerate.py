@@ -872,12 +872,14 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     schedule = args.schedule
     if group:  # the ranks share one queue per thinking mode, in start order (the longest chains first)
         from nemo_dflash.data.regenerate import start_order
-        from nemo_dflash.data.work_queue import SharedQueue, process_group_store, queue_chunk
+        from nemo_dflash.data.work_queue import SharedQueue, call_prefix, process_group_store, queue_chunk
 
         store, chunk = process_group_store(), queue_chunk(args.batch_size)
+        prefix = call_prefix(store, world)
         for mode in modes:
             left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
-            queues[mode] = SharedQueue(store, f"next/{mode}", start_order(left, args.schedule, args.turns), chunk)
+            queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", start_order(left, args.schedule, args.turns),
+                                       chunk)
         todo: Any = lambda mode: queues[mode]  # noqa: E731
         schedule = "given"
         logger.info("%d ranks share a queue of %d conversations (%d claimed at a time)", world,
