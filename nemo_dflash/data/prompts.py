@@ -379,12 +379,9 @@ def source_segment(lines: list[str], node: ast.AST) -> str:
             + lines[last].encode()[:end_col].decode())
 
 
-def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
-    """Each public, documented module, top-level class, module-level function and public method of a
-    public top-level class in the ``.py`` files under ``root``, in path order (a module before its
-    definitions). Skipped: ``skip_dirs``, test files, and evaluation packages
-    (:func:`evaluation_packages`). A method is given without its ``self``/``cls``, as
-    :func:`humaneval_style_prompt` gives it."""
+def _tree_files(root: Path, skip_dirs: frozenset[str]) -> Iterator[Path]:
+    """The ``.py`` files under ``root`` that code prompts are read from, in path order. Skipped:
+    ``skip_dirs``, test files, and evaluation packages (:func:`evaluation_packages`)."""
     held = evaluation_packages(root)
     if held:
         logger.info("%s: evaluation packages left out: %s", root, ", ".join(sorted(held)))
@@ -396,37 +393,73 @@ def _tree_items(root: Path, skip_dirs: frozenset[str]) -> Iterator[CodeItem]:
         for fname in sorted(filenames):
             if not fname.endswith(".py") or fname.startswith("test_") or (top and fname[:-3] in held):
                 continue
-            path = Path(dirpath) / fname
-            try:
-                text = path.read_bytes().decode("utf-8")
-                tree = ast.parse(text)
-            except (SyntaxError, ValueError, OSError):  # another Python's syntax, or unreadable: no prompts
-                continue
-            lines = source_lines(text)
-            parts = path.relative_to(root).with_suffix("").parts
-            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            doc = ast.get_docstring(tree)
-            if doc and len(doc.split()) >= 5:
-                yield CodeItem(module, parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1],
-                               "module", doc, text)
-            for node, owner in _public_defs(tree.body, classes=True):
-                doc = ast.get_docstring(node)
-                if not doc or len(doc.split()) < 5:
-                    continue
-                qual = ".".join(x for x in (module, owner, node.name) if x)
-                source = textwrap.dedent(source_segment(lines, node))
-                if isinstance(node, ast.ClassDef):
-                    yield CodeItem(qual, node.name, "class", doc, source)
-                    continue
-                args = node.args
-                if owner is not None:  # a method: asked as a free function
-                    args = copy.copy(args)
-                    if args.posonlyargs and args.posonlyargs[0].arg in ("self", "cls"):
-                        args.posonlyargs = args.posonlyargs[1:]
-                    elif not args.posonlyargs and args.args and args.args[0].arg in ("self", "cls"):
-                        args.args = args.args[1:]
-                signature = f"({_format_args(args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
-                yield CodeItem(qual, node.name, "function", doc, source, signature)
+            yield Path(dirpath) / fname
+
+
+def _file_items(path: Path, root: Path) -> list[CodeItem]:
+    """Each public, documented module, top-level class, module-level function and public method of a
+    public top-level class of one file (the module first). A method is given without its
+    ``self``/``cls``, as :func:`humaneval_style_prompt` gives it."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, OSError, RecursionError, MemoryError):  # another Python's syntax,
+        return []                                                                 # unreadable, too deep
+    items = []
+    lines = source_lines(text)
+    parts = path.relative_to(root).with_suffix("").parts
+    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    doc = ast.get_docstring(tree)
+    if doc and len(doc.split()) >= 5:
+        items.append(CodeItem(module, parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1],
+                              "module", doc, text))
+    for node, owner in _public_defs(tree.body, classes=True):
+        doc = ast.get_docstring(node)
+        if not doc or len(doc.split()) < 5:
+            continue
+        qual = ".".join(x for x in (module, owner, node.name) if x)
+        source = textwrap.dedent(source_segment(lines, node))
+        if isinstance(node, ast.ClassDef):
+            items.append(CodeItem(qual, node.name, "class", doc, source))
+            continue
+        args = node.args
+        if owner is not None:  # a method: asked as a free function
+            args = copy.copy(args)
+            if args.posonlyargs and args.posonlyargs[0].arg in ("self", "cls"):
+                args.posonlyargs = args.posonlyargs[1:]
+            elif not args.posonlyargs and args.args and args.args[0].arg in ("self", "cls"):
+                args.args = args.args[1:]
+        signature = f"({_format_args(args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
+        items.append(CodeItem(qual, node.name, "function", doc, source, signature))
+    return items
+
+
+def _file_prompts(job: tuple[Path, Path, tuple[str, ...]]) -> list[tuple[str, str, Optional[str], Optional[str]]]:
+    """:func:`code_item_prompts` of one file's items: a worker's unit in :func:`code_tree_prompts`."""
+    path, root, kinds = job
+    return list(code_item_prompts(_file_items(path, root), kinds))
+
+
+def _tree_prompts(root: Path, skip_dirs: frozenset[str], kinds: Sequence[str],
+                  workers: Optional[int]) -> Iterator[tuple[str, str, Optional[str], Optional[str]]]:
+    """:func:`code_item_prompts` over a whole tree, file by file in path order. Planting bugs
+    (``ast.unparse`` of whole modules) takes minutes for a large site-packages on one core, so
+    ``workers`` processes (default: the CPUs, at most 32) read files side by side; the order, and
+    so the output, is the one-process order."""
+    kinds = tuple(kinds)
+    files = list(_tree_files(root, skip_dirs))
+    workers = min(32, os.cpu_count() or 1) if workers is None else workers
+    if workers <= 1 or len(files) < 64:
+        for path in files:
+            yield from _file_prompts((path, root, kinds))
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    # fork: the workers only parse text (no torch, no threads of the parent's are used)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        for found in pool.map(_file_prompts, [(path, root, kinds) for path in files], chunksize=8):
+            yield from found
 
 
 # Deterministic bugs for "fix this bug": an operator swapped for its neighbour, a constant moved by one.
@@ -458,7 +491,7 @@ def plant_bug(source: str, key: str) -> Optional[str]:
 
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         return None
     sites = _mutation_sites(tree)
     if not sites:
@@ -472,8 +505,11 @@ def plant_bug(source: str, key: str) -> Optional[str]:
         node.value = not node.value
     else:
         node.value += 1
-    broken = ast.unparse(tree) + "\n"
-    return broken if broken != ast.unparse(ast.parse(source)) + "\n" else None
+    try:  # ast.unparse recurses once per nesting level: generated code can be deeper than Python allows
+        broken = ast.unparse(tree) + "\n"
+        return broken if broken != ast.unparse(ast.parse(source)) + "\n" else None
+    except RecursionError:
+        return None
 
 
 def code_item_prompts(items: Iterable[CodeItem], kinds: Sequence[str] = ("humaneval",)) -> Iterator[
@@ -536,15 +572,19 @@ def _public_defs(body: list[ast.stmt], owner: Optional[str] = None,
 
 
 def code_tree_prompts(root: str | Path, name: str = "code", exclude: Optional[set[str]] = None,
-                      skip_dirs: frozenset[str] = SKIP_DIRS, kinds: Sequence[str] = ("humaneval",)) -> list[Conversation]:
+                      skip_dirs: frozenset[str] = SKIP_DIRS, kinds: Sequence[str] = ("humaneval",),
+                      workers: Optional[int] = None) -> list[Conversation]:
     """Code prompts of the ``kinds`` (:data:`CODE_KINDS`) per documented public function, method,
     class and module of the Python files under ``root``, read with :mod:`ast`, so no module is
     imported (no side effects, any installed version). HumanEval's format takes functions and
     methods; ``explain``, ``test`` and ``fix`` (a deterministic bug planted, :func:`plant_bug`) take
     any definition's source. Left out: test folders and files, evaluation packages, names of a
     HumanEval entry point (``exclude``), and a prompt or docstring already asked (inherited,
-    overloaded and vendored copies)."""
-    found = code_item_prompts(_tree_items(Path(root), skip_dirs), kinds)
+    overloaded and vendored copies). ``workers``: processes reading files (:func:`_tree_prompts`)."""
+    unknown = sorted(set(kinds) - set(CODE_KINDS))
+    if unknown:
+        raise DataError(f"unknown code prompt kinds {unknown}: use {', '.join(CODE_KINDS)}")
+    found = _tree_prompts(Path(root), skip_dirs, kinds, workers)
     return _code_conversations(found, name, exclude,
                                empty=f"no documented Python functions under the folder {root}; a folder is read as "
                                      "Python source (give a file of conversations otherwise)")
