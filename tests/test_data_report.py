@@ -118,3 +118,23 @@ def test_regenerate_writes_the_report(tmp_path):
     assert (row["conversations"], row["turns"], row["supervised_tokens"]) == (
         counted["conversations"], counted["turns"], counted["supervised_tokens"])
     assert row["conversations"] == summary["written"] > 0
+
+
+def test_gram_hashes_count_the_distinct_word_ngrams_of_each_text():
+    """The vectorised hashes against the n-grams written out as tuples: as many hashes as windows
+    inside the texts (none across two texts), as many distinct hashes as distinct n-grams."""
+    import random
+
+    from nemo_dflash.data.decontaminate import words
+    from nemo_dflash.data.report import gram_hashes
+
+    rng = random.Random(0)
+    vocab = ["alpha", "beta", "gamma", "delta", "Eps", "zeta_1"]
+    texts = [" ".join(rng.choice(vocab) for _ in range(rng.randint(0, 30))) for _ in range(300)]
+    texts += ["a b c d e f g h i j k l m", "a b c d e f g h i j k l m n", "x. " * 3]  # 1 window, 2 windows, 0
+    for n, chunk in ((13, 4096), (3, 7), (1, 1)):
+        naive = [tuple(w[i:i + n]) for w in map(words, texts) for i in range(len(w) - n + 1)]
+        h = gram_hashes(texts, n=n, chunk=chunk)
+        assert len(h) == len(naive)
+        assert len(set(h.tolist())) == len(set(naive))
+    assert len(gram_hashes(["short text"], n=13)) == 0

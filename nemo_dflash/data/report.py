@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -79,7 +78,6 @@ class _Source:
         self.loop_cut = 0
         self.answers: list[str] = []
         self.prompts: list[str] = []  # the user turn each answer follows
-        self.grams = array("q")
 
     def add(self, record: dict[str, Any]) -> None:
         self.conversations += 1
@@ -89,11 +87,34 @@ class _Source:
             if m.get("role") == "user":
                 last_user = m.get("content") or ""
             elif m.get("role") == "assistant":
-                text = m.get("content") or ""
-                self.answers.append(text)
+                self.answers.append(m.get("content") or "")
                 self.prompts.append(last_user)
-                w = words(text)
-                self.grams.extend(hash(tuple(w[i:i + NGRAM])) for i in range(len(w) - NGRAM + 1))
+
+
+_GRAM_MULT = 0x100000001B3  # odd: the running product spreads each word's hash over 64 bits
+
+
+def gram_hashes(texts: Sequence[str], n: int = NGRAM, chunk: int = 4096) -> Any:
+    """One 64-bit hash per word ``n``-gram inside each text (none across texts), as an int64 array.
+    Vectorised over many texts at once: a file of 150 M tokens took minutes word by word in Python.
+    Equal n-grams get equal hashes; distinct ones collide with probability ~ count^2 / 2^64."""
+    import numpy as np
+
+    out = []
+    for start in range(0, len(texts), chunk):
+        per = [np.fromiter(map(hash, words(t)), dtype=np.int64) for t in texts[start:start + chunk]]
+        lens = np.array([len(w) for w in per], dtype=np.int64)
+        if not lens.size or int(lens.max()) < n:
+            continue
+        flat = np.concatenate(per).view(np.uint64)
+        windows = len(flat) - n + 1
+        h = np.zeros(windows, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for j in range(n):
+                h = h * np.uint64(_GRAM_MULT) + flat[j:j + windows]
+        owner = np.repeat(np.arange(len(per)), lens)
+        out.append(h[owner[:windows] == owner[n - 1:]].view(np.int64))  # windows inside one text
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def _row(name: str, conversations: int, loop_cut: int, lengths: list[int], grams: Any, unit: str,
@@ -144,7 +165,7 @@ def data_report(path: Union[str, Path], tokenizer: Any = None) -> tuple[dict[str
     for name in sorted(sources):
         src = sources[name]
         answers = count(src.answers)
-        grams = np.frombuffer(src.grams, dtype=np.int64) if len(src.grams) else np.zeros(0, dtype=np.int64)
+        grams = gram_hashes(src.answers)
         rows.append(_row(name, src.conversations, src.loop_cut, answers, grams, unit, tokens))
         step = max(1, len(answers) // SCATTER_POINTS)
         points[name] = {"answers": answers, "prompts": count(src.prompts[::step]), "answers_sampled": answers[::step]}

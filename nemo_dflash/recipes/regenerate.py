@@ -667,32 +667,13 @@ def _combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def per_source_counts(out: Path, tokenizer: Any, names: Sequence[str]) -> list[dict[str, Any]]:
-    """Per source of ``out``: conversations, answered turns and supervised tokens (each answer's
-    tokens plus its end-of-turn token)."""
-    rows = {n: {"name": n, "conversations": 0, "turns": 0, "supervised_tokens": 0} for n in names}
-    batch: list[tuple[str, str]] = []
-
-    def flush() -> None:
-        if batch:
-            ids = tokenizer([t for _, t in batch], add_special_tokens=False)["input_ids"]
-            for (name, _), tok in zip(batch, ids):
-                rows[name]["supervised_tokens"] += len(tok) + 1
-            batch.clear()
-
-    with open(out, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            row = rows[rec.get("dataset", names[0])]
-            row["conversations"] += 1
-            for m in rec["messages"]:
-                if m["role"] == "assistant":
-                    row["turns"] += 1
-                    batch.append((row["name"], m["content"]))
-            if len(batch) >= 2048:
-                flush()
-    flush()
-    return list(rows.values())
+def per_source_counts(report: dict[str, Any], names: Sequence[str]) -> list[dict[str, Any]]:
+    """Per source of the data report (:func:`nemo_dflash.data.report.data_report`, made with the
+    tokenizer): conversations, answered turns and supervised tokens (each answer's tokens plus its
+    end-of-turn token), in ``names`` order; a source left with no conversation counts zeros."""
+    rows = {r["name"]: r for r in report["sources"]}
+    return [{"name": n, **{k: rows[n][k] if n in rows else 0 for k in ("conversations", "turns", "supervised_tokens")}}
+            for n in names]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -1021,8 +1002,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     from nemo_dflash.data.report import report_dir, write_report
 
     summary["report"] = write_report(out, report_dir(out), tokenizer=tokenizer)
-    if args.summary_json:
-        summary["sources"] = per_source_counts(out, tokenizer, [r["name"] for r in report])
+    if args.summary_json:  # the report tokenised every answer once already
+        made = json.loads(Path(summary["report"]["json"]).read_text(encoding="utf-8"))
+        summary["sources"] = per_source_counts(made, [r["name"] for r in report])
         write_jsonl_atomic(Path(args.summary_json), [summary])
     logger.info("%s", stats.summary())
     logger.info("wrote %d conversations to %s%s in %.1fs (regeneration %.1fs: %.2f conv/s, %.1f tokens/s; "
