@@ -1,4 +1,8 @@
-"""The rows of a SmolLM2 drafter run (data/, runs/main/, eval/main/ as docs/results.md's runs), read from its files.
+"""The rows of a SmolLM2 drafter run directory, read from its files.
+
+OUT_DIR is a pipeline run directory (`recipes.pipeline ... run.dir=OUT_DIR`, docs/pipeline.md): data/regen.jsonl and
+data/regen_summary.json, run/summary.json (training), eval/results.json. Run directories of the older drafter script
+(logs/regenerate.log, runs/main/, eval/main/) are read too.
 
     python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C] \
         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
@@ -34,7 +38,27 @@ def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
+def _train_summary(out: Path) -> Optional[dict[str, Any]]:
+    """The training run's summary.json: RUN/run/ (the pipeline's output_dir), else the older runs/main/."""
+    return _load(out / "run" / "summary.json") or _load(out / "runs" / "main" / "summary.json")
+
+
+def _regen_summary_row(path: Path, head: dict[str, Any]) -> dict[str, Any]:
+    """The regeneration row from the pipeline's data/regen_summary.json (regenerate --summary-json)."""
+    s = json.loads(next(line for line in path.read_text().splitlines() if line.strip()))
+    res: dict[str, Any] = {**head, "what": "regenerate stage (the drafter run's data step)", "file": str(path),
+                           "pipeline_tokens_per_s": s.get("tokens_per_s"), "world": len(s.get("ranks_detail") or []) or 1,
+                           "generated_tokens": s.get("generated_tokens"), "generate_seconds": s.get("generate_seconds"),
+                           "answers_generated": s.get("answers")}
+    for key in ("looping_before", "looping_after", "capped_before", "capped_after", "skipped_selection", "sampling"):
+        res[key] = s.get(key)
+    return res
+
+
 def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: dict[str, Any]) -> list[dict[str, Any]]:
+    if (out / "data" / "regen_summary.json").is_file():
+        res = _regen_summary_row(out / "data" / "regen_summary.json", head)
+        return _regen_rest(out, res, data, throughput, head)
     log = (out / "logs" / "regenerate.log").read_text()
     done = re.findall(r"looping answers (\d+) -> (\d+), capped (\d+) -> (\d+) of (\d+); generated (\d+) tokens in "
                       r"([\d.]+)s \(([\d.]+) tokens/s\)", log)
@@ -58,6 +82,11 @@ def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: di
     if sampling:
         t, p, origin = sampling[-1]
         res["sampling"] = {"temperature": float(t), "top_p": float(p), "from": origin}
+    return _regen_rest(out, res, data, throughput, head)
+
+
+def _regen_rest(out: Path, res: dict[str, Any], data: Optional[Path], throughput: list[Path],
+                head: dict[str, Any]) -> list[dict[str, Any]]:
     if data is not None:
         conversations = turns = 0
         with _open(data) as f:
@@ -66,7 +95,7 @@ def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: di
                     conversations += 1
                     turns += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
         res.update(conversations=conversations, turns=turns)
-    train = _load(out / "runs" / "main" / "summary.json")
+    train = _train_summary(out)
     if train:
         res.update(tokens=train["data"]["tokens"], supervised_tokens=train["data"]["supervised_tokens"])
     rows = []
@@ -114,8 +143,9 @@ def merge_evals(paths: list[Path]) -> dict[str, Any]:
 
 
 def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
-    ev = merge_evals(evals) if evals else _load(out / "eval" / "main" / "results.json") or {}
-    train = _load(out / "runs" / "main" / "summary.json") or {}
+    ev = merge_evals(evals) if evals else \
+        _load(out / "eval" / "results.json") or _load(out / "eval" / "main" / "results.json") or {}
+    train = _train_summary(out) or {}
     protocol = dict(ev.get("protocol") or {})
     if "turns" in protocol:  # the issue's name for it
         protocol["mtbench_turns"] = protocol["turns"]
@@ -158,7 +188,7 @@ def main() -> None:
     p.add_argument("--regen-json", type=Path, default=None)
     p.add_argument("--drafter-json", type=Path, default=None)
     p.add_argument("--eval", type=Path, nargs="*", default=[],
-                   help="evaluate results.json files to merge (default: OUT/eval/main/results.json), e.g. "
+                   help="evaluate results.json files to merge (default: OUT/eval/results.json), e.g. "
                         "eval_speed.py's OUT/replay_t0, sequential_t0 and batched_t1 results")
     args = p.parse_args()
     data = args.data or (args.out / "data" / "regen.jsonl")

@@ -61,3 +61,31 @@ def test_a_missing_results_file_is_refused_in_one_line(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")],
                          capture_output=True, text=True)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: no evaluate results at")
+
+
+def test_a_pipeline_run_directory_is_read(tmp_path):
+    """`recipes.pipeline ... run.dir=OUT` (docs/pipeline.md): data/regen_summary.json, run/summary.json, eval/results.json."""
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "regen.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    (out / "data" / "regen_summary.json").write_text(json.dumps({
+        "tokens_per_s": 1000.0, "generated_tokens": 5000, "generate_seconds": 5.0, "answers": 1, "looping_before": 1,
+        "looping_after": 0, "capped_before": 0, "capped_after": 0, "ranks_detail": [{}, {}],
+        "sampling": {"temperature": 0.2, "top_p": 0.9, "from": "given"}}) + "\n")
+    (out / "run").mkdir()
+    (out / "run" / "summary.json").write_text(json.dumps({"tokens_seen": 321, "steps": 9, "eval_accept_len": 2.5,
+                                                          "data": {"tokens": 50, "supervised_tokens": 40}}))
+    (out / "eval").mkdir()
+    _results(out / "eval" / "results.json", "replay", True,
+             {"0": {"mtbench": _figures(4.0), "humaneval": _figures(3.0)}}, {}, [0.0])
+    regen_json = tmp_path / "regen_rows.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--commit", "abc",
+                          "--regen-json", str(regen_json)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    drafter = json.loads(res.stdout[res.stdout.rindex("[\n {"):])[-1]
+    assert (drafter["train_tokens"], drafter["train_steps"], drafter["sim_tau_heldout"]) == (321, 9, 2.5)
+    assert (drafter["mtbench_t0_tau"], drafter["humaneval_t0_tau"]) == (4.0, 3.0)
+    regen = json.loads(regen_json.read_text())[-1]
+    assert (regen["pipeline_tokens_per_s"], regen["world"], regen["conversations"]) == (1000.0, 2, 1)
+    assert (regen["tokens"], regen["looping_before"], regen["sampling"]["top_p"]) == (50, 1, 0.9)
