@@ -48,3 +48,38 @@ def test_too_deep_code_is_skipped(tmp_path):
     convs = code_tree_prompts(tmp_path, name="t", exclude=set(), kinds=CODE_KINDS, workers=1)
     assert any(c.location.startswith("t:ok.f") for c in convs)
     assert not any("deep" in c.location for c in convs)
+
+
+class _Question:
+    def __init__(self, text: str) -> None:
+        self.question = text
+
+
+class _Template:
+    """A stand-in for a GSM-Symbolic template: seeded questions, one template failing to sample."""
+
+    constrained_lines: list = []
+
+    def __init__(self, i: int) -> None:
+        self.id_orig = i
+
+    def generate_questions(self, n, replacements, seed, verbose):
+        import random
+
+        if self.id_orig == 3:
+            raise ValueError("no assignment satisfies the constraints")
+        rng = random.Random(seed)
+        names = replacements["names"]
+        return [_Question(f"{rng.choice(names)} has {rng.randint(1, 9)} apples and buys {rng.randint(1, 9)} more "
+                          f"in shop {self.id_orig}. How many apples does she have now?") for _ in range(n)]
+
+
+def test_gsm_workers_give_the_one_process_questions(caplog):
+    from nemo_dflash.data.prompts import _gsm_questions
+
+    templates, tables = [_Template(i) for i in range(9)], {"names": ["Ann", "Bo", "Cy"]}
+    one = _gsm_questions(templates, tables, 40, 5, "gsm", workers=1)
+    two = _gsm_questions(templates, tables, 40, 5, "gsm", workers=2)
+    assert [(c.location, c.messages) for c in two] == [(c.location, c.messages) for c in one]
+    assert len(one) == 40 and not any(c.location.startswith("gsm:3.") for c in one)
+    assert "template 3 failed" in caplog.text

@@ -174,30 +174,61 @@ def gsm_symbolic_prompts(count: int, seed: int = 0, name: str = "gsm_symbolic",
         package_log.setLevel(level)
 
 
-def _gsm_questions(templates: Any, replacements: Any, count: int, seed: int, name: str) -> list[Conversation]:
-    """:func:`gsm_symbolic_prompts` on loaded templates."""
+_GSM_REPLACEMENTS: Any = None  # the package's replacement tables, shared with forked workers (not sent per job)
+
+
+def _gsm_template_questions(job: tuple[Any, int, int]) -> tuple[list[str], Optional[str]]:
+    """(the question texts, or why it failed) of one template: a worker's unit in :func:`_gsm_questions`."""
     import warnings
 
+    template, per, seed = job
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            questions = template.generate_questions(per, replacements=_GSM_REPLACEMENTS,
+                                                    seed=seed * 100_003 + template.id_orig, verbose=False)
+        except Exception as e:  # noqa: BLE001 - one template failing to sample costs its questions only
+            return [], str(e)
+    return [q.question for q in questions], None
+
+
+def _gsm_questions(templates: Any, replacements: Any, count: int, seed: int, name: str,
+                   workers: Optional[int] = None) -> list[Conversation]:
+    """:func:`gsm_symbolic_prompts` on loaded templates. The package samples a template in pure Python
+    (minutes for 60,000 questions on one core), so ``workers`` processes (default: the CPUs, at most
+    32) sample templates side by side; each template is seeded alone, so the output is the one-process
+    output."""
     out, dropped, seen = [], {}, set()
     usable = [t for t in templates if _combinations(t, replacements) <= MAX_GSM_COMBINATIONS]
     if len(usable) < len(templates):  # the package enumerates every assignment first: minutes for the largest
         dropped["template_too_costly"] = len(templates) - len(usable)
     per = -(-count * 11 // (10 * max(len(usable), 1)))  # 10% over: duplicates and failed templates
-    for t in usable:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                questions = t.generate_questions(per, replacements=replacements, seed=seed * 100_003 + t.id_orig,
-                                                 verbose=False)
-            except Exception as e:  # noqa: BLE001 - one template failing to sample costs its questions only
-                logger.warning("%s: template %s failed (%s); skipped", name, t.id_orig, e)
-                continue
+    global _GSM_REPLACEMENTS
+    _GSM_REPLACEMENTS = replacements
+    jobs = [(t, per, seed) for t in usable]
+    workers = min(32, os.cpu_count() or 1) if workers is None else workers
+    try:
+        if workers > 1 and len(jobs) > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            context = multiprocessing.get_context("fork")  # the workers inherit the replacement tables
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+                sampled = list(pool.map(_gsm_template_questions, jobs, chunksize=4))
+        else:
+            sampled = [_gsm_template_questions(job) for job in jobs]
+    finally:
+        _GSM_REPLACEMENTS = None
+    for t, (questions, failed) in zip(usable, sampled):
+        if failed is not None:
+            logger.warning("%s: template %s failed (%s); skipped", name, t.id_orig, failed)
+            continue
         for k, q in enumerate(questions):
-            why = keep_prompt(q.question, seen)
+            why = keep_prompt(q, seen)
             if why is not None:
                 dropped[why] = dropped.get(why, 0) + 1
                 continue
-            out.append(Conversation([{"role": "user", "content": q.question}], f"{name}:{t.id_orig}.{k}"))
+            out.append(Conversation([{"role": "user", "content": q}], f"{name}:{t.id_orig}.{k}"))
     random.Random(seed).shuffle(out)
     out = out[:count]
     _log_dropped(name, len(out), dropped)

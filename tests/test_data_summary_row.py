@@ -1,0 +1,29 @@
+"""benchmarks/data_summary.py: the row's per-GPU rates and the data report's per-source figures."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+from data_summary import row  # noqa: E402
+
+
+def test_row_per_gpu_rates_and_report_figures():
+    summary = {"sources": [{"name": "a", "conversations": 3, "turns": 5, "supervised_tokens": 700},
+                           {"name": "b", "conversations": 1, "turns": 1, "supervised_tokens": 50}],
+               "decontamination": {"checked": 4, "dropped": 0}, "end_to_end_tokens_per_s": 4000.0, "ranks": 4,
+               "written": 4, "generated_tokens": 740, "wall_seconds": 10.0, "regenerate_seconds": 8.0,
+               "tokens_per_s": 6000.0, "samples_per_prompt": 2, "data_sources": [], "rank_imbalance": 1.1}
+    extra = {"unique_13gram_share": 0.9, "loop_cut_share": 0.0, "answer_length_mean": 140.0,
+             "answer_length_percentiles": {"p50": 120}}
+    report = {"sources": [{"name": "a", **extra}],
+              "all": {"conversations": 4, "turns": 6, "supervised_tokens": 750, **extra}}
+    r = row(summary, "4x GPU", "cmd", report)
+    assert (r["tokens_per_s"], r["end_to_end_tokens_per_s"], r["world"]) == (1500.0, 1000.0, 4)
+    by = {s["name"]: s for s in r["sources"]}
+    assert by["a"]["unique_13gram_share"] == 0.9 and by["a"]["supervised_tokens"] == 700
+    assert "unique_13gram_share" not in by["b"]  # no report row for it: nothing invented
+    assert by["all"]["supervised_tokens"] == 750
+    assert row(summary, "4x GPU", "cmd")["sources"] == summary["sources"]
