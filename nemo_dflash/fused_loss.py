@@ -141,7 +141,11 @@ def fused_lm_loss(
     `impl` (cce | liger), mixed with the soft CE against `teacher_embedding` (the target's expected
     embeddings per row, [N, H]) at `distill_weight`: what `core.chunked_lm_loss` returns, without
     [rows, vocab] logits in PyTorch. The matmuls run in the autocast dtype when autocast is on (as
-    `lm_head(h)` would), else in the weight's dtype."""
+    `lm_head(h)` would), else in the weight's dtype. `weight` gets a gradient when it requires one
+    (hard CE only: with distillation the head must be frozen, as the target's is in training)."""
+    if teacher_embedding is not None and distill_weight > 0 and weight.requires_grad:
+        # E_t = sum_v p_v W_v depends on W, but arrives here as a constant: W's gradient would miss it
+        raise ValueError("distillation through expected embeddings needs a frozen lm_head")
     dev = hidden.device.type
     mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     with torch.autocast(dev, enabled=False):
