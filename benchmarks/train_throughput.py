@@ -45,6 +45,7 @@ from bench_rows import append_rows, provenance  # noqa: E402  (benchmarks/, the 
 from nemo_dflash.core import DFlashTrainerModule  # noqa: E402
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
+from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 
 SHAPES = {
@@ -69,6 +70,7 @@ class Case:
     compile: bool
     fused_ce: bool = True
     pack_length: int = 0  # > 0: one packed row of documents of --seq tokens (less --jitter)
+    loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger | auto
 
 
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
@@ -132,7 +134,7 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
             layer.compile()
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend=case.backend,
-                                 fused_ce=case.fused_ce)
+                                 fused_ce=case.fused_ce, loss_impl=resolve_loss_impl(case.loss_impl, device))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
@@ -198,7 +200,7 @@ def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device,
     return {
         "anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
         "pack_length": case.pack_length,
-        "fused_ce": case.fused_ce, "step_ms": med * 1e3, "tokens_s": n_tok / med, "samples_s": 1 / med,
+        "fused_ce": case.fused_ce, "loss_impl": resolve_loss_impl(case.loss_impl, device), "step_ms": med * 1e3, "tokens_s": n_tok / med, "samples_s": 1 / med,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, "tflops": flops["total"] / med / 1e12,
         "flops": flops, "loss": float(out.loss.detach()),
         "target_ms": statistics.median(t_target) * 1e3, "draft_fwd_bwd_ms": statistics.median(t_draft) * 1e3,
@@ -331,7 +333,7 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
                 "tflops": round(r["tflops"], 1)})
-    for k in ("backend", "fused_ce", "mbs", "overlap", "target_ms", "draft_fwd_bwd_ms"):
+    for k in ("backend", "fused_ce", "loss_impl", "mbs", "overlap", "target_ms", "draft_fwd_bwd_ms"):
         if k in r:
             row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
     return row
@@ -444,6 +446,7 @@ class StepCase:
     accum: int = 1
     compile_target: bool = False  # train.compile_target
     pack_length: int = 0  # data.pack_length (0: length-grouped padded rows; mbs then counts packed rows)
+    loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger | auto
 
 
 def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
@@ -468,7 +471,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa",
-                                 distill_weight=args.distill_weight)
+                                 distill_weight=args.distill_weight, loss_impl=resolve_loss_impl(case.loss_impl, device))
     module = apply_compile(module, case.compile)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = [q for q in draft.parameters() if q.requires_grad]
@@ -543,7 +546,8 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
-           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap), "world": world}
+           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap), "world": world,
+           "loss_impl": resolve_loss_impl(case.loss_impl, device)}
     if args.sync_debug and cuda:
         row["sync_sites"] = sync_sites(lambda s=stepper: s(warmup + steps, batches[0]).result())
         print("host syncs inside one step (torch.cuda.set_sync_debug_mode), by call site:")
@@ -768,13 +772,13 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
     world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
     shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
-        cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0)
-                 for x in (c.split(":") for c in args.cases.split())]
+        cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0, li)
+                 for x in (c.split(":") for c in args.cases.split()) for li in args.loss_impl.split(",")]
     else:
         cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t)), int(p)) for m in args.mbs.split(",")
                  for a in args.anchors.split(",") for s in args.seq.split(",") for c in args.compile.split(",")
                  for g in args.accum.split(",") for t in args.compile_target.split(",")
-                 for p in args.pack_length.split(",")]
+                 for p in args.pack_length.split(",") for li in args.loss_impl.split(",")]
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -782,12 +786,12 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
              f"block {args.block}, TrainStep; "
              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
              f"prompt {args.prompt_frac:.0%}")
-    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'step ms':>8} {'tok/step':>8} "
+    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'loss':>7} {'step ms':>8} {'tok/step':>8} "
            f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
 
     def line(r: dict) -> str:
         head = (f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r.get('pack_length', 0):>5} "
-                f"{r['compile']:>7} {int(r['compile_target']):>3}")
+                f"{r['compile']:>7} {int(r['compile_target']):>3} {r.get('loss_impl', 'chunked'):>7}")
         if "error" in r:
             return f"{head} {r['error']}"
         return (f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
@@ -839,6 +843,7 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
                       case=f"mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
                       + (f" pack {r['pack_length']}" if r["pack_length"] else "")
                       + f" compile {r['compile']} target {int(r['compile_target'])}"
+                      + (f" loss {r['loss_impl']}" if r["loss_impl"] != "chunked" else "")
                       + (f" distill {args.distill_weight}" if args.distill_weight else ""))
             for r in rows if "error" not in r])
 
@@ -853,6 +858,9 @@ def main() -> None:
     p.add_argument("--backend", default="flex")
     p.add_argument("--compile", default="0", help="0/1 (qwen shapes); smollm2: 0 | layers | ... (train.compile)")
     p.add_argument("--fused-ce", default="1", help="1: lm_head gradient formed in forward; 0: checkpointed chunks")
+    p.add_argument("--loss-impl", default="chunked",
+                   help="loss.impl, a comma list: chunked | cce (cut-cross-entropy) | liger (liger-kernel) | auto; "
+                        "a package that cannot run falls back to chunked (the row records what ran)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp2", action="store_true", help="shard the draft with FSDP2 (run under torchrun)")
@@ -928,10 +936,10 @@ def main() -> None:
         torch.distributed.init_process_group("nccl", device_id=device)
     peak = measure_matmul_tflops(device)
     shape, target, wrapper, draft = build(args.shape, args.draft_layers, args.block, device, args.fsdp2)
-    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)), int(pk))
+    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)), int(pk), li)
              for a in args.anchors.split(",") for s in args.seq.split(",")
              for b in args.backend.split(",") for c in args.compile.split(",") for f in args.fused_ce.split(",")
-             for pk in args.pack_length.split(",")]
+             for pk in args.pack_length.split(",") for li in args.loss_impl.split(",")]
     rows = []
     for case in cases:
         try:
@@ -939,7 +947,7 @@ def main() -> None:
                          jitter=args.jitter)
         except torch.OutOfMemoryError:
             r = {"anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-                 "fused_ce": case.fused_ce, "pack_length": case.pack_length, "error": "OOM"}
+                 "fused_ce": case.fused_ce, "pack_length": case.pack_length, "loss_impl": case.loss_impl, "error": "OOM"}
         gc.collect()
         torch.cuda.empty_cache()
         r["mfu"] = r["tflops"] / peak if "tflops" in r else None
@@ -971,7 +979,8 @@ def main() -> None:
             append_rows(Path(args.append), [
                 bench_row(args, name, r, world=world, packed=bool(r["pack_length"]), compiled=bool(r["compile"]),
                           case=f"anchors {r['anchors']} seq {r['seq']}"
-                          + (f" pack {r['pack_length']}" if r["pack_length"] else "") + f" {r['backend']}")
+                          + (f" pack {r['pack_length']}" if r["pack_length"] else "") + f" {r['backend']}"
+                          + (f" loss {r['loss_impl']}" if r["loss_impl"] != "chunked" else ""))
                 for r in rows if "error" not in r])
     if world > 1:
         torch.distributed.destroy_process_group()

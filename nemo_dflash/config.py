@@ -82,6 +82,9 @@ class LossConfig:
     distill_weight: float = 0.0  # > 0 mixes in soft CE against the target's distribution
     ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
     fused_ce: bool = True  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
+    # training loss kernel: chunked (PyTorch, chunk by chunk) | cce (cut-cross-entropy) | liger (liger-kernel)
+    # | auto (a fused one when installed on a GPU); cce/liger fall back to chunked, with a warning, where they cannot run
+    impl: str = "chunked"
 
 
 @dataclass
@@ -276,6 +279,7 @@ class RecipeConfig:
 
 _CHOICES = {
     "loss.attn_backend": ("auto", "sdpa", "eager", "flex"),
+    "loss.impl": ("chunked", "cce", "liger", "auto"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp32"),
     "train.device": ("auto", "cpu", "cuda"),

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nemo_dflash.target import DFlashTargetBatch
 from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -858,6 +859,7 @@ class DFlashTrainerModule(nn.Module):
         ce_chunk_size: int = 4096,
         fused_ce: bool = True,
         accept_sampling: Optional[SamplingParams] = None,
+        loss_impl: str = "chunked",
     ) -> None:
         super().__init__()
         if attn_backend not in ("sdpa", "eager", "flex"):
@@ -872,6 +874,9 @@ class DFlashTrainerModule(nn.Module):
         self.distill_weight = float(distill_weight)
         self.ce_chunk_size = int(ce_chunk_size)
         self.fused_ce = bool(fused_ce)
+        if loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl must be one of {list(LOSS_IMPLS)}, got {loss_impl!r}")
+        self.loss_impl = loss_impl  # chunked | cce | liger | auto (`fused_loss`), resolved per device when run
         # held-out only (no grad, final hidden states given): the expected acceptance under speculative sampling
         self.accept_sampling = accept_sampling
 
@@ -882,6 +887,17 @@ class DFlashTrainerModule(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
+
+    def _fused_kernel(self, device: torch.device, expected_teacher: bool) -> Optional[str]:
+        """The fused CE kernel (cce | liger) this step's loss runs with, or None for `chunked_lm_loss`:
+        training steps only (held-out evaluation keeps the reference path), a frozen bias-free Linear
+        lm_head, and distillation (if on) through the target's expected embeddings."""
+        if self.loss_impl == "chunked" or not torch.is_grad_enabled() or not expected_teacher:
+            return None
+        if not _fusable(self.lm_head, None, 0.0):
+            return None
+        impl = resolve_loss_impl(self.loss_impl, device)
+        return None if impl == "chunked" else impl
 
     def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
                    ctx_start: Optional[torch.Tensor] = None):
@@ -959,10 +975,17 @@ class DFlashTrainerModule(nn.Module):
                 teacher_h = rows
             else:
                 teacher = rows
-        tok_loss, pred = chunked_lm_loss(
-            h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
-            teacher_hidden=teacher_h, teacher_embedding=teacher_e,
-        )
+        kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
+        if kernel is not None:
+            tok_loss, pred = fused_lm_loss(
+                kernel, h_sel, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, self.distill_weight,
+                compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
+            )
+        else:
+            tok_loss, pred = chunked_lm_loss(
+                h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
+                teacher_hidden=teacher_h, teacher_embedding=teacher_e,
+            )
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()
                 and batch.final_hidden is not None):

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from nemo_dflash.config import ConfigError, RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
+from nemo_dflash.fused_loss import resolve_loss_impl
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
@@ -344,11 +345,12 @@ class _Launched:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The run's "auto" settings, resolved once: train.device, distributed.strategy, loss.attn_backend."""
+    """The run's "auto" settings, resolved once: train.device, distributed.strategy, loss.attn_backend, loss.impl."""
 
     device: torch.device
     strategy: str  # none | ddp | fsdp2
     attn_backend: str  # sdpa | eager | flex
+    loss_impl: str = "chunked"  # chunked | cce | liger
 
 
 def resolve_settings(cfg: RecipeConfig, world_size: int, local_rank: int) -> RunSettings:
@@ -365,7 +367,8 @@ def resolve_settings(cfg: RecipeConfig, world_size: int, local_rank: int) -> Run
         raise ConfigError("loss.attn_backend=flex needs a GPU for backward; use sdpa on CPU")
     if cfg.distributed.shard_target and strategy != "fsdp2":
         raise ConfigError("distributed.shard_target=true needs distributed.strategy=fsdp2 under torchrun")
-    return RunSettings(device=device, strategy=strategy, attn_backend=backend)
+    loss_impl = resolve_loss_impl(cfg.loss.impl, device)  # a package that cannot run here: chunked, one warning
+    return RunSettings(device=device, strategy=strategy, attn_backend=backend, loss_impl=loss_impl)
 
 
 class Trainer:
@@ -391,8 +394,8 @@ class Trainer:
         self.device = self.state.device
         self.strategy = self.settings.strategy
         if self.state.is_main:
-            logger.info("device %s, distributed.strategy %s, loss.attn_backend %s",
-                        self.device, self.strategy, self.settings.attn_backend)
+            logger.info("device %s, distributed.strategy %s, loss.attn_backend %s, loss.impl %s",
+                        self.device, self.strategy, self.settings.attn_backend, self.settings.loss_impl)
         torch.manual_seed(cfg.train.seed)
         self.out = Path(cfg.output_dir)
         # Busy, holding another run, or not writable: refused here, before the target loads.
@@ -446,7 +449,7 @@ class Trainer:
             self.draft, self.target.get_input_embeddings(), self.target.get_output_embeddings(),
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=self.settings.attn_backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
-            fused_ce=cfg.loss.fused_ce,
+            fused_ce=cfg.loss.fused_ce, loss_impl=self.settings.loss_impl,
             accept_sampling=(SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
                              if cfg.train.eval_temperature > 0 else None),
         )
