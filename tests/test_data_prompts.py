@@ -722,3 +722,37 @@ def test_source_segment_equals_the_stdlib_call():
     lines = source_lines(text)
     for node in nodes:
         assert source_segment(lines, node) == ast.get_source_segment(text, node, padded=True)
+
+
+def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monkeypatch):
+    """Three ranks' shares (generated in turn here, each written and read back as its shard) merge and
+    select to exactly the one-process conversations and topic report; the shares split the plan."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.prompts import (
+        magpie_generate, magpie_merge, magpie_plan, magpie_prompts, magpie_select, magpie_shares, read_magpie_shard,
+        write_magpie_shard,
+    )
+    from nemo_dflash.target.loading import load_target
+
+    model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    _forced_engine(monkeypatch, tok)
+    counts, kw = {"reading": 3, "math": 2}, dict(seed=5, max_new_tokens=10, oversample=1.5, turns=(1, 3))
+    ref_report: dict = {}
+    ref = magpie_prompts(model, tok, counts, batch_size=4, report=ref_report, **kw)
+    plan = magpie_plan(counts, seed=5, oversample=1.5, turns=(1, 3))
+    shards = []
+    for r in range(3):
+        mine = magpie_generate(model, tok, counts, batch_size=3, rank=r, world=3, **kw)
+        write_magpie_shard(tmp_path / f"s{r}.jsonl", mine)
+        shards.append(read_magpie_shard(tmp_path / f"s{r}.jsonl"))
+    assert sorted(c.position for s in shards for c in s) == list(range(len(plan)))
+    loads = [sum(c.turns for c in s) for s in shards]
+    assert max(loads) - min(loads) <= 3  # at most one conversation's turns apart
+    report: dict = {}
+    got = magpie_select(magpie_merge(shards, len(plan)), counts, report=report)
+    assert [(c.location, c.messages) for c in got] == [(c.location, c.messages) for c in ref] and ref
+    assert report == ref_report
+    with pytest.raises(DataError, match="rerun the same command"):  # a shard missing
+        magpie_merge(shards[:2], len(plan))
+    assert magpie_shares([1, 5, 1, 1, 1], 2) == [0, 1, 0, 0, 0] and magpie_shares([2, 2], 1) == [0, 0]
