@@ -9,6 +9,7 @@ import json
 
 import pytest
 from _data_fixtures import qwen3_tok  # noqa: F401
+from _magpie_forced import forced_engine as _forced_engine
 
 from nemo_dflash.data import BadRecordCounter, DataError
 from nemo_dflash.data.decontaminate import ContaminationIndex, drop_contaminated, evaluation_prompts, words
@@ -479,39 +480,6 @@ def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
 # ----------------------------------------------------------------------------- multi-turn Magpie
 
 
-def _forced_engine(monkeypatch, tok, *, degenerate_marker=None):
-    """Make the tiny random target end its turns: a quarter of the requests at once (empty), one in
-    seven writes <|im_start|> (a template marker) at its third token, the rest after 6-10 tokens;
-    requests whose prompt holds ``degenerate_marker`` always end at once. Returns the prompts seen."""
-    from nemo_dflash.data.generation import SlotEngine
-
-    eot, im_start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
-    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill_logits
-    seen: list[str] = []
-    dead: set[int] = set()
-
-    def pick(self, logits, keys, positions):
-        out, _ = real_pick(self, logits, keys, positions)
-        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
-            if key in dead or key % 4 == 0 or pos >= 6 + key % 5:
-                out[row] = eot
-            elif key % 7 == 1 and pos == 2:
-                out[row] = im_start
-        return out, None
-
-    def prefill(self, slots, requests, starts=None):
-        for r in requests:
-            text = tok.decode(r.prompt_ids)
-            seen.append(text)
-            if degenerate_marker is not None and degenerate_marker in text:
-                dead.add(r.key)
-        return real_prefill(self, slots, requests, starts)
-
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
-    return seen
-
-
 def test_multi_turn_magpie_alternates_roles_on_the_template(tmp_path, monkeypatch):
     """2-4 user turns per seed: the target answers each user turn and writes the next one from the
     template rendered up to the next user header; every prompt it saw is the template's own rendering
@@ -722,3 +690,82 @@ def test_source_segment_equals_the_stdlib_call():
     lines = source_lines(text)
     for node in nodes:
         assert source_segment(lines, node) == ast.get_source_segment(text, node, padded=True)
+
+
+def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monkeypatch):
+    """Three ranks' shares (generated in turn here, each written and read back as its shard) merge and
+    select to exactly the one-process conversations and topic report; the shares split the plan."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.prompts import (
+        magpie_generate, magpie_merge, magpie_plan, magpie_prompts, magpie_select, magpie_shares, read_magpie_shard,
+        write_magpie_shard,
+    )
+    from nemo_dflash.target.loading import load_target
+
+    model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    _forced_engine(monkeypatch, tok)
+    counts, kw = {"reading": 3, "math": 2}, dict(seed=5, max_new_tokens=10, oversample=1.5, turns=(1, 3))
+    ref_report: dict = {}
+    ref = magpie_prompts(model, tok, counts, batch_size=4, report=ref_report, **kw)
+    plan = magpie_plan(counts, seed=5, oversample=1.5, turns=(1, 3))
+    shards = []
+    for r in range(3):
+        mine = magpie_generate(model, tok, counts, batch_size=3, rank=r, world=3, **kw)
+        write_magpie_shard(tmp_path / f"s{r}.jsonl", mine)
+        shards.append(read_magpie_shard(tmp_path / f"s{r}.jsonl"))
+    assert sorted(c.position for s in shards for c in s) == list(range(len(plan)))
+    loads = [sum(c.turns for c in s) for s in shards]
+    assert max(loads) - min(loads) <= 3  # at most one conversation's turns apart
+    report: dict = {}
+    got = magpie_select(magpie_merge(shards, len(plan)), counts, report=report)
+    assert [(c.location, c.messages) for c in got] == [(c.location, c.messages) for c in ref] and ref
+    assert report == ref_report
+    with pytest.raises(DataError, match="rerun the same command"):  # a shard missing
+        magpie_merge(shards[:2], len(plan))
+    assert magpie_shares([1, 5, 1, 1, 1], 2) == [0, 1, 0, 0, 0] and magpie_shares([2, 2], 1) == [0, 0]
+
+
+def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
+    """2 gloo ranks under torchrun (each generating its share with its own batch, rank 0 merging) write the
+    bytes and the topic report of one process with the same seed and counts; the rank shards are removed."""
+    from _tiny_target import make_tiny_target_dir
+    from _torchrun import REPO, torchrun
+
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target_dir = make_tiny_target_dir(tmp_path)
+    target = load_target(str(target_dir), dtype="fp32")
+    _forced_engine(monkeypatch, target[1])
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    args = ["--target", str(target_dir), "--topics", "reading=3,math=2", "--turns", "1-3", "--seed", "4",
+            "--max-new-tokens", "10", "--oversample", "1.5", "--device", "cpu", "--threads", "1"]
+    ref = tmp_path / "one" / "m.jsonl"
+    want = recipe.main([*args, "--out", str(ref), "--batch-size", "4"])
+    out = tmp_path / "ranks" / "m.jsonl"
+    proc = torchrun([*args, "--out", str(out), "--batch-size", "2"], script=str(REPO / "tests" / "_magpie_forced.py"),
+                    env={"MAGPIE_SUMMARY": str(tmp_path / "summary.json")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 of 2" in proc.stderr and out.read_bytes() == ref.read_bytes()
+    assert want["written"] == 4 and any(k > 1 for r in want["topic_report"].values() for k in r["turns"])
+    got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["topic_report"] == json.loads(json.dumps(want["topic_report"])) and got["topics"] == want["topics"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.jsonl"]
+
+
+def test_magpie_ranks_without_torchrun_and_source_jobs_on_other_ranks(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE > 1 without torchrun's rendezvous is one line (exit 2) before any model loads; a --source job
+    on a rank other than 0 writes nothing (rank 0 writes it)."""
+    from nemo_dflash.recipes import prompts as recipe
+
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("loaded"))
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "launch the ranks with torchrun" in err
+    summary = recipe.main(["--source", "code:3", "--out", str(tmp_path / "c.jsonl")])
+    assert summary == {"out": str(tmp_path / "c.jsonl"), "rank": 1} and not list(tmp_path.iterdir())

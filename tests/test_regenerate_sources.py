@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 import nemo_dflash.target.loading
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+from _torchrun import torchrun as _torchrun
 from nemo_dflash.recipes import regenerate as cli
 from nemo_dflash.target.loading import load_target
 
@@ -135,22 +135,6 @@ def test_bad_sources_are_one_line_before_the_model(tmp_path, no_model, capsys, m
         cli.main(["--target", "x", "--data", str(src), "--out", str(tmp_path / "o.jsonl"), "--decontaminate", "off"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(args: list[str], script: str = "-m nemo_dflash.recipes.regenerate",
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``args`` under 2 gloo ranks on this machine (one thread each)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), *script.split(), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _whole_lines(path: Path) -> list[dict]:

@@ -16,7 +16,9 @@ any chat file. Sources (docs/data.md has their licences):
   source files, read with :mod:`ast` (nothing is imported): the standard library (``code_stdlib``)
   or any directory, such as a ``site-packages``.
 - :func:`magpie_prompts`: prompts the target writes itself (Magpie, arXiv 2406.08464): its chat
-  template up to the user header, steered by a system prompt, and the user turn sampled.
+  template up to the user header, steered by a system prompt, and the user turn sampled. Under
+  several ranks each generates its share (:func:`magpie_generate`), writes it as a shard
+  (:func:`write_magpie_shard`), and one process merges them and selects (:func:`magpie_select`).
 
 Every builder filters empty, too short, too long and duplicate prompts.
 """
@@ -696,16 +698,28 @@ def parse_turns(text: str) -> tuple[int, int]:
 
 @dataclass
 class _MagpieConversation:
-    """One Magpie conversation in flight: the messages written so far and how many user turns it wants."""
+    """One Magpie conversation in flight: the messages written so far and how many user turns it wants.
+    ``position`` is its place in the run's global order (:func:`magpie_plan`), which the selection
+    reads conversations in whichever rank generated them."""
 
     topic: str
     index: int
     turns: int
     messages: list[dict[str, str]]
     ended: Optional[str] = None  # why it stopped before ``turns`` user turns
+    position: int = 0
 
     def users(self) -> int:
         return sum(m["role"] == "user" for m in self.messages)
+
+    def record(self) -> dict[str, Any]:
+        """The conversation as a JSON object (a rank's shard line; :meth:`from_record` reads it back)."""
+        return {"position": self.position, "topic": self.topic, "index": self.index, "turns": self.turns,
+                "messages": self.messages, "ended": self.ended}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "_MagpieConversation":
+        return cls(rec["topic"], rec["index"], rec["turns"], rec["messages"], rec["ended"], rec["position"])
 
 
 def _turn_problem(text: str, finish: str, role: str, specials: Sequence[str]) -> Optional[str]:
@@ -745,6 +759,61 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
     looping, capped) still leave the count where the target is varied enough; a topic left short
     is reported (``report`` and the log), never padded from another topic.
     """
+    convs = magpie_generate(model, tokenizer, counts, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            temperature=temperature, top_p=top_p, oversample=oversample, turns=turns)
+    return magpie_select(convs, counts, name=name, report=report)
+
+
+def check_magpie_args(counts: dict[str, int], turns: tuple[int, int]) -> None:
+    """A DataError naming the fix for unknown topics or a turn range out of bounds."""
+    unknown = sorted(set(counts) - set(MAGPIE_TOPICS))
+    if unknown:
+        raise DataError(f"unknown Magpie topics {unknown}: use {', '.join(MAGPIE_TOPICS)}")
+    lo, hi = turns
+    if not 1 <= lo <= hi <= MAX_MAGPIE_TURNS:
+        raise DataError(f"Magpie turns {turns}: need 1 <= min <= max <= {MAX_MAGPIE_TURNS}")
+
+
+def magpie_plan(counts: dict[str, int], *, seed: int = 0, oversample: float = 1.3,
+                turns: tuple[int, int] = (1, 1)) -> list[_MagpieConversation]:
+    """Every conversation a run samples, in its global order (topics sorted, then index), each with its
+    seeded number of wanted user turns: the same list on every rank, so ranks can split it without talking."""
+    check_magpie_args(counts, turns)
+    lo, hi = turns
+    plan: list[_MagpieConversation] = []
+    for topic, n in sorted(counts.items()):
+        for k in range(int(n * oversample) + 1):
+            want = random.Random(f"{seed}/{topic}/{k}").randint(lo, hi) if hi > lo else lo
+            plan.append(_MagpieConversation(topic, k, want, [{"role": "system", "content": MAGPIE_TOPICS[topic]}],
+                                            position=len(plan)))
+    return plan
+
+
+def magpie_shares(wants: Sequence[int], world: int) -> list[int]:
+    """The rank generating each conversation of :func:`magpie_plan` (``wants``: their wanted user turns).
+    Each in turn goes to the rank with the fewest wanted turns so far (the lowest rank on a tie): a
+    conversation's turns are a serial chain, so balancing turns balances the ranks' work better than a
+    count split. Deterministic: every rank computes the same shares."""
+    import heapq
+
+    if world < 1:
+        raise ValueError(f"world must be >= 1 (got {world})")
+    loads = [(0, r) for r in range(world)]
+    out = []
+    for want in wants:
+        load, r = heapq.heappop(loads)
+        out.append(r)
+        heapq.heappush(loads, (load + want, r))
+    return out
+
+
+def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
+                    batch_size: int = 64, temperature: float = 1.0, top_p: float = 1.0, oversample: float = 1.3,
+                    turns: tuple[int, int] = (1, 1), rank: int = 0, world: int = 1) -> list[_MagpieConversation]:
+    """The conversations of :func:`magpie_plan` that rank ``rank`` of ``world`` generates
+    (:func:`magpie_shares`), in global order; every one of them, whatever its outcome (:func:`magpie_select`
+    filters them over all ranks). Each request's sampling is keyed by (seed, topic, index, step), so a
+    conversation comes out the same whichever rank or batch generates it."""
     import collections
     import zlib
 
@@ -752,26 +821,23 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
     from nemo_dflash.data.generation import Request, SlotEngine
     from nemo_dflash.data.loops import LoopDetector
 
-    unknown = sorted(set(counts) - set(MAGPIE_TOPICS))
-    if unknown:
-        raise DataError(f"unknown Magpie topics {unknown}: use {', '.join(MAGPIE_TOPICS)}")
-    lo, hi = turns
-    if not 1 <= lo <= hi <= MAX_MAGPIE_TURNS:
-        raise DataError(f"Magpie turns {turns}: need 1 <= min <= max <= {MAX_MAGPIE_TURNS}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, world {world})")
+    plan = magpie_plan(counts, seed=seed, oversample=oversample, turns=turns)
+    shares = magpie_shares([c.turns for c in plan], world)
+    convs = [c for c, r in zip(plan, shares) if r == rank]
+    if not convs:
+        return []
+    hi = turns[1]
+    topic_index = {topic: ti for ti, topic in enumerate(sorted(counts))}
     stop_ids = stop_token_ids(model, tokenizer)
     specials = special_token_strings(tokenizer)
     prefixes = {topic: magpie_prefix(tokenizer, MAGPIE_TOPICS[topic]) for topic in counts}
     # the longest prompt: the prefix, then every earlier turn (at most max_new_tokens each) and its markers
     max_prompt = max(len(p) for p in prefixes.values()) + (2 * hi - 2) * (max_new_tokens + TURN_OVERHEAD_TOKENS)
-    pending: collections.deque = collections.deque()
-    convs: list[_MagpieConversation] = []
-    for ti, (topic, n) in enumerate(sorted(counts.items())):
-        for k in range(int(n * oversample) + 1):
-            want = random.Random(f"{seed}/{topic}/{k}").randint(lo, hi) if hi > lo else lo
-            conv = _MagpieConversation(topic, k, want, [{"role": "system", "content": MAGPIE_TOPICS[topic]}])
-            convs.append(conv)
-            pending.append(Request(key=(seed * 7919 + ti * 1_000_003 + k) & 0x7FFFFFFF, prompt_ids=prefixes[topic],
-                                   tag=conv, hold=want > 1))
+    pending: collections.deque = collections.deque(
+        Request(key=(seed * 7919 + topic_index[c.topic] * 1_000_003 + c.index) & 0x7FFFFFFF,
+                prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1) for c in convs)
     engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max_prompt, max_new_tokens=max_new_tokens,
                         stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
                         loop_detector=LoopDetector(), stop_on_loop=True)
@@ -805,6 +871,15 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
         last = role == "assistant" and conv.users() + 1 == conv.turns
         key = zlib.crc32(f"{seed}/{conv.topic}/{conv.index}/{step}".encode()) & 0x7FFFFFFF
         pending.append(Request(key=key, prompt_ids=ids, tag=conv, hold=not last, after=done))
+    return convs
+
+
+def magpie_select(convs: Sequence[_MagpieConversation], counts: dict[str, int], *, name: str = "magpie",
+                  report: Optional[dict[str, dict[str, Any]]] = None) -> list[Conversation]:
+    """The first ``counts[topic]`` usable conversations of each topic among ``convs`` (every conversation of
+    :func:`magpie_plan`, generated, in its global order): first turns filtered with :func:`keep_prompt`
+    (duplicates across the whole run), then the per-topic cutoff; ``report`` gets each topic's row. Runs
+    over all conversations on one process, so the kept set does not depend on how ranks split the work."""
     out: list[Conversation] = []
     seen: set[str] = set()
     for topic, n in sorted(counts.items()):
@@ -837,15 +912,41 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
     return out
 
 
+def magpie_merge(shards: Iterable[Iterable[_MagpieConversation]], total: int) -> list[_MagpieConversation]:
+    """The ranks' conversations back in their global order; a DataError when a position of the
+    ``total`` planned is missing or given twice (a shard of another run or setting)."""
+    merged = sorted((c for shard in shards for c in shard), key=lambda c: c.position)
+    if [c.position for c in merged] != list(range(total)):
+        raise DataError(f"the Magpie rank shards hold {len(merged)} conversations, not positions 0..{total - 1} "
+                        "once each: rerun the same command (the shards are written again)")
+    return merged
+
+
+def write_magpie_shard(path: str | Path, convs: Iterable[_MagpieConversation]) -> int:
+    """Write a rank's generated conversations as JSONL, atomically (read back by :func:`read_magpie_shard`)."""
+    return _write_jsonl_atomic(path, (c.record() for c in convs))
+
+
+def read_magpie_shard(path: str | Path) -> list[_MagpieConversation]:
+    with open(path, encoding="utf-8") as f:
+        return [_MagpieConversation.from_record(json.loads(line)) for line in f if line.strip()]
+
+
 def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
     """Write ``conversations`` as OpenAI-layout JSONL (``{"messages", "id"}``), atomically; the count."""
+    return _write_jsonl_atomic(path, ({"messages": c.messages, "id": c.location} for c in conversations))
+
+
+def _write_jsonl_atomic(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
+    """Write ``records`` one JSON object a line to a temp file beside ``path``, fsync, rename: a killed
+    writer never leaves a half-written ``path``. The count."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     n = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for conv in conversations:
-            f.write(json.dumps({"messages": conv.messages, "id": conv.location}, ensure_ascii=False) + "\n")
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
         f.flush()
         os.fsync(f.fileno())

@@ -13,8 +13,8 @@ A stage's marker is written when it ends and holds its resolved settings and its
 marker holds the settings asked for is skipped; one whose settings changed is refused in one line (exit 2)
 unless `redo=STAGE` asks for it again (its outputs replaced, and the later stages that read them redone).
 A stage killed before its marker resumes on the next run: regenerate continues its journal, train its
-last checkpoint, evaluate its answers. Under torchrun, regenerate and train run on every rank; prompts,
-export and evaluate run on rank 0 while the other ranks wait.
+last checkpoint, evaluate its answers. Under torchrun, regenerate, train and the Magpie prompt jobs run on
+every rank; file-source prompt jobs, export and evaluate run on rank 0 while the other ranks wait.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_loggi
 logger = logging.getLogger("nemo_dflash.pipeline")
 
 STAGES = ("prompts", "regenerate", "train", "export", "evaluate")
-RANK0_STAGES = ("prompts", "export", "evaluate")  # single-process commands: the other ranks wait
+RANK0_STAGES = ("export", "evaluate")  # single-process commands: the other ranks wait
+# stages every rank waits for at their end: rank 0 alone writes (some of) their outputs
+BARRIER_STAGES = ("prompts", "export", "evaluate")
 STAGES_DIR = "stages"
 # Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
 HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "prefill_attention", "decode_compile", "workers")
@@ -222,9 +224,11 @@ class Pipeline:
                 check_source_packages([j.source], f"prompts.jobs[{names.index(j.name)}].source")
 
         def run(overwrite: bool) -> dict[str, Any]:
+            """Every rank: a Magpie job runs on all of them (rank 0 merges and writes), a --source job on rank 0."""
             out = {}
             for j in jobs:
-                out[j.name] = prompts.main(argv(j, overwrite))
+                if j.source is None or self.rank == 0:
+                    out[j.name] = prompts.main(argv(j, overwrite))
             return out
 
         return Stage("prompts", settings, run=run)
@@ -398,7 +402,7 @@ class Pipeline:
             summary: dict[str, Any] = {}
             if main or stage.name not in RANK0_STAGES:
                 summary = stage.run(redo) or {}  # type: ignore[misc]
-            if stage.name in RANK0_STAGES:
+            if stage.name in BARRIER_STAGES:
                 self._barrier()
             if summary.get("incomplete"):
                 logger.warning("stage %s stopped before the end (its time cap): run the same command again to "

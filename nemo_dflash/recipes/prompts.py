@@ -22,6 +22,14 @@ code_site[+KINDS][:COUNT] (installed libraries, evaluation packages left out), o
 code prompts from its documented functions, read without importing it; KINDS: +explain, +test, +fix, +humaneval
 or +all) to a file instead, without a model: build them once on any machine and carry the file to the GPU one.
 A source left with no prompts by the filters is refused (exit 2), naming it.
+
+    torchrun --nproc-per-node 4 -m nemo_dflash.recipes.prompts --target pkg:smollm2 --out data/magpie.jsonl ...
+
+runs Magpie on every rank, each with the target on its own GPU (cuda:LOCAL_RANK) and --batch-size
+prompts in flight: each generates its share of the conversations and writes it to
+OUT.rankR-of-W.magpie.jsonl; rank 0 then merges the shares in their global order, filters and
+writes --out, byte-identical to one process with the same seed, and removes the shards. A --source
+job runs on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -105,21 +113,35 @@ def write_builtin(source: str, out: Path) -> dict[str, Any]:
     return {"out": str(out), "written": n}
 
 
+def shard_path(out: Path, rank: int, world: int) -> Path:
+    """Where rank ``rank`` of ``world`` writes its Magpie conversations for rank 0 to merge (temporary)."""
+    return out.with_name(f"{out.name}.rank{rank}-of-{world}.magpie.jsonl")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
-    from nemo_dflash.recipes.regenerate import check_sampling
+    from nemo_dflash.recipes.regenerate import check_sampling, dist_env
 
     out = Path(args.out)
     if not out.name.endswith(".jsonl") or out.is_dir():
         fail(f"--out must be a .jsonl file (got {args.out!r})")
     if (args.source is None) == (args.target is None):
         fail("give --target (Magpie prompts the target writes) or --source (a built-in source's prompts), not both")
+    rank, world, local_rank = dist_env()
+    if args.source is not None and rank != 0:  # no model to spread: rank 0 writes it
+        logger.info("rank %d: --source %s is written by rank 0", rank, args.source)
+        return {"out": str(out), "rank": rank}
+    if world > 1 and args.source is None and "MASTER_ADDR" not in os.environ:
+        fail(f"WORLD_SIZE {world} without torchrun's MASTER_ADDR: launch the ranks with torchrun "
+             f"(torchrun --nproc-per-node {world} -m nemo_dflash.recipes.prompts ...) or run one process")
     # never an input, replaced only with --overwrite, writable: checked before the prompts are made
     inputs = [(flag, value) for flag, value in (("--target", args.target), ("--source", args.source))
               if value is not None and os.path.exists(value)]
+    shards = [shard_path(out, r, world) for r in range(world)] if world > 1 and args.source is None else []
     with user_errors(OutputError, OSError):
-        guard_outputs([Output(out, "--out")], inputs, args.overwrite)
+        guard_outputs([Output(out, "--out"), *(Output(p, "--out's rank shard", may_exist=True) for p in shards)],
+                      inputs, args.overwrite)
     if args.source is not None:
         return write_builtin(args.source, out)
     counts = parse_topics(args.topics)
@@ -141,9 +163,32 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     set_threads(args.threads)
     with user_errors():
         device, dtype = resolve_device_dtype(args.device, args.dtype)
+    if world == 1:
+        return _magpie(args, out, counts, turns, device, dtype)
+    import datetime
 
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:  # only for barriers: the ranks exchange files, not tensors
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    try:
+        return _magpie(args, out, counts, turns, device, dtype, rank=rank, world=world)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: tuple[int, int], device: str,
+            dtype: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Load the target and write the Magpie prompts: in one process, or this rank's share (rank 0 merging)."""
     from nemo_dflash.data import DataError
-    from nemo_dflash.data.prompts import magpie_prompts, write_prompts
+    from nemo_dflash.data.prompts import magpie_generate, magpie_prompts, write_magpie_shard
     from nemo_dflash.target.loading import load_target
 
     try:
@@ -160,11 +205,54 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
         args.batch_size = auto_num_slots(max_slots(model, longest, args.max_new_tokens))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
+    sampling = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                    temperature=args.temperature, top_p=args.top_p, oversample=args.oversample, turns=turns)
     topic_report: dict[str, dict[str, Any]] = {}
+    if world == 1:
+        with user_errors(DataError, ValueError):
+            convs = magpie_prompts(model, tokenizer, counts, report=topic_report, **sampling)
+        return _write_magpie(out, convs, counts, topic_report)
+    import torch.distributed as dist
+
     with user_errors(DataError, ValueError):
-        convs = magpie_prompts(model, tokenizer, counts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                               batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                               oversample=args.oversample, turns=turns, report=topic_report)
+        mine = magpie_generate(model, tokenizer, counts, rank=rank, world=world, **sampling)
+    with user_errors(OSError):  # a full disk: one line; the shards are written again on the rerun
+        write_magpie_shard(shard_path(out, rank, world), mine)
+    logger.info("rank %d of %d: %d conversations (%d user turns wanted) in %s", rank, world, len(mine),
+                sum(c.turns for c in mine), shard_path(out, rank, world))
+    dist.barrier()  # every rank's shard is written
+    if rank != 0:
+        dist.barrier()  # rank 0 has written --out
+        return {"out": str(out), "rank": rank, "generated": len(mine)}
+    try:
+        return _merge_shards(args, out, counts, turns, world, topic_report)
+    finally:
+        dist.barrier()  # the other ranks end once --out is written (or rank 0 failed)
+
+
+def _merge_shards(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: tuple[int, int], world: int,
+                  topic_report: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: every rank's conversations in their global order, selected and written like one process's."""
+    from nemo_dflash.data import DataError
+    from nemo_dflash.data.prompts import magpie_merge, magpie_plan, magpie_select, read_magpie_shard
+
+    paths = [shard_path(out, r, world) for r in range(world)]
+    try:
+        with user_errors(DataError, OSError):
+            total = len(magpie_plan(counts, seed=args.seed, oversample=args.oversample, turns=turns))
+            merged = magpie_merge((read_magpie_shard(p) for p in paths), total)
+    finally:  # temporary: a rerun writes them again
+        for p in paths:
+            p.unlink(missing_ok=True)
+    convs = magpie_select(merged, counts, report=topic_report)
+    return _write_magpie(out, convs, counts, topic_report)
+
+
+def _write_magpie(out: Path, convs: list[Any], counts: dict[str, int],
+                  topic_report: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Write the selected conversations (every topic empty: refused, exit 2) and summarise them."""
+    from nemo_dflash.data.prompts import write_prompts
+
     by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
     if not convs:
         fail(f"Magpie topic(s) {', '.join(counts)}: every sampled prompt was dropped by the filters (empty, too short "
