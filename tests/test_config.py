@@ -66,7 +66,8 @@ def layers(recipe: str) -> list[dict]:
 
 # Recipes composed on another shipped recipe (no record of their own): compared with the naive merge.
 BUILT_ON_A_RECIPE = {"smollm2_135m_200m",  # the 200 M-token run: smollm2_135m_gpu on two GPUs
-                     "smollm2_demo"}  # `make demo`: smollm2_135m with the pipeline's stages
+                     "smollm2_demo",  # `make demo`: smollm2_135m with the pipeline's stages
+                     "smollm2_135m_4gpu"}  # smollm2_135m_gpu on four GPUs, on the six-source data mix
 
 
 def test_every_recorded_recipe_still_ships():
