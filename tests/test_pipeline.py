@@ -151,6 +151,35 @@ def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
     assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
 
 
+LEFT_BY_HAND = {  # stage -> an output of it a command run by hand left behind (no marker)
+    "prompts": "prompts/code.jsonl", "regenerate": "data/regen.jsonl", "train": "train/config.yaml",
+    "export": "export/model.safetensors",
+}
+
+
+@pytest.mark.parametrize("stage", list(LEFT_BY_HAND))
+def test_outputs_without_a_marker_are_refused_naming_redo(tiny, tmp_path, monkeypatch, capsys, stage):
+    """The stage's command would refuse them ("exists: pass --overwrite"); in the pipeline the fix is redo=STAGE:
+    one line, exit 2, before any model loads or any file is written."""
+    run = tmp_path / "run"
+    left = run / LEFT_BY_HAND[stage]
+    left.parent.mkdir(parents=True)
+    left.write_text("{}\n")
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(recipe(tiny, run)), f"stages={stage}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert f"redo={stage}" in err[0] and str(left.parent) in err[0] and "--overwrite" not in err[0]
+    assert snapshot(run) == before  # nothing written: no recipe.yaml, no marker
+    if stage == "prompts":  # the fix named works (a built-in source: no model)
+        monkeypatch.undo()
+        assert pipeline.main(["--config", str(recipe(tiny, run)), "stages=prompts", "redo=prompts"]) == {
+            "prompts": "redone"}
+        assert (run / "stages" / "prompts.json").is_file() and left.read_text() != "{}\n"
+
+
 def test_stages_and_redo_name_real_stages(capsys):
     for arg in ("stages=regen", "redo=trian", "stages="):
         with pytest.raises(SystemExit) as e:
