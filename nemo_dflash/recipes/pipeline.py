@@ -402,7 +402,9 @@ class Pipeline:
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+        from nemo_dflash.train.distributed import init_process_group
+
+        init_process_group("gloo", datetime.timedelta(days=7))
         try:
             dist.barrier()
         finally:
