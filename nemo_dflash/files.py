@@ -181,6 +181,17 @@ class Output:
     ours: Optional[Callable[[Path], bool]] = None
 
 
+def needs_overwrite(o: Output) -> bool:
+    """Whether `guard_outputs` would refuse ``o`` without ``overwrite`` because it exists: a file that
+    exists, or a non-empty directory (neither continued: not ``may_exist``)."""
+    path = o.path.resolve()
+    if o.may_exist:
+        return False
+    if o.kind == "file":
+        return path.exists() and not path.is_dir()
+    return path.is_dir() and any(path.iterdir())
+
+
 def guard_outputs(outputs: Sequence[Output], inputs: Sequence[tuple[str, str | Path]], overwrite: bool) -> None:
     """The one output check every writing command makes before anything loads; `OutputError` (one line
     naming the fix) or `PermissionError` / `NotADirectoryError` (`check_writable_dir`) when refused.
@@ -209,7 +220,7 @@ def guard_outputs(outputs: Sequence[Output], inputs: Sequence[tuple[str, str | P
         if o.kind == "file":
             if path.is_dir():
                 raise OutputError(f"{o.flag} {o.path} is a directory: name a file")
-            if path.exists() and not (overwrite or o.may_exist):
+            if needs_overwrite(o) and not overwrite:
                 raise OutputError(f"{o.flag} {o.path} already exists: pass --overwrite to replace it, or choose "
                                   f"another {o.flag}")
             check_writable_dir(path.parent, f"{o.flag}'s directory")
@@ -217,7 +228,7 @@ def guard_outputs(outputs: Sequence[Output], inputs: Sequence[tuple[str, str | P
         if path.exists() and not path.is_dir():
             raise OutputError(f"{o.flag} {o.path} is a regular file, not a directory: choose another {o.flag}")
         entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        if entries and not o.may_exist:
+        if needs_overwrite(o):
             if not overwrite:
                 raise OutputError(f"{o.flag} {o.path} exists and is not empty: pass --overwrite to replace it, or "
                                   f"choose another {o.flag}")

@@ -272,6 +272,25 @@ def test_stateful_loader_resume_across_epoch_boundary():
     assert _batches_as_lists(fresh) == epochs[1][1:]
 
 
+def test_a_stream_resumed_at_the_end_of_an_epoch_goes_on_with_the_next():
+    """The trainer's stream saved right after an epoch's last batch (a checkpoint at the epoch's end) resumes
+    with the next epoch's first batch, as the uninterrupted stream goes on."""
+    from nemo_dflash.train.trainer import endless_batches
+
+    ds = _synthetic_dataset(list(range(1, 21)))  # 5 batches an epoch
+    ref = endless_batches(build_dataloader(ds, 4, seed=0))
+    want = [next(ref)["input_ids"].tolist() for _ in range(8)]
+    loader = build_dataloader(ds, 4, seed=0)
+    stream = endless_batches(loader)
+    seen = [next(stream)["input_ids"].tolist() for _ in range(5)]
+    fresh = build_dataloader(ds, 4, seed=0)
+    fresh.load_state_dict(loader.state_dict())
+    resumed = endless_batches(fresh)
+    assert seen + [next(resumed)["input_ids"].tolist() for _ in range(3)] == want
+    with pytest.raises(RuntimeError, match="no batch"):  # a loader that never yields is still named
+        next(endless_batches([]))
+
+
 def test_resume_with_other_world_size_is_refused():
     ds = _synthetic_dataset(list(range(1, 41)))
     loader = build_dataloader(ds, 4, world_size=2, rank=0)

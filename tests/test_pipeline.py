@@ -7,9 +7,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nemo_dflash.config import EvaluateConfig, ExportConfig, PromptJobConfig, RegenerateConfig, load_recipe
 from nemo_dflash.recipes import evaluate, export, pipeline, prompts, regenerate
@@ -149,6 +153,110 @@ def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
     assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done"}
     assert resumed == [2]
     assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
+
+
+LEFT_BY_HAND = {  # stage -> an output of it a command run by hand left behind (no marker)
+    "prompts": "prompts/code.jsonl", "regenerate": "data/regen.jsonl", "train": "train/config.yaml",
+    "export": "export/model.safetensors",
+}
+
+
+@pytest.mark.parametrize("stage", list(LEFT_BY_HAND))
+def test_outputs_without_a_marker_are_refused_naming_redo(tiny, tmp_path, monkeypatch, capsys, stage):
+    """The stage's command would refuse them ("exists: pass --overwrite"); in the pipeline the fix is redo=STAGE:
+    one line, exit 2, before any model loads or any file is written."""
+    run = tmp_path / "run"
+    left = run / LEFT_BY_HAND[stage]
+    left.parent.mkdir(parents=True)
+    left.write_text("{}\n")
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(recipe(tiny, run)), f"stages={stage}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert f"redo={stage}" in err[0] and str(left.parent) in err[0] and "--overwrite" not in err[0]
+    assert snapshot(run) == before  # nothing written: no recipe.yaml, no marker
+    if stage == "prompts":  # the fix named works (a built-in source: no model)
+        monkeypatch.undo()
+        assert pipeline.main(["--config", str(recipe(tiny, run)), "stages=prompts", "redo=prompts"]) == {
+            "prompts": "redone"}
+        assert (run / "stages" / "prompts.json").is_file() and left.read_text() != "{}\n"
+
+
+# ---- under torchrun: 2 gloo ranks on CPU ----
+
+REPO = Path(__file__).resolve().parents[1]
+TWO_RANKS = ["stages=regenerate,train", "distributed.strategy=ddp", "prompts.jobs=[]"]
+
+
+def torchrun(config: Path, script: str = "-m nemo_dflash.recipes.pipeline", **env: str) -> subprocess.CompletedProcess:
+    """The pipeline on ``config`` under 2 gloo ranks on this machine (one thread each)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "NEMO_DFLASH_NO_BAR": "1", **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script.split(),
+           "--config", str(config), *TWO_RANKS]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def losses(run: Path) -> dict[int, float]:
+    """step -> loss; the last record of a step wins (a killed run may have logged it before)."""
+    recs = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def final_draft(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "train" / "final" / "draft" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny) -> dict:
+    """regenerate and train, uninterrupted, on 2 ranks."""
+    run = tiny["root"] / "ranks"
+    config = recipe(tiny, run)
+    proc = torchrun(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"run": run, "config": config}
+
+
+def test_two_ranks_regenerate_and_train_end_to_end(tiny, two_ranks):
+    run = two_ranks["run"]
+    assert json.loads((run / "summary.json").read_text())["last_invocation"] == {"regenerate": "done", "train": "done"}
+    # the ranks' shards merged into the file one process writes (docs/data.md), byte for byte
+    single = tiny["root"] / "ranks_single"
+    assert pipeline.main(["--config", str(recipe(tiny, single)), "stages=regenerate", "prompts.jobs=[]"]) == {
+        "regenerate": "done"}
+    assert (run / "data" / "regen.jsonl").read_bytes() == (single / "data" / "regen.jsonl").read_bytes()
+    train = json.loads((run / "stages" / "train.json").read_text())
+    assert train["summary"]["steps"] == 4 and train["settings"]["distributed"]["strategy"] == "ddp"
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert set(final_draft(run))  # rank 0 wrote the whole draft
+
+
+def test_two_ranks_killed_mid_training_continue_where_they_stopped(tiny, two_ranks):
+    """Rank 0 is SIGKILLed right after the step-2 checkpoint; the same command then skips regenerate (complete)
+    and resumes training: the losses and the final draft of the uninterrupted run, bit for bit on CPU
+    (docs/training.md)."""
+    run = tiny["root"] / "ranks_killed"
+    config = recipe(tiny, run)
+    proc = torchrun(config, str(REPO / "tests" / "_pipeline_killed_rank.py"), PIPELINE_KILL_RANK="0",
+                    PIPELINE_KILL_STEP="2")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert (run / "stages" / "regenerate.json").is_file() and not (run / "stages" / "train.json").exists()
+    ckpts = sorted(p.name for p in (run / "train" / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
+    assert ckpts == ["step_00000002"]
+
+    proc = torchrun(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Resumed from" in proc.stderr and "step_00000002" in proc.stderr
+    assert json.loads((run / "summary.json").read_text())["last_invocation"] == {"regenerate": "skipped",
+                                                                                "train": "done"}
+    full = two_ranks["run"]
+    assert (run / "data" / "regen.jsonl").read_bytes() == (full / "data" / "regen.jsonl").read_bytes()
+    assert losses(run) == losses(full)
+    got, want = final_draft(run), final_draft(full)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_stages_and_redo_name_real_stages(capsys):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from nemo_dflash.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
 
 logger = logging.getLogger("nemo_dflash.pipeline")
@@ -148,6 +149,8 @@ class Stage:
     upstream: Optional[str] = None  # the stage whose outputs this one reads
     action: str = "run"  # run | skip | redo
     run: Optional[Callable[[bool], dict[str, Any]]] = field(default=None, repr=False)  # (overwrite) -> summary
+    # the outputs already on disk that its command would refuse to replace without --overwrite
+    left: Optional[Callable[[], list[str]]] = field(default=None, repr=False)
 
 
 def _jobs_data(cfg: RecipeConfig, lay: Layout) -> list[str]:
@@ -231,7 +234,10 @@ class Pipeline:
                     out[j.name] = prompts.main(argv(j, overwrite))
             return out
 
-        return Stage("prompts", settings, run=run)
+        def left() -> list[str]:
+            return [str(p) for p in (self.lay.prompts(j.name) for j in jobs) if needs_overwrite(Output(p, "--out"))]
+
+        return Stage("prompts", settings, run=run, left=left)
 
     def _regenerate(self) -> Stage:
         from nemo_dflash.recipes import regenerate
@@ -252,7 +258,15 @@ class Pipeline:
         def run(overwrite: bool) -> dict[str, Any]:
             return regenerate.main([*argv, *(["--overwrite"] if overwrite else [])])
 
-        return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run)
+        def left() -> list[str]:
+            args = regenerate.build_parser().parse_args(argv)
+            out = Path(args.out)
+            places = regenerate.output_places(args, regenerate.rank_files(out, self.rank, self.world),
+                                              regenerate.holdout_path(out) if args.holdout else None, self.world)
+            return [str(o.path) for o in places if needs_overwrite(o)]
+
+        return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run,
+                     left=left)
 
     def _train(self) -> Stage:
         from nemo_dflash.data.config import DataSourceConfig
@@ -281,8 +295,16 @@ class Pipeline:
             with user_errors(*user_error_types()):
                 return train(run_cfg, overwrite=overwrite)
 
+        def left() -> list[str]:
+            from nemo_dflash.train.run_dir import blocks_a_fresh_start
+
+            out = Path(cfg.output_dir).resolve()
+            if cfg.checkpoint.resume not in ("auto", "none"):  # another run's checkpoint: train's own checks
+                return []
+            return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
+
         self.train_cfg = cfg
-        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run)
+        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left)
 
     def _export(self) -> Stage:
         from nemo_dflash.recipes import export
@@ -296,8 +318,11 @@ class Pipeline:
             export.main([*argv, *(["--overwrite"] if overwrite else [])])
             return {"out": str(self.lay.export)}
 
+        def left() -> list[str]:
+            return [str(self.lay.export)] if needs_overwrite(Output(self.lay.export, "--out", kind="dir")) else []
+
         settings = {"target": self.cfg.target.path, "export": _section(self.cfg.export)}
-        return Stage("export", settings, upstream="train", run=run)
+        return Stage("export", settings, upstream="train", run=run, left=left)
 
     def _evaluate(self) -> Stage:
         from nemo_dflash.recipes import evaluate
@@ -362,6 +387,14 @@ class Pipeline:
                     "are replaced), or restore the settings")
             if stage.action == "redo":
                 redone.add(stage.name)
+            elif stage.action == "run" and stage.left is not None:
+                found = stage.left()
+                if found:  # the command would refuse them naming --overwrite: here the fix is redo=
+                    raise UsageError(
+                        f"stage {stage.name} has no marker ({self.lay.marker(stage.name)}) but its outputs exist "
+                        f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), left by something else (its "
+                        f"command run by hand, or the stage killed after writing them): pass redo={stage.name} to "
+                        "replace them, or move them away")
 
     # ---- running ----
 
@@ -373,7 +406,9 @@ class Pipeline:
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+        from nemo_dflash.train.distributed import init_process_group
+
+        init_process_group("gloo", datetime.timedelta(days=7))
         try:
             dist.barrier()
         finally:

@@ -169,9 +169,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     import torch.distributed as dist
 
+    from nemo_dflash.train.distributed import init_process_group
+
     own_group = not dist.is_initialized()
     if own_group:  # only for barriers: the ranks exchange files, not tensors
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+        init_process_group("gloo", datetime.timedelta(days=7))
     if device == "cuda":
         import torch
 

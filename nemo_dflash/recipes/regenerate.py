@@ -761,7 +761,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+        from nemo_dflash.train.distributed import init_process_group
+
+        init_process_group("gloo", datetime.timedelta(days=7))
     if device == "cuda" and world > 1:
         import torch
 

@@ -47,6 +47,26 @@ def launch_env() -> tuple[int, int, int]:
     )
 
 
+# The key of the launch store's counter of process groups made in this launch (`init_process_group`).
+GROUPS_KEY = "nemo_dflash.process_groups"
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta, device_id: Optional[torch.device] = None) -> None:
+    """`torch.distributed.init_process_group` from torchrun's environment, under a store prefix no earlier group
+    of this launch used. torchrun's store outlives a process group, and torch names every default group alike,
+    so a second group in one launch (the pipeline's stages each make one) would read the keys the first left:
+    gloo ranks connecting to a closed port, NCCL ones to an old communicator. Every rank adds once per group,
+    and each group runs a collective before it is destroyed, so the ranks of one group read values in the same
+    block of ``world``."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    n = (int(store.add(GROUPS_KEY, 1)) - 1) // world
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{GROUPS_KEY}/{n}/", store), rank=rank,
+                            world_size=world, timeout=timeout, device_id=device_id)
+
+
 def init_distributed(
     device: str | torch.device = "auto", backend: Optional[str] = None, timeout_minutes: int = 30
 ) -> DistState:
@@ -57,10 +77,8 @@ def init_distributed(
     dev = pick_device(device, local_rank) if isinstance(device, str) else device
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        init_process_group(backend, datetime.timedelta(minutes=timeout_minutes),
+                           device_id=dev if dev.type == "cuda" else None)
     return DistState(rank=rank, local_rank=local_rank, world_size=world, device=dev)
 
 
@@ -123,8 +141,10 @@ def shard_target_layers(layers: nn.ModuleList) -> None:
 
 __all__ = [
     "DistState",
+    "GROUPS_KEY",
     "all_reduce_sum",
     "init_distributed",
+    "init_process_group",
     "launch_env",
     "pick_device",
     "resolve_strategy",

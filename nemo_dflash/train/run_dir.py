@@ -60,6 +60,13 @@ def _has_checkpoint(output_dir: Path) -> bool:
     return ckpts.is_dir() and any((p / COMPLETE).is_file() for p in ckpts.iterdir() if p.name.startswith("step_"))
 
 
+def blocks_a_fresh_start(output_dir: Path, resume: str) -> list[str]:
+    """The entries of the run in ``output_dir`` that a run starting afresh there (``resume`` none, or auto
+    with no complete checkpoint to resume) would need ``--overwrite`` to replace (empty: none)."""
+    fresh = resume == "none" or (resume == "auto" and not _has_checkpoint(output_dir))
+    return held_run(output_dir) if fresh and output_dir.is_dir() else []
+
+
 class RunDirLock(FileLock):
     """`FileLock` on `<output_dir>/.lock`, its refusals worded for what holds it (`RunDirError`)."""
 
@@ -118,9 +125,8 @@ def _claim_main(output_dir: Path, resume: str, overwrite: bool) -> RunDirLock:
     lock = RunDirLock(output_dir)
     lock.acquire()
     try:
-        fresh = resume == "none" or (resume == "auto" and not _has_checkpoint(output_dir))
-        held = held_run(output_dir)
-        if fresh and held:
+        held = blocks_a_fresh_start(output_dir, resume)
+        if held:
             if not overwrite:
                 if resume == "none":
                     why, fix = "checkpoint.resume=none", "resume it (checkpoint.resume=auto), "
@@ -161,4 +167,5 @@ def claim_output_dir(output_dir: str | Path, resume: str, overwrite: bool, state
     return lock
 
 
-__all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "claim_output_dir", "held_run"]
+__all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "blocks_a_fresh_start", "claim_output_dir",
+           "held_run"]

@@ -110,13 +110,17 @@ def _right_padded(attention_mask: torch.Tensor) -> bool:
 
 
 def endless_batches(loader) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless stream over epochs; the sampler advances its epoch by itself."""
+    """Endless stream over epochs; the sampler advances its epoch by itself. One pass may be empty: a loader
+    restored from a state saved after the last batch of its epoch (a checkpoint at an epoch's end) finishes
+    that epoch before the next one starts. Two empty passes in a row are a loader with no batch at all."""
+    empty = 0
     while True:
         yielded = False
         for batch in loader:
             yielded = True
             yield batch
-        if not yielded:
+        empty = 0 if yielded else empty + 1
+        if empty == 2:
             raise RuntimeError("the training data loader produced no batch")
 
 
