@@ -42,17 +42,24 @@ def forced_engine(monkeypatch: Any, tok: Any, *, degenerate_marker: Optional[str
 
 
 if __name__ == "__main__":
+    import os
+
     import pytest
     from transformers import AutoTokenizer
 
     from nemo_dflash.recipes import prompts
 
     argv = sys.argv[1:]
+    if "MAGPIE_PIPELINE" in os.environ:  # the pipeline command, its target's tokenizer named by the variable
+        from nemo_dflash.recipes import pipeline
+
+        forced_engine(pytest.MonkeyPatch(), AutoTokenizer.from_pretrained(os.environ["MAGPIE_PIPELINE"]))
+        pipeline.main(argv)
+        sys.exit(0)
     forced_engine(pytest.MonkeyPatch(), AutoTokenizer.from_pretrained(argv[argv.index("--target") + 1]))
     summary = prompts.main(argv)
     if summary.get("topic_report") is not None:  # rank 0: what the test compares with one process
         import json
-        import os
 
         with open(os.environ["MAGPIE_SUMMARY"], "w", encoding="utf-8") as f:
             json.dump(summary, f)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -190,11 +191,12 @@ REPO = Path(__file__).resolve().parents[1]
 TWO_RANKS = ["stages=regenerate,train", "distributed.strategy=ddp", "prompts.jobs=[]"]
 
 
-def torchrun(config: Path, script: str = "-m nemo_dflash.recipes.pipeline", **env: str) -> subprocess.CompletedProcess:
+def torchrun(config: Path, script: str = "-m nemo_dflash.recipes.pipeline", args: Sequence[str] = TWO_RANKS,
+             **env: str) -> subprocess.CompletedProcess:
     """The pipeline on ``config`` under 2 gloo ranks on this machine (one thread each)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "NEMO_DFLASH_NO_BAR": "1", **env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script.split(),
-           "--config", str(config), *TWO_RANKS]
+           "--config", str(config), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -330,3 +332,24 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
     parsed = vars(module.build_parser().parse_args([*required, *section_argv(module.build_parser(), obj, only)]))
     for k, v in changed.items():
         assert parsed[k] == (["sharegpt", *v] if (module, k) == (regenerate, "data") else v), k
+
+
+def test_two_ranks_prompt_jobs_then_magpie_on_every_rank(tiny, monkeypatch):
+    """The prompts stage under torchrun after the pipeline's own barrier group: a source job on rank 0, then a
+    Magpie job on both ranks (a third process group in one launch: each must rendezvous under its own keys),
+    writing the file one process writes."""
+    run = tiny["root"] / "ranks_magpie"
+    jobs = ('prompts.jobs=[{name: code, source: "code:2"}, {name: mag, topics: "chat=3,code=2", turns: "1-2", '
+            'max_new_tokens: 16, batch_size: 4, device: cpu, dtype: fp32}]')
+    proc = torchrun(recipe(tiny, run), script=str(REPO / "tests" / "_magpie_forced.py"), args=["stages=prompts", jobs],
+                    MAGPIE_PIPELINE=str(tiny["target"]))  # the random target made to end its turns
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from _magpie_forced import forced_engine
+    from transformers import AutoTokenizer
+
+    forced_engine(monkeypatch, AutoTokenizer.from_pretrained(str(tiny["target"])))
+    single = tiny["root"] / "ranks_magpie_single"
+    assert pipeline.main(["--config", str(recipe(tiny, single)), "stages=prompts", jobs]) == {"prompts": "done"}
+    for name in ("code", "mag"):
+        assert (run / "prompts" / f"{name}.jsonl").read_bytes() == (single / "prompts" / f"{name}.jsonl").read_bytes()
+    assert not list((run / "prompts").glob("*.magpie.jsonl"))  # the rank shards are gone
