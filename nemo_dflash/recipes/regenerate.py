@@ -298,32 +298,58 @@ def with_samples(conversations: Sequence[Any], samples: int) -> list[Any]:
             for c in conversations for k in range(samples)]
 
 
+_SELECT: dict[str, Any] = {}  # what select's forked workers read (the pool and the tokenizer are not sent per job)
+
+
+def _first_prompt_problem(i: int) -> Optional[str]:
+    """Why conversation ``i`` of the pool cannot be a prompt (None: usable): a unit of :func:`select`."""
+    from nemo_dflash.data.regenerate import prompt_problem, split_prompt
+
+    system, users = split_prompt(_SELECT["pool"][i].messages, _SELECT["turns"])
+    if not users:
+        return "no_user_turn"
+    return prompt_problem(_SELECT["tokenizer"], system + [{"role": "user", "content": users[0]}],
+                          max_prompt_tokens=_SELECT["max_prompt_tokens"], specials=_SELECT["specials"])[1]
+
+
 def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str,
-           max_prompt_tokens: Optional[int]) -> tuple[list[Any], dict[str, int], int]:
+           max_prompt_tokens: Optional[int], workers: int = 1) -> tuple[list[Any], dict[str, int], int]:
     """The first ``count`` usable conversations after a seeded shuffle, the skip reasons of the
-    unusable ones seen on the way, and how many were examined."""
+    unusable ones seen on the way, and how many were examined. Rendering and tokenising each first
+    prompt took 136 s for 175,000 conversations on one core, so ``workers`` forked processes examine
+    them side by side, in order blocks: the result is the one-process result."""
     from collections import Counter
 
-    from nemo_dflash.data.regenerate import prompt_problem, special_token_strings, split_prompt
+    from nemo_dflash.data.regenerate import special_token_strings
 
     order = list(range(len(pool)))
     random.Random(seed).shuffle(order)
-    specials = special_token_strings(tokenizer)
+    _SELECT.update(pool=pool, tokenizer=tokenizer, turns=turns, max_prompt_tokens=max_prompt_tokens,
+                   specials=special_token_strings(tokenizer))
     chosen, skipped, examined = [], Counter(), 0
-    for i in order:
-        if len(chosen) >= count:
-            break
-        examined += 1
-        system, users = split_prompt(pool[i].messages, turns)
-        if not users:
-            skipped["no_user_turn"] += 1
-            continue
-        _, reason = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
-                                   max_prompt_tokens=max_prompt_tokens, specials=specials)
-        if reason is not None:
-            skipped[reason] += 1
-            continue
-        chosen.append(pool[i])
+    executor = None
+    try:
+        if workers > 1 and len(pool) > 4096:
+            import concurrent.futures
+            import multiprocessing
+
+            executor = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        while len(chosen) < count and examined < len(order):
+            block = order[examined:examined + max(4096, 2 * (count - len(chosen)))]  # a little past what is needed
+            reasons = (list(executor.map(_first_prompt_problem, block, chunksize=256)) if executor is not None
+                       else map(_first_prompt_problem, block))
+            for i, reason in zip(block, reasons):
+                if len(chosen) >= count:
+                    break
+                examined += 1
+                if reason is not None:
+                    skipped[reason] += 1
+                else:
+                    chosen.append(pool[i])
+    finally:
+        if executor is not None:
+            executor.shutdown()
+        _SELECT.clear()
     return chosen, dict(skipped), examined
 
 
@@ -807,8 +833,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
                  "lower it, or pass --batch-size auto")
 
     want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
+    cpus = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # every rank selects
     chosen, select_skipped, examined = select(pool, tokenizer, count=want, seed=args.seed, turns=args.turns,
-                                              max_prompt_tokens=max_prompt)
+                                              max_prompt_tokens=max_prompt, workers=max(1, min(32, cpus)))
     del pool
     if not chosen:
         fail(no_usable_conversations(select_skipped, args.target))
