@@ -429,7 +429,7 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
 
 def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
     """--batch-size auto: the slot count the engine's memory fit gives (8 off a GPU), resolved after the
-    model loads; the fit is asked for the longest topic prefix."""
+    model loads; the fit is asked for the longest prompt a conversation reaches."""
     from _tiny_target import make_tiny_target_dir
 
     from nemo_dflash.data import generation, prompts as data_prompts
@@ -448,6 +448,12 @@ def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
         assert asked[-1] == want
     longest = max(len(data_prompts.magpie_prefix(target[1], data_prompts.MAGPIE_TOPICS[t])) for t in ("code", "chat"))
     assert fits == [(longest, 12)] * 2
+    # conversations of up to 3 user turns: a slot holds the 2 earlier turns and their answers too, each at most
+    # 12 tokens plus 32 of template markers (an auto fit of the first turn alone overflowed an H200: 3,200-token slots)
+    with pytest.raises(SystemExit):
+        recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl"), "--topics", "code=2,chat=1",
+                     "--batch-size", "auto", "--max-new-tokens", "12", "--turns", "2-3"])
+    assert fits[-1] == (longest + 4 * (12 + 32), 12)
 
 
 def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):

@@ -685,6 +685,13 @@ def magpie_prefix(tokenizer: Any, system: str, history: Sequence[dict[str, str]]
     return tokenizer(magpie_prefix_text(tokenizer, system, history), add_special_tokens=False)["input_ids"]
 
 
+def magpie_max_prompt(prefix_tokens: int, max_turns: int, max_new_tokens: int) -> int:
+    """The longest prompt of a Magpie conversation of ``max_turns`` user turns: the prefix, then every
+    earlier turn (at most ``max_new_tokens`` each) and its template markers. A slot holds this plus
+    ``max_new_tokens``: what ``--batch-size auto`` must size the KV cache for."""
+    return prefix_tokens + (2 * max_turns - 2) * (max_new_tokens + TURN_OVERHEAD_TOKENS)
+
+
 def parse_turns(text: str) -> tuple[int, int]:
     """``"3"`` -> (3, 3), ``"2-6"`` -> (2, 6): user turns per Magpie conversation; DataError when
     malformed."""
@@ -833,8 +840,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     stop_ids = stop_token_ids(model, tokenizer)
     specials = special_token_strings(tokenizer)
     prefixes = {topic: magpie_prefix(tokenizer, MAGPIE_TOPICS[topic]) for topic in counts}
-    # the longest prompt: the prefix, then every earlier turn (at most max_new_tokens each) and its markers
-    max_prompt = max(len(p) for p in prefixes.values()) + (2 * hi - 2) * (max_new_tokens + TURN_OVERHEAD_TOKENS)
+    max_prompt = magpie_max_prompt(max(len(p) for p in prefixes.values()), hi, max_new_tokens)
     pending: collections.deque = collections.deque(
         Request(key=(seed * 7919 + topic_index[c.topic] * 1_000_003 + c.index) & 0x7FFFFFFF,
                 prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1) for c in convs)
