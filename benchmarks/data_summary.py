@@ -23,10 +23,10 @@ from bench_rows import git_commit
 
 
 def row(summary: dict[str, Any], device: str, command: str,
-        report: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        report: Optional[dict[str, Any]] = None, commit: Optional[str] = None) -> dict[str, Any]:
     """The row. ``tokens_per_s`` is per GPU (``world`` beside it); with the data report, each source
     gains its unique 13-gram share, loop-cut share and answer length percentiles."""
-    commit = git_commit() or "unknown"
+    commit = commit or git_commit() or "unknown"
     world = summary["ranks"]
     sources = summary["sources"]
     if report is not None:
@@ -57,9 +57,10 @@ def main() -> None:
     p.add_argument("--command", required=True, help="the regenerate command that made the summary")
     p.add_argument("--report", type=Path, default=None,
                    help="the run's data_report.json (OUT_STEM_report/ beside the data): per-source 13-gram share, ...")
+    p.add_argument("--commit", default=None, help="the commit the run carried (default: this checkout's)")
     args = p.parse_args()
     report = json.loads(args.report.read_text()) if args.report else None
-    r = row(json.loads(args.summary.read_text()), args.device, args.command, report)
+    r = row(json.loads(args.summary.read_text()), args.device, args.command, report, args.commit)
     rows = json.loads(args.out.read_text()) if args.out.exists() else []
     rows.append(r)
     tmp = args.out.with_name(args.out.name + ".tmp")

@@ -263,9 +263,12 @@ def _write_magpie(out: Path, convs: list[Any], counts: dict[str, int],
              "or long, duplicate, looping or capped); raise --max-new-tokens or check the target's chat template")
     empty = [t for t, n in by_topic.items() if n == 0]
     short = [t for t, n in by_topic.items() if 0 < n < counts[t]]
-    if empty or short:  # written as they are: a topic is never padded from another
-        logger.warning("Magpie topics %s: the target wrote no usable prompt (degenerate); topics %s: fewer than "
-                       "asked; the summary's topic_report says why", empty or "none", short or "none")
+    if empty:  # written as they are: a topic is never padded from another
+        logger.warning("Magpie topics %s: the target wrote no usable prompt (degenerate); the summary's topic_report "
+                       "says why", ", ".join(empty))
+    if short:
+        logger.warning("Magpie topics %s: fewer conversations than asked; the summary's topic_report says why",
+                       ", ".join(short))
     n = write_prompts(str(out), convs)
     logger.info("wrote %d conversations to %s (%s)", n, out, ", ".join(f"{t} {k}" for t, k in by_topic.items()))
     return {"out": str(out), "written": n, "topics": by_topic, "degenerate_topics": empty, "short_topics": short,
