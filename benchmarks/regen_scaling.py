@@ -1,11 +1,14 @@
 r"""How `regenerate` scales with GPUs: the same command on 1, 2 and 4 GPUs, one run after another.
 
-    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --num-samples 4096 --gpus 1,2,4 \
+    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 8192 --gpus 1,2,4 \
         -- --turns all --max-new-tokens 1024 --batch-size auto --sampling given --temperature 0.2 --top-p 0.9
     python benchmarks/regen_scaling.py --cpu --data sharegpt --num-samples 8 --gpus 1,2   # a dry run, no GPU
 
 Each GPU count runs `python -m nemo_dflash.recipes.regenerate` (torchrun for more than one) with the
-same settings; arguments after `--` go to every run. `--work weak` (default) gives a run of N GPUs
+same settings; arguments after `--` go to every run. Give each GPU several times more conversations than
+it has slots (`--batch-size`; auto holds up to 2,048): with no more conversations than slots no slot is ever
+refilled, and the run measures its longest conversations' tail, not throughput (2,048 a GPU at 2,048 slots:
+10.7k tokens/s on an H200 that generates 80k when its slots stay full). `--work weak` (default) gives a run of N GPUs
 N x --num-samples conversations, `--work strong` every run --num-samples. The figures come from each
 run's own `--summary-json`: generated tokens/s (over the slowest rank's regeneration seconds), end-to-end
 tokens/s (over the wall time, model load and merge included), the ratio of each to one GPU's, and the

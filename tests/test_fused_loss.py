@@ -226,7 +226,9 @@ def _kernels():
 # Relative error (norm) allowed on dL/dh against a reference whose matmuls are bf16 with fp32 accumulation:
 # cut-cross-entropy adds its per-vocab-block contributions to dL/dh in bf16 (H200: ~2.4% from fp32 at
 # 576 x 49152), liger-kernel and the chunked path in fp32 (~0.2%).
-GRAD_H_TOL = {"cce": 4e-2, "liger": 1e-2}
+# relative error of the gradient of the draft's states; cce accumulates it in bf16: 2.4% (hard CE) and 4.8% (distillation
+# 0.5) measured on an H200, which is why `auto` never picks it (docs/training.md)
+GRAD_H_TOL = {"cce": 6e-2, "liger": 1e-2}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -317,3 +319,12 @@ def test_trainer_step_with_kernel_matches_chunked_on_gpu(impl):
     (l_ref, g_ref), (l, gr) = results
     assert l == pytest.approx(l_ref, rel=1e-2)
     assert _rel(gr, g_ref) < 2 * GRAD_H_TOL[impl]
+
+
+def test_auto_takes_liger_and_never_cce(monkeypatch):
+    """cce's gradient is 2.4-4.8% from fp32 (measured): `auto` runs liger where it can, else the chunked path."""
+    gpu = torch.device("cuda", 0)
+    for available, want in (({"liger", "cce"}, "liger"), ({"cce"}, "chunked"), (set(), "chunked")):
+        monkeypatch.setattr(fl, "fused_unavailable", lambda name, dev, a=available: None if name in a else "missing")
+        assert fl.resolve_loss_impl("auto", gpu) == want
+    assert fl.resolve_loss_impl("cce", gpu) == "chunked"  # named, it still runs where it can (not here: missing)
