@@ -1,7 +1,7 @@
 r"""How `regenerate` scales with GPUs: the same command on 1, 2 and 4 GPUs, one run after another.
 
-    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 8192 --gpus 1,2,4 \
-        -- --turns all --max-new-tokens 1024 --batch-size auto --sampling given --temperature 0.2 --top-p 0.9
+    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 4096 --gpus 1,2,4 \
+        -- --turns all --max-new-tokens 1024 --batch-size 1024 --sampling given --temperature 0.2 --top-p 0.9
     python benchmarks/regen_scaling.py --cpu --data sharegpt --num-samples 8 --gpus 1,2   # a dry run, no GPU
 
 Each GPU count runs `python -m nemo_dflash.recipes.regenerate` (torchrun for more than one) with the
