@@ -140,12 +140,12 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     monkeypatch.setitem(sys.modules, "train_throughput", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     # 2 batches a rank (4 in all), warm-up step 0 then steps 1 and 2: each batch stepped once, on its rank
-    batches = bench.make_packed_batches(4, 1, 1024, 416, 0.15, 0.25, 49152)
+    batches = bench.make_packed_batches(4, 1, 256, 104, 0.15, 0.25, 49152)
     expected = sum(float(b["attention_mask"].sum()) for b in batches) / 2
     out = tmp_path / "rows.json"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m", "--device", "cpu",
-                          "--cases", "1:128:416:0:0:1024", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
+                          "--cases", "1:32:104:0:0:256", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
