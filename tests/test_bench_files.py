@@ -102,13 +102,15 @@ def test_benchmarks_take_flags_not_environment_variables(script):
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict[str, tuple[int, str, str]]:
-    """Every script's `--help`, each in a process of its own, started together (their imports overlap on
-    the cores): name -> (exit status, stdout, stderr)."""
+def helps(request) -> dict[str, tuple[int, str, str]]:
+    """The `--help` of every script a selected test asks about, each in a process of its own, started together
+    (their imports overlap on the cores): name -> (exit status, stdout, stderr)."""
+    selected = {item.callspec.params["script"].name for item in request.session.items
+                if getattr(item, "originalname", None) == "test_every_benchmark_script_starts"}
     procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True,
                                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-             for p in _py_scripts()}
+             for p in _py_scripts() if p.name in selected}
     out = {}
     for name, proc in procs.items():
         try:
