@@ -27,7 +27,7 @@ def _launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def _args(target, data, out, *extra) -> list[str]:
+def _args(target, data, extra, out) -> list[str]:
     return [
         "--config", "qwen3_8b.yaml", f"target.path={target}",
         "target.dtype=fp32", "draft.num_layers=2", "draft.block_size=4", f"data.sources=[{{path: {data}}}]",
@@ -37,7 +37,7 @@ def _args(target, data, out, *extra) -> list[str]:
 
 
 def _cmd(nproc: int, target, data, out, *extra):
-    return [*_launcher(nproc), "-m", "nemo_dflash.recipes.train", *_args(target, data, out, *extra)]
+    return [*_launcher(nproc), "-m", "nemo_dflash.recipes.train", *_args(target, data, extra, out)]
 
 
 def _env():
@@ -57,10 +57,11 @@ def _losses(out: Path) -> dict:
 
 
 def _trainings(nproc: int, root: Path, target, data, runs: dict[str, tuple]) -> dict[str, Path]:
-    """Each training of ``runs`` (name -> extra arguments) into ``root/NAME``, all in one launch of ``nproc``
-    processes (tests/_train_runs.py: one start-up of the ranks for them all)."""
+    """Each training of ``runs`` (name -> extra arguments, or (data file, extra arguments)) into ``root/NAME``,
+    all in one launch of ``nproc`` processes (tests/_train_runs.py: one start-up of the ranks for them all)."""
     spec = root / "runs.json"
-    spec.write_text(json.dumps([_args(target, data, root / name, *extra) for name, extra in runs.items()]))
+    spec.write_text(json.dumps([_args(target, *(run if isinstance(run[0], Path) else (data, run)), root / name)
+                                for name, run in runs.items()]))
     _run([*_launcher(nproc), str(REPO / "tests" / "_train_runs.py"), str(spec)], timeout=400)
     return {name: root / name for name in runs}
 
@@ -79,10 +80,22 @@ def one_process(assets, tmp_path_factory) -> dict[str, Path]:
     })
 
 
+def _mixed_data(path: Path) -> Path:
+    """One sample per rank per step: one has no room for a block."""
+    long_answer = " ".join(["alpha beta gamma"] * 10)
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "tell"}, {"role": "assistant", "content": long_answer}]}) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def two_ranks(assets, tmp_path_factory) -> dict[str, Path]:
     """The 2-rank trainings, in one torchrun launch."""
-    return _trainings(2, tmp_path_factory.mktemp("two_ranks"), *assets, {
+    root = tmp_path_factory.mktemp("two_ranks")
+    return _trainings(2, root, *assets, {
+        "no_anchor": (_mixed_data(root / "mixed.jsonl"), ("train.max_steps=3", "train.micro_batch_size=1",
+                                                          "distributed.strategy=ddp", "draft.block_size=8")),
         "ddp": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=ddp"),
         "fsdp2": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=fsdp2"),
         "fsdp2_shard": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=fsdp2",
@@ -105,17 +118,8 @@ def test_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), ("grad_accum", step)
 
 
-def test_rank_without_valid_anchor_does_not_hang(tmp_path):
-    target = make_tiny_target_dir(tmp_path)
-    data = tmp_path / "mixed.jsonl"
-    long_answer = " ".join(["alpha beta gamma"] * 10)
-    with open(data, "w") as f:  # one sample per rank per step: one has no room for a block
-        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}) + "\n")
-        f.write(json.dumps({"messages": [{"role": "user", "content": "tell"}, {"role": "assistant", "content": long_answer}]}) + "\n")
-    out = tmp_path / "run"
-    _run(_cmd(2, target, data, out, "train.max_steps=3", "train.micro_batch_size=1", "distributed.strategy=ddp",
-              "draft.block_size=8"), timeout=180)
-    assert sorted(_losses(out)) == [1, 2, 3]
+def test_rank_without_valid_anchor_does_not_hang(two_ranks):
+    assert sorted(_losses(two_ranks["no_anchor"])) == [1, 2, 3]
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
