@@ -209,10 +209,13 @@ def test_composition_leaves_the_working_directory_and_logging_alone(tmp_path, mo
 def test_the_command_line_composes_groups_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", "--print-config"]
-    r = subprocess.run([*cmd, "~cluster", "optim.lr=1e-4"], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    printed = yaml.safe_load(r.stdout)
+    # the two commands run at once (their imports overlap on the cores)
+    procs = [subprocess.Popen([*cmd, *ov], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=tmp_path) for ov in (["~cluster", "optim.lr=1e-4"], ["cluster=fsdp3"])]
+    (out, err), (_, err3) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, err[-2000:]
+    printed = yaml.safe_load(out)
     assert printed["distributed"]["strategy"] == "auto" and printed["optim"]["lr"] == 1e-4
-    r = subprocess.run([*cmd, "cluster=fsdp3"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    r = subprocess.CompletedProcess(procs[1].args, procs[1].returncode, None, err3)
     assert r.returncode == 2 and "Did you mean 'cluster=fsdp2'" in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr

@@ -21,18 +21,23 @@ def assets(tmp_path_factory):
     return make_tiny_target_dir(root), write_chat_jsonl(root / "chat.jsonl", n=24)
 
 
-def _cmd(nproc: int, target, data, out, *extra):
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-        if nproc > 1
-        else [sys.executable]
-    )
+def _launcher(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def _args(target, data, extra, out) -> list[str]:
     return [
-        *launcher, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", f"target.path={target}",
+        "--config", "qwen3_8b.yaml", f"target.path={target}",
         "target.dtype=fp32", "draft.num_layers=2", "draft.block_size=4", f"data.sources=[{{path: {data}}}]",
         "data.max_length=96", "data.holdout_fraction=0.0", "loss.num_anchors=8", "train.log_every=1",
         "wandb.mode=disabled", "optim.lr=3e-3", f"output_dir={out}", *extra,
     ]
+
+
+def _cmd(nproc: int, target, data, out, *extra):
+    return [*_launcher(nproc), "-m", "nemo_dflash.recipes.train", *_args(target, data, extra, out)]
 
 
 def _env():
@@ -51,37 +56,70 @@ def _losses(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def test_ddp_and_fsdp2_match_single_process(assets, tmp_path):
-    target, data = assets
-    common = ("train.max_steps=4",)
-    _run(_cmd(1, target, data, tmp_path / "single", *common, "train.micro_batch_size=4", "distributed.strategy=none"))
-    single = _losses(tmp_path / "single")
-    for strategy, extra in (("ddp", ()), ("fsdp2", ()), ("fsdp2", ("distributed.shard_target=true",))):
-        out = tmp_path / f"{strategy}{len(extra)}"
-        _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", f"distributed.strategy={strategy}", *extra))
-        got = _losses(out)
+def _trainings(nproc: int, root: Path, target, data, runs: dict[str, tuple]) -> dict[str, Path]:
+    """Each training of ``runs`` (name -> extra arguments, or (data file, extra arguments)) into ``root/NAME``,
+    all in one launch of ``nproc`` processes (tests/_train_runs.py: one start-up of the ranks for them all)."""
+    spec = root / "runs.json"
+    spec.write_text(json.dumps([_args(target, *(run if isinstance(run[0], Path) else (data, run)), root / name)
+                                for name, run in runs.items()]))
+    _run([*_launcher(nproc), str(REPO / "tests" / "_train_runs.py"), str(spec)], timeout=400)
+    return {name: root / name for name in runs}
+
+
+COMMON = ("train.max_steps=4",)
+FUSED = ("train.max_steps=4", "optim.fused=true")
+
+
+@pytest.fixture(scope="module")
+def one_process(assets, tmp_path_factory) -> dict[str, Path]:
+    """The single-process references, trained in one process."""
+    return _trainings(1, tmp_path_factory.mktemp("one_process"), *assets, {
+        "single": (*COMMON, "train.micro_batch_size=4", "distributed.strategy=none"),
+        "accum": (*COMMON, "train.micro_batch_size=2", "train.grad_accum=2"),
+        "single_fused": (*FUSED, "train.micro_batch_size=4", "distributed.strategy=none"),
+    })
+
+
+def _mixed_data(path: Path) -> Path:
+    """One sample per rank per step: one has no room for a block."""
+    long_answer = " ".join(["alpha beta gamma"] * 10)
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "tell"}, {"role": "assistant", "content": long_answer}]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(assets, tmp_path_factory) -> dict[str, Path]:
+    """The 2-rank trainings, in one torchrun launch."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    return _trainings(2, root, *assets, {
+        "no_anchor": (_mixed_data(root / "mixed.jsonl"), ("train.max_steps=3", "train.micro_batch_size=1",
+                                                          "distributed.strategy=ddp", "draft.block_size=8")),
+        "ddp": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=ddp"),
+        "fsdp2": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=fsdp2"),
+        "fsdp2_shard": (*COMMON, "train.micro_batch_size=2", "distributed.strategy=fsdp2",
+                        "distributed.shard_target=true"),
+        "ddp_fused": (*FUSED, "train.micro_batch_size=2", "distributed.strategy=ddp"),
+        "ddp_fused_stopped": (*FUSED, "train.micro_batch_size=2", "distributed.strategy=ddp", "train.max_minutes=0.0"),
+    })
+
+
+def test_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
+    single = _losses(one_process["single"])
+    for name in ("ddp", "fsdp2", "fsdp2_shard"):
+        got = _losses(two_ranks[name])
         assert sorted(got) == [1, 2, 3, 4]
         for step, loss in single.items():
-            assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (strategy, step)
+            assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (name, step)
     # the global batch split over micro-steps instead of ranks gives the same losses too
-    out = tmp_path / "accum"
-    _run(_cmd(1, target, data, out, *common, "train.micro_batch_size=2", "train.grad_accum=2"))
-    got = _losses(out)
+    got = _losses(one_process["accum"])
     for step, loss in single.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), ("grad_accum", step)
 
 
-def test_rank_without_valid_anchor_does_not_hang(tmp_path):
-    target = make_tiny_target_dir(tmp_path)
-    data = tmp_path / "mixed.jsonl"
-    long_answer = " ".join(["alpha beta gamma"] * 10)
-    with open(data, "w") as f:  # one sample per rank per step: one has no room for a block
-        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}) + "\n")
-        f.write(json.dumps({"messages": [{"role": "user", "content": "tell"}, {"role": "assistant", "content": long_answer}]}) + "\n")
-    out = tmp_path / "run"
-    _run(_cmd(2, target, data, out, "train.max_steps=3", "train.micro_batch_size=1", "distributed.strategy=ddp",
-              "draft.block_size=8"), timeout=180)
-    assert sorted(_losses(out)) == [1, 2, 3]
+def test_rank_without_valid_anchor_does_not_hang(two_ranks):
+    assert sorted(_losses(two_ranks["no_anchor"])) == [1, 2, 3]
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -92,12 +130,22 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("where", ["training", "checkpoint_write"])
-def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path, where):
+KILL_ARGS = ("train.max_steps=10", "train.micro_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory) -> dict:
+    """The losses of the run the killed ones are compared with (run once for both kill points)."""
     target, data = assets
-    args = ("train.max_steps=10", "train.micro_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
-    _run(_cmd(1, target, data, tmp_path / "full", *args))
-    full = _losses(tmp_path / "full")
+    out = tmp_path_factory.mktemp("uninterrupted") / "full"
+    _run(_cmd(1, target, data, out, *KILL_ARGS))
+    return _losses(out)
+
+
+@pytest.mark.parametrize("where", ["training", "checkpoint_write"])
+def test_sigkill_then_resume_matches_uninterrupted(assets, uninterrupted, tmp_path, where):
+    target, data = assets
+    args, full = KILL_ARGS, uninterrupted
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(1, target, data, out, *args), env=_env(), stdout=subprocess.DEVNULL,
@@ -117,21 +165,15 @@ def test_sigkill_then_resume_matches_uninterrupted(assets, tmp_path, where):
     assert not list(ckpts.glob(".tmp-*"))
 
 
-def test_ddp_lagged_loop_matches_single_process_and_stops_together(assets, tmp_path):
+def test_ddp_lagged_loop_matches_single_process_and_stops_together(one_process, two_ranks):
     """With a fused AdamW each rank launches step n+1 before reading step n. Two ranks give the
     single process's losses, and a stop voted in step 1 (the time limit) ends both ranks after step
     2: no rank waits in a collective the other never joins."""
-    target, data = assets
-    common = ("train.max_steps=4", "optim.fused=true")
-    _run(_cmd(1, target, data, tmp_path / "single", *common, "train.micro_batch_size=4", "distributed.strategy=none"))
-    _run(_cmd(2, target, data, tmp_path / "ddp", *common, "train.micro_batch_size=2", "distributed.strategy=ddp"))
-    single, got = _losses(tmp_path / "single"), _losses(tmp_path / "ddp")
+    single, got = _losses(one_process["single_fused"]), _losses(two_ranks["ddp_fused"])
     assert sorted(got) == [1, 2, 3, 4]
     for step, loss in single.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    out = tmp_path / "stopped"
-    _run(_cmd(2, target, data, out, *common, "train.micro_batch_size=2", "distributed.strategy=ddp",
-              "train.max_minutes=0.0"), timeout=120)
+    out = two_ranks["ddp_fused_stopped"]
     assert sorted(_losses(out)) == [1, 2]
     assert json.loads((out / "summary.json").read_text())["stopped_early"] == "train.max_minutes reached"
 
