@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_rows import append_rows, provenance  # noqa: E402
+from _common import append_rows, provenance  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "concurrency.json"
 

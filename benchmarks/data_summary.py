@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from bench_rows import git_commit
+from _common import git_commit
 
 
 def row(summary: dict[str, Any], device: str, command: str,

@@ -52,7 +52,6 @@ from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
 TAUS = (2.0, 4.24, 6.5)  # 4.24 / 6.5: the paper's Qwen3-8B MT-Bench / HumanEval tau (T=0)
-QWEN3_8B_CONFIG = Path(__file__).parent / "qwen3_8b_config"
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
                rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
@@ -66,7 +65,9 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     if shape == "qwen3_8b":
-        cfg = AutoConfig.from_pretrained(QWEN3_8B_CONFIG)
+        from _common import QWEN3_8B_CONFIG
+
+        cfg = AutoConfig.for_model(**QWEN3_8B_CONFIG)
     elif shape == "smollm2_135m":
         cfg = LlamaConfig(**SMOLLM2, architectures=["LlamaForCausalLM"])
     elif shape == "tiny":  # a smoke test of this script on CPU
@@ -610,7 +611,7 @@ def main() -> None:
     print_table(rows)
     if args.append and device.type == "cuda" and (rows or exact):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_rows import append_rows, provenance
+        from _common import append_rows, provenance
 
         head = provenance(f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})")
         append_rows(Path(args.append), [{**head, "kind": "step cost", **r} for r in rows]

@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rows import append_rows, provenance  # noqa: E402
+from _common import append_rows, provenance  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "eval_speed.json"
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "nemo_dflash_eval_speed"

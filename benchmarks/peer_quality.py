@@ -486,7 +486,7 @@ def main(argv=None) -> dict[str, Any]:
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
         logger.info("wrote %s", json_path)
         if args.bench_json is not None:
-            from bench_rows import append_rows, provenance
+            from _common import append_rows, provenance
             row = {**provenance(str(result.get("device"))), **{k: v for k, v in result.items() if k != "device"}}
             append_rows(args.bench_json, [row])
             logger.info("appended a row to %s", args.bench_json)

@@ -35,7 +35,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rows import REPO, append_rows, provenance  # noqa: E402
+from _common import REPO, append_rows, provenance  # noqa: E402
 
 # regenerate arguments this script sets per run: refused after `--`
 OWN_ARGS = ("--target", "--data", "--out", "--num-samples", "--summary-json", "--device")
@@ -88,7 +88,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def tiny_target(out_dir: Path, tokenizer: Optional[Path]) -> str:
     """A random-weight target with a real tokenizer and chat template, for a dry run."""
-    from make_tiny_target import make_tiny_target
+    from _common import make_tiny_target
 
     if tokenizer is None:
         import importlib.util

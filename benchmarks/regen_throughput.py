@@ -365,7 +365,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
     if args.append and rows:
-        from bench_rows import append_rows, provenance
+        from _common import append_rows, provenance
 
         append_rows(args.append, [{**provenance(name), "what": f"regen_throughput.py {r['mode']}",
                                    **{k: v for k, v in r.items() if k != "device"}} for r in rows])

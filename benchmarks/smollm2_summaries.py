@@ -8,7 +8,7 @@ data/regen_summary.json, run/summary.json (training), eval/results.json. Run dir
         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
-Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/bench_rows.py);
+Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
 this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
 set (counted in the data file), the loop/cap counts and the throughput of the regeneration (from its
 log), then one row per row of any `regen_throughput.py --json` file given. Drafter row: training
@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from bench_rows import append_rows, provenance, read_rows
+from _common import append_rows, provenance, read_rows
 
 
 def _load(path: Path) -> Optional[dict[str, Any]]:

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_rows import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
+from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
 from nemo_dflash.core import DFlashTrainerModule  # noqa: E402
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
@@ -324,7 +324,7 @@ def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tenso
 
 
 def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, compiled: bool, case: str) -> dict:
-    """One row of docs/bench/train_throughput.json (schema: benchmarks/bench_rows.py)."""
+    """One row of docs/bench/train_throughput.json (schema: benchmarks/_common.py)."""
     row = provenance(device_name)
     if args.commit:
         row["commit"] = args.commit

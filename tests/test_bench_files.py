@@ -80,7 +80,7 @@ def test_the_pages_cite_only_measurement_files_that_exist():
 
 
 def _py_scripts() -> list[Path]:
-    return sorted(p for p in SCRIPTS.glob("*.py") if p.name != "bench_rows.py")
+    return sorted(p for p in SCRIPTS.glob("*.py"))
 
 
 @pytest.mark.parametrize("script", _py_scripts(), ids=lambda p: p.name)
@@ -136,7 +136,7 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     each rank its own batches, and a step's tokens are both ranks' batches, counted here from the batches."""
     import importlib.util
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports bench_rows from its own folder
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports _common from its own folder
     spec = importlib.util.spec_from_file_location("train_throughput", SCRIPTS / "train_throughput.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "train_throughput", bench)  # its dataclasses look their module up
@@ -158,10 +158,10 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
 
 def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    import bench_rows
+    import _common
 
     monkeypatch.setattr(sys, "argv", ["benchmarks/train_throughput.py", "--shape", "smollm2_135m"])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert bench_rows.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
+    assert _common.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert bench_rows.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"
+    assert _common.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"

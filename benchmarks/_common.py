@@ -1,0 +1,176 @@
+"""What the benchmarks share: the measurement files' rows, a tiny stand-in target, the Qwen3-8B shape.
+
+Rows. The measurement files under docs/bench/ hold one JSON list of rows per measured thing.
+Every row is {"date", "commit", "device", "command", ...figures}; a tool appends its rows, so the
+last row is the current figure and older rows stay as they were measured. The file is replaced
+atomically (temp file, then os.replace): a failed run never leaves half a file or loses old rows.
+
+A tiny target. A random-weight Llama with a real tokenizer: a stand-in target to rehearse GPU
+commands in seconds. The model is SmolLM2's architecture at toy size; its answers are noise, which
+is all a rehearsal needs:
+
+    python benchmarks/_common.py tiny-target OUT_DIR --tokenizer DIR [--layers 8 --hidden 128]
+
+DIR holds the tokenizer files (tokenizer.json, tokenizer_config.json, chat template).
+
+The Qwen3-8B shape (`QWEN3_8B_CONFIG`, Qwen3-8B's config.json): what `decode.py speed` and
+`drafter.py scaling` build random-weight targets from (no checkpoint download);
+`python benchmarks/_common.py qwen3-8b-config OUT_DIR` writes it as OUT_DIR/config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> Optional[str]:
+    """Short hash of the checkout that ran, with '+dirty' when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        # a copied tree without .git (e.g. sent to a GPU machine) names its commit in .commit
+        marker = REPO / ".commit"
+        return marker.read_text().strip() + " (copied tree)" if marker.is_file() else None
+    return head + ("+dirty" if dirty else "")
+
+
+def this_command() -> str:
+    """The command line that is running, as a user would type it (under torchrun, as torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = ["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"]
+    return " ".join(shlex.quote(a) for a in [*launcher, *sys.argv])
+
+
+def provenance(device: str, command: Optional[str] = None) -> dict[str, Any]:
+    """The four keys every row starts with."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": git_commit(),
+            "device": device, "command": command or this_command()}
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows already in `path` ([] when it does not exist); anything but a list of rows is refused."""
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text())
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        print(f"{path} is not a list of rows: give another path, or convert it to rows first", file=sys.stderr)
+        raise SystemExit(2)
+    return rows
+
+
+def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Append `rows` to the list in `path`; returns the whole list as written."""
+    path = Path(path)
+    new = list(rows)
+    for r in new:
+        missing = [k for k in ("date", "commit", "device", "command") if k not in r]
+        if missing:
+            raise ValueError(f"row without {missing}")
+    allrows = read_rows(path) + new
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(allrows, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return allrows
+
+
+# Qwen3-8B's config.json (random-weight targets of its shape need no checkpoint).
+QWEN3_8B_CONFIG: dict[str, Any] = {
+    "architectures": [
+        "Qwen3ForCausalLM"
+    ],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936
+}
+
+
+def write_qwen3_8b_config(out: Path) -> Path:
+    """Write `QWEN3_8B_CONFIG` as ``out``/config.json; returns ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG, indent=2) + "\n")
+    return out
+
+
+def make_tiny_target(out: Path, tokenizer: Path, layers: int = 8, hidden: int = 128) -> Path:
+    """Save a random-weight Llama of ``layers`` x ``hidden`` with the tokenizer in ``tokenizer`` to ``out``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    out = Path(out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    for extra in ("chat_template.jinja", "generation_config.json"):
+        if (Path(tokenizer) / extra).exists() and not (out / extra).exists():
+            shutil.copy(Path(tokenizer) / extra, out / extra)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tiny-target", help="write a random-weight tiny Llama with a real tokenizer")
+    t.add_argument("out")
+    t.add_argument("--tokenizer", required=True)
+    t.add_argument("--layers", type=int, default=8)
+    t.add_argument("--hidden", type=int, default=128)
+    q = sub.add_parser("qwen3-8b-config", help="write Qwen3-8B's config.json into a directory")
+    q.add_argument("out")
+    args = p.parse_args(argv)
+    if args.cmd == "tiny-target":
+        make_tiny_target(Path(args.out), Path(args.tokenizer), args.layers, args.hidden)
+    else:
+        write_qwen3_8b_config(Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
