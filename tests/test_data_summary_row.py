@@ -1,4 +1,4 @@
-"""benchmarks/data_summary.py: the row's per-GPU rates and the data report's per-source figures."""
+"""benchmarks/regen.py summary: the row's per-GPU rates and the data report's per-source figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-from data_summary import row  # noqa: E402
+from regen import row  # noqa: E402
 
 
 def test_row_per_gpu_rates_and_report_figures():

@@ -422,12 +422,12 @@ def test_sampling_settings_come_from_the_target(capsys):
 
 
 def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
-    """benchmarks/sharegpt_first_turns.py: the cut file gives regenerate the same pool and picks."""
+    """benchmarks/regen.py first-turns: the cut file gives regenerate the same pool and picks."""
     import importlib.util
     import random
 
     spec = importlib.util.spec_from_file_location(
-        "sharegpt_first_turns", Path(__file__).parent.parent / "benchmarks" / "sharegpt_first_turns.py")
+        "regen", Path(__file__).parent.parent / "benchmarks" / "regen.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 

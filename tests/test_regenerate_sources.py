@@ -218,7 +218,7 @@ CHAIN_ARGS = ["--turns", "all", "--after-cut", "continue", "--loops", "keep", "-
 
 
 def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_path, target_dir):
-    """benchmarks/regen_scaling.py --cpu runs one process and 2 gloo ranks on a workload where rank 0's
+    """benchmarks/regen.py scaling --cpu runs one process and 2 gloo ranks on a workload where rank 0's
     static shard holds every 5-turn conversation. Through the shared queue both ranks answer a like number
     of turns (the static split: 5 to 1), the two runs write the same bytes, and the appended row's figures
     are those of the two summaries (the rows before it kept)."""
@@ -227,7 +227,7 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     rows.write_text(json.dumps([{"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}]))
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen_scaling.py"), "--cpu", "--target",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen.py"), "scaling", "--cpu", "--target",
                            str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
                            "strong", "--out-dir", str(runs), "--json", str(rows), "--", *CHAIN_ARGS],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -261,7 +261,7 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     assert row["rank_imbalance"] == {"1": one["rank_imbalance"], "2": two["rank_imbalance"]}
     assert [r["generated_tokens"] for r in row["runs"]] == [one["generated_tokens"], two["generated_tokens"]]
     assert [r["ranks_detail"] for r in row["runs"]] == [one["ranks_detail"], two["ranks_detail"]]
-    assert row["commit"] and row["date"] and "regen_scaling.py" in row["command"]
+    assert row["commit"] and row["date"] and "regen.py scaling" in row["command"]
     assert "| 2 | 16 |" in proc.stdout  # the table
 
 

