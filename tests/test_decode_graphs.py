@@ -1,7 +1,7 @@
 """The fixed-shape ("graphs") decoding path, run eagerly on CPU: the same step functions that
 are captured as CUDA graphs on a GPU, checked against HF's own greedy decoding, against the
 eager path's draft proposals, and against from-scratch recomputation of both caches. Capture
-itself needs a GPU: `benchmarks/decode_speed.py` checks the captured path there."""
+itself needs a GPU: `benchmarks/decode.py speed` checks the captured path there."""
 
 from __future__ import annotations
 

@@ -457,23 +457,23 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
 
 
 def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
-    """benchmarks/concurrency.py on the tiny target: a row per concurrency, plain and speculative
+    """benchmarks/decode.py concurrency on the tiny target: a row per concurrency, plain and speculative
     answers identical at T=0 in fp32; a bad flag is one line, exit 2, before any model."""
-    bench = _benchmark("concurrency")
+    bench = _benchmark("decode")
     target_dir, draft_dir = saved
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", "3", "--batches", "1,3",
             "--max-new-tokens", "10", "--device", "cpu", "--dtype", "fp32", "--threads", "1", "--json", str(rows)]
-    assert bench.main(argv) == 0
+    assert bench.main(["concurrency", *argv]) == 0
     got = json.loads(rows.read_text())
     assert [r["concurrency"] for r in got] == [1, 3] and all(r["identical_answers"] == 3 for r in got)
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
     assert "eager on both sides" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        bench.main(argv[:4] + ["--batches", "0"])
+        bench.main(["concurrency", *argv[:4], "--batches", "0"])
     assert e.value.code == 2 and "--batches" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # CUDA graphs on a CPU: refused in one line
-        bench.main(argv + ["--decode", "graphs"])
+        bench.main(["concurrency", *argv, "--decode", "graphs"])
     assert e.value.code == 2 and "decode='eager'" in capsys.readouterr().err
 
 
