@@ -11,8 +11,11 @@ rows to docs/bench/concurrency.json. Each subcommand has its own flags (`decode.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
 
 
 # ====================================================================================================

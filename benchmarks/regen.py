@@ -12,8 +12,11 @@ measures, appends rows to a docs/bench/ file (benchmarks/_common.py).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
 
 
 # ====================================================================================================

@@ -1,4 +1,4 @@
-"""benchmarks/sampling_levers.py: every figure of a lever's row is read from its run's and evaluations' files,
+"""benchmarks/drafter.py levers: every figure of a lever's row is read from its run's and evaluations' files,
 and a run stopped by its time limit is continued, not taken as finished."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("sampling_levers", REPO / "benchmarks" / "sampling_levers.py")
+    spec = importlib.util.spec_from_file_location("drafter", REPO / "benchmarks" / "drafter.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -89,12 +89,12 @@ def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypat
 
     monkeypatch.setattr(levers, "run_all", fake_run_all)
     out = str(tmp_path / "out")
-    levers.main(["chain", out, "--levers", "a,c", "--gpu-list", "2,3", "--acceptance", "t0,t1",
+    levers.main(["levers", "chain", out, "--levers", "a,c", "--gpu-list", "2,3", "--acceptance", "t0,t1",
                  "--speed-max-new-tokens", "1024"])
     (jobs,) = seen
     assert [j[0] for j in jobs] == ["chain_a", "chain_c"]
     for (_, argv, _), lever, gpu in zip(jobs, "ac", "23"):
-        assert argv[2:4] == ["_chain_one", out]
+        assert argv[2:5] == ["levers", "_chain_one", out]
         assert argv[-4:] == ["--levers", lever, "--gpu-list", gpu]
         assert "a,c" not in argv and "2,3" not in argv and argv.count("--acceptance") == 1
 

@@ -1,4 +1,4 @@
-"""benchmarks/smollm2_summaries.py: the drafter row is read from the run's files, merging several evaluate runs."""
+"""benchmarks/drafter.py summaries: the drafter row is read from the run's files, merging several evaluate runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "benchmarks" / "smollm2_summaries.py"
+SCRIPT = REPO / "benchmarks" / "drafter.py"
 
 
 def _results(path: Path, method: str, complete: bool, results: dict, speedup: dict, temps: list) -> Path:
@@ -37,7 +37,7 @@ def test_drafter_row_merges_replay_sequential_and_batched_runs(tmp_path):
                           {"0": {"mtbench": {**speed, "speedup": 1.9}, "humaneval": speed}}, [0.0])
     batched = _results(tmp_path / "t1.json", "batched", True,
                        {"1": {"mtbench": _figures(1.5), "humaneval": _figures(1.75)}}, {}, [1.0])
-    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--commit", "abc (training)",
+    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc (training)",
                           "--eval", str(replay), str(sequential), str(batched)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     text = res.stdout
@@ -58,7 +58,7 @@ def test_a_missing_results_file_is_refused_in_one_line(tmp_path):
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "regenerate.log").write_text("")
-    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")],
+    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")],
                          capture_output=True, text=True)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: no evaluate results at")
 
@@ -80,7 +80,7 @@ def test_a_pipeline_run_directory_is_read(tmp_path):
     _results(out / "eval" / "results.json", "replay", True,
              {"0": {"mtbench": _figures(4.0), "humaneval": _figures(3.0)}}, {}, [0.0])
     regen_json = tmp_path / "regen_rows.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), str(out), "--device", "GPU", "--commit", "abc",
+    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc",
                           "--regen-json", str(regen_json)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     drafter = json.loads(res.stdout[res.stdout.rindex("[\n {"):])[-1]

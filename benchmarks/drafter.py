@@ -1,0 +1,940 @@
+"""Drafter runs: a SmolLM2 run's summary rows, the T > 0 levers, the T > 0 acceptance ceiling, and the
+FSDP2 scaling run of a large-target recipe.
+
+    python benchmarks/drafter.py summaries OUT_DIR --device "NVIDIA H200" [--regen-json ...] [--drafter-json ...]
+    python benchmarks/drafter.py levers {regen,train,eval,speed,chain,report} OUT [flags]
+    python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval
+    python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR
+
+Every training here is the trainer's own (`nemo_dflash.recipes.train` or the pipeline), timed or read from
+the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
+
+
+# ====================================================================================================
+# summaries  (was smollm2_summaries.py)
+
+DOC_SUMMARIES = """The rows of a SmolLM2 drafter run directory, read from its files.
+
+OUT_DIR is a pipeline run directory (`recipes.pipeline ... run.dir=OUT_DIR`, docs/pipeline.md): data/regen.jsonl and
+data/regen_summary.json, run/summary.json (training), eval/results.json. Run directories of the older drafter script
+(logs/regenerate.log, runs/main/, eval/main/) are read too.
+
+    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C]         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...]         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
+
+Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
+this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
+set (counted in the data file), the loop/cap counts and the throughput of the regeneration (from its
+log), then one row per row of any `regen_throughput.py --json` file given. Drafter row: training
+tokens and held-out simulated tau (the run's summary), tau per dataset and temperature, first-256 tau,
+loop share and speedup (evaluate's results.json), with evaluate's protocol. Nothing is typed in: a
+value the run did not produce is null. Without a JSON path the rows are printed.
+"""
+
+
+import argparse
+import ast
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from _common import append_rows, provenance, read_rows
+
+
+def _load(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _train_summary(out: Path) -> Optional[dict[str, Any]]:
+    """The training run's summary.json: RUN/run/ (the pipeline's output_dir), else the older runs/main/."""
+    return _load(out / "run" / "summary.json") or _load(out / "runs" / "main" / "summary.json")
+
+
+def _regen_summary_row(path: Path, head: dict[str, Any]) -> dict[str, Any]:
+    """The regeneration row from the pipeline's data/regen_summary.json (regenerate --summary-json)."""
+    s = json.loads(next(line for line in path.read_text().splitlines() if line.strip()))
+    res: dict[str, Any] = {**head, "what": "regenerate stage (the drafter run's data step)", "file": str(path),
+                           "pipeline_tokens_per_s": s.get("tokens_per_s"), "world": len(s.get("ranks_detail") or []) or 1,
+                           "generated_tokens": s.get("generated_tokens"), "generate_seconds": s.get("generate_seconds"),
+                           "answers_generated": s.get("answers")}
+    for key in ("looping_before", "looping_after", "capped_before", "capped_after", "skipped_selection", "sampling"):
+        res[key] = s.get(key)
+    return res
+
+
+def regen_rows(out: Path, data: Optional[Path], throughput: list[Path], head: dict[str, Any]) -> list[dict[str, Any]]:
+    if (out / "data" / "regen_summary.json").is_file():
+        res = _regen_summary_row(out / "data" / "regen_summary.json", head)
+        return _regen_rest(out, res, data, throughput, head)
+    log = (out / "logs" / "regenerate.log").read_text()
+    done = re.findall(r"looping answers (\d+) -> (\d+), capped (\d+) -> (\d+) of (\d+); generated (\d+) tokens in "
+                      r"([\d.]+)s \(([\d.]+) tokens/s\)", log)
+    selected = re.findall(r"selected (\d+) conversations to regenerate and (\d+) held out \(examined (\d+); "
+                          r"skipped (\{.*?\}|none)\)", log)
+    short = re.findall(r"conversations cut short: (.*)", log)
+    sampling = re.findall(r"sampling: temperature ([\d.]+), top_p ([\d.]+) \((.*?)\)", log)
+    res: dict[str, Any] = {**head, "what": "regenerate recipe (the drafter run's data step)",
+                           "file": str(out / "logs" / "regenerate.log")}
+    if done:
+        lb, la, cb, ca, answers, gen, secs, rate = done[-1]
+        res.update(pipeline_tokens_per_s=float(rate), generated_tokens=int(gen), generate_seconds=float(secs),
+                   answers_generated=int(answers), looping_before=int(lb), looping_after=int(la),
+                   capped_before=int(cb), capped_after=int(ca))
+    if selected:
+        n, held, examined, skipped = selected[-1]
+        res.update(conversations_selected=int(n), holdout_conversations=int(held), examined=int(examined),
+                   skipped_selection=ast.literal_eval(skipped) if skipped != "none" else {})
+    if short:
+        res["conversations_cut_short"] = {k: int(v) for k, v in (x.split("=") for x in short[-1].split(", "))}
+    if sampling:
+        t, p, origin = sampling[-1]
+        res["sampling"] = {"temperature": float(t), "top_p": float(p), "from": origin}
+    return _regen_rest(out, res, data, throughput, head)
+
+
+def _regen_rest(out: Path, res: dict[str, Any], data: Optional[Path], throughput: list[Path],
+                head: dict[str, Any]) -> list[dict[str, Any]]:
+    if data is not None:
+        conversations = turns = 0
+        with _open(data) as f:
+            for line in f:
+                if line.strip():
+                    conversations += 1
+                    turns += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
+        res.update(conversations=conversations, turns=turns)
+    train = _train_summary(out)
+    if train:
+        res.update(tokens=train["data"]["tokens"], supervised_tokens=train["data"]["supervised_tokens"])
+    rows = []
+    for path in throughput:
+        found = _load(path) or {}
+        for row in found if isinstance(found, list) else found.get("rows", []):
+            rows.append({**head, "what": f"regen_throughput.py {row.get('mode')}", **row, "file": str(path)})
+    return rows + [res]
+
+
+def merge_evals(paths: list[Path]) -> dict[str, Any]:
+    """One evaluate result from several runs of the same draft (e.g. eval_speed.py's replay, sequential and
+    batched phases): figures per temperature and set, the first run that has one winning. The protocol is the
+    first run's, with the temperatures of all; `complete` holds when every run whose acceptance figures were
+    taken covered the whole protocol (a speedup-only run on K prompts does not count); `sources` says which
+    run gave what."""
+    merged: dict[str, Any] = {"results": {}, "speedup": {}, "sources": []}
+    complete = []
+    for path in paths:
+        ev = _load(path)
+        if ev is None:
+            raise SystemExit(f"error: no evaluate results at {path}; give a results.json that `evaluate` wrote")
+        proto = ev.get("protocol") or {}
+        merged.setdefault("protocol", dict(proto))
+        taken = []
+        for key in ("results", "speedup"):
+            for t, sets in (ev.get(key) or {}).items():
+                for ds, figures in sets.items():
+                    if ds not in merged[key].setdefault(t, {}):
+                        merged[key][t][ds] = figures
+                        taken.append(f"{key} T={t} {ds}")
+                        if key == "results":
+                            complete.append(bool(ev.get("complete")))
+                        else:
+                            merged["protocol"]["speedup_decode"] = proto.get("decode")
+        merged["sources"].append({"file": str(path), "method": proto.get("method"), "decode": proto.get("decode"),
+                                  "complete": ev.get("complete"), "taken": taken})
+    merged["complete"] = bool(complete) and all(complete)
+    keys = {t for key in ("results", "speedup") for t in merged[key]}  # "0", "1", "0.2,p0.9" (evaluate's keys)
+    temps = [float(k) if "," not in k else k
+             for k in sorted(keys, key=lambda k: (float(k.split(",")[0]), k))]
+    if "protocol" in merged:
+        merged["protocol"]["temperatures"] = temps
+    return merged
+
+
+def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
+    ev = merge_evals(evals) if evals else \
+        _load(out / "eval" / "results.json") or _load(out / "eval" / "main" / "results.json") or {}
+    train = _train_summary(out) or {}
+    protocol = dict(ev.get("protocol") or {})
+    if "turns" in protocol:  # the issue's name for it
+        protocol["mtbench_turns"] = protocol["turns"]
+    res: dict[str, Any] = {**head, "target": "SmolLM2-135M-Instruct", "protocol": protocol or None,
+                           "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
+                           "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
+                           "sim_tau_heldout": train.get("eval_accept_len")}
+    for t in ("0", "1"):
+        for ds in ("humaneval", "mtbench"):
+            r = ev.get("results", {}).get(t, {}).get(ds, {})
+            s = ev.get("speedup", {}).get(t, {}).get(ds, {})
+            res[f"{ds}_t{t}_answers"] = r.get("answers", s.get("answers"))
+            res[f"{ds}_t{t}_tau"] = r.get("mean_acceptance_length", s.get("mean_acceptance_length"))
+            res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
+            res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
+            res[f"{ds}_t{t}_speedup"] = s.get("speedup")
+            res[f"{ds}_t{t}_speedup_no_loop"] = s.get("speedup_no_loop")
+            spread = s.get("per_prompt_speedup") or {}
+            res[f"{ds}_t{t}_speedup_per_prompt"] = ({k: spread.get(k) for k in ("prompts", "min", "median", "max")}
+                                                   if spread else None)
+            res[f"{ds}_t{t}_plain_ms_per_token"] = s.get("ar", {}).get("time_per_token_ms")
+            res[f"{ds}_t{t}_spec_ms_per_token"] = s.get("spec", {}).get("time_per_token_ms")
+    speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
+    res["speedup_t0"] = min(speedups) if speedups else None
+    if ev.get("sources"):
+        res["eval_sources"] = ev["sources"]
+    return res
+
+
+def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py summaries", description=DOC_SUMMARIES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--device", required=True, help="the GPU the run used, e.g. 'NVIDIA H200'")
+    p.add_argument("--command", default=None, help="the command that ran the measured run (default: this one)")
+    p.add_argument("--commit", default=None,
+                   help="the commit(s) the measured run used, when it is not this checkout's (e.g. '005dcf4 (training), "
+                        "93de145 (evaluation)')")
+    p.add_argument("--data", type=Path, default=None, help="the regenerated .jsonl (or .jsonl.gz); default OUT/data")
+    p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
+    p.add_argument("--regen-json", type=Path, default=None)
+    p.add_argument("--drafter-json", type=Path, default=None)
+    p.add_argument("--eval", type=Path, nargs="*", default=[],
+                   help="evaluate results.json files to merge (default: OUT/eval/results.json), e.g. "
+                        "eval_speed.py's OUT/replay_t0, sequential_t0 and batched_t1 results")
+    args = p.parse_args(argv)
+    data = args.data or (args.out / "data" / "regen.jsonl")
+    throughput = args.throughput or [x for x in [args.out / "regen_throughput.json"] if x.is_file()]
+    for path in (args.regen_json, args.drafter_json):
+        if path is not None:
+            read_rows(path)  # refuse a file that is not a list of rows before writing either
+    head = provenance(args.device, args.command)
+    if args.commit:
+        head["commit"] = args.commit
+    regen = regen_rows(args.out, data if data.is_file() else None, throughput, head)
+    drafter = [drafter_row(args.out, head, args.eval)]
+    for path, rows in ((args.regen_json, regen), (args.drafter_json, drafter)):
+        if path is None:
+            print(json.dumps(rows, indent=1))
+        else:
+            append_rows(path, rows)
+
+
+# ====================================================================================================
+# levers  (was sampling_levers.py)
+
+DOC_LEVERS = """The T > 0 levers side by side: drafts trained at equal tokens on the same prompts, one GPU each, then
+measured at T=0, at the target's recommended sampling and at T=1.
+
+    python benchmarks/sampling_levers.py regen  OUT --target pkg:smollm2 --data sharegpt --data code=P/code.jsonl
+    python benchmarks/sampling_levers.py train  OUT [--levers a,b,c,d] [--tokens 30e6] [--max-minutes M]
+    python benchmarks/sampling_levers.py eval   OUT [--levers ...]          # export + acceptance (no timing)
+    python benchmarks/sampling_levers.py speed  OUT [--levers ...] [--speedup-prompts 20] [--speed-max-new-tokens 512]
+    python benchmarks/sampling_levers.py chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
+    python benchmarks/sampling_levers.py report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
+
+Levers (`LEVERS`): the data's sampling temperature and `loss.distill_weight`:
+  a: hard CE on answers sampled at T=0.2 / top-p 0.9 (today's recipe)   b: a + distillation (weight 1)
+  b05: a + distillation (weight 0.5)   c: hard CE on answers sampled at T=1 (two answers a prompt)   d: c + b
+and, at decode time, for every draft: T=1 with the draft proposing its argmax (`--draft-proposals greedy`).
+
+`regen` answers the prompts twice, at T=0.2 / top-p 0.9 and at T=1 (two samples a prompt), on half the GPUs
+each (torchrun), with the same seed and the same time cap. `train` trains every lever on its own GPU from the
+same recipe with the same step count (`--tokens` / 32,768-token steps), resuming each where it stopped (run the
+same command again after `--max-minutes`). `eval` exports each draft and runs, side by side on its GPU, replay
+(T=0), batched T=1 and batched T=1 with argmax proposals, at the paper's lengths (2048 new tokens, MT-Bench both
+turns, HumanEval). `speed` times batch-1 speedup with CUDA graphs at T=0, the recommended settings and T=1, alone
+on each GPU (tau at the recommended settings is read from those timed answers). `report` prints the table and appends one row per
+lever to the drafter summary, every figure read from the files those phases wrote.
+`chain` runs each lever's train, eval and speed phases one after another on its own GPU, the levers side by side,
+so a GPU moves on as soon as its lever's phase ends. Every phase skips what is complete, so a phase can be re-run
+(or continued on a fresh machine).
+"""
+
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+LEVERS: dict[str, dict[str, Any]] = {
+    "a": {"data": "t02", "distill": 0.0, "loss": "hard CE"},
+    "b": {"data": "t02", "distill": 1.0, "loss": "distill 1.0"},
+    "b05": {"data": "t02", "distill": 0.5, "loss": "distill 0.5"},
+    "c": {"data": "t1", "distill": 0.0, "loss": "hard CE"},
+    "d": {"data": "t1", "distill": 1.0, "loss": "distill 1.0"},
+}
+DATA = {  # name -> (regenerate sampling flags, samples per prompt, data temperature label)
+    "t02": (["--temperature", "0.2", "--top-p", "0.9"], 1, "0.2 (top-p 0.9)"),
+    "t1": (["--temperature", "1", "--top-p", "1"], 2, "1"),
+}
+STEP_TOKENS = 4 * 8192  # the GPU recipe's packed step on one GPU: 4 rows of 8192 tokens
+# evaluate runs per draft: (directory, arguments); acceptance side by side on one GPU, speed alone
+ACCEPTANCE = {
+    "t0": ["--method", "replay", "--temperatures", "0"],
+    "t1": ["--method", "batched", "--temperatures", "1"],
+    "t1_greedy_draft": ["--method", "batched", "--temperatures", "1", "--draft-proposals", "greedy"],
+}
+
+
+def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path) -> dict[str, int]:
+    """Start every (name, argv, extra env) at once, wait for all; exit codes by name, logs under `logs`."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for name, argv, env in jobs:
+        log = open(logs / f"{name}.log", "a")
+        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}), log)
+        print(f"[{time.strftime('%H:%M:%S')}] started {name}: {' '.join(argv)}", flush=True)
+    codes = {}
+    for name, (proc, log) in procs.items():
+        codes[name] = proc.wait()
+        log.close()
+        print(f"[{time.strftime('%H:%M:%S')}] {name} exited {codes[name]}", flush=True)
+        if codes[name]:
+            print("".join((logs / f"{name}.log").read_text().splitlines(True)[-15:]), flush=True)
+    return codes
+
+
+CPU_ONLY = False  # --cpu: no GPU pinning (a dry run of every phase on a tiny target)
+
+
+GPU_LIST: list[str] = []  # --gpu-list: the GPU of the i-th lever (default: GPU i)
+
+
+def gpu_env(i: int) -> dict[str, str]:
+    if CPU_ONLY:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": GPU_LIST[i % len(GPU_LIST)] if GPU_LIST else str(i)}
+
+
+def python() -> list[str]:
+    return [sys.executable]
+
+
+def regen(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    n = max(args.gpus // 2, 1)
+    jobs = []
+    for k, (name, (flags, spp, _)) in enumerate(DATA.items()):
+        path = out / "data" / f"{name}.jsonl"
+        if path.exists():
+            continue
+        launcher = (python() + ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                                "--master-port", str(29500 + k)] if n > 1 else python())
+        gpus = ",".join(str(k * n + i) for i in range(n))
+        argv = launcher + ["-m", "nemo_dflash.recipes.regenerate", "--target", args.target,
+                           *[x for d in args.data for x in ("--data", d)], "--out", str(path), "--turns", "all",
+                           "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-tokens", "1536",
+                           "--sampling", "given", *flags, "--samples-per-prompt", str(spp), "--loops", "cut",
+                           "--batch-size", args.batch_size, "--seed", "0", "--summary-json",
+                           str(out / "data" / f"{name}.summary.json"), *args.extra]
+        if args.max_minutes:
+            argv += ["--max-minutes", str(args.max_minutes)]
+        if args.dtype:
+            argv += ["--dtype", args.dtype]
+        jobs.append((f"regen_{name}", argv, {} if CPU_ONLY else {"CUDA_VISIBLE_DEVICES": gpus}))
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    codes = run_all(jobs, out / "logs")
+    if any(codes.values()):
+        sys.exit(1)
+
+
+def levers_of(args: argparse.Namespace) -> list[str]:
+    names = [x.strip() for x in args.levers.split(",") if x.strip()]
+    unknown = [x for x in names if x not in LEVERS]
+    if unknown:
+        sys.exit(f"unknown lever(s) {unknown}: choose from {', '.join(LEVERS)}")
+    return names
+
+
+def train(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    steps = max(1, round(float(args.tokens) / args.step_tokens))
+    jobs = []
+    for i, name in enumerate(levers_of(args)):
+        lever = LEVERS[name]
+        run = out / "runs" / name
+        if finished(run):
+            continue
+        argv = python() + ["-m", "nemo_dflash.recipes.train", "--config", args.recipe, f"target.path={args.target}",
+                           f"data.sources=[{{path: {out / 'data' / (lever['data'] + '.jsonl')}}}]",
+                           f"output_dir={run}", f"train.max_steps={steps}", f"loss.distill_weight={lever['distill']}",
+                           f"train.eval_every={args.eval_every}", "wandb.mode=disabled", *args.overrides]
+        if args.max_minutes:
+            argv.append(f"train.max_minutes={args.max_minutes}")
+        jobs.append((f"train_{name}", argv, gpu_env(i)))
+    codes = run_all(jobs, out / "logs")
+    if any(codes.values()):
+        sys.exit(1)
+
+
+def finished(run: Path) -> bool:
+    """The run reached its step count (a run stopped by train.max_minutes also writes final/, and resumes)."""
+    summary = _read(run / "summary.json")
+    return bool(summary) and not summary.get("stopped_early") and summary["steps"] >= summary["total_steps"]
+
+
+def export_dir(out: Path, name: str) -> Path:
+    return out / "export" / name
+
+
+def evaluate_argv(args: argparse.Namespace, draft: Path, dest: Path, extra: list[str]) -> list[str]:
+    return python() + ["-m", "nemo_dflash.recipes.evaluate", "--draft", str(draft), "--target", args.target,
+                       "--out", str(dest), "--protocol", args.protocol, *extra, *args.eval_extra]
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    names = levers_of(args)
+    exports = []
+    for i, name in enumerate(names):
+        exp = export_dir(out, name)
+        if not finished(out / "runs" / name):
+            print(f"lever {name}: its training has not reached its step count: run `train` again first")
+        if not (exp / "config.json").exists():
+            exports.append((f"export_{name}", python() + ["-m", "nemo_dflash.recipes.export", "--checkpoint",
+                                                          str(out / "runs" / name), "--out", str(exp), "--target",
+                                                          args.target], gpu_env(i)))
+    run_all(exports, out / "logs")
+    jobs = []
+    tags = [t.strip() for t in args.acceptance.split(",") if t.strip()]
+    unknown = [t for t in tags if t not in ACCEPTANCE]
+    if unknown:
+        sys.exit(f"unknown --acceptance run(s) {unknown}: choose from {', '.join(ACCEPTANCE)}")
+    for i, name in enumerate(names):
+        for tag in tags:
+            extra = ACCEPTANCE[tag]
+            dest = out / "eval" / name / tag
+            if (dest / "results.json").exists() and json.loads((dest / "results.json").read_text()).get("complete"):
+                continue
+            argv = evaluate_argv(args, export_dir(out, name), dest, extra + ["--no-speedup"])
+            if argv:
+                jobs.append((f"eval_{name}_{tag}", argv, gpu_env(i)))
+    run_all(jobs, out / "logs")
+
+
+def speed(args: argparse.Namespace) -> None:
+    """Batch-1 speedup, graphs on both sides, alone on each GPU; the acceptance phase after the timing is cut
+    off by --max-minutes (its figures come from `eval`)."""
+    out = Path(args.out)
+    jobs = []
+    for i, name in enumerate(levers_of(args)):
+        dest = out / "eval" / name / "speed"
+        argv = evaluate_argv(args, export_dir(out, name), dest, [
+            "--temperatures", args.speed_temperatures, "--sampling", "target", "--method", "batched",
+            "--decode", "graphs", "--num-prompts", str(args.speedup_prompts), "--speedup-prompts",
+            str(args.speedup_prompts), "--speedup-only", "--max-minutes", str(args.max_minutes or 8)]
+            + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []))
+        jobs.append((f"speed_{name}", argv, gpu_env(i)))
+    run_all(jobs, out / "logs")
+
+
+def chain(args: argparse.Namespace) -> None:
+    """Each lever's train -> export + acceptance -> speed on its own GPU, the levers side by side: a GPU
+    moves on as soon as its lever's phase ends (the phases' flags as given; --max-minutes caps each phase)."""
+    names = levers_of(args)
+    gpus = GPU_LIST or [str(i) for i in range(len(names))]
+    jobs = []
+    for i, name in enumerate(names):
+        argv = [sys.executable, os.path.abspath(__file__), "levers", "_chain_one", *args.argv_rest, "--levers", name,
+                "--gpu-list", gpus[i % len(gpus)]]
+        jobs.append((f"chain_{name}", argv, {}))
+    codes = run_all(jobs, Path(args.out) / "logs")
+    if any(codes.values()):
+        sys.exit(1)
+
+
+def _chain_one(args: argparse.Namespace) -> None:
+    train(args)
+    evaluate(args)
+    speed(args)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _read(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _sets(res: Optional[dict[str, Any]], tkey: Optional[str] = None) -> dict[str, dict[str, Any]]:
+    """{dataset: figures} of one sampling key of an evaluate results.json (the only key when tkey is None)."""
+    if not res or not res.get("results"):
+        return {}
+    block = res["results"]
+    key = tkey if tkey is not None else next(iter(block))
+    return block.get(key, {})
+
+
+def _speed(res: Optional[dict[str, Any]], tkey: str, dataset: str) -> Optional[dict[str, Any]]:
+    return ((res or {}).get("speedup") or {}).get(tkey, {}).get(dataset)
+
+
+def _sha256(path: Path) -> Optional[str]:
+    """The file's sha256, or the one written beside it (`NAME.sha256`) when the file stayed on its machine."""
+    if not path.exists():
+        side = path.with_name(path.name + ".sha256")
+        return side.read_text().split()[0] if side.exists() else None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
+    """Every figure of one lever, read from its run and evaluation files."""
+    lever = LEVERS[name]
+    run = out / "runs" / name
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (run / "metrics.jsonl").exists() else []
+    ev = [r for r in rows if "eval_accept_len" in r]
+    last = ev[-1] if ev else {}
+    tokens = max((r.get("tokens", 0) for r in rows), default=0)
+    summary = _read(run / "summary.json") or {}
+    ev_dir = out / "eval" / name
+    res = {tag: _read(ev_dir / tag / "results.json") for tag in (*ACCEPTANCE, "speed")}
+    exp = export_dir(out, name)
+    computed = None
+    if (exp / "model.safetensors").exists():  # the hash evaluate keys answers on (names and bytes of the weights)
+        from nemo_dflash.draft.build import draft_weights_sha256
+
+        computed = draft_weights_sha256(exp)
+    row: dict[str, Any] = {
+        "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"],
+        "data_temperature": DATA[lever["data"]][2], "samples_per_prompt": DATA[lever["data"]][1],
+        "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
+        "train_seconds": summary.get("train_seconds"), "stopped_early": summary.get("stopped_early"),
+        "sim_tau_heldout": last.get("eval_accept_len"),
+        "sampled_tau_heldout": last.get("eval_sampled_accept_len"),
+        "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
+        "loss_heldout": last.get("eval_loss"), "target": target,
+    }
+    recorded = {r.get("draft_sha256") for r in res.values() if r}
+    # the export's hash where its weights are here, else the one every evaluation file recorded (when they agree)
+    row["draft_sha256"] = computed or (next(iter(recorded)) if len(recorded) == 1 else None)
+    row["eval_draft_sha256_match"] = (recorded == {computed}) if computed else len(recorded) == 1
+    row["model_safetensors_sha256"] = _sha256(exp / "model.safetensors")
+    for ds, short in (("humaneval", "humaneval"), ("mtbench", "mtbench")):
+        t0 = _sets(res["t0"]).get(ds, {})
+        t1 = _sets(res["t1"]).get(ds, {})
+        t1g = _sets(res["t1_greedy_draft"]).get(ds, {})
+        row[f"{short}_t0_answers"] = t0.get("answers")
+        row[f"{short}_t1_answers"] = t1.get("answers")
+        row[f"{short}_t0_loop_share"] = t0.get("loop_share")
+        row[f"{short}_t0_tau"] = t0.get("mean_acceptance_length")
+        row[f"{short}_t0_tau_no_loop"] = t0.get("mean_acceptance_length_no_loop")
+        row[f"{short}_t1_tau"] = t1.get("mean_acceptance_length")
+        row[f"{short}_t1_tau_no_loop"] = t1.get("mean_acceptance_length_no_loop")
+        row[f"{short}_t1_tau_greedy_draft"] = t1g.get("mean_acceptance_length")
+        sp = res["speed"]
+        for tag, key in (("t0", "0"), ("t1", "1")):
+            s = _speed(sp, key, ds)
+            row[f"{short}_{tag}_speedup"] = s.get("speedup") if s else None
+            row[f"{short}_{tag}_speedup_prompts"] = s.get("num_prompts") if s else None
+            row[f"{short}_{tag}_speedup_no_loop"] = s.get("speedup_no_loop") if s else None
+            row[f"{short}_{tag}_speedup_per_prompt"] = s.get("per_prompt_speedup") if s else None
+        rkey = next((k for k in ((sp or {}).get("speedup") or {}) if k not in ("0", "1")), None)
+        s = _speed(sp, rkey, ds) if rkey else None
+        row[f"{short}_recommended_speedup"] = s.get("speedup") if s else None
+        row[f"{short}_recommended_tau"] = s.get("mean_acceptance_length") if s else None  # the timed prompts
+        row[f"{short}_recommended_speedup_prompts"] = s.get("num_prompts") if s else None
+    protocols = {tag: r["protocol"] for tag, r in res.items() if r}
+    row["protocol"] = {tag: {k: p.get(k) for k in ("max_new_tokens", "turns", "temperatures", "sampling", "method",
+                                                    "decode", "block_size", "speedup_prompts", "num_prompts")}
+                       for tag, p in protocols.items()}
+    return row
+
+
+def report(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    rows = [lever_row(out, name, args.target) for name in levers_of(args) if (out / "runs" / name).exists()]
+    cols = [("lever", lambda r: r["draft"].split()[-1]), ("loss", lambda r: r["loss"]),
+            ("data T", lambda r: r["data_temperature"]), ("M tok", lambda r: r["train_tokens"] / 1e6),
+            ("sim tau", lambda r: r["sim_tau_heldout"]), ("T1 exp", lambda r: r["sampled_tau_heldout"]),
+            ("T1 exp argmax", lambda r: r["sampled_tau_heldout_greedy_draft"])]
+    for ds in ("humaneval", "mtbench"):
+        cols += [(f"{ds[:2]} T0", lambda r, d=ds: r[f"{d}_t0_tau"]),
+                 (f"{ds[:2]} T0 noloop", lambda r, d=ds: r[f"{d}_t0_tau_no_loop"]),
+                 (f"{ds[:2]} rec", lambda r, d=ds: r[f"{d}_recommended_tau"]),
+                 (f"{ds[:2]} T1", lambda r, d=ds: r[f"{d}_t1_tau"]),
+                 (f"{ds[:2]} T1 argmax", lambda r, d=ds: r[f"{d}_t1_tau_greedy_draft"]),
+                 (f"{ds[:2]} x T0", lambda r, d=ds: r[f"{d}_t0_speedup"]),
+                 (f"{ds[:2]} x rec", lambda r, d=ds: r[f"{d}_recommended_speedup"]),
+                 (f"{ds[:2]} x T1", lambda r, d=ds: r[f"{d}_t1_speedup"])]
+
+    def cell(v: Any) -> str:
+        return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+    print(" | ".join(c for c, _ in cols))
+    for r in rows:
+        print(" | ".join(cell(f(r)) for _, f in cols))
+    if args.json:
+        path = Path(args.json)
+        table = json.loads(path.read_text()) if path.exists() else []
+        stamp = {"date": args.date or time.strftime("%Y-%m-%d"), "device": args.device, "commit": args.commit,
+                 "command": f"python benchmarks/drafter.py levers {{regen,train,eval,speed}} OUT {args.note}".strip()}
+        names = {r["draft"] for r in rows}
+        table = [r for r in table if r.get("draft") not in names] + [{**stamp, **r} for r in rows]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, path)
+        print(f"{len(rows)} rows -> {path}")
+
+
+def main_levers(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py levers", description=DOC_LEVERS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=("regen", "train", "eval", "speed", "chain", "report", "_chain_one"))
+    p.add_argument("out")
+    p.add_argument("--target", default="pkg:smollm2")
+    p.add_argument("--data", action="append", default=[], help="regenerate --data specs (regen)")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--levers", default="a,b,c,d")
+    p.add_argument("--tokens", type=float, default=30e6, help="training tokens per lever (train)")
+    p.add_argument("--step-tokens", type=int, default=STEP_TOKENS)
+    p.add_argument("--recipe", default="smollm2_135m_gpu.yaml")
+    p.add_argument("--eval-every", type=int, default=300)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="regenerated answer cap (regen)")
+    p.add_argument("--batch-size", default="auto", help="regenerate --batch-size")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--extra", default="", help="more regenerate flags, one string")
+    p.add_argument("--overrides", nargs="*", default=[], help="more training overrides (key=value)")
+    p.add_argument("--protocol", default="paper")
+    p.add_argument("--eval-extra", default="", help="more evaluate flags (every evaluate run), one string")
+    p.add_argument("--speedup-prompts", type=int, default=20)
+    p.add_argument("--speed-temperatures", default="0,1")
+    p.add_argument("--speed-max-new-tokens", type=int, default=None,
+                   help="answer cap of the timed prompts (default: the protocol's)")
+    p.add_argument("--acceptance", default=",".join(ACCEPTANCE), help="acceptance runs of `eval`, comma list")
+    p.add_argument("--gpu-list", default="", help="GPU of each lever in order, comma list (default: 0, 1, ...)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--note", default="", help="the phases' flags, recorded in the rows' command")
+    p.add_argument("--date", default=None, help="the runs' date (default today)")
+    p.add_argument("--cpu", action="store_true", help="pin no GPU (a dry run on a tiny target)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    args.argv_rest = _without(argv[1:], ("--levers", "--gpu-list"))  # what `chain` passes on to each lever
+    args.extra, args.eval_extra = shlex.split(args.extra), shlex.split(args.eval_extra)
+    global CPU_ONLY, GPU_LIST
+    CPU_ONLY = args.cpu
+    GPU_LIST = [g.strip() for g in args.gpu_list.split(",") if g.strip()]
+    {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report, "chain": chain,
+     "_chain_one": _chain_one}[args.phase](args)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each of ``flags`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
+
+
+# ====================================================================================================
+# ceiling  (was t1_ceiling.py)
+
+DOC_CEILING = """What limits acceptance at T > 0 for a target, computed from the target alone: its entropy along its own
+sampled answers, and the acceptance lengths the best possible drafts of each kind would reach.
+
+    python benchmarks/t1_ceiling.py --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval         [--num-answers 40] [--anchors 4] [--block 16] [--rollouts 32] [--sims 32] [--temperature 1]
+
+Along answers the target sampled at --temperature (an `evaluate` journal, turn 1), at --anchors evenly spaced
+answer positions, with the target's own distribution p at that temperature:
+- entropy: the mean entropy of p per answer token (nats), and the mean probability of its argmax;
+- perfect greedy draft: proposes the target's own greedy continuation from the anchor, each proposal kept with
+  probability p(x); expected block length 1 + sum_k prod_{j<=k} p_j(x_j | x_<j);
+- perfect marginal draft: the best a DFlash draft can do when it samples each block slot on its own: slot k
+  drawn from the target's marginal q_k (p averaged over --rollouts continuations the target samples itself),
+  kept with probability min(1, p_k(x_k | x_<k) / q_k(x_k)); mean over --sims drafted blocks of the expected
+  block length (the accept probabilities multiplied, not sampled);
+- perfect marginal argmax: that draft proposing the argmax of each q_k, kept with probability p of it.
+Prints a table; not a test. Minutes on a CPU for 40 answers.
+"""
+
+
+import argparse
+import copy
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from nemo_dflash.core import expected_block_length
+from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
+from nemo_dflash.inference.spec_decode import crop_dynamic_cache
+from nemo_dflash.recipes._cli import resolve_device_dtype
+from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.target.loading import load_target
+
+log = logging.getLogger("t1_ceiling")
+
+
+def repeated(cache, n: int):
+    c = copy.deepcopy(cache)
+    c.batch_repeat_interleave(n)
+    return c
+
+
+@torch.inference_mode()
+def anchor_figures(model, cache, anchor_tok: int, pos: int, k: int, s: SamplingParams, rollouts: int, sims: int,
+                   g: torch.Generator) -> dict[str, float]:
+    """The three ceilings at one anchor: `cache` holds the context before the anchor token (at `pos`)."""
+    dev = next(model.parameters()).device
+
+    def step(c, toks: torch.Tensor, at: int) -> torch.Tensor:  # [N, L] tokens from position `at` -> [N, L, V]
+        ids = torch.arange(at, at + toks.shape[1], device=dev).expand(toks.shape[0], -1)
+        return model(input_ids=toks, past_key_values=c, use_cache=True, position_ids=ids).logits.float()
+
+    # perfect greedy draft: the target's own greedy continuation, each kept with p of it
+    c, tok, acc = copy.deepcopy(cache), torch.tensor([[anchor_tok]], device=dev), []
+    for i in range(k):
+        logits = step(c, tok, pos + i)[:, -1]
+        x = logits.argmax(-1, keepdim=True)
+        acc.append(s.probs(logits).gather(-1, x))
+        tok = x
+    greedy = float(expected_block_length(torch.cat(acc, -1))[0])
+    # the marginals q_k: p at slot k averaged over the target's own sampled continuations
+    c, tok, q = repeated(cache, rollouts), torch.full((rollouts, 1), anchor_tok, device=dev), []
+    for i in range(k):
+        p = s.probs(step(c, tok, pos + i)[:, -1])
+        q.append(p.mean(0))
+        tok = torch.multinomial(p, 1, generator=g)
+    q = torch.stack(q)  # [K, V]
+    # a draft sampling each slot from q_k on its own, verified against p along its own proposals
+    x = torch.stack([torch.multinomial(q[i], sims, replacement=True, generator=g) for i in range(k)], 1)  # [S, K]
+    p = s.probs(step(repeated(cache, sims), torch.cat([torch.full((sims, 1), anchor_tok, device=dev), x[:, :-1]], 1),
+                     pos))  # [S, K, V]: row k judges slot k + 1
+    ratio = (p.gather(-1, x.unsqueeze(-1)).squeeze(-1) / q.gather(-1, x.T).T).clamp(max=1.0)
+    marginal = float(expected_block_length(ratio).mean())
+    # that draft proposing each marginal's argmax
+    xa = q.argmax(-1).view(1, -1)
+    pa = s.probs(step(copy.deepcopy(cache), torch.cat([torch.tensor([[anchor_tok]], device=dev), xa[:, :-1]], 1), pos))
+    marginal_argmax = float(expected_block_length(pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1))[0])
+    return {"greedy": greedy, "marginal": marginal, "marginal_argmax": marginal_argmax}
+
+
+def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py ceiling", description=DOC_CEILING, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--answers", required=True, type=Path, help="an evaluate answers.jsonl at --temperature")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--num-answers", type=int, default=40)
+    p.add_argument("--anchors", type=int, default=4, help="anchors per answer, evenly spaced")
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--rollouts", type=int, default=32)
+    p.add_argument("--sims", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-answer-tokens", type=int, default=1024)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    s = SamplingParams(args.temperature, args.top_p)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    rows = [json.loads(x) for x in args.answers.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r.get("dataset") == args.dataset and "answers" in r
+            and SamplingParams.from_key(str(r.get("temperature"))) == SamplingParams(args.temperature)]
+    if not rows:
+        raise SystemExit(f"error: no {args.dataset} answers at T={args.temperature:g} in {args.answers}")
+    _, prompts = load_prompt_set(args.dataset)
+    by_id = {x.id: x for x in prompts}
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    ent, top, figs, k = [], [], [], args.block - 1
+    with torch.inference_mode():
+        for r in rows[: args.num_answers]:
+            turn1 = next(a for a in r["answers"] if a["turn"] == 1)
+            prompt = by_id[r["id"]]
+            prompt_ids = encode_chat(tokenizer, prompt.history() + [{"role": "user", "content": prompt.turns[0]}])
+            out_ids = turn1["output_ids"][: args.max_answer_tokens]
+            if len(out_ids) < args.block + 2:
+                continue
+            seq = torch.tensor([prompt_ids + out_ids], device=device)
+            out = model(input_ids=seq, use_cache=True)
+            pl = len(prompt_ids)
+            probs = s.probs(out.logits[0, pl - 1 : -1])  # p at every answer token
+            ent.append(-(probs * probs.clamp(min=1e-30).log()).sum(-1))
+            top.append(probs.max(-1).values)
+            last = pl + len(out_ids) - k - 1
+            for a in torch.linspace(pl, last, args.anchors).long().tolist():
+                cache = copy.deepcopy(out.past_key_values)
+                crop_dynamic_cache(cache, a)
+                figs.append(anchor_figures(model, cache, int(seq[0, a]), a, k, s, args.rollouts, args.sims, g))
+    ent_t, top_t = torch.cat(ent), torch.cat(top)
+    res = {"dataset": args.dataset, "answers": len(ent), "anchors": len(figs), "block_size": args.block,
+           "sampling": s.label, "answer_tokens": int(ent_t.numel()), "mean_entropy_nats": float(ent_t.mean()),
+           "mean_top_probability": float(top_t.mean()),
+           **{f"ceiling_{key}": sum(f[key] for f in figs) / len(figs) for key in figs[0]},
+           "rollouts": args.rollouts, "sims": args.sims, "answers_file": str(args.answers)}
+    log.info("%s, %s, block %d: %d answers (turn 1), %d anchors, %d answer tokens", args.dataset, s.label,
+             args.block, res["answers"], res["anchors"], res["answer_tokens"])
+    log.info("| figure | value |\n| --- | ---: |")
+    for key, label in (("mean_entropy_nats", "target entropy per token (nats)"),
+                       ("mean_top_probability", "target probability of its argmax"),
+                       ("ceiling_greedy", "perfect greedy draft: expected tokens a step"),
+                       ("ceiling_marginal", "perfect marginal draft, sampled"),
+                       ("ceiling_marginal_argmax", "perfect marginal draft, argmax proposals")):
+        log.info("| %s | %.3f |", label, res[key])
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+# ====================================================================================================
+# scaling  (was scaling_run.py)
+
+DOC_SCALING = """FSDP2 scaling run of the qwen3_8b recipe on a random-weight Qwen3-8B target, with one resume.
+
+    python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR         [--conversations 200] [--log-every 20]
+
+The target is `QWEN3_8B_CONFIG` (benchmarks/_common.py) with random weights, so no checkpoint download, and
+the tokenizer files of TOKENIZER_DIR; the data are --conversations synthetic long chats (throughput does not
+depend on values; enough for STEPS x NPROC rows). The trainer (`torchrun -m nemo_dflash.recipes.train
+--config qwen3_8b.yaml`, distributed.strategy=fsdp2) runs the first half, checkpoints, and is stopped with
+SIGTERM right after that checkpoint (a scheduler's preemption); a second run resumes it to --steps (the
+resume is part of the measurement). Logs: OUT_DIR.first.log, OUT_DIR.resume.log. Prints the trainer's
+metrics.jsonl per logged step: loss, step time, tokens/s (all GPUs), peak memory.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import write_qwen3_8b_config  # noqa: E402
+
+
+def write_synthetic_chats(path: Path, n: int, seed: int = 0) -> Path:
+    """`n` long chats of random common words (a 50-300-word question, a 1,500-3,000-word answer)."""
+    rnd = random.Random(seed)
+    words = "the of and to in is that for it as with was on be by this are from or at an have not".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            q = " ".join(rnd.choice(words) for _ in range(rnd.randint(50, 300)))
+            a = " ".join(rnd.choice(words) for _ in range(rnd.randint(1500, 3000)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+    return path
+
+
+def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="drafter.py scaling", description=DOC_SCALING, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc-per-node)")
+    p.add_argument("--steps", type=int, default=200, help="train.max_steps; the first run stops at half")
+    p.add_argument("--tokenizer", required=True, help="a directory of Qwen3 tokenizer files")
+    p.add_argument("--out", default="outputs/scaling", help="the run's output_dir")
+    p.add_argument("--conversations", type=int, default=200, help="synthetic chats to write")
+    p.add_argument("--log-every", type=int, default=20, help="the recipe's train.log_every")
+    args = p.parse_args(argv)
+    if args.steps < 2 or args.nproc < 1:
+        p.error("--steps must be at least 2 and --nproc at least 1")
+    tok = Path(args.tokenizer)
+    if not tok.is_dir():
+        print(f"--tokenizer {tok}: no such directory", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    write_qwen3_8b_config(work)
+    for f in tok.iterdir():
+        if f.is_file():
+            shutil.copy(f, work / f.name)
+    chats = write_synthetic_chats(work / "chat.jsonl", args.conversations)
+    common = ["--config", "qwen3_8b.yaml", f"target.path={work}", "target.random_init=true",
+              f"data.sources=[{{path: {chats}}}]", "data.holdout_fraction=0.0", "train.eval_every=null",
+              f"train.log_every={args.log_every}", "wandb.mode=disabled", f"output_dir={out}",
+              "distributed.strategy=fsdp2", "checkpoint.keep_last=2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+              "-m", "nemo_dflash.recipes.train"]
+    env = {**os.environ, "NEMO_DFLASH_NO_BAR": "1"}
+    half = args.steps // 2
+    first_log = Path(f"{out}.first.log")
+    with open(first_log, "w") as log:
+        first = subprocess.Popen([*launch, *common, f"train.max_steps={args.steps}", "train.max_minutes=null",
+                                  f"checkpoint.every_steps={half}", "train.epochs=1"],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # stop the first run right after its mid-run checkpoint with SIGTERM (a scheduler's preemption)
+        marker = out / "checkpoints" / f"step_{half:08d}" / "COMPLETE"
+        while not marker.is_file():
+            time.sleep(2)
+            if first.poll() is not None:
+                print("first run ended early:\n" + "".join(first_log.read_text().splitlines(True)[-30:]), flush=True)
+                break
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGTERM)  # torchrun and its ranks: the session it leads
+        first.wait()
+    print("--- resumed", flush=True)
+    resume_log = Path(f"{out}.resume.log")
+    with open(resume_log, "w") as log:
+        code = subprocess.run([*launch, *common, f"train.max_steps={args.steps}", f"checkpoint.every_steps={args.steps}"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if code:
+        print("".join(resume_log.read_text().splitlines(True)[-30:]), flush=True)
+    metrics = out / "metrics.jsonl"
+    for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+        r = json.loads(line)
+        if "tok_s" in r:
+            print(f"step {r['step']:>4}  loss {r['loss']:.3f}  step {r['step_s'] * 1e3:.0f} ms  "
+                  f"tok/s (all GPUs) {r['tok_s']:.0f}  peak {r.get('peak_mem_gb', 0):.1f} GB")
+    return code
+
+
+SUBCOMMANDS = {
+    "summaries": (main_summaries, DOC_SUMMARIES),
+    "levers": (main_levers, DOC_LEVERS),
+    "ceiling": (main_ceiling, DOC_CEILING),
+    "scaling": (main_scaling, DOC_SCALING),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    """`drafter.py SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`drafter.py SUBCOMMAND --help`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: drafter.py {summaries,levers,ceiling,scaling} [flags]\n\n" + __doc__.strip() + "\n\nsubcommands:")
+        for name, (_, doc) in SUBCOMMANDS.items():
+            print(f"  {name:<12} {doc.strip().splitlines()[0]}")
+        return 0 if argv else 2
+    if argv[0] not in SUBCOMMANDS:
+        print(f"drafter.py: unknown subcommand {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        return 2
+    return SUBCOMMANDS[argv[0]][0](argv[1:])
+
+
+if __name__ == "__main__":
+    result = main()
+    raise SystemExit(result if isinstance(result, int) else 0)
