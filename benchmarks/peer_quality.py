@@ -4,7 +4,13 @@
         --data regen.jsonl --out OUT [--json docs/bench/peer_quality.json] [--steps 800] [--minutes 7]
     python benchmarks/peer_quality.py --stage eval --target SmolLM2.gguf --out OUT [--json ...] \
         [--eval-protocol paper] [--eval-args "--num-prompts 10 --decode graphs --workers 8 --no-speedup"]
-    (--stage all, the default, does both in one process; benchmarks/peer_quality.sh wraps it)
+    (--stage all, the default, does both in one process)
+    python benchmarks/peer_quality.py stage SPECFORGE_CHECKOUT [DEST]
+
+`stage` copies the peer's python package (specforge/, version.txt, LICENSE; 2 MB) and its commit into DEST
+(default outputs/peer_src/SpecForge, an ignored path: never committed), so that it can travel to a GPU machine
+that cannot clone it. A train/eval/all run installs the wheels in .whl/ first when omegaconf or torchdata is
+missing (the peer itself needs no extra package), and writes its output to OUT/peer_quality_STAGE.log as well.
 
 Two drafts of the same shape are trained on the same regenerated data (a JSONL written by
 `python -m nemo_dflash.recipes.regenerate`), then scored the same way:
@@ -139,7 +145,7 @@ def _git_commit(path: Path, dirty_mark: bool = False) -> Optional[str]:
 
 
 def peer_version(peer_src: Path) -> dict[str, Optional[str]]:
-    """The peer's commit: a COMMIT file (benchmarks/peer_quality.sh stage writes one), else the checkout's HEAD."""
+    """The peer's commit: a COMMIT file (`peer_quality.py stage` writes one), else the checkout's HEAD."""
     commit = None
     if (peer_src / "COMMIT").is_file():
         commit = (peer_src / "COMMIT").read_text().strip() or None
@@ -418,10 +424,77 @@ def common_answer_taus(a: Path, b: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
+def stage_peer(argv: list[str]) -> int:
+    """`stage CHECKOUT [DEST]`: copy the peer's package, version, licence and commit into DEST."""
+    import shutil
+
+    p = argparse.ArgumentParser(prog="peer_quality.py stage", description="copy SpecForge's python package and "
+                                "its commit into DEST, to travel to a machine that cannot clone it")
+    p.add_argument("checkout", type=Path, help="a SpecForge checkout")
+    p.add_argument("dest", type=Path, nargs="?", default=Path("outputs/peer_src/SpecForge"))
+    args = p.parse_args(argv)
+    src, dest = args.checkout, args.dest
+    if not (src / "specforge" / "algorithms" / "common" / "dflash_family_model.py").is_file():
+        print(f"{src} is not a SpecForge checkout", file=sys.stderr)
+        return 2
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"{src}: no git commit to record ({type(e).__name__})", file=sys.stderr)
+        return 2
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    shutil.copytree(src / "specforge", dest / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("version.txt", "LICENSE"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dest / name)
+    (dest / "COMMIT").write_text(commit + "\n")
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"staged SpecForge {commit} in {dest} ({size / 2**20:.1f} MB)")
+    return 0
+
+
+class _Tee:
+    """A stream that writes to the console and to a log file (what `| tee -a LOG` did)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def prepare_machine(stage: str, out: Path) -> None:
+    """Wheels in .whl/ installed when omegaconf or torchdata is missing; quiet, offline subprocesses
+    (no progress bar, no wandb, 4 OpenMP threads unless set); this process's output copied to
+    OUT/peer_quality_STAGE.log."""
+    import importlib.util
+
+    wheels = sorted(str(w) for w in (REPO / ".whl").glob("*.whl"))
+    if wheels and not all(importlib.util.find_spec(m) for m in ("omegaconf", "torchdata")):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *wheels], check=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    os.environ.setdefault("NEMO_DFLASH_NO_BAR", "1")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / f"peer_quality_{stage}.log", "a")
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-src", type=Path, default=Path("outputs/peer_src/SpecForge"),
-                   help="a checkout of github.com/sgl-project/SpecForge, or the copy `peer_quality.sh stage` made "
+                   help="a checkout of github.com/sgl-project/SpecForge, or the copy `peer_quality.py stage` made "
                         "(train stage; default outputs/peer_src/SpecForge)")
     p.add_argument("--target", required=True, help="target: .gguf, local HF dir or pkg:smollm2")
     p.add_argument("--data", help="regenerated JSONL (python -m nemo_dflash.recipes.regenerate) (train stage)")
@@ -460,9 +533,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict[str, Any]:
+def main(argv=None) -> Any:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["stage"]:
+        return stage_peer(argv[1:])
     args = parse_args(argv)
     t_script = time.perf_counter()
+    prepare_machine(args.stage, args.out.resolve())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -897,4 +974,5 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    raise SystemExit(result if isinstance(result, int) else 0)
