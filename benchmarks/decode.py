@@ -23,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, besid
 
 DOC_SPEED = """Decode speed: plain vs speculative, eager vs graphs, on random-weight target shapes.
 
-    python benchmarks/decode_speed.py                       # Qwen3-8B and SmolLM2-135M shapes, both modes
-    python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --json out.json
-    python benchmarks/decode_speed.py --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
-    python benchmarks/decode_speed.py --shapes smollm2_135m --modes graphs --exact ''         --new-tokens 2048 --cache-len 4352 --positions 256,1024,2048,4096 --buckets   # step cost vs cache length
+    python benchmarks/decode.py speed                       # Qwen3-8B and SmolLM2-135M shapes, both modes
+    python benchmarks/decode.py speed --shapes smollm2_135m --modes graphs --json out.json
+    python benchmarks/decode.py speed --draft EXPORT_DIR [--target HF_DIR_OR_pkg:smollm2]
+    python benchmarks/decode.py speed --shapes smollm2_135m --modes graphs --exact '' \
+        --new-tokens 2048 --cache-len 4352 --positions 256,1024,2048,4096 --buckets   # step cost vs cache length
 
 Per shape and mode (one prompt at a time, bf16, random weights, a random 5-layer draft unless
 --draft): the plain decoding loop's ms per token and the speculative loop's ms per step (both
@@ -644,7 +645,8 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
 
 DOC_CONCURRENCY = """Speedup of speculative over plain decoding against concurrency (how many prompts decode together).
 
-    python benchmarks/concurrency.py --target pkg:smollm2 --draft OUT/export/main --dataset mtbench         --prompts 16 --batches 1,4,16 --max-new-tokens 256
+    python benchmarks/decode.py concurrency --target pkg:smollm2 --draft OUT/export/main --dataset mtbench \
+        --prompts 16 --batches 1,4,16 --max-new-tokens 256
 
 For each concurrency B the same prompts (the first --prompts of the set, one turn, chat template)
 are decoded in batches of B twice, plainly and speculatively, at T=0:

@@ -28,7 +28,9 @@ OUT_DIR is a pipeline run directory (`recipes.pipeline ... run.dir=OUT_DIR`, doc
 data/regen_summary.json, run/summary.json (training), eval/results.json. Run directories of the older drafter script
 (logs/regenerate.log, runs/main/, eval/main/) are read too.
 
-    python benchmarks/smollm2_summaries.py OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C]         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...]         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
+    python benchmarks/drafter.py summaries OUT_DIR --device "NVIDIA H200" [--command "..."] [--commit C] \
+        [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
+        [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
 Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
 this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
@@ -232,15 +234,15 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
 # ====================================================================================================
 # levers  (was sampling_levers.py)
 
-DOC_LEVERS = """The T > 0 levers side by side: drafts trained at equal tokens on the same prompts, one GPU each, then
+DOC_LEVERS = r"""The T > 0 levers side by side: drafts trained at equal tokens on the same prompts, one GPU each, then
 measured at T=0, at the target's recommended sampling and at T=1.
 
-    python benchmarks/sampling_levers.py regen  OUT --target pkg:smollm2 --data sharegpt --data code=P/code.jsonl
-    python benchmarks/sampling_levers.py train  OUT [--levers a,b,c,d] [--tokens 30e6] [--max-minutes M]
-    python benchmarks/sampling_levers.py eval   OUT [--levers ...]          # export + acceptance (no timing)
-    python benchmarks/sampling_levers.py speed  OUT [--levers ...] [--speedup-prompts 20] [--speed-max-new-tokens 512]
-    python benchmarks/sampling_levers.py chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
-    python benchmarks/sampling_levers.py report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
+    python benchmarks/drafter.py levers regen  OUT --target pkg:smollm2 --data sharegpt --data code=P/code.jsonl
+    python benchmarks/drafter.py levers train  OUT [--levers a,b,c,d] [--tokens 30e6] [--max-minutes M]
+    python benchmarks/drafter.py levers eval   OUT [--levers ...]          # export + acceptance (no timing)
+    python benchmarks/drafter.py levers speed  OUT [--levers ...] [--speedup-prompts 20] [--speed-max-new-tokens 512]
+    python benchmarks/drafter.py levers chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
+    python benchmarks/drafter.py levers report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
 
 Levers (`LEVERS`): the data's sampling temperature and `loss.distill_weight`:
   a: hard CE on answers sampled at T=0.2 / top-p 0.9 (today's recipe)   b: a + distillation (weight 1)
@@ -659,7 +661,8 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 DOC_CEILING = """What limits acceptance at T > 0 for a target, computed from the target alone: its entropy along its own
 sampled answers, and the acceptance lengths the best possible drafts of each kind would reach.
 
-    python benchmarks/t1_ceiling.py --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval         [--num-answers 40] [--anchors 4] [--block 16] [--rollouts 32] [--sims 32] [--temperature 1]
+    python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval \
+        [--num-answers 40] [--anchors 4] [--block 16] [--rollouts 32] [--sims 32] [--temperature 1]
 
 Along answers the target sampled at --temperature (an `evaluate` journal, turn 1), at --anchors evenly spaced
 answer positions, with the target's own distribution p at that temperature:
@@ -806,11 +809,12 @@ def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
 
 
 # ====================================================================================================
-# scaling  (was scaling_run.py)
+# scaling  (was scaling_run.sh)
 
 DOC_SCALING = """FSDP2 scaling run of the qwen3_8b recipe on a random-weight Qwen3-8B target, with one resume.
 
-    python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR         [--conversations 200] [--log-every 20]
+    python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR \
+        [--conversations 200] [--log-every 20]
 
 The target is `QWEN3_8B_CONFIG` (benchmarks/_common.py) with random weights, so no checkpoint download, and
 the tokenizer files of TOKENIZER_DIR; the data are --conversations synthetic long chats (throughput does not

@@ -24,10 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, besid
 
 DOC_THROUGHPUT = """Regeneration throughput: the pipeline's slot engine against plain batched ``model.generate``.
 
-    python benchmarks/regen_throughput.py --target pkg:smollm2 --prompts sharegpt --num-prompts 4096         --max-new-tokens 1024 --batch-size 1024 --json OUT.json
-    python benchmarks/regen_throughput.py --random-shape smollm2 --num-prompts 2048   # no weights needed
+    python benchmarks/regen.py throughput --target pkg:smollm2 --prompts sharegpt --num-prompts 4096 \
+        --max-new-tokens 1024 --batch-size 1024 --json OUT.json
+    python benchmarks/regen.py throughput --random-shape smollm2 --num-prompts 2048   # no weights needed
 
-    python benchmarks/regen_throughput.py --target SmolLM2.gguf --prompts sharegpt_all.jsonl --turns all         --num-prompts 4096 --max-new-tokens 1024 --max-prompt-tokens 1536 --batch-size 1024 --stop-loops         --temperature 0.2 --top-p 0.9 --modes slots,slots_full,generate
+    python benchmarks/regen.py throughput --target SmolLM2.gguf --prompts sharegpt_all.jsonl --turns all \
+        --num-prompts 4096 --max-new-tokens 1024 --max-prompt-tokens 1536 --batch-size 1024 --stop-loops \
+        --temperature 0.2 --top-p 0.9 --modes slots,slots_full,generate
 
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
@@ -396,9 +399,9 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
 
 DOC_SCALING = r"""How `regenerate` scales with GPUs: the same command on 1, 2 and 4 GPUs, one run after another.
 
-    python benchmarks/regen_scaling.py --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 4096 --gpus 1,2,4 \
+    python benchmarks/regen.py scaling --target pkg:smollm2 --data sharegpt --data chitchat --num-samples 4096 --gpus 1,2,4 \
         -- --turns all --max-new-tokens 1024 --batch-size 1024 --sampling given --temperature 0.2 --top-p 0.9
-    python benchmarks/regen_scaling.py --cpu --data sharegpt --num-samples 8 --gpus 1,2   # a dry run, no GPU
+    python benchmarks/regen.py scaling --cpu --data sharegpt --num-samples 8 --gpus 1,2   # a dry run, no GPU
 
 Each GPU count runs `python -m nemo_dflash.recipes.regenerate` (torchrun for more than one) with the
 same settings; arguments after `--` go to every run. Give each GPU several times more conversations than
@@ -591,7 +594,8 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
 
 DOC_SUMMARY = """One row of docs/bench/data_summary.json from a `regenerate --summary-json` file.
 
-    python benchmarks/data_summary.py --summary runs/data/summary.json --out docs/bench/data_summary.json         --device "1x NVIDIA H200" --command "torchrun ... -m nemo_dflash.recipes.regenerate ..."
+    python benchmarks/regen.py summary --summary runs/data/summary.json --out docs/bench/data_summary.json \
+        --device "1x NVIDIA H200" --command "torchrun ... -m nemo_dflash.recipes.regenerate ..."
 
 The row ({"date", "commit", "device", "command", "sources": [{"name", "conversations", "turns",
 "supervised_tokens", and with --report FILE (the run's data_report.json) "unique_13gram_share", "loop_cut_share",
@@ -670,7 +674,7 @@ def main_summary(argv: Optional[Sequence[str]] = None) -> None:
 
 DOC_FIRST_TURNS = """The bundled ShareGPT conversations cut to what `regenerate` reads, in order.
 
-    python benchmarks/sharegpt_first_turns.py OUT.jsonl [SRC] [--turns first|all]   # SRC: default the bundled file
+    python benchmarks/regen.py first-turns OUT.jsonl [SRC] [--turns first|all]   # SRC: default the bundled file
 
 `regenerate --turns first` only reads [system?, first user turn] of each conversation, and
 `--turns all` [system?, every user turn]: the source's answers are replaced anyway. So this

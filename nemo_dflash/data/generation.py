@@ -14,7 +14,7 @@ slots whose answers end, so the host's bookkeeping and the caller's work overlap
 Why not transformers' own continuous batching (``generate_batch``, 5.17 on the benchmark GPUs): its
 fast decode path needs flash-attn's paged kernel, which those machines do not have and cannot
 download; without it, ``paged|sdpa`` packs the whole batch into one row with a dense
-[all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen_throughput.py``
+[all queries x all keys] mask, quadratic in the batch size. ``benchmarks/regen.py throughput``
 measures both.
 
 A conversation keeps its slot between turns: a request marked ``hold`` parks its slot when its

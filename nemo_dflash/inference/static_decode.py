@@ -57,7 +57,7 @@ LENGTH_BUCKET = 256  # cache lengths and attention views are rounded up to this 
 # True: each step attends over the smallest multiple of LENGTH_BUCKET covering its positions (one
 # graph per step and view length). False: one graph per step over the whole cache. Measured on an
 # H200, SmolLM2 shape, 4,352-position cache (docs/performance.md): the speculative step 4.93 -> 3.19
-# ms at position 256, 2.98 + 0.71 ms at 2,048, equal at 4,096; benchmarks/decode_speed.py --buckets
+# ms at position 256, 2.98 + 0.71 ms at 2,048, equal at 4,096; benchmarks/decode.py speed --buckets
 # times both.
 USE_BUCKETS = True
 # True: a runner captures the graphs of all its view lengths when it is made, before any generation's
