@@ -155,6 +155,23 @@ def make_tiny_target(out: Path, tokenizer: Path, layers: int = 8, hidden: int = 
     return out
 
 
+def run_subcommands(tool: str, doc: str, subcommands: dict[str, tuple[Any, str]],
+                    argv: Optional[list[str]] = None) -> Any:
+    """`TOOL SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`TOOL SUBCOMMAND --help`).
+    `subcommands` maps a name to (its main(argv), its docstring); an unknown name is one line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {tool} {{{','.join(subcommands)}}} [flags]\n\n" + doc.strip() + "\n\nsubcommands:")
+        for name, (_, text) in subcommands.items():
+            print(f"  {name:<12} {text.strip().splitlines()[0]}")
+        return 0 if argv else 2
+    if argv[0] not in subcommands:
+        print(f"{tool}: unknown subcommand {argv[0]!r} (choose from {', '.join(subcommands)})", file=sys.stderr)
+        return 2
+    result = subcommands[argv[0]][0](argv[1:])
+    return result if isinstance(result, int) else 0
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -807,26 +807,12 @@ def main_concurrency(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-SUBCOMMANDS = {
-    "speed": (main_speed, DOC_SPEED),
-    "concurrency": (main_concurrency, DOC_CONCURRENCY),
-}
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from _common import run_subcommands
 
-def main(argv: Optional[Sequence[str]] = None) -> Any:
-    """`decode.py SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`decode.py SUBCOMMAND --help`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: decode.py {speed,concurrency} [flags]\n\n" + __doc__.strip() + "\n\nsubcommands:")
-        for name, (_, doc) in SUBCOMMANDS.items():
-            print(f"  {name:<12} {doc.strip().splitlines()[0]}")
-        return 0 if argv else 2
-    if argv[0] not in SUBCOMMANDS:
-        print(f"decode.py: unknown subcommand {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})", file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]][0](argv[1:])
+    return run_subcommands("decode.py", __doc__, {"speed": (main_speed, DOC_SPEED), "concurrency": (main_concurrency, DOC_CONCURRENCY)}, argv)
 
 
 if __name__ == "__main__":
-    result = main()
-    raise SystemExit(result if isinstance(result, int) else 0)
+    raise SystemExit(main())

@@ -847,11 +847,13 @@ def write_synthetic_chats(path: Path, n: int, seed: int = 0) -> Path:
     """`n` long chats of random common words (a 50-300-word question, a 1,500-3,000-word answer)."""
     rnd = random.Random(seed)
     words = "the of and to in is that for it as with was on be by this are from or at an have not".split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            q = " ".join(rnd.choice(words) for _ in range(rnd.randint(50, 300)))
-            a = " ".join(rnd.choice(words) for _ in range(rnd.randint(1500, 3000)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rnd.choice(words) for _ in range(rnd.randint(lo, hi)))
+
+    rows = ({"messages": [{"role": "user", "content": text(50, 300)}, {"role": "assistant", "content": text(1500, 3000)}]}
+            for _ in range(n))
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -917,28 +919,12 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-SUBCOMMANDS = {
-    "summaries": (main_summaries, DOC_SUMMARIES),
-    "levers": (main_levers, DOC_LEVERS),
-    "ceiling": (main_ceiling, DOC_CEILING),
-    "scaling": (main_scaling, DOC_SCALING),
-}
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from _common import run_subcommands
 
-def main(argv: Optional[Sequence[str]] = None) -> Any:
-    """`drafter.py SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`drafter.py SUBCOMMAND --help`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: drafter.py {summaries,levers,ceiling,scaling} [flags]\n\n" + __doc__.strip() + "\n\nsubcommands:")
-        for name, (_, doc) in SUBCOMMANDS.items():
-            print(f"  {name:<12} {doc.strip().splitlines()[0]}")
-        return 0 if argv else 2
-    if argv[0] not in SUBCOMMANDS:
-        print(f"drafter.py: unknown subcommand {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})", file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]][0](argv[1:])
+    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING)}, argv)
 
 
 if __name__ == "__main__":
-    result = main()
-    raise SystemExit(result if isinstance(result, int) else 0)
+    raise SystemExit(main())

@@ -726,28 +726,12 @@ def main_first_turns(argv: Optional[Sequence[str]] = None) -> None:
     print(f"{n} conversations -> {args.out}")
 
 
-SUBCOMMANDS = {
-    "throughput": (main_throughput, DOC_THROUGHPUT),
-    "scaling": (main_scaling, DOC_SCALING),
-    "summary": (main_summary, DOC_SUMMARY),
-    "first-turns": (main_first_turns, DOC_FIRST_TURNS),
-}
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from _common import run_subcommands
 
-def main(argv: Optional[Sequence[str]] = None) -> Any:
-    """`regen.py SUBCOMMAND [flags]`: the subcommand's own parser reads the flags (`regen.py SUBCOMMAND --help`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: regen.py {throughput,scaling,summary,first-turns} [flags]\n\n" + __doc__.strip() + "\n\nsubcommands:")
-        for name, (_, doc) in SUBCOMMANDS.items():
-            print(f"  {name:<12} {doc.strip().splitlines()[0]}")
-        return 0 if argv else 2
-    if argv[0] not in SUBCOMMANDS:
-        print(f"regen.py: unknown subcommand {argv[0]!r} (choose from {', '.join(SUBCOMMANDS)})", file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]][0](argv[1:])
+    return run_subcommands("regen.py", __doc__, {"throughput": (main_throughput, DOC_THROUGHPUT), "scaling": (main_scaling, DOC_SCALING), "summary": (main_summary, DOC_SUMMARY), "first-turns": (main_first_turns, DOC_FIRST_TURNS)}, argv)
 
 
 if __name__ == "__main__":
-    result = main()
-    raise SystemExit(result if isinstance(result, int) else 0)
+    raise SystemExit(main())
