@@ -138,3 +138,14 @@ def test_gram_hashes_count_the_distinct_word_ngrams_of_each_text():
         assert len(h) == len(naive)
         assert len(set(h.tolist())) == len(set(naive))
     assert len(gram_hashes(["short text"], n=13)) == 0
+
+
+def test_distinct_count_against_a_set():
+    import numpy as np
+
+    from nemo_dflash.data.report import distinct_count
+
+    rng = np.random.default_rng(0)
+    for n, high in ((0, 5), (1, 5), (1000, 7), (5000, 10**18)):
+        values = rng.integers(-high, high, size=n, dtype=np.int64)
+        assert distinct_count(values) == len(set(values.tolist()))

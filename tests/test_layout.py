@@ -60,6 +60,7 @@ def test_the_import_parser_sees_every_form(tmp_path):
 FLOW = {
     "files": 0,  # the run directory's layout names and file modes: below everything
     "attention": 0,  # which SDPA kernels run calls of changing shapes
+    "fused_loss": 0,  # the fused linear cross-entropy kernels (liger, cut-cross-entropy) core's loss calls
     "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it
     "data": 1,  # chat files -> token batches; regenerate.py + generation.py make the data
     "target": 2,  # the frozen model: loading.py, then hooks.py
