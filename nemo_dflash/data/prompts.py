@@ -208,17 +208,13 @@ def _gsm_questions(templates: Any, replacements: Any, count: int, seed: int, nam
     global _GSM_REPLACEMENTS
     _GSM_REPLACEMENTS = replacements
     jobs = [(t, per, seed) for t in usable]
-    workers = min(32, os.cpu_count() or 1) if workers is None else workers
-    try:
-        if workers > 1 and len(jobs) > 1:
-            import concurrent.futures
-            import multiprocessing
+    from nemo_dflash.data.workers import default_workers, fork_pool
 
-            context = multiprocessing.get_context("fork")  # the workers inherit the replacement tables
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-                sampled = list(pool.map(_gsm_template_questions, jobs, chunksize=4))
-        else:
-            sampled = [_gsm_template_questions(job) for job in jobs]
+    workers = default_workers() if workers is None else workers
+    try:
+        with fork_pool(workers if len(jobs) > 1 else 1) as pool:  # the workers inherit the replacement tables
+            sampled = (list(pool.map(_gsm_template_questions, jobs, chunksize=4)) if pool is not None
+                       else [_gsm_template_questions(job) for job in jobs])
     finally:
         _GSM_REPLACEMENTS = None
     for t, (questions, failed) in zip(usable, sampled):
@@ -491,17 +487,12 @@ def _tree_prompts(root: Path, skip_dirs: frozenset[str], kinds: Sequence[str],
     so the output, is the one-process order."""
     kinds = tuple(kinds)
     files = list(_tree_files(root, skip_dirs))
-    workers = min(32, os.cpu_count() or 1) if workers is None else workers
-    if workers <= 1 or len(files) < 64:
-        for path in files:
-            yield from _file_prompts((path, root, kinds))
-        return
-    import concurrent.futures
-    import multiprocessing
+    from nemo_dflash.data.workers import default_workers, fork_pool
 
-    # fork: the workers only parse text (no torch, no threads of the parent's are used)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        for found in pool.map(_file_prompts, [(path, root, kinds) for path in files], chunksize=8):
+    workers = default_workers() if workers is None else workers
+    jobs = [(path, root, kinds) for path in files]
+    with fork_pool(workers if len(files) >= 64 else 1) as pool:  # the workers only parse text
+        for found in pool.map(_file_prompts, jobs, chunksize=8) if pool is not None else map(_file_prompts, jobs):
             yield from found
 
 

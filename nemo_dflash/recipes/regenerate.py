@@ -321,34 +321,28 @@ def select(pool: list[Any], tokenizer: Any, *, count: int, seed: int, turns: str
     from collections import Counter
 
     from nemo_dflash.data.regenerate import special_token_strings
+    from nemo_dflash.data.workers import fork_pool
 
     order = list(range(len(pool)))
     random.Random(seed).shuffle(order)
     _SELECT.update(pool=pool, tokenizer=tokenizer, turns=turns, max_prompt_tokens=max_prompt_tokens,
                    specials=special_token_strings(tokenizer))
     chosen, skipped, examined = [], Counter(), 0
-    executor = None
     try:
-        if workers > 1 and len(pool) > 4096:
-            import concurrent.futures
-            import multiprocessing
-
-            executor = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-        while len(chosen) < count and examined < len(order):
-            block = order[examined:examined + max(4096, 2 * (count - len(chosen)))]  # a little past what is needed
-            reasons = (list(executor.map(_first_prompt_problem, block, chunksize=256)) if executor is not None
-                       else map(_first_prompt_problem, block))
-            for i, reason in zip(block, reasons):
-                if len(chosen) >= count:
-                    break
-                examined += 1
-                if reason is not None:
-                    skipped[reason] += 1
-                else:
-                    chosen.append(pool[i])
+        with fork_pool(workers if len(pool) > 4096 else 1) as executor:
+            while len(chosen) < count and examined < len(order):
+                block = order[examined:examined + max(4096, 2 * (count - len(chosen)))]  # a little past what is needed
+                reasons = (list(executor.map(_first_prompt_problem, block, chunksize=256)) if executor is not None
+                           else map(_first_prompt_problem, block))
+                for i, reason in zip(block, reasons):
+                    if len(chosen) >= count:
+                        break
+                    examined += 1
+                    if reason is not None:
+                        skipped[reason] += 1
+                    else:
+                        chosen.append(pool[i])
     finally:
-        if executor is not None:
-            executor.shutdown()
         _SELECT.clear()
     return chosen, dict(skipped), examined
 
@@ -833,9 +827,11 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
                  "lower it, or pass --batch-size auto")
 
     want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
-    cpus = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # every rank selects
+    from nemo_dflash.data.workers import default_workers
+
+    workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # every rank on the host selects
     chosen, select_skipped, examined = select(pool, tokenizer, count=want, seed=args.seed, turns=args.turns,
-                                              max_prompt_tokens=max_prompt, workers=max(1, min(32, cpus)))
+                                              max_prompt_tokens=max_prompt, workers=workers)
     del pool
     if not chosen:
         fail(no_usable_conversations(select_skipped, args.target))

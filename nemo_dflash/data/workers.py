@@ -1,0 +1,31 @@
+"""Forked worker pools for the CPU-bound steps of data preparation: parsing code trees, sampling GSM-Symbolic
+templates, checking each conversation's first prompt. Fork, so workers inherit the caller's inputs (module state
+set before the pool starts) and only small jobs travel; every caller keeps the one-process order."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+from collections.abc import Iterator
+from typing import Optional
+
+from nemo_dflash.data.config import available_cpus
+
+MAX_WORKERS = 32  # past this the parent's merging, not the workers, bounds these steps
+
+
+def default_workers(ranks_on_host: int = 1) -> int:
+    """The CPUs this process may use, shared among the ``ranks_on_host`` ranks doing the same step, at most
+    :data:`MAX_WORKERS`."""
+    return max(1, min(MAX_WORKERS, available_cpus() // max(1, ranks_on_host)))
+
+
+@contextlib.contextmanager
+def fork_pool(workers: int) -> Iterator[Optional[concurrent.futures.Executor]]:
+    """A pool of ``workers`` forked processes, or None for one (the caller runs the jobs in place)."""
+    if workers <= 1:
+        yield None
+        return
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield pool
