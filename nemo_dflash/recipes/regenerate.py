@@ -683,6 +683,9 @@ def _combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         total[k] = dict(c)
     total["regenerate_seconds"] = max(p["regenerate_seconds"] for p in parts)
     total["generate_seconds"] = max(p["generate_seconds"] for p in parts)
+    # the slowest rank's regeneration without its one-time compile and capture (start-up, not throughput)
+    total["after_capture_seconds"] = max(p["regenerate_seconds"] - p.get("capture_seconds", 0.0) for p in parts)
+    total["capture_seconds"] = max(p.get("capture_seconds", 0.0) for p in parts)
     total["halted"] = any(p["halted"] for p in parts)
     return total
 
@@ -957,6 +960,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         "todo": sum(q.claimed for q in queues.values()) if queues else len(todo), "rank": rank,
         "skipped_generation": dict(stats.skipped), "shortened": dict(stats.shortened),
         "generate_seconds": round(stats.seconds, 2), "regenerate_seconds": round(gen_time, 2), "halted": stats.halted,
+        "capture_seconds": round(stats.phase_seconds.get("capture", 0.0), 2),
     }
     idle: list[Optional[float]] = [None] * world
     if world == 1:
@@ -1019,6 +1023,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         "regenerate_seconds": round(gen_time, 2),
         "wall_seconds": round(wall, 2),
         "tokens_per_s": round(total["generated_tokens"] / gen_time, 2) if gen_time > 0 else 0.0,
+        "capture_seconds": total["capture_seconds"],
+        "tokens_per_s_after_capture": (round(total["generated_tokens"] / total["after_capture_seconds"], 2)
+                                       if total["after_capture_seconds"] > 0 else 0.0),
         "end_to_end_tokens_per_s": round(total["generated_tokens"] / wall, 2) if wall > 0 else 0.0,
         "conversations_per_s": round(total["todo"] / gen_time, 3) if gen_time > 0 else 0.0,
         "ranks_detail": ranks_detail,
