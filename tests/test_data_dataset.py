@@ -301,3 +301,52 @@ def test_resume_with_other_world_size_is_refused():
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="world_size"):
         next(iter(other))
+
+
+def test_forked_tokenisation_builds_the_one_process_dataset(tmp_path, qwen3_tok, monkeypatch):
+    """build_datasets decontaminates and tokenises in blocks on forked workers (data.tokenize_workers).
+    With blocks of 3 conversations, 1 and 3 workers give the same arrays, holdout and counts, and each
+    kept sample equals tokenize_conversation of that conversation alone (the independent reference), over
+    two sources holding contaminated, malformed, unsupervised and truncated conversations."""
+    from nemo_dflash.data import dataset as dataset_mod
+    from nemo_dflash.data import decontaminate
+    from nemo_dflash.data.chat_template import tokenize_conversation
+    from nemo_dflash.data.decontaminate import ContaminationIndex
+
+    planted = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+               "experiences and must-see attractions")
+    monkeypatch.setattr(decontaminate, "_DEFAULT", ContaminationIndex([planted], name="planted prompts"))
+    monkeypatch.setattr(dataset_mod, "_PREPARE_BLOCK", 3)
+
+    def conv(q, a):
+        return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+    first = [conv(f"question {i}", " ".join(["word"] * (i % 7 + 1))) for i in range(14)]
+    first[4] = conv("Please: " + planted, "ok")
+    first[9] = {"messages": [{"role": "user", "content": "no answer here"}]}
+    first[11] = conv("long " * 5, "answer " * 200)  # past max_length: truncated
+    second = [conv(f"second {i}", f"reply {i}") for i in range(5)]
+    a = _jsonl(tmp_path / "a.jsonl", [*first[:6], "{not json", *first[6:]])
+    b = _jsonl(tmp_path / "b.jsonl", second)
+
+    def build(workers):
+        cfg = DataConfig(sources=[DataSourceConfig(path=a), DataSourceConfig(path=b, weight=2.0)], max_length=96,
+                         holdout_fraction=0.2, tokenize_workers=workers)
+        return build_datasets(cfg, qwen3_tok)
+
+    (tr1, ho1), (tr3, ho3) = build(1), build(3)
+    s1, s3 = tr1._store, tr3._store
+    for x, y in ((s1.ids, s3.ids), (s1.mask, s3.mask), (s1.offsets, s3.offsets), (tr1.indices, tr3.indices),
+                 (ho1.indices, ho3.indices)):
+        assert np.array_equal(x, y)
+    assert tr1.stats == tr3.stats
+    src = tr1.stats["sources"][0]
+    assert (src["contaminated"], src["bad"], src["skipped_no_supervision"], src["truncated"]) == (1, 1, 1, 1)
+    kept = [c for i, c in enumerate(first) if i not in (4, 9)] + second
+    assert len(s1) == len(kept)
+    for k, c in enumerate(kept):
+        ref = tokenize_conversation(qwen3_tok, c["messages"], 96)
+        ids, mask = s1.get(k)
+        assert ids.tolist() == ref.input_ids and mask.tolist() == ref.loss_mask
+    with pytest.raises(DataError, match="data.tokenize_workers must be >= 1"):
+        build(0)

@@ -39,6 +39,7 @@ class DataConfig:
     batching: str = "length_grouped"  # "random" or "length_grouped" (groups similar lengths to cut padding)
     pad_to_multiple_of: int = 64
     num_workers: int = 0
+    tokenize_workers: Optional[int] = None  # processes that tokenise the data; null: the CPUs, shared by the host's ranks
     seed: int = 0
     # drop training conversations sharing a 13-gram with the MT-Bench / HumanEval prompts evaluate uses
     decontaminate: bool = True
@@ -118,3 +119,5 @@ def validate_data_config(cfg: DataConfig) -> None:
     cpus = available_cpus()
     if not 0 <= cfg.num_workers <= cpus:
         raise DataError(f"data.num_workers must be in [0, {cpus}] (this machine's CPUs; got {cfg.num_workers})")
+    if cfg.tokenize_workers is not None and cfg.tokenize_workers < 1:
+        raise DataError(f"data.tokenize_workers must be >= 1, or null for the CPUs (got {cfg.tokenize_workers})")

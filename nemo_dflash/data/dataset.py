@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 import numpy as np
@@ -25,6 +26,7 @@ from nemo_dflash.data.packing import PackedBatchSampler, PackedCollator
 from nemo_dflash.data.sampler import ChatBatchSampler
 from nemo_dflash.data.decontaminate import filter_stream, training_index
 from nemo_dflash.data.sources import BadRecordCounter, DataError, apply_weight, read_conversations
+from nemo_dflash.data.workers import default_workers, fork_pool
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,15 @@ class _TokenStore:
             offsets.append(offsets[-1] + len(s.input_ids))
         cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt)  # noqa: E731
         return cls(cat(ids, np.int32), cat(mask, np.uint8), np.asarray(offsets, dtype=np.int64))
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> "_TokenStore":
+        """From blocks of (concatenated ids, concatenated mask, sample lengths), in order."""
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dtype=dt)  # noqa: E731
+        lengths = cat([p[2] for p in parts], np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(cat([p[0] for p in parts], np.int32), cat([p[1] for p in parts], np.uint8), offsets)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -228,6 +239,86 @@ def _chunks(it: Iterable[T], size: int) -> Iterator[list[T]]:
         yield chunk
 
 
+_PREPARE_BLOCK = 2048  # conversations a worker decontaminates and tokenises per job
+
+
+@dataclass
+class _Prepared:
+    """One block of conversations, decontaminated and tokenised: what a worker sends back (flat arrays,
+    not per-token Python ints, so the way back costs 5 bytes a token)."""
+
+    ids: np.ndarray  # int32, the kept samples' tokens one after another
+    mask: np.ndarray  # uint8
+    lengths: np.ndarray  # int64, one per kept sample
+    read: int = 0  # conversations past decontamination
+    contaminated: int = 0
+    no_supervision: int = 0
+    truncated: int = 0
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (location, reason) of template errors
+
+
+# what forked workers inherit instead of receiving it per job: (conversations, tokenizer, max_length, format, index)
+_PREPARE_STATE: Optional[tuple[Any, ...]] = None
+
+
+def _prepare_block(span: tuple[int, int]) -> _Prepared:
+    """Decontaminate and tokenise conversations ``span`` of :data:`_PREPARE_STATE` (the first
+    :data:`_VERIFY_FIRST` of a source checked against ``apply_chat_template(tokenize=True)``)."""
+    convs, tokenizer, max_length, fmt, index = _PREPARE_STATE  # type: ignore[misc]
+    start, end = span
+    out = _Prepared(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64))
+    counts = {"contaminated": 0}
+    kept = list(filter_stream(convs[start:end], index, counts) if index is not None else convs[start:end])
+    out.contaminated = counts["contaminated"]
+    ids, mask, lengths = [], [], []
+    for chunk in _chunks(kept, _TOKENIZE_CHUNK):
+        errors: list[Optional[ChatTemplateError]] = []
+        verify = max(0, _VERIFY_FIRST - out.read) if start == 0 else 0
+        results = tokenize_conversations(
+            tokenizer, [c.messages for c in chunk], max_length, chat_format=fmt, verify=verify, errors=errors,
+            reasoning=[getattr(c, "reasoning", None) for c in chunk],
+        )
+        for conv, res, err in zip(chunk, results, errors):
+            out.read += 1
+            if err is not None:
+                out.errors.append((conv.location, str(err)))
+            elif res is None:
+                out.no_supervision += 1
+            else:
+                if len(res.input_ids) != len(res.loss_mask):
+                    raise ValueError("input_ids and loss_mask differ in length")
+                out.truncated += int(res.truncated)
+                ids.append(np.asarray(res.input_ids, dtype=np.int32))
+                mask.append(np.asarray(res.loss_mask, dtype=np.uint8))
+                lengths.append(len(res.input_ids))
+    if lengths:
+        out.ids, out.mask, out.lengths = np.concatenate(ids), np.concatenate(mask), np.asarray(lengths, np.int64)
+    return out
+
+
+def _prepare(convs: list[Any], tokenizer: Any, max_length: int, fmt: Any, index: Any,
+             workers: int) -> Iterator[_Prepared]:
+    """:func:`_prepare_block` over ``convs`` in blocks, in order, on ``workers`` forked processes (the
+    decontamination and the chat template's rendering and masking are Python: minutes for 500,000
+    conversations on one core). The blocks come back in order, so the dataset is the one-process one."""
+    global _PREPARE_STATE
+    spans = [(a, min(a + _PREPARE_BLOCK, len(convs))) for a in range(0, len(convs), _PREPARE_BLOCK)]
+    _PREPARE_STATE = (convs, tokenizer, max_length, fmt, index)
+    try:
+        with fork_pool(min(workers, len(spans))) as pool:
+            yield from (pool.map(_prepare_block, spans) if pool is not None else map(_prepare_block, spans))
+    finally:
+        _PREPARE_STATE = None
+
+
+def _ranks_on_host() -> int:
+    """The ranks of this job on this host (torchrun's LOCAL_WORLD_SIZE): they build the data side by side."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDataset, Optional[ChatDataset]]:
     """Read, tokenise and mix ``config.sources``; return ``(train, holdout or None)``.
 
@@ -239,37 +330,31 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
     pad_id = pad_token_id_of(tokenizer)
     bad = BadRecordCounter(cfg.max_bad_lines)
     index = training_index(cfg.decontaminate)
-    samples: list[TokenizedConversation] = []
     train_ids: list[int] = []
     holdout_ids: list[int] = []
     totals = {"read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0, "contaminated": 0}
     per_source: list[dict[str, Any]] = []
+    workers = cfg.tokenize_workers if cfg.tokenize_workers is not None else default_workers(_ranks_on_host())
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths) of each prepared block
+    n_samples = 0
     for si, src in enumerate(cfg.sources):
         bad_before = bad.count
         counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0,
                   "contaminated": 0}
         ids: list[int] = []
-        convs = read_conversations(src.path, bad=bad, max_samples=src.max_samples)
-        if index is not None:
-            convs = filter_stream(convs, index, counts)
-        for chunk in _chunks(convs, _TOKENIZE_CHUNK):
-            errors: list[Optional[ChatTemplateError]] = []
-            verify = max(0, _VERIFY_FIRST - counts["read"])
-            results = tokenize_conversations(
-                tokenizer, [c.messages for c in chunk], cfg.max_length, chat_format=fmt, verify=verify, errors=errors,
-                reasoning=[getattr(c, "reasoning", None) for c in chunk],
-            )
-            for conv, res, err in zip(chunk, results, errors):
-                counts["read"] += 1
-                if err is not None:
-                    counts["template_errors"] += 1
-                    bad.report(conv.location, str(err))
-                elif res is None:
-                    counts["skipped_no_supervision"] += 1
-                else:
-                    counts["truncated"] += int(res.truncated)
-                    ids.append(len(samples))
-                    samples.append(res)
+        convs = list(read_conversations(src.path, bad=bad, max_samples=src.max_samples))
+        for block in _prepare(convs, tokenizer, cfg.max_length, fmt, index, workers):
+            counts["contaminated"] += block.contaminated
+            for location, reason in block.errors:
+                bad.report(location, reason)
+            counts["read"] += block.read
+            counts["template_errors"] += len(block.errors)
+            counts["skipped_no_supervision"] += block.no_supervision
+            counts["truncated"] += block.truncated
+            ids.extend(range(n_samples, n_samples + len(block.lengths)))
+            n_samples += len(block.lengths)
+            parts.append((block.ids, block.mask, block.lengths))
+        del convs
         if counts["contaminated"] and not counts["read"]:
             raise DataError(f"data.sources[{si}] ({src.path}): every conversation shares a {index.n}-gram with the "
                             f"{index.name}; remove the source (or set data.decontaminate=false)")
@@ -294,8 +379,8 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
             f"assistant tokens in their first data.max_length={cfg.max_length} tokens, {bad.count} malformed. Check "
             "data.sources and that they contain assistant replies, or raise data.max_length if the replies start later."
         )
-    store = _TokenStore.from_samples(samples)
-    del samples
+    store = _TokenStore.from_parts(parts)
+    del parts
     stats = {
         **totals,
         "bad": bad.count,
