@@ -1,27 +1,28 @@
 """Training-step throughput and MFU of nemo_dflash on one GPU (or several under torchrun).
 
-Runs the real step (frozen target through the hook wrapper -> trainer module -> backward ->
-clip -> fused AdamW) on a random-weight target of a given shape, and prints one table.
+Times the trainer's own step (`nemo_dflash.train.trainer.TrainStep`: the frozen target through the hook
+wrapper -> trainer module -> backward -> clip -> fused AdamW, micro-batches of variable-length rows, per-row
+anchor seeds, global loss normalisation), the step `train` runs, on a random-weight target of a given shape,
+and prints one table. Large targets (`--shape qwen3_8b`, a random Qwen3): one row of --seq tokens a
+micro-batch by default (the paper's 512 anchors x 3072):
 
     python benchmarks/train_throughput.py --shape qwen3_8b                      # defaults of the issue
     python benchmarks/train_throughput.py --shape qwen3_8b --anchors 128,256,512 --seq 2048,3072,4096 \
-        --backend flex,sdpa --compile 0,1 --json out.json
+        --backend flex,sdpa --compile 0,layers --json out.json
     torchrun --nproc-per-node 4 benchmarks/train_throughput.py --shape qwen3_8b --fsdp2
 
-The SmolLM2-135M shape (`--shape smollm2_135m`, a random Llama with SmolLM2's dimensions and the
-draft `recipes/smollm2_135m_gpu.yaml` builds) times the trainer's own step
-(`nemo_dflash.train.trainer.TrainStep`: micro-batches of variable-length rows, per-row anchor
-seeds, global loss normalisation, clipping, fused AdamW), because at this width the host-side
-work around the kernels is what decides the speed:
+The SmolLM2-135M shape (`--shape smollm2_135m`, a random Llama with SmolLM2's dimensions and the draft
+`recipes/smollm2_135m_gpu.yaml` builds), where the host-side work around the kernels decides the speed:
 
     python benchmarks/train_throughput.py --shape smollm2_135m --mbs 16 --anchors 256 --seq 416 \
         --compile 0 --profile 3 --json out.json
     python benchmarks/train_throughput.py --shape smollm2_135m --cases "16:256:416:layers:1 64:256:416:layers:1"
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m \
-        --cases 4:5120:416:draft:1:8192 --data REGEN.jsonl      # DDP as `train` runs it; rows of the world
+        --cases 4:5120:416:draft:1:8192 --data REGEN.jsonl      # DDP as `train` runs it
 
-Every knob takes a comma list; the cases are their product. MFU = model FLOPs of a step / step
-time / the bf16 matmul rate measured in the same run (formula in docs/performance.md).
+Every knob takes a comma list; the cases are their product. Rows give tokens/s per GPU (`world` beside
+it). MFU = model FLOPs of a step / step time / the bf16 matmul rate measured in the same run (formula in
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -62,17 +63,6 @@ SHAPES = {
 LLAMA_SHAPES = {"smollm2_135m": dict(mask_token_id=3, rope_theta=100000.0, max_position_embeddings=8192)}
 
 
-@dataclass
-class Case:
-    anchors: int
-    seq: int
-    backend: str
-    compile: bool
-    fused_ce: bool = True
-    pack_length: int = 0  # > 0: one packed row of documents of --seq tokens (less --jitter)
-    loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger | auto
-
-
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
     from nemo_dflash.train.flops import matmul_tflops
 
@@ -97,7 +87,8 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
     return shapes.flops(sums)
 
 
-def build(shape_name: str, draft_layers: int, block: int, device, fsdp2: bool):
+def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device):
+    """A random-weight Qwen3 target of `shape_name` and a DFlash draft for it."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     shape = SHAPES[shape_name]
@@ -113,101 +104,12 @@ def build(shape_name: str, draft_layers: int, block: int, device, fsdp2: bool):
                                            mask_token_id=151669, target_layer_ids=ids)
     with torch.device(device):
         draft = DFlashDraftModel(dcfg).float()
+    target.eval().requires_grad_(False)
     wrapper = HFDFlashTargetModel(target, ids)
-    if fsdp2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in draft.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(draft, mp_policy=mp)
     return shape, target, wrapper, draft
 
 
-def run_case(shape, wrapper, draft, case: Case, steps: int, warmup: int, device, ddp_world: int, fsdp2: bool,
-             breakdown: bool = True, jitter: float = 0.5):
-    block = draft.config.block_size
-    for layer in draft.layers:
-        layer._compiled_call_impl = None  # reset any previous compile
-    if case.compile:
-        for layer in draft.layers:
-            layer.compile()
-    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend=case.backend,
-                                 fused_ce=case.fused_ce, loss_impl=resolve_loss_impl(case.loss_impl, device))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 151000, (1, case.seq), generator=g).to(device)
-    attn = torch.ones_like(ids)
-    lm = torch.ones_like(ids)
-    lm[:, : case.seq // 10] = 0  # a prompt
-    packed = None
-    if case.pack_length:
-        wrapper.use_flex_attention()
-        packed = make_packed_batches(1, 1, case.pack_length, case.seq, jitter, 0.1, 151000)[0]
-        from nemo_dflash.core import plan_blocks
-
-        dev_packed = {k: v.to(device) for k, v in packed.items()}
-        ids, attn, lm = dev_packed["input_ids"], dev_packed["attention_mask"], dev_packed["loss_mask"]
-    else:
-        wrapper.model.set_attn_implementation("sdpa")
-    times, t_target, t_draft = [], [], []
-    torch.cuda.reset_peak_memory_stats(device)
-    out = None
-    for it in range(warmup + steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        plan = None
-        if packed is not None:
-            plan = plan_blocks(packed["input_ids"], packed["loss_mask"], packed["attention_mask"], block, case.anchors,
-                               row_seeds=[it], doc_ids=packed["doc_ids"], position_ids=packed["position_ids"])
-            plan = plan.to(device, non_blocking=True)
-            batch = wrapper.generate_batch(ids, attn, lm, position_ids=dev_packed["position_ids"],
-                                           doc_ids=dev_packed["doc_ids"])
-        else:
-            batch = wrapper.generate_batch(ids, attn, lm)
-        if breakdown:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = module(batch, plan=plan, row_seeds=None if plan is not None else [it])
-        (out.loss_sum / out.weight_sum.clamp(min=1)).backward()
-        if breakdown:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if it >= warmup:
-            times.append(time.perf_counter() - t)
-            t_target.append(t1 - t)
-            t_draft.append(t2 - t1)
-    med = statistics.median(times)
-    if packed is not None:
-        total = packed_batch_flops(shape, draft, wrapper, packed, case.anchors, [warmup + steps - 1])
-        flops = {"total": total}
-        n_tok = int(packed["attention_mask"].sum())
-    else:
-        n_valid = int(out.num_blocks)
-        anchors_pos = sorted(torch.randperm(case.seq - case.seq // 10 - block, generator=g)[: min(case.anchors, n_valid)]
-                             .add(case.seq // 10).tolist())
-        flops = step_flops(shape, draft.config.num_hidden_layers, block, case.seq, anchors_pos, int(out.num_labels),
-                           max(wrapper.target_layer_ids))
-        n_tok = case.seq
-    del opt
-    return {
-        "anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-        "pack_length": case.pack_length,
-        "fused_ce": case.fused_ce, "loss_impl": resolve_loss_impl(case.loss_impl, device), "step_ms": med * 1e3, "tokens_s": n_tok / med, "samples_s": 1 / med,
-        "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30, "tflops": flops["total"] / med / 1e12,
-        "flops": flops, "loss": float(out.loss.detach()),
-        "target_ms": statistics.median(t_target) * 1e3, "draft_fwd_bwd_ms": statistics.median(t_draft) * 1e3,
-    }
-
-
-# ----------------------------------------------------------------------------- the trainer's step (small targets)
+# ----------------------------------------------------------------------------- the targets and their batches
 
 
 def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
@@ -331,9 +233,9 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
     row.update({"shape": args.shape, "case": case, "world": world,
                 "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed,
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
-                "tokens_per_s": round(r["tokens_s"], 1), "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2),
-                "tflops": round(r["tflops"], 1)})
-    for k in ("backend", "fused_ce", "loss_impl", "mbs", "overlap", "target_ms", "draft_fwd_bwd_ms"):
+                "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
+                "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2), "tflops": round(r["tflops"], 1)})
+    for k in ("backend", "fused_ce", "loss_impl", "mbs", "accum", "overlap", "fsdp2"):
         if k in r:
             row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
     return row
@@ -447,15 +349,17 @@ class StepCase:
     compile_target: bool = False  # train.compile_target
     pack_length: int = 0  # data.pack_length (0: length-grouped padded rows; mbs then counts packed rows)
     loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger | auto
+    backend: str = "flex"  # loss.attn_backend on a GPU (the CPU runs sdpa)
+    fused_ce: bool = True  # the lm_head gradient formed in the forward (0: checkpointed chunks)
 
 
 def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: int, device, args,
                      profile_steps: int = 0, state=None) -> dict:
-    """Time `TrainStep`, the trainer's own step, on synthetic length-grouped batches.
+    """Time `TrainStep`, the trainer's own step, on synthetic length-grouped (or packed, or real) batches.
 
-    Under torchrun (`state.world_size` > 1) the trainer module is wrapped in DDP as `train` wraps it,
-    each rank steps its own batches, and the row gives the world's tokens a step over the slowest rank's
-    step time."""
+    Under torchrun (`state.world_size` > 1) the trainer module is wrapped as `train` wraps it (DDP, or FSDP2
+    with --fsdp2), each rank steps its own batches, and the row gives the world's tokens a step over the
+    slowest rank's step time (`tokens_s`; `bench_row` divides by the world)."""
     from nemo_dflash.config import OptimConfig
     from nemo_dflash.core import DFlashTrainerModule
     from nemo_dflash.train.distributed import DistState, wrap_draft
@@ -470,19 +374,21 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         wrapper.compile_layers()
     cuda = device.type == "cuda"
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend="flex" if cuda else "sdpa",
-                                 distill_weight=args.distill_weight, loss_impl=resolve_loss_impl(case.loss_impl, device))
+                                 num_anchors=case.anchors, loss_decay_gamma=7.0, attn_backend=case.backend if cuda else "sdpa",
+                                 fused_ce=case.fused_ce, distill_weight=args.distill_weight,
+                                 loss_impl=resolve_loss_impl(case.loss_impl, device))
     module = apply_compile(module, case.compile)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = [q for q in draft.parameters() if q.requires_grad]
     opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     state = state or DistState(rank=0, world_size=1, local_rank=0, device=device)
     world, rank = state.world_size, state.rank
-    model = wrap_draft(module, "ddp", state, torch.bfloat16 if cuda else None) if world > 1 else module
+    strategy = "fsdp2" if args.fsdp2 else "ddp" if world > 1 else "none"
+    model = wrap_draft(module, strategy, state, torch.bfloat16 if cuda else None)
     stepper = TrainStep(wrapper, model, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
                         use_bf16=True, return_logits=args.distill_weight > 0)
     if case.pack_length:
-        if cuda:
+        if cuda and case.backend == "flex":
             wrapper.use_flex_attention()
         if args.data:
             batches = make_real_packed_batches(args.distinct_batches * world, case.mbs * case.accum,
@@ -547,7 +453,9 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
            "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap), "world": world,
-           "loss_impl": resolve_loss_impl(case.loss_impl, device)}
+           "loss_impl": resolve_loss_impl(case.loss_impl, device), "backend": case.backend if cuda else "sdpa",
+           "fused_ce": case.fused_ce,
+           "fsdp2": bool(args.fsdp2)}
     if args.sync_debug and cuda:
         row["sync_sites"] = sync_sites(lambda s=stepper: s(warmup + steps, batches[0]).result())
         print("host syncs inside one step (torch.cuda.set_sync_debug_mode), by call site:")
@@ -770,31 +678,39 @@ def probe_flex_tiles(args, device) -> None:
 def main_trainer_step(args, device, peak: float, state=None) -> None:
     """The trainer-step cases; under torchrun (`state`) rank 0 prints and appends the world's rows."""
     world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
-    shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
+    builder = build_llama_target if args.shape in LLAMA_SHAPES else build_qwen3_target
+    shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device)
+    knobs = [(b, bool(int(f))) for b in args.backend.split(",") for f in args.fused_ce.split(",")]
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
-        cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0, li)
-                 for x in (c.split(":") for c in args.cases.split()) for li in args.loss_impl.split(",")]
+        cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0,
+                          li, b, f)
+                 for x in (c.split(":") for c in args.cases.split()) for li in args.loss_impl.split(",")
+                 for b, f in knobs]
     else:
-        cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t)), int(p)) for m in args.mbs.split(",")
+        cases = [StepCase(int(m), int(a), int(s), c, int(g), bool(int(t)), int(p), li, b, f)
+                 for m in args.mbs.split(",")
                  for a in args.anchors.split(",") for s in args.seq.split(",") for c in args.compile.split(",")
                  for g in args.accum.split(",") for t in args.compile_target.split(",")
-                 for p in args.pack_length.split(",") for li in args.loss_impl.split(",")]
+                 for p in args.pack_length.split(",") for li in args.loss_impl.split(",") for b, f in knobs]
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
-    title = (f"{name}{f' x{world} (DDP)' if world > 1 else ''}, {args.shape}, draft {args.draft_layers} layers, "
+    how = "FSDP2" if args.fsdp2 else "DDP"
+    title = (f"{name}{f' x{world} ({how})' if world > 1 else ''}, {args.shape}, draft {args.draft_layers} layers, "
              f"block {args.block}, TrainStep; "
              f"measured bf16 matmul {peak:.0f} TFLOP/s; rows {1 - args.jitter:.2f}-1.0 x seq, "
              f"prompt {args.prompt_frac:.0%}")
-    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'loss':>7} {'step ms':>8} {'tok/step':>8} "
-           f"{'tokens/s':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
+    hdr = (f"{'mbs':>4} {'acc':>3} {'anch':>5} {'seq':>5} {'pack':>5} {'compile':>7} {'tgt':>3} {'attn':>5} "
+           f"{'loss':>7} {'step ms':>8} {'tok/step':>8} "
+           f"{'tok/s/GPU':>9} {'blk tok/s':>10} {'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'warm s':>7}")
 
     def line(r: dict) -> str:
         head = (f"{r['mbs']:>4} {r['accum']:>3} {r['anchors']:>5} {r['seq']:>5} {r.get('pack_length', 0):>5} "
-                f"{r['compile']:>7} {int(r['compile_target']):>3} {r.get('loss_impl', 'chunked'):>7}")
+                f"{r['compile']:>7} {int(r['compile_target']):>3} {r.get('backend', 'flex'):>5} "
+                f"{r.get('loss_impl', 'chunked'):>7}")
         if "error" in r:
             return f"{head} {r['error']}"
-        return (f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s']:>9.0f} "
+        return (f"{head} {r['step_ms']:>8.1f} {r['tokens_step']:>8.0f} {r['tokens_s'] / world:>9.0f} "
                 f"{r['block_tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
                 f"{r['warmup_s']:>7.1f}")
 
@@ -843,6 +759,9 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
                       case=f"mbs {r['mbs']} anchors {r['anchors']} seq {r['seq']}"
                       + (f" pack {r['pack_length']}" if r["pack_length"] else "")
                       + f" compile {r['compile']} target {int(r['compile_target'])}"
+                      + (f" {r['backend']}" if r["backend"] != "flex" else "")
+                      + ("" if r["fused_ce"] else " fused_ce 0")
+                      + (" fsdp2" if r["fsdp2"] else "")
                       + (f" loss {r['loss_impl']}" if r["loss_impl"] != "chunked" else "")
                       + (f" distill {args.distill_weight}" if args.distill_weight else ""))
             for r in rows if "error" not in r])
@@ -855,8 +774,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--anchors", default="512")
     p.add_argument("--seq", default="3072")
-    p.add_argument("--backend", default="flex")
-    p.add_argument("--compile", default="0", help="0/1 (qwen shapes); smollm2: 0 | layers | ... (train.compile)")
+    p.add_argument("--backend", default="flex", help="loss.attn_backend on a GPU: flex | sdpa")
+    p.add_argument("--compile", default="0", help="train.compile: 0 | layers | draft | ...")
     p.add_argument("--fused-ce", default="1", help="1: lm_head gradient formed in forward; 0: checkpointed chunks")
     p.add_argument("--loss-impl", default="chunked",
                    help="loss.impl, a comma list: chunked | cce (cut-cross-entropy) | liger (liger-kernel) | auto; "
@@ -865,8 +784,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp2", action="store_true", help="shard the draft with FSDP2 (run under torchrun)")
     p.add_argument("--json", default=None)
-    g = p.add_argument_group("trainer step (smollm2_135m)")
-    g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size)")
+    g = p.add_argument_group("trainer step")
+    g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size; default 16, 1 for the "
+                   "Qwen3 shapes)")
     g.add_argument("--accum", default="1", help="micro-batches per step (train.grad_accum)")
     g.add_argument("--compile-target", default="0", help="1: compile the target's layers (train.compile_target)")
     p.add_argument("--pack-length", default="0", help="data.pack_length: rows of this many tokens packed with "
@@ -882,8 +802,10 @@ def main() -> None:
     g.add_argument("--data", default=None, help="packed rows of this regenerated JSONL's conversations (real data; "
                                                 "needs --pack-length) instead of synthetic documents")
     g.add_argument("--tokenizer", default="pkg:smollm2", help="tokenizer for --data (the target's)")
-    g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq]")
-    g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row")
+    g.add_argument("--jitter", type=float, default=0.15, help="row lengths uniform in [(1-jitter)*seq, seq] "
+                   "(default 0.15; 0 for the Qwen3 shapes)")
+    g.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share at the start of each row "
+                   "(default 0.25; 0.1 for the Qwen3 shapes)")
     g.add_argument("--distinct-batches", type=int, default=8, help="loader batches cycled (new shapes each step)")
     g.add_argument("--profile", type=int, default=0, help="torch.profiler summary over this many steps (first case)")
     g.add_argument("--profile-all", action="store_true", help="profile every case, not only the first")
@@ -896,94 +818,42 @@ def main() -> None:
     g.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the same code (sdpa instead of flex)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.shape in LLAMA_SHAPES:
-        if args.anchors == "512" and args.seq == "3072":  # the recipe's values, not the Qwen3 defaults
-            args.anchors, args.seq = "256", "416"
-        if world > 1 and (args.probe or args.profile or args.sync_debug):
-            p.error("--probe, --profile and --sync-debug time one GPU: run them without torchrun")
-        device = torch.device(args.device)
-        state = None
-        if world > 1:  # DDP over torchrun's ranks: one GPU each (gloo with --device cpu)
-            from nemo_dflash.train.distributed import DistState
+    if args.shape in LLAMA_SHAPES:  # the recipe's values, not the Qwen3 defaults
+        defaults = {"anchors": ("512", "256"), "seq": ("3072", "416")}
+    else:  # one row of exactly --seq tokens a micro-batch, a tenth of it prompt: the paper's step
+        defaults = {"mbs": ("16", "1"), "jitter": (0.15, 0.0), "prompt_frac": (0.25, 0.1)}
+    for key, (parsed_default, value) in defaults.items():
+        if getattr(args, key) == parsed_default:
+            setattr(args, key, value)
+    if args.fsdp2 and world == 1:
+        p.error("--fsdp2 shards the draft over torchrun's ranks: run it under torchrun")
+    if world > 1 and (args.probe or args.profile or args.sync_debug):
+        p.error("--probe, --profile and --sync-debug time one GPU: run them without torchrun")
+    device = torch.device(args.device)
+    state = None
+    if world > 1:  # one GPU a rank (gloo with --device cpu)
+        from nemo_dflash.train.distributed import DistState
 
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device("cuda", local) if device.type == "cuda" else device
-            state = DistState(rank=int(os.environ.get("RANK", "0")), local_rank=local, world_size=world, device=device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if state is not None:
-            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                                 device_id=device if device.type == "cuda" else None)
-        if args.probe and args.cases and len(args.cases.split()[0].split(":")) > 5:
-            probe_flex_tiles(args, device)
-            return
-        if args.probe:
-            probe(args, device)
-            return
-        try:
-            main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"),
-                              state)
-        finally:
-            if state is not None:
-                torch.distributed.destroy_process_group()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local) if device.type == "cuda" else device
+        state = DistState(rank=int(os.environ.get("RANK", "0")), local_rank=local, world_size=world, device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if state is not None:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             device_id=device if device.type == "cuda" else None)
+    if args.probe and args.cases and len(args.cases.split()[0].split(":")) > 5:
+        probe_flex_tiles(args, device)
         return
-
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    if world > 1:
-        torch.distributed.init_process_group("nccl", device_id=device)
-    peak = measure_matmul_tflops(device)
-    shape, target, wrapper, draft = build(args.shape, args.draft_layers, args.block, device, args.fsdp2)
-    cases = [Case(int(a), int(s), b, bool(int(c)), bool(int(f)), int(pk), li)
-             for a in args.anchors.split(",") for s in args.seq.split(",")
-             for b in args.backend.split(",") for c in args.compile.split(",") for f in args.fused_ce.split(",")
-             for pk in args.pack_length.split(",") for li in args.loss_impl.split(",")]
-    rows = []
-    for case in cases:
-        try:
-            r = run_case(shape, wrapper, draft, case, args.steps, args.warmup, device, world, args.fsdp2,
-                         jitter=args.jitter)
-        except torch.OutOfMemoryError:
-            r = {"anchors": case.anchors, "seq": case.seq, "backend": case.backend, "compile": case.compile,
-                 "fused_ce": case.fused_ce, "pack_length": case.pack_length, "loss_impl": case.loss_impl, "error": "OOM"}
-        gc.collect()
-        torch.cuda.empty_cache()
-        r["mfu"] = r["tflops"] / peak if "tflops" in r else None
-        rows.append(r)
-        if rank == 0:
-            print(json.dumps({k: v for k, v in r.items() if k != "flops"}), flush=True)
-    if rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"\n{name} x{world}, {args.shape}, draft {args.draft_layers} layers, block {args.block}; "
-              f"measured bf16 matmul {peak:.0f} TFLOP/s")
-        hdr = f"{'anchors':>7} {'seq':>5} {'backend':>7} {'compile':>7} {'fusedCE':>7} {'step ms':>8} {'tok/s/GPU':>10} " \
-              f"{'peak GB':>8} {'TFLOP/s':>8} {'MFU':>6} {'target':>7} {'draft':>7}"
-        print(hdr)
-        print("-" * len(hdr))
-        for r in rows:
-            if "error" in r:
-                print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} "
-                      f"{str(r['fused_ce']):>7} {r['error']:>8}")
-                continue
-            print(f"{r['anchors']:>7} {r['seq']:>5} {r['backend']:>7} {str(r['compile']):>7} "
-                  f"{str(r['fused_ce']):>7} {r['step_ms']:>8.1f} "
-                  f"{r['tokens_s']:>10.0f} {r['peak_gb']:>8.1f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} "
-                  f"{r['target_ms']:>7.1f} {r['draft_fwd_bwd_ms']:>7.1f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": name, "world": world, "shape": args.shape, "matmul_tflops": peak, "rows": rows}, f,
-                          indent=2)
-        if args.append:
-            append_rows(Path(args.append), [
-                bench_row(args, name, r, world=world, packed=bool(r["pack_length"]), compiled=bool(r["compile"]),
-                          case=f"anchors {r['anchors']} seq {r['seq']}"
-                          + (f" pack {r['pack_length']}" if r["pack_length"] else "") + f" {r['backend']}"
-                          + (f" loss {r['loss_impl']}" if r["loss_impl"] != "chunked" else ""))
-                for r in rows if "error" not in r])
-    if world > 1:
-        torch.distributed.destroy_process_group()
+    if args.probe:
+        probe(args, device)
+        return
+    try:
+        main_trainer_step(args, device, measure_matmul_tflops(device) if device.type == "cuda" else float("nan"),
+                          state)
+    finally:
+        if state is not None:
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import types
 import re
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def test_training_throughput_rows_share_one_schema():
         assert row["shape"] in ("qwen3_8b", "qwen3_4b", "small", "smollm2_135m"), row
         assert isinstance(row["case"], str) and isinstance(row["world"], int), row
         assert isinstance(row["packed"], bool) and isinstance(row["compiled"], bool), row
+        assert row["tokens_per_s_note"].startswith("per GPU"), row  # one meaning in every row, `world` beside it
         if "error" not in row:
             assert row["tokens_per_s"] > 0 and row["peak_gb"] > 0, row
             # a recipe's own training logs no FLOP count: its row has no MFU rather than a borrowed one
@@ -154,6 +156,11 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     assert "cpu x2 (DDP)" in res.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
+    # the appended row is per GPU: the world's tokens a step over the step time, over the world
+    bench_args = types.SimpleNamespace(commit="abc1234", shape="smollm2_135m", data=None)
+    made = bench.bench_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")
+    assert made["tokens_per_s"] == pytest.approx(row["tokens_s"] / 2, abs=0.1) and made["world"] == 2
+    assert made["tokens_per_s_note"] == "per GPU" and made["fsdp2"] is False and made["backend"] == "sdpa"
 
 
 def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):
