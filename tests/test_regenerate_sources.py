@@ -229,7 +229,8 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen.py"), "scaling", "--cpu", "--target",
                            str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
-                           "strong", "--out-dir", str(runs), "--json", str(rows), "--", *CHAIN_ARGS],
+                           "strong", "--warmup", "2", "--out-dir", str(runs), "--json", str(rows), "--",
+                           *CHAIN_ARGS],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = runs / "gpus2" / "regen.jsonl"
@@ -259,6 +260,7 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     old, row = json.loads(rows.read_text())
     assert old == {"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}
     assert row["gpus"] == [1, 2] and row["work"] == "strong" and row["device"] == "cpu (dry run)"
+    assert row["warmup_samples"] == 2 and len(_read(runs / "warmup" / "regen.jsonl")) == 2  # untimed, not in runs
     assert row["scaling_vs_one_gpu"] == {
         "generation": {"1": 1.0, "2": round(two["tokens_per_s_after_capture"] / one["tokens_per_s_after_capture"], 3)},
         "end_to_end": {"1": 1.0, "2": round(two["end_to_end_tokens_per_s"] / one["end_to_end_tokens_per_s"], 3)}}
