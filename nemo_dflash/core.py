@@ -894,7 +894,8 @@ class DFlashTrainerModule(nn.Module):
         # the acceptance loss term (`accept_loss`): loss = (1 - d - w) hard CE + d soft CE + w accept term
         check_accept(float(accept_weight), float(accept_temperature), accept_form)
         if float(accept_weight) + self.distill_weight > 1.0 + 1e-9:
-            raise ValueError(f"distill_weight + accept_weight must be <= 1, got {self.distill_weight} + {accept_weight}")
+            raise ValueError(f"distill_weight + accept_weight must be <= 1, got {self.distill_weight} + "
+                             f"{accept_weight}")
         self.accept_weight = float(accept_weight)
         self.accept_temperature = float(accept_temperature)
         self.accept_form = accept_form
@@ -997,7 +998,9 @@ class DFlashTrainerModule(nn.Module):
             src = None
         # with the acceptance term on, the CE part is (1 - w) * [(1 - d') hard + d' soft], d' = d / (1 - w)
         w_acc = self.accept_weight
-        d_ce = self.distill_weight if w_acc == 0 else (min(1.0, self.distill_weight / (1.0 - w_acc)) if w_acc < 1 else 0.0)
+        d_ce = self.distill_weight
+        if w_acc > 0:
+            d_ce = min(1.0, self.distill_weight / (1.0 - w_acc)) if w_acc < 1 else 0.0
         teacher = teacher_h = teacher_e = None
         if d_ce > 0:
             if batch.logits is None and batch.final_hidden is None:
