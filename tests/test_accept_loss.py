@@ -331,7 +331,7 @@ def test_train_command_with_the_term_on_logs_its_accept_probability(tmp_path):
     ("loss.accept_temperature=-1.0", "loss.accept_temperature must be a finite number > 0"),
     ("loss.accept_temperature=inf", "loss.accept_temperature must be a finite number > 0"),
     ("loss.accept_form=kl", "'loss.accept_form' must be one of ['log', 'tv'], got 'kl'"),
-])
+], ids=lambda v: v if "=" in v else "")
 def test_bad_values_are_one_line_config_errors(override, msg):
     with pytest.raises(ConfigError) as e:
         load_recipe("qwen3_8b.yaml", [override])
