@@ -80,6 +80,11 @@ class LossConfig:
     gamma: Optional[float] = 7.0  # loss decay exp(-(k-1)/gamma); null = no decay
     attn_backend: str = "auto"  # auto = flex on GPU, sdpa (dense mask) on CPU; or sdpa/eager/flex
     distill_weight: float = 0.0  # > 0 mixes in soft CE against the target's distribution
+    # > 0 mixes in a loss on the speculative-sampling accept probability a = sum_x min(p_T, q) (accept_loss.py):
+    # loss = (1 - distill_weight - accept_weight) hard CE + distill_weight soft CE + accept_weight term
+    accept_weight: float = 0.0
+    accept_temperature: float = 1.0  # T of the target's p_T in that term (the sampling temperature served)
+    accept_form: str = "log"  # log: -log a (LK's direct acceptance loss) | tv: 1 - a (total variation)
     ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
     fused_ce: bool = True  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
     # training loss kernel: chunked (PyTorch, chunk by chunk) | cce (cut-cross-entropy) | liger (liger-kernel)
@@ -280,6 +285,7 @@ class RecipeConfig:
 _CHOICES = {
     "loss.attn_backend": ("auto", "sdpa", "eager", "flex"),
     "loss.impl": ("chunked", "cce", "liger", "auto"),
+    "loss.accept_form": ("log", "tv"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp32"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -536,6 +542,12 @@ def _ranges(cfg: RecipeConfig) -> list[tuple[bool, str]]:
         (1 <= lo.num_anchors <= MAX_TOKENS, f"loss.num_anchors must be in [1, {MAX_TOKENS}]"),
         (lo.gamma is None or (_finite(lo.gamma) and lo.gamma > 0), "loss.gamma must be a finite number > 0 or null"),
         (_in(lo.distill_weight, 0.0, 1.0), "loss.distill_weight must be in [0, 1]"),
+        (_in(lo.accept_weight, 0.0, 1.0), "loss.accept_weight must be in [0, 1]"),
+        (_finite(lo.accept_temperature) and lo.accept_temperature > 0,
+         "loss.accept_temperature must be a finite number > 0"),
+        (not (_finite(lo.distill_weight) and _finite(lo.accept_weight))
+         or lo.distill_weight + lo.accept_weight <= 1 + 1e-9,
+         "loss.distill_weight + loss.accept_weight must be <= 1 (hard CE weighs the rest)"),
         (1 <= lo.ce_chunk_size <= MAX_TOKENS, f"loss.ce_chunk_size must be in [1, {MAX_TOKENS}]"),
         (_finite(o.lr) and 0 < o.lr <= 1, "optim.lr must be a finite number in (0, 1] (the recipes use 6e-4)"),
         (_in(o.weight_decay, 0.0, 1e3), "optim.weight_decay must be a finite number >= 0"),

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from nemo_dflash.target import DFlashTargetBatch
 from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
+from nemo_dflash.accept_loss import accept_chunk, accept_lm_loss, check_accept
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -462,6 +463,10 @@ class LossSums:
     visible_keys: float = 0.0
     context_tokens: float = 0.0
     context_pairs: float = 0.0
+    # the acceptance loss term's accept probability a = sum_x min(p_T, q), summed over valid label slots, and
+    # those slots' count (0 when `loss.accept_weight` is off)
+    accept_prob_sum: float = 0.0
+    accept_prob_slots: float = 0.0
 
     @classmethod
     def size(cls) -> int:
@@ -498,6 +503,8 @@ class LossSums:
         if self.sampled_blocks > 0:
             out[f"{prefix}sampled_accept_len"] = self.sampled_accept_sum / self.sampled_blocks
             out[f"{prefix}sampled_accept_len_greedy_draft"] = self.greedy_draft_accept_sum / self.sampled_blocks
+        if self.accept_prob_slots > 0:
+            out[f"{prefix}accept_prob"] = self.accept_prob_sum / self.accept_prob_slots
         return out
 
 
@@ -518,6 +525,8 @@ class DFlashLossOutput:
     visible_keys: Optional[torch.Tensor] = None
     context_tokens: Optional[torch.Tensor] = None
     context_pairs: Optional[torch.Tensor] = None
+    accept_prob_sum: Optional[torch.Tensor] = None  # the acceptance term's a summed over valid label slots, when on
+    accept_prob_slots: Optional[torch.Tensor] = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -860,6 +869,9 @@ class DFlashTrainerModule(nn.Module):
         fused_ce: bool = True,
         accept_sampling: Optional[SamplingParams] = None,
         loss_impl: str = "chunked",
+        accept_weight: float = 0.0,
+        accept_temperature: float = 1.0,
+        accept_form: str = "log",
     ) -> None:
         super().__init__()
         if attn_backend not in ("sdpa", "eager", "flex"):
@@ -879,6 +891,14 @@ class DFlashTrainerModule(nn.Module):
         self.loss_impl = loss_impl  # chunked | cce | liger | auto (`fused_loss`), resolved per device when run
         # held-out only (no grad, final hidden states given): the expected acceptance under speculative sampling
         self.accept_sampling = accept_sampling
+        # the acceptance loss term (`accept_loss`): loss = (1 - d - w) hard CE + d soft CE + w accept term
+        check_accept(float(accept_weight), float(accept_temperature), accept_form)
+        if float(accept_weight) + self.distill_weight > 1.0 + 1e-9:
+            raise ValueError(f"distill_weight + accept_weight must be <= 1, got {self.distill_weight} + "
+                             f"{accept_weight}")
+        self.accept_weight = float(accept_weight)
+        self.accept_temperature = float(accept_temperature)
+        self.accept_form = accept_form
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -898,6 +918,27 @@ class DFlashTrainerModule(nn.Module):
             return None
         impl = resolve_loss_impl(self.loss_impl, device)
         return None if impl == "chunked" else impl
+
+    def _accept_term(self, batch: DFlashTargetBatch, h_sel: torch.Tensor, src: torch.Tensor,
+                     sel: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The acceptance loss term and a per loss row (`accept_loss.accept_lm_loss`): each row scored against
+        the target's state (or logits) at `src` [B, L], the position that predicts the same token; the target's
+        rows are gathered by index chunk by chunk, never copied out whole."""
+        if batch.final_hidden is None and batch.logits is None:
+            raise ValueError("accept_weight > 0 needs the target's distribution: call "
+                             "generate_batch(return_final_hidden=True) (or return_logits=True)")
+        if not _fusable(self.lm_head, None, 0.0):
+            raise ValueError("accept_weight > 0 needs a frozen, bias-free Linear lm_head (the target's)")
+        source = batch.final_hidden if batch.final_hidden is not None else batch.logits
+        bsz, seq = source.shape[:2]
+        index = (torch.arange(bsz, device=src.device).unsqueeze(1) * seq + src).flatten()
+        if sel is not None:
+            index = index.index_select(0, sel)
+        return accept_lm_loss(
+            h_sel, self.lm_head.weight, source.reshape(bsz * seq, -1), self.ce_chunk_size, index=index,
+            teacher_is_logits=batch.final_hidden is None, temperature=self.accept_temperature, form=self.accept_form,
+            compiled=_compiled_on_cuda(accept_chunk, h_sel.device),
+        )
 
     def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
                    ctx_start: Optional[torch.Tensor] = None):
@@ -955,8 +996,13 @@ class DFlashTrainerModule(nn.Module):
             w_sel = decay[sel % blk]
             h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
             src = None
+        # with the acceptance term on, the CE part is (1 - w) * [(1 - d') hard + d' soft], d' = d / (1 - w)
+        w_acc = self.accept_weight
+        d_ce = self.distill_weight
+        if w_acc > 0:
+            d_ce = min(1.0, self.distill_weight / (1.0 - w_acc)) if w_acc < 1 else 0.0
         teacher = teacher_h = teacher_e = None
-        if self.distill_weight > 0:
+        if d_ce > 0:
             if batch.logits is None and batch.final_hidden is None:
                 raise ValueError("distill_weight > 0 needs the target's distribution: call "
                                  "generate_batch(return_final_hidden=True) (or return_logits=True)")
@@ -978,14 +1024,20 @@ class DFlashTrainerModule(nn.Module):
         kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
         if kernel is not None:
             tok_loss, pred = fused_lm_loss(
-                kernel, h_sel, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, self.distill_weight,
+                kernel, h_sel, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
                 compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
             )
         else:
             tok_loss, pred = chunked_lm_loss(
-                h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, self.distill_weight, fused=self.fused_ce,
+                h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
                 teacher_hidden=teacher_h, teacher_embedding=teacher_e,
             )
+        accept = None
+        if w_acc > 0:
+            if src is None:
+                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
+            acc_term, accept = self._accept_term(batch, h_sel, src, sel)
+            tok_loss = (1.0 - w_acc) * tok_loss + w_acc * acc_term
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()
                 and batch.final_hidden is not None):
@@ -1016,6 +1068,10 @@ class DFlashTrainerModule(nn.Module):
                 num_blocks=block_ok.sum(),
                 **_flop_counts(batch, plan, blk),
             )
+            if accept is not None:
+                on = label_valid[..., 1:].flatten() if sel is None else None
+                return_out.accept_prob_sum = (accept * on).sum() if on is not None else accept.sum()
+                return_out.accept_prob_slots = label_valid.sum()
             if sampled is not None:
                 lengths = []
                 for alpha in sampled:

@@ -61,6 +61,7 @@ FLOW = {
     "files": 0,  # the run directory's layout names and file modes: below everything
     "attention": 0,  # which SDPA kernels run calls of changing shapes
     "fused_loss": 0,  # the fused linear cross-entropy kernels (liger, cut-cross-entropy) core's loss calls
+    "accept_loss": 0,  # the loss on the speculative-sampling accept probability (loss.accept_weight) core's loss calls
     "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it
     "data": 1,  # chat files -> token batches; regenerate.py + generation.py make the data
     "target": 2,  # the frozen model: loading.py, then hooks.py

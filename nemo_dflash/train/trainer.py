@@ -259,7 +259,7 @@ class TrainStep:
         right_padded = "doc_ids" not in batch and _right_padded(batch["attention_mask"])
         batch = _to_device(batch, self.device)
         plan = plan.to(self.device, non_blocking=True)
-        # distillation: the target's final hidden states; the loss forms its logits chunk by chunk
+        # distillation and the acceptance term: the target's final hidden states; the loss forms its logits chunk by chunk
         tb = self.target.generate_batch(
             batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
             return_final_hidden=self.return_logits or final_hidden,
@@ -454,6 +454,8 @@ class Trainer:
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=self.settings.attn_backend,
             distill_weight=cfg.loss.distill_weight, ce_chunk_size=cfg.loss.ce_chunk_size,
             fused_ce=cfg.loss.fused_ce, loss_impl=self.settings.loss_impl,
+            accept_weight=cfg.loss.accept_weight, accept_temperature=cfg.loss.accept_temperature,
+            accept_form=cfg.loss.accept_form,
             accept_sampling=(SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
                              if cfg.train.eval_temperature > 0 else None),
         )
@@ -479,7 +481,8 @@ class Trainer:
         self.stepper = TrainStep(
             self.target, self.model, self.params, self.optimizer, self.state,
             micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, grad_clip=cfg.optim.grad_clip,
-            use_bf16=self.use_bf16, return_logits=cfg.loss.distill_weight > 0,
+            use_bf16=self.use_bf16,
+            return_logits=cfg.loss.distill_weight > 0 or cfg.loss.accept_weight > 0,
         )
         self.checkpointer = Checkpointer(
             self.out, every_steps=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
