@@ -245,9 +245,10 @@ measured at T=0, at the target's recommended sampling and at T=1.
     python benchmarks/drafter.py levers chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
     python benchmarks/drafter.py levers report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
 
-Levers (`LEVERS`): the data's sampling temperature and `loss.distill_weight`:
+Levers (`LEVERS`): the data's sampling temperature, `loss.distill_weight` and `loss.accept_weight`:
   a: hard CE on answers sampled at T=0.2 / top-p 0.9 (today's recipe)   b: a + distillation (weight 1)
   b05: a + distillation (weight 0.5)   c: hard CE on answers sampled at T=1 (two answers a prompt)   d: c + b
+  e: a with distillation 0.5 and the acceptance term 0.5 (`loss.accept_weight`: -log sum_x min(p_T=1, q))
 and, at decode time, for every draft: T=1 with the draft proposing its argmax (`--draft-proposals greedy`).
 
 `regen` answers the prompts twice, at T=0.2 / top-p 0.9 and at T=1 (two samples a prompt), on half the GPUs
@@ -281,6 +282,8 @@ LEVERS: dict[str, dict[str, Any]] = {
     "b05": {"data": "t02", "distill": 0.5, "loss": "distill 0.5"},
     "c": {"data": "t1", "distill": 0.0, "loss": "hard CE"},
     "d": {"data": "t1", "distill": 1.0, "loss": "distill 1.0"},
+    # the LK loss (Samarin et al., arXiv 2602.23881): -log of the accept probability at T=1, mixed with distillation
+    "e": {"data": "t02", "distill": 0.5, "accept": 0.5, "loss": "distill 0.5 + accept (-log a, T=1) 0.5"},
 }
 DATA = {  # name -> (regenerate sampling flags, samples per prompt, data temperature label)
     "t02": (["--temperature", "0.2", "--top-p", "0.9"], 1, "0.2 (top-p 0.9)"),
@@ -377,6 +380,7 @@ def train(args: argparse.Namespace) -> None:
         argv = python() + ["-m", "nemo_dflash.recipes.train", "--config", args.recipe, f"target.path={args.target}",
                            f"data.sources=[{{path: {out / 'data' / (lever['data'] + '.jsonl')}}}]",
                            f"output_dir={run}", f"train.max_steps={steps}", f"loss.distill_weight={lever['distill']}",
+                           f"loss.accept_weight={lever.get('accept', 0.0)}",
                            f"train.eval_every={args.eval_every}", "wandb.mode=disabled", *args.overrides]
         if args.max_minutes:
             argv.append(f"train.max_minutes={args.max_minutes}")
@@ -519,7 +523,7 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
 
         computed = draft_weights_sha256(exp)
     row: dict[str, Any] = {
-        "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"],
+        "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
         "data_temperature": DATA[lever["data"]][2], "samples_per_prompt": DATA[lever["data"]][1],
         "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
         "train_seconds": summary.get("train_seconds"), "stopped_early": summary.get("stopped_early"),
