@@ -323,6 +323,7 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
         elif isinstance(value, list):
             changed[f.name] = ["a=b.jsonl", "c"]
     changed.update({k: v for k, v in {"seed": 7, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 9,
+                                      "user_max_new_tokens": 15,
                                       "turns": {regenerate: "all", prompts: "2-3"}.get(module, 2), "batch_size": 12,
                                       "engine": "vllm" if module is export else None}.items()
                     if k in {f.name for f in dataclasses.fields(section)} and v is not None})
@@ -332,6 +333,17 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
     parsed = vars(module.build_parser().parse_args([*required, *section_argv(module.build_parser(), obj, only)]))
     for k, v in changed.items():
         assert parsed[k] == (["sharegpt", *v] if (module, k) == (regenerate, "data") else v), k
+
+
+def test_a_null_user_cap_leaves_a_prompt_jobs_settings_as_they_were():
+    """prompts.jobs[].user_max_new_tokens null (the default) is not in the stage's settings, so a prompts marker
+    written before the key existed still matches; a value set is a setting (changing it is refused or redone)."""
+    job = PromptJobConfig(name="m")
+    drop = (*pipeline.HOW_NOT_WHAT, "user_max_new_tokens")
+    before = {k: v for k, v in dataclasses.asdict(job).items() if k not in drop}
+    assert pipeline._job_settings(job) == before
+    assert pipeline._job_settings(PromptJobConfig(name="m", user_max_new_tokens=512)) == {**before,
+                                                                                         "user_max_new_tokens": 512}
 
 
 def test_two_ranks_prompt_jobs_then_magpie_on_every_rank(tiny, monkeypatch):
