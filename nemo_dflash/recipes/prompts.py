@@ -269,7 +269,8 @@ def _write_magpie(out: Path, convs: list[Any], counts: dict[str, int],
     by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
     if not convs:
         fail(f"Magpie topic(s) {', '.join(counts)}: every sampled prompt was dropped by the filters (empty, too short "
-             "or long, duplicate, looping or capped); raise --max-new-tokens or check the target's chat template")
+             "or long, duplicate, looping or capped); raise --max-new-tokens (or --user-max-new-tokens, the user turns' "
+             "own cap) or check the target's chat template")
     empty = [t for t, n in by_topic.items() if n == 0]
     short = [t for t, n in by_topic.items() if 0 < n < counts[t]]
     if empty:  # written as they are: a topic is never padded from another
