@@ -166,6 +166,7 @@ class PromptJobConfig:
     turns: str = "1"  # Magpie: user turns per conversation, N or MIN-MAX
     seed: int = 0
     max_new_tokens: int = 256
+    user_max_new_tokens: Optional[int] = None  # Magpie: the user turns' own cap (null: max_new_tokens)
     batch_size: Any = 64  # a number, or auto (what the GPU's free memory holds)
     oversample: float = 1.5
     temperature: float = 1.0

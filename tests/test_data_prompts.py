@@ -461,6 +461,12 @@ def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
         recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl"), "--topics", "code=2,chat=1",
                      "--batch-size", "auto", "--max-new-tokens", "12", "--turns", "2-3"])
     assert fits[-1] == (longest + 4 * (12 + 32), 12)
+    # user turns of their own cap (20): each earlier user turn at most 20, each answer 12, a slot one turn of 20 more
+    with pytest.raises(SystemExit):
+        recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl"), "--topics", "code=2,chat=1",
+                     "--batch-size", "auto", "--max-new-tokens", "12", "--turns", "2-3", "--user-max-new-tokens", "20"])
+    assert fits[-1] == (longest + 2 * (20 + 12 + 2 * 32), 20)
+    assert data_prompts.magpie_max_prompt(7, 3, 12, 12) == data_prompts.magpie_max_prompt(7, 3, 12) == 7 + 4 * 44
 
 
 def test_train_data_is_decontaminated(tmp_path, qwen3_tok, monkeypatch):
@@ -555,6 +561,94 @@ def test_magpie_degenerate_topic_is_reported_not_padded(tmp_path, monkeypatch):
     assert len(out.read_text().splitlines()) == 3
     with pytest.raises(SystemExit):
         recipe.main(["--target", "x", "--out", str(tmp_path / "n.jsonl"), "--turns", "3-2"])
+
+
+# Written by the code before user turns had their own cap (commit 421588b), for the settings of
+# test_magpie_default_user_cap_writes_the_same_bytes: the default must keep writing these bytes.
+MAGPIE_BYTES_BEFORE_USER_CAP = "f93dcc53468c9ef538c1b3c126a6509fce42bb857ffc1596b7eb6e8fa933f061"
+
+
+def test_magpie_default_user_cap_writes_the_same_bytes(tmp_path, monkeypatch):
+    """No --user-max-new-tokens (user turns capped at --max-new-tokens, as before the flag) and the flag
+    set to --max-new-tokens both write the file the code wrote before the flag existed, byte for byte
+    (multi-turn, some turns capped)."""
+    import hashlib
+
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.recipes import prompts as recipe
+    from nemo_dflash.target.loading import load_target
+
+    target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    _forced_engine(monkeypatch, target[1])
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
+    args = ["--target", "x", "--topics", "reading=4,math=3", "--turns", "2-4", "--seed", "3", "--max-new-tokens",
+            "10", "--batch-size", "4", "--threads", "1", "--oversample", "2"]
+    summary = recipe.main([*args, "--out", str(tmp_path / "a.jsonl")])
+    recipe.main([*args, "--out", str(tmp_path / "b.jsonl"), "--user-max-new-tokens", "10"])
+    data = (tmp_path / "a.jsonl").read_bytes()
+    assert (tmp_path / "b.jsonl").read_bytes() == data
+    assert hashlib.sha256(data).hexdigest() == MAGPIE_BYTES_BEFORE_USER_CAP
+    dropped = {k for r in summary["topic_report"].values() for k in r["dropped"]}
+    assert "capped" in dropped and any(k > 1 for r in summary["topic_report"].values() for k in r["turns"])
+
+
+def test_magpie_user_turns_take_their_own_cap(tmp_path, monkeypatch):
+    """--user-max-new-tokens 20 over --max-new-tokens 6: the target's user turns (forced to end after
+    13-15 tokens) are kept whole, longer than the answer cap, and its answers (never ending) are cut at
+    6 tokens and kept as context; with the user turns under the answers' cap every first turn is capped
+    and dropped."""
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.data.generation import SlotEngine
+    from nemo_dflash.data.prompts import magpie_prompts
+    from nemo_dflash.target.loading import load_target
+
+    model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    real_pick, real_prefill, real_completion = SlotEngine._pick, SlotEngine._prefill_logits, SlotEngine._completion
+    user_keys: set[int] = set()
+    done: list[tuple[str, int, str, int]] = []  # (role, cap, finish, tokens)
+
+    def prefill(self, slots, requests, starts=None):
+        user_keys.update(r.key for r in requests if tok.decode(r.prompt_ids).endswith("<|im_start|>user\n"))
+        return real_prefill(self, slots, requests, starts)
+
+    def pick(self, logits, keys, positions):  # user turns end after 13-15 tokens, answers never
+        out, _ = real_pick(self, logits, keys, positions)
+        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
+            if key in user_keys and pos >= 13 + key % 3:
+                out[row] = eot
+        return out, None
+
+    def completion(self, request, answer, stopped, loop_start, slot=None):
+        c = real_completion(self, request, answer, stopped, loop_start, slot)
+        role = "user" if request.key in user_keys else "assistant"
+        done.append((role, request.max_new_tokens, c.finish, len(c.token_ids)))
+        return c
+
+    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    monkeypatch.setattr(SlotEngine, "_completion", completion)
+    report: dict = {}
+    convs = magpie_prompts(model, tok, {"chat": 3, "code": 2}, seed=1, max_new_tokens=6, user_max_new_tokens=20,
+                           batch_size=3, oversample=1.0, turns=(2, 3), report=report)
+    assert len(convs) == 5 and all(not r["dropped"] and not r["shortened"] for r in report.values())
+    assert all(len(c.messages) >= 4 for c in convs)  # system, then user/assistant/user at least
+    users = [d for d in done if d[0] == "user"]
+    answers = [d for d in done if d[0] == "assistant"]
+    # a conversation ends on a user turn: one more user turn than answers each
+    assert answers and len(users) == len(answers) + sum(r["sampled"] for r in report.values())
+    assert all(cap == 20 and finish == "stop" and 13 <= n <= 15 for _, cap, finish, n in users)
+    assert all(cap == 6 and finish == "length" and n == 6 for _, cap, finish, n in answers)
+    for c in convs:  # the answers kept are the cut ones
+        assert all(m["content"] for m in c.messages[2::2])
+    done.clear()
+    report = {}
+    assert magpie_prompts(model, tok, {"chat": 3, "code": 2}, seed=1, max_new_tokens=6, batch_size=3, oversample=1.0,
+                          turns=(2, 3), report=report) == []
+    assert {k for r in report.values() for k in r["dropped"]} == {"capped"}
+    assert {(role, cap, finish, n) for role, cap, finish, n in done} == {("user", 6, "length", 6)}
 
 
 # ----------------------------------------------------------------------------- code prompt kinds
@@ -709,9 +803,11 @@ def test_source_segment_equals_the_stdlib_call():
         assert source_segment(lines, node) == ast.get_source_segment(text, node, padded=True)
 
 
-def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("caps", [(10, None), (7, 12)], ids=["one_cap", "user_cap"])
+def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monkeypatch, caps):
     """Three ranks' shares (generated in turn here, each written and read back as its shard) merge and
-    select to exactly the one-process conversations and topic report; the shares split the plan."""
+    select to exactly the one-process conversations and topic report; the shares split the plan. So
+    with user turns under their own cap (12, answers 7)."""
     from _tiny_target import make_tiny_target_dir
 
     from nemo_dflash.data.prompts import (
@@ -722,7 +818,8 @@ def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monk
 
     model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
     _forced_engine(monkeypatch, tok)
-    counts, kw = {"reading": 3, "math": 2}, dict(seed=5, max_new_tokens=10, oversample=1.5, turns=(1, 3))
+    counts, kw = {"reading": 3, "math": 2}, dict(seed=5, max_new_tokens=caps[0], user_max_new_tokens=caps[1],
+                                                 oversample=1.5, turns=(1, 3))
     ref_report: dict = {}
     ref = magpie_prompts(model, tok, counts, batch_size=4, report=ref_report, **kw)
     plan = magpie_plan(counts, seed=5, oversample=1.5, turns=(1, 3))
@@ -745,7 +842,8 @@ def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monk
 
 def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
     """2 gloo ranks under torchrun (each generating its share with its own batch, rank 0 merging) write the
-    bytes and the topic report of one process with the same seed and counts; the rank shards are removed."""
+    bytes and the topic report of one process with the same seed and counts (user turns under their own
+    cap); the rank shards are removed."""
     from _tiny_target import make_tiny_target_dir
     from _torchrun import REPO, torchrun
 
@@ -757,7 +855,8 @@ def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
     _forced_engine(monkeypatch, target[1])
     monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
     args = ["--target", str(target_dir), "--topics", "reading=3,math=2", "--turns", "1-3", "--seed", "4",
-            "--max-new-tokens", "10", "--oversample", "1.5", "--device", "cpu", "--threads", "1"]
+            "--max-new-tokens", "7", "--user-max-new-tokens", "12", "--oversample", "1.5", "--device", "cpu",
+            "--threads", "1"]
     ref = tmp_path / "one" / "m.jsonl"
     want = recipe.main([*args, "--out", str(ref), "--batch-size", "4"])
     out = tmp_path / "ranks" / "m.jsonl"
@@ -765,7 +864,7 @@ def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
                     env={"MAGPIE_SUMMARY": str(tmp_path / "summary.json")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 of 2" in proc.stderr and out.read_bytes() == ref.read_bytes()
-    assert want["written"] == 4 and any(k > 1 for r in want["topic_report"].values() for k in r["turns"])
+    assert want["written"] == 5 and any(k > 1 for r in want["topic_report"].values() for k in r["turns"])
     got = json.loads((tmp_path / "summary.json").read_text())
     assert got["topic_report"] == json.loads(json.dumps(want["topic_report"])) and got["topics"] == want["topics"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.jsonl"]

@@ -550,3 +550,42 @@ def test_answers_that_end_at_their_first_token(monkeypatch):
         follow = p + got[i][0] + [7]
         assert got[101 + 2 * i][0] == _hf_greedy(model, follow, 6), i
     assert engine.continued == 6
+
+
+@pytest.mark.parametrize("window,compiled", [(1, False), (4, False), (3, True)])
+def test_each_request_is_capped_at_its_own_max_new_tokens(window, compiled):
+    """Requests of caps 1, 5, 9 and the engine's 16 (None) share 3 slots and decode windows (and the
+    compiled step: the cap is a tensor it reads, not a branch); at T=1, top-p 0.9 (exact redos too)
+    every answer, its finish and its generated count are the request's alone under an engine whose
+    cap is the request's, and a held slot's follow-up takes its own cap. A cap above the engine's is
+    refused naming the range."""
+    model, prompts = _llama(), _prompts(9)
+    caps = [1, 5, 9, None] * 3
+    kw = dict(max_prompt_tokens=128, stop_ids=[STOP], temperature=1.0, top_p=0.9, seed=7,
+              config=EngineConfig(decode_window=window, decode_compile=compiled))
+    engine = SlotEngine(model, num_slots=3, max_new_tokens=16, **kw)
+    pending = collections.deque(Request(i, p, hold=i < 3, max_new_tokens=caps[i]) for i, p in enumerate(prompts))
+    got = {}
+    for c in engine.generate(pending):
+        got[c.request.key] = (c.request, c.token_ids, c.finish, c.generated)
+        if c.request.key < 3:  # a follow-up in the held slot, with the next cap
+            pending.append(Request(100 + c.request.key, c.request.prompt_ids + c.token_ids + [7], after=c,
+                                   max_new_tokens=caps[c.request.key + 1]))
+    assert len(got) == 12 and engine.continued == 3
+    assert engine.decode_compile == compiled  # the compiled step ran (no fallback)
+    kw["config"] = EngineConfig(decode_window=window)  # the references: the eager step
+    alone = {}  # each request alone in one slot (one after the other) under an engine of its cap
+    for cap in (1, 5, 9, 16):
+        ref = SlotEngine(model, num_slots=1, max_new_tokens=cap, **kw)
+        alone.update((c.request.key, c) for c in ref.generate(collections.deque(
+            Request(key, req.prompt_ids) for key, (req, *_) in got.items() if (req.max_new_tokens or 16) == cap)))
+    lengths = set()
+    for key, (req, answer, finish, generated) in got.items():
+        cap, ref = req.max_new_tokens or 16, alone[key]
+        assert (answer, finish, generated) == (ref.token_ids, ref.finish, ref.generated), key
+        assert len(answer) <= cap and (finish != "length" or len(answer) == cap)
+        lengths.add((cap, finish))
+    assert {(1, "length"), (5, "length"), (9, "length")} <= lengths  # the caps cut answers
+    assert engine.redone > 0
+    with pytest.raises(ValueError, match=r"max_new_tokens 17; the engine takes 1..16"):
+        list(engine.generate(collections.deque([Request(0, prompts[0], max_new_tokens=17)])))

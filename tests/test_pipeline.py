@@ -261,6 +261,37 @@ def test_two_ranks_killed_mid_training_continue_where_they_stopped(tiny, two_ran
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_two_ranks_killed_mid_regenerate_continue_where_they_stopped(tiny):
+    """Rank 0 is SIGKILLed as it is about to write its third conversation (its journal holds two) in the regenerate
+    stage; no marker is written. The same command then continues the ranks' journals (``resumed_done`` > 0:
+    nothing done is generated again) and writes the bytes of an uninterrupted run with the same seed (one
+    process: the same file as 2 ranks, docs/data.md), and the stage's marker."""
+    chat = write_chat_jsonl(tiny["root"] / "chat16.jsonl", n=16, seed=3)
+    args = ["stages=regenerate", "prompts.jobs=[]", f"regenerate.data=[{chat}]", "regenerate.batch_size=2"]
+    ref = tiny["root"] / "regen_whole"
+    assert pipeline.main(["--config", str(recipe(tiny, ref)), *args]) == {"regenerate": "done"}
+    run = tiny["root"] / "regen_killed"
+    config = recipe(tiny, run)
+    proc = torchrun(config, str(REPO / "tests" / "_pipeline_killed_rank.py"), args, PIPELINE_KILL_RANK="0",
+                    PIPELINE_KILL_AT="2")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    data = run / "data"
+    journal = data / "regen.jsonl.rank0-of-2.partial"
+    assert journal.read_bytes().count(b"\n") == 2  # killed mid-stage, with its first two conversations written
+    assert not (data / "regen.jsonl").exists() and not (run / "stages" / "regenerate.json").exists()
+
+    proc = torchrun(config, args=args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "continuing" in proc.stderr
+    marker = json.loads((run / "stages" / "regenerate.json").read_text())
+    summary = marker["summary"]
+    assert summary["resumed_done"] >= 2 and summary["written_this_run"] == summary["written"] - summary["resumed_done"]
+    assert summary["written"] == 16 and summary["ranks"] == 2
+    assert json.loads((run / "summary.json").read_text())["last_invocation"] == {"regenerate": "done"}
+    assert (data / "regen.jsonl").read_bytes() == (ref / "data" / "regen.jsonl").read_bytes()
+    assert not list(data.glob("regen.jsonl.rank*"))  # the journals are merged and removed
+
+
 def test_stages_and_redo_name_real_stages(capsys):
     for arg in ("stages=regen", "redo=trian", "stages="):
         with pytest.raises(SystemExit) as e:
@@ -323,6 +354,7 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
         elif isinstance(value, list):
             changed[f.name] = ["a=b.jsonl", "c"]
     changed.update({k: v for k, v in {"seed": 7, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 9,
+                                      "user_max_new_tokens": 15,
                                       "turns": {regenerate: "all", prompts: "2-3"}.get(module, 2), "batch_size": 12,
                                       "engine": "vllm" if module is export else None}.items()
                     if k in {f.name for f in dataclasses.fields(section)} and v is not None})
@@ -332,6 +364,17 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
     parsed = vars(module.build_parser().parse_args([*required, *section_argv(module.build_parser(), obj, only)]))
     for k, v in changed.items():
         assert parsed[k] == (["sharegpt", *v] if (module, k) == (regenerate, "data") else v), k
+
+
+def test_a_null_user_cap_leaves_a_prompt_jobs_settings_as_they_were():
+    """prompts.jobs[].user_max_new_tokens null (the default) is not in the stage's settings, so a prompts marker
+    written before the key existed still matches; a value set is a setting (changing it is refused or redone)."""
+    job = PromptJobConfig(name="m")
+    drop = (*pipeline.HOW_NOT_WHAT, "user_max_new_tokens")
+    before = {k: v for k, v in dataclasses.asdict(job).items() if k not in drop}
+    assert pipeline._job_settings(job) == before
+    assert pipeline._job_settings(PromptJobConfig(name="m", user_max_new_tokens=512)) == {**before,
+                                                                                         "user_max_new_tokens": 512}
 
 
 def test_two_ranks_prompt_jobs_then_magpie_on_every_rank(tiny, monkeypatch):

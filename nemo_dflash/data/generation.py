@@ -178,6 +178,10 @@ class Request:
     answer ends. ``after``: the completion this request follows; if its slot is still held, the
     request continues there and only the part of ``prompt_ids`` past the common prefix with the
     slot's tokens is prefilled. ``prompt_ids`` is always the whole prompt.
+
+    ``max_new_tokens``: this answer's token cap, 1 up to the engine's (None: the engine's). The
+    cap is a per-slot tensor the decode step reads, so requests of different caps share a batch
+    (and a captured step) and each answer is the one it would be alone under an engine of its cap.
     """
 
     key: int
@@ -185,6 +189,7 @@ class Request:
     tag: Any = None  # the caller's handle, returned with the completion
     hold: bool = False
     after: Optional["Completion"] = None
+    max_new_tokens: Optional[int] = None
 
 
 @dataclass
@@ -476,8 +481,9 @@ class SlotEngine:
         """One decode step on the engine's fixed tensors: forward, keyed sample, bookkeeping.
 
         Free slots run too (fixed shapes) and their results are ignored. A slot whose answer ends
-        (stop token, token cap) is deactivated here, so the steps after it in a window leave it as
-        it is; so is a slot whose sample must be redone exactly (a nucleus wider than the
+        (stop token, its request's token cap: ``_cap``, a tensor, so a captured step honours every
+        slot's) is deactivated here, so the steps after it in a window leave it as it is; so is a
+        slot whose sample must be redone exactly (a nucleus wider than the
         candidates): ``_wide_at`` keeps its answer position and ``_wide_logits`` its logits. The
         flags are sticky until the host clears them: ``_ended``, ``_due`` (a live answer whose
         length reached a multiple of ``loop_check_every``), and ``_flags`` = [any ended, any wide,
@@ -497,7 +503,7 @@ class SlotEngine:
             wide = torch.zeros_like(active)
         self._answer_pos.add_(self._active)
         self.cache.lengths.add_(self._active)  # free slots stay empty (they decode garbage at position 0)
-        ended = active & ~wide & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self.max_new_tokens))
+        ended = active & ~wide & (torch.isin(self._tokens, self._stop_t) | (self._answer_pos >= self._cap))
         self._ended.logical_or_(ended)
         self._due.logical_or_(active & ~ended & ~wide & (self._answer_pos % self.loop_check_every == 0))
         self._active.mul_(~(ended | wide))
@@ -608,7 +614,7 @@ class SlotEngine:
             self._tokens[rows] = fixed
             self._out[rows, at] = fixed
             length = at + 1  # the slot stopped right after this token: its answer length
-            ended = torch.isin(fixed, self._stop_t) | (length >= self.max_new_tokens)
+            ended = torch.isin(fixed, self._stop_t) | (length >= self._cap[rows])
             due = ~ended & (length % self.loop_check_every == 0)
             self._ended[rows] = ended
             self._due[rows] = due
@@ -676,6 +682,7 @@ class SlotEngine:
             self._ended = torch.zeros(S, dtype=torch.bool, device=dev)
             self._due = torch.zeros(S, dtype=torch.bool, device=dev)
             self._out = torch.zeros((S, self.max_new_tokens + 1), dtype=torch.long, device=dev)
+            self._cap = torch.full((S,), self.max_new_tokens, dtype=torch.long, device=dev)  # each slot's token cap
             self._stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)
             self._wide_at = torch.full((S,), -1, dtype=torch.long, device=dev)  # answer position of a redo, -1: none
             self._generated = torch.zeros((), dtype=torch.long, device=dev)
@@ -686,11 +693,18 @@ class SlotEngine:
                   self._generated):
             t.zero_()
         self._wide_at.fill_(-1)
+        self._cap.fill_(self.max_new_tokens)
 
     def _check(self, req: Request) -> None:
         if not 0 < len(req.prompt_ids) <= self.max_prompt_tokens:
             raise ValueError(f"request {req.key}: prompt of {len(req.prompt_ids)} tokens; the engine "
                              f"takes 1..{self.max_prompt_tokens}")
+        if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"request {req.key}: max_new_tokens {req.max_new_tokens}; the engine "
+                             f"takes 1..{self.max_new_tokens}")
+
+    def _cap_of(self, req: Request) -> int:
+        return self.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
 
     def _claim_follow_ups(self, pending: collections.deque, held: dict[int, tuple[Completion, np.ndarray]],
                           ready: list[tuple[int, Request, int]], free: list[int]) -> None:
@@ -870,7 +884,9 @@ class SlotEngine:
         self._out[idx, 0] = first
         self._keys[idx] = keys
         self._answer_pos[idx] = 1
-        ended = torch.isin(first, self._stop_t) | (self.max_new_tokens <= 1)
+        caps = self._index([self._cap_of(it[1]) for it in chunk])
+        self._cap[idx] = caps
+        ended = torch.isin(first, self._stop_t) | (caps <= 1)
         if wide is not None:
             ended &= ~wide
             self._wide_at[idx] = torch.where(wide, 0, -1)

@@ -676,11 +676,14 @@ def magpie_prefix(tokenizer: Any, system: str, history: Sequence[dict[str, str]]
     return tokenizer(magpie_prefix_text(tokenizer, system, history), add_special_tokens=False)["input_ids"]
 
 
-def magpie_max_prompt(prefix_tokens: int, max_turns: int, max_new_tokens: int) -> int:
+def magpie_max_prompt(prefix_tokens: int, max_turns: int, max_new_tokens: int,
+                      user_max_new_tokens: Optional[int] = None) -> int:
     """The longest prompt of a Magpie conversation of ``max_turns`` user turns: the prefix, then every
-    earlier turn (at most ``max_new_tokens`` each) and its template markers. A slot holds this plus
-    ``max_new_tokens``: what ``--batch-size auto`` must size the KV cache for."""
-    return prefix_tokens + (2 * max_turns - 2) * (max_new_tokens + TURN_OVERHEAD_TOKENS)
+    earlier user turn (at most ``user_max_new_tokens`` each; None: ``max_new_tokens``) and its answer
+    (at most ``max_new_tokens``), each with its template markers. A slot holds this plus the larger
+    of the two caps: what ``--batch-size auto`` must size the KV cache for."""
+    user = max_new_tokens if user_max_new_tokens is None else user_max_new_tokens
+    return prefix_tokens + (max_turns - 1) * (user + max_new_tokens + 2 * TURN_OVERHEAD_TOKENS)
 
 
 def parse_turns(text: str) -> tuple[int, int]:
@@ -740,8 +743,8 @@ def _turn_problem(text: str, finish: str, role: str, specials: Sequence[str]) ->
 
 
 def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
-                   batch_size: int = 64, temperature: float = 1.0, top_p: float = 1.0, name: str = "magpie",
-                   oversample: float = 1.3, turns: tuple[int, int] = (1, 1),
+                   user_max_new_tokens: Optional[int] = None, batch_size: int = 64, temperature: float = 1.0,
+                   top_p: float = 1.0, name: str = "magpie", oversample: float = 1.3, turns: tuple[int, int] = (1, 1),
                    report: Optional[dict[str, dict[str, Any]]] = None) -> list[Conversation]:
     """``counts[topic]`` conversations the target writes itself per topic of :data:`MAGPIE_TOPICS`.
 
@@ -756,9 +759,14 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
     conversations than ``counts`` so the first-turn filters (empty, too short or long, duplicate,
     looping, capped) still leave the count where the target is varied enough; a topic left short
     is reported (``report`` and the log), never padded from another topic.
+
+    A user turn is capped at ``user_max_new_tokens`` tokens (None: ``max_new_tokens``) and dropped
+    when it reaches the cap; an answer at ``max_new_tokens`` and kept cut (it is context only), so
+    answers can stay short while user turns run long.
     """
-    convs = magpie_generate(model, tokenizer, counts, seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            temperature=temperature, top_p=top_p, oversample=oversample, turns=turns)
+    convs = magpie_generate(model, tokenizer, counts, seed=seed, max_new_tokens=max_new_tokens,
+                            user_max_new_tokens=user_max_new_tokens, batch_size=batch_size, temperature=temperature,
+                            top_p=top_p, oversample=oversample, turns=turns)
     return magpie_select(convs, counts, name=name, report=report)
 
 
@@ -806,12 +814,15 @@ def magpie_shares(wants: Sequence[int], world: int) -> list[int]:
 
 
 def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
-                    batch_size: int = 64, temperature: float = 1.0, top_p: float = 1.0, oversample: float = 1.3,
-                    turns: tuple[int, int] = (1, 1), rank: int = 0, world: int = 1) -> list[_MagpieConversation]:
+                    user_max_new_tokens: Optional[int] = None, batch_size: int = 64, temperature: float = 1.0,
+                    top_p: float = 1.0, oversample: float = 1.3, turns: tuple[int, int] = (1, 1), rank: int = 0,
+                    world: int = 1) -> list[_MagpieConversation]:
     """The conversations of :func:`magpie_plan` that rank ``rank`` of ``world`` generates
     (:func:`magpie_shares`), in global order; every one of them, whatever its outcome (:func:`magpie_select`
     filters them over all ranks). Each request's sampling is keyed by (seed, topic, index, step), so a
-    conversation comes out the same whichever rank or batch generates it."""
+    conversation comes out the same whichever rank or batch generates it. User turns are capped at
+    ``user_max_new_tokens`` (None: ``max_new_tokens``), answers at ``max_new_tokens``: each request
+    carries its cap, the engine's is the larger."""
     import collections
     import zlib
 
@@ -821,6 +832,9 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
 
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")
+    user_cap = max_new_tokens if user_max_new_tokens is None else user_max_new_tokens
+    if user_cap < 1 or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens} and user_max_new_tokens {user_cap} must be >= 1")
     plan = magpie_plan(counts, seed=seed, oversample=oversample, turns=turns)
     shares = magpie_shares([c.turns for c in plan], world)
     convs = [c for c, r in zip(plan, shares) if r == rank]
@@ -831,11 +845,13 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     stop_ids = stop_token_ids(model, tokenizer)
     specials = special_token_strings(tokenizer)
     prefixes = {topic: magpie_prefix(tokenizer, MAGPIE_TOPICS[topic]) for topic in counts}
-    max_prompt = magpie_max_prompt(max(len(p) for p in prefixes.values()), hi, max_new_tokens)
+    max_prompt = magpie_max_prompt(max(len(p) for p in prefixes.values()), hi, max_new_tokens, user_cap)
+    cap_of = {"user": user_cap, "assistant": max_new_tokens}  # the turn a request writes -> its token cap
     pending: collections.deque = collections.deque(
         Request(key=(seed * 7919 + topic_index[c.topic] * 1_000_003 + c.index) & 0x7FFFFFFF,
-                prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1) for c in convs)
-    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max_prompt, max_new_tokens=max_new_tokens,
+                prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1, max_new_tokens=user_cap) for c in convs)
+    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max_prompt,
+                        max_new_tokens=max(user_cap, max_new_tokens),
                         stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
                         loop_detector=LoopDetector(), stop_on_loop=True)
     for done in engine.generate(pending):
@@ -867,7 +883,9 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
         step = len(conv.messages) - 1
         last = role == "assistant" and conv.users() + 1 == conv.turns
         key = zlib.crc32(f"{seed}/{conv.topic}/{conv.index}/{step}".encode()) & 0x7FFFFFFF
-        pending.append(Request(key=key, prompt_ids=ids, tag=conv, hold=not last, after=done))
+        nxt = "assistant" if role == "user" else "user"
+        pending.append(Request(key=key, prompt_ids=ids, tag=conv, hold=not last, after=done,
+                               max_new_tokens=cap_of[nxt]))
     return convs
 
 

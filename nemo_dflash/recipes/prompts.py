@@ -9,7 +9,9 @@ instructions, explain_code: `nemo_dflash.data.prompts.MAGPIE_TOPICS`), and sampl
 (Magpie, arXiv 2406.08464). With --turns MIN-MAX it then answers that turn and writes the next
 user turn (the template up to the next user header), for a seeded number of user turns in the
 range. Empty, duplicate, too short, too long, looping or capped first turns are dropped; a later
-turn that fails ends its conversation at the last good user turn. A topic left short of its
+turn that fails ends its conversation at the last good user turn. --max-new-tokens caps every turn;
+--user-max-new-tokens gives the user turns their own cap (answers are context only: regenerate
+answers every user turn again, so they may stay short while user turns run long). A topic left short of its
 count is reported (log and summary), never padded from another. Writes OpenAI-layout JSONL:
     {"messages": [{"role": "system", ...}, {"role": "user", ...}, ...], "id": "magpie-code:17"}
 then `regenerate --data magpie=data/magpie.jsonl --turns all` answers every user turn (its
@@ -65,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", default="1",
                    help="user turns per conversation: N or MIN-MAX (e.g. 2-6), drawn per conversation (seeded)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="cap on a prompt's tokens (capped ones are dropped)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="cap on a turn's tokens: a capped user turn is dropped, a capped answer kept cut (it is "
+                        "context only: regenerate answers again)")
+    p.add_argument("--user-max-new-tokens", type=int, default=None,
+                   help="the user turns' own cap (default: --max-new-tokens), e.g. 512 with --max-new-tokens 256: "
+                        "long user turns, short answers")
     p.add_argument("--batch-size", type=count_or_auto, default=64,
                    help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (on a CPU: 8)")
     p.add_argument("--oversample", type=float, default=1.5,
@@ -150,8 +157,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     with user_errors(DataError):
         turns = parse_turns(args.turns)
-    for name in ("max_new_tokens", "batch_size"):
-        if getattr(args, name) != "auto" and getattr(args, name) < 1:
+    for name in ("max_new_tokens", "user_max_new_tokens", "batch_size"):
+        if getattr(args, name) not in ("auto", None) and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not 1 <= args.oversample <= 100:
@@ -205,11 +212,13 @@ def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: 
 
         with user_errors(DataError):
             longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
-        # a slot holds a whole conversation: its longest prompt (every earlier turn) plus an answer
-        longest = magpie_max_prompt(longest, turns[1], args.max_new_tokens)
-        args.batch_size = auto_num_slots(max_slots(model, longest, args.max_new_tokens))
+        # a slot holds a whole conversation: its longest prompt (every earlier turn) plus a turn (the larger cap)
+        longest = magpie_max_prompt(longest, turns[1], args.max_new_tokens, args.user_max_new_tokens)
+        cap = max(args.max_new_tokens, args.user_max_new_tokens or args.max_new_tokens)
+        args.batch_size = auto_num_slots(max_slots(model, longest, cap))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
-    sampling = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+    sampling = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, user_max_new_tokens=args.user_max_new_tokens,
+                    batch_size=args.batch_size,
                     temperature=args.temperature, top_p=args.top_p, oversample=args.oversample, turns=turns)
     topic_report: dict[str, dict[str, Any]] = {}
     if world == 1:
@@ -260,7 +269,8 @@ def _write_magpie(out: Path, convs: list[Any], counts: dict[str, int],
     by_topic = {t: sum(c.location.startswith(f"magpie-{t}:") for c in convs) for t in counts}
     if not convs:
         fail(f"Magpie topic(s) {', '.join(counts)}: every sampled prompt was dropped by the filters (empty, too short "
-             "or long, duplicate, looping or capped); raise --max-new-tokens or check the target's chat template")
+             "or long, duplicate, looping or capped); raise --max-new-tokens (or --user-max-new-tokens, the user turns' "
+             "own cap) or check the target's chat template")
     empty = [t for t, n in by_topic.items() if n == 0]
     short = [t for t, n in by_topic.items() if 0 < n < counts[t]]
     if empty:  # written as they are: a topic is never padded from another
