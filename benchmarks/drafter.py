@@ -12,11 +12,37 @@ the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --
 
 from __future__ import annotations
 
+import argparse
+import ast
+import copy
+import gzip
+import hashlib
+import json
+import logging
 import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
+
+import torch  # noqa: E402
+
+from _common import append_rows, provenance, read_rows, write_qwen3_8b_config  # noqa: E402
+from nemo_dflash.core import expected_block_length  # noqa: E402
+from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa: E402
+from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
+from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
+from nemo_dflash.sampling import SamplingParams  # noqa: E402
+from nemo_dflash.target.loading import load_target  # noqa: E402
 
 
 # ====================================================================================================
@@ -40,17 +66,6 @@ tokens and held-out simulated tau (the run's summary), tau per dataset and tempe
 loop share and speedup (evaluate's results.json), with evaluate's protocol. Nothing is typed in: a
 value the run did not produce is null. Without a JSON path the rows are printed.
 """
-
-
-import argparse
-import ast
-import gzip
-import json
-import re
-from pathlib import Path
-from typing import Any, Optional
-
-from _common import append_rows, provenance, read_rows
 
 
 def _load(path: Path) -> Optional[dict[str, Any]]:
@@ -264,17 +279,6 @@ so a GPU moves on as soon as its lever's phase ends. Every phase skips what is c
 (or continued on a fresh machine).
 """
 
-
-import argparse
-import hashlib
-import json
-import os
-import shlex
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Any, Optional
 
 LEVERS: dict[str, dict[str, Any]] = {
     "a": {"data": "t02", "distill": 0.0, "loss": "hard CE"},
@@ -683,21 +687,6 @@ Prints a table; not a test. Minutes on a CPU for 40 answers.
 """
 
 
-import argparse
-import copy
-import json
-import logging
-from pathlib import Path
-
-import torch
-
-from nemo_dflash.core import expected_block_length
-from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
-from nemo_dflash.inference.spec_decode import crop_dynamic_cache
-from nemo_dflash.recipes._cli import resolve_device_dtype
-from nemo_dflash.sampling import SamplingParams
-from nemo_dflash.target.loading import load_target
-
 log = logging.getLogger("t1_ceiling")
 
 
@@ -830,23 +819,6 @@ resume is part of the measurement). Logs: OUT_DIR.first.log, OUT_DIR.resume.log.
 metrics.jsonl per logged step: loss, step time, tokens/s (all GPUs), peak memory.
 """
 
-import argparse
-import json
-import os
-import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Optional, Sequence
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import write_qwen3_8b_config  # noqa: E402
-
 
 def write_synthetic_chats(path: Path, n: int, seed: int = 0) -> Path:
     """`n` long chats of random common words (a 50-300-word question, a 1,500-3,000-word answer)."""
@@ -922,7 +894,6 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
             print(f"step {r['step']:>4}  loss {r['loss']:.3f}  step {r['step_s'] * 1e3:.0f} ms  "
                   f"tok/s (all GPUs) {r['tok_s']:.0f}  peak {r.get('peak_mem_gb', 0):.1f} GB")
     return code
-
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

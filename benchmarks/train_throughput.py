@@ -43,7 +43,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
-from nemo_dflash.core import DFlashTrainerModule  # noqa: E402
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
 from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402

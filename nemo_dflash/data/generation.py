@@ -756,7 +756,6 @@ class SlotEngine:
 
     def _generate(self, pending: collections.deque) -> Iterator[Completion]:
         self._start_state()
-        dev = self.device
         requests: dict[int, Request] = {}  # slot -> its request
         free = list(range(self.num_slots - 1, -1, -1))
         held: dict[int, tuple[Completion, np.ndarray]] = {}  # slot -> (its completion, the token ids in its KV)
