@@ -157,14 +157,14 @@ def _jobs_data(cfg: RecipeConfig, lay: Layout) -> list[str]:
     return [f"{j.name}={lay.prompts(j.name)}@{j.weight:g}" for j in cfg.prompts.jobs]
 
 
+# Keys added after stage markers were first written, with their defaults: a key at its default is left out
+# of a stage's settings, so a stage completed before the key existed keeps its marker.
+ADDED_SINCE_MARKERS: dict[str, Any] = {"user_max_new_tokens": None}
+
+
 def _section(obj: Any, drop: Sequence[str] = HOW_NOT_WHAT) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(obj).items() if k not in drop}
-
-
-def _job_settings(job: Any) -> dict[str, Any]:
-    """A prompt job's settings; a null ``user_max_new_tokens`` (the default: ``max_new_tokens``) is left
-    out, so a prompts stage completed before that key existed keeps its marker."""
-    return _section(job, (*HOW_NOT_WHAT, *(["user_max_new_tokens"] if job.user_max_new_tokens is None else [])))
+    return {k: v for k, v in dataclasses.asdict(obj).items()
+            if k not in drop and not (k in ADDED_SINCE_MARKERS and v == ADDED_SINCE_MARKERS[k])}
 
 
 def _parser_check(name: str, parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -218,7 +218,7 @@ class Pipeline:
                 raise UsageError(f"prompts.jobs name {j.name!r}: give each job a distinct name of letters, digits, "
                                  "'_' or '-' (it names the file prompts/NAME.jsonl)")
         magpie = any(j.source is None for j in jobs)
-        settings = {"jobs": [_job_settings(j) for j in jobs], **({"target": self.cfg.target.path} if magpie else {})}
+        settings = {"jobs": [_section(j) for j in jobs], **({"target": self.cfg.target.path} if magpie else {})}
 
         def argv(j: Any, overwrite: bool) -> list[str]:
             return ["--out", str(self.lay.prompts(j.name)), *([] if j.source else ["--target", self.cfg.target.path]),
