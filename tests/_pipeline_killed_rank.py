@@ -1,4 +1,4 @@
-"""`python -m nemo_dflash.recipes.pipeline ARGS` whose rank PIPELINE_KILL_RANK is SIGKILLed mid-stage: in `train`
+"""`python -m nemo_dflash.recipes.pipeline ARGS` whose rank PIPELINE_KILL_RANK (or any rank) is SIGKILLed mid-stage: in `train`
 right after it saved the checkpoint of step PIPELINE_KILL_STEP, or (PIPELINE_KILL_STEP unset) in `regenerate` as
 it is about to write its PIPELINE_KILL_AT-th conversation (counted from 0). A rank of a pipeline dying under
 torchrun, for the resume tests. Run it as torchrun's script."""
@@ -14,7 +14,7 @@ from nemo_dflash.data import regenerate as regen_mod
 from nemo_dflash.recipes import pipeline
 from nemo_dflash.train import checkpoint
 
-MINE = os.environ["RANK"] == os.environ["PIPELINE_KILL_RANK"]
+MINE = os.environ["PIPELINE_KILL_RANK"] in ("any", os.environ["RANK"])  # any: whichever rank gets there first
 real_save, real_regen = checkpoint.Checkpointer.save, regen_mod.regenerate_conversations
 
 

@@ -262,8 +262,8 @@ def test_two_ranks_killed_mid_training_continue_where_they_stopped(tiny, two_ran
 
 
 def test_two_ranks_killed_mid_regenerate_continue_where_they_stopped(tiny):
-    """Rank 0 is SIGKILLed as it is about to write its third conversation (its journal holds two) in the regenerate
-    stage; no marker is written. The same command then continues the ranks' journals (``resumed_done`` > 0:
+    """The first rank about to write its third conversation in the regenerate stage is SIGKILLed (its journal holds
+    two; the ranks share one queue, so which rank gets there first is a race); no marker is written. The same command then continues the ranks' journals (``resumed_done`` > 0:
     nothing done is generated again) and writes the bytes of an uninterrupted run with the same seed (one
     process: the same file as 2 ranks, docs/data.md), and the stage's marker."""
     chat = write_chat_jsonl(tiny["root"] / "chat16.jsonl", n=16, seed=3)
@@ -272,12 +272,13 @@ def test_two_ranks_killed_mid_regenerate_continue_where_they_stopped(tiny):
     assert pipeline.main(["--config", str(recipe(tiny, ref)), *args]) == {"regenerate": "done"}
     run = tiny["root"] / "regen_killed"
     config = recipe(tiny, run)
-    proc = torchrun(config, str(REPO / "tests" / "_pipeline_killed_rank.py"), args, PIPELINE_KILL_RANK="0",
+    proc = torchrun(config, str(REPO / "tests" / "_pipeline_killed_rank.py"), args, PIPELINE_KILL_RANK="any",
                     PIPELINE_KILL_AT="2")
     assert proc.returncode != 0, proc.stderr[-3000:]
     data = run / "data"
-    journal = data / "regen.jsonl.rank0-of-2.partial"
-    assert journal.read_bytes().count(b"\n") == 2  # killed mid-stage, with its first two conversations written
+    journals = [data / f"regen.jsonl.rank{r}-of-2.partial" for r in range(2)]  # a rank stopped early may have none
+    written = [j.read_bytes().count(b"\n") if j.exists() else 0 for j in journals]
+    assert 2 in written and sum(written) < 16, written  # killed mid-stage, a rank with its first two written
     assert not (data / "regen.jsonl").exists() and not (run / "stages" / "regenerate.json").exists()
 
     proc = torchrun(config, args=args)
@@ -372,8 +373,8 @@ def test_a_null_user_cap_leaves_a_prompt_jobs_settings_as_they_were():
     job = PromptJobConfig(name="m")
     drop = (*pipeline.HOW_NOT_WHAT, "user_max_new_tokens")
     before = {k: v for k, v in dataclasses.asdict(job).items() if k not in drop}
-    assert pipeline._job_settings(job) == before
-    assert pipeline._job_settings(PromptJobConfig(name="m", user_max_new_tokens=512)) == {**before,
+    assert pipeline._section(job) == before
+    assert pipeline._section(PromptJobConfig(name="m", user_max_new_tokens=512)) == {**before,
                                                                                          "user_max_new_tokens": 512}
 
 
