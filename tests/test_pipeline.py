@@ -156,6 +156,40 @@ def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
     assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
 
 
+def test_a_time_capped_training_is_incomplete_and_the_next_run_resumes_it(tiny, monkeypatch):
+    """train.max_minutes stops the run mid-schedule: no marker, no export of the unfinished draft; the same
+    command with another cap (a job limit, not a setting) continues from the checkpoint the cap wrote."""
+    from nemo_dflash.train import checkpoint
+
+    run = tiny["root"] / "capped"
+    config = recipe(tiny, run)
+    outcome = pipeline.main(["--config", str(config), "train.max_minutes=0"])  # 0: stop after the first step
+    assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
+    assert not (run / "stages" / "train.json").exists()
+    assert not (run / "export").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["last_invocation"]["train"] == "incomplete"
+
+    real_resume, resumed = checkpoint.Checkpointer.resume, []
+
+    def spy(self):
+        saved = real_resume(self)
+        resumed.append(None if saved is None else int(saved["step"]))
+        return saved
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "resume", spy)
+    outcome = pipeline.main(["--config", str(config), "train.max_minutes=30"])
+    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done", "export": "done",
+                       "evaluate": "done"}
+    assert resumed and 1 <= resumed[0] < 4  # the capped run's last step, not a fresh start
+    marker = json.loads((run / "stages" / "train.json").read_text())
+    assert marker["summary"]["steps"] == 4 and marker["summary"]["stopped_early"] is None
+    assert "max_minutes" not in marker["settings"]["train"]
+    # a later run under yet another cap skips the complete stage
+    again = pipeline.main(["--config", str(config), "stages=train", "train.max_minutes=5"])
+    assert again == {"train": "skipped"}
+
+
 LEFT_BY_HAND = {  # stage -> an output of it a command run by hand left behind (no marker)
     "prompts": "prompts/code.jsonl", "regenerate": "data/regen.jsonl", "train": "train/config.yaml",
     "export": "export/model.safetensors",

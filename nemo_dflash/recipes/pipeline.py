@@ -283,6 +283,7 @@ class Pipeline:
             cfg.data.sources = [DataSourceConfig(path=str(self.lay.regen))]
         reads_regen = any(Path(s.path).resolve() == regen for s in cfg.data.sources)
         settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAIN_HOW_NOT_WHAT}
+        settings["train"].pop("max_minutes")  # a job limit: a run it stops is incomplete, and resumes under another
         if "train" in self.checked:  # the target and the data that exist now (the regenerated data comes later)
             from nemo_dflash.recipes.train import check_paths
 
@@ -299,7 +300,10 @@ class Pipeline:
                 run_cfg.checkpoint.resume = "none"
             check_paths(run_cfg)
             with user_errors(*user_error_types()):
-                return train(run_cfg, overwrite=overwrite)
+                summary = train(run_cfg, overwrite=overwrite)
+            if summary.get("stopped_early"):  # the time cap or SIGTERM: not complete, the same command resumes it
+                return {**summary, "incomplete": True, "stopped_by": summary["stopped_early"]}
+            return summary
 
         def left() -> list[str]:
             from nemo_dflash.train.run_dir import blocks_a_fresh_start
@@ -446,8 +450,8 @@ class Pipeline:
             if stage.name in BARRIER_STAGES:
                 self._barrier()
             if summary.get("incomplete"):
-                logger.warning("stage %s stopped before the end (its time cap): run the same command again to "
-                               "continue it", stage.name)
+                logger.warning("stage %s stopped before the end (%s): run the same command again to continue it",
+                               stage.name, summary.get("stopped_by", "its time cap"))
                 outcome[stage.name] = "incomplete"
                 break
             if main:
