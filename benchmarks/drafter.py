@@ -214,6 +214,46 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
     return res
 
 
+def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200) -> Optional[dict[str, Any]]:
+    """The training step's speed in the run itself, from RUN/run/metrics.jsonl: the median of the logged windows
+    after `after_step` (windows holding an evaluation or a checkpoint are slower; the median leaves them out),
+    per GPU as every row of train_throughput.json. The world size is the run's summary's, or, for runs whose
+    summary predates that key, the token slots of a step over one rank's (micro-batch x packed row)."""
+    run = out / "run"
+    summary = _train_summary(out) or {}
+    metrics = run / "metrics.jsonl"
+    config = run / "config.yaml"
+    if not metrics.is_file() or not config.is_file() or not summary.get("steps"):
+        return None
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    mbs, pack = cfg["train"]["micro_batch_size"], cfg["data"].get("pack_length")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    windows = [r for r in rows if "tok_s" in r and r["step"] > after_step]
+    if not windows or not pack:
+        return None
+    world = summary.get("world")
+    if world is None:  # tokens over token slots is the packing efficiency (< 1): round to the rank count
+        world = round(summary["tokens_seen"] / summary["steps"] / (mbs * pack * cfg["train"].get("grad_accum", 1)))
+
+    def median(key: str) -> Optional[float]:
+        vals = sorted(r[key] for r in windows if r.get(key) is not None)
+        return vals[len(vals) // 2] if vals else None
+
+    total = median("tok_s")
+    return {**head, "shape": "smollm2_135m",
+            "case": (f"the recipe's training run: {world} GPU(s) x mbs {mbs} x {pack} packed, "
+                     f"{cfg['loss']['num_anchors']} anchors, distill {cfg['loss'].get('distill_weight', 0)}, "
+                     f"loss.impl {cfg['loss'].get('impl')}, {summary.get('data', {}).get('train_samples')} "
+                     f"conversations; median of the {len(windows)} logged windows after step {after_step}"),
+            "world": world, "data": "real", "packed": True, "compiled": bool(cfg["train"].get("compile")),
+            "mbs": mbs, "anchors": cfg["loss"]["num_anchors"],
+            "tokens_per_s": round(total / world, 1) if total else None, "tokens_per_s_note": "per GPU",
+            "mfu": median("mfu"), "step_ms": round(median("step_s") * 1e3, 2) if median("step_s") else None,
+            "peak_gb": median("peak_mem_gb"), "steps": summary["steps"], "file": str(metrics)}
+
+
 def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="drafter.py summaries", description=DOC_SUMMARIES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
@@ -226,21 +266,37 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
     p.add_argument("--regen-json", type=Path, default=None)
     p.add_argument("--drafter-json", type=Path, default=None)
+    p.add_argument("--train-json", type=Path, default=None,
+                   help="append the run's training-throughput row (from RUN/run/metrics.jsonl) here, e.g. "
+                        "docs/bench/train_throughput.json")
+    p.add_argument("--no-drafter-row", action="store_true",
+                   help="write the regeneration and training rows only (the drafter row waits for an evaluation)")
     p.add_argument("--eval", type=Path, nargs="*", default=[],
                    help="evaluate results.json files to merge (default: OUT/eval/results.json), e.g. "
                         "eval_speed.py's OUT/replay_t0, sequential_t0 and batched_t1 results")
     args = p.parse_args(argv)
     data = args.data or (args.out / "data" / "regen.jsonl")
     throughput = args.throughput or [x for x in [args.out / "regen_throughput.json"] if x.is_file()]
-    for path in (args.regen_json, args.drafter_json):
+    for path in (args.regen_json, args.drafter_json, args.train_json):
         if path is not None:
-            read_rows(path)  # refuse a file that is not a list of rows before writing either
+            read_rows(path)  # refuse a file that is not a list of rows before writing any
     head = provenance(args.device, args.command)
     if args.commit:
         head["commit"] = args.commit
-    regen = regen_rows(args.out, data if data.is_file() else None, throughput, head)
-    drafter = [drafter_row(args.out, head, args.eval)]
-    for path, rows in ((args.regen_json, regen), (args.drafter_json, drafter)):
+    has_regen = (args.out / "data" / "regen_summary.json").is_file() or (args.out / "logs" / "regenerate.log").is_file()
+    regen = regen_rows(args.out, data if data.is_file() else None, throughput, head) if has_regen else []
+    if args.regen_json is not None and not has_regen:
+        raise SystemExit(f"error: --regen-json: no regeneration files under {args.out} (data/regen_summary.json or "
+                         "logs/regenerate.log): give the pipeline's run directory")
+    drafter = [] if args.no_drafter_row else [drafter_row(args.out, head, args.eval)]
+    trained = train_throughput_row(args.out, head)
+    if args.train_json is not None and trained is None:
+        raise SystemExit(f"error: --train-json: no training metrics under {args.out}/run (metrics.jsonl, config.yaml, "
+                         "summary.json): give the pipeline's run directory")
+    for path, rows in ((args.regen_json, regen), (args.drafter_json, drafter),
+                       (args.train_json, [trained] if trained else [])):
+        if not rows:
+            continue
         if path is None:
             print(json.dumps(rows, indent=1))
         else:

@@ -89,3 +89,42 @@ def test_a_pipeline_run_directory_is_read(tmp_path):
     regen = json.loads(regen_json.read_text())[-1]
     assert (regen["pipeline_tokens_per_s"], regen["world"], regen["conversations"]) == (1000.0, 2, 1)
     assert (regen["tokens"], regen["looping_before"], regen["sampling"]["top_p"]) == (50, 1, 0.9)
+
+
+def _training_run(out: Path, summary: dict) -> None:
+    run = out / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {micro_batch_size: 2, compile: true}\ndata: {pack_length: 100}\n"
+                                     "loss: {num_anchors: 8, distill_weight: 1.0, impl: chunked}\n")
+    rows = [{"step": 100, "tok_s": 9e9, "mfu": 0.9, "step_s": 0.001, "peak_mem_gb": 1.0},  # warm-up: left out
+            {"step": 225, "tok_s": 800.0, "mfu": 0.20, "step_s": 0.5, "peak_mem_gb": 3.0},
+            {"step": 250, "tok_s": 400.0, "mfu": 0.10, "step_s": 1.0, "peak_mem_gb": 3.0},  # an evaluation window
+            {"step": 250, "eval_loss": 1.0},
+            {"step": 275, "tok_s": 820.0, "mfu": 0.21, "step_s": 0.49, "peak_mem_gb": 3.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_training_throughput_row_is_the_median_window_per_gpu(tmp_path):
+    """Median of the windows after step 200 (800 of 400/800/820), divided by the run's world (4): 200 a GPU.
+    A summary without `world` (older runs) gives it from the tokens a step over one rank's slots: 790/(2 x 100)."""
+    for name, summary in (("new", {"steps": 300, "tokens_seen": 237000, "world": 4, "data": {"train_samples": 9}}),
+                          ("old", {"steps": 300, "tokens_seen": 237000, "data": {"train_samples": 9}})):
+        out = tmp_path / name
+        _training_run(out, summary)
+        rows = tmp_path / f"{name}.json"
+        rows.write_text("[]")
+        subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--no-drafter-row",
+                        "--train-json", str(rows)], check=True, capture_output=True, text=True)
+        (row,) = json.loads(rows.read_text())
+        assert row["world"] == 4 and row["tokens_per_s"] == 200.0 and row["tokens_per_s_note"] == "per GPU"
+        assert row["mfu"] == 0.20 and row["step_ms"] == 500.0 and row["mbs"] == 2 and row["steps"] == 300
+        assert "median of the 3 logged windows after step 200" in row["case"]
+
+
+def test_train_json_without_training_files_is_refused_in_one_line(tmp_path):
+    rows = tmp_path / "rows.json"
+    rows.write_text("[]")
+    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(tmp_path), "--device", "GPU",
+                          "--no-drafter-row", "--train-json", str(rows)], capture_output=True, text=True)
+    assert res.returncode != 0 and "--train-json" in res.stderr and json.loads(rows.read_text()) == []

@@ -709,6 +709,7 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             "tokens_seen": self.tokens_seen,
+            "world": self.state.world_size,
             "skipped_steps": self.skipped_steps,
             "stopped_early": reason.value if reason is not None else None,
             "train_seconds": seconds,
