@@ -180,6 +180,45 @@ def merge_evals(paths: list[Path]) -> dict[str, Any]:
     return merged
 
 
+def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
+    """Held-out loss against training loss at each epoch's end, from RUN/run/metrics.jsonl: the training loss
+    is the mean of the steps logged in the epoch's last `tail` fraction, the held-out loss the evaluation
+    nearest the epoch's end (and the run's end, for a last partial epoch). The epoch length is the run's
+    summary's `steps_per_epoch`; for runs whose summary predates it, the train split's tokens over the tokens a
+    step (`estimated`: the train split's share of the tokens taken as its share of the samples)."""
+    summary = _train_summary(out) or {}
+    metrics = out / "run" / "metrics.jsonl"
+    if not metrics.is_file() or not summary.get("steps"):
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    steps = summary["steps"]
+    spe, estimated = summary.get("steps_per_epoch"), False
+    if not spe:
+        data = summary.get("data") or {}
+        if not data.get("samples") or not summary.get("tokens_seen"):
+            return None
+        train_tokens = data["tokens"] * data["train_samples"] / data["samples"]
+        spe, estimated = train_tokens / (summary["tokens_seen"] / steps), True
+    if not train or not evals or not spe:
+        return None
+    ends = [e * spe for e in range(1, int(steps // spe) + 1)]
+    if not ends or steps - ends[-1] > tail * spe:
+        ends.append(float(steps))
+    points = []
+    for end in ends:
+        window = [r["loss"] for r in train if end - tail * spe < r["step"] <= end]
+        near = min(evals, key=lambda r: abs(r["step"] - end))
+        if not window or abs(near["step"] - end) > tail * spe:
+            continue
+        mean = sum(window) / len(window)
+        points.append({"epoch": round(end / spe, 2), "step": round(end), "train_loss": round(mean, 4),
+                       "train_loss_steps": len(window), "eval_step": near["step"], "eval_loss": round(near["eval_loss"], 4),
+                       "gap": round(near["eval_loss"] - mean, 4)})
+    return {"steps_per_epoch": round(spe, 1), "estimated": estimated, "points": points}
+
+
 def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
     ev = merge_evals(evals) if evals else \
         _load(out / "eval" / "results.json") or _load(out / "eval" / "main" / "results.json") or {}
@@ -190,7 +229,9 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
     res: dict[str, Any] = {**head, "target": "SmolLM2-135M-Instruct", "protocol": protocol or None,
                            "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
                            "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
-                           "sim_tau_heldout": train.get("eval_accept_len")}
+                           "sim_tau_heldout": train.get("eval_accept_len"),
+                           "sampled_tau_heldout": train.get("eval_sampled_accept_len"),
+                           "heldout_gap_per_epoch": epoch_gaps(out)}
     measured = {ds for key in ("results", "speedup") for by_t in ev.get(key, {}).values() for ds in by_t}
     for t in ("0", "1"):  # the math sets' keys only where they were evaluated (evaluate --datasets math500,aime)
         for ds in ("humaneval", "mtbench", *(m for m in ("math500", "aime") if m in measured)):

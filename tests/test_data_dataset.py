@@ -350,3 +350,41 @@ def test_forked_tokenisation_builds_the_one_process_dataset(tmp_path, qwen3_tok,
         assert ids.tolist() == ref.input_ids and mask.tolist() == ref.loss_mask
     with pytest.raises(DataError, match="data.tokenize_workers must be >= 1"):
         build(0)
+
+
+def test_ranks_on_one_host_share_the_preparation_and_build_the_one_process_datasets(tmp_path, qwen3_tok, monkeypatch):
+    """2 gloo ranks: each prepares every other block of 8 conversations (a template error and a bad line
+    among them), reads the other's, and ends with the arrays, splits and counts one process builds; the
+    shared directory is gone afterwards."""
+    from _torchrun import torchrun
+
+    import nemo_dflash.data.dataset as dataset_module
+
+    records = [_conv(i) for i in range(30)]
+    records[5] = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a <|im_end|> b"}]}
+    records[11] = "not json"
+    a = _jsonl(tmp_path / "a.jsonl", records)
+    b = _jsonl(tmp_path / "b.jsonl", [_conv(100 + i, n_words=i % 7 + 1) for i in range(21)])
+    out = tmp_path / "out"
+    out.mkdir()
+    res = torchrun([str(out), a, b], script=str(Path(__file__).parent / "_shared_prepare.py"))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    monkeypatch.setattr(dataset_module, "_PREPARE_BLOCK", 8)
+    cfg = DataConfig(sources=[DataSourceConfig(path=a), DataSourceConfig(path=b)], max_length=128, holdout_fraction=0.1,
+                     seed=3, tokenize_workers=1)
+    train, holdout = build_datasets(cfg, qwen3_tok)
+    blocks = {0: [], 1: []}
+    for rank in (0, 1):
+        got = np.load(out / f"rank{rank}.npz")
+        for key, want in (("ids", train._store.ids), ("mask", train._store.mask), ("offsets", train._store.offsets),
+                          ("train", train.indices), ("holdout", holdout.indices)):
+            np.testing.assert_array_equal(got[key], want, err_msg=f"rank {rank}: {key}")
+        info = json.loads((out / f"rank{rank}.json").read_text())
+        assert info["stats"] == json.loads(json.dumps(train.stats))
+        assert (info["local_rank"], info["ranks"]) == (rank, 2) and not Path(info["directory"]).exists()
+        blocks[rank] = info["prepared"]
+    # a's 29 parsed lines (30 less the malformed one) make 4 blocks, b's 21 make 3: the ranks split the 7; the
+    # template error is reported from the block that met it (bad: it and the malformed line)
+    assert train.stats["template_errors"] == 1 and train.stats["bad"] == 2
+    assert blocks[0] and blocks[1] and len(blocks[0]) + len(blocks[1]) == 4 + 3, blocks

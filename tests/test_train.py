@@ -129,6 +129,11 @@ def test_train_cli_end_to_end(tiny_assets, tmp_path):
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3, 6]
     assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-6)
+    # An epoch is the train split in batches of 2 (unpacked rows, the last batch may be short); every row says
+    # how far into the data it is, so the held-out gap can be read per epoch.
+    assert summary["world"] == 1 and summary["steps_per_epoch"] == math.ceil(summary["data"]["train_samples"] / 2)
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "epoch" in r]
+    assert len(rows) == 6 + 3 and all(r["epoch"] == pytest.approx(r["step"] / summary["steps_per_epoch"]) for r in rows)
 
 
 def test_a_time_limit_that_cuts_the_schedule_is_named_early(tiny_assets, tmp_path, caplog, monkeypatch):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import numpy as np
@@ -26,7 +29,7 @@ from nemo_dflash.data.packing import PackedBatchSampler, PackedCollator
 from nemo_dflash.data.sampler import ChatBatchSampler
 from nemo_dflash.data.decontaminate import filter_stream, training_index
 from nemo_dflash.data.sources import BadRecordCounter, DataError, apply_weight, read_conversations
-from nemo_dflash.data.workers import default_workers, fork_pool
+from nemo_dflash.data.workers import HostShare, default_workers, fork_pool
 
 logger = logging.getLogger(__name__)
 
@@ -297,18 +300,54 @@ def _prepare_block(span: tuple[int, int]) -> _Prepared:
 
 
 def _prepare(convs: list[Any], tokenizer: Any, max_length: int, fmt: Any, index: Any,
-             workers: int) -> Iterator[_Prepared]:
+             workers: int, share: Optional[HostShare] = None, tag: str = "") -> Iterator[_Prepared]:
     """:func:`_prepare_block` over ``convs`` in blocks, in order, on ``workers`` forked processes (the
     decontamination and the chat template's rendering and masking are Python: minutes for 500,000
-    conversations on one core). The blocks come back in order, so the dataset is the one-process one."""
+    conversations on one core). The blocks come back in order, so the dataset is the one-process one.
+    With ``share``, this rank prepares its share of the blocks into the host's directory (named ``tag``
+    and the block's number) and, after the job's barrier, reads them all back in order."""
     global _PREPARE_STATE
     spans = [(a, min(a + _PREPARE_BLOCK, len(convs))) for a in range(0, len(convs), _PREPARE_BLOCK)]
+    mine = list(range(len(spans))) if share is None else list(range(share.rank, len(spans), share.ranks))
     _PREPARE_STATE = (convs, tokenizer, max_length, fmt, index)
     try:
-        with fork_pool(min(workers, len(spans))) as pool:
-            yield from (pool.map(_prepare_block, spans) if pool is not None else map(_prepare_block, spans))
+        with fork_pool(min(workers, len(mine))) as pool:
+            jobs = [spans[i] for i in mine]
+            blocks = pool.map(_prepare_block, jobs) if pool is not None else map(_prepare_block, jobs)
+            if share is None:
+                yield from blocks
+                return
+            share.directory.mkdir(parents=True, exist_ok=True)
+            for i, block in zip(mine, blocks):
+                _save_block(share.directory / f"{tag}{i:06d}", block)
     finally:
         _PREPARE_STATE = None
+    share.barrier()
+    for i in range(len(spans)):
+        yield _load_block(share.directory / f"{tag}{i:06d}")
+
+
+_BLOCK_COUNTS = ("read", "contaminated", "no_supervision", "truncated")
+
+
+def _save_block(stem: Path, block: _Prepared) -> None:
+    """One prepared block as ``STEM.npz`` (arrays only, no pickle), its template errors in ``STEM.errors.json``
+    first: the .npz appears whole (written aside, then renamed), and its presence means the block is complete."""
+    if block.errors:
+        stem.with_suffix(".errors.json").write_text(json.dumps(block.errors))
+    tmp = stem.with_name(stem.name + ".partial.npz")
+    np.savez(tmp, ids=block.ids, mask=block.mask, lengths=block.lengths,
+             counts=np.asarray([getattr(block, k) for k in _BLOCK_COUNTS], dtype=np.int64))
+    os.replace(tmp, stem.with_suffix(".npz"))
+
+
+def _load_block(stem: Path) -> _Prepared:
+    with np.load(stem.with_suffix(".npz"), allow_pickle=False) as z:
+        out = _Prepared(z["ids"], z["mask"], z["lengths"], **dict(zip(_BLOCK_COUNTS, map(int, z["counts"]))))
+    errors = stem.with_suffix(".errors.json")
+    if errors.is_file():
+        out.errors = [tuple(e) for e in json.loads(errors.read_text())]
+    return out
 
 
 def _ranks_on_host() -> int:
@@ -319,11 +358,14 @@ def _ranks_on_host() -> int:
         return 1
 
 
-def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDataset, Optional[ChatDataset]]:
+def build_datasets(config: DataConfig | Any, tokenizer: Any,
+                   share: Optional[HostShare] = None) -> tuple[ChatDataset, Optional[ChatDataset]]:
     """Read, tokenise and mix ``config.sources``; return ``(train, holdout or None)``.
 
     Per source: conversations are tokenised once, a seeded ``holdout_fraction`` of them is held
-    out (unique, unweighted), and the rest is repeated/subsampled by the source's weight.
+    out (unique, unweighted), and the rest is repeated/subsampled by the source's weight. With ``share``
+    (several ranks on one host), the host's ranks tokenise a share each and read the others' (the same
+    datasets, byte for byte).
     """
     cfg = as_data_config(config)
     fmt = detect_chat_format(tokenizer)
@@ -334,6 +376,8 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
     holdout_ids: list[int] = []
     totals = {"read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0, "contaminated": 0}
     per_source: list[dict[str, Any]] = []
+    if share is not None and share.ranks <= 1:
+        share = None
     workers = cfg.tokenize_workers if cfg.tokenize_workers is not None else default_workers(_ranks_on_host())
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths) of each prepared block
     n_samples = 0
@@ -343,7 +387,7 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
                   "contaminated": 0}
         ids: list[int] = []
         convs = list(read_conversations(src.path, bad=bad, max_samples=src.max_samples))
-        for block in _prepare(convs, tokenizer, cfg.max_length, fmt, index, workers):
+        for block in _prepare(convs, tokenizer, cfg.max_length, fmt, index, workers, share, tag=f"s{si}_"):
             counts["contaminated"] += block.contaminated
             for location, reason in block.errors:
                 bad.report(location, reason)
@@ -381,6 +425,10 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any) -> tuple[ChatDatase
         )
     store = _TokenStore.from_parts(parts)
     del parts
+    if share is not None:  # every rank has read every block: the host's first rank removes them
+        share.barrier()
+        if share.rank == 0:
+            shutil.rmtree(share.directory, ignore_errors=True)
     stats = {
         **totals,
         "bad": bad.count,

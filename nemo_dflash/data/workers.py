@@ -7,7 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from nemo_dflash.data.config import available_cpus
@@ -29,3 +31,16 @@ def fork_pool(workers: int) -> Iterator[Optional[concurrent.futures.Executor]]:
         return
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         yield pool
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """The ranks of one host preparing the same data side by side (every rank needs all of it): local rank
+    ``rank`` of ``ranks`` prepares every ``ranks``-th block into ``directory`` (host-local, this job's alone),
+    ``barrier`` waits for every rank of the job, then each reads every block in order. The result is the
+    one-process one, in about 1/ranks of the time, where each rank used to prepare everything."""
+
+    rank: int
+    ranks: int
+    directory: Path
+    barrier: Callable[[], None]

@@ -5,12 +5,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from nemo_dflash.data.workers import HostShare
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +156,17 @@ __all__ = [
     "shutdown_distributed",
     "wrap_draft",
 ]
+
+
+def host_share(state: DistState) -> Optional[HostShare]:
+    """How this host's ranks share the data's preparation (`nemo_dflash.data.build_datasets`): a directory
+    under the host's temp dir named by a number rank 0 draws and sends to every rank (one run's alone), and
+    the job's barrier. None for one process or one rank a host."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not state.enabled or local <= 1:
+        return None
+    token = torch.randint(0, 2**62, (1,), dtype=torch.int64) if state.is_main else torch.zeros(1, dtype=torch.int64)
+    token = token.to(state.device)
+    dist.broadcast(token, src=0)
+    directory = Path(tempfile.gettempdir()) / f"nemo_dflash_data_{int(token.item()):x}"
+    return HostShare(rank=state.local_rank, ranks=local, directory=directory, barrier=dist.barrier)

@@ -36,6 +36,7 @@ from nemo_dflash.train.checkpoint import Checkpointer, check_inputs, plan_resume
 from nemo_dflash.train.distributed import (
     DistState,
     all_reduce_sum,
+    host_share,
     init_distributed,
     launch_env,
     pick_device,
@@ -426,7 +427,7 @@ class Trainer:
         # MFU's denominator: the bf16 matmul rate of this GPU, measured once (CPU runs log no MFU)
         self.peak_tflops = matmul_tflops(self.device) if self.device.type == "cuda" else None
 
-        self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer)
+        self.train_ds, self.holdout_ds = build_datasets(cfg.data, self.tokenizer, share=host_share(self.state))
         self._eval_done: Optional[tuple[int, dict[str, float]]] = None  # (step, figures): one eval a step
         self._t_start, self._start_step, self._time_checked = 0.0, 0, False  # fit()'s clock, for the budget check
         mask_id = self.draft.config.mask_token_id
@@ -446,7 +447,7 @@ class Trainer:
             seed=cfg.data.seed, batching=cfg.data.batching, num_workers=cfg.data.num_workers,
             pin_memory=self.device.type == "cuda", pack_length=cfg.data.pack_length,
         )
-        steps_per_epoch = max(1, len(self.loader))
+        self.steps_per_epoch = steps_per_epoch = max(1, len(self.loader))
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
 
         self.module = DFlashTrainerModule(
@@ -554,7 +555,8 @@ class Trainer:
             return self._eval_done[1]
         ev = self.evaluate(self.cfg.train.eval_batches)
         if ev:
-            metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen)}, bar=False)
+            metrics.log(self.step, {**ev, "tokens": float(self.tokens_seen), "epoch": self.step / self.steps_per_epoch},
+                        bar=False)
         self._eval_done = (self.step, ev)
         return ev
 
@@ -606,7 +608,7 @@ class Trainer:
             self.skipped_steps += 1
         last.clear()
         last.update({**res.sums.rates(), "grad_norm": res.grad_norm, "lr": launched.lr,
-                     "tokens": float(self.tokens_seen)})
+                     "tokens": float(self.tokens_seen), "epoch": step / self.steps_per_epoch})
         if step % cfg.train.log_every == 0 or step == self.total_steps:
             last.update(window.rates(step))
             if self.peak_tflops:
@@ -710,6 +712,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "tokens_seen": self.tokens_seen,
             "world": self.state.world_size,
+            "steps_per_epoch": self.steps_per_epoch,
             "skipped_steps": self.skipped_steps,
             "stopped_early": reason.value if reason is not None else None,
             "train_seconds": seconds,
