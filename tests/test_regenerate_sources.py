@@ -380,3 +380,22 @@ def test_samples_of_a_thinking_mode_copy_keep_its_mode():
     copies = cli.with_samples([Conversation([{"role": "user", "content": "hi"}], "f:1#reasoning=on", "on")], 3)
     assert [c.location for c in copies] == ["f:1#reasoning=on", "f:1#reasoning=on#1", "f:1#reasoning=on#2"]
     assert [c.reasoning for c in copies] == ["on", "on", "on"]
+
+
+def test_decontamination_on_forked_workers_flags_the_one_process_conversations():
+    """`contaminated` over 3 blocks of 4,096 on 2 forked workers: the flags of the plain loop, in order
+    (planted prompts at the start, across a block boundary and at the end)."""
+    from nemo_dflash.data import Conversation, decontaminate
+    from nemo_dflash.recipes.regenerate import contaminated
+
+    evals = ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+             "experiences and must-see attractions."]
+    index = decontaminate.ContaminationIndex(evals, name="planted prompts")
+    planted = {0, 4095, 4096, 9000, 10_239}
+    convs = [Conversation([{"role": "user", "content": ("Hi! " + evals[0]) if i in planted else f"question {i} about cats"},
+                           {"role": "assistant", "content": evals[0]}], f"f:{i}")  # answers are not checked
+             for i in range(10_240)]
+    want = [index.conversation_hits(c.messages, ("system", "user")) for c in convs]
+    assert {i for i, hit in enumerate(want) if hit} == planted
+    assert contaminated(convs, index, workers=2) == want
+    assert contaminated(convs, index, workers=1) == want

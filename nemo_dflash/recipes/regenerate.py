@@ -211,8 +211,31 @@ def resolve_data_paths(data: Sequence[str]) -> list[str]:
     return [str(package_file(*SHAREGPT_FILE)) if d == "sharegpt" else d for d in data]
 
 
-def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = False,
-                 seed: int = 0, eval_files: Sequence[str] = ()) -> tuple[list[Any], dict[str, str], list[dict[str, Any]]]:
+_HITS: dict[str, Any] = {}  # what contaminated()'s forked workers read (the conversations and the index)
+
+
+def _hits_block(span: tuple[int, int]) -> list[bool]:
+    convs, index = _HITS["convs"], _HITS["index"]
+    return [index.conversation_hits(c.messages, ("system", "user")) for c in convs[span[0]:span[1]]]
+
+
+def contaminated(convs: list[Any], index: Any, workers: int = 1) -> list[bool]:
+    """Whether each conversation's system or user turns share an n-gram with ``index``, in order; ``workers``
+    forked processes check blocks side by side (50 s for 378,000 conversations on one core)."""
+    from nemo_dflash.data.workers import fork_pool
+
+    spans = [(a, min(a + 4096, len(convs))) for a in range(0, len(convs), 4096)]
+    _HITS.update(convs=convs, index=index)
+    try:
+        with fork_pool(min(workers, len(spans))) as executor:
+            parts = executor.map(_hits_block, spans) if executor is not None else map(_hits_block, spans)
+            return [hit for part in parts for hit in part]
+    finally:
+        _HITS.clear()
+
+
+def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = False, seed: int = 0,
+                 eval_files: Sequence[str] = (), workers: int = 1) -> tuple[list[Any], dict[str, str], list[dict[str, Any]]]:
     """Read every ``--data`` entry: (the pool, each conversation's source name by location, a report
     per source). Locations are unique across the pool (they key sampling and resuming); a copy
     added by a weight > 1 is located ``LOCATION~K``. ``decontaminate`` drops the conversations whose
@@ -259,7 +282,7 @@ def read_sources(entries: Sequence[str], max_bad: int, *, decontaminate: bool = 
             fail(f"--data {spec.name}: no usable conversations in {what}; check its layout (ShareGPT or OpenAI)")
         dropped = 0
         if index is not None:
-            kept = [c for c in convs if not index.conversation_hits(c.messages, ("system", "user"))]
+            kept = [c for c, hit in zip(convs, contaminated(convs, index, workers)) if not hit]
             dropped = len(convs) - len(kept)
             if not kept:
                 fail(f"--data {spec.name}: every one of its {len(convs)} prompts shares a {index.n}-gram with the "
@@ -775,8 +798,11 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             files[key].unlink(missing_ok=True)
 
     with user_errors(DataError, FileNotFoundError):  # ... or `--data sharegpt` without its package
+        from nemo_dflash.data.workers import default_workers
+
         pool, dataset, report = read_sources(args.data, args.max_bad_lines, decontaminate=args.decontaminate == "on",
-                                             seed=args.seed, eval_files=args.eval_file)
+                                             seed=args.seed, eval_files=args.eval_file,
+                                             workers=default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     modes = reasoning_modes(args.reasoning, args.target)
     group = world > 1 and "MASTER_ADDR" in os.environ
     if group:  # only for the barrier before rank 0 merges: ranks exchange files, not tensors
