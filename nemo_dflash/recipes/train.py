@@ -52,6 +52,12 @@ def check_paths(cfg) -> None:
             check_model_dir(target, "target.path")
     if cfg.draft.init_from:
         check_init_from(cfg.draft.init_from)
+    if cfg.data.decontaminate:  # the evaluation packages it reads: missing, refused now, not after the target loads
+        from nemo_dflash.data import DataError
+        from nemo_dflash.data.decontaminate import training_index
+
+        with user_errors(DataError):
+            training_index(True)
     block = cfg.draft.block_size
     if block is not None and cfg.data.max_length <= block:
         fail(f"data.max_length={cfg.data.max_length} leaves no room for a prompt and a block of draft.block_size="
