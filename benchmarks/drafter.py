@@ -43,6 +43,7 @@ from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
 from nemo_dflash.sampling import SamplingParams  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
+from nemo_dflash.train.metrics import read_metrics  # noqa: E402
 
 
 # ====================================================================================================
@@ -180,6 +181,12 @@ def merge_evals(paths: list[Path]) -> dict[str, Any]:
     return merged
 
 
+def _metrics(out: Path) -> Optional[list[dict[str, Any]]]:
+    """The training run's RUN/run/metrics.jsonl rows (a torn last line dropped, as a resume drops it)."""
+    path = out / "run" / "metrics.jsonl"
+    return read_metrics(path)[0] if path.is_file() else None
+
+
 def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
     """Held-out loss against training loss at each epoch's end, from RUN/run/metrics.jsonl: the training loss
     is the mean of the steps logged in the epoch's last `tail` fraction, the held-out loss the evaluation
@@ -187,10 +194,9 @@ def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
     summary's `steps_per_epoch`; for runs whose summary predates it, the train split's tokens over the tokens a
     step (`estimated`: the train split's share of the tokens taken as its share of the samples)."""
     summary = _train_summary(out) or {}
-    metrics = out / "run" / "metrics.jsonl"
-    if not metrics.is_file() or not summary.get("steps"):
+    rows = _metrics(out)
+    if rows is None or not summary.get("steps"):
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "loss" in r and "eval_loss" not in r]
     evals = [r for r in rows if "eval_loss" in r]
     steps = summary["steps"]
@@ -260,17 +266,15 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
     after `after_step` (windows holding an evaluation or a checkpoint are slower; the median leaves them out),
     per GPU as every row of train_throughput.json. The world size is the run's summary's, or, for runs whose
     summary predates that key, the token slots of a step over one rank's (micro-batch x packed row)."""
-    run = out / "run"
     summary = _train_summary(out) or {}
-    metrics = run / "metrics.jsonl"
-    config = run / "config.yaml"
-    if not metrics.is_file() or not config.is_file() or not summary.get("steps"):
+    rows = _metrics(out)
+    config = out / "run" / "config.yaml"
+    if rows is None or not config.is_file() or not summary.get("steps"):
         return None
     import yaml
 
     cfg = yaml.safe_load(config.read_text())
     mbs, pack = cfg["train"]["micro_batch_size"], cfg["data"].get("pack_length")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     windows = [r for r in rows if "tok_s" in r and r["step"] > after_step]
     if not windows or not pack:
         return None
@@ -282,7 +286,7 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
         vals = sorted(r[key] for r in windows if r.get(key) is not None)
         return vals[len(vals) // 2] if vals else None
 
-    total = median("tok_s")
+    total, step_s = median("tok_s"), median("step_s")
     return {**head, "shape": "smollm2_135m",
             "case": (f"the recipe's training run: {world} GPU(s) x mbs {mbs} x {pack} packed, "
                      f"{cfg['loss']['num_anchors']} anchors, distill {cfg['loss'].get('distill_weight', 0)}, "
@@ -291,8 +295,8 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
             "world": world, "data": "real", "packed": True, "compiled": bool(cfg["train"].get("compile")),
             "mbs": mbs, "anchors": cfg["loss"]["num_anchors"],
             "tokens_per_s": round(total / world, 1) if total else None, "tokens_per_s_note": "per GPU",
-            "mfu": median("mfu"), "step_ms": round(median("step_s") * 1e3, 2) if median("step_s") else None,
-            "peak_gb": median("peak_mem_gb"), "steps": summary["steps"], "file": str(metrics)}
+            "mfu": median("mfu"), "step_ms": round(step_s * 1e3, 2) if step_s else None,
+            "peak_gb": median("peak_mem_gb"), "steps": summary["steps"], "file": str(out / "run" / "metrics.jsonl")}
 
 
 def main_summaries(argv: Optional[Sequence[str]] = None) -> None:

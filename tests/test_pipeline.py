@@ -127,48 +127,9 @@ def test_redo_reruns_the_stage_and_the_stages_reading_its_outputs(done):
         "evaluate": "skipped"}
 
 
-def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
+def spy_resume(monkeypatch) -> list:
+    """The step each later training resumes from (None for a fresh start), in order."""
     from nemo_dflash.train import checkpoint
-
-    run = tiny["root"] / "killed"
-    config = recipe(tiny, run)
-    real_save, real_resume, resumed = checkpoint.Checkpointer.save, checkpoint.Checkpointer.resume, []
-
-    def save_then_die(self, step, tokens_seen):
-        path = real_save(self, step, tokens_seen)
-        raise KeyboardInterrupt  # the job is killed right after its first checkpoint
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
-    assert not (run / "stages" / "train.json").exists()  # not complete
-    monkeypatch.setattr(checkpoint.Checkpointer, "save", real_save)
-
-    def spy(self):
-        saved = real_resume(self)
-        resumed.append(None if saved is None else int(saved["step"]))
-        return saved
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "resume", spy)
-    outcome = pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
-    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done"}
-    assert resumed == [2]
-    assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
-
-
-def test_a_time_capped_training_is_incomplete_and_the_next_run_resumes_it(tiny, monkeypatch):
-    """train.max_minutes stops the run mid-schedule: no marker, no export of the unfinished draft; the same
-    command with another cap (a job limit, not a setting) continues from the checkpoint the cap wrote."""
-    from nemo_dflash.train import checkpoint
-
-    run = tiny["root"] / "capped"
-    config = recipe(tiny, run)
-    outcome = pipeline.main(["--config", str(config), "train.max_minutes=0"])  # 0: stop after the first step
-    assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
-    assert not (run / "stages" / "train.json").exists()
-    assert not (run / "export").exists()
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["last_invocation"]["train"] == "incomplete"
 
     real_resume, resumed = checkpoint.Checkpointer.resume, []
 
@@ -178,6 +139,45 @@ def test_a_time_capped_training_is_incomplete_and_the_next_run_resumes_it(tiny, 
         return saved
 
     monkeypatch.setattr(checkpoint.Checkpointer, "resume", spy)
+    return resumed
+
+
+def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
+    from nemo_dflash.train import checkpoint
+
+    run = tiny["root"] / "killed"
+    config = recipe(tiny, run)
+    real_save = checkpoint.Checkpointer.save
+
+    def save_then_die(self, step, tokens_seen):
+        real_save(self, step, tokens_seen)
+        raise KeyboardInterrupt  # the job is killed right after its first checkpoint
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
+    assert not (run / "stages" / "train.json").exists()  # not complete
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", real_save)
+    resumed = spy_resume(monkeypatch)
+    outcome = pipeline.main(["--config", str(config), "stages=prompts,regenerate,train"])
+    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done"}
+    assert resumed == [2]
+    assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
+
+
+def test_a_time_capped_training_is_incomplete_and_the_next_run_resumes_it(tiny, monkeypatch):
+    """train.max_minutes stops the run mid-schedule: no marker, no export of the unfinished draft; the same
+    command with another cap (a job limit, not a setting) continues from the checkpoint the cap wrote."""
+    run = tiny["root"] / "capped"
+    config = recipe(tiny, run)
+    outcome = pipeline.main(["--config", str(config), "train.max_minutes=0"])  # 0: stop after the first step
+    assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
+    assert not (run / "stages" / "train.json").exists()
+    assert not (run / "export").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["last_invocation"]["train"] == "incomplete"
+
+    resumed = spy_resume(monkeypatch)
     outcome = pipeline.main(["--config", str(config), "train.max_minutes=30"])
     assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done", "export": "done",
                        "evaluate": "done"}

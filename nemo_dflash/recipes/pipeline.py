@@ -44,8 +44,10 @@ BARRIER_STAGES = ("prompts", "export", "evaluate")
 STAGES_DIR = "stages"
 # Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
 HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "prefill_attention", "decode_compile", "workers")
-# Training keys that never change the trained draft.
+# Training keys that never change the trained draft: whole sections, and keys inside one (a job limit: a run it
+# stops is incomplete, and resumes under another limit).
 TRAIN_HOW_NOT_WHAT = ("wandb", "run", "prompts", "regenerate", "export", "evaluate")
+TRAIN_KEYS_HOW_NOT_WHAT = {"train": ("max_minutes",)}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
@@ -283,7 +285,8 @@ class Pipeline:
             cfg.data.sources = [DataSourceConfig(path=str(self.lay.regen))]
         reads_regen = any(Path(s.path).resolve() == regen for s in cfg.data.sources)
         settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAIN_HOW_NOT_WHAT}
-        settings["train"].pop("max_minutes")  # a job limit: a run it stops is incomplete, and resumes under another
+        for section, keys in TRAIN_KEYS_HOW_NOT_WHAT.items():
+            settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
         if "train" in self.checked:  # the target and the data that exist now (the regenerated data comes later)
             from nemo_dflash.recipes.train import check_paths
 

@@ -21,6 +21,25 @@ def _has_network(host: str = "api.wandb.ai", port: int = 443, timeout: float = 1
         return False
 
 
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a ``metrics.jsonl`` and how many lines were cut short (a run killed mid-write): those are
+    dropped, not fatal."""
+    rows, torn = [], 0
+    for line in Path(path).read_text(errors="replace").split("\n"):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            torn += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            torn += 1
+    return rows, torn
+
+
 class MetricsLogger:
     """Rank-0 sink. wandb runs offline when asked for online without a network."""
 
@@ -55,19 +74,7 @@ class MetricsLogger:
         checkpoint are redone, so their old rows would appear twice. A line cut short by a kill is dropped."""
         if not self.enabled or not self.path.is_file():
             return
-        rows, torn = [], 0
-        for line in self.path.read_text(errors="replace").split("\n"):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill mid-write: dropped, not fatal
-                torn += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                torn += 1
+        rows, torn = read_metrics(self.path)
         if torn:
             logger.warning("metrics.jsonl: dropped %d line(s) cut short (a run killed while writing)", torn)
         kept = [r for r in rows if isinstance(r.get("step", 0), (int, float)) and r.get("step", 0) <= step]
