@@ -1,10 +1,11 @@
-"""Drafter runs: a SmolLM2 run's summary rows, the T > 0 levers, the T > 0 acceptance ceiling, and the
-FSDP2 scaling run of a large-target recipe.
+"""Drafter runs: a SmolLM2 run's summary rows, the T > 0 levers, the T > 0 acceptance ceiling, the FSDP2
+scaling run of a large-target recipe, and tau against training tokens over the drafter runs.
 
     python benchmarks/drafter.py summaries OUT_DIR --device "NVIDIA H200" [--regen-json ...] [--drafter-json ...]
     python benchmarks/drafter.py levers {regen,train,eval,speed,chain,report} OUT [flags]
     python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval
     python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR
+    python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run --png docs/bench/smollm2_scaling.png
 
 Every training here is the trainer's own (`nemo_dflash.recipes.train` or the pipeline), timed or read from
 the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
@@ -35,6 +36,7 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, beside this file
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from _common import append_rows, provenance, read_rows, write_qwen3_8b_config  # noqa: E402
 from nemo_dflash.core import expected_block_length  # noqa: E402
@@ -225,6 +227,38 @@ def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
     return {"steps_per_epoch": round(spe, 1), "estimated": estimated, "points": points}
 
 
+def _loss_and_data(out: Path) -> dict[str, Any]:
+    """The loss and the data temperature the run trained with, from its resolved recipe and regeneration summary."""
+    recipe = out / "recipe.yaml"
+    loss: dict[str, Any] = {}
+    if recipe.is_file():
+        loss = (yaml.safe_load(recipe.read_text()) or {}).get("loss") or {}
+    regen = _load(out / "data" / "regen_summary.json") or {}
+    samp = regen.get("sampling") or {}
+    distill, accept = loss.get("distill_weight"), loss.get("accept_weight")
+    name = None if not loss else ("accept %g (%s, T=%g)" % (accept, loss.get("accept_form"), loss.get("accept_temperature"))
+                                  if accept else "distill %g" % distill if distill else "hard CE")
+    temp = samp.get("temperature")
+    return {"loss": name, "distill_weight": distill, "accept_weight": accept,
+            "data_temperature": None if temp is None else
+            ("%g (top-p %g)" % (temp, samp["top_p"]) if samp.get("top_p", 1.0) < 1.0 else "%g" % temp),
+            "samples_per_prompt": regen.get("samples_per_prompt")}
+
+
+def _draft_hashes(out: Path, evals: list[Path]) -> dict[str, Any]:
+    """The export's weights hash (the one evaluate records: names and bytes of the weights) beside the hashes the
+    evaluation files recorded, and whether they all agree."""
+    recorded = {ev.get("draft_sha256") for ev in map(_load, evals) if ev}
+    computed = None
+    if (out / "export" / "model.safetensors").exists():
+        from nemo_dflash.draft.build import draft_weights_sha256
+
+        computed = draft_weights_sha256(out / "export")
+    return {"draft_sha256": computed or (next(iter(recorded)) if len(recorded) == 1 else None),
+            "eval_draft_sha256_match": (recorded == {computed}) if computed else len(recorded) == 1,
+            "model_safetensors_sha256": _sha256(out / "export" / "model.safetensors")}
+
+
 def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
     ev = merge_evals(evals) if evals else \
         _load(out / "eval" / "results.json") or _load(out / "eval" / "main" / "results.json") or {}
@@ -246,6 +280,8 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
             res[f"{ds}_t{t}_answers"] = r.get("answers", s.get("answers"))
             res[f"{ds}_t{t}_tau"] = r.get("mean_acceptance_length", s.get("mean_acceptance_length"))
             res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
+            res[f"{ds}_t{t}_tau_no_loop"] = r.get("mean_acceptance_length_no_loop")
+            res[f"{ds}_t{t}_answers_no_loop"] = r.get("answers_no_loop")
             res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
             res[f"{ds}_t{t}_speedup"] = s.get("speedup")
             res[f"{ds}_t{t}_speedup_no_loop"] = s.get("speedup_no_loop")
@@ -254,8 +290,18 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
                                                    if spread else None)
             res[f"{ds}_t{t}_plain_ms_per_token"] = s.get("ar", {}).get("time_per_token_ms")
             res[f"{ds}_t{t}_spec_ms_per_token"] = s.get("spec", {}).get("time_per_token_ms")
+    # the target's recommended sampling: evaluate's key of it ("0.2,p0.9"), timed on the speedup prompts
+    rkey = next((k for k in ev.get("speedup", {}) if k not in ("0", "1")), None)
+    res["recommended_sampling"] = rkey
+    for ds in ("humaneval", "mtbench"):
+        s = ev.get("speedup", {}).get(rkey, {}).get(ds, {}) if rkey else {}
+        for key, src in (("speedup", "speedup"), ("speedup_no_loop", "speedup_no_loop"),
+                         ("tau", "mean_acceptance_length"), ("speedup_prompts", "num_prompts")):
+            res[f"{ds}_recommended_{key}"] = s.get(src)
     speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
     res["speedup_t0"] = min(speedups) if speedups else None
+    res.update(_loss_and_data(out))
+    res.update(_draft_hashes(out, [Path(x) for x in evals] if evals else [out / "eval" / "results.json"]))
     if ev.get("sources"):
         res["eval_sources"] = ev["sources"]
     return res
@@ -997,10 +1043,111 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
+# ====================================================================================================
+# curve
+
+DOC_CURVE = """Acceptance against training tokens and against unique tokens, over the SmolLM2 drafter runs.
+
+    python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run [--rows docs/bench/drafter_summary.json] \
+        [--png docs/bench/smollm2_scaling.png]
+
+Each RUN directory holds a training run's summary.json (the trainer's: tokens seen, the data's tokens, held-out
+simulated and expected T=1 tau). A run's real tau is the drafter_summary.json row with the same training tokens
+(`drafter.py summaries`), at the protocol that row records. Unique tokens are the run's data tokens (one pass).
+Held-out figures come from each run's own held-out split, so they compare along one run, not across data mixes.
+"""
+
+curve_log = logging.getLogger("curve")
+
+CURVE_COLUMNS = (("train_tokens", "M tokens", 1e-6), ("data_tokens", "M unique", 1e-6), ("epochs", "epochs", 1),
+                 ("sim_tau_heldout", "sim tau", 1), ("sampled_tau_heldout", "exp T=1", 1),
+                 ("humaneval_t0_tau", "HE T=0", 1), ("humaneval_t0_tau_no_loop", "HE noloop", 1),
+                 ("mtbench_t0_tau", "MT T=0", 1), ("mtbench_t0_tau_no_loop", "MT noloop", 1),
+                 ("humaneval_t1_tau", "HE T=1", 1), ("mtbench_t1_tau", "MT T=1", 1))
+
+
+def curve_points(runs: list[Path], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per run: its summary's tokens and held-out figures, and the real tau of its drafter row."""
+    by_tokens = {round(r["train_tokens"]): r for r in rows if r.get("train_tokens") and r.get("humaneval_t0_tau")
+                 and not r.get("draft")}  # the levers' rows ("sampling lever a") are other drafts
+    points = []
+    for run in runs:
+        summary = _load(run / "summary.json")
+        if not summary or not summary.get("tokens_seen"):
+            continue
+        data = summary.get("data") or {}
+        row = by_tokens.get(round(summary["tokens_seen"]), {})
+        point = {"run": run.name, "train_tokens": summary["tokens_seen"], "data_tokens": data.get("tokens"),
+                 "epochs": summary["tokens_seen"] / data["tokens"] if data.get("tokens") else None,
+                 "sim_tau_heldout": summary.get("eval_accept_len"),
+                 "sampled_tau_heldout": summary.get("eval_sampled_accept_len")}
+        point.update({k: row.get(k) for k, _, _ in CURVE_COLUMNS[5:]})
+        points.append(point)
+    return sorted(points, key=lambda p: p["train_tokens"])
+
+
+def plot_curve(points: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    series = (("sim_tau_heldout", "held-out simulated tau", "o"), ("humaneval_t0_tau", "HumanEval T=0", "s"),
+              ("humaneval_t0_tau_no_loop", "HumanEval T=0, no loop", "D"), ("mtbench_t0_tau", "MT-Bench T=0", "^"),
+              ("mtbench_t0_tau_no_loop", "MT-Bench T=0, no loop", "v"), ("humaneval_t1_tau", "HumanEval T=1", "x"),
+              ("mtbench_t1_tau", "MT-Bench T=1", "+"))
+    for ax, xkey, xlabel in ((axes[0], "train_tokens", "training tokens (M)"), (axes[1], "data_tokens", "unique tokens (M)")):
+        for key, label, marker in series:
+            xy = [(p[xkey] / 1e6, p[key]) for p in points if p.get(xkey) and p.get(key) is not None]
+            if xy:  # along training tokens the runs join up; along unique tokens each run is its own point
+                style = ("-" if key == "sim_tau_heldout" else ":") if xkey == "train_tokens" else "none"
+                ax.plot(*zip(*xy), marker=marker, label=label, linestyle=style)
+        if xkey == "data_tokens":
+            for pt in points:
+                if pt.get("data_tokens") and pt.get("sim_tau_heldout"):
+                    ax.annotate(f"{pt['train_tokens'] / 1e6:.0f}M trained", (pt["data_tokens"] / 1e6, pt["sim_tau_heldout"]),
+                                textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks([t for t in (10, 20, 30, 50, 100, 200, 500, 1000, 2000)
+                       if any(p.get(xkey) and 0.7 * t <= p[xkey] / 1e6 <= 1.4 * t for p in points)])
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tau (tokens a step)")
+    fig.suptitle("SmolLM2 drafters: held-out simulated tau, and real tau at the paper's protocol (2048 new tokens)", fontsize=9)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main_curve(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py curve", description=DOC_CURVE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="run directories holding a training summary.json")
+    p.add_argument("--rows", type=Path, default=Path("docs/bench/drafter_summary.json"))
+    p.add_argument("--png", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    points = curve_points(args.runs, read_rows(args.rows) if args.rows.exists() else [])
+    if not points:
+        raise SystemExit("error: no training summary.json in the run directories given")
+    curve_log.info("| run | " + " | ".join(h for _, h, _ in CURVE_COLUMNS) + " |")
+    curve_log.info("| --- |" + " ---: |" * len(CURVE_COLUMNS))
+    for pt in points:
+        curve_log.info("| %s | %s |", pt["run"], " | ".join("-" if pt.get(k) is None else f"{pt[k] * f:.{1 if f != 1 else 2}f}"
+                                                      for k, _, f in CURVE_COLUMNS))
+    if args.png:
+        plot_curve(points, args.png)
+        curve_log.info("plot: %s", args.png)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
-    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING)}, argv)
+    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE)}, argv)
 
 
 if __name__ == "__main__":

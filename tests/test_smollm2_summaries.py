@@ -159,3 +159,69 @@ def test_the_gap_per_epoch_is_held_out_minus_training_loss_at_each_epochs_end(tm
         assert gaps["estimated"] is (name == "estimated") and gaps["steps_per_epoch"] == 100
         got = [(p["epoch"], p["train_loss"], p["eval_loss"], p["gap"]) for p in gaps["points"]]
         assert got == [(1.0, 2.0, 1.9, -0.1), (2.0, 1.5, 1.6, 0.1), (2.5, 1.2, 1.4, 0.2)]
+
+
+def test_the_drafter_row_carries_no_loop_recommended_loss_data_temperature_and_hash(tmp_path):
+    """The sampling issue's keys: no-loop tau, the recommended sampling's speedup (evaluate's key "0.2,p0.9"), the
+    loss and data temperature from the run's recipe and regeneration summary, and the export's weights hash
+    checked against the one the evaluation recorded (a file that names another draft makes the match false)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nemo_dflash.draft.build import draft_weights_sha256
+
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "regen_summary.json").write_text(json.dumps({"samples_per_prompt": 2,
+                                                                 "sampling": {"temperature": 0.2, "top_p": 0.9}}))
+    (out / "recipe.yaml").write_text("loss:\n  distill_weight: 1.0\n  accept_weight: 0.0\n")
+    (out / "run").mkdir()
+    (out / "run" / "summary.json").write_text(json.dumps({"tokens_seen": 1, "steps": 1, "data": {"tokens": 5, "supervised_tokens": 4}}))
+    (out / "export").mkdir()
+    save_file({"w": torch.arange(4.0)}, str(out / "export" / "model.safetensors"))
+    (out / "export" / "config.json").write_text("{}")
+    sha = draft_weights_sha256(out / "export")
+    rec = {"answers": 2, "speedup": 1.8, "speedup_no_loop": 1.4, "mean_acceptance_length": 3.5, "num_prompts": 2}
+
+    def write(name: str, draft_sha: str) -> Path:
+        path = _results(tmp_path / name, "batched", True,
+                        {"0": {"mtbench": {**_figures(4.0), "mean_acceptance_length_no_loop": 3.25, "answers_no_loop": 2},
+                               "humaneval": _figures(3.0)}},
+                        {"0.2,p0.9": {"mtbench": rec}}, [0.0, "0.2,p0.9"])
+        path.write_text(json.dumps({**json.loads(path.read_text()), "draft_sha256": draft_sha}))
+        return path
+
+    def row(results: Path) -> dict:
+        res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(results)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout[res.stdout.rindex("[\n {"):])[-1]
+
+    good = row(write("good.json", sha))
+    assert (good["mtbench_t0_tau_no_loop"], good["mtbench_t0_answers_no_loop"], good["humaneval_t0_tau_no_loop"]) == (3.25, 2, None)
+    assert good["recommended_sampling"] == "0.2,p0.9"
+    assert (good["mtbench_recommended_speedup"], good["mtbench_recommended_speedup_no_loop"],
+            good["mtbench_recommended_tau"], good["humaneval_recommended_speedup"]) == (1.8, 1.4, 3.5, None)
+    assert (good["loss"], good["data_temperature"], good["samples_per_prompt"]) == ("distill 1", "0.2 (top-p 0.9)", 2)
+    assert good["draft_sha256"] == sha and good["eval_draft_sha256_match"] is True
+    assert row(write("other.json", "0" * 64))["eval_draft_sha256_match"] is False
+
+
+def test_the_scaling_curve_joins_each_run_summary_to_its_drafter_row(tmp_path):
+    """`drafter.py curve`: a run's point takes its tokens and held-out tau from its summary.json and its real tau
+    from the drafter row with the same training tokens; a lever's row (another draft) with those tokens is not taken."""
+    run = tmp_path / "smollm2_drafter_9m_run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"tokens_seen": 9_000_000, "eval_accept_len": 2.5,
+                                                  "data": {"tokens": 3_000_000}}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{"draft": "sampling lever a", "train_tokens": 9_000_000, "humaneval_t0_tau": 9.0},
+                                {"train_tokens": 9_000_000.0, "humaneval_t0_tau": 2.25, "mtbench_t1_tau": 1.5}]))
+    png = tmp_path / "curve.png"
+    res = subprocess.run([sys.executable, str(SCRIPT), "curve", str(run), "--rows", str(rows), "--png", str(png)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in (res.stdout + res.stderr).splitlines() if x.startswith("| smollm2_drafter_9m_run"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:5] == ["9.0", "3.0", "3.00", "2.50"] and cells[6] == "2.25" and cells[-1] == "1.50"
+    assert png.stat().st_size > 0
