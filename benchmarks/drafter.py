@@ -411,6 +411,7 @@ Levers (`LEVERS`): the data's sampling temperature, `loss.distill_weight` and `l
   a: hard CE on answers sampled at T=0.2 / top-p 0.9 (today's recipe)   b: a + distillation (weight 1)
   b05: a + distillation (weight 0.5)   c: hard CE on answers sampled at T=1 (two answers a prompt)   d: c + b
   e: a with distillation 0.5 and the acceptance term 0.5 (`loss.accept_weight`: -log sum_x min(p_T=1, q))
+  f: distillation (weight 1) on both answer sets at once (T=0.2 and T=1: three answers a prompt)
 and, at decode time, for every draft: T=1 with the draft proposing its argmax (`--draft-proposals greedy`).
 
 `regen` answers the prompts twice, at T=0.2 / top-p 0.9 and at T=1 (two samples a prompt), on half the GPUs
@@ -435,6 +436,8 @@ LEVERS: dict[str, dict[str, Any]] = {
     "d": {"data": "t1", "distill": 1.0, "loss": "distill 1.0"},
     # the LK loss (Samarin et al., arXiv 2602.23881): -log of the accept probability at T=1, mixed with distillation
     "e": {"data": "t02", "distill": 0.5, "accept": 0.5, "loss": "distill 0.5 + accept (-log a, T=1) 0.5"},
+    # both answer sets at once: the T=0.2 answers for greedy decoding, the T=1 ones for the contexts of sampling
+    "f": {"data": "t02+t1", "distill": 1.0, "loss": "distill 1.0"},
 }
 DATA = {  # name -> (regenerate sampling flags, samples per prompt, data temperature label)
     "t02": (["--temperature", "0.2", "--top-p", "0.9"], 1, "0.2 (top-p 0.9)"),
@@ -529,7 +532,8 @@ def train(args: argparse.Namespace) -> None:
         if finished(run):
             continue
         argv = python() + ["-m", "nemo_dflash.recipes.train", "--config", args.recipe, f"target.path={args.target}",
-                           f"data.sources=[{{path: {out / 'data' / (lever['data'] + '.jsonl')}}}]",
+                           "data.sources=[" + ", ".join(f"{{path: {out / 'data' / (d + '.jsonl')}}}"
+                                                        for d in lever["data"].split("+")) + "]",
                            f"output_dir={run}", f"train.max_steps={steps}", f"loss.distill_weight={lever['distill']}",
                            f"loss.accept_weight={lever.get('accept', 0.0)}",
                            f"train.eval_every={args.eval_every}", "wandb.mode=disabled", *args.overrides]
@@ -675,7 +679,8 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
         computed = draft_weights_sha256(exp)
     row: dict[str, Any] = {
         "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
-        "data_temperature": DATA[lever["data"]][2], "samples_per_prompt": DATA[lever["data"]][1],
+        "data_temperature": " + ".join(DATA[d][2] for d in lever["data"].split("+")),
+        "samples_per_prompt": sum(DATA[d][1] for d in lever["data"].split("+")),
         "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
         "train_seconds": summary.get("train_seconds"), "stopped_early": summary.get("stopped_early"),
         "sim_tau_heldout": last.get("eval_accept_len"),

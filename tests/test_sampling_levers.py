@@ -106,3 +106,20 @@ def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypat
     assert all(env == {"CUDA_VISIBLE_DEVICES": "3"} for _, _, env in export_jobs + eval_jobs + speed_jobs)
     (_, speed_argv, _), = speed_jobs
     assert "--speedup-only" in speed_argv and speed_argv[speed_argv.index("--max-new-tokens") + 1] == "1024"
+
+
+def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, monkeypatch):
+    """Lever f: one training on the T=0.2 and the T=1 answers together (two data sources), and its row says so."""
+    levers = _script()
+    seen = []
+    monkeypatch.setattr(levers, "run_all", lambda jobs, logs: seen.append(jobs) or {n: 0 for n, _, _ in jobs})
+    out = tmp_path / "out"
+    levers.main(["levers", "train", str(out), "--levers", "f", "--tokens", "1e6"])
+    ((name, argv, _),) = seen[0]
+    sources = next(a for a in argv if a.startswith("data.sources="))
+    assert name == "train_f" and sources == (f"data.sources=[{{path: {out / 'data' / 't02.jsonl'}}}, "
+                                             f"{{path: {out / 'data' / 't1.jsonl'}}}]")
+    assert "loss.distill_weight=1.0" in argv
+    (out / "runs" / "f").mkdir(parents=True)
+    row = levers.lever_row(out, "f", "pkg:smollm2")
+    assert (row["data_temperature"], row["samples_per_prompt"]) == ("0.2 (top-p 0.9) + 1", 3)
