@@ -39,11 +39,13 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from _common import append_rows, provenance, read_rows, write_qwen3_8b_config  # noqa: E402
-from nemo_dflash.core import expected_block_length  # noqa: E402
+from nemo_dflash.core import draft_block_hidden, expected_block_length  # noqa: E402
 from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa: E402
+from nemo_dflash.inference.replay import DRAFT_ATTENTION  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
 from nemo_dflash.sampling import SamplingParams  # noqa: E402
+from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
 from nemo_dflash.train.metrics import read_metrics  # noqa: E402
 
@@ -820,13 +822,15 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 # ceiling  (was t1_ceiling.py)
 
 DOC_CEILING = """What limits acceptance at T > 0 for a target, computed from the target alone: its entropy along its own
-sampled answers, and the acceptance lengths the best possible drafts of each kind would reach.
+sampled answers, and the acceptance lengths the best possible drafts of each kind would reach; with --draft, what
+a real draft reaches in the same simulation at the same anchors.
 
-    python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval \
-        [--num-answers 40] [--anchors 4] [--block 16] [--rollouts 32] [--sims 32] [--temperature 1]
+    python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval \\
+        [--num-answers 40] [--anchors 4] [--block 16] [--rollouts 32] [--sims 32] [--temperature 1] \\
+        [--draft EXPORT_DIR] [--answers-temperature 0]
 
-Along answers the target sampled at --temperature (an `evaluate` journal, turn 1), at --anchors evenly spaced
-answer positions, with the target's own distribution p at that temperature:
+Along answers the target sampled at --answers-temperature (default --temperature; an `evaluate` journal, turn 1),
+at --anchors evenly spaced answer positions, with the target's own distribution p at --temperature:
 - entropy: the mean entropy of p per answer token (nats), and the mean probability of its argmax;
 - perfect greedy draft: proposes the target's own greedy continuation from the anchor, each proposal kept with
   probability p(x); expected block length 1 + sum_k prod_{j<=k} p_j(x_j | x_<j);
@@ -835,11 +839,20 @@ answer positions, with the target's own distribution p at that temperature:
   kept with probability min(1, p_k(x_k | x_<k) / q_k(x_k)); mean over --sims drafted blocks of the expected
   block length (the accept probabilities multiplied, not sampled);
 - perfect marginal argmax: that draft proposing the argmax of each q_k, kept with probability p of it.
-Prints a table; not a test. Minutes on a CPU for 40 answers.
+With --draft (an exported draft), the same two simulations with the draft's own block distributions q^d_k (one
+draft forward: the anchor at slot 0, mask tokens after, the target's features strictly before the anchor, as
+training and replay run it): draft_sampled and draft_argmax; slot1_overlap = sum_x min(p_1, q^d_1) (slot 1's
+exact accept probability); per slot k, marginal_overlap = sum_x min(q_k, q^d_k) and the mean clamped ratio of
+each simulation (marginal_slot_accept, draft_slot_accept, draft_argmax_slot_accept). The draft's draws use their
+own generator: the ceilings are the same with or without --draft.
+Prints tables; not a test. Minutes on a CPU for 40 answers.
 """
 
 
 log = logging.getLogger("t1_ceiling")
+CEILINGS = ("greedy", "marginal", "marginal_argmax")  # JSON keys ceiling_<name>
+DRAFT_FIGURES = ("draft_sampled", "draft_argmax", "slot1_overlap")
+PER_SLOT = ("marginal_slot_accept", "draft_slot_accept", "draft_argmax_slot_accept", "marginal_overlap")
 
 
 def repeated(cache, n: int):
@@ -848,48 +861,81 @@ def repeated(cache, n: int):
     return c
 
 
+def draft_block_logits(target: HFDFlashTargetModel, draft, seq: torch.Tensor, feats: torch.Tensor,
+                       anchors: list[int], block: int) -> torch.Tensor:
+    """[A, block - 1, V] fp32: the draft's logits at slots 1.. of its block at each anchor position of `seq` [1, S],
+    from one forward as training and replay run it (`feats` [1, S, n*H]: the target's features, seen strictly
+    before each anchor)."""
+    end = max(anchors) + 1
+    ids, a = seq[:, :end], torch.tensor([anchors], device=seq.device)
+    hidden = draft_block_hidden(draft, target.get_input_embeddings(), ids, feats[:, :end], torch.ones_like(ids), a,
+                                torch.ones_like(a, dtype=torch.bool), block, int(draft.mask_token_id),
+                                backend=DRAFT_ATTENTION.get(seq.device.type, "sdpa"))
+    head = target.get_output_embeddings()
+    return head(hidden.view(len(anchors), block, -1)[:, 1:].to(head.weight.dtype)).float()
+
+
 @torch.inference_mode()
 def anchor_figures(model, cache, anchor_tok: int, pos: int, k: int, s: SamplingParams, rollouts: int, sims: int,
-                   g: torch.Generator) -> dict[str, float]:
-    """The three ceilings at one anchor: `cache` holds the context before the anchor token (at `pos`)."""
+                   g: torch.Generator, draft_logits: Optional[torch.Tensor] = None,
+                   g_draft: Optional[torch.Generator] = None) -> dict[str, Any]:
+    """The three ceilings at one anchor: `cache` holds the context before the anchor token (at `pos`); with
+    `draft_logits` [k, V] (the real draft's block there), the draft's figures too. Per-slot figures are lists."""
     dev = next(model.parameters()).device
+    anchor = torch.tensor([[anchor_tok]], device=dev)
 
     def step(c, toks: torch.Tensor, at: int) -> torch.Tensor:  # [N, L] tokens from position `at` -> [N, L, V]
         ids = torch.arange(at, at + toks.shape[1], device=dev).expand(toks.shape[0], -1)
         return model(input_ids=toks, past_key_values=c, use_cache=True, position_ids=ids).logits.float()
 
+    def sampled(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """[S, K] accept probs of a draft sampling slot k from q[k] on its own, verified against p along its proposals."""
+        x = torch.stack([torch.multinomial(q[i], sims, replacement=True, generator=gen) for i in range(k)], 1)
+        p = s.probs(step(repeated(cache, sims), torch.cat([anchor.expand(sims, 1), x[:, :-1]], 1), pos))  # row k judges slot k + 1
+        return (p.gather(-1, x.unsqueeze(-1)).squeeze(-1) / q.gather(-1, x.T).T).clamp(max=1.0)
+
+    def argmax_accept(q: torch.Tensor) -> torch.Tensor:
+        """[K] p of each proposal of a draft proposing the argmax of each q[k]."""
+        xa = q.argmax(-1).view(1, -1)
+        pa = s.probs(step(copy.deepcopy(cache), torch.cat([anchor, xa[:, :-1]], 1), pos))
+        return pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1)[0]
+
     # perfect greedy draft: the target's own greedy continuation, each kept with p of it
-    c, tok, acc = copy.deepcopy(cache), torch.tensor([[anchor_tok]], device=dev), []
+    c, tok, acc = copy.deepcopy(cache), anchor, []
     for i in range(k):
         logits = step(c, tok, pos + i)[:, -1]
-        x = logits.argmax(-1, keepdim=True)
-        acc.append(s.probs(logits).gather(-1, x))
-        tok = x
+        probs = s.probs(logits)
+        if i == 0:
+            p1 = probs[0]  # the target's next-token distribution after the anchor
+        tok = logits.argmax(-1, keepdim=True)
+        acc.append(probs.gather(-1, tok))
     greedy = float(expected_block_length(torch.cat(acc, -1))[0])
     # the marginals q_k: p at slot k averaged over the target's own sampled continuations
-    c, tok, q = repeated(cache, rollouts), torch.full((rollouts, 1), anchor_tok, device=dev), []
+    c, tok, q = repeated(cache, rollouts), anchor.expand(rollouts, 1), []
     for i in range(k):
         p = s.probs(step(c, tok, pos + i)[:, -1])
         q.append(p.mean(0))
         tok = torch.multinomial(p, 1, generator=g)
     q = torch.stack(q)  # [K, V]
-    # a draft sampling each slot from q_k on its own, verified against p along its own proposals
-    x = torch.stack([torch.multinomial(q[i], sims, replacement=True, generator=g) for i in range(k)], 1)  # [S, K]
-    p = s.probs(step(repeated(cache, sims), torch.cat([torch.full((sims, 1), anchor_tok, device=dev), x[:, :-1]], 1),
-                     pos))  # [S, K, V]: row k judges slot k + 1
-    ratio = (p.gather(-1, x.unsqueeze(-1)).squeeze(-1) / q.gather(-1, x.T).T).clamp(max=1.0)
-    marginal = float(expected_block_length(ratio).mean())
-    # that draft proposing each marginal's argmax
-    xa = q.argmax(-1).view(1, -1)
-    pa = s.probs(step(copy.deepcopy(cache), torch.cat([torch.tensor([[anchor_tok]], device=dev), xa[:, :-1]], 1), pos))
-    marginal_argmax = float(expected_block_length(pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1))[0])
-    return {"greedy": greedy, "marginal": marginal, "marginal_argmax": marginal_argmax}
+    ratio = sampled(q, g)
+    out: dict[str, Any] = {"greedy": greedy, "marginal": float(expected_block_length(ratio).mean()),
+                           "marginal_argmax": float(expected_block_length(argmax_accept(q))),
+                           "marginal_slot_accept": ratio.mean(0).tolist()}
+    if draft_logits is not None:
+        qd = s.probs(draft_logits)
+        ratio_d, acc_d = sampled(qd, g_draft if g_draft is not None else g), argmax_accept(qd)
+        out.update(draft_sampled=float(expected_block_length(ratio_d).mean()),
+                   draft_argmax=float(expected_block_length(acc_d)),
+                   slot1_overlap=float(torch.minimum(p1, qd[0]).sum()),
+                   draft_slot_accept=ratio_d.mean(0).tolist(), draft_argmax_slot_accept=acc_d.tolist(),
+                   marginal_overlap=torch.minimum(q, qd).sum(-1).tolist())
+    return out
 
 
 def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="drafter.py ceiling", description=DOC_CEILING, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
-    p.add_argument("--answers", required=True, type=Path, help="an evaluate answers.jsonl at --temperature")
+    p.add_argument("--answers", required=True, type=Path, help="an evaluate answers.jsonl at --answers-temperature")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--num-answers", type=int, default=40)
     p.add_argument("--anchors", type=int, default=4, help="anchors per answer, evenly spaced")
@@ -898,6 +944,9 @@ def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--sims", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--answers-temperature", type=float, default=None,
+                   help="the temperature the answers were sampled at (default: --temperature)")
+    p.add_argument("--draft", type=Path, default=None, help="an exported draft: also its figures at the same anchors")
     p.add_argument("--max-answer-tokens", type=int, default=1024)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--device", default="auto")
@@ -905,17 +954,26 @@ def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     s = SamplingParams(args.temperature, args.top_p)
+    t_ans = args.temperature if args.answers_temperature is None else args.answers_temperature
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     rows = [json.loads(x) for x in args.answers.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("dataset") == args.dataset and "answers" in r
-            and SamplingParams.from_key(str(r.get("temperature"))) == SamplingParams(args.temperature)]
+            and SamplingParams.from_key(str(r.get("temperature"))) == SamplingParams(t_ans)]
     if not rows:
-        raise SystemExit(f"error: no {args.dataset} answers at T={args.temperature:g} in {args.answers}")
+        raise SystemExit(f"error: no {args.dataset} answers at T={t_ans:g} in {args.answers}")
     _, prompts = load_prompt_set(args.dataset)
     by_id = {x.id: x for x in prompts}
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    draft = hooks = None
+    if args.draft is not None:
+        from nemo_dflash.draft.build import load_draft_for_target
+
+        draft = load_draft_for_target(args.draft, model.config, tokenizer, device=device, dtype=dtype)
+        hooks = HFDFlashTargetModel(model, draft.target_layer_ids)
     g = torch.Generator(device=device).manual_seed(0)
+    g_draft = torch.Generator(device=device).manual_seed(1)
     ent, top, figs, k = [], [], [], args.block - 1
+    t0 = time.perf_counter()
     with torch.inference_mode():
         for r in rows[: args.num_answers]:
             turn1 = next(a for a in r["answers"] if a["turn"] == 1)
@@ -925,31 +983,55 @@ def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
             if len(out_ids) < args.block + 2:
                 continue
             seq = torch.tensor([prompt_ids + out_ids], device=device)
-            out = model(input_ids=seq, use_cache=True)
+            if hooks is not None:
+                with hooks.capture(stop_early=False) as captured:
+                    out = model(input_ids=seq, use_cache=True)
+                feats = hooks.concat(captured)
+            else:
+                out = model(input_ids=seq, use_cache=True)
             pl = len(prompt_ids)
             probs = s.probs(out.logits[0, pl - 1 : -1])  # p at every answer token
             ent.append(-(probs * probs.clamp(min=1e-30).log()).sum(-1))
             top.append(probs.max(-1).values)
             last = pl + len(out_ids) - k - 1
-            for a in torch.linspace(pl, last, args.anchors).long().tolist():
+            anchors = torch.linspace(pl, last, args.anchors).long().tolist()
+            dl = draft_block_logits(hooks, draft, seq, feats, anchors, args.block) if draft is not None else None
+            for i, a in enumerate(anchors):
                 cache = copy.deepcopy(out.past_key_values)
                 crop_dynamic_cache(cache, a)
-                figs.append(anchor_figures(model, cache, int(seq[0, a]), a, k, s, args.rollouts, args.sims, g))
+                figs.append(anchor_figures(model, cache, int(seq[0, a]), a, k, s, args.rollouts, args.sims, g,
+                                           None if dl is None else dl[i], g_draft))
     ent_t, top_t = torch.cat(ent), torch.cat(top)
+
+    def mean(key: str) -> Any:
+        vals = [f[key] for f in figs]
+        return [sum(col) / len(col) for col in zip(*vals)] if isinstance(vals[0], list) else sum(vals) / len(vals)
+
     res = {"dataset": args.dataset, "answers": len(ent), "anchors": len(figs), "block_size": args.block,
            "sampling": s.label, "answer_tokens": int(ent_t.numel()), "mean_entropy_nats": float(ent_t.mean()),
            "mean_top_probability": float(top_t.mean()),
-           **{f"ceiling_{key}": sum(f[key] for f in figs) / len(figs) for key in figs[0]},
-           "rollouts": args.rollouts, "sims": args.sims, "answers_file": str(args.answers)}
-    log.info("%s, %s, block %d: %d answers (turn 1), %d anchors, %d answer tokens", args.dataset, s.label,
-             args.block, res["answers"], res["anchors"], res["answer_tokens"])
+           **{f"ceiling_{key}": mean(key) for key in CEILINGS},
+           "rollouts": args.rollouts, "sims": args.sims, "answers_file": str(args.answers),
+           "answers_sampling": SamplingParams(t_ans).label,
+           **{key: mean(key) for key in DRAFT_FIGURES + PER_SLOT if key in figs[0]},
+           "draft": None if args.draft is None else str(args.draft), "wall_s": round(time.perf_counter() - t0, 1)}
+    log.info("%s, %s along %s answers, block %d: %d answers (turn 1), %d anchors, %d answer tokens", args.dataset,
+             s.label, res["answers_sampling"], args.block, res["answers"], res["anchors"], res["answer_tokens"])
     log.info("| figure | value |\n| --- | ---: |")
     for key, label in (("mean_entropy_nats", "target entropy per token (nats)"),
                        ("mean_top_probability", "target probability of its argmax"),
                        ("ceiling_greedy", "perfect greedy draft: expected tokens a step"),
                        ("ceiling_marginal", "perfect marginal draft, sampled"),
-                       ("ceiling_marginal_argmax", "perfect marginal draft, argmax proposals")):
-        log.info("| %s | %.3f |", label, res[key])
+                       ("ceiling_marginal_argmax", "perfect marginal draft, argmax proposals"),
+                       ("draft_sampled", "the draft, sampled"),
+                       ("draft_argmax", "the draft, argmax proposals"),
+                       ("slot1_overlap", "slot 1: sum min(p_1, q^d_1)")):
+        if key in res:
+            log.info("| %s | %.3f |", label, res[key])
+    cols = [key for key in PER_SLOT if key in res]
+    log.info("\n| slot | %s |\n| ---: |%s", " | ".join(cols), " ---: |" * len(cols))
+    for i in range(k):
+        log.info("| %d | %s |", i + 1, " | ".join(f"{res[c][i]:.3f}" for c in cols))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 
