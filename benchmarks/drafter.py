@@ -6,6 +6,7 @@ scaling run of a large-target recipe, and tau against training tokens over the d
     python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval
     python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR
     python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run --png docs/bench/smollm2_scaling.png
+    python benchmarks/drafter.py accept --target pkg:smollm2 --draft EXPORT --dataset humaneval --temperature 1
 
 Every training here is the trainer's own (`nemo_dflash.recipes.train` or the pipeline), timed or read from
 the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import gzip
 import hashlib
@@ -44,7 +46,7 @@ from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa:
 from nemo_dflash.inference.replay import DRAFT_ATTENTION  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
-from nemo_dflash.sampling import SamplingParams  # noqa: E402
+from nemo_dflash.sampling import SamplingParams, as_sampling  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
 from nemo_dflash.train.metrics import read_metrics  # noqa: E402
@@ -1131,6 +1133,112 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # ====================================================================================================
+# accept
+
+DOC_ACCEPT = """The speculative decoder's acceptance at T > 0, step by step, against what its own accept test expects.
+
+    python benchmarks/drafter.py accept --target pkg:smollm2 --draft EXPORT --dataset humaneval [--prompts 12] \
+        [--max-new-tokens 256] [--temperature 1] [--top-p 1] [--json F]
+
+Decodes the first --prompts prompts of --dataset (turn 1) with the one-prompt reference decoder and, at every step,
+records from its accept test (`verify_block`): the tokens the step kept, their expectation given the drafted
+tokens (1 + sum_k prod_{j<=k} min(1, p_j / q_j)), slot 1's accept probability sum_x min(p_1, q_1) and the target's
+entropy there. The realized and expected means agree when the decoder's accept test is what the figures assume;
+slot 1's figures at the decoder's own anchors (each block starts where the last was rejected) set beside
+`drafter.py ceiling`'s, taken at evenly spaced anchors, show how much harder the positions that real decoding
+drafts from are.
+"""
+
+accept_log = logging.getLogger("accept")
+
+
+@contextlib.contextmanager
+def recorded_verify(records: list[dict[str, float]]):
+    """Every `verify_block` call of the reference decoder, with the figures of its accept test appended to `records`."""
+    import nemo_dflash.inference.spec_decode as spec_decode
+
+    original = spec_decode.verify_block
+
+    def verify(draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
+        n_acc, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
+        s = as_sampling(temperature)
+        if not s.greedy and draft_tokens.shape[0]:
+            p, q = s.probs(target_logits).float(), draft_probs.float()
+            idx = draft_tokens.unsqueeze(-1)
+            ratio = (p[:-1].gather(-1, idx) / q.gather(-1, idx)).squeeze(-1).clamp(max=1.0)
+            records.append({"kept": n_acc + 1, "expected": float(1 + ratio.cumprod(0).sum()),
+                            "slot1_accepted": float(n_acc >= 1), "slot1_overlap": float(torch.minimum(p[0], q[0]).sum()),
+                            "slot1_entropy": float(-(p[0] * p[0].clamp(min=1e-30).log()).sum())})
+        return n_acc, nxt
+
+    spec_decode.verify_block = verify
+    try:
+        yield records
+    finally:
+        spec_decode.verify_block = original
+
+
+def decoder_acceptance(target, draft, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int,
+                       seed: int = 0) -> dict[str, Any]:
+    """Means over every step of the reference decoder on `prompts`: kept tokens, their expectation, slot 1's figures."""
+    from nemo_dflash.inference.spec_decode import speculative_generate
+
+    g = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
+    with recorded_verify([]) as rec:
+        for ids in prompts:
+            speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, temperature=sampling, generator=g)
+    n = len(rec)
+    mean = {k: sum(r[k] for r in rec) / n for k in rec[0]} if n else {}
+    var = sum((r["kept"] - mean["kept"]) ** 2 for r in rec) / max(n - 1, 1) if n else 0.0
+    return {"steps": n, "kept_per_step": mean.get("kept"), "kept_per_step_stderr": (var / n) ** 0.5 if n else None,
+            "expected_per_step": mean.get("expected"), "slot1_accept_rate": mean.get("slot1_accepted"),
+            "slot1_overlap": mean.get("slot1_overlap"), "slot1_target_entropy": mean.get("slot1_entropy")}
+
+
+def main_accept(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py accept", description=DOC_ACCEPT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, type=Path)
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    s = SamplingParams(args.temperature, args.top_p)
+    if s.greedy:
+        raise SystemExit("error: --temperature must be > 0: at T=0 replay gives the acceptance exactly")
+    from nemo_dflash.draft.build import draft_weights_sha256, load_draft_for_target
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    _, prompts = load_prompt_set(args.dataset)
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    draft = load_draft_for_target(args.draft, model.config, tokenizer, device=device, dtype=dtype)
+    ids = [encode_chat(tokenizer, x.history() + [{"role": "user", "content": x.turns[0]}]) for x in prompts[: args.prompts]]
+    t0 = time.time()
+    res = {"dataset": args.dataset, "prompts": len(ids), "turn": 1, "max_new_tokens": args.max_new_tokens,
+           "sampling": s.label, "block_size": draft.config.block_size, "draft": str(args.draft),
+           "draft_sha256": draft_weights_sha256(args.draft), "device": str(device), "dtype": str(dtype),
+           **decoder_acceptance(model, draft, ids, s, args.max_new_tokens, args.seed)}
+    res["wall_s"] = round(time.time() - t0, 1)
+    accept_log.info("%s, %s, %d prompts, up to %d new tokens: %d steps", args.dataset, s.label, len(ids),
+                    args.max_new_tokens, res["steps"])
+    accept_log.info("| figure | value |\n| --- | ---: |")
+    for key, label in (("kept_per_step", "tokens kept a step (realized)"),
+                       ("expected_per_step", "tokens a step the accept test expects, given the drafts"),
+                       ("slot1_accept_rate", "slot 1 accepted (realized)"), ("slot1_overlap", "slot 1: sum min(p, q)"),
+                       ("slot1_target_entropy", "target entropy at slot 1 (nats)")):
+        accept_log.info("| %s | %.3f |", label, res[key])
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+# ====================================================================================================
 # curve
 
 DOC_CURVE = """Acceptance against training tokens and against unique tokens, over the SmolLM2 drafter runs.
@@ -1234,7 +1342,7 @@ def main_curve(argv: Optional[Sequence[str]] = None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
-    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE)}, argv)
+    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE), "accept": (main_accept, DOC_ACCEPT)}, argv)
 
 
 if __name__ == "__main__":

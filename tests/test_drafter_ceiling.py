@@ -3,6 +3,7 @@ anchor, against the spec decoder's own draft step and an exact enumeration of ev
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from pathlib import Path
@@ -111,3 +112,33 @@ def test_draft_simulation_matches_an_exact_enumeration(models, temperature, top_
     assert fig["draft_sampled"] == pytest.approx(want["draft_sampled"], abs=0.03)
     torch.testing.assert_close(torch.tensor(fig["draft_slot_accept"]), want["draft_slot_accept"], atol=0.015, rtol=0)
     assert len(fig["marginal_overlap"]) == len(fig["draft_argmax_slot_accept"]) == K
+
+
+def test_accept_records_what_the_decoder_kept_and_what_its_accept_test_expected(models):
+    """`drafter.py accept`: over many steps of the reference decoder at T=1 the kept tokens a step match the
+    expectation of its accept test given the drafts (a statistical check that fails for a decoder accepting
+    more or less than min(1, p/q)); the steps' kept tokens add up to the tokens generated; slot 1's overlap is a
+    probability."""
+    target, draft = models
+    mod = _script()
+    prompts = [[1, 5, 2], [3, 6, 0, 4], [2, 1], [6, 3, 5, 1, 0]] * 6
+    res = mod.decoder_acceptance(target, draft, prompts, SamplingParams(1.0), max_new_tokens=40)
+    assert res["steps"] > 200
+    assert abs(res["kept_per_step"] - res["expected_per_step"]) < 4 * res["kept_per_step_stderr"] + 0.02
+    assert 0.0 < res["slot1_overlap"] <= 1.0 and 0.0 <= res["slot1_accept_rate"] <= 1.0
+
+    import nemo_dflash.inference.spec_decode as spec_decode
+
+    original = spec_decode.verify_block
+    spec_decode.verify_block = functools.partial(_keep_all, original)
+    try:
+        broken = mod.decoder_acceptance(target, draft, prompts[:8], SamplingParams(1.0), max_new_tokens=40)
+    finally:
+        spec_decode.verify_block = original
+    assert broken["kept_per_step"] - broken["expected_per_step"] > 4 * broken["kept_per_step_stderr"]
+
+
+def _keep_all(original, draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
+    """A broken accept test: keeps the whole block whatever p says (the next token as the real one picks it)."""
+    _, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
+    return draft_tokens.shape[0], nxt
