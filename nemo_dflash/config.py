@@ -596,9 +596,10 @@ def validate(cfg: RecipeConfig, data_optional: bool = False) -> None:
     from nemo_dflash.sampling import check_sampling
 
     try:
-        check_sampling(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
+        check_sampling(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k,
+                       names=("train.eval_temperature", "train.eval_top_p", "train.eval_top_k"))
     except ValueError as e:
-        raise ConfigError(f"train.eval_temperature / eval_top_p / eval_top_k: {e}") from None
+        raise ConfigError(str(e)) from None
     if cfg.draft.target_layer_ids is not None:  # the target's depth is checked once it is loaded
         from nemo_dflash.target import check_target_layer_ids
 

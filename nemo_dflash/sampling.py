@@ -115,14 +115,18 @@ class SamplingParams:
         return cls(**kw)
 
 
-def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, draft: str = "sample") -> None:
-    """One-line errors for settings a user can give (temperature, top-p, top-k, draft proposals)."""
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, draft: str = "sample", *,
+                   names: tuple[str, str, str] = ("temperature", "top-p", "top-k")) -> None:
+    """One-line errors for settings a user can give (temperature, top-p, top-k, draft proposals), each naming the
+    setting as the user gave it (`names`: e.g. the flags). NaN and infinity are refused: NaN passes every
+    comparison, and an infinite temperature samples uniformly random tokens."""
+    t_name, p_name, k_name = names
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature {temperature!r}: give a finite number >= 0 (0 = greedy)")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top-p {top_p!r}: give a number in (0, 1] (1 = off)")
+        raise ValueError(f"{t_name} must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{p_name} must be in (0, 1] (got {top_p!r}); use 1 for no nucleus cut")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top-k {top_k!r}: give an integer >= 0 (0 = off)")
+        raise ValueError(f"{k_name} must be an integer >= 0 (got {top_k!r}); use 0 for no top-k cut")
     if draft not in DRAFT_PROPOSALS:
         raise ValueError(f"draft proposals {draft!r}: give one of {', '.join(DRAFT_PROPOSALS)}")
 

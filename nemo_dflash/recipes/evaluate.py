@@ -168,7 +168,8 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
 def sampling_settings(args: argparse.Namespace, temps: Optional[tuple[float, ...]]):
     """--temperatures with --top-p / --top-k / --draft-proposals applied to those above 0 (a bare float where
     none is given, so plain temperatures key journals as they always did); None: the protocol's own."""
-    check_sampling(1.0, args.top_p, args.top_k, args.draft_proposals)  # one line each: --top-p 0, --top-k -1
+    check_sampling(1.0, args.top_p, args.top_k, args.draft_proposals,  # one line each: --top-p 0, --top-k -1
+                   names=("--temperatures", "--top-p", "--top-k"))
     plain = args.top_p >= 1.0 and args.top_k == 0 and args.draft_proposals == "sample"
     if plain:
         return temps

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -39,6 +38,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 from nemo_dflash.files import (
     FileLock, LockBusyError, LockReplacedError, Output, OutputError, guard_outputs, write_error_reason,
 )
+from nemo_dflash.sampling import check_sampling as check_sampling_values
 from nemo_dflash.config import RegenerateConfig
 from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
@@ -173,12 +173,9 @@ def _on_off(value: Optional[str]) -> Optional[bool]:
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
-    """Refuse a sampling configuration that makes no sense (one line naming the fix, exit 2); NaN
-    and infinity are refused too (NaN passed every comparison, inf sampled uniformly random tokens)."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        fail(f"{t_name} must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
-    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        fail(f"{p_name} must be in (0, 1] (got {top_p!r}); use 1 for no nucleus cut")
+    """Refuse a sampling configuration that makes no sense: `nemo_dflash.sampling.check_sampling`'s line, exit 2."""
+    with user_errors(ValueError):
+        check_sampling_values(temperature, top_p, names=(t_name, p_name, "top-k"))
 
 
 def resolve_sampling(args: argparse.Namespace, model: Any) -> tuple[float, float, str]:
