@@ -249,18 +249,18 @@ def _loss_and_data(out: Path) -> dict[str, Any]:
             "samples_per_prompt": regen.get("samples_per_prompt")}
 
 
-def _draft_hashes(out: Path, evals: list[Path]) -> dict[str, Any]:
-    """The export's weights hash (the one evaluate records: names and bytes of the weights) beside the hashes the
-    evaluation files recorded, and whether they all agree."""
-    recorded = {ev.get("draft_sha256") for ev in map(_load, evals) if ev}
+def draft_hashes(export: Path, recorded: set[Optional[str]]) -> dict[str, Any]:
+    """The export's weights hash (the one evaluate records: names and bytes of the weights) where its weights are
+    here, else the one every evaluation file recorded (when they agree); whether `recorded` (the evaluation files'
+    hashes) all name it; and the weights file's own sha256 (or the one written beside it)."""
     computed = None
-    if (out / "export" / "model.safetensors").exists():
+    if (export / "model.safetensors").exists():
         from nemo_dflash.draft.build import draft_weights_sha256
 
-        computed = draft_weights_sha256(out / "export")
+        computed = draft_weights_sha256(export)
     return {"draft_sha256": computed or (next(iter(recorded)) if len(recorded) == 1 else None),
             "eval_draft_sha256_match": (recorded == {computed}) if computed else len(recorded) == 1,
-            "model_safetensors_sha256": _sha256(out / "export" / "model.safetensors")}
+            "model_safetensors_sha256": _sha256(export / "model.safetensors")}
 
 
 def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
@@ -305,7 +305,8 @@ def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = N
     speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
     res["speedup_t0"] = min(speedups) if speedups else None
     res.update(_loss_and_data(out))
-    res.update(_draft_hashes(out, [Path(x) for x in evals] if evals else [out / "eval" / "results.json"]))
+    files = [Path(x) for x in evals] if evals else [out / "eval" / "results.json"]
+    res.update(draft_hashes(out / "export", {ev.get("draft_sha256") for ev in map(_load, files) if ev}))
     if ev.get("sources"):
         res["eval_sources"] = ev["sources"]
     return res
@@ -321,8 +322,6 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
     config = out / "run" / "config.yaml"
     if rows is None or not config.is_file() or not summary.get("steps"):
         return None
-    import yaml
-
     cfg = yaml.safe_load(config.read_text())
     mbs, pack = cfg["train"]["micro_batch_size"], cfg["data"].get("pack_length")
     windows = [r for r in rows if "tok_s" in r and r["step"] > after_step]
@@ -675,12 +674,6 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
     summary = _read(run / "summary.json") or {}
     ev_dir = out / "eval" / name
     res = {tag: _read(ev_dir / tag / "results.json") for tag in (*ACCEPTANCE, "speed")}
-    exp = export_dir(out, name)
-    computed = None
-    if (exp / "model.safetensors").exists():  # the hash evaluate keys answers on (names and bytes of the weights)
-        from nemo_dflash.draft.build import draft_weights_sha256
-
-        computed = draft_weights_sha256(exp)
     row: dict[str, Any] = {
         "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
         "data_temperature": " + ".join(DATA[d][2] for d in lever["data"].split("+")),
@@ -692,11 +685,7 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
         "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
         "loss_heldout": last.get("eval_loss"), "target": target,
     }
-    recorded = {r.get("draft_sha256") for r in res.values() if r}
-    # the export's hash where its weights are here, else the one every evaluation file recorded (when they agree)
-    row["draft_sha256"] = computed or (next(iter(recorded)) if len(recorded) == 1 else None)
-    row["eval_draft_sha256_match"] = (recorded == {computed}) if computed else len(recorded) == 1
-    row["model_safetensors_sha256"] = _sha256(exp / "model.safetensors")
+    row.update(draft_hashes(export_dir(out, name), {r.get("draft_sha256") for r in res.values() if r}))
     for ds, short in (("humaneval", "humaneval"), ("mtbench", "mtbench")):
         t0 = _sets(res["t0"]).get(ds, {})
         t1 = _sets(res["t1"]).get(ds, {})
@@ -1137,7 +1126,7 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> int:
 
 DOC_ACCEPT = """The speculative decoder's acceptance at T > 0, step by step, against what its own accept test expects.
 
-    python benchmarks/drafter.py accept --target pkg:smollm2 --draft EXPORT --dataset humaneval [--prompts 12] \
+    python benchmarks/drafter.py accept --target pkg:smollm2 --draft EXPORT --dataset humaneval [--prompts 12] \\
         [--max-new-tokens 256] [--temperature 1] [--top-p 1] [--json F]
 
 Decodes the first --prompts prompts of --dataset (turn 1) with the one-prompt reference decoder and, at every step,
@@ -1243,7 +1232,7 @@ def main_accept(argv: Optional[Sequence[str]] = None) -> None:
 
 DOC_CURVE = """Acceptance against training tokens and against unique tokens, over the SmolLM2 drafter runs.
 
-    python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run [--rows docs/bench/drafter_summary.json] \
+    python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run [--rows docs/bench/drafter_summary.json] \\
         [--png docs/bench/smollm2_scaling.png]
 
 Each RUN directory holds a training run's summary.json (the trainer's: tokens seen, the data's tokens, held-out

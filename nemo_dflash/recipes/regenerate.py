@@ -38,12 +38,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 from nemo_dflash.files import (
     FileLock, LockBusyError, LockReplacedError, Output, OutputError, guard_outputs, write_error_reason,
 )
-from nemo_dflash.sampling import check_sampling as check_sampling_values
 from nemo_dflash.config import RegenerateConfig
 from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
     user_errors,
 )
+from nemo_dflash.sampling import check_sampling as check_sampling_values
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
