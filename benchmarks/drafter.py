@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import random
 import re
 import shlex
@@ -684,6 +685,11 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
         "sampled_tau_heldout": last.get("eval_sampled_accept_len"),
         "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
         "loss_heldout": last.get("eval_loss"), "target": target,
+        # the median logged step time (compile and the first steps' warm-up fall outside the median)
+        "step_s_median": statistics.median(steps) if (steps := [r["step_s"] for r in rows if "step_s" in r]) else None,
+        # every held-out evaluation: levers that stopped at their time cap compare at a step both reached
+        "heldout_evals": [{k: r.get(k) for k in ("step", "tokens", "eval_loss", "eval_accept_len",
+                                                  "eval_sampled_accept_len")} for r in ev],
     }
     row.update(draft_hashes(export_dir(out, name), {r.get("draft_sha256") for r in res.values() if r}))
     for ds, short in (("humaneval", "humaneval"), ("mtbench", "mtbench")):
@@ -745,8 +751,10 @@ def report(args: argparse.Namespace) -> None:
         table = json.loads(path.read_text()) if path.exists() else []
         stamp = {"date": args.date or time.strftime("%Y-%m-%d"), "device": args.device, "commit": args.commit,
                  "command": f"python benchmarks/drafter.py levers {{regen,train,eval,speed}} OUT {args.note}".strip()}
-        names = {r["draft"] for r in rows}
-        table = [r for r in table if r.get("draft") not in names] + [{**stamp, **r} for r in rows]
+        if args.series:  # a later run of the same levers keeps the earlier run's rows
+            stamp["series"] = args.series
+        names = {(r["draft"], args.series) for r in rows}
+        table = [r for r in table if (r.get("draft"), r.get("series")) not in names] + [{**stamp, **r} for r in rows]
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1) + "\n")
         os.replace(tmp, path)
@@ -784,6 +792,8 @@ def main_levers(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--commit", default=None)
     p.add_argument("--note", default="", help="the phases' flags, recorded in the rows' command")
     p.add_argument("--date", default=None, help="the runs' date (default today)")
+    p.add_argument("--series", default=None,
+                   help="a name for this run of the levers, kept in its rows: rows of another series are not replaced")
     p.add_argument("--cpu", action="store_true", help="pin no GPU (a dry run on a tiny target)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)

@@ -35,7 +35,9 @@ def test_lever_row_reads_every_figure_from_the_files(tmp_path):
     run = out / "runs" / "b"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"step": 10, "loss": 5.0, "tokens": 1000.0},
+        {"step": 5, "loss": 6.0, "tokens": 500.0, "step_s": 9.0},
+        {"step": 10, "loss": 5.0, "tokens": 1000.0, "step_s": 0.25},
+        {"step": 15, "loss": 5.0, "tokens": 1500.0, "step_s": 0.5},
         {"step": 10, "eval_loss": 4.0, "eval_accept_len": 2.5, "eval_sampled_accept_len": 1.9,
          "eval_sampled_accept_len_greedy_draft": 1.7, "tokens": 1000.0},
         {"step": 20, "eval_loss": 3.5, "eval_accept_len": 2.75, "eval_sampled_accept_len": 2.0,
@@ -59,6 +61,9 @@ def test_lever_row_reads_every_figure_from_the_files(tmp_path):
     assert row["stopped_early"] == "train.max_minutes reached"
     assert (row["sim_tau_heldout"], row["sampled_tau_heldout"], row["sampled_tau_heldout_greedy_draft"]) == \
         (2.75, 2.0, 1.8)  # the last held-out evaluation
+    assert row["step_s_median"] == 0.5  # the warm-up step's 9 s does not move it
+    assert [(e["step"], e["eval_accept_len"], e["eval_sampled_accept_len"]) for e in row["heldout_evals"]] == \
+        [(10, 2.5, 1.9), (20, 2.75, 2.0)]  # and every one before it
     assert (row["humaneval_t0_tau"], row["humaneval_t0_tau_no_loop"], row["humaneval_t1_tau"]) == (3.0, 2.5, 2.2)
     assert (row["mtbench_t1_tau"], row["mtbench_t1_tau_greedy_draft"]) == (1.6, 1.4)
     assert (row["humaneval_t0_speedup"], row["humaneval_t0_speedup_no_loop"]) == (1.2, 1.1)
@@ -123,3 +128,31 @@ def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, mon
     (out / "runs" / "f").mkdir(parents=True)
     row = levers.lever_row(out, "f", "pkg:smollm2")
     assert (row["data_temperature"], row["samples_per_prompt"]) == ("0.2 (top-p 0.9) + 1", 3)
+
+
+def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path):
+    """`report --json`: a second run of a lever (`--series`) is appended beside the first run's row; running the
+    same series again replaces its own row, never the other's."""
+    import argparse
+
+    levers = _script()
+    out = tmp_path / "out"
+    run = out / "runs" / "b"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accept_len": 2.0, "tokens": 50.0}) + "\n")
+    table = tmp_path / "rows.json"
+    table.write_text(json.dumps([{"draft": "sampling lever b", "commit": "old", "train_tokens": 1.0}]))
+
+    def report(series):
+        ns = argparse.Namespace(out=str(out), target="pkg:smollm2", levers="b", json=str(table), date="2026-01-02",
+                                device="cpu", commit="new", note="", series=series)
+        levers.report(ns)
+        return json.loads(table.read_text())
+
+    rows = report("second")
+    assert [(r["draft"], r.get("series"), r["commit"]) for r in rows] == \
+        [("sampling lever b", None, "old"), ("sampling lever b", "second", "new")]
+    assert rows[1]["train_tokens"] == 50.0
+    assert len(report("second")) == 2  # its own row replaced, the first run's kept
+    rows = report(None)  # no series: the first run's row is the one replaced
+    assert [(r.get("series"), r["commit"]) for r in rows] == [("second", "new"), (None, "new")]
