@@ -347,7 +347,7 @@ class StepCase:
     accum: int = 1
     compile_target: bool = False  # train.compile_target
     pack_length: int = 0  # data.pack_length (0: length-grouped padded rows; mbs then counts packed rows)
-    loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger | auto
+    loss_impl: str = "chunked"  # loss.impl: chunked | cce | liger
     backend: str = "flex"  # loss.attn_backend on a GPU (the CPU runs sdpa)
     fused_ce: bool = True  # the lm_head gradient formed in the forward (0: checkpointed chunks)
 
@@ -777,7 +777,7 @@ def main() -> None:
     p.add_argument("--compile", default="0", help="train.compile: 0 | layers | draft | ...")
     p.add_argument("--fused-ce", default="1", help="1: lm_head gradient formed in forward; 0: checkpointed chunks")
     p.add_argument("--loss-impl", default="chunked",
-                   help="loss.impl, a comma list: chunked | cce (cut-cross-entropy) | liger (liger-kernel) | auto; "
+                   help="loss.impl, a comma list: chunked | cce (cut-cross-entropy) | liger (liger-kernel); "
                         "a package that cannot run falls back to chunked (the row records what ran)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)

@@ -87,8 +87,8 @@ class LossConfig:
     accept_form: str = "log"  # log: -log a (LK's direct acceptance loss) | tv: 1 - a (total variation)
     ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
     fused_ce: bool = True  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
-    # training loss kernel: chunked (PyTorch, chunk by chunk) | cce (cut-cross-entropy) | liger (liger-kernel)
-    # | auto (a fused one when installed on a GPU); cce/liger fall back to chunked, with a warning, where they cannot run
+    # training loss kernel: chunked (PyTorch, chunk by chunk; the fastest measured) | cce (cut-cross-entropy)
+    # | liger (liger-kernel); cce/liger fall back to chunked, with a warning, where they cannot run
     impl: str = "chunked"
 
 
@@ -285,7 +285,7 @@ class RecipeConfig:
 
 _CHOICES = {
     "loss.attn_backend": ("auto", "sdpa", "eager", "flex"),
-    "loss.impl": ("chunked", "cce", "liger", "auto"),
+    "loss.impl": ("chunked", "cce", "liger"),
     "loss.accept_form": ("log", "tv"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp32"),

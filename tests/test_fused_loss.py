@@ -1,4 +1,4 @@
-"""`loss.impl` (chunked | cce | liger | auto): the fused kernels' loss against independent references.
+"""`loss.impl` (chunked | cce | liger): the fused kernels' loss against independent references.
 
 On CPU: the chunked path's lse / soft-CE identity against naive full logits in fp64, the formula that
 turns a per-token CE into lse and the mixed loss (with a per-token CE computed naively standing in for
@@ -167,8 +167,7 @@ def test_named_kernel_on_cpu_falls_back_with_one_warning(caplog, monkeypatch):
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and "loss.impl=cce cannot run" in warned[0] and "chunked" in warned[0]
     caplog.clear()
-    assert fl.resolve_loss_impl("auto", cpu) == "chunked" and not caplog.records  # auto: quietly
-    assert fl.resolve_loss_impl("chunked", cpu) == "chunked"
+    assert fl.resolve_loss_impl("chunked", cpu) == "chunked" and not caplog.records
     with pytest.raises(ValueError, match="loss.impl must be one of"):
         fl.resolve_loss_impl("fast", cpu)
 
@@ -210,7 +209,7 @@ def test_invalid_loss_impl_is_a_one_line_config_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml",
                         "loss.impl=fast"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
-    assert "'loss.impl' must be one of ['chunked', 'cce', 'liger', 'auto'], got 'fast'" in r.stderr
+    assert "'loss.impl' must be one of ['chunked', 'cce', 'liger'], got 'fast'" in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
 
 
@@ -227,7 +226,7 @@ def _kernels():
 # cut-cross-entropy adds its per-vocab-block contributions to dL/dh in bf16 (H200: ~2.4% from fp32 at
 # 576 x 49152), liger-kernel and the chunked path in fp32 (~0.2%).
 # relative error of the gradient of the draft's states; cce accumulates it in bf16: 2.4% (hard CE) and 4.8% (distillation
-# 0.5) measured on an H200, which is why `auto` never picks it (docs/training.md)
+# 0.5) measured on an H200 (docs/training.md)
 GRAD_H_TOL = {"cce": 6e-2, "liger": 1e-2}
 
 
@@ -319,12 +318,3 @@ def test_trainer_step_with_kernel_matches_chunked_on_gpu(impl):
     (l_ref, g_ref), (l, gr) = results
     assert l == pytest.approx(l_ref, rel=1e-2)
     assert _rel(gr, g_ref) < 2 * GRAD_H_TOL[impl]
-
-
-def test_auto_takes_liger_and_never_cce(monkeypatch):
-    """cce's gradient is 2.4-4.8% from fp32 (measured): `auto` runs liger where it can, else the chunked path."""
-    gpu = torch.device("cuda", 0)
-    for available, want in (({"liger", "cce"}, "liger"), ({"cce"}, "chunked"), (set(), "chunked")):
-        monkeypatch.setattr(fl, "fused_unavailable", lambda name, dev, a=available: None if name in a else "missing")
-        assert fl.resolve_loss_impl("auto", gpu) == want
-    assert fl.resolve_loss_impl("cce", gpu) == "chunked"  # named, it still runs where it can (not here: missing)
