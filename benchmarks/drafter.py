@@ -559,9 +559,12 @@ def export_dir(out: Path, name: str) -> Path:
     return out / "export" / name
 
 
-def evaluate_argv(args: argparse.Namespace, draft: Path, dest: Path, extra: list[str]) -> list[str]:
+def evaluate_argv(args: argparse.Namespace, draft: Path, dest: Path, extra: list[str], own_last: bool = False) -> list[str]:
+    """An evaluate command: the phase's flags, then --eval-extra (the later flag wins), or with `own_last` the
+    other way round, so the timing phase keeps its own prompt count and time cap."""
+    flags = [*args.eval_extra, *extra] if own_last else [*extra, *args.eval_extra]
     return python() + ["-m", "nemo_dflash.recipes.evaluate", "--draft", str(draft), "--target", args.target,
-                       "--out", str(dest), "--protocol", args.protocol, *extra, *args.eval_extra]
+                       "--out", str(dest), "--protocol", args.protocol, *flags]
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -605,7 +608,7 @@ def speed(args: argparse.Namespace) -> None:
             "--temperatures", args.speed_temperatures, "--sampling", "target", "--method", "batched",
             "--decode", "graphs", "--num-prompts", str(args.speedup_prompts), "--speedup-prompts",
             str(args.speedup_prompts), "--speedup-only", "--max-minutes", str(args.max_minutes or 8)]
-            + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []))
+            + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []), own_last=True)
         jobs.append((f"speed_{name}", argv, gpu_env(i)))
     run_all(jobs, out / "logs")
 
@@ -780,7 +783,8 @@ def main_levers(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--extra", default="", help="more regenerate flags, one string")
     p.add_argument("--overrides", nargs="*", default=[], help="more training overrides (key=value)")
     p.add_argument("--protocol", default="paper")
-    p.add_argument("--eval-extra", default="", help="more evaluate flags (every evaluate run), one string")
+    p.add_argument("--eval-extra", default="", help="more evaluate flags (every evaluate run; the speed phase's own --num-prompts and "
+                   "--max-minutes win over them), one string")
     p.add_argument("--speedup-prompts", type=int, default=20)
     p.add_argument("--speed-temperatures", default="0,1")
     p.add_argument("--speed-max-new-tokens", type=int, default=None,

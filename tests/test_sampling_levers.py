@@ -95,7 +95,8 @@ def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypat
     monkeypatch.setattr(levers, "run_all", fake_run_all)
     out = str(tmp_path / "out")
     levers.main(["levers", "chain", out, "--levers", "a,c", "--gpu-list", "2,3", "--acceptance", "t0,t1",
-                 "--speed-max-new-tokens", "1024"])
+                 "--speed-max-new-tokens", "1024", "--max-minutes", "6.5",
+                 "--eval-extra", "--num-prompts 40 --max-minutes 4"])
     (jobs,) = seen
     assert [j[0] for j in jobs] == ["chain_a", "chain_c"]
     for (_, argv, _), lever, gpu in zip(jobs, "ac", "23"):
@@ -111,6 +112,13 @@ def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypat
     assert all(env == {"CUDA_VISIBLE_DEVICES": "3"} for _, _, env in export_jobs + eval_jobs + speed_jobs)
     (_, speed_argv, _), = speed_jobs
     assert "--speedup-only" in speed_argv and speed_argv[speed_argv.index("--max-new-tokens") + 1] == "1024"
+
+    def last(argv, flag):  # what evaluate's argparse takes: the last occurrence
+        return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+    # --eval-extra reaches every evaluate run; the acceptance runs take its prompt count and cap, the timing
+    # phase keeps its own (its cap was cut to the acceptance runs' 4 minutes before, and HumanEval T=1 went untimed)
+    assert all(last(a, "--max-minutes") == "4" and last(a, "--num-prompts") == "40" for _, a, _ in eval_jobs)
+    assert last(speed_argv, "--max-minutes") == "6.5" and last(speed_argv, "--num-prompts") == "20"
 
 
 def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, monkeypatch):
