@@ -519,7 +519,7 @@ def regen(args: argparse.Namespace) -> None:
 
 
 def levers_of(args: argparse.Namespace) -> list[str]:
-    names = [x.strip() for x in args.levers.split(",") if x.strip()]
+    names = [x.strip() for x in (args.levers or "a,b,c,d").split(",") if x.strip()]
     unknown = [x for x in names if x not in LEVERS]
     if unknown:
         sys.exit(f"unknown lever(s) {unknown}: choose from {', '.join(LEVERS)}")
@@ -728,7 +728,8 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
 
 def report(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    rows = [lever_row(out, name, args.target) for name in levers_of(args) if (out / "runs" / name).exists()]
+    names = levers_of(args) if args.levers else list(LEVERS)  # by default every lever OUT has a run of
+    rows = [lever_row(out, name, args.target) for name in names if (out / "runs" / name).exists()]
     cols = [("lever", lambda r: r["draft"].split()[-1]), ("loss", lambda r: r["loss"]),
             ("data T", lambda r: r["data_temperature"]), ("M tok", lambda r: r["train_tokens"] / 1e6),
             ("sim tau", lambda r: r["sim_tau_heldout"]), ("T1 exp", lambda r: r["sampled_tau_heldout"]),
@@ -771,7 +772,7 @@ def main_levers(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--target", default="pkg:smollm2")
     p.add_argument("--data", action="append", default=[], help="regenerate --data specs (regen)")
     p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--levers", default="a,b,c,d")
+    p.add_argument("--levers", default=None, help="a comma list (default a,b,c,d; for `report`, every lever with a run)")
     p.add_argument("--tokens", type=float, default=30e6, help="training tokens per lever (train)")
     p.add_argument("--step-tokens", type=int, default=STEP_TOKENS)
     p.add_argument("--recipe", default="smollm2_135m_gpu.yaml")

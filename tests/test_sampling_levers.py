@@ -138,7 +138,7 @@ def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, mon
     assert (row["data_temperature"], row["samples_per_prompt"]) == ("0.2 (top-p 0.9) + 1", 3)
 
 
-def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path):
+def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path, capsys):
     """`report --json`: a second run of a lever (`--series`) is appended beside the first run's row; running the
     same series again replaces its own row, never the other's."""
     import argparse
@@ -164,3 +164,13 @@ def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path):
     assert len(report("second")) == 2  # its own row replaced, the first run's kept
     rows = report(None)  # no series: the first run's row is the one replaced
     assert [(r.get("series"), r["commit"]) for r in rows] == [("second", "new"), (None, "new")]
+
+    # without --levers, `report` takes every lever OUT holds a run of (not only a, b, c, d)
+    (out / "runs" / "f").mkdir()
+    (out / "runs" / "f" / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accept_len": 1.5}) + "\n")
+    ns = argparse.Namespace(out=str(out), target="pkg:smollm2", levers=None, json=None, date=None, device="cpu",
+                            commit=None, note="", series=None)
+    capsys.readouterr()
+    levers.report(ns)
+    printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert printed == ["b", "f"]
