@@ -23,12 +23,12 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import random
 import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
