@@ -148,6 +148,59 @@ def test_no_module_imports_a_later_stage_of_the_flow():
 
 
 
+# ---- The decoding engine: the only modules that open a KV cache or capture a CUDA graph
+
+# A decode loop needs a KV cache; a fast one, CUDA graphs. Decoding lives in these modules (the slot engine
+# regeneration and replay run on, and the speculative decoders evaluation runs); a new loop elsewhere is a
+# second engine. The caches' own classes (SlotKVCache, DFlashContextCache, ...) may be defined elsewhere.
+ENGINE = {
+    "nemo_dflash.data.generation",  # the slot engine: continuous batching, plain decoding (regenerate, replay)
+    "nemo_dflash.inference.spec_decode",  # the one-prompt speculative decoder (the eager reference)
+    "nemo_dflash.inference.static_decode",  # its fixed-shape loop, CUDA graphs
+    "nemo_dflash.inference.batched_static",  # many prompts on fixed shapes, CUDA graphs
+    "nemo_dflash.inference.batched_spec",  # many prompts, eager (T > 0)
+    "nemo_dflash.inference.graphs",  # capture and replay of the steps above
+    "nemo_dflash.inference.recurrent_cache",  # the hybrid targets' caches and their rollback
+    "nemo_dflash.inference.static_cache",  # the static caches the graphs read
+}
+CACHE_OR_GRAPH = {"DynamicCache", "StaticCache", "HybridCache", "SlotKVCache", "DFlashContextCache",
+                  "TargetStaticCache", "StaticDraftContextCache", "CUDAGraph", "graph", "make_graphed_callables"}
+
+
+def opens_cache_or_graph(path: Path) -> list[str]:
+    """The calls in `path` that build a KV cache or capture a CUDA graph (`torch.cuda.graph(...)`, `CUDAGraph()`,
+    `DynamicCache(...)`, ...), as `line: name`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        if name == "graph" and not (isinstance(f, ast.Attribute) and ast.unparse(f.value).endswith("cuda")):
+            continue  # only torch.cuda.graph(...) is a capture
+        if name in CACHE_OR_GRAPH:
+            found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_only_the_engine_opens_a_kv_cache_or_captures_a_graph():
+    offenders = {name: hits for name, path in package_modules().items()
+                 if name not in ENGINE and (hits := opens_cache_or_graph(path))}
+    assert not offenders, f"decoding outside the engine modules (tests/test_layout.py ENGINE): {offenders}"
+    assert all(is_module(m) for m in ENGINE), "an ENGINE entry names no module: update the list"
+
+
+def test_the_engine_check_sees_caches_and_captures(tmp_path):
+    probe = tmp_path / "probe.py"
+    for code in ("from transformers import DynamicCache\nc = DynamicCache()\n",
+                 "import torch\ng = torch.cuda.CUDAGraph()\nwith torch.cuda.graph(g):\n    pass\n",
+                 "def f(m):\n    return m.DFlashContextCache(4)\n"):
+        probe.write_text(code)
+        assert opens_cache_or_graph(probe), code
+    probe.write_text("import matplotlib.pyplot as plt\nplt.graph = 1\ndef graph(x):\n    return x\ny = graph(2)\n")
+    assert opens_cache_or_graph(probe) == []
+
+
 # ---- No import cycles, lazy (function-level) imports included
 
 
