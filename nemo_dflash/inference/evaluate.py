@@ -656,8 +656,10 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
                              f"{spread['min']:.2f}x, median {spread['median']:.2f}x, max {spread['max']:.2f}x "
                              f"({spread['prompts']} prompts){no_loop}")
                 if sp["speedup"] < 1.0:  # the one figure a user acts on: say it plainly
+                    hint = ("" if SamplingParams.from_key(tkey).greedy else
+                            " (a draft for sampling: docs/training.md, \"Which loss, and which data\")")
                     lines.append(f"  {name} {setting}: speculative decoding with this draft is slower than "
-                                 "plain decoding; do not serve it at these sampling settings")
+                                 f"plain decoding; do not serve it at these sampling settings{hint}")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")
     lines.extend("  " + h for h in hists)
     return "\n".join(lines)
