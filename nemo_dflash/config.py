@@ -327,6 +327,8 @@ def _list_item_error(schema: DictConfig, key: str) -> Optional[ConfigError]:
     if not isinstance(node, ListConfig) or element is None or not hasattr(element, "__dataclass_fields__"):
         return None
     fields = list(element.__dataclass_fields__)
+    if m.group(3) in fields:
+        return None  # a known field: not an unknown key
     close = difflib.get_close_matches(m.group(3), fields, n=1, cutoff=0.5)
     hint = f" Did you mean '{m.group(1)}[{m.group(2)}].{close[0]}'?" if close else ""
     return ConfigError(f"Unknown config key '{key}'.{hint} The keys of an item are: {', '.join(fields)}")
@@ -390,6 +392,7 @@ def _parse_override(ov: str) -> Any:
 
 
 _PLAIN_SET = re.compile(r"([A-Za-z_][\w.]*)=(.*)", re.S)
+_LIST_ITEM_KEY = re.compile(r"(.+?)\.(\d+)(?:\.([^.]+))?")  # `prompts.jobs.3` or `prompts.jobs.3.source`
 
 
 def _plain_values_quoted(overrides: Sequence[str], groups: set[str]) -> list[str]:
@@ -424,6 +427,15 @@ def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: s
             raise ConfigError(f"Override {ov!r} names no key: write key=value (e.g. optim.lr=1e-4)")
         if "." not in key and key in groups:
             continue  # a config group choice (`cluster=fsdp2`, `~cluster`), resolved by Hydra
+        item = _LIST_ITEM_KEY.fullmatch(key)
+        if item is not None and isinstance(OmegaConf.select(schema, item.group(1)), ListConfig):
+            # one item of a list, or one field of it (`prompts.jobs.3.source=...`): the field is checked
+            # against the item's schema here, the index against the recipe's list when Hydra applies it
+            element = getattr(OmegaConf.select(schema, item.group(1))._metadata, "element_type", None)
+            field = item.group(3)
+            if field is None or field in getattr(element, "__dataclass_fields__", ()):
+                continue
+            raise _unknown_key_error(schema, f"{item.group(1)}[{item.group(2)}].{field}")
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(schema, parent) if parent else schema
         if not isinstance(node, DictConfig) or leaf not in node.keys():
@@ -480,7 +492,18 @@ def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
                           "a tab for indentation)") from None
     except ConfigCompositionException as e:
         cause = e.__cause__
+        merging = re.match(r"Error merging override (\S+?)=", str(e))
+        item = _LIST_ITEM_KEY.fullmatch(merging.group(1)) if merging else None
+        if item is not None:  # an index past the recipe's list (the field was checked before composing)
+            raise ConfigError(f"Override {merging.group(1)!r}: '{item.group(1)}' has no item {item.group(2)} in this "
+                              f"recipe (items count from 0): add the item to the recipe, or give the whole list, "
+                              f"e.g. '{item.group(1)}=[...]'") from None
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+            field = re.fullmatch(r"(.+?)\[(\d+)\]\.([^.\[\]]+)", str(cause.full_key))
+            if field is not None and _list_item_error(OmegaConf.structured(RecipeConfig), str(cause.full_key)) is None:
+                key = f"{field.group(1)}.{field.group(2)}.{field.group(3)}"  # a valid field the recipe's item lacks
+                raise ConfigError(f"Override {key!r}: item {field.group(2)} of '{field.group(1)}' does not set "
+                                  f"'{field.group(3)}' in this recipe: add it with '++{key}=...'") from None
             raise _unknown_key_error(OmegaConf.structured(RecipeConfig), str(cause.full_key)) from None
         raise ConfigError(" ".join(part.strip() for part in str(e).splitlines() if part.strip())) from None
 

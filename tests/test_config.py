@@ -219,3 +219,25 @@ def test_the_command_line_composes_groups_from_another_directory(tmp_path):
     r = subprocess.CompletedProcess(procs[1].args, procs[1].returncode, None, err3)
     assert r.returncode == 2 and "Did you mean 'cluster=fsdp2'" in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr
+
+
+def test_one_item_of_a_list_is_overridden_by_its_index():
+    """`prompts.jobs.3.source=...` changes that item's field alone (Hydra's list index); a field the recipe's
+    item does not set takes `++`; a typo in the field, an index past the list: one line naming the fix."""
+    base = load_recipe("smollm2_135m_4gpu.yaml", data_optional=True)
+    cfg = load_recipe("smollm2_135m_4gpu.yaml", ["prompts.jobs.3.source=code_site+all"], data_optional=True)
+    assert [j.source for j in cfg.prompts.jobs] == [j.source for j in base.prompts.jobs[:3]] + ["code_site+all", None]
+    assert cfg.prompts.jobs[4] == base.prompts.jobs[4] and base.prompts.jobs[3].source == "code_site+all:200000"
+    assert load_recipe("smollm2_135m_4gpu.yaml", ["++data.sources.0.weight=2"],
+                       data_optional=True).data.sources[0].weight == 2.0
+    refusals = {
+        "data.sources.0.weight=2": "item 0 of 'data.sources' does not set 'weight' in this recipe: add it with "
+                                   "'++data.sources.0.weight=...'",
+        "prompts.jobs.9.source=x": "'prompts.jobs' has no item 9 in this recipe (items count from 0)",
+        "prompts.jobs.3.sorce=x": "Did you mean 'prompts.jobs[3].source'?",
+        "optim.lr.0=1": "Did you mean 'optim.lr'?",
+    }
+    for override, message in refusals.items():
+        with pytest.raises(ConfigError, match=None) as err:
+            load_recipe("smollm2_135m_4gpu.yaml", [override], data_optional=True)
+        assert message in str(err.value) and "\n" not in str(err.value), (override, str(err.value))
