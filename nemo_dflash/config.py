@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
+    ConfigIndexError,
     ConfigKeyError,
     GrammarParseError,
     InterpolationResolutionError,
@@ -317,9 +318,12 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+_ITEM_FIELD = re.compile(r"(.+?)\[(\d+)\]\.([^.\[\]]+)")  # OmegaConf's name of a list item's field: `a.b[0].c`
+
+
 def _list_item_error(schema: DictConfig, key: str) -> Optional[ConfigError]:
     """``a.b[0].c``: suggest among the keys of the list item's own schema (not the whole recipe's)."""
-    m = re.fullmatch(r"(.+?)\[(\d+)\]\.([^.\[\]]+)", key)
+    m = _ITEM_FIELD.fullmatch(key)
     if m is None:
         return None
     node = OmegaConf.select(schema, m.group(1))
@@ -428,10 +432,11 @@ def _check_override_keys(schema: DictConfig, overrides: Sequence[str], groups: s
         if "." not in key and key in groups:
             continue  # a config group choice (`cluster=fsdp2`, `~cluster`), resolved by Hydra
         item = _LIST_ITEM_KEY.fullmatch(key)
-        if item is not None and isinstance(OmegaConf.select(schema, item.group(1)), ListConfig):
+        listed = OmegaConf.select(schema, item.group(1)) if item is not None else None
+        if isinstance(listed, ListConfig):
             # one item of a list, or one field of it (`prompts.jobs.3.source=...`): the field is checked
             # against the item's schema here, the index against the recipe's list when Hydra applies it
-            element = getattr(OmegaConf.select(schema, item.group(1))._metadata, "element_type", None)
+            element = getattr(listed._metadata, "element_type", None)
             field = item.group(3)
             if field is None or field in getattr(element, "__dataclass_fields__", ()):
                 continue
@@ -494,12 +499,12 @@ def _compose(recipe: Optional[Path], overrides: Sequence[str]) -> DictConfig:
         cause = e.__cause__
         merging = re.match(r"Error merging override (\S+?)=", str(e))
         item = _LIST_ITEM_KEY.fullmatch(merging.group(1)) if merging else None
-        if item is not None:  # an index past the recipe's list (the field was checked before composing)
+        if isinstance(cause, ConfigIndexError) and item is not None:  # an index past the recipe's list
             raise ConfigError(f"Override {merging.group(1)!r}: '{item.group(1)}' has no item {item.group(2)} in this "
                               f"recipe (items count from 0): add the item to the recipe, or give the whole list, "
                               f"e.g. '{item.group(1)}=[...]'") from None
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
-            field = re.fullmatch(r"(.+?)\[(\d+)\]\.([^.\[\]]+)", str(cause.full_key))
+            field = _ITEM_FIELD.fullmatch(str(cause.full_key))
             if field is not None and _list_item_error(OmegaConf.structured(RecipeConfig), str(cause.full_key)) is None:
                 key = f"{field.group(1)}.{field.group(2)}.{field.group(3)}"  # a valid field the recipe's item lacks
                 raise ConfigError(f"Override {key!r}: item {field.group(2)} of '{field.group(1)}' does not set "
