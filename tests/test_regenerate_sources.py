@@ -339,7 +339,7 @@ class _CounterStore:
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 50])
-def test_shared_queue_hands_out_each_item_once_in_order(chunk):
+def test_shared_queue_hands_out_each_item_once_in_cross_section_chunks(chunk):
     from nemo_dflash.data.work_queue import SharedQueue
 
     store, items = _CounterStore(), list(range(10))
@@ -355,10 +355,37 @@ def test_shared_queue_hands_out_each_item_once_in_order(chunk):
             except StopIteration:
                 live.pop(name, None)
     assert sorted(got["a"] + got["b"]) == items
-    for name in got:  # each rank's claims follow the list's order, in whole chunks
-        assert got[name] == sorted(got[name])
-        assert all(x // chunk == got[name][k - 1] // chunk or x % chunk == 0 for k, x in enumerate(got[name]) if k)
+    n_chunks = -(-10 // chunk)  # chunk k: items k, k + n_chunks, ... (hand-made: 10 items, chunk 3 -> 4 chunks)
+    want_chunks = [[i for i in items if i % n_chunks == k] for k in range(n_chunks)]
+    if chunk == 3:
+        assert want_chunks == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    for name in got:  # each rank's claims are whole chunks, taken in chunk order
+        rest, mine = list(got[name]), []
+        while rest:
+            c = next(c for c in want_chunks if c[0] == rest[0])
+            assert rest[:len(c)] == c
+            mine.append(want_chunks.index(c))
+            rest = rest[len(c):]
+        assert mine == sorted(mine)
     assert got["a"] and (chunk >= 10 or got["b"])
+
+
+def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queue():
+    """A longest-first list (weights 1000 down to 1) and four ranks whose engines fill 96 items before
+    asking again: rank 0 fills while the others are still loading, then all take turns. Each rank's first
+    fill must hold about a quarter of the weight of all four fills (a run of the list would give rank 0 the
+    96 heaviest: 1.9x the mean)."""
+    from nemo_dflash.data.work_queue import SharedQueue
+
+    weights = list(range(1000, 0, -1))
+    store = _CounterStore()
+    ranks = [iter(SharedQueue(store, "k", weights, 16)) for _ in range(4)]
+    fills = [[next(r) for _ in range(96)] for r in ranks]  # rank 0 first, then 1, 2, 3
+    mean = sum(map(sum, fills)) / 4
+    assert all(abs(sum(f) - mean) / mean < 0.05 for f in fills), [sum(f) / mean for f in fills]
+    assert max(max(f) for f in fills) == 1000 and max(fills[0]) == 1000  # the longest chain still starts first
+    contiguous = sorted(weights, reverse=True)[:96]  # what a run of the list hands the first rank
+    assert sum(contiguous) / mean > 1.8
 
 
 def test_a_second_call_in_one_store_starts_its_queue_at_the_first_item():
@@ -368,10 +395,10 @@ def test_a_second_call_in_one_store_starts_its_queue_at_the_first_item():
 
     store, items = _CounterStore(), list(range(5))
     first = [call_prefix(store, 2) for _ in range(2)]  # both ranks of the first call
-    assert first[0] == first[1] and list(SharedQueue(store, first[0] + "next", items, 2)) == items
+    assert first[0] == first[1] and sorted(SharedQueue(store, first[0] + "next", items, 2)) == items
     second = [call_prefix(store, 2) for _ in range(2)]
     assert second[0] == second[1] != first[0]
-    assert list(SharedQueue(store, second[0] + "next", items, 2)) == items
+    assert sorted(SharedQueue(store, second[0] + "next", items, 2)) == items
 
 
 def test_samples_of_a_thinking_mode_copy_keep_its_mode():

@@ -2,9 +2,15 @@
 
 A static shard (``items[rank::world]``) leaves ranks idle behind the longest conversations: with
 every turn answered a conversation is a serial chain, and answer lengths vary. Here every rank
-holds the same list and claims its next ``chunk`` items with the store's atomic counter whenever
-its engine has room, so each rank keeps working until the list is exhausted and no item is
-handed out twice.
+holds the same list and claims its next chunk with the store's atomic counter whenever its engine
+has room, so each rank keeps working until the list is exhausted and no item is handed out twice.
+
+A chunk is a cross-section of the list, not a run of it: chunk k holds items k, k + C, k + 2C, ...
+(C chunks in all). A rank's first fill is large (its engine's slots and more), and the rank that
+starts first would otherwise take the whole head of a longest-first list: measured on four GPUs,
+one rank drew 1,376 conversations of 10.7 turns each, the others 1.5, and generated for 105 s
+against 38 s. With cross-sections every fill holds its share of long and short chains, while the
+longest chains still start in the first chunks.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ class CounterStore(Protocol):
 
 
 class SharedQueue(Generic[T]):
-    """Iterate the items this rank claims from ``items`` (identical on every rank), ``chunk`` at a
-    time, through the counter ``key`` of ``store``; iteration ends once the list is exhausted.
+    """Iterate the items this rank claims from ``items`` (identical on every rank), one chunk of up to
+    ``chunk`` items at a time, through the counter ``key`` of ``store``; iteration ends once every chunk
+    is claimed. Chunk k is ``items[k::n_chunks]`` (the module's docstring says why).
 
     Claims are lazy: a chunk is claimed when the consumer asks for its first item, so a rank
     takes work only as fast as its engine admits it. ``claimed`` counts the items handed out here.
@@ -39,13 +46,12 @@ class SharedQueue(Generic[T]):
         self.claimed = 0
 
     def __iter__(self) -> Iterator[T]:
-        n = len(self._items)
+        n_chunks = -(-len(self._items) // self._chunk)
         while True:
-            end = int(self._store.add(self._key, self._chunk))
-            start = end - self._chunk
-            if start >= n:
+            k = int(self._store.add(self._key, 1)) - 1
+            if k >= n_chunks:
                 return
-            for item in self._items[start:min(end, n)]:
+            for item in self._items[k::n_chunks]:
                 self.claimed += 1
                 yield item
 
