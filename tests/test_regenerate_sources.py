@@ -372,22 +372,55 @@ def test_shared_queue_hands_out_each_item_once_in_cross_section_chunks(chunk):
     assert got["a"] and (chunk >= 10 or got["b"])
 
 
-def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queue():
+@pytest.mark.parametrize("block", [None, 24])
+def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queue(block):
     """A longest-first list (weights 1000 down to 1) and four ranks whose engines fill 96 items before
     asking again: rank 0 fills while the others are still loading, then all take turns. Each rank's first
-    fill must hold about a quarter of the weight of all four fills (a run of the list would give rank 0 the
-    96 heaviest: 1.9x the mean)."""
-    from nemo_dflash.data.work_queue import SharedQueue
+    fill must hold about a quarter of the weight of all four fills (runs of the list give rank 0 the 96
+    heaviest: 1.18x the mean). With blocks of all four fills (24 chunks of 16), the first fills are
+    exactly the first block, so the list is still started longest first, block by block."""
+    from nemo_dflash.data.work_queue import SharedQueue, queue_block
 
     weights = list(range(1000, 0, -1))
     store = _CounterStore()
-    ranks = [iter(SharedQueue(store, "k", weights, 16)) for _ in range(4)]
+    ranks = [iter(SharedQueue(store, "k", weights, 16, block)) for _ in range(4)]
     fills = [[next(r) for _ in range(96)] for r in ranks]  # rank 0 first, then 1, 2, 3
     mean = sum(map(sum, fills)) / 4
     assert all(abs(sum(f) - mean) / mean < 0.05 for f in fills), [sum(f) / mean for f in fills]
-    assert max(max(f) for f in fills) == 1000 and max(fills[0]) == 1000  # the longest chain still starts first
-    contiguous = sorted(weights, reverse=True)[:96]  # what a run of the list hands the first rank
-    assert sum(contiguous) / mean > 1.8
+    assert max(fills[0]) == 1000  # the longest chain still starts first
+    runs = [iter(SharedQueue(_CounterStore(), "k", weights, 16, 1))] * 4  # blocks of one chunk: runs of the list
+    run_fills = [[next(runs[0]) for _ in range(96)] for _ in range(4)]
+    run_mean = sum(map(sum, run_fills)) / 4
+    assert run_fills[0] == weights[:96] and sum(run_fills[0]) / run_mean > 1.15  # the head to the first rank
+    if block is not None:
+        assert queue_block(4 * 96, 16) == block
+        assert sorted(x for f in fills for x in f) == weights[:384][::-1]  # the first fills are the first block
+        rest = [x for r in ranks for x in r]  # the others, all handed out once
+        assert sorted(rest + [x for f in fills for x in f]) == sorted(weights)
+
+
+@pytest.mark.parametrize("n,chunk,block", [(10, 3, 2), (37, 4, 3), (5, 16, 1), (48, 4, 4)])
+def test_blocked_cross_sections_by_hand(n, chunk, block):
+    """chunk_items against a naive construction: cut the list into blocks of block x chunk items, deal
+    each block's items round robin over its ceil(size / chunk) chunks."""
+    from nemo_dflash.data.work_queue import SharedQueue
+
+    items = list(range(n))
+    want = []
+    for start in range(0, n, block * chunk):
+        part = items[start:start + block * chunk]
+        g = -(-len(part) // chunk)
+        dealt = [[] for _ in range(g)]
+        for i, x in enumerate(part):
+            dealt[i % g].append(x)
+        want += dealt + [None] * (block - g)
+    q = SharedQueue(_CounterStore(), "k", items, chunk, block)
+    got = [q.chunk_items(k) for k in range(len(want))]
+    assert got == want
+    assert q.chunk_items(len(want)) is None
+    assert all(c is None or len(c) <= chunk for c in got)
+    if (n, chunk, block) == (10, 3, 2):  # by hand: blocks [0..5], [6..9]; 2 chunks each
+        assert got == [[0, 2, 4], [1, 3, 5], [6, 8], [7, 9]]
 
 
 def test_a_second_call_in_one_store_starts_its_queue_at_the_first_item():

@@ -5,18 +5,19 @@ every turn answered a conversation is a serial chain, and answer lengths vary. H
 holds the same list and claims its next chunk with the store's atomic counter whenever its engine
 has room, so each rank keeps working until the list is exhausted and no item is handed out twice.
 
-A chunk is a cross-section of the list, not a run of it: chunk k holds items k, k + C, k + 2C, ...
-(C chunks in all). A rank's first fill is large (its engine's slots and more), and the rank that
-starts first would otherwise take the whole head of a longest-first list: measured on four GPUs,
-one rank drew 1,376 conversations of 10.7 turns each, the others 1.5, and generated for 105 s
-against 38 s. With cross-sections every fill holds its share of long and short chains, while the
-longest chains still start in the first chunks.
+A chunk is a cross-section of a block of the list, not a run of it. The list is cut into blocks of
+``block`` chunks; chunk j of a block of G chunks holds its items j, j + G, j + 2G, ... A rank's first
+fill is large (its engine's slots and more), and the rank that starts first would otherwise take the
+whole head of a longest-first list: measured on four GPUs, one rank drew 1,376 conversations of 10.7
+turns each, the others 1.5, and generated for 105 s against 38 s. With a block as large as all ranks'
+first fills together, every fill holds its share of the longest chains, and the list is still
+started block by block, longest first, so no long chain is left to start at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Optional, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -33,27 +34,50 @@ class CounterStore(Protocol):
 class SharedQueue(Generic[T]):
     """Iterate the items this rank claims from ``items`` (identical on every rank), one chunk of up to
     ``chunk`` items at a time, through the counter ``key`` of ``store``; iteration ends once every chunk
-    is claimed. Chunk k is ``items[k::n_chunks]`` (the module's docstring says why).
+    is claimed. Chunks are cross-sections of blocks of ``block`` chunks (default: the whole list is one
+    block); the module's docstring says why. ``chunk`` and ``block`` must be the same on every rank.
 
     Claims are lazy: a chunk is claimed when the consumer asks for its first item, so a rank
     takes work only as fast as its engine admits it. ``claimed`` counts the items handed out here.
     """
 
-    def __init__(self, store: CounterStore, key: str, items: Sequence[T], chunk: int = 1) -> None:
+    def __init__(self, store: CounterStore, key: str, items: Sequence[T], chunk: int = 1,
+                 block: Optional[int] = None) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
+        if block is not None and block < 1:
+            raise ValueError(f"block must be >= 1 chunks, got {block}")
         self._store, self._key, self._items, self._chunk = store, key, items, chunk
+        self._block = block
         self.claimed = 0
 
+    def chunk_items(self, k: int) -> Optional[list[T]]:
+        """The items of chunk ``k`` (None past the last chunk)."""
+        n, c = len(self._items), self._chunk
+        per_block = self._block or max(1, -(-n // c))
+        start = (k // per_block) * per_block * c  # the block's first item
+        if start >= n:
+            return None
+        size = min(per_block * c, n - start)
+        g = -(-size // c)  # chunks in this block (fewer in a short last block)
+        j = k % per_block
+        if j >= g:
+            return None
+        return list(self._items[start + j:start + size:g])
+
     def __iter__(self) -> Iterator[T]:
-        n_chunks = -(-len(self._items) // self._chunk)
         while True:
-            k = int(self._store.add(self._key, 1)) - 1
-            if k >= n_chunks:
+            items = self.chunk_items(int(self._store.add(self._key, 1)) - 1)
+            if items is None:
                 return
-            for item in self._items[k::n_chunks]:
+            for item in items:
                 self.claimed += 1
                 yield item
+
+
+def queue_block(first_fills: int, chunk: int) -> int:
+    """Chunks a block holds: all ranks' first fills together (``first_fills`` items, summed over ranks)."""
+    return max(1, -(-first_fills // chunk))
 
 
 def process_group_store() -> Any:
@@ -78,4 +102,5 @@ def queue_chunk(batch_size: int) -> int:
     return max(1, min(16, batch_size // 8))
 
 
-__all__ = ["CounterStore", "SharedQueue", "STORE_PREFIX", "call_prefix", "process_group_store", "queue_chunk"]
+__all__ = ["CounterStore", "SharedQueue", "STORE_PREFIX", "call_prefix", "process_group_store", "queue_block",
+           "queue_chunk"]

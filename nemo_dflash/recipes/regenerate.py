@@ -903,19 +903,25 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
                            len(done), len(train), world)
     schedule = args.schedule
     if group:  # the ranks share one queue per thinking mode, in start order (the longest chains first)
+        import torch
         from nemo_dflash.data.regenerate import start_order
-        from nemo_dflash.data.work_queue import SharedQueue, call_prefix, process_group_store, queue_chunk
+        from nemo_dflash.data.work_queue import (SharedQueue, call_prefix, process_group_store, queue_block,
+                                                 queue_chunk)
 
         store, chunk = process_group_store(), queue_chunk(args.batch_size)
         prefix = call_prefix(store, world)
+        # a block of the queue is every rank's first fill (slots differ by rank with --batch-size auto): the sum
+        fills = torch.tensor([2 * args.batch_size + args.prepare_ahead], dtype=torch.int64)
+        dist.all_reduce(fills)
+        block = queue_block(int(fills.item()), chunk)
         for mode in modes:
             left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
             queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", start_order(left, args.schedule, args.turns),
-                                       chunk)
+                                       chunk, block)
         todo: Any = lambda mode: queues[mode]  # noqa: E731
         schedule = "given"
-        logger.info("%d ranks share a queue of %d conversations (%d claimed at a time)", world,
-                    len(train) - len(done), chunk)
+        logger.info("%d ranks share a queue of %d conversations (%d claimed at a time, cross-sections of blocks of "
+                    "%d)", world, len(train) - len(done), chunk, block * chunk)
     else:  # one process, or a rank started alone: its static shard
         todo = [c for c in train[rank::world] if c.location not in done]
         if world > 1:
