@@ -1,5 +1,5 @@
 """Batched fixed-shape decoding (the CUDA-graph path, run eagerly on CPU) against the one-prompt
-decoders, answer for answer (fp32, T=0)."""
+decoders, answer for answer (fp32, T=0), and at T > 0 against the eager batched decoder, draw for draw."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from nemo_dflash.inference.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+from nemo_dflash.sampling import SamplingParams
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -64,11 +65,10 @@ def test_plain_rows_equal_plain_decoding(make_target):
     assert [g.stopped for g in got] == [w.stopped for w in want]
 
 
-def test_refuses_sampling_and_too_few_rows():
+def test_refuses_plain_sampling_and_too_few_rows():
     target = tiny_qwen3()
-    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
     with pytest.raises(ValueError, match="T=0 only"):
-        batched_static_speculative_generate(decoder, [[1, 2]], temperature=1.0, use_graphs=False)
+        batched_static_autoregressive_generate(target, [[1, 2]], temperature=1.0, use_graphs=False)
     with pytest.raises(ValueError, match="rows"):
         batched_static_autoregressive_generate(target, [[1, 2], [3]], rows=1, use_graphs=False)
 
@@ -106,3 +106,83 @@ def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
         assert len(rows) == len(want[r])
         for k, (g, w) in enumerate(zip(rows, want[r])):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"row {r} step {k}: {m}")
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9, top_k=20),
+                                      SamplingParams(0.3, draft="greedy")], ids=["T1", "T0.7-p0.9-k20", "T0.3-greedy-q"])
+def test_sampled_rows_are_the_eager_batched_decoders_draw_for_draw(make_target, sampling):
+    """At T > 0 the static runner draws through the same calls, in the same order and shapes, as
+    `batched_spec` (eager, dynamic cache): with one generator seeded alike, the same tokens and
+    acceptance lengths per row, for a draft that gets blocks accepted, a stop token and the cap."""
+    from _spec_fixtures import trained_like_decoder
+
+    from nemo_dflash.inference.batched_spec import batched_speculative_generate
+
+    prompts = _prompts(5)
+    decoder = trained_like_decoder(make_target(), prompts)
+    free = batched_speculative_generate(decoder, prompts, max_new_tokens=30, temperature=sampling,
+                                        generator=torch.Generator().manual_seed(0))
+    stop = free[0].output_ids[6]  # seed 0 draws alike until then: row 0 stops by its 7th token
+    stopped, longest = [], []
+    for seed in (0, 1):
+        want = batched_speculative_generate(decoder, prompts, max_new_tokens=30, temperature=sampling,
+                                            stop_token_ids=[stop], generator=torch.Generator().manual_seed(seed))
+        got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=30, temperature=sampling,
+                                                  stop_token_ids=[stop], use_graphs=False,
+                                                  generator=torch.Generator().manual_seed(seed))
+        assert [g.output_ids for g in got] == [w.output_ids for w in want]
+        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+        assert [g.stopped for g in got] == [w.stopped for w in want]
+        stopped.append(want[0].stopped)
+        longest.append(max(max(w.acceptance_lengths) for w in want))
+    assert max(longest) > 1  # blocks were accepted: the accept path ran
+    assert stopped[0]
+
+
+def test_sampled_rows_past_the_prompts_leave_the_answers_samples():
+    """Padding rows draw too (the draws then differ from the eager decoder's), and the rows' answers
+    still start as the target's filtered distribution says: the first token's frequencies over 3,000 rows
+    of one prompt against the exact filtered p."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    s = SamplingParams(1.0, top_p=0.8)
+    ids = [3, 5, 7]
+    with torch.no_grad():
+        want = s.probs(target(torch.tensor([ids])).logits[0, -1])
+    n = 3000
+    got = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, temperature=s, rows=n + 3,
+                                              use_graphs=False, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor([g.output_ids[0] for g in got]), minlength=want.numel()).float()
+    assert (counts / n - want).abs().max() < 0.03
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_sampled_rows_with_graphs_are_the_eager_batched_decoders():
+    """The captured path on a GPU at T=1, in fp32 (near ties do not flip): the same tokens and acceptance
+    lengths as the eager batched decoder from the same seed, and the first token's frequencies over 4,000
+    rows of one prompt against the exact p."""
+    import copy
+
+    from _spec_fixtures import trained_like_decoder
+
+    from nemo_dflash.inference.batched_spec import batched_speculative_generate
+
+    prompts = _prompts(5)
+    cpu = trained_like_decoder(tiny_qwen3(), prompts)
+    decoder = DFlashSpeculativeDecoder(copy.deepcopy(cpu.target.model).cuda(), copy.deepcopy(cpu.draft).cuda(),
+                                       block_size=cpu.block_size)
+    s = SamplingParams(1.0)
+    kw = dict(max_new_tokens=30, temperature=s)
+    want = batched_speculative_generate(decoder, prompts, generator=torch.Generator("cuda").manual_seed(0), **kw)
+    got = batched_static_speculative_generate(decoder, prompts, generator=torch.Generator("cuda").manual_seed(0),
+                                              **kw)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+    ids, n = prompts[0], 4000
+    with torch.no_grad():
+        p = s.probs(decoder.target.model(torch.tensor([ids], device="cuda")).logits[0, -1]).cpu()
+    outs = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, temperature=s,
+                                               generator=torch.Generator("cuda").manual_seed(1))
+    counts = torch.bincount(torch.tensor([o.output_ids[0] for o in outs]), minlength=p.numel()).float()
+    assert (counts / n - p).abs().max() < 0.03

@@ -18,8 +18,11 @@ CUDA graph. It is `static_decode`'s loop with a batch dimension:
   step's accepted lengths and tokens once.
 
 At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
-arithmetic; tested in fp32 on CPU, where the same code runs eagerly). Sampling (T > 0) is left to
-`batched_spec` (eager), which verifies all rows with `sampling.verify_blocks`.
+arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 (speculative only) the
+captured steps stop at the logits, and the draws run eagerly between the replays, through the same
+`sampling.propose_tokens` and `sampling.verify_blocks` calls, in the same order and shapes, as
+`batched_spec` (one generator for the batch): a random generator in a captured graph would replay
+the draws it made at capture.
 """
 
 from __future__ import annotations
@@ -33,19 +36,20 @@ from torch import nn
 
 from nemo_dflash.inference.batched_spec import check_batch
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import Sampling, as_sampling
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_blocks
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
 from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
 
 
-def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: Sampling, rows: Optional[int]) -> int:
+def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: Sampling, rows: Optional[int],
+          sampling_ok: bool = False) -> int:
     """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
     check_batch(prompts, max_new_tokens)
-    if not as_sampling(temperature).greedy:
-        raise ValueError("batched decoding with CUDA graphs runs at T=0 only: use the eager batched decoder "
-                         "(evaluate --method batched) to sample")
+    if not sampling_ok and not as_sampling(temperature).greedy:
+        raise ValueError("plain batched decoding with CUDA graphs runs at T=0 only: sample with the speculative "
+                         "one, or with the eager batched decoder")
     rows = rows or len(prompts)
     if rows < len(prompts):
         raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
@@ -146,9 +150,11 @@ class BatchedStaticSpecRunner(_Rows):
     """R rows of greedy speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
     block of every row and the B-token verify of every row, each one captured graph per view length."""
 
-    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool) -> None:
+    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool,
+                 sampling: Optional[SamplingParams] = None) -> None:
         super().__init__(decoder.target.model, rows, max_len, use_graphs)
         self.dec = decoder
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         R, B, dev = self.rows, decoder.block_size, self.device
         self.B = B
         self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len, batch=R)
@@ -169,7 +175,7 @@ class BatchedStaticSpecRunner(_Rows):
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
                        pos: torch.Tensor, view_len: int) -> torch.Tensor:
-        """Greedy proposals [rows, B-1] for blocks at `pos` [rows], new context `feats` [rows, C, F]
+        """Draft logits [rows, B-1, V] for blocks at `pos` [rows], new context `feats` [rows, C, F]
         written at `ctx_pos` [rows, C] (or [C]), attending over the context cache's first `view_len`
         positions (those before each row's `pos`) plus the block."""
         rows = noise_ids.shape[0]
@@ -180,59 +186,86 @@ class BatchedStaticSpecRunner(_Rows):
                              self.block_visible[:rows]], 1).view(rows, 1, 1, -1)
         hidden = self.dec.draft(noise_embedding=self.dec.embed_tokens(noise_ids), target_hidden=feats,
                                 position_ids=position_ids, attention_mask=visible, cache=self.dcache)
-        logits = self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype))
-        return logits.argmax(dim=-1)
+        return self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype))
 
     def _draft(self, view_len: int) -> torch.Tensor:
-        """The captured draft step: every row's block from its last verify's features."""
+        """The captured draft step: every row's block from its last verify's features (greedy: the
+        proposals written into the block; sampling: the logits returned, drawn from after the replay)."""
         ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
         noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
-        self.blk[:, 1:].copy_(self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len))
+        logits = self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len)
+        if self.sampling is not None:
+            return logits
+        self.blk[:, 1:].copy_(logits.argmax(dim=-1))
         return self.blk
 
-    def _first_draft(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> None:
-        """Step 1 of one row, eagerly: its block drafted against the row's whole prompt."""
+    def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
+        """Step 1 of one row, eagerly: its block's draft logits [B-1, V] against the row's whole prompt."""
         self.dcache.row = row
         try:
             noise = torch.cat([self.blk[row : row + 1, :1], self.mask_ids[:1]], 1)
             ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
-            props = self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + 1], view_len)
+            return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + 1], view_len)[0]
         finally:
             self.dcache.row = None
-        self.blk[row, 1:].copy_(props[0])
 
     def _verify(self, view_len: int) -> torch.Tensor:
-        """The captured verify step: every row's block at its own positions; accept and advance
-        the live rows on the device."""
+        """The captured verify step: every row's block at its own positions; greedy: accept and advance
+        the live rows on the device; sampling: the target's logits [R, B, V], for `_accept`."""
         q_pos = self.pos.view(-1, 1) + self.arange_b
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
+        if self.sampling is not None:
+            return out.logits
         tgt = out.logits.argmax(dim=-1)  # [R, B]
         n_acc = (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [R]
-        self.result[:, 0].copy_(n_acc)
-        self.result[:, 1:].copy_(tgt)
-        self.ctx_start.copy_(self.pos)
-        self.pos.add_((n_acc + 1) * self.alive)
-        self.blk[:, :1].copy_(tgt.gather(1, n_acc.view(-1, 1)))
+        self._advance(n_acc, tgt, tgt.gather(1, n_acc.view(-1, 1)).view(-1))
         return self.result
 
+    def _advance(self, n_acc: torch.Tensor, tokens: torch.Tensor, nxt: torch.Tensor) -> None:
+        """Record a verified step ([n_accepted, tokens...] a row, the kept tokens being tokens[:n] then
+        nxt) and move the live rows on."""
+        self.result[:, 0].copy_(n_acc)
+        self.result[:, 1:].copy_(tokens)
+        self.ctx_start.copy_(self.pos)
+        self.pos.add_((n_acc + 1) * self.alive)
+        self.blk[:, :1].copy_(nxt.view(-1, 1))
+
+    def _accept(self, logits: torch.Tensor, q: Optional[torch.Tensor], generator: Optional[torch.Generator]
+                ) -> torch.Tensor:
+        """Sampling, eagerly after the verify replay: `sampling.verify_blocks` on every row's block."""
+        d_tokens = self.blk[:, 1:]
+        n_acc, nxt = verify_blocks(d_tokens, logits, self.sampling, q, generator)
+        # row r keeps blk[r, 1 : n + 1] then nxt: the same layout as greedy's target tokens
+        tokens = torch.cat([d_tokens, nxt.view(-1, 1)], 1).scatter(1, n_acc.view(-1, 1), nxt.view(-1, 1))
+        self._advance(n_acc, tokens, nxt)
+        return self.result
+
+    def _propose(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+        """Sampling: draw every row's proposals from draft logits [R, B-1, V] into the block; their q."""
+        R = logits.shape[0]
+        tokens, q = propose_tokens(logits.reshape(R * (self.B - 1), -1), self.sampling, generator)
+        self.blk[:, 1:].copy_(tokens.view(R, self.B - 1))
+        return q.view(R, self.B - 1, -1)
+
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]
-                 ) -> list[GenerationOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                 generator: Optional[torch.Generator] = None) -> list[GenerationOutput]:
         n, B = len(prompts), self.B
         sync(self.device)
         t0 = time.perf_counter()
         host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)  # rows past the prompts: unread
         view = self.verify_steps.view(max(host_pos) + B)
-        firsts, prompt_feats = [], []
+        last_logits, prompt_feats = [], []
         with self.dec.target.capture(stop_early=False) as captured:
             for r, p in enumerate(prompts):
-                firsts.append(int(self.prefill_row(r, p, view).argmax()))
+                last_logits.append(self.prefill_row(r, p, view))
                 prompt_feats.append(self.dec.target.concat(captured))
-        firsts += [firsts[0]] * (self.rows - n)
+        last_logits += [last_logits[0]] * (self.rows - n)
+        firsts = select_tokens(torch.stack(last_logits), self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
@@ -243,16 +276,24 @@ class BatchedStaticSpecRunner(_Rows):
         sync(self.device)
         t1 = time.perf_counter()
         step_one = True
+        q = None
         while not all(stopped):
             view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
             if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
                 if step_one:
-                    for r in range(n):
-                        self._first_draft(r, prompt_feats[r], view)
+                    d_logits = torch.stack([self._first_draft_logits(r, prompt_feats[r], view) for r in range(n)])
+                    d_logits = torch.cat([d_logits, d_logits[:1].expand(self.rows - n, -1, -1)])  # unread rows
+                    if self.sampling is None:
+                        self.blk[:, 1:].copy_(d_logits.argmax(dim=-1))
                 else:
-                    self.draft_steps.get(view).replay()
+                    d_logits = self.draft_steps.get(view).replay()
+                if self.sampling is not None:
+                    q = self._propose(d_logits, generator)
             step_one = False
-            res = self.verify_steps.get(view).replay().tolist()  # the step's one host sync
+            out = self.verify_steps.get(view).replay()
+            if self.sampling is not None:
+                out = self._accept(out, q, generator)
+            res = out.tolist()  # the step's one host sync
             was = list(stopped)
             for r in range(n):
                 if was[r]:
@@ -304,15 +345,20 @@ def batched_static_autoregressive_generate(
 def batched_static_speculative_generate(
     decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None, use_graphs: bool = True,
+    generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
-    """Greedy speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the
-    prompts); each row's answer and acceptance lengths are `decoder.generate`'s for that prompt."""
-    rows = _rows(prompts, max_new_tokens, temperature, rows)
+    """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
+    At T=0 each row's answer and acceptance lengths are `decoder.generate`'s for that prompt; at T > 0
+    the rows are samples of the target's distribution, drawn as `batched_spec` draws them (with rows
+    equal to the prompts, the same draws from the same `generator`)."""
+    rows = _rows(prompts, max_new_tokens, temperature, rows, sampling_ok=True)
+    s = as_sampling(temperature)
     # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
-    runner = _runner("spec", decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs),
+    kind = "spec" if s.greedy else f"spec {s.key}"
+    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, s),
                      rows, need, use_graphs)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids))
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), generator)
 
 
 __all__ = [

@@ -377,11 +377,16 @@ class ConversationDecoder:
 
     @torch.no_grad()
     def run_batch(self, prompts: Sequence[EvalPrompt]) -> list[list[Answer]]:
-        """`run` for many conversations at once (`inference.batched_spec`): turn t of every
-        conversation that has one is decoded in one batch. At T=0 the answers are `run`'s; at T > 0
-        they are samples of the same distribution from one generator (seeded by the first prompt),
-        not `run`'s per-conversation samples. No timing: the batch's clock is shared."""
-        from nemo_dflash.inference.batched_spec import batched_speculative_generate
+        """`run` for many conversations at once: turn t of every conversation that has one is decoded in
+        one batch (`--decode graphs`: `inference.batched_static`, CUDA graphs; eager:
+        `inference.batched_spec`; both draw the same way). At T=0 the answers are `run`'s; at T > 0 they
+        are samples of the same distribution from one generator (seeded by the first prompt), not
+        `run`'s per-conversation samples. No timing: the batch's clock is shared."""
+        if self.settings.decode == "graphs":
+            from nemo_dflash.inference.batched_static import (
+                batched_static_speculative_generate as batched_speculative_generate)
+        else:
+            from nemo_dflash.inference.batched_spec import batched_speculative_generate
 
         s = self.settings
         g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.temperature, prompts[0].id))
