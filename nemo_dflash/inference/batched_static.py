@@ -244,7 +244,7 @@ class BatchedStaticSpecRunner(_Rows):
         self._advance(n_acc, tokens, nxt)
         return self.result
 
-    def _propose(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+    def _propose(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
         """Sampling: draw every row's proposals from draft logits [R, B-1, V] into the block; their q."""
         R = logits.shape[0]
         tokens, q = propose_tokens(logits.reshape(R * (self.B - 1), -1), self.sampling, generator)
