@@ -3,7 +3,8 @@ decoder's figures; with the speedup timed over 20 prompts per set and its spread
 
     python benchmarks/eval_speed.py --target pkg:smollm2 --draft EXPORT_DIR \
         [--protocol paper] [--datasets mtbench,humaneval] [--num-prompts K] [--max-new-tokens N] [--turns N]
-        [--sequential-prompts 20] [--decode graphs|eager] [--t1] [--workers N] [--draft-attention flex|sdpa]
+        [--sequential-prompts 20] [--decode graphs|eager] [--t1 [--t1-method batched [--t1-decode graphs]]]
+        [--workers N] [--draft-attention flex|sdpa]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp32] [--out DIR] [--overwrite] [--max-minutes M]
         [--json docs/bench/eval_speed.json]
 
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the T=1 run decodes: one conversation at a time, or --batch-size at once")
     p.add_argument("--batch-size", default="auto",
                    help="conversations per batch (--t1-method batched): a number or auto (evaluate's default)")
+    p.add_argument("--t1-decode", default="eager", choices=["eager", "graphs"],
+                   help="--t1-method batched: the eager batched decoder, or the CUDA-graph one (same draws)")
     p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run (sequential)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -142,8 +145,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                *num)
     seq_ns = _evaluate_args(args, out / "sequential_t0", "--temperatures", "0", "--num-prompts", str(k),
                             "--speedup-prompts", str(k), "--decode", decode)
-    t1_extra = (["--method", "batched", "--batch-size", str(args.batch_size)] if args.t1_method == "batched"
-                else ["--workers", str(args.workers)])
+    t1_extra = (["--method", "batched", "--batch-size", str(args.batch_size), "--decode", args.t1_decode]
+                if args.t1_method == "batched" else ["--workers", str(args.workers)])
     t1_ns = (_evaluate_args(args, out / f"{args.t1_method}_t1", "--temperatures", "1", "--no-speedup", *t1_extra,
                             *num) if args.t1 else None)
     replay, protocol = _run(replay_ns)
@@ -221,6 +224,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "answers": sum(s["answers"] or 0 for s in sets.values()),
         "t0_seconds": round(t0_seconds, 2), "t1_seconds": None if t1_seconds is None else round(t1_seconds, 2),
         "t1_method": args.t1_method if t1_run is not None else None,
+        "t1_decode": args.t1_decode if t1_run is not None and args.t1_method == "batched" else None,
         "t1_tau": None if t1_res is None else {
             name: r.get("mean_acceptance_length") for name, r in t1_res["results"].get("1", {}).items()},
         "speedup_seconds": round(speedup_seconds, 2),

@@ -455,7 +455,14 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
     assert bench.main(argv + ["--t1", "--t1-method", "batched", "--batch-size", "2"]) == 0
     row = json.loads(rows.read_text())[-1]
     assert row["t1_method"] == "batched" and row["t1_seconds"] > 0 and set(row["t1_tau"]) == {"mtbench", "humaneval"}
+    assert row["t1_decode"] == "eager"
     assert "T=1 (batched)" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # the CUDA-graph batched decoder: refused on a CPU in one line, no row
+        n = len(json.loads(rows.read_text()))
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv + ["--t1", "--t1-method", "batched", "--t1-decode", "graphs"])
+        assert e.value.code == 2 and len(json.loads(rows.read_text())) == n
+        assert "graphs" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
