@@ -653,8 +653,7 @@ are decoded in batches of B twice, plainly and speculatively, at T=0:
 
 - `--decode graphs` (the default on a GPU): `inference.batched_static`, B rows on fixed shapes, each
   step a captured CUDA graph on both sides (what a serving engine runs);
-- `--decode eager` (the default on a CPU): `inference.batched_spec`, eager forwards on masked
-  dynamic caches on both sides.
+- `--decode eager` (the default on a CPU): the same decoders, each step run eagerly.
 
 Tokens per second of each side, their ratio (the speedup) and the mean acceptance length tau go to
 a table and, as rows, to docs/bench/concurrency.json. Only decode time is timed (prefills are
@@ -729,7 +728,7 @@ def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any]]:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.data.chat_template import stop_token_ids
-    from nemo_dflash.inference import batched_spec, batched_static
+    from nemo_dflash.inference import batched_static
     from nemo_dflash.inference.eval_run import ModelSpec, load_models
     from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
@@ -749,18 +748,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     for bsz in batches:
-        if decode == "graphs":  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
-            def plain(ps, bsz=bsz):
-                return batched_static.batched_static_autoregressive_generate(target, ps, rows=bsz, **kw)
+        graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
 
-            def spec(ps, bsz=bsz):
-                return batched_static.batched_static_speculative_generate(decoder, ps, rows=bsz, **kw)
-        else:
-            def plain(ps):
-                return batched_spec.batched_autoregressive_generate(target, ps, **kw)
+        def plain(ps, bsz=bsz):
+            return batched_static.batched_static_autoregressive_generate(target, ps, rows=bsz, use_graphs=graphs,
+                                                                         **kw)
 
-            def spec(ps):
-                return batched_spec.batched_speculative_generate(decoder, ps, **kw)
+        def spec(ps, bsz=bsz):
+            return batched_static.batched_static_speculative_generate(decoder, ps, rows=bsz, use_graphs=graphs,
+                                                                      **kw)
 
         longest = sorted(prompts, key=len)[-bsz:]  # the runners' caches then fit every batch (graphs)
         for fn in (plain, spec):  # warm-up: allocator, kernels, the graphs' capture

@@ -13,7 +13,7 @@ from _spec_fixtures import second_token_case, single_thread  # noqa: F401  (auto
 from conftest import MASK_ID, random_batch
 from nemo_dflash.core import DFlashTrainerModule, LossSums, expected_block_length, sample_anchors
 from nemo_dflash.inference import DFlashSpeculativeDecoder
-from nemo_dflash.inference.batched_spec import batched_speculative_generate
+from nemo_dflash.inference.batched_static import batched_static_speculative_generate
 from nemo_dflash.inference.spec_decode import DFlashContextCache
 from nemo_dflash.inference.static_decode import StaticSpecRunner, static_speculative_generate
 from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
@@ -123,8 +123,8 @@ def test_batched_decoder_keeps_the_filtered_target_distribution(draft_mode):
     assert (want - unfiltered).abs().max() > 0.05  # the filter matters here
     decoder = DFlashSpeculativeDecoder(target, draft)
     n, tol = 8000, 0.02
-    outs = batched_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=s,
-                                        generator=torch.Generator().manual_seed(0))
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=s,
+                                               use_graphs=False, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
     assert (counts / n - want).abs().max() < tol
     assert (proposals_marginal(decoder, target, ids, s) - want).abs().max() > 2 * tol
@@ -285,3 +285,27 @@ def test_keyed_uniform_over_the_vocabulary_is_the_murmur_formula_row_by_row():
         assert torch.equal(u[r], torch.tensor(want, dtype=torch.float64).float())
     ids = torch.arange(V).expand(2, V)
     assert torch.equal(keyed_uniform(11, keys, positions, ids), u)
+
+
+def test_verify_blocks_matches_verify_block_in_distribution():
+    """The batched rule against the one-row rule on a hand-made case (vocabulary 4, two drafted
+    slots, draft and target disagreeing): the joint frequencies of (accepted, next token) over
+    20,000 rows each agree within 0.015; at T=0 the two agree exactly."""
+    from nemo_dflash.sampling import verify_block, verify_blocks
+
+    # slot 1 is accepted with probability 0.3/0.6, slot 2 with 0.25/0.7: 0, 1 and 2 accepted all occur
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]).log()
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1]])
+    drafts = torch.tensor([1, 2])
+    n = 20000
+    g = torch.Generator().manual_seed(1)
+    n_acc, nxt = verify_blocks(drafts.expand(n, -1), logits.expand(n, -1, -1), 1.0, q.expand(n, -1, -1), g)
+    batched = torch.bincount(n_acc * 4 + nxt, minlength=12).float() / n
+    one = torch.zeros(12)
+    for _ in range(n):
+        a, t = verify_block(drafts, logits, 1.0, q, g)
+        one[a * 4 + t] += 1
+    assert (batched - one / n).abs().max() < 0.015
+    assert batched[:4].sum() == pytest.approx(0.5, abs=0.02) and batched[8:].sum() == pytest.approx(0.5 * 0.25 / 0.7, abs=0.02)
+    n_acc, nxt = verify_blocks(drafts.view(1, -1), logits.view(1, 3, 4), 0.0, None)
+    assert (int(n_acc), int(nxt)) == verify_block(drafts, logits, 0.0)

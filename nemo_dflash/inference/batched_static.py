@@ -1,4 +1,5 @@
-"""Batched decoding on fixed shapes (CUDA graphs), plain and speculative, at T=0.
+"""Batched decoding on fixed shapes: plain at T=0, speculative at any temperature; each step a captured
+CUDA graph (`use_graphs`), or the same code run eagerly (on a CPU).
 
 What a serving engine runs at concurrency R: R prompts decode together, one draft forward drafts
 every row's block and one target forward verifies every row's block, and each step is a captured
@@ -20,9 +21,9 @@ CUDA graph. It is `static_decode`'s loop with a batch dimension:
 At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
 arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 (speculative only) the
 captured steps stop at the logits, and the draws run eagerly between the replays, through the same
-`sampling.propose_tokens` and `sampling.verify_blocks` calls, in the same order and shapes, as
-`batched_spec` (one generator for the batch): a random generator in a captured graph would replay
-the draws it made at capture.
+`sampling.propose_tokens` and `sampling.verify_blocks` calls (one generator for the whole batch): a
+random generator in a captured graph would replay the draws it made at capture. Eager and captured
+steps draw alike, so both give the same answers from the same seed (in exact arithmetic).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from nemo_dflash.inference.batched_spec import check_batch
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_blocks
 from nemo_dflash.inference.static_cache import (
@@ -43,13 +43,21 @@ from nemo_dflash.inference.static_cache import (
 from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
 
 
+def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """A one-line ValueError for inputs the batched decoders cannot take."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("batched decoding needs at least one prompt, each of at least one token")
+
+
 def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: Sampling, rows: Optional[int],
           sampling_ok: bool = False) -> int:
     """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
     check_batch(prompts, max_new_tokens)
     if not sampling_ok and not as_sampling(temperature).greedy:
-        raise ValueError("plain batched decoding with CUDA graphs runs at T=0 only: sample with the speculative "
-                         "one, or with the eager batched decoder")
+        raise ValueError("plain batched decoding runs at T=0 only (the speedup baseline): sample with the "
+                         "speculative decoder")
     rows = rows or len(prompts)
     if rows < len(prompts):
         raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
@@ -349,8 +357,7 @@ def batched_static_speculative_generate(
 ) -> list[GenerationOutput]:
     """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
     At T=0 each row's answer and acceptance lengths are `decoder.generate`'s for that prompt; at T > 0
-    the rows are samples of the target's distribution, drawn as `batched_spec` draws them (with rows
-    equal to the prompts, the same draws from the same `generator`)."""
+    the rows are samples of the target's distribution, all drawn from one `generator`."""
     rows = _rows(prompts, max_new_tokens, temperature, rows, sampling_ok=True)
     s = as_sampling(temperature)
     # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
@@ -362,6 +369,7 @@ def batched_static_speculative_generate(
 
 
 __all__ = [
+    "check_batch",
     "BatchedStaticPlainRunner",
     "BatchedStaticSpecRunner",
     "batched_static_autoregressive_generate",

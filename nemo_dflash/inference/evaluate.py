@@ -80,7 +80,7 @@ class EvalProtocol:
 
 
 # replay: T=0 acceptance from batched greedy answers (inference.replay); batched: the speculative decoder
-# on many conversations at once (inference.batched_spec), any temperature
+# on many conversations at once (inference.batched_static), any temperature
 METHODS = ("sequential", "replay", "batched")
 
 PROTOCOLS: dict[str, EvalProtocol] = {
@@ -378,15 +378,11 @@ class ConversationDecoder:
     @torch.no_grad()
     def run_batch(self, prompts: Sequence[EvalPrompt]) -> list[list[Answer]]:
         """`run` for many conversations at once: turn t of every conversation that has one is decoded in
-        one batch (`--decode graphs`: `inference.batched_static`, CUDA graphs; eager:
-        `inference.batched_spec`; both draw the same way). At T=0 the answers are `run`'s; at T > 0 they
-        are samples of the same distribution from one generator (seeded by the first prompt), not
-        `run`'s per-conversation samples. No timing: the batch's clock is shared."""
-        if self.settings.decode == "graphs":
-            from nemo_dflash.inference.batched_static import (
-                batched_static_speculative_generate as batched_speculative_generate)
-        else:
-            from nemo_dflash.inference.batched_spec import batched_speculative_generate
+        one batch (`inference.batched_static`; `--decode graphs`: each step a captured CUDA graph). At
+        T=0 the answers are `run`'s; at T > 0 they are samples of the same distribution from one
+        generator (seeded by the first prompt), not `run`'s per-conversation samples. No timing: the
+        batch's clock is shared."""
+        from nemo_dflash.inference.batched_static import batched_static_speculative_generate
 
         s = self.settings
         g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.temperature, prompts[0].id))
@@ -399,7 +395,8 @@ class ConversationDecoder:
                 if prompts[i].messages is None:
                     histories[i].append({"role": "user", "content": prompts[i].turns[t]})
             ids = [encode_chat(self.tokenizer, histories[i], s.use_chat_template) for i in live]
-            outs = batched_speculative_generate(self.spec, ids, generator=g, **self._kw())
+            outs = batched_static_speculative_generate(self.spec, ids, generator=g,
+                                                       use_graphs=self.settings.decode == "graphs", **self._kw())
             for i, prompt_ids, out in zip(live, ids, outs):
                 answers[i].append(_answer(prompts[i].id, t + 1, prompt_ids, out))
                 if t + 1 < turns[i]:
