@@ -121,6 +121,18 @@ def second_token_case() -> tuple[torch.nn.Module, DFlashDraftModel, torch.Tensor
     return target, draft, ids, p2
 
 
+def three_token_law(target: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The exact law of the first three tokens at T=1 after `ids` [1, L], vocabulary 8: [t1, t2, t3],
+    every path enumerated (the reference for sampling over several decode steps)."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        two = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
+        p2 = torch.softmax(target(two).logits[:, -1], -1)  # [t1, t2]
+        three = torch.cat([two.repeat_interleave(8, 0), torch.arange(8).repeat(8).view(64, 1)], 1)
+        p3 = torch.softmax(target(three).logits[:, -1], -1).view(8, 8, 8)  # [t1, t2, t3]
+    return p1.view(8, 1, 1) * p2.view(8, 8, 1) * p3
+
+
 def export_round_trip(draft: DFlashDraftModel, tmp_path: Path) -> DFlashDraftModel:
     """Export in the serving format and load it back: the same config, the bf16-rounded weights."""
     from nemo_dflash.export import export_draft, load_draft

@@ -12,7 +12,7 @@ from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_gener
 from nemo_dflash.inference.recurrent_cache import make_target_cache
 from nemo_dflash.draft.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
 
-from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt, train_on_greedy_answer
+from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt, three_token_law, train_on_greedy_answer
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):  # pragma: no cover
@@ -193,13 +193,7 @@ def test_sampling_keeps_target_distribution_across_rollbacks():
     target = tiny_qwen3_5(vocab=8, seed=3)
     draft = make_draft(target, block_size=2, mask_token_id=7, layer_ids=[0, 3])
     ids = torch.tensor([[1, 5, 2, 3]])
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1], -1)
-        two = torch.cat([ids.repeat(8, 1), torch.arange(8).view(8, 1)], 1)
-        p2 = torch.softmax(target(two).logits[:, -1], -1)  # [t1, t2]
-        three = torch.cat([two.repeat_interleave(8, 0), torch.arange(8).repeat(8).view(64, 1)], 1)
-        p3 = torch.softmax(target(three).logits[:, -1], -1).view(8, 8, 8)  # [t1, t2, t3]
-        want = (p1.view(8, 1, 1) * p2.view(8, 8, 1) * p3).sum((0, 1))
+    want = three_token_law(target, ids).sum((0, 1))
     decoder = DFlashSpeculativeDecoder(target, draft)
     g = torch.Generator().manual_seed(0)
     n, counts, rejected = 800, torch.zeros(8), 0
