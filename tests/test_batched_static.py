@@ -156,6 +156,29 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
     assert (counts / n - p).abs().max() < 0.03
 
 
+def test_one_runner_serves_every_sampling_setting():
+    """T=1 then T=0.5 with top-p on one decoder (one runner for both): the T=0.5 answers equal those of a
+    fresh decoder's runner from the same seed, so nothing of the first setting lingers."""
+    from _spec_fixtures import trained_like_decoder
+
+    from nemo_dflash.inference import batched_static
+
+    prompts = _prompts(3)
+    decoder = trained_like_decoder(tiny_qwen3(), prompts)
+    fresh = trained_like_decoder(tiny_qwen3(), prompts)
+    second = SamplingParams(0.5, top_p=0.9)
+    kw = dict(max_new_tokens=20, use_graphs=False)
+    batched_static_speculative_generate(decoder, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                                        **kw)
+    got = batched_static_speculative_generate(decoder, prompts, temperature=second,
+                                              generator=torch.Generator().manual_seed(6), **kw)
+    assert len(batched_static._RUNNERS[decoder]) == 1  # the sampled runner, reused
+    want = batched_static_speculative_generate(fresh, prompts, temperature=second,
+                                               generator=torch.Generator().manual_seed(6), **kw)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+
+
 def test_refuses_empty_input():
     with pytest.raises(ValueError, match="at least one prompt"):
         check_batch([[1, 2], []], 4)

@@ -51,13 +51,9 @@ def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         raise ValueError("batched decoding needs at least one prompt, each of at least one token")
 
 
-def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: Sampling, rows: Optional[int],
-          sampling_ok: bool = False) -> int:
+def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[int]) -> int:
     """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
     check_batch(prompts, max_new_tokens)
-    if not sampling_ok and not as_sampling(temperature).greedy:
-        raise ValueError("plain batched decoding runs at T=0 only (the speedup baseline): sample with the "
-                         "speculative decoder")
     rows = rows or len(prompts)
     if rows < len(prompts):
         raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
@@ -158,11 +154,11 @@ class BatchedStaticSpecRunner(_Rows):
     """R rows of greedy speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
     block of every row and the B-token verify of every row, each one captured graph per view length."""
 
-    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool,
-                 sampling: Optional[SamplingParams] = None) -> None:
+    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False) -> None:
         super().__init__(decoder.target.model, rows, max_len, use_graphs)
         self.dec = decoder
-        self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
+        self.sampled = sampled  # the captured steps stop at the logits (T > 0), or accept greedily themselves
+        self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
         R, B, dev = self.rows, decoder.block_size, self.device
         self.B = B
         self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len, batch=R)
@@ -202,7 +198,7 @@ class BatchedStaticSpecRunner(_Rows):
         ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
         noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
         logits = self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len)
-        if self.sampling is not None:
+        if self.sampled:
             return logits
         self.blk[:, 1:].copy_(logits.argmax(dim=-1))
         return self.blk
@@ -226,7 +222,7 @@ class BatchedStaticSpecRunner(_Rows):
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
-        if self.sampling is not None:
+        if self.sampled:
             return out.logits
         tgt = out.logits.argmax(dim=-1)  # [R, B]
         n_acc = (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [R]
@@ -261,7 +257,11 @@ class BatchedStaticSpecRunner(_Rows):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                 generator: Optional[torch.Generator] = None) -> list[GenerationOutput]:
+                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
+                 ) -> list[GenerationOutput]:
+        if self.sampled != (sampling is not None and not sampling.greedy):
+            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
+        self.sampling = sampling if self.sampled else None
         n, B = len(prompts), self.B
         sync(self.device)
         t0 = time.perf_counter()
@@ -343,7 +343,10 @@ def batched_static_autoregressive_generate(
     use_graphs: bool = True,
 ) -> list[GenerationOutput]:
     """Greedy plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts)."""
-    rows = _rows(prompts, max_new_tokens, temperature, rows)
+    if not as_sampling(temperature).greedy:
+        raise ValueError("plain batched decoding runs at T=0 only (the speedup baseline): sample with the "
+                         "speculative decoder")
+    rows = _rows(prompts, max_new_tokens, rows)
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1)
     runner = _runner("plain", target_model,
                      lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs), rows, need, use_graphs)
@@ -358,14 +361,15 @@ def batched_static_speculative_generate(
     """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
     At T=0 each row's answer and acceptance lengths are `decoder.generate`'s for that prompt; at T > 0
     the rows are samples of the target's distribution, all drawn from one `generator`."""
-    rows = _rows(prompts, max_new_tokens, temperature, rows, sampling_ok=True)
+    rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
     # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
-    kind = "spec" if s.greedy else f"spec {s.key}"
-    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, s),
+    # one runner for every T > 0 setting: its captured steps stop at the logits, whatever is drawn from them
+    kind = "spec" if s.greedy else "spec sampled"
+    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy),
                      rows, need, use_graphs)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), generator)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
 
 
 __all__ = [
