@@ -9,7 +9,8 @@ import torch
 from _spec_fixtures import make_draft, plain_answers_with_a_stop, random_prompts, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference.batched_static import (
-    batched_static_autoregressive_generate, batched_static_speculative_generate, check_batch,
+    PREFILL_TOKENS, batched_static_autoregressive_generate, batched_static_speculative_generate, check_batch,
+    same_length_runs,
 )
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
 from nemo_dflash.sampling import SamplingParams
@@ -57,13 +58,24 @@ def test_long_accepted_blocks_and_a_reused_runner():
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 def test_plain_rows_equal_plain_decoding(make_target):
+    """Rows 1 and 2 hold prompts of one length (one prefill forward)."""
     target = make_target()
-    prompts = _prompts(4)
+    base = _prompts(3)
+    prompts = [base[0], base[1], base[1][::-1], base[2]]
     want, stop = plain_answers_with_a_stop(target, prompts, 25, row=1, k=3)
     got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, stop_token_ids=[stop],
                                                  rows=6, use_graphs=False)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.stopped for g in got] == [w.stopped for w in want]
+
+
+def test_prefill_runs_are_consecutive_prompts_of_one_length_within_the_token_cap():
+    assert same_length_runs([[1, 2], [3, 4], [5], [6, 7], [8, 9]]) == [(0, 2), (2, 3), (3, 5)]
+    assert same_length_runs([[1]]) == [(0, 1)]
+    n = PREFILL_TOKENS // 4  # prompts of 4 tokens: n fit one forward, the next starts another
+    assert same_length_runs([[1, 2, 3, 4]] * (n + 1)) == [(0, n), (n, n + 1)]
+    long = [0] * (PREFILL_TOKENS + 1)  # one prompt over the cap still makes its own forward
+    assert same_length_runs([long, long]) == [(0, 1), (1, 2)]
 
 
 def test_refuses_plain_sampling_and_too_few_rows():
@@ -85,10 +97,13 @@ def _record_draft(decoder) -> tuple[list[torch.Tensor], object]:
 def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
     """Stronger than equal answers (a random draft's proposals are mostly rejected either way): each
     row's draft output at every step equals the one-prompt decoder's, so each row's context, positions
-    and masks are its own."""
+    and masks are its own. Rows 1 and 2 (at least) hold prompts of one length, prefilled and drafted together."""
     from _spec_fixtures import trained_like_decoder
 
-    prompts = _prompts(4)
+    base = _prompts(3)
+    prompts = [base[0], base[1], base[1][::-1], base[2]]
+    runs = same_length_runs(prompts)
+    assert any(b - a >= 2 for a, b in runs) and len(runs) >= 2  # rows prefilled together, and apart
     decoder = trained_like_decoder(make_target(), prompts)
     want, lens = [], []
     for p in prompts:
@@ -101,9 +116,9 @@ def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
     got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=30, rows=5, use_graphs=False)
     handle.remove()
     assert [len(g.acceptance_lengths) for g in got] == lens
-    first, later = calls[: len(prompts)], calls[len(prompts):]  # step 1 row by row, then all rows a step
+    first, later = torch.cat(calls[: len(runs)]), calls[len(runs):]  # step 1 a run of one length, then all rows
     for r in range(len(prompts)):
-        rows = [first[r][0]] + [step[r] for step in later[: lens[r] - 1]]
+        rows = [first[r]] + [step[r] for step in later[: lens[r] - 1]]
         assert len(rows) == len(want[r])
         for k, (g, w) in enumerate(zip(rows, want[r])):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"row {r} step {k}: {m}")

@@ -9,7 +9,8 @@ CUDA graph. It is `static_decode`'s loop with a batch dimension:
   writes at its own positions (`static_cache.write_at`), and a row's rejected entries stay where
   they were written, hidden by that row's mask (key j visible to a query at p iff j <= p; j < p for
   the draft's context), until a later step overwrites them;
-- prompts are prefilled row by row, eagerly (the prefill is not part of decode time), and the first
+- prompts are prefilled eagerly (the prefill is not part of decode time), consecutive prompts of one
+  length in one forward (`same_length_runs`: no padding, so each row's cache is its own), and the first
   draft block of each row is drafted eagerly against its whole prompt, as the one-prompt loop does;
 - every later step has the same shapes: R rows, and an attention view of the smallest multiple of
   `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
@@ -60,9 +61,26 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
     return rows
 
 
+PREFILL_TOKENS = 8192  # prompts of one length are prefilled together, up to this many tokens a forward
+
+
+def same_length_runs(prompts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive prompts of one length, each at most PREFILL_TOKENS tokens (at
+    least one prompt): the prefill's forwards. Equal lengths need no padding, so a row's cache and
+    logits are those of its own forward."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(prompts) + 1):
+        if (i == len(prompts) or len(prompts[i]) != len(prompts[start])
+                or (i - start + 1) * len(prompts[start]) > PREFILL_TOKENS):
+            runs.append((start, i))
+            start = i
+    return runs
+
+
 class _Rows:
     """What both batched runners share: R rows of one target on a static cache, their positions
-    and live flags on the device, and the per-row eager prefill."""
+    and live flags on the device, and the eager prefill."""
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
         check_static_target(model)
@@ -81,17 +99,18 @@ class _Rows:
         visible = self.key_index[:view_len].view(1, 1, -1) <= q_pos.unsqueeze(-1)
         return visible_to_mask(visible.unsqueeze(1), self.attn, self.dtype)
 
-    def prefill_row(self, row: int, ids: Sequence[int], view_len: int) -> torch.Tensor:
-        """One prompt into its row of the cache, eagerly; its last position's logits [V]."""
-        positions = torch.arange(len(ids), device=self.device)
+    def prefill_rows(self, row: int, prompts: Sequence[Sequence[int]], view_len: int) -> torch.Tensor:
+        """Prompts of one length into rows row..row+k-1 of the cache, in one eager forward; their last
+        positions' logits [k, V]."""
+        positions = torch.arange(len(prompts[0]), device=self.device)
         self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
         try:
-            out = self.model(input_ids=torch.tensor([list(ids)], device=self.device),
+            out = self.model(input_ids=torch.tensor([list(p) for p in prompts], device=self.device),
                              position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(positions.unsqueeze(0), view_len))
         finally:
             self.kv.row = None
-        return out.logits[0, -1]
+        return out.logits[:, -1]
 
     def set_alive(self, stopped: list[bool]) -> None:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
@@ -121,7 +140,8 @@ class BatchedStaticPlainRunner(_Rows):
         n = len(prompts)
         sync(self.device)
         t0 = time.perf_counter()
-        firsts = [int(self.prefill_row(r, p, self.steps.view(len(p))).argmax()) for r, p in enumerate(prompts)]
+        firsts = [int(t) for a, b in same_length_runs(prompts)
+                  for t in self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a]))).argmax(dim=-1)]
         firsts += [firsts[0]] * (self.rows - n)  # rows past the prompts decode a copy of the first, unread
         self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
         host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)
@@ -204,12 +224,14 @@ class BatchedStaticSpecRunner(_Rows):
         return self.blk
 
     def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
-        """Step 1 of one row, eagerly: its block's draft logits [B-1, V] against the row's whole prompt."""
+        """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
+        [k, B-1, V] against their whole prompts (`prompt_feats` [k, C, F])."""
+        k = prompt_feats.shape[0]
         self.dcache.row = row
         try:
-            noise = torch.cat([self.blk[row : row + 1, :1], self.mask_ids[:1]], 1)
+            noise = torch.cat([self.blk[row : row + k, :1], self.mask_ids[:k]], 1)
             ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
-            return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + 1], view_len)[0]
+            return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + k], view_len)
         finally:
             self.dcache.row = None
 
@@ -267,13 +289,14 @@ class BatchedStaticSpecRunner(_Rows):
         t0 = time.perf_counter()
         host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)  # rows past the prompts: unread
         view = self.verify_steps.view(max(host_pos) + B)
+        runs = same_length_runs(prompts)
         last_logits, prompt_feats = [], []
         with self.dec.target.capture(stop_early=False) as captured:
-            for r, p in enumerate(prompts):
-                last_logits.append(self.prefill_row(r, p, view))
+            for a, b in runs:
+                last_logits.append(self.prefill_rows(a, prompts[a:b], view))
                 prompt_feats.append(self.dec.target.concat(captured))
-        last_logits += [last_logits[0]] * (self.rows - n)
-        firsts = select_tokens(torch.stack(last_logits), self.sampling or 0.0, generator)[0].tolist()
+        last_logits = torch.cat(last_logits + [last_logits[0][:1]] * (self.rows - n))
+        firsts = select_tokens(last_logits, self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
@@ -289,7 +312,7 @@ class BatchedStaticSpecRunner(_Rows):
             view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
             if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
                 if step_one:
-                    d_logits = torch.stack([self._first_draft_logits(r, prompt_feats[r], view) for r in range(n)])
+                    d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
                     d_logits = torch.cat([d_logits, d_logits[:1].expand(self.rows - n, -1, -1)])  # unread rows
                     if self.sampling is None:
                         self.blk[:, 1:].copy_(d_logits.argmax(dim=-1))

@@ -83,11 +83,12 @@ def write_at(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
     """Write new K/V [R, H, Q, D] into preallocated [R, H, L, D] buffers at absolute positions, in place.
 
     `positions` is [Q] (every row at the same positions) or [R, Q] (each row at its own: batched
-    decoding, rows drifting apart). `row` sends a one-row forward (a batched runner's per-row
-    prefill) into that row of the buffers. Returns the buffers (or that row) as written.
+    decoding, rows drifting apart). `row` sends a forward of k rows (a batched runner's prefill of
+    k prompts of one length) into rows row..row+k-1 of the buffers. Returns the buffers (or those
+    rows) as written.
     """
     if row is not None:
-        keys, values = keys[row : row + 1], values[row : row + 1]
+        keys, values = keys[row : row + k.shape[0]], values[row : row + k.shape[0]]
     if positions.dim() == 1:
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
@@ -109,7 +110,7 @@ class TargetStaticCache:
     `update` returns the first `view_len` positions only (default: all); the caller sets it
     with the matching mask length, and must cover every position its queries can see.
     With `batch` rows, `write_positions` may be [rows, Q] (`write_at`), and `row` directs a
-    one-row forward into one row.
+    forward of k rows into rows row..row+k-1.
     """
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype,
