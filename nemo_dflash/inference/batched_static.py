@@ -61,7 +61,9 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
     return rows
 
 
-PREFILL_TOKENS = 8192  # prompts of one length are prefilled together, up to this many tokens a forward
+# Prompts of one length are prefilled together, up to this many tokens a forward: the forward's logits
+# [tokens, V] then take no more memory than one prompt of this length's did when each row had its own.
+PREFILL_TOKENS = 2048
 
 
 def same_length_runs(prompts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
