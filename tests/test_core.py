@@ -449,7 +449,12 @@ def test_compiled_loss_chunk_matches_eager_on_gpu():
         ref = _ce_chunk(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
         compiled = _compiled_on_cuda(_ce_chunk, hidden.device)
         got = compiled(hidden[:rows], w, labels[:rows], torch.bfloat16, True, t, sw)
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        # Inductor may keep the bf16 matmul's logits in fp32 where the eager chunk rounds them to bf16: the two
+        # losses differ by that rounding (one bf16 ulp of logits of magnitude <= 8 is 0.03), not by a wrong term
+        ref32 = _ce_chunk(hidden[:rows].bfloat16().float(), w.float(), labels[:rows], torch.float32, True, t, sw)
+        for loss in (got[0], ref[0]):
+            torch.testing.assert_close(loss, ref32[0], rtol=0, atol=4e-2)
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=4e-2)
         assert torch.equal(got[1], ref[1])
         torch.testing.assert_close(got[2], ref[2], rtol=1e-2, atol=1e-4)  # bf16 matmul, same inputs
     fh = hidden.bfloat16()

@@ -248,10 +248,11 @@ def final_draft(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny) -> dict:
-    """regenerate and train, uninterrupted, on 2 ranks."""
+    """regenerate and train, uninterrupted, on 2 ranks. Rank 0 merges the ranks' shards 3 s late, so rank 1 ends
+    regenerate long before the file exists: train would fail its data check on rank 1 unless the pipeline waits."""
     run = tiny["root"] / "ranks"
     config = recipe(tiny, run)
-    proc = torchrun(config)
+    proc = torchrun(config, str(REPO / "tests" / "_pipeline_slow_merge.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"run": run, "config": config}
 

@@ -39,8 +39,8 @@ logger = logging.getLogger("nemo_dflash.pipeline")
 
 STAGES = ("prompts", "regenerate", "train", "export", "evaluate")
 RANK0_STAGES = ("export", "evaluate")  # single-process commands: the other ranks wait
-# stages every rank waits for at their end: rank 0 alone writes (some of) their outputs
-BARRIER_STAGES = ("prompts", "export", "evaluate")
+# Every rank waits at the end of every stage: rank 0 alone writes some outputs (regenerate's merge of the ranks'
+# shards, the prompt files, the export) that the next stage reads on every rank.
 STAGES_DIR = "stages"
 # Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
 HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "prefill_attention", "decode_compile", "workers")
@@ -411,25 +411,29 @@ class Pipeline:
 
     # ---- running ----
 
-    def _barrier(self) -> None:
-        """Every rank waits here (a gloo group for the wait alone: each stage command makes its own)."""
+    def _agree(self, flag: bool) -> bool:
+        """Every rank waits here; True when ``flag`` is True on any rank (a gloo group for this alone: each stage
+        command makes its own)."""
         if self.world == 1 or "MASTER_ADDR" not in os.environ:
-            return
+            return flag
         import datetime
 
+        import torch
         import torch.distributed as dist
 
         from nemo_dflash.train.distributed import init_process_group
 
         init_process_group("gloo", datetime.timedelta(days=7))
         try:
-            dist.barrier()
+            t = torch.tensor([int(flag)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
         finally:
             dist.destroy_process_group()
 
     def execute(self) -> dict[str, Any]:
         main = self.rank == 0
-        self._barrier()  # every rank has planned from the same markers before any is written
+        self._agree(False)  # every rank has planned from the same markers before any is written
         if main:
             self.lay.run.mkdir(parents=True, exist_ok=True)
             tmp = self.lay.run / "recipe.yaml.tmp"
@@ -450,9 +454,8 @@ class Pipeline:
             summary: dict[str, Any] = {}
             if main or stage.name not in RANK0_STAGES:
                 summary = stage.run(redo) or {}  # type: ignore[misc]
-            if stage.name in BARRIER_STAGES:
-                self._barrier()
-            if summary.get("incomplete"):
+            # every rank waits for rank 0's outputs; a stage stopped early on one rank stops the run on all
+            if self._agree(bool(summary.get("incomplete"))):
                 logger.warning("stage %s stopped before the end (%s): run the same command again to continue it",
                                stage.name, summary.get("stopped_by", "its time cap"))
                 outcome[stage.name] = "incomplete"
