@@ -25,6 +25,7 @@ def _fake_conversion(monkeypatch, on_save=None):
     import transformers
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: _Saved("tok.txt")))
     monkeypatch.setattr(loading, "_load_gguf_dense", lambda path, dtype: _Saved("config.json", on_save))
+    monkeypatch.setattr(loading, "_save_dense", lambda model, out: model.save_pretrained(out))
 
 
 def _gguf(tmp_path: Path) -> Path:
@@ -116,3 +117,34 @@ def test_a_damaged_cache_is_replaced_whole_and_its_reason_logged(tmp_path, monke
     assert loading.cache_complete(out) and (out / "config.json").read_text() == "config.json"
     assert sorted(p.name for p in cache.iterdir()) == [f".{out.name}.lock", out.name]
     assert "config.json has 4 bytes" in caplog.text
+
+
+def test_a_rank_other_than_0_writes_the_whole_conversion(tmp_path, monkeypatch):
+    """Whichever torchrun rank takes the lock converts. transformers' save_pretrained writes nothing on a
+    torch.distributed rank other than 0, which left a cache without config.json or weights on a fresh two-GPU
+    machine: the conversion's own save writes every file on any rank, the tied lm_head once, and the
+    directory loads back with the same weights."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    out = tmp_path / "conv"
+    out.mkdir()
+    loading._save_dense(model, out)
+    monkeypatch.undo()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "model.safetensors"))
+    assert (out / "config.json").is_file() and "lm_head.weight" not in saved  # the tied copy is written once
+    assert set(saved) == set(model.state_dict()) - {"lm_head.weight"}
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    want = model.state_dict()
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(back(ids).logits, model(ids).logits)

@@ -111,8 +111,7 @@ def convert_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16, cac
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-            model = _load_gguf_dense(gguf_path, dtype)
-            model.save_pretrained(tmp, safe_serialization=True)
+            _save_dense(_load_gguf_dense(gguf_path, dtype), tmp)
             tok.save_pretrained(tmp)
             files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
             (tmp / ".complete").write_text(json.dumps({"files": files}, indent=1) + "\n")
@@ -178,6 +177,26 @@ class _waiting_lock:
 
     def __exit__(self, *exc: Any) -> None:
         self._f.close()  # closing the descriptor releases the lock
+
+
+def _save_dense(model: torch.nn.Module, out: Path) -> None:
+    """The config, generation config and weights (one safetensors file) of ``model`` in ``out``, written by this
+    process whatever its rank: transformers' ``save_pretrained`` writes no file on a torch.distributed rank other
+    than 0, and whichever rank takes the conversion lock first converts. A tied weight (SmolLM2's lm_head is its
+    embeddings) is written once; loading ties it again."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    state: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        where = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if where not in seen:
+            seen.add(where)
+            state[name] = t.detach().contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _load_gguf_dense(gguf_path: Path, dtype: torch.dtype) -> torch.nn.Module:
