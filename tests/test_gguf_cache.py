@@ -142,9 +142,25 @@ def test_a_rank_other_than_0_writes_the_whole_conversion(tmp_path, monkeypatch):
     saved = load_file(str(out / "model.safetensors"))
     assert (out / "config.json").is_file() and "lm_head.weight" not in saved  # the tied copy is written once
     assert set(saved) == set(model.state_dict()) - {"lm_head.weight"}
+    import json
+
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]  # the registry key
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     want = model.state_dict()
     for name, t in back.state_dict().items():
         assert torch.equal(t, want[name]), name
     ids = torch.tensor([[1, 5, 9, 3]])
     assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_a_config_without_architectures_names_its_causal_lm_class():
+    """A target config saved without `architectures` still finds its draft family (by its model type)."""
+    import transformers
+
+    from nemo_dflash.draft.build import _architectures
+
+    cfg = transformers.LlamaConfig()
+    cfg.architectures = None
+    assert _architectures(cfg, "LlamaConfig") == ["LlamaForCausalLM"]
+    cfg.architectures = ["MistralForCausalLM"]
+    assert _architectures(cfg, "LlamaConfig") == ["MistralForCausalLM"]

@@ -187,7 +187,15 @@ def resolve_mask_token_id(
 
 
 def _architectures(config: Any, fallback: str) -> list[str]:
-    return list(getattr(config, "architectures", None) or [fallback])
+    """The config's `architectures`; a config saved without them (by `PretrainedConfig.save_pretrained` alone)
+    names its causal-LM class through transformers' model-type table, else `fallback`."""
+    archs = getattr(config, "architectures", None)
+    if archs:
+        return list(archs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    return [name] if isinstance(name, str) else [fallback]
 
 
 def build_draft_for_target(

@@ -186,6 +186,7 @@ def _save_dense(model: torch.nn.Module, out: Path) -> None:
     embeddings) is written once; loading ties it again."""
     from safetensors.torch import save_file
 
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it: the draft registry's key
     model.config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
