@@ -693,6 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--one-prompt-loop", action="store_true",
+                   help="at concurrency 1, also time the one-prompt loops `evaluate`'s speedup runs "
+                        "(DFlashSpeculativeDecoder.generate, autoregressive_generate) on the same prompts")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the rows here")
     return p
 
@@ -731,7 +734,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.inference import batched_static
     from nemo_dflash.inference.eval_run import ModelSpec, load_models
     from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
     from nemo_dflash.recipes._cli import resolve_device_dtype
 
     batches = check(args)
@@ -747,9 +750,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    for bsz in batches:
-        graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
+    graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
 
+    def one_prompt_plain(ps):
+        return [autoregressive_generate(target, ps[0], decode=decode, **kw)]
+
+    def one_prompt_spec(ps):
+        return [decoder.generate(ps[0], decode=decode, **kw)]
+
+    cases = [(b, "batched") for b in batches] + ([(1, "one-prompt")] if args.one_prompt_loop else [])
+    for bsz, loop in cases:
         def plain(ps, bsz=bsz):
             return batched_static.batched_static_autoregressive_generate(target, ps, rows=bsz, use_graphs=graphs,
                                                                          **kw)
@@ -758,6 +768,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             return batched_static.batched_static_speculative_generate(decoder, ps, rows=bsz, use_graphs=graphs,
                                                                       **kw)
 
+        if loop == "one-prompt":
+            plain, spec = one_prompt_plain, one_prompt_spec
         longest = sorted(prompts, key=len)[-bsz:]  # the runners' caches then fit every batch (graphs)
         for fn in (plain, spec):  # warm-up: allocator, kernels, the graphs' capture
             fn(longest)
@@ -768,7 +780,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         steps = [a for o in o_spec for a in o.acceptance_lengths]
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
         rows.append({
-            **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz,
+            **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
             "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
@@ -781,9 +793,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     r0 = rows[0]
     head = (f"{r0['dataset']}, {r0['prompts']} prompts, up to {r0['max_new_tokens']} new tokens, 1 turn, T=0, "
             f"block {r0['block_size']}, {r0['decode']} on both sides, {r0['dtype']} on {r0['device']}")
-    lines = [head, f"{'concurrency':>11} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'tau':>6} {'same':>5}"]
+    lines = [head, f"{'concurrency':>11} {'loop':>10} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'tau':>6} "
+                   f"{'same':>5}"]
     for r in rows:
-        lines.append(f"{r['concurrency']:>11} {r['plain_tokens_per_s']:>12.1f} {r['spec_tokens_per_s']:>11.1f} "
+        lines.append(f"{r['concurrency']:>11} {r.get('loop', 'batched'):>10} {r['plain_tokens_per_s']:>12.1f} {r['spec_tokens_per_s']:>11.1f} "
                      f"{r['speedup']:>7.2f}x {r['tau'] or 0:>6.2f} {r['identical_answers']:>3}/{r['prompts']}")
     return "\n".join(lines)
 

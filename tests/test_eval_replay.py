@@ -473,10 +473,12 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", "3", "--batches", "1,3",
             "--max-new-tokens", "10", "--device", "cpu", "--dtype", "fp32", "--threads", "1", "--json", str(rows)]
-    assert bench.main(["concurrency", *argv]) == 0
+    assert bench.main(["concurrency", *argv, "--one-prompt-loop"]) == 0
     got = json.loads(rows.read_text())
-    assert [r["concurrency"] for r in got] == [1, 3] and all(r["identical_answers"] == 3 for r in got)
+    assert [(r["concurrency"], r["loop"]) for r in got] == [(1, "batched"), (3, "batched"), (1, "one-prompt")]
+    assert all(r["identical_answers"] == 3 for r in got)
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
+    assert got[2]["tau"] == got[0]["tau"]  # at T=0 a batched row's steps are the one-prompt decoder's
     assert "eager on both sides" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         bench.main(["concurrency", *argv[:4], "--batches", "0"])
