@@ -39,6 +39,10 @@ _SMALL_HEAD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOC
                      "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}
 
 
+# Inductor's flex_attention kernel needs head_dim >= 16 (tl.dot); smaller heads (tiny test drafts) run the eager op
+FLEX_MIN_HEAD_DIM = 16
+
+
 def flex_kernel_options(head_dim: int) -> Optional[dict]:
     """The tiles the draft's flex_attention asks for at this head size (None: Inductor's defaults)."""
     return dict(_SMALL_HEAD_TILES) if head_dim <= 64 else None
@@ -52,7 +56,7 @@ def _flex(q, k, v, block_mask, scale, enable_gqa):
     cache limit and silently falls back to the eager, memory-hungry kernel.
     """
     global _compiled_flex
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" or q.shape[-1] < FLEX_MIN_HEAD_DIM:
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
