@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nemo_dflash.compiled import compiled
 from nemo_dflash.target import DFlashTargetBatch
 from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
@@ -582,17 +583,10 @@ def _expected_chunk(h: torch.Tensor, w_mm: torch.Tensor) -> torch.Tensor:
     return torch.matmul(p_t.to(w_mm.dtype), w_mm).to(h.dtype)
 
 
-_COMPILED: dict = {}
-
-
 def _compiled_on_cuda(fn, device: torch.device):
     """`fn` compiled once, on GPUs (the loss chunk's reductions, softmax and casts fused into passes);
     None elsewhere: the eager loops run there, in place, with less memory."""
-    if device.type != "cuda":
-        return None
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
-    return _COMPILED[fn]
+    return compiled(fn) if device.type == "cuda" else None
 
 
 def _ce_chunk(
@@ -657,14 +651,14 @@ class _FusedLinearCE(torch.autograd.Function):
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        compiled = _compiled_on_cuda(_ce_chunk, hidden.device)
+        chunk_fn = _compiled_on_cuda(_ce_chunk, hidden.device)
         dev = hidden.device.type
-        if compiled is not None:
+        if chunk_fn is not None:
             mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
             with torch.autocast(dev, enabled=False):
                 for s in range(0, n, chunk_size):
                     th = teacher[s : s + chunk_size] if teacher is not None else None
-                    loss, pred, g = compiled(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
+                    loss, pred, g = chunk_fn(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
                                              need_grad, th, soft_weight)
                     losses[s : s + chunk_size] = loss
                     preds[s : s + chunk_size] = pred

@@ -60,6 +60,7 @@ def test_the_import_parser_sees_every_form(tmp_path):
 FLOW = {
     "files": 0,  # the run directory's layout names and file modes: below everything
     "attention": 0,  # which SDPA kernels run calls of changing shapes
+    "compiled": 0,  # the one cache of torch.compile'd functions
     "fused_loss": 0,  # the fused linear cross-entropy kernels (liger, cut-cross-entropy) core's loss calls
     "accept_loss": 0,  # the loss on the speculative-sampling accept probability (loss.accept_weight) core's loss calls
     "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from nemo_dflash.attention import eager_attention_backends
+from nemo_dflash.compiled import compiled
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.data.prefill_plan import min_cost_attention_plan
 from nemo_dflash.data.slot_attention import (
@@ -370,7 +371,7 @@ class SlotEngine:
             self._kv_blocks, kv_indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
             seq_lengths=(group, self.cache.width), **extra,
         )
-        self.cache.flex = flex_attention if self.device.type != "cuda" else torch.compile(flex_attention, dynamic=False)
+        self.cache.flex = flex_attention if self.device.type != "cuda" else compiled(flex_attention, dynamic=False)
 
     # -- forwards
 

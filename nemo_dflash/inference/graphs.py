@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from nemo_dflash import attention
+from nemo_dflash.compiled import compiled
 from nemo_dflash.attention import eager_attention_backends
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,6 @@ class CapturedStep:
 # Llama-family norm and the draft's); others (e.g. Gemma's 1 + weight) are left alone.
 _RMSNORM_CLASSES = {"RMSNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 _SILU_CLASSES = {"SiLU", "SiLUActivation"}
-_compiled: dict[str, Callable[..., Any]] = {}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,12 +103,6 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _compiled[name]
-
-
 def _same_rope(original: Callable[..., Any], ours: Callable[..., Any], *args: torch.Tensor) -> bool:
     """Check, on a small random case, that a model's RoPE function is the formula we fuse."""
     try:
@@ -134,8 +128,8 @@ def fused_elementwise(*models: nn.Module) -> Iterator[dict[str, int]]:
     rotate-half formula. Same arithmetic in fp32; a fused kernel may round the last bit
     differently from the eager chain of ops.
     """
-    rms = _compile("rms", _rms_norm)
-    silu_mul = _compile("silu_mul", _silu_mul)
+    rms = compiled(_rms_norm, dynamic=False, fullgraph=True)
+    silu_mul = compiled(_silu_mul, dynamic=False, fullgraph=True)
     undo: list[Callable[[], None]] = []
     counts = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
     # One compile per (shape, dtype): a target and its draft have more norm shapes than dynamo's
@@ -183,7 +177,7 @@ def _patch_rope(module: Any, counts: dict[str, int]) -> list[Callable[[], None]]
     cos, sin = torch.randn(1, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
     hf = getattr(module, "apply_rotary_pos_emb", None)
     if callable(hf) and _same_rope(hf, lambda q, k, c, s: _rope_qk(q, k, c.unsqueeze(1), s.unsqueeze(1)), q, k, cos, sin):
-        fused = _compile("rope_qk", _rope_qk)
+        fused = compiled(_rope_qk, dynamic=False, fullgraph=True)
 
         def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
             return fused(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
@@ -193,7 +187,7 @@ def _patch_rope(module: Any, counts: dict[str, int]) -> list[Callable[[], None]]
         counts["rope"] += 1
     ours = getattr(module, "apply_rope", None)
     if callable(ours) and _same_rope(ours, _rope_one, q, cos, sin):
-        fused_one = _compile("rope_one", _rope_one)
+        fused_one = compiled(_rope_one, dynamic=False, fullgraph=True)
         module.apply_rope = fused_one
         undo.append(lambda: setattr(module, "apply_rope", ours))
         counts["rope"] += 1

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from nemo_dflash.draft.model.configuration import DFlashConfig, rotary_dim
+from nemo_dflash.compiled import compiled
 
 try:  # flex_attention is optional at import time (needs torch >= 2.5)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -27,7 +28,6 @@ except ImportError:  # pragma: no cover
     flex_attention = None  # type: ignore[assignment]
 
 AttnMask = Union[torch.Tensor, "BlockMask", None]
-_compiled_flex = None
 
 
 # Tiles for head_dim <= 64 (docs/performance.md). Forward: Inductor's H100/H200 default for bf16 at
@@ -55,13 +55,11 @@ def _flex(q, k, v, block_mask, scale, enable_gqa):
     batch to batch, and a static compile would recompile per shape until it hits dynamo's
     cache limit and silently falls back to the eager, memory-hungry kernel.
     """
-    global _compiled_flex
     if q.device.type == "cpu" or q.shape[-1] < FLEX_MIN_HEAD_DIM:
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
     options = flex_kernel_options(q.shape[-1])
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options)
+    return compiled(flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                    kernel_options=options)
 
 
 class RMSNorm(nn.Module):
