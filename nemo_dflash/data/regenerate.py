@@ -470,9 +470,7 @@ def regenerate_conversations(
         raise ValueError(f"prepare_ahead must be >= 0, got {prepare_ahead}")
     stats = stats if stats is not None else RegenStats()
     detector = loop_detector or LoopDetector()
-    drop_capped = capped == "drop"
     stop_ids = stop_token_ids(model, tokenizer)
-    specials = special_token_strings(tokenizer)
     if max_prompt_tokens is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         max_prompt_tokens = max(context - max_new_tokens, 1)
@@ -491,17 +489,59 @@ def regenerate_conversations(
             pad_id=_pad_id(tokenizer, stop_ids), temperature=temperature, top_p=top_p, seed=seed,
             loop_detector=detector,
         )
+    run = _Regeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,
+                        max_prompt_tokens=max_prompt_tokens, loops=loops, drop_capped=capped == "drop",
+                        after_cut=after_cut, prepare_ahead=prepare_ahead, stats=stats, progress=progress,
+                        should_stop=should_stop)
+    return run.records()
 
-    def ask(job: _Job) -> Optional[str]:
+
+class _Regeneration:
+    """One `regenerate_conversations` call: the conversations waiting for a slot, and what happens to
+    each answer as it ends (kept, cut or dropped; the next turn asked, or the conversation's record)."""
+
+    def __init__(self, gen: Any, tokenizer: Any, conversations: Iterable[ConversationLike], *, turns: str,
+                 schedule: str, batch_size: int, max_prompt_tokens: int, loops: str, drop_capped: bool,
+                 after_cut: str, prepare_ahead: int, stats: RegenStats,
+                 progress: Optional[Callable[[int, int], None]], should_stop: Optional[Callable[[], bool]]) -> None:
+        self.gen, self.tokenizer, self.conversations = gen, tokenizer, conversations
+        self.turns, self.schedule, self.batch_size = turns, schedule, batch_size
+        self.max_prompt_tokens, self.prepare_ahead = max_prompt_tokens, prepare_ahead
+        self.loops, self.drop_capped, self.after_cut = loops, drop_capped, after_cut
+        self.stats, self.progress, self.should_stop = stats, progress, should_stop
+        self.specials = special_token_strings(tokenizer)
+        self.pending: collections.deque[Request] = collections.deque()
+        self.producer: Optional[_FirstTurnProducer] = None
+        self.source: Optional[Iterator[tuple[int, ConversationLike]]] = None
+        self.exhausted = False
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Yield each conversation's record as it ends (the public generator)."""
+        try:
+            if self.prepare_ahead > 0:
+                self.producer = _FirstTurnProducer(
+                    _scheduled(self.conversations, self.schedule, self.turns), ahead=self.prepare_ahead,
+                    turns=self.turns, tokenizer=copy.deepcopy(self.tokenizer),
+                    max_prompt_tokens=self.max_prompt_tokens, specials=self.specials,
+                )
+            else:
+                self.source = _scheduled(self.conversations, self.schedule, self.turns)
+            yield from self._regenerate()
+        finally:
+            if self.producer is not None:
+                self.producer.stop()
+
+    def _ask(self, job: _Job) -> Optional[str]:
         """Append the next user turn and tokenise the prompt; the reason it cannot be asked, if any."""
-        return _ask_next_turn(job, tokenizer, max_prompt_tokens=max_prompt_tokens, specials=specials)
+        return _ask_next_turn(job, self.tokenizer, max_prompt_tokens=self.max_prompt_tokens, specials=self.specials)
 
-    def end(job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
+    def _end(self, job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
         """The record of a finished conversation (None if no turn survived); counts why it ended."""
+        stats = self.stats
         if reason is not None:
             (stats.shortened if job.answered else stats.skipped)[reason] += 1
-        if progress is not None:
-            progress(1, 0)
+        if self.progress is not None:
+            self.progress(1, 0)
         if not job.answered:
             return None
         stats.written += 1
@@ -515,69 +555,99 @@ def regenerate_conversations(
             record["source"] = job.source
         return record
 
-    def run() -> Iterator[dict[str, Any]]:
-        producer: Optional[_FirstTurnProducer] = None
-        try:
-            if prepare_ahead > 0:
-                producer = _FirstTurnProducer(
-                    _scheduled(conversations, schedule, turns), ahead=prepare_ahead, turns=turns,
-                    tokenizer=copy.deepcopy(tokenizer),
-                    max_prompt_tokens=max_prompt_tokens, specials=specials,
-                )
-            yield from regenerate(producer)
-        finally:
-            if producer is not None:
-                producer.stop()
-
-    def regenerate(producer: Optional[_FirstTurnProducer]) -> Iterator[dict[str, Any]]:
-        pending: collections.deque[Request] = collections.deque()
-        source = _scheduled(conversations, schedule, turns) if producer is None else None
-        exhausted = False
-
-        def take() -> Optional[tuple[_Job, Optional[str]]]:
-            """The next conversation's job, its first turn asked (or the reason to skip it); None at
-            the end. Counted in ``stats.conversations`` here, on the calling thread."""
-            if producer is None:
-                try:
-                    index, conv = next(source)
-                except StopIteration:
-                    return None
-                stats.conversations += 1
-                job, reason = _as_job(index, conv, turns)
-                return job, reason or ask(job)
-            item = producer.get()
-            if item is _PREPARED_END:
+    def _take(self) -> Optional[tuple[_Job, Optional[str]]]:
+        """The next conversation's job, its first turn asked (or the reason to skip it); None at the
+        end. Counted in ``stats.conversations`` here, on the calling thread."""
+        if self.producer is None:
+            try:
+                index, conv = next(self.source)
+            except StopIteration:
                 return None
-            if isinstance(item, _PrepareFailure):
-                stats.conversations += item.counted
-                raise item.error
-            _, job, reason = item
-            stats.conversations += 1
-            return job, reason
+            self.stats.conversations += 1
+            job, reason = _as_job(index, conv, self.turns)
+            return job, reason or self._ask(job)
+        item = self.producer.get()
+        if item is _PREPARED_END:
+            return None
+        if isinstance(item, _PrepareFailure):
+            self.stats.conversations += item.counted
+            raise item.error
+        _, job, reason = item
+        self.stats.conversations += 1
+        return job, reason
 
-        def admit() -> None:
-            """Top up ``pending`` with first turns of new conversations (2 x batch_size queued)."""
-            nonlocal exhausted
-            while not exhausted and len(pending) < 2 * batch_size and not stats.halted:
-                taken = take()
-                if taken is None:
-                    exhausted = True
-                    return
-                job, reason = taken
-                if reason is not None:
-                    stats.skipped[reason] += 1
-                    if progress is not None:
-                        progress(1, 0)
-                    continue
-                pending.append(request(job))
+    def _admit(self) -> None:
+        """Top up ``pending`` with first turns of new conversations (2 x batch_size queued)."""
+        while not self.exhausted and len(self.pending) < 2 * self.batch_size and not self.stats.halted:
+            taken = self._take()
+            if taken is None:
+                self.exhausted = True
+                return
+            job, reason = taken
+            if reason is not None:
+                self.stats.skipped[reason] += 1
+                if self.progress is not None:
+                    self.progress(1, 0)
+                continue
+            self.pending.append(self._request(job))
 
-        def request(job: _Job) -> Request:
-            """The request of the turn just asked: its slot is held while later turns remain, and it
-            continues in the slot of the conversation's previous answer."""
-            return Request(job.request_key(), job.prompt_ids, tag=job, hold=job.next_user + 1 < len(job.users),
-                           after=job.last)
+    @staticmethod
+    def _request(job: _Job) -> Request:
+        """The request of the turn just asked: its slot is held while later turns remain, and it
+        continues in the slot of the conversation's previous answer."""
+        return Request(job.request_key(), job.prompt_ids, tag=job, hold=job.next_user + 1 < len(job.users),
+                       after=job.last)
 
-        admit()
+    def _answered(self, done: Completion) -> Optional[dict[str, Any]]:
+        """Apply the loop and cap policies to an answer that ended; ask the next turn, or return the
+        conversation's record when it ends here."""
+        stats, job = self.stats, done.request.tag
+        stats.answers += 1
+        stats.prompt_tokens += len(job.prompt_ids)
+        looped = done.finish == "loop" or done.loop_start is not None
+        stats.looping_before += looped
+        capped = done.finish == "length" and not looped
+        stats.capped_before += capped
+        ids = done.token_ids
+        if done.finish == "loop" and self.loops == "drop":
+            ids = None
+        elif looped and self.loops == "cut" and done.loop_start is not None:
+            ids = ids[: done.loop_start]
+        if capped and self.drop_capped:
+            ids = None
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        job.next_user += 1
+        problem = None
+        if ids is None:
+            problem = "loop" if looped else "length"
+        elif not text.strip():
+            problem = "empty_answer"
+        elif any(s in text for s in self.specials):
+            problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
+        if problem is not None:
+            job.messages.pop()
+            return self._end(job, problem)
+        job.messages.append({"role": "assistant", "content": text})
+        job.finish_reason = "loop" if looped and self.loops != "keep" else done.finish
+        job.kept.update(tokens=len(ids), capped=int(capped), loops=int(looped and self.loops == "keep"))
+        if job.next_user >= len(job.users):
+            return self._end(job, None)
+        if job.finish_reason != "stop" and self.after_cut == "end":
+            return self._end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
+        if stats.halted:  # once halted, an unfinished conversation is left for a resume
+            return None
+        history = job.prompt_ids + ids  # what the slot holds, as far as this answer was kept
+        reason = self._ask(job)
+        if reason is not None:
+            return self._end(job, reason)
+        stats.prefix_mismatch += job.prompt_ids[: len(history)] != history
+        job.last = done
+        self.pending.append(self._request(job))
+        return None
+
+    def _regenerate(self) -> Iterator[dict[str, Any]]:
+        gen, stats = self.gen, self.stats
+        self._admit()
         t0 = time.perf_counter()
         generated0 = gen.generated_tokens
         prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
@@ -593,62 +663,19 @@ def regenerate_conversations(
             stats.prefill_tokens = before[2] + getattr(gen, "prefill_tokens", 0) - prefill0
             stats.reused_tokens = before[3] + getattr(gen, "reused_tokens", 0) - reused0
 
-        for done in gen.generate(pending):
-            job: _Job = done.request.tag
-            stats.answers += 1
-            stats.prompt_tokens += len(job.prompt_ids)
-            looped = done.finish == "loop" or done.loop_start is not None
-            stats.looping_before += looped
-            capped = done.finish == "length" and not looped
-            stats.capped_before += capped
-            ids = done.token_ids
-            if done.finish == "loop" and loops == "drop":
-                ids = None
-            elif looped and loops == "cut" and done.loop_start is not None:
-                ids = ids[: done.loop_start]
-            if capped and drop_capped:
-                ids = None
-            text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-            job.next_user += 1
-            problem = None
-            if ids is None:
-                problem = "loop" if looped else "length"
-            elif not text.strip():
-                problem = "empty_answer"
-            elif any(s in text for s in specials):
-                problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
-            record = None
-            if problem is not None:
-                job.messages.pop()
-                record = end(job, problem)
-            else:
-                job.messages.append({"role": "assistant", "content": text})
-                job.finish_reason = "loop" if looped and loops != "keep" else done.finish
-                job.kept.update(tokens=len(ids), capped=int(capped), loops=int(looped and loops == "keep"))
-                if job.next_user >= len(job.users):
-                    record = end(job, None)
-                elif job.finish_reason != "stop" and after_cut == "end":
-                    record = end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
-                elif not stats.halted:  # (once halted, an unfinished conversation is left for a resume)
-                    history = job.prompt_ids + ids  # what the slot holds, as far as this answer was kept
-                    reason = ask(job)
-                    if reason is not None:
-                        record = end(job, reason)
-                    else:
-                        stats.prefix_mismatch += job.prompt_ids[: len(history)] != history
-                        job.last = done
-                        pending.append(request(job))
+        for done in gen.generate(self.pending):
+            record = self._answered(done)
             count_progress()
-            if progress is not None:
-                progress(0, done.generated)
+            if self.progress is not None:
+                self.progress(0, done.generated)
             if record is not None:
                 yield record
-            if not stats.halted and should_stop is not None and should_stop():
+            if not stats.halted and self.should_stop is not None and self.should_stop():
                 stats.halted = True
-                pending.clear()
-                if producer is not None:
-                    producer.halt()  # nothing more is taken from it (joined when the run ends)
-            admit()
+                self.pending.clear()
+                if self.producer is not None:
+                    self.producer.halt()  # nothing more is taken from it (joined when the run ends)
+            self._admit()
         count_progress()
         stats.phase_seconds += collections.Counter(getattr(gen, "seconds", {})) - phases0
         gpu = getattr(gen, "gpu", None)
@@ -656,5 +683,3 @@ def regenerate_conversations(
             gpu.read()  # the last window's events (the run ended after its collect)
         stats.gpu_seconds += collections.Counter(getattr(gpu, "seconds", {})) - gpu0
         stats.prefill_calls += collections.Counter(getattr(gen, "prefills", {})) - calls0
-
-    return run()
