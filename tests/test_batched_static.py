@@ -248,3 +248,30 @@ def test_t1_over_several_steps_keeps_the_joint_distribution():
     assert 0.5 * (freq.sum(0) - joint.sum(0)).abs().sum() < 0.07
     for dims in ((0, 1), (0, 2), (1, 2)):
         assert (freq.sum(dims) - joint.sum(dims)).abs().max() < 0.025, dims
+
+
+@pytest.mark.parametrize("rows,row", [(1, None), (3, None), (3, 1)])
+def test_write_at_puts_each_rows_kv_at_its_positions(rows, row):
+    """`static_cache.write_at` against a plain loop over rows and positions: [Q] positions shared by the rows,
+    [R, Q] positions of their own (one row takes the index_copy_ path, several the scatter_), `row` offsets."""
+    from nemo_dflash.inference.static_cache import write_at
+
+    g = torch.Generator().manual_seed(rows)
+    total, heads, length, dim, q = 4, 2, 10, 3, 3
+    for shared in (True, False):
+        k_rows = rows if row is None else 2
+        pos = (torch.tensor([2, 5, 7]) if shared else
+               torch.stack([torch.randperm(length, generator=g)[:q] for _ in range(k_rows)]))
+        keys, values = torch.zeros(total if row is not None else k_rows, heads, length, dim), None
+        values = torch.zeros_like(keys)
+        k = torch.randn(k_rows, heads, q, dim, generator=g)
+        v = torch.randn(k_rows, heads, q, dim, generator=g)
+        want_k, want_v = keys.clone(), values.clone()
+        for r in range(k_rows):
+            for j in range(q):
+                p = int(pos[j] if shared else pos[r, j])
+                want_k[(row or 0) + r, :, p] = k[r, :, j]
+                want_v[(row or 0) + r, :, p] = v[r, :, j]
+        got_k, got_v = write_at(keys, values, k, v, pos, row)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # in place
+        assert got_k.shape[0] == k_rows and torch.equal(got_k, want_k[(row or 0) : (row or 0) + k_rows])
