@@ -526,7 +526,7 @@ def test_device_speculative_sampling_keeps_the_target_distribution():
     p = torch.tensor([[0.70, 0.10, 0.10, 0.05, 0.05], [0.05, 0.05, 0.10, 0.10, 0.70], [0.2] * 5])
     q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
     r = _sampled_runner(3, 5)
-    n, first, second, kept, accepted = 6000, torch.zeros(5), torch.zeros(5), 0, 0.0
+    n, first, second, bonus, kept, accepted = 6000, torch.zeros(5), torch.zeros(5), torch.zeros(5), 0, 0.0
     for key in range(n):
         r.key.fill_(key * 7919 + 11)
         r._propose_sampled(q.log())
@@ -536,9 +536,12 @@ def test_device_speculative_sampling_keeps_the_target_distribution():
         if n_acc >= 1:
             kept += 1
             second[tokens[1]] += 1
+        if n_acc == 2:  # both proposals kept: the bonus token, drawn from p's last row
+            bonus[tokens[2]] += 1
     assert (first / n - p[0]).abs().max() < 0.02
     assert (second / kept - p[1]).abs().max() < 0.03
     assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
+    assert bonus.sum() > 400 and (bonus / bonus.sum() - p[2]).abs().max() < 0.07
 
 
 def test_fused_elementwise_same_output_then_removed():

@@ -395,13 +395,20 @@ class StaticSpecRunner:
         slots = self.pos + 1 + self.arange_b  # position of slot k + 1, for row k
         u = keyed_uniform(_ACCEPT_STREAM, self.key.expand(B - 1), slots[:-1], x[:, None]).squeeze(-1)
         n_acc = (u * q_tok < p_tok).long().cumprod(dim=0).sum()  # u < p/q without dividing by q
-        resid = (p[:-1] - self.q).clamp(min=0)
-        total = resid.sum(dim=-1, keepdim=True)
-        resid = torch.where(total > 0, resid / total.clamp(min=torch.finfo(torch.float32).tiny), p[:-1])
-        dist = torch.cat([resid, p[-1:]])  # row k: where slot k + 1 is drawn from if it is the next token
-        u = keyed_uniform(_NEXT_STREAM, self.key.expand(B), slots, self.vocab)
-        nxt = (torch.log(dist) + gumbel(u)).argmax(dim=-1).gather(0, n_acc.view(1))
-        tokens = torch.cat([x, x[:1]]).scatter(0, n_acc.view(1), nxt)
+        # The next token is drawn from one row only, n_acc's: the residual norm(max(p - q, 0)) of the first
+        # rejected slot, or p's last row (the bonus) when every proposal was kept. Forming that row alone
+        # keeps the residual, its noise and the draw off the other B - 1 rows of [B, V] work a step.
+        row = n_acc.view(1)
+        p_row = p.index_select(0, row)  # [1, V]
+        dist = p_row
+        if B > 1:  # (block 1 proposes nothing: the next token is always p's)
+            resid = (p_row - self.q.index_select(0, row.clamp(max=B - 2))).clamp(min=0)
+            total = resid.sum(dim=-1, keepdim=True)
+            resid = torch.where(total > 0, resid / total.clamp(min=torch.finfo(torch.float32).tiny), p_row)
+            dist = torch.where(row.view(1, 1) == B - 1, p_row, resid)
+        u = keyed_uniform(_NEXT_STREAM, self.key, slots.index_select(0, row), self.vocab)  # slot n_acc + 1's noise
+        nxt = (torch.log(dist) + gumbel(u)).argmax(dim=-1)
+        tokens = torch.cat([x, x[:1]]).scatter(0, row, nxt)
         return n_acc, tokens
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
