@@ -206,6 +206,15 @@ def _vocab_cols(n: int, device: torch.device) -> torch.Tensor:
     return cols
 
 
+def keyed_draw(seed: int, keys: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``weights`` [N, V] (non-negative, any scale: a distribution, or a residual not yet
+    normalised), drawn with one keyed uniform per row (a pure function of seed, key and position) through the
+    row's cumulative sum. Gumbel-max over ``keyed_uniform`` needs V hashes a row; this needs one, and a scan."""
+    cdf = weights.float().cumsum(dim=-1)
+    u = keyed_uniform(seed, keys, positions, torch.zeros_like(keys).view(-1, 1))  # [N, 1]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
+
+
 def gumbel(u: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
     return -torch.log(-torch.log(u))

@@ -25,9 +25,11 @@ Rejected tokens' K/V stay in both caches, hidden by the masks, until overwritten
 At T > 0 the same two steps also sample on the device (speculative sampling: accept slot k with
 probability min(1, p/q), else draw from norm(max(p - q, 0)); the bonus from p), with keyed noise:
 each uniform is a hash of (a per-generation key drawn from the caller's generator, a stream, the
-absolute position, the token), so the sampled step is one graph as well and the host still reads
-back only the new tokens. A position's noise only ever decides one kept token: a later step samples
-only positions past the last kept one.
+absolute position[, the token]), so the sampled step is one graph as well and the host still reads
+back only the new tokens. A draw takes one uniform through its row's cumulative sum
+(`sampling.keyed_draw`), and the next token is drawn from the kept row's distribution alone. A
+position's noise only ever decides one kept token: a later step samples only positions past the last
+kept one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch import nn
 
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.output import GenerationOutput, sync, truncate
-from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, gumbel, keyed_uniform, select_tokens
+from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, keyed_draw, keyed_uniform, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
@@ -289,7 +291,6 @@ class StaticSpecRunner:
             self.top_p = torch.ones((), dtype=torch.float32, device=dev)
             self.top_k = torch.zeros((), dtype=torch.long, device=dev)
             self.q = torch.zeros(B - 1, vocab, dtype=torch.float32, device=dev)
-            self.vocab = torch.arange(vocab, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
         if use_graphs:
             logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d, "
@@ -345,18 +346,16 @@ class StaticSpecRunner:
         return filter_scores(scores, self.top_p, self.top_k) if self.filtered else scores
 
     def _propose_sampled(self, logits: torch.Tensor) -> None:
-        """Gumbel-max draws from the draft's filtered softmax into the block (or its argmax, q one-hot);
+        """Keyed draws from the draft's filtered softmax into the block (or its argmax, q one-hot);
         q is kept for the accept test."""
         if self.draft_greedy:
             tok = logits.argmax(dim=-1)
             self.q.zero_().scatter_(-1, tok[:, None], 1.0)
             self.blk[0, 1:].copy_(tok)
             return
-        scores = self._scores(logits)
-        self.q.copy_(torch.softmax(scores, dim=-1))
+        self.q.copy_(torch.softmax(self._scores(logits), dim=-1))
         slots = self.pos + 1 + self.arange_b[:-1]
-        u = keyed_uniform(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.vocab)
-        self.blk[0, 1:].copy_((scores + gumbel(u)).argmax(dim=-1))
+        self.blk[0, 1:].copy_(keyed_draw(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.q))
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """Target logits [B, V] of the block, attending over the cache's first `view_len`
@@ -403,11 +402,9 @@ class StaticSpecRunner:
         dist = p_row
         if B > 1:  # (block 1 proposes nothing: the next token is always p's)
             resid = (p_row - self.q.index_select(0, row.clamp(max=B - 2))).clamp(min=0)
-            total = resid.sum(dim=-1, keepdim=True)
-            resid = torch.where(total > 0, resid / total.clamp(min=torch.finfo(torch.float32).tiny), p_row)
+            resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_row)  # keyed_draw normalises
             dist = torch.where(row.view(1, 1) == B - 1, p_row, resid)
-        u = keyed_uniform(_NEXT_STREAM, self.key, slots.index_select(0, row), self.vocab)  # slot n_acc + 1's noise
-        nxt = (torch.log(dist) + gumbel(u)).argmax(dim=-1)
+        nxt = keyed_draw(_NEXT_STREAM, self.key, slots.index_select(0, row), dist)  # slot n_acc + 1's noise
         tokens = torch.cat([x, x[:1]]).scatter(0, row, nxt)
         return n_acc, tokens
 
