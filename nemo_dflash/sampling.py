@@ -215,6 +215,51 @@ def keyed_draw(seed: int, keys: torch.Tensor, positions: torch.Tensor, weights: 
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
 
 
+# Noise streams of the keyed speculative step (`keyed_proposals`, `keyed_verify`).
+DRAFT_STREAM, ACCEPT_STREAM, NEXT_STREAM = 0x5D, 0xACC, 0x4E7
+
+
+def keyed_proposals(q: torch.Tensor, keys: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
+    """The draft's proposals [R, K] for block slots 1..K of R rows: one keyed draw from each slot's q [R, K, V].
+    Row r's block starts at position first_pos[r]; slot k's noise is keyed by (keys[r], first_pos[r] + k)."""
+    R, K, V = q.shape
+    slots = first_pos.view(-1, 1) + 1 + torch.arange(K, device=q.device)
+    flat_keys = keys.view(-1, 1).expand(R, K).reshape(-1)
+    return keyed_draw(DRAFT_STREAM, flat_keys, slots.reshape(-1), q.reshape(R * K, V)).view(R, K)
+
+
+def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys: torch.Tensor,
+                 first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for R rows on the device, keyed: (accepted [R], tokens [R, K + 1]) where
+    tokens[r, :n] are row r's kept proposals and tokens[r, n] its next token.
+
+    p [R, K + 1, V]: the target's distributions (row k judges slot k + 1; row K gives the bonus); q [R, K, V]:
+    what the proposals [R, K] were drawn from. Slot k is kept with probability min(1, p/q) (its uniform keyed
+    by the row's key, position and token); the next token is drawn from the first rejected slot's residual
+    norm(max(p - q, 0)), or from p's last row when every slot was kept. Only that row is formed.
+    """
+    R, K1, V = p.shape
+    K = K1 - 1
+    slots = first_pos.view(-1, 1) + 1 + torch.arange(K1, device=p.device)  # [R, K + 1]: position of each slot
+    if K:
+        p_tok = p[:, :-1].gather(-1, proposals.unsqueeze(-1)).squeeze(-1)
+        q_tok = q.gather(-1, proposals.unsqueeze(-1)).squeeze(-1)
+        u = keyed_uniform(ACCEPT_STREAM, keys.view(-1, 1).expand(R, K).reshape(-1), slots[:, :-1].reshape(-1),
+                          proposals.reshape(-1, 1)).view(R, K)
+        n_acc = (u * q_tok < p_tok).long().cumprod(dim=1).sum(dim=1)  # u < p/q without dividing by q
+    else:
+        n_acc = torch.zeros(R, dtype=torch.long, device=p.device)
+    p_row = p.gather(1, n_acc.view(R, 1, 1).expand(R, 1, V)).squeeze(1)  # [R, V]
+    dist = p_row
+    if K:
+        q_row = q.gather(1, n_acc.clamp(max=K - 1).view(R, 1, 1).expand(R, 1, V)).squeeze(1)
+        resid = (p_row - q_row).clamp(min=0)
+        resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_row)  # keyed_draw normalises
+        dist = torch.where((n_acc == K).view(R, 1), p_row, resid)
+    nxt = keyed_draw(NEXT_STREAM, keys, slots.gather(1, n_acc.view(R, 1)).squeeze(1), dist).view(R, 1)
+    return n_acc, torch.cat([proposals, nxt], 1).scatter(1, n_acc.view(R, 1), nxt)
+
+
 def gumbel(u: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
     return -torch.log(-torch.log(u))

@@ -171,9 +171,10 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
     assert (counts / n - p).abs().max() < 0.03
 
 
-def test_one_runner_serves_every_sampling_setting():
-    """T=1 then T=0.5 with top-p on one decoder (one runner for both): the T=0.5 answers equal those of a
-    fresh decoder's runner from the same seed, so nothing of the first setting lingers."""
+def test_one_runner_serves_every_setting_of_its_kind():
+    """T=1 with top-p 0.95, then T=0.5 with top-p 0.9, on one decoder (one runner for both: T and the filters'
+    values are buffers): the second answers equal those of a fresh decoder's runner from the same seed, so
+    nothing of the first setting lingers. Unfiltered sampling has a runner of its own (no sort in its graph)."""
     from _spec_fixtures import trained_like_decoder
 
     from nemo_dflash.inference import batched_static
@@ -183,8 +184,8 @@ def test_one_runner_serves_every_sampling_setting():
     fresh = trained_like_decoder(tiny_qwen3(), prompts)
     second = SamplingParams(0.5, top_p=0.9)
     kw = dict(max_new_tokens=20, use_graphs=False)
-    batched_static_speculative_generate(decoder, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5),
-                                        **kw)
+    batched_static_speculative_generate(decoder, prompts, temperature=SamplingParams(1.0, top_p=0.95),
+                                        generator=torch.Generator().manual_seed(5), **kw)
     got = batched_static_speculative_generate(decoder, prompts, temperature=second,
                                               generator=torch.Generator().manual_seed(6), **kw)
     assert len(batched_static._RUNNERS[decoder]) == 1  # the sampled runner, reused
@@ -192,6 +193,8 @@ def test_one_runner_serves_every_sampling_setting():
                                                generator=torch.Generator().manual_seed(6), **kw)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+    batched_static_speculative_generate(decoder, prompts, temperature=1.0, generator=torch.Generator(), **kw)
+    assert len(batched_static._RUNNERS[decoder]) == 2
 
 
 def test_refuses_empty_input():
@@ -275,3 +278,27 @@ def test_write_at_puts_each_rows_kv_at_its_positions(rows, row):
         got_k, got_v = write_at(keys, values, k, v, pos, row)
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # in place
         assert got_k.shape[0] == k_rows and torch.equal(got_k, want_k[(row or 0) : (row or 0) + k_rows])
+
+
+@pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20),
+                                     SamplingParams(1.0, draft="greedy")], ids=["t1", "top_p", "top_k", "greedy_draft"])
+def test_one_sampled_row_is_the_one_prompt_loop_from_the_same_generator(setting):
+    """At T > 0 a batch of one row draws with the one-prompt loop's keyed noise (the same key from the same
+    generator, the same streams and positions): its answer and steps equal `static_speculative_generate`'s
+    token for token, a stop token included, for every kind of sampled step."""
+    from _spec_fixtures import trained_like_decoder
+
+    from nemo_dflash.inference.static_decode import static_speculative_generate
+
+    prompts = _prompts(4)
+    decoder = trained_like_decoder(tiny_qwen3(), prompts)
+    kept = 0
+    for i, p in enumerate(prompts):
+        want = static_speculative_generate(decoder, torch.tensor([p]), 30, setting, {7},
+                                           torch.Generator().manual_seed(i), False)
+        kept += sum(a > 1 for a in want.acceptance_lengths)
+        got = batched_static_speculative_generate(decoder, [p], max_new_tokens=30, temperature=setting,
+                                                  stop_token_ids=[7], rows=1, use_graphs=False,
+                                                  generator=torch.Generator().manual_seed(i))[0]
+        assert got.output_ids == want.output_ids and got.acceptance_lengths == want.acceptance_lengths
+    assert kept > 0  # proposals were kept, not only rejected

@@ -21,10 +21,11 @@ CUDA graph. It is `static_decode`'s loop with a batch dimension:
 
 At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
 arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 (speculative only) the
-captured steps stop at the logits, and the draws run eagerly between the replays, through the same
-`sampling.propose_tokens` and `sampling.verify_blocks` calls (one generator for the whole batch): a
-random generator in a captured graph would replay the draws it made at capture. Eager and captured
-steps draw alike, so both give the same answers from the same seed (in exact arithmetic).
+captured steps also sample, with the one-prompt loop's keyed noise (`sampling.keyed_proposals`,
+`sampling.keyed_verify`): every row has its own key, drawn from the caller's generator after the first
+tokens, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
+other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
+answers. With one row, the answer is the one-prompt loop's from the same generator.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_blocks
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, filter_scores, keyed_proposals, keyed_verify, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
@@ -176,10 +177,14 @@ class BatchedStaticSpecRunner(_Rows):
     """R rows of greedy speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
     block of every row and the B-token verify of every row, each one captured graph per view length."""
 
-    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False) -> None:
+    def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
+                 filtered: bool = False, draft_greedy: bool = False) -> None:
         super().__init__(decoder.target.model, rows, max_len, use_graphs)
         self.dec = decoder
-        self.sampled = sampled  # the captured steps stop at the logits (T > 0), or accept greedily themselves
+        self.sampled = sampled  # the captured steps sample (T > 0), or accept greedily
+        # baked into the captured steps (as the one-prompt runner's): top-p / top-k filter (values in
+        # buffers), the draft proposes its argmax (one-hot q)
+        self.filtered, self.draft_greedy = sampled and filtered, sampled and draft_greedy
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
         R, B, dev = self.rows, decoder.block_size, self.device
         self.B = B
@@ -192,6 +197,12 @@ class BatchedStaticSpecRunner(_Rows):
         n_feat = len(decoder.target.target_layer_ids) * self.model.config.hidden_size
         self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
         self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
+        if sampled:  # each row's noise key, 1/T, the filters, the draft's distributions
+            self.key = torch.zeros(R, dtype=torch.long, device=dev)
+            self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
+            self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+            self.top_k = torch.zeros((), dtype=torch.long, device=dev)
+            self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
             "the batched draft block", use_graphs) if B > 1 else None
@@ -215,15 +226,29 @@ class BatchedStaticSpecRunner(_Rows):
         return self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype))
 
     def _draft(self, view_len: int) -> torch.Tensor:
-        """The captured draft step: every row's block from its last verify's features (greedy: the
-        proposals written into the block; sampling: the logits returned, drawn from after the replay)."""
+        """The captured draft step: every row's block from its last verify's features, its proposals
+        written into the block (the argmax, or keyed draws)."""
         ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
         noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
-        logits = self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len)
-        if self.sampled:
-            return logits
-        self.blk[:, 1:].copy_(logits.argmax(dim=-1))
+        self._propose(self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len))
         return self.blk
+
+    def _propose(self, logits: torch.Tensor) -> None:
+        """Draft logits [R, B-1, V] -> the proposals in the block: the argmax (T=0, or greedy proposals
+        with a one-hot q), else one keyed draw per slot from the filtered softmax q, kept for the accept test."""
+        if not self.sampled or self.draft_greedy:
+            tok = logits.argmax(dim=-1)
+            if self.sampled:
+                self.q.zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
+            self.blk[:, 1:].copy_(tok)
+            return
+        self.q.copy_(torch.softmax(self._scores(logits), dim=-1))
+        self.blk[:, 1:].copy_(keyed_proposals(self.q, self.key, self.pos))
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits / T, filtered by top-k / top-p when this runner filters (`sampling.filter_scores`)."""
+        scores = logits.float() * self.inv_temp
+        return filter_scores(scores, self.top_p, self.top_k) if self.filtered else scores
 
     def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
@@ -238,8 +263,8 @@ class BatchedStaticSpecRunner(_Rows):
             self.dcache.row = None
 
     def _verify(self, view_len: int) -> torch.Tensor:
-        """The captured verify step: every row's block at its own positions; greedy: accept and advance
-        the live rows on the device; sampling: the target's logits [R, B, V], for `_accept`."""
+        """The captured verify step: every row's block at its own positions; accept (greedily, or by
+        keyed speculative sampling) and advance the live rows on the device."""
         q_pos = self.pos.view(-1, 1) + self.arange_b
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         with self.dec.target.capture(stop_early=False) as captured:
@@ -247,7 +272,10 @@ class BatchedStaticSpecRunner(_Rows):
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
         if self.sampled:
-            return out.logits
+            p = torch.softmax(self._scores(out.logits), dim=-1)  # [R, B, V]; row k judges slot k + 1
+            n_acc, tokens = keyed_verify(p, self.q, self.blk[:, 1:], self.key, self.pos)
+            self._advance(n_acc, tokens, tokens.gather(1, n_acc.view(-1, 1)).view(-1))
+            return self.result
         tgt = out.logits.argmax(dim=-1)  # [R, B]
         n_acc = (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [R]
         self._advance(n_acc, tgt, tgt.gather(1, n_acc.view(-1, 1)).view(-1))
@@ -261,23 +289,6 @@ class BatchedStaticSpecRunner(_Rows):
         self.ctx_start.copy_(self.pos)
         self.pos.add_((n_acc + 1) * self.alive)
         self.blk[:, :1].copy_(nxt.view(-1, 1))
-
-    def _accept(self, logits: torch.Tensor, q: Optional[torch.Tensor], generator: Optional[torch.Generator]
-                ) -> torch.Tensor:
-        """Sampling, eagerly after the verify replay: `sampling.verify_blocks` on every row's block."""
-        d_tokens = self.blk[:, 1:]
-        n_acc, nxt = verify_blocks(d_tokens, logits, self.sampling, q, generator)
-        # row r keeps blk[r, 1 : n + 1] then nxt: the same layout as greedy's target tokens
-        tokens = torch.cat([d_tokens, nxt.view(-1, 1)], 1).scatter(1, n_acc.view(-1, 1), nxt.view(-1, 1))
-        self._advance(n_acc, tokens, nxt)
-        return self.result
-
-    def _propose(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """Sampling: draw every row's proposals from draft logits [R, B-1, V] into the block; their q."""
-        R = logits.shape[0]
-        tokens, q = propose_tokens(logits.reshape(R * (self.B - 1), -1), self.sampling, generator)
-        self.blk[:, 1:].copy_(tokens.view(R, self.B - 1))
-        return q.view(R, self.B - 1, -1)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
@@ -300,6 +311,12 @@ class BatchedStaticSpecRunner(_Rows):
         last_logits = torch.cat(last_logits + [last_logits[0][:1]] * (self.rows - n))
         firsts = select_tokens(last_logits, self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
+        if self.sampling is not None:  # each row's noise key, drawn from (and advancing) the caller's generator
+            gen_device = generator.device if generator is not None else torch.device("cpu")
+            self.key.copy_(torch.randint(0, 2**62, (self.rows,), generator=generator, device=gen_device))
+            self.inv_temp.fill_(1.0 / self.sampling.temperature)
+            self.top_p.fill_(self.sampling.top_p)
+            self.top_k.fill_(self.sampling.top_k)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
         outputs = [[t] for t in firsts[:n]]
@@ -309,24 +326,16 @@ class BatchedStaticSpecRunner(_Rows):
         sync(self.device)
         t1 = time.perf_counter()
         step_one = True
-        q = None
         while not all(stopped):
             view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
             if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
                 if step_one:
                     d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
-                    d_logits = torch.cat([d_logits, d_logits[:1].expand(self.rows - n, -1, -1)])  # unread rows
-                    if self.sampling is None:
-                        self.blk[:, 1:].copy_(d_logits.argmax(dim=-1))
+                    self._propose(torch.cat([d_logits, d_logits[:1].expand(self.rows - n, -1, -1)]))  # unread rows
                 else:
-                    d_logits = self.draft_steps.get(view).replay()
-                if self.sampling is not None:
-                    q = self._propose(d_logits, generator)
+                    self.draft_steps.get(view).replay()
             step_one = False
-            out = self.verify_steps.get(view).replay()
-            if self.sampling is not None:
-                out = self._accept(out, q, generator)
-            res = out.tolist()  # the step's one host sync
+            res = self.verify_steps.get(view).replay().tolist()  # the step's one host sync
             was = list(stopped)
             for r in range(n):
                 if was[r]:
@@ -390,10 +399,12 @@ def batched_static_speculative_generate(
     s = as_sampling(temperature)
     # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
-    # one runner for every T > 0 setting: its captured steps stop at the logits, whatever is drawn from them
-    kind = "spec" if s.greedy else "spec sampled"
-    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy),
-                     rows, need, use_graphs)
+    # a runner per kind of sampled step (its filters and proposals are baked into the graphs; T, top-p and top-k
+    # are buffers)
+    filtered, draft_greedy = (not s.greedy and s.filtered), (not s.greedy and s.draft == "greedy")
+    kind = "spec" if s.greedy else f"spec sampled{'+filtered' * filtered}{'+greedy draft' * draft_greedy}"
+    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
+                                                                      filtered, draft_greedy), rows, need, use_graphs)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
 
 

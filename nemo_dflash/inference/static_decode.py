@@ -27,7 +27,7 @@ probability min(1, p/q), else draw from norm(max(p - q, 0)); the bonus from p), 
 each uniform is a hash of (a per-generation key drawn from the caller's generator, a stream, the
 absolute position[, the token]), so the sampled step is one graph as well and the host still reads
 back only the new tokens. A draw takes one uniform through its row's cumulative sum
-(`sampling.keyed_draw`), and the next token is drawn from the kept row's distribution alone. A
+(`sampling.keyed_proposals`, `sampling.keyed_verify`), and the next token is drawn from the kept row's distribution alone. A
 position's noise only ever decides one kept token: a later step samples only positions past the last
 kept one.
 """
@@ -44,7 +44,7 @@ from torch import nn
 
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.output import GenerationOutput, sync, truncate
-from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, keyed_draw, keyed_uniform, select_tokens
+from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, keyed_proposals, keyed_verify, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
@@ -67,8 +67,6 @@ USE_BUCKETS = True
 # is captured the first time a step needs it, inside the decode loop, where it would be timed.
 CAPTURE_ALL_BUCKETS = True
 FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
-# Noise streams of the sampled step: the draft's proposals, the accept tests, the next token.
-_DRAFT_STREAM, _ACCEPT_STREAM, _NEXT_STREAM = 0x5D, 0xACC, 0x4E7
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -354,8 +352,7 @@ class StaticSpecRunner:
             self.blk[0, 1:].copy_(tok)
             return
         self.q.copy_(torch.softmax(self._scores(logits), dim=-1))
-        slots = self.pos + 1 + self.arange_b[:-1]
-        self.blk[0, 1:].copy_(keyed_draw(_DRAFT_STREAM, self.key.expand(self.B - 1), slots, self.q))
+        self.blk[0, 1:].copy_(keyed_proposals(self.q[None], self.key, self.pos.view(1))[0])
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """Target logits [B, V] of the block, attending over the cache's first `view_len`
@@ -386,27 +383,9 @@ class StaticSpecRunner:
     def _accept_sampled(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative sampling on the device: (accepted count, block tokens [B]) where tokens[:n]
         are the kept proposals and tokens[n] the next token (residual draw, or the bonus from p)."""
-        B = self.B
         p = torch.softmax(self._scores(logits), dim=-1)  # [B, V]; row k judges slot k + 1
-        x = self.blk[0, 1:]
-        p_tok = p[:-1].gather(-1, x[:, None]).squeeze(-1)
-        q_tok = self.q.gather(-1, x[:, None]).squeeze(-1)
-        slots = self.pos + 1 + self.arange_b  # position of slot k + 1, for row k
-        u = keyed_uniform(_ACCEPT_STREAM, self.key.expand(B - 1), slots[:-1], x[:, None]).squeeze(-1)
-        n_acc = (u * q_tok < p_tok).long().cumprod(dim=0).sum()  # u < p/q without dividing by q
-        # The next token is drawn from one row only, n_acc's: the residual norm(max(p - q, 0)) of the first
-        # rejected slot, or p's last row (the bonus) when every proposal was kept. Forming that row alone
-        # keeps the residual, its noise and the draw off the other B - 1 rows of [B, V] work a step.
-        row = n_acc.view(1)
-        p_row = p.index_select(0, row)  # [1, V]
-        dist = p_row
-        if B > 1:  # (block 1 proposes nothing: the next token is always p's)
-            resid = (p_row - self.q.index_select(0, row.clamp(max=B - 2))).clamp(min=0)
-            resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_row)  # keyed_draw normalises
-            dist = torch.where(row.view(1, 1) == B - 1, p_row, resid)
-        nxt = keyed_draw(_NEXT_STREAM, self.key, slots.index_select(0, row), dist)  # slot n_acc + 1's noise
-        tokens = torch.cat([x, x[:1]]).scatter(0, row, nxt)
-        return n_acc, tokens
+        n_acc, tokens = keyed_verify(p[None], self.q[None], self.blk[:, 1:], self.key, self.pos.view(1))
+        return n_acc[0], tokens[0]
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager prompt forward: (last logits [1, V], prompt features [1, P, n*H])."""
