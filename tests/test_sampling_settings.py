@@ -306,27 +306,3 @@ def test_keyed_draw_is_the_inverse_cdf_of_one_keyed_uniform_and_follows_the_weig
     freq = torch.bincount(draws, minlength=5).float() / n
     assert freq[0] == 0 and freq[2] == 0
     assert (freq - w[0] / w[0].sum()).abs().max() < 0.012
-
-
-def test_verify_blocks_matches_verify_block_in_distribution():
-    """The batched rule against the one-row rule on a hand-made case (vocabulary 4, two drafted
-    slots, draft and target disagreeing): the joint frequencies of (accepted, next token) over
-    20,000 rows each agree within 0.015; at T=0 the two agree exactly."""
-    from nemo_dflash.sampling import verify_block, verify_blocks
-
-    # slot 1 is accepted with probability 0.3/0.6, slot 2 with 0.25/0.7: 0, 1 and 2 accepted all occur
-    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]).log()
-    q = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1]])
-    drafts = torch.tensor([1, 2])
-    n = 20000
-    g = torch.Generator().manual_seed(1)
-    n_acc, nxt = verify_blocks(drafts.expand(n, -1), logits.expand(n, -1, -1), 1.0, q.expand(n, -1, -1), g)
-    batched = torch.bincount(n_acc * 4 + nxt, minlength=12).float() / n
-    one = torch.zeros(12)
-    for _ in range(n):
-        a, t = verify_block(drafts, logits, 1.0, q, g)
-        one[a * 4 + t] += 1
-    assert (batched - one / n).abs().max() < 0.015
-    assert batched[:4].sum() == pytest.approx(0.5, abs=0.02) and batched[8:].sum() == pytest.approx(0.5 * 0.25 / 0.7, abs=0.02)
-    n_acc, nxt = verify_blocks(drafts.view(1, -1), logits.view(1, 3, 4), 0.0, None)
-    assert (int(n_acc), int(nxt)) == verify_block(drafts, logits, 0.0)
