@@ -38,11 +38,13 @@ import torch
 from torch import nn
 
 from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, filter_scores, keyed_proposals, keyed_verify, select_tokens
+from nemo_dflash.sampling import (
+    NEXT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw, keyed_proposals, keyed_verify, select_tokens,
+)
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
-from nemo_dflash.inference.static_decode import BucketedSteps, make_step, cache_length_for
+from nemo_dflash.inference.static_decode import BucketedSteps, SampledStepState, make_step, cache_length_for
 
 
 def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -120,10 +122,14 @@ class _Rows:
 
 
 class BatchedStaticPlainRunner(_Rows):
-    """R rows of one-token greedy decoding, one captured graph per view length."""
+    """R rows of one-token decoding, one captured graph per view length; at T > 0 each step draws every row's
+    token with the one-prompt plain loop's keyed noise (a key per row)."""
 
-    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
+    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
+                 filtered: bool = False) -> None:
         super().__init__(model, rows, max_len, use_graphs)
+        self.sampled, self.filtered = sampled, sampled and filtered
+        self.state = SampledStepState(self.rows, self.device) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
                                     self.max_len, "the batched 1-token step", use_graphs)
@@ -133,19 +139,30 @@ class BatchedStaticPlainRunner(_Rows):
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                          attention_mask=self.causal(q_pos, view_len))
-        self.tok.copy_(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+        logits = out.logits[:, -1]
+        if self.sampled:
+            probs = torch.softmax(self.state.scores(logits, self.filtered), dim=-1)
+            self.tok.copy_(keyed_draw(NEXT_STREAM, self.state.key, self.pos + 1, probs).view(-1, 1))
+        else:
+            self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
         self.pos.add_(self.alive)
         return self.tok
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
                  ) -> list[GenerationOutput]:
+        if self.sampled != (sampling is not None and not sampling.greedy):
+            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
         n = len(prompts)
         sync(self.device)
         t0 = time.perf_counter()
-        firsts = [int(t) for a, b in same_length_runs(prompts)
-                  for t in self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a]))).argmax(dim=-1)]
-        firsts += [firsts[0]] * (self.rows - n)  # rows past the prompts decode a copy of the first, unread
+        last = torch.cat([self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a])))
+                          for a, b in same_length_runs(prompts)])
+        last = torch.cat([last, last[:1].expand(self.rows - n, -1)])  # rows past the prompts: a copy of the first
+        firsts = select_tokens(last, sampling if self.sampled else 0.0, generator)[0].tolist()
+        if self.sampled:  # each row's noise key, drawn from (and advancing) the caller's generator
+            self.state.start(sampling, generator)
         self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
         host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
@@ -197,11 +214,8 @@ class BatchedStaticSpecRunner(_Rows):
         n_feat = len(decoder.target.target_layer_ids) * self.model.config.hidden_size
         self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
         self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
-        if sampled:  # each row's noise key, 1/T, the filters, the draft's distributions
-            self.key = torch.zeros(R, dtype=torch.long, device=dev)
-            self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
-            self.top_p = torch.ones((), dtype=torch.float32, device=dev)
-            self.top_k = torch.zeros((), dtype=torch.long, device=dev)
+        self.state = SampledStepState(R, dev) if sampled else None  # each row's noise key, 1/T, the filters
+        if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
@@ -242,13 +256,8 @@ class BatchedStaticSpecRunner(_Rows):
                 self.q.zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
             self.blk[:, 1:].copy_(tok)
             return
-        self.q.copy_(torch.softmax(self._scores(logits), dim=-1))
-        self.blk[:, 1:].copy_(keyed_proposals(self.q, self.key, self.pos))
-
-    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits / T, filtered by top-k / top-p when this runner filters (`sampling.filter_scores`)."""
-        scores = logits.float() * self.inv_temp
-        return filter_scores(scores, self.top_p, self.top_k) if self.filtered else scores
+        self.q.copy_(torch.softmax(self.state.scores(logits, self.filtered), dim=-1))
+        self.blk[:, 1:].copy_(keyed_proposals(self.q, self.state.key, self.pos))
 
     def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
@@ -272,8 +281,8 @@ class BatchedStaticSpecRunner(_Rows):
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
         if self.sampled:
-            p = torch.softmax(self._scores(out.logits), dim=-1)  # [R, B, V]; row k judges slot k + 1
-            n_acc, tokens = keyed_verify(p, self.q, self.blk[:, 1:], self.key, self.pos)
+            p = torch.softmax(self.state.scores(out.logits, self.filtered), dim=-1)  # [R, B, V]; row k judges slot k + 1
+            n_acc, tokens = keyed_verify(p, self.q, self.blk[:, 1:], self.state.key, self.pos)
             self._advance(n_acc, tokens, tokens.gather(1, n_acc.view(-1, 1)).view(-1))
             return self.result
         tgt = out.logits.argmax(dim=-1)  # [R, B]
@@ -312,11 +321,7 @@ class BatchedStaticSpecRunner(_Rows):
         firsts = select_tokens(last_logits, self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         if self.sampling is not None:  # each row's noise key, drawn from (and advancing) the caller's generator
-            gen_device = generator.device if generator is not None else torch.device("cpu")
-            self.key.copy_(torch.randint(0, 2**62, (self.rows,), generator=generator, device=gen_device))
-            self.inv_temp.fill_(1.0 / self.sampling.temperature)
-            self.top_p.fill_(self.sampling.top_p)
-            self.top_k.fill_(self.sampling.top_k)
+            self.state.start(self.sampling, generator)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
         outputs = [[t] for t in firsts[:n]]
@@ -374,17 +379,20 @@ def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: 
 def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
-    use_graphs: bool = True,
+    use_graphs: bool = True, generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
-    """Greedy plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts)."""
-    if not as_sampling(temperature).greedy:
-        raise ValueError("plain batched decoding runs at T=0 only (the speedup baseline): sample with the "
-                         "speculative decoder")
+    """Plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts), at any
+    temperature: at T > 0 a row's tokens are keyed draws (a key per row from `generator`), and a batch of one
+    row gives the one-prompt graphs loop's answer from the same generator."""
     rows = _rows(prompts, max_new_tokens, rows)
+    s = as_sampling(temperature)
+    filtered = not s.greedy and s.filtered
     need = cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1)
-    runner = _runner("plain", target_model,
-                     lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs), rows, need, use_graphs)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids))
+    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}"
+    runner = _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
+                                                                            not s.greedy, filtered),
+                     rows, need, use_graphs)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
 
 
 def batched_static_speculative_generate(

@@ -44,7 +44,10 @@ from torch import nn
 
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.inference.output import GenerationOutput, sync, truncate
-from nemo_dflash.sampling import Sampling, as_sampling, filter_scores, keyed_proposals, keyed_verify, select_tokens
+from nemo_dflash.sampling import (
+    NEXT_STREAM, Sampling, SamplingParams, as_sampling, filter_scores, keyed_draw, keyed_proposals, keyed_verify,
+    select_tokens,
+)
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
@@ -139,19 +142,45 @@ def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *mo
 # ----------------------------------------------------------------------------- plain decoding
 
 
-class StaticPlainRunner:
-    """One-token decoding of a target on a StaticCache, one captured graph per token."""
+class SampledStepState:
+    """What a sampled captured step reads from buffers, set per generation: each row's noise key (drawn from
+    the caller's generator), 1/T, top-p and top-k."""
 
-    def __init__(self, model: nn.Module, max_len: int, greedy: bool, use_graphs: bool) -> None:
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.key = torch.zeros(rows, dtype=torch.long, device=device)
+        self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)
+
+    def start(self, sampling: SamplingParams, generator: Optional[torch.Generator]) -> None:
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        self.key.copy_(torch.randint(0, 2**62, self.key.shape, generator=generator, device=gen_device))
+        self.inv_temp.fill_(1.0 / sampling.temperature)
+        self.top_p.fill_(sampling.top_p)
+        self.top_k.fill_(sampling.top_k)
+
+    def scores(self, logits: torch.Tensor, filtered: bool) -> torch.Tensor:
+        """logits / T, filtered by top-k / top-p when the step filters (`sampling.filter_scores`)."""
+        scores = logits.float() * self.inv_temp
+        return filter_scores(scores, self.top_p, self.top_k) if filtered else scores
+
+
+class StaticPlainRunner:
+    """One-token decoding of a target on a StaticCache, one captured graph per token. At T > 0 the step
+    also draws its token, keyed by (a per-generation key, the position), as the speculative step does."""
+
+    def __init__(self, model: nn.Module, max_len: int, greedy: bool, use_graphs: bool, filtered: bool = False) -> None:
         check_static_target(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = _model_dtype(model)
         self.attn = attn_implementation(model)
         self.max_len, self.greedy, self.use_graphs = int(max_len), greedy, use_graphs
+        self.filtered = filtered and not greedy  # top-p / top-k baked into the sampled step (values in buffers)
         self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)
+        self.sampling_state = None if greedy else SampledStepState(1, self.device)
         if use_graphs:
             logger.info("Capturing the target's 1-token step as CUDA graphs (cache length %d, views %s)",
                         self.max_len, view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
@@ -170,8 +199,12 @@ class StaticPlainRunner:
         )
         logits = out.logits[0, -1:]
         if self.greedy:  # advance on the device: next input token and position
-            self.tok.copy_(logits.argmax(dim=-1).view(1, 1))
-            self.pos.add_(1)
+            tok = logits.argmax(dim=-1)
+        else:
+            st = self.sampling_state
+            tok = keyed_draw(NEXT_STREAM, st.key, q_pos + 1, torch.softmax(st.scores(logits, self.filtered), dim=-1))
+        self.tok.copy_(tok.view(1, 1))
+        self.pos.add_(1)
         return logits
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -199,20 +232,16 @@ class StaticPlainRunner:
         self.tok.copy_(tok.view(1, 1))
         pos = ids.shape[1]  # the host's copy of self.pos, for picking the step's view
         self.pos.fill_(pos)
+        if self.sampling_state is not None:
+            self.sampling_state.start(as_sampling(temperature), generator)
         sync(device)
         t1 = time.perf_counter()
         stopped = output[0] in stop_ids
         steps = 0
         while not stopped and len(output) < max_new_tokens:
-            logits = self.steps.get(self.steps.view(pos + 1)).replay()
+            self.steps.get(self.steps.view(pos + 1)).replay()
             pos += 1
-            if self.greedy:
-                nxt = int(self.tok)  # the step's one host sync
-            else:
-                tok, _ = select_tokens(logits, temperature, generator)
-                self.tok.copy_(tok.view(1, 1))
-                self.pos.add_(1)
-                nxt = int(tok[0])
+            nxt = int(self.tok)  # the step's one host sync
             output.append(nxt)
             steps += 1
             stopped = nxt in stop_ids
@@ -235,14 +264,16 @@ def static_autoregressive_generate(
     generator: Optional[torch.Generator], use_graphs: bool,
 ) -> GenerationOutput:
     """Plain decoding on the static path; captures (or re-captures for a longer cache) as needed."""
-    greedy = as_sampling(temperature).greedy
+    s = as_sampling(temperature)
+    greedy, filtered = s.greedy, not s.greedy and s.filtered
+    key: tuple = (greedy, use_graphs) + ((filtered,) if filtered else ())
     need = cache_length_for(ids.shape[1], max_new_tokens, 1)
     runners = _PLAIN_RUNNERS.setdefault(model, {})
-    runner = runners.get((greedy, use_graphs))
+    runner = runners.get(key)
     if runner is None or runner.max_len < need or runner.steps.bucket_key != _bucket_key():
-        runners.pop((greedy, use_graphs), None)  # free the old graphs and cache first
-        runner = StaticPlainRunner(model, need, greedy, use_graphs)
-        runners[(greedy, use_graphs)] = runner
+        runners.pop(key, None)  # free the old graphs and cache first
+        runner = StaticPlainRunner(model, need, greedy, use_graphs, filtered)
+        runners[key] = runner
     return runner.generate(ids, max_new_tokens, temperature, stop_ids, generator)
 
 
