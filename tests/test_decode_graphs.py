@@ -19,6 +19,7 @@ from nemo_dflash.inference.static_cache import (
 from nemo_dflash.inference import static_decode
 from nemo_dflash.inference.static_decode import (
     LENGTH_BUCKET,
+    SampledStepState,
     StaticPlainRunner,
     StaticSpecRunner,
     cache_length_for,
@@ -511,10 +512,8 @@ def _sampled_runner(block: int, vocab: int):
     r.blk = torch.zeros(1, block, dtype=torch.long)
     r.pos = torch.tensor(7)
     r.arange_b = torch.arange(block)
-    r.key = torch.zeros(1, dtype=torch.long)
-    r.inv_temp = torch.tensor(1.0)
+    r.state, r.filtered, r.draft_greedy = SampledStepState(1, torch.device("cpu")), False, False
     r.q = torch.zeros(block - 1, vocab)
-    r.vocab = torch.arange(vocab)
     return r
 
 
@@ -528,7 +527,7 @@ def test_device_speculative_sampling_keeps_the_target_distribution():
     r = _sampled_runner(3, 5)
     n, first, second, bonus, kept, accepted = 6000, torch.zeros(5), torch.zeros(5), torch.zeros(5), 0, 0.0
     for key in range(n):
-        r.key.fill_(key * 7919 + 11)
+        r.state.key.fill_(key * 7919 + 11)
         r._propose_sampled(q.log())
         n_acc, tokens = r._accept_sampled(p.log())
         first[tokens[0]] += 1

@@ -15,7 +15,7 @@ from nemo_dflash.core import DFlashTrainerModule, LossSums, expected_block_lengt
 from nemo_dflash.inference import DFlashSpeculativeDecoder
 from nemo_dflash.inference.batched_static import batched_static_speculative_generate
 from nemo_dflash.inference.spec_decode import DFlashContextCache
-from nemo_dflash.inference.static_decode import StaticSpecRunner, static_speculative_generate
+from nemo_dflash.inference.static_decode import SampledStepState, StaticSpecRunner, static_speculative_generate
 from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -170,13 +170,13 @@ def test_static_step_with_filters_keeps_the_filtered_distribution():
     r = StaticSpecRunner.__new__(StaticSpecRunner)
     r.B, r.greedy, r.filtered, r.draft_greedy = 3, False, True, False
     r.blk, r.pos, r.arange_b = torch.zeros(1, 3, dtype=torch.long), torch.tensor(7), torch.arange(3)
-    r.key, r.inv_temp = torch.zeros(1, dtype=torch.long), torch.tensor(1.0)
-    r.top_p, r.top_k = torch.tensor(0.8), torch.tensor(0)
-    r.q, r.vocab = torch.zeros(2, 5), torch.arange(5)
+    r.state = SampledStepState(1, torch.device("cpu"))
+    r.state.top_p.fill_(0.8)
+    r.q = torch.zeros(2, 5)
     want = SamplingParams(1.0, top_p=0.8).probs(p.log()[:1])[0]  # tokens 0, 1, 2 (0.5 + 0.25 < 0.8)
     n, first = 6000, torch.zeros(5)
     for key in range(n):
-        r.key.fill_(key * 7919 + 11)
+        r.state.key.fill_(key * 7919 + 11)
         r._propose_sampled(q.log())
         n_acc, tokens = r._accept_sampled(p.log())
         first[tokens[0]] += 1

@@ -313,13 +313,9 @@ class StaticSpecRunner:
         n_feat = len(decoder.target.target_layer_ids) * model.config.hidden_size
         self.feats = torch.zeros(1, B, n_feat, dtype=self.dtype, device=dev)  # verified features, padded to B
         self.result = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...]
-        if not greedy:  # the sampled step's state: key, 1/T, the draft's distributions, the vocabulary
-            vocab = decoder.lm_head.weight.shape[0]
-            self.key = torch.zeros(1, dtype=torch.long, device=dev)
-            self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
-            self.top_p = torch.ones((), dtype=torch.float32, device=dev)
-            self.top_k = torch.zeros((), dtype=torch.long, device=dev)
-            self.q = torch.zeros(B - 1, vocab, dtype=torch.float32, device=dev)
+        self.state = None if greedy else SampledStepState(1, dev)  # the sampled step's key, 1/T, filters
+        if not greedy:  # the draft's distributions, for the accept test
+            self.q = torch.zeros(B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite proposals in self.blk
         if use_graphs:
             logger.info("Capturing the draft block and the %d-token verify as CUDA graphs (cache length %d, "
@@ -369,11 +365,6 @@ class StaticSpecRunner:
             self._propose_sampled(logits)
         return logits
 
-    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits / T, filtered by top-k / top-p when this runner filters (`sampling.filter_scores`)."""
-        scores = logits.float() * self.inv_temp
-        return filter_scores(scores, self.top_p, self.top_k) if self.filtered else scores
-
     def _propose_sampled(self, logits: torch.Tensor) -> None:
         """Keyed draws from the draft's filtered softmax into the block (or its argmax, q one-hot);
         q is kept for the accept test."""
@@ -382,8 +373,8 @@ class StaticSpecRunner:
             self.q.zero_().scatter_(-1, tok[:, None], 1.0)
             self.blk[0, 1:].copy_(tok)
             return
-        self.q.copy_(torch.softmax(self._scores(logits), dim=-1))
-        self.blk[0, 1:].copy_(keyed_proposals(self.q[None], self.key, self.pos.view(1))[0])
+        self.q.copy_(torch.softmax(self.state.scores(logits, self.filtered), dim=-1))
+        self.blk[0, 1:].copy_(keyed_proposals(self.q[None], self.state.key, self.pos.view(1))[0])
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """Target logits [B, V] of the block, attending over the cache's first `view_len`
@@ -414,8 +405,8 @@ class StaticSpecRunner:
     def _accept_sampled(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative sampling on the device: (accepted count, block tokens [B]) where tokens[:n]
         are the kept proposals and tokens[n] the next token (residual draw, or the bonus from p)."""
-        p = torch.softmax(self._scores(logits), dim=-1)  # [B, V]; row k judges slot k + 1
-        n_acc, tokens = keyed_verify(p[None], self.q[None], self.blk[:, 1:], self.key, self.pos.view(1))
+        p = torch.softmax(self.state.scores(logits, self.filtered), dim=-1)  # [B, V]; row k judges slot k + 1
+        n_acc, tokens = keyed_verify(p[None], self.q[None], self.blk[:, 1:], self.state.key, self.pos.view(1))
         return n_acc[0], tokens[0]
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,12 +444,7 @@ class StaticSpecRunner:
         t1 = time.perf_counter()
 
         if not self.greedy:  # this generation's noise key, drawn from (and advancing) the caller's generator
-            gen_device = generator.device if generator is not None else torch.device("cpu")
-            key = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)
-            self.key.copy_(key.to(device))
-            self.inv_temp.fill_(1.0 / sampling.temperature)
-            self.top_p.fill_(sampling.top_p)
-            self.top_k.fill_(sampling.top_k)
+            self.state.start(sampling, generator)
         stopped = output[0] in stop_ids
         accept_lens: list[int] = []
         step_one = True
@@ -508,6 +494,7 @@ __all__ = [
     "BucketedSteps",
     "CAPTURE_ALL_BUCKETS",
     "LENGTH_BUCKET",
+    "SampledStepState",
     "USE_BUCKETS",
     "StaticPlainRunner",
     "StaticSpecRunner",
