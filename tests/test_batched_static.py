@@ -172,6 +172,39 @@ def test_sampled_rows_past_the_prompts_leave_the_answers_samples():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_sampled_plain_and_one_row_graphs_are_the_eager_runs():
+    """On a GPU, in fp32: plain batched decoding at T=1 with top-p on CUDA graphs gives the eager run's tokens
+    from the same seed, and a one-row batch on graphs gives the one-prompt graphs loop's answer, plain and
+    speculative (the keyed draws inside captured steps)."""
+    import copy
+
+    from _spec_fixtures import trained_like_decoder
+
+    from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
+
+    prompts = _prompts(4)
+    cpu = trained_like_decoder(tiny_qwen3(), prompts)
+    target = copy.deepcopy(cpu.target.model).cuda()
+    decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
+    s = SamplingParams(1.0, top_p=0.95)
+    kw = dict(max_new_tokens=30, temperature=s)
+    want = batched_static_autoregressive_generate(target, prompts, use_graphs=False,
+                                                  generator=torch.Generator("cuda").manual_seed(0), **kw)
+    got = batched_static_autoregressive_generate(target, prompts, generator=torch.Generator("cuda").manual_seed(0),
+                                                 **kw)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    ids = torch.tensor([prompts[1]], device="cuda")
+    one = static_autoregressive_generate(target, ids, 30, s, set(), torch.Generator("cuda").manual_seed(3), True)
+    row = batched_static_autoregressive_generate(target, prompts[1:2], rows=1,
+                                                 generator=torch.Generator("cuda").manual_seed(3), **kw)[0]
+    assert row.output_ids == one.output_ids
+    one = static_speculative_generate(decoder, ids, 30, s, set(), torch.Generator("cuda").manual_seed(4), True)
+    row = batched_static_speculative_generate(decoder, prompts[1:2], rows=1,
+                                              generator=torch.Generator("cuda").manual_seed(4), **kw)[0]
+    assert row.output_ids == one.output_ids and row.acceptance_lengths == one.acceptance_lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
     """The captured path on a GPU at T=1, in fp32 (near ties do not flip): the same tokens and acceptance
     lengths as the same decoder run eagerly from the same seed, and the first token's frequencies over 4,000
