@@ -329,6 +329,45 @@ def test_compiled_packed_step_does_not_recompile():
     assert res.status == "ok"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex step needs a GPU")
+def test_compiled_unpacked_step_stops_recompiling_on_variable_lengths():
+    """Unpacked rows (the large-target recipes' batches): the draft layers compiled (`train.compile=true`), batch
+    lengths changing every step (multiples of 64). After warm-up steps of three lengths the compiled graphs
+    are dynamic in the length: steps of new lengths trigger no recompilation."""
+    import torch._dynamo.utils as dutils
+
+    from nemo_dflash.config import OptimConfig
+    from nemo_dflash.data.dataset import collate
+    from nemo_dflash.train.distributed import DistState
+    from nemo_dflash.train.optim import build_optimizer
+    from nemo_dflash.train.trainer import TrainStep, apply_compile
+
+    dev = torch.device("cuda")
+    target = tiny_qwen3().to(dev)
+    draft = make_draft(target, block_size=16).to(dev)
+    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
+    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
+                                 num_anchors=16, loss_decay_gamma=7.0, attn_backend="flex")
+    apply_compile(module, "layers")
+    params = [p for p in draft.parameters() if p.requires_grad]
+    step = TrainStep(wrapper, module, params, build_optimizer(params, OptimConfig(lr=1e-4), dev),
+                     DistState(rank=0, world_size=1, local_rank=0, device=dev), micro_batch_size=2, seed=0,
+                     grad_clip=1.0, use_bf16=True)
+
+    def batch(longest: int, seed: int):
+        docs = _docs([longest, max(longest // 2, 40)], seed=seed)
+        return collate(docs, pad_token_id=0, pad_to_multiple_of=64)
+
+    for i, n in enumerate((100, 230, 400)):  # 128, 256, 448 positions
+        step(i, batch(n, i))
+    before = dutils.counters["stats"]["unique_graphs"]
+    for i, n in enumerate((170, 300, 520, 90, 610), start=3):  # 192, 320, 576, 128, 640 positions
+        res = step(i, batch(n, i)).result()
+    assert dutils.counters["stats"]["unique_graphs"] == before
+    assert res.status == "ok"
+
+
 def test_lookahead_packing_fills_rows_and_places_everything_once():
     """Conversations of 0.1k-3k tokens in 8k rows: stopping at the first misfit leaves gaps that
     the look-ahead fills (each step still replays exactly in the collator's first fit)."""
