@@ -1,4 +1,4 @@
-"""Batched decoding on fixed shapes: plain at T=0, speculative at any temperature; each step a captured
+"""Batched decoding on fixed shapes, plain and speculative, at any temperature; each step a captured
 CUDA graph (`use_graphs`), or the same code run eagerly (on a CPU).
 
 What a serving engine runs at concurrency R: R prompts decode together, one draft forward drafts
@@ -20,8 +20,8 @@ CUDA graph. It is `static_decode`'s loop with a batch dimension:
   step's accepted lengths and tokens once.
 
 At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
-arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 (speculative only) the
-captured steps also sample, with the one-prompt loop's keyed noise (`sampling.keyed_proposals`,
+arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 the captured steps also
+sample, with the one-prompt loop's keyed noise (`sampling.keyed_proposals`,
 `sampling.keyed_verify`): every row has its own key, drawn from the caller's generator after the first
 tokens, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
 other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
@@ -191,7 +191,7 @@ class BatchedStaticPlainRunner(_Rows):
 
 
 class BatchedStaticSpecRunner(_Rows):
-    """R rows of greedy speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
+    """R rows of speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
     block of every row and the B-token verify of every row, each one captured graph per view length."""
 
     def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
