@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from nemo_dflash.inference.output import GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import (
     NEXT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw, keyed_proposals, keyed_verify, select_tokens,
 )
@@ -281,7 +281,8 @@ class BatchedStaticSpecRunner(_Rows):
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
         if self.sampled:
-            p = torch.softmax(self.state.scores(out.logits, self.filtered), dim=-1)  # [R, B, V]; row k judges slot k + 1
+            # p [R, B, V]: row k judges slot k + 1
+            p = torch.softmax(self.state.scores(out.logits, self.filtered), dim=-1)
             n_acc, tokens = keyed_verify(p, self.q, self.blk[:, 1:], self.state.key, self.pos)
             self._advance(n_acc, tokens, tokens.gather(1, n_acc.view(-1, 1)).view(-1))
             return self.result
@@ -377,7 +378,7 @@ def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: 
 
 
 def batched_static_autoregressive_generate(
-    target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+    target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
@@ -396,9 +397,9 @@ def batched_static_autoregressive_generate(
 
 
 def batched_static_speculative_generate(
-    decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: Sampling = 0.0,
-    stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None, use_graphs: bool = True,
-    generator: Optional[torch.Generator] = None,
+    decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
+    use_graphs: bool = True, generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
     """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
     At T=0 each row's answer and acceptance lengths are `decoder.generate`'s for that prompt; at T > 0

@@ -14,6 +14,10 @@ import torch
 TokenIds = Union[Sequence[int], torch.Tensor]
 
 
+# What a decoding call generates when its caller names no limit (every decoder of this package).
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
 @dataclass
 class GenerationOutput:
     """One prompt's generation and what it cost.

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.inference import graphs, recurrent_cache
 from nemo_dflash.inference.graphs import check_decode_mode
-from nemo_dflash.inference.output import GenerationOutput, TokenIds, stop_set, sync, truncate
+from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
 from nemo_dflash.sampling import Sampling, as_sampling, propose_tokens, select_tokens, verify_block
@@ -189,7 +189,7 @@ class DFlashSpeculativeDecoder:
         self,
         input_ids: TokenIds,
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: Sampling = 0.0,
         stop_token_ids: Optional[Iterable[int]] = None,
         generator: Optional[torch.Generator] = None,
@@ -334,7 +334,7 @@ def autoregressive_generate(
     target_model: nn.Module,
     input_ids: TokenIds,
     *,
-    max_new_tokens: int = 256,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0,
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
