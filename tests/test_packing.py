@@ -287,12 +287,9 @@ def test_chunked_soft_ce_matches_full_logits_reference(weight):
     assert torch.equal(pred, logits.argmax(-1))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex step needs a GPU")
-def test_compiled_packed_step_does_not_recompile():
-    """Fixed packed shapes: after warm-up, steps over new data trigger no recompilation."""
-    import torch._dynamo.utils as dutils
-
+def _compiled_gpu_step(compile_mode: str, packed: bool):
+    """A one-GPU TrainStep on a tiny Qwen3 target, the draft compiled by `compile_mode`; packed rows give the
+    target flex attention with compiled layers, as the packed recipes run it."""
     from nemo_dflash.config import OptimConfig
     from nemo_dflash.train.distributed import DistState
     from nemo_dflash.train.optim import build_optimizer
@@ -302,15 +299,25 @@ def test_compiled_packed_step_does_not_recompile():
     target = tiny_qwen3().to(dev)
     draft = make_draft(target, block_size=16).to(dev)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
-    wrapper.use_flex_attention()
-    wrapper.compile_layers()
+    if packed:
+        wrapper.use_flex_attention()
+        wrapper.compile_layers()
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=16, loss_decay_gamma=7.0, attn_backend="flex")
-    apply_compile(module, "draft")
+    apply_compile(module, compile_mode)
     params = [p for p in draft.parameters() if p.requires_grad]
-    step = TrainStep(wrapper, module, params, build_optimizer(params, OptimConfig(lr=1e-4), dev),
+    return TrainStep(wrapper, module, params, build_optimizer(params, OptimConfig(lr=1e-4), dev),
                      DistState(rank=0, world_size=1, local_rank=0, device=dev), micro_batch_size=2, seed=0,
                      grad_clip=1.0, use_bf16=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex step needs a GPU")
+def test_compiled_packed_step_does_not_recompile():
+    """Fixed packed shapes: after warm-up, steps over new data trigger no recompilation."""
+    import torch._dynamo.utils as dutils
+
+    step = _compiled_gpu_step("draft", packed=True)
     collate = PackedCollator(pad_token_id=0, rows=2, pack_length=256)
     g = torch.Generator().manual_seed(0)
 
@@ -337,23 +344,9 @@ def test_compiled_unpacked_step_stops_recompiling_on_variable_lengths():
     are dynamic in the length: steps of new lengths trigger no recompilation."""
     import torch._dynamo.utils as dutils
 
-    from nemo_dflash.config import OptimConfig
     from nemo_dflash.data.dataset import collate
-    from nemo_dflash.train.distributed import DistState
-    from nemo_dflash.train.optim import build_optimizer
-    from nemo_dflash.train.trainer import TrainStep, apply_compile
 
-    dev = torch.device("cuda")
-    target = tiny_qwen3().to(dev)
-    draft = make_draft(target, block_size=16).to(dev)
-    wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
-    module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
-                                 num_anchors=16, loss_decay_gamma=7.0, attn_backend="flex")
-    apply_compile(module, "layers")
-    params = [p for p in draft.parameters() if p.requires_grad]
-    step = TrainStep(wrapper, module, params, build_optimizer(params, OptimConfig(lr=1e-4), dev),
-                     DistState(rank=0, world_size=1, local_rank=0, device=dev), micro_batch_size=2, seed=0,
-                     grad_clip=1.0, use_bf16=True)
+    step = _compiled_gpu_step("layers", packed=False)
 
     def batch(longest: int, seed: int):
         docs = _docs([longest, max(longest // 2, 40)], seed=seed)

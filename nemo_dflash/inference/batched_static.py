@@ -39,7 +39,7 @@ from torch import nn
 
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import (
-    NEXT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw, keyed_proposals, keyed_verify, select_tokens,
+    Sampling, SamplingParams, as_sampling, keyed_proposals, keyed_verify, select_tokens,
 )
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
@@ -141,8 +141,7 @@ class BatchedStaticPlainRunner(_Rows):
                          attention_mask=self.causal(q_pos, view_len))
         logits = out.logits[:, -1]
         if self.sampled:
-            probs = torch.softmax(self.state.scores(logits, self.filtered), dim=-1)
-            self.tok.copy_(keyed_draw(NEXT_STREAM, self.state.key, self.pos + 1, probs).view(-1, 1))
+            self.tok.copy_(self.state.next_tokens(logits, self.filtered, self.pos + 1).view(-1, 1))
         else:
             self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
         self.pos.add_(self.alive)

@@ -164,6 +164,10 @@ class SampledStepState:
         scores = logits.float() * self.inv_temp
         return filter_scores(scores, self.top_p, self.top_k) if filtered else scores
 
+    def next_tokens(self, logits: torch.Tensor, filtered: bool, positions: torch.Tensor) -> torch.Tensor:
+        """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R]."""
+        return keyed_draw(NEXT_STREAM, self.key, positions, torch.softmax(self.scores(logits, filtered), dim=-1))
+
 
 class StaticPlainRunner:
     """One-token decoding of a target on a StaticCache, one captured graph per token. At T > 0 the step
@@ -180,7 +184,7 @@ class StaticPlainRunner:
         self.kv = TargetStaticCache(model, self.max_len, self.device, self.dtype)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)
-        self.sampling_state = None if greedy else SampledStepState(1, self.device)
+        self.state = None if greedy else SampledStepState(1, self.device)
         if use_graphs:
             logger.info("Capturing the target's 1-token step as CUDA graphs (cache length %d, views %s)",
                         self.max_len, view_lengths(self.max_len) if CAPTURE_ALL_BUCKETS else "on first use")
@@ -201,8 +205,7 @@ class StaticPlainRunner:
         if self.greedy:  # advance on the device: next input token and position
             tok = logits.argmax(dim=-1)
         else:
-            st = self.sampling_state
-            tok = keyed_draw(NEXT_STREAM, st.key, q_pos + 1, torch.softmax(st.scores(logits, self.filtered), dim=-1))
+            tok = self.state.next_tokens(logits, self.filtered, q_pos + 1)
         self.tok.copy_(tok.view(1, 1))
         self.pos.add_(1)
         return logits
@@ -232,8 +235,8 @@ class StaticPlainRunner:
         self.tok.copy_(tok.view(1, 1))
         pos = ids.shape[1]  # the host's copy of self.pos, for picking the step's view
         self.pos.fill_(pos)
-        if self.sampling_state is not None:
-            self.sampling_state.start(as_sampling(temperature), generator)
+        if self.state is not None:
+            self.state.start(as_sampling(temperature), generator)
         sync(device)
         t1 = time.perf_counter()
         stopped = output[0] in stop_ids
