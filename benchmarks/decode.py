@@ -649,7 +649,9 @@ DOC_CONCURRENCY = """Speedup of speculative over plain decoding against concurre
         --prompts 16 --batches 1,4,16 --max-new-tokens 256
 
 For each concurrency B the same prompts (the first --prompts of the set, one turn, chat template)
-are decoded in batches of B twice, plainly and speculatively, at T=0:
+are decoded in batches of B twice, plainly and speculatively, at `--temperature` (T=0 by default; at T > 0
+each call draws from a generator seeded with `--seed`, so on graphs the batched loop at B=1 and the one-prompt
+loop sample the same answers):
 
 - `--decode graphs` (the default on a GPU): `inference.batched_static`, B rows on fixed shapes, each
   step a captured CUDA graph on both sides (what a serving engine runs);
@@ -693,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="both sides' sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at --temperature > 0")
+    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (each call reseeds it)")
     p.add_argument("--one-prompt-loop", action="store_true",
                    help="at concurrency 1, also time the one-prompt loops `evaluate`'s speedup runs "
                         "(DFlashSpeculativeDecoder.generate, autoregressive_generate) on the same prompts")
@@ -704,6 +709,8 @@ def check(args: argparse.Namespace) -> list[int]:
     """Every user error, before any model loads."""
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
+    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
+        raise ValueError(f"--temperature {args.temperature} / --top-p {args.top_p}: give T >= 0 and 0 < top-p <= 1")
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
@@ -746,27 +753,33 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts = [encode_chat(tokenizer, p.history() + ([] if p.messages is not None else
                                                     [{"role": "user", "content": p.turns[0]}]))
                for p in prompt_set]
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    from nemo_dflash.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else 0.0
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
 
+    def gen() -> torch.Generator:  # every call from the same seed: the loops sample alike at B=1
+        return torch.Generator(device=device).manual_seed(args.seed)
+
     def one_prompt_plain(ps):
-        return [autoregressive_generate(target, ps[0], decode=decode, **kw)]
+        return [autoregressive_generate(target, ps[0], decode=decode, generator=gen(), **kw)]
 
     def one_prompt_spec(ps):
-        return [decoder.generate(ps[0], decode=decode, **kw)]
+        return [decoder.generate(ps[0], decode=decode, generator=gen(), **kw)]
 
     cases = [(b, "batched") for b in batches] + ([(1, "one-prompt")] if args.one_prompt_loop else [])
     for bsz, loop in cases:
         def plain(ps, bsz=bsz):
             return batched_static.batched_static_autoregressive_generate(target, ps, rows=bsz, use_graphs=graphs,
-                                                                         **kw)
+                                                                         generator=gen(), **kw)
 
         def spec(ps, bsz=bsz):
             return batched_static.batched_static_speculative_generate(decoder, ps, rows=bsz, use_graphs=graphs,
-                                                                      **kw)
+                                                                      generator=gen(), **kw)
 
         if loop == "one-prompt":
             plain, spec = one_prompt_plain, one_prompt_spec
@@ -781,7 +794,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
         rows.append({
             **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
-            "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "block_size": decoder.block_size,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
             "tau": statistics.mean(steps) if steps else None, "identical_answers": same,
@@ -791,7 +805,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     r0 = rows[0]
-    head = (f"{r0['dataset']}, {r0['prompts']} prompts, up to {r0['max_new_tokens']} new tokens, 1 turn, T=0, "
+    top_p = f" top-p {r0['top_p']:g}" if r0.get("top_p", 1.0) < 1.0 else ""
+    head = (f"{r0['dataset']}, {r0['prompts']} prompts, up to {r0['max_new_tokens']} new tokens, 1 turn, "
+            f"T={r0['temperature']:g}{top_p}, "
             f"block {r0['block_size']}, {r0['decode']} on both sides, {r0['dtype']} on {r0['device']}")
     lines = [head, f"{'concurrency':>11} {'loop':>10} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'tau':>6} "
                    f"{'same':>5}"]

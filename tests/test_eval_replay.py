@@ -480,6 +480,17 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
     assert got[2]["tau"] == got[0]["tau"]  # at T=0 a batched row's steps are the one-prompt decoder's
     assert "eager on both sides" in capsys.readouterr().out
+    # T=1 (on graphs the two loops at B=1 draw the same keyed samples; eager, the reference draws its own)
+    sampled = tmp_path / "t1.json"
+    assert bench.main(["concurrency", *argv[:-1], str(sampled), "--batches", "1", "--one-prompt-loop",
+                       "--temperature", "1", "--seed", "3"]) == 0
+    t1 = json.loads(sampled.read_text())
+    assert [(r["temperature"], r["loop"]) for r in t1] == [(1.0, "batched"), (1.0, "one-prompt")]
+    assert all(r["tau"] >= 1 and r["spec_tokens_per_s"] > 0 for r in t1)
+    assert "T=1," in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench.main(["concurrency", *argv, "--temperature", "-1"])
+    assert e.value.code == 2 and "--temperature" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         bench.main(["concurrency", *argv[:4], "--batches", "0"])
     assert e.value.code == 2 and "--batches" in capsys.readouterr().err
