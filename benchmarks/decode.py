@@ -69,7 +69,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
 from nemo_dflash import attention  # noqa: E402
-from nemo_dflash.inference import graphs, static_decode  # noqa: E402
+from nemo_dflash.inference import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
@@ -199,14 +199,14 @@ def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: in
                 positions: tuple[int, ...] = ()) -> dict[str, Any]:
     """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone at
     the prompt's position, and at each of `positions` that the caches hold (`by_position`)."""
-    from nemo_dflash.inference.static_decode import _PLAIN_RUNNERS
-
     device = dec.device
-    runner = dec._static_runners[(True, True)]
-    plain = _PLAIN_RUNNERS[target][(True, True)]
+    runner = batched_static.spec_runner(dec, 0.0, 1, 0, True)  # the runners the generations made (one row)
+    plain = batched_static.plain_runner(target, 0.0, 1, 0, True)
 
     def at(pos: int) -> dict[str, Any]:
-        view, draft_step, verify_step = runner.steps_at(pos)
+        view = runner.verify_steps.view(pos + runner.B)
+        draft_step = runner.draft_steps.get(view) if runner.draft_steps is not None else None
+        verify_step = runner.verify_steps.get(view)
         plain_view = plain.steps.view(pos + 1)
         plain_step = plain.steps.get(plain_view)
 
@@ -249,9 +249,9 @@ def oracle_spec(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reference: lis
     full = torch.tensor(ids[0].tolist() + reference + [0] * (blk + 1), device=device)
     if mode == "graphs":
         dec.generate(ids, max_new_tokens=2, decode="graphs")  # build the runner, then hook it
-        runner = dec._static_runners[(True, True)]
+        runner = batched_static.spec_runner(dec, 0.0, 1, 0, True)
         offsets = torch.arange(1, blk, device=device)
-        runner.after_draft = lambda: runner.blk[0, 1:].copy_(full[runner.pos + offsets])
+        runner.after_draft = lambda: runner.blk[0, 1:].copy_(full[runner.pos[0] + offsets])
         try:
             return dec.generate(ids, max_new_tokens=n, decode="graphs")
         finally:
@@ -346,16 +346,15 @@ class Variant:
         torch.cuda.empty_cache() if on_cuda else None
         reserved = torch.cuda.memory_reserved(self.dec.device) if on_cuda else 0
         t0 = time.perf_counter()
-        self.dec._static_runners[(True, True)] = static_decode.StaticSpecRunner(self.dec, cache_len, True, True)
-        static_decode._PLAIN_RUNNERS.setdefault(self.target, {})[(True, True)] = static_decode.StaticPlainRunner(
-            self.target, cache_len, True, True)
+        batched_static.spec_runner(self.dec, 0.0, 1, cache_len, True)
+        batched_static.plain_runner(self.target, 0.0, 1, cache_len, True)
         sync(self.dec.device)
         took = time.perf_counter() - t0
         return took, ((torch.cuda.memory_reserved(self.dec.device) - reserved) / 2**30 if on_cuda else 0.0)
 
     def _drop_graphs(self) -> None:
-        self.dec._static_runners.clear()
-        static_decode._PLAIN_RUNNERS.pop(self.target, None)
+        batched_static.drop_runners(self.dec)
+        batched_static.drop_runners(self.target)
 
     def plain(self, ids, n: int):
         if self.baseline:

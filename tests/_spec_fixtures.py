@@ -211,3 +211,24 @@ def sabotage_slot_reuse(monkeypatch, how) -> None:
             ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
 
     monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
+
+
+def sampled_runner(block: int, vocab: int, filtered: bool = False):
+    """A one-row BatchedStaticSpecRunner holding only the state its sampled propose/accept steps read."""
+    from nemo_dflash.inference.batched_static import BatchedStaticSpecRunner
+    from nemo_dflash.inference.static_decode import SampledStepState
+
+    r = BatchedStaticSpecRunner.__new__(BatchedStaticSpecRunner)
+    r.B, r.sampled, r.filtered, r.draft_greedy = block, True, filtered, False
+    r.blk = torch.zeros(1, block, dtype=torch.long)
+    r.pos = torch.tensor([7])
+    r.state = SampledStepState(1, torch.device("cpu"))
+    r.q = torch.zeros(1, block - 1, vocab)
+    return r
+
+
+def sampled_step(r, p: torch.Tensor, q: torch.Tensor) -> tuple[int, list[int]]:
+    """The captured step's sampling on hand-set p [B, V] and q [B-1, V]: (accepted count, block tokens)."""
+    r._propose(q.log()[None])
+    n_acc, tokens = r._accept(p.log()[None])
+    return int(n_acc[0]), tokens[0].tolist()

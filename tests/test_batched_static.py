@@ -12,7 +12,8 @@ from nemo_dflash.inference.batched_static import (
     PREFILL_TOKENS, batched_static_autoregressive_generate, batched_static_speculative_generate, check_batch,
     same_length_runs,
 )
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+from nemo_dflash.inference import batched_static
+from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.sampling import SamplingParams
 
 
@@ -85,20 +86,23 @@ def test_refuses_too_few_rows():
 
 
 @pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9)], ids=["t1", "top_p"])
-def test_one_sampled_plain_row_is_the_one_prompt_plain_loop(setting):
-    """Plain decoding at T > 0: a batch of one row equals the one-prompt graphs loop token for token from the
-    same generator (first token from the generator, then keyed draws), a stop included; rows of a larger
-    batch are valid answers of their own keys."""
-    from nemo_dflash.inference.static_decode import static_autoregressive_generate
+def test_one_sampled_plain_row_is_what_autoregressive_generate_gives(setting, monkeypatch):
+    """Plain decoding at T > 0: `autoregressive_generate(decode="graphs")` is this loop with one row (its steps
+    run eagerly here), the same answer from the same generator, a stop included; rows of a larger batch are
+    valid answers of their own keys."""
+    from nemo_dflash.inference import spec_decode
 
+    monkeypatch.setattr(spec_decode, "check_decode_mode", lambda decode, device: None)  # graphs mode on a CPU
+    real = batched_static.batched_static_autoregressive_generate
+    monkeypatch.setattr(spec_decode, "batched_static_autoregressive_generate",
+                        lambda *a, **k: real(*a, **{**k, "use_graphs": False}))
     target = tiny_qwen3()
     prompts = _prompts(4)
     for i, p in enumerate(prompts):
-        want = static_autoregressive_generate(target, torch.tensor([p]), 25, setting, {7},
-                                              torch.Generator().manual_seed(i), False)
-        got = batched_static_autoregressive_generate(target, [p], max_new_tokens=25, temperature=setting,
-                                                     stop_token_ids=[7], rows=1, use_graphs=False,
-                                                     generator=torch.Generator().manual_seed(i))[0]
+        want = real(target, [p], max_new_tokens=25, temperature=setting, stop_token_ids=[7], rows=1,
+                    use_graphs=False, generator=torch.Generator().manual_seed(i))[0]
+        got = autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, temperature=setting,
+                                      stop_token_ids=[7], generator=torch.Generator().manual_seed(i), decode="graphs")
         assert got.output_ids == want.output_ids
     outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, temperature=setting,
                                                   use_graphs=False, generator=torch.Generator().manual_seed(0))
@@ -174,13 +178,11 @@ def test_sampled_rows_past_the_prompts_leave_the_answers_samples():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_sampled_plain_and_one_row_graphs_are_the_eager_runs():
     """On a GPU, in fp32: plain batched decoding at T=1 with top-p on CUDA graphs gives the eager run's tokens
-    from the same seed, and a one-row batch on graphs gives the one-prompt graphs loop's answer, plain and
-    speculative (the keyed draws inside captured steps)."""
+    from the same seed, and the one-prompt calls on graphs (one captured row) give the one-row eager run's
+    answer, plain and speculative (the keyed draws inside captured steps)."""
     import copy
 
     from _spec_fixtures import trained_like_decoder
-
-    from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
 
     prompts = _prompts(4)
     cpu = trained_like_decoder(tiny_qwen3(), prompts)
@@ -194,12 +196,12 @@ def test_gpu_sampled_plain_and_one_row_graphs_are_the_eager_runs():
                                                  **kw)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     ids = torch.tensor([prompts[1]], device="cuda")
-    one = static_autoregressive_generate(target, ids, 30, s, set(), torch.Generator("cuda").manual_seed(3), True)
-    row = batched_static_autoregressive_generate(target, prompts[1:2], rows=1,
+    one = autoregressive_generate(target, ids, generator=torch.Generator("cuda").manual_seed(3), decode="graphs", **kw)
+    row = batched_static_autoregressive_generate(target, prompts[1:2], rows=1, use_graphs=False,
                                                  generator=torch.Generator("cuda").manual_seed(3), **kw)[0]
     assert row.output_ids == one.output_ids
-    one = static_speculative_generate(decoder, ids, 30, s, set(), torch.Generator("cuda").manual_seed(4), True)
-    row = batched_static_speculative_generate(decoder, prompts[1:2], rows=1,
+    one = decoder.generate(ids, generator=torch.Generator("cuda").manual_seed(4), decode="graphs", **kw)
+    row = batched_static_speculative_generate(decoder, prompts[1:2], rows=1, use_graphs=False,
                                               generator=torch.Generator("cuda").manual_seed(4), **kw)[0]
     assert row.output_ids == one.output_ids and row.acceptance_lengths == one.acceptance_lengths
 
@@ -345,23 +347,26 @@ def test_write_at_puts_each_rows_kv_at_its_positions(rows, row):
 
 @pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20),
                                      SamplingParams(1.0, draft="greedy")], ids=["t1", "top_p", "top_k", "greedy_draft"])
-def test_one_sampled_row_is_the_one_prompt_loop_from_the_same_generator(setting):
-    """At T > 0 a batch of one row draws with the one-prompt loop's keyed noise (the same key from the same
-    generator, the same streams and positions): its answer and steps equal `static_speculative_generate`'s
-    token for token, a stop token included, for every kind of sampled step."""
+def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):
+    """At T > 0 `DFlashSpeculativeDecoder.generate(decode="graphs")` is this loop with one row (its steps run
+    eagerly here): the same answer and steps from the same generator, a stop token included, for every kind
+    of sampled step; proposals are kept, not only rejected."""
     from _spec_fixtures import trained_like_decoder
 
-    from nemo_dflash.inference.static_decode import static_speculative_generate
+    from nemo_dflash.inference import spec_decode
 
+    monkeypatch.setattr(spec_decode, "check_decode_mode", lambda decode, device: None)  # graphs mode on a CPU
+    real = batched_static.batched_static_speculative_generate
+    monkeypatch.setattr(spec_decode, "batched_static_speculative_generate",
+                        lambda *a, **k: real(*a, **{**k, "use_graphs": False}))
     prompts = _prompts(4)
     decoder = trained_like_decoder(tiny_qwen3(), prompts)
     kept = 0
     for i, p in enumerate(prompts):
-        want = static_speculative_generate(decoder, torch.tensor([p]), 30, setting, {7},
-                                           torch.Generator().manual_seed(i), False)
+        want = real(decoder, [p], max_new_tokens=30, temperature=setting, stop_token_ids=[7], rows=1,
+                    use_graphs=False, generator=torch.Generator().manual_seed(i))[0]
         kept += sum(a > 1 for a in want.acceptance_lengths)
-        got = batched_static_speculative_generate(decoder, [p], max_new_tokens=30, temperature=setting,
-                                                  stop_token_ids=[7], rows=1, use_graphs=False,
-                                                  generator=torch.Generator().manual_seed(i))[0]
+        got = decoder.generate(torch.tensor([p]), max_new_tokens=30, temperature=setting, stop_token_ids=[7],
+                               generator=torch.Generator().manual_seed(i), decode="graphs")
         assert got.output_ids == want.output_ids and got.acceptance_lengths == want.acceptance_lengths
     assert kept > 0  # proposals were kept, not only rejected

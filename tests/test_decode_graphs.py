@@ -1,7 +1,8 @@
-"""The fixed-shape ("graphs") decoding path, run eagerly on CPU: the same step functions that
-are captured as CUDA graphs on a GPU, checked against HF's own greedy decoding, against the
-eager path's draft proposals, and against from-scratch recomputation of both caches. Capture
-itself needs a GPU: `benchmarks/decode.py speed` checks the captured path there."""
+"""The fixed-shape ("graphs") decoding path with one row (what `decode="graphs"` runs), eagerly on CPU: the
+same step functions that are captured as CUDA graphs on a GPU, checked against HF's own greedy decoding,
+against the eager reference's draft proposals, and against from-scratch recomputation of both caches.
+Capture itself needs a GPU: tests/test_batched_static.py's GPU tests and `benchmarks/decode.py speed`
+check the captured path there."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ from nemo_dflash.inference.static_cache import (
     causal_mask,
     check_static_target,
 )
-from nemo_dflash.inference import static_decode
+from nemo_dflash.inference import batched_static, static_decode
+from nemo_dflash.inference.batched_static import (
+    BatchedStaticPlainRunner,
+    BatchedStaticSpecRunner,
+    batched_static_autoregressive_generate,
+    batched_static_speculative_generate,
+    spec_cache_length,
+)
 from nemo_dflash.inference.static_decode import (
     LENGTH_BUCKET,
-    SampledStepState,
-    StaticPlainRunner,
-    StaticSpecRunner,
     cache_length_for,
-    static_autoregressive_generate,
-    static_speculative_generate,
     view_length,
     view_lengths,
 )
@@ -32,7 +35,9 @@ from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.draft.model.modeling import apply_rope
 from nemo_dflash.target import HFDFlashTargetModel
 
-from _spec_fixtures import hf_greedy, make_draft, prompt, second_token_case, tiny_llama, tiny_qwen3
+from _spec_fixtures import (
+    hf_greedy, make_draft, prompt, sampled_runner, sampled_step, second_token_case, tiny_llama, tiny_qwen3,
+)
 
 PROMPT_LEN = 9
 
@@ -55,11 +60,19 @@ def target(request):
 
 
 def spec_static(decoder, ids, n, temperature=0.0, stop=(), generator=None):
-    return static_speculative_generate(decoder, ids, n, temperature, set(stop), generator, use_graphs=False)
+    """The one-row graphs loop, its steps run eagerly."""
+    return batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
+                                               stop_token_ids=stop, rows=1, use_graphs=False, generator=generator)[0]
+
+
+def plain_static(target, ids, n, temperature=0.0, stop=(), generator=None):
+    return batched_static_autoregressive_generate(target, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
+                                                  stop_token_ids=stop, rows=1, use_graphs=False,
+                                                  generator=generator)[0]
 
 
 def runner_of(decoder, greedy=True):
-    return decoder._static_runners[(greedy, False)]
+    return batched_static._RUNNERS[decoder][("spec" if greedy else "spec sampled", 1, False)]
 
 
 # ----------------------------------------------------------------------------- modes and bad input
@@ -122,7 +135,7 @@ def test_cache_length_is_bucketed():
 def test_static_plain_matches_hf_greedy(target):
     for seed in range(2):
         ids = prompt(seed)
-        out = static_autoregressive_generate(target, ids, 25, 0.0, set(), None, use_graphs=False)
+        out = plain_static(target, ids, 25)
         assert out.output_ids == hf_greedy(target, ids, 25)
         assert out.num_target_forwards == 24 and out.decode_time_s > 0
 
@@ -163,13 +176,13 @@ def test_static_draft_matches_the_eager_draft(target, bucket, monkeypatch):
     spec_static(decoder2, ids, 20)  # builds the runner; the wrapper records the next generation
     runner = runner_of(decoder2)
     static_logits = []
-    views = _record_views(runner, "_draft", static_logits)
+    views = _record_views(runner, "_draft_forward", static_logits)  # step 1's eager draft and the replayed ones
     static = spec_static(decoder2, ids, 20)
     assert static.output_ids == eager.output_ids
     assert len(static_logits) == len(eager_logits) > 3
     assert len({n for _, n in views}) == (1 if bucket is None else 3)
     for got, want in zip(static_logits, eager_logits):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.reshape(want.shape), want, atol=1e-5, rtol=1e-4)
 
 
 def _oracle_hook(runner, full, good=None):
@@ -249,7 +262,7 @@ def test_static_stop_tokens_and_longer_requests():
     decoder = DFlashSpeculativeDecoder(target, draft)
     out = spec_static(decoder, ids, 40, stop=[stop, 10**6])
     assert out.output_ids == ref[: ref.index(stop) + 1] and out.stopped
-    plain = static_autoregressive_generate(target, ids, 40, 0.0, {stop}, None, use_graphs=False)
+    plain = plain_static(target, ids, 40, stop=[stop])
     assert plain.output_ids == out.output_ids and plain.stopped
     # A request that no longer fits the cache gets a longer one (a new capture on a GPU).
     small = runner_of(decoder).max_len
@@ -271,20 +284,16 @@ def small_buckets(monkeypatch):
     return SMALL_BUCKET
 
 
-def plain_runner_of(target, greedy=True):
-    return static_decode._PLAIN_RUNNERS[target][(greedy, False)]
-
-
-def new_plain_runner(target, max_len, greedy=True):
-    """A fresh runner where static_autoregressive_generate will find (and reuse) it."""
-    runner = StaticPlainRunner(target, max_len, greedy, use_graphs=False)
-    static_decode._PLAIN_RUNNERS.setdefault(target, {})[(greedy, False)] = runner
+def new_plain_runner(target, max_len):
+    """A fresh one-row greedy runner where the generate functions will find (and reuse) it."""
+    runner = BatchedStaticPlainRunner(target, 1, max_len, use_graphs=False)
+    batched_static._RUNNERS.setdefault(target, {})[("plain", 1, False)] = runner
     return runner
 
 
-def new_spec_runner(decoder, max_len, greedy=True):
-    runner = StaticSpecRunner(decoder, max_len, greedy, use_graphs=False)
-    decoder._static_runners[(greedy, False)] = runner
+def new_spec_runner(decoder, max_len):
+    runner = BatchedStaticSpecRunner(decoder, 1, max_len, use_graphs=False)
+    batched_static._RUNNERS.setdefault(decoder, {})[("spec", 1, False)] = runner
     return runner
 
 
@@ -313,6 +322,7 @@ def _logits_match_hf(target, ids, output_ids, views, logits, accept_lens=None) -
     with torch.no_grad():
         want = target(input_ids=seq).logits[0]
     for i, ((pos, _), got) in enumerate(zip(views, logits)):
+        got = got.reshape(-1, got.shape[-1])  # the one row's [Q, V]
         rows = 1 if accept_lens is None else accept_lens[i]
         rows = min(rows, seq.shape[1] - pos)
         if not torch.allclose(got[:rows], want[pos: pos + rows], atol=1e-4, rtol=1e-4):
@@ -334,7 +344,7 @@ def test_plain_across_buckets_matches_hf_greedy(target, small_buckets):
     assert sorted(runner.steps.steps) == [16, 32, 48, 64]
     logits = []
     seen = _record_views(runner, "_step", logits)
-    out = static_autoregressive_generate(target, ids, 50, 0.0, set(), None, use_graphs=False)
+    out = plain_static(target, ids, 50)
     assert out.output_ids == hf_greedy(target, ids, 50)
     assert _logits_match_hf(target, ids, out.output_ids, seen, logits)
     assert sorted({n for _, n in seen}) == [16, 32, 48, 64]
@@ -345,9 +355,9 @@ def test_plain_across_buckets_matches_hf_greedy(target, small_buckets):
 def test_spec_across_buckets_matches_hf_greedy(target, small_buckets, block_size):
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block_size)
     ids = prompt(2)
-    runner = new_spec_runner(decoder, cache_length_for(PROMPT_LEN, 50, block_size))
+    runner = new_spec_runner(decoder, spec_cache_length(PROMPT_LEN, 50, block_size))
     logits = []
-    verify_views, draft_views = _record_views(runner, "_verify", logits), _record_views(runner, "_draft")
+    verify_views, draft_views = _record_views(runner, "_verify", logits), _record_views(runner, "_draft_forward")
     out = spec_static(decoder, ids, 50)
     assert runner_of(decoder) is runner
     assert out.output_ids == hf_greedy(target, ids, 50)
@@ -364,7 +374,7 @@ def test_oracle_across_buckets_whole_blocks(small_buckets):
     block = 8
     ref = hf_greedy(target, ids, 1 + 6 * block + block)
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block)
-    runner = new_spec_runner(decoder, cache_length_for(PROMPT_LEN, 1 + 6 * block, block))
+    runner = new_spec_runner(decoder, spec_cache_length(PROMPT_LEN, 1 + 6 * block, block))
     _oracle_hook(runner, ids[0].tolist() + ref)
     views = _record_views(runner, "_verify")
     out = spec_static(decoder, ids, 1 + 6 * block)
@@ -383,8 +393,7 @@ def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
 
     def both():
         spec = spec_static(decoder, ids, 50, temperature=0.8, generator=torch.Generator().manual_seed(3)).output_ids
-        plain = static_autoregressive_generate(target, ids, 50, 0.8, set(), torch.Generator().manual_seed(3),
-                                               use_graphs=False).output_ids
+        plain = plain_static(target, ids, 50, 0.8, generator=torch.Generator().manual_seed(3)).output_ids
         return spec, plain
 
     whole = both()
@@ -411,7 +420,7 @@ def test_no_buckets_and_lazy_capture_switches(target, small_buckets, monkeypatch
     assert sorted(runner.verify_steps.steps) == sorted({n for _, n in views})
     assert 3 <= len(runner.verify_steps.steps) < len(static_decode.view_lengths(128))
     plain_runner = new_plain_runner(target, 128)
-    plain = static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+    plain = plain_static(target, ids, 40)
     assert plain.output_ids == ref and sorted(plain_runner.steps.steps) == [16, 32, 48]
 
 
@@ -427,7 +436,7 @@ def test_a_too_short_view_is_caught(target, small_buckets, monkeypatch):
     with pytest.raises(RuntimeError, match="cannot hold"):
         spec_static(decoder, ids, 40)
     with pytest.raises(RuntimeError, match="cannot hold"):
-        static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+        plain_static(target, ids, 40)
 
 
 def test_a_too_short_view_is_noticed_by_the_exactness_checks(target, small_buckets, monkeypatch):
@@ -437,7 +446,7 @@ def test_a_too_short_view_is_noticed_by_the_exactness_checks(target, small_bucke
     short = _one_bucket_short(view_length)
     monkeypatch.setattr(static_decode.BucketedSteps, "view", lambda self, need: short(need, self.max_len))
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
-    runner = new_spec_runner(decoder, 64)
+    runner = new_spec_runner(decoder, spec_cache_length(PROMPT_LEN, 40, 8))
     logits = []
     views = _record_views(runner, "_verify", logits)
     out = spec_static(decoder, ids, 40)
@@ -446,7 +455,7 @@ def test_a_too_short_view_is_noticed_by_the_exactness_checks(target, small_bucke
     plain_runner = new_plain_runner(target, 64)
     logits = []
     views = _record_views(plain_runner, "_step", logits)
-    out = static_autoregressive_generate(target, ids, 40, 0.0, set(), None, use_graphs=False)
+    out = plain_static(target, ids, 40)
     assert not _logits_match_hf(target, ids, out.output_ids, views, logits)
 
 
@@ -501,20 +510,8 @@ def test_static_sampling_end_to_end_distribution():
     a = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
     b = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
-    plain = static_autoregressive_generate(target, ids, 12, 0.7, set(), g, use_graphs=False)
+    plain = plain_static(target, ids, 12, 0.7, generator=g)
     assert len(plain.output_ids) == 12
-
-
-def _sampled_runner(block: int, vocab: int):
-    """A StaticSpecRunner holding only the state its sampled accept/propose steps read."""
-    r = StaticSpecRunner.__new__(StaticSpecRunner)
-    r.B, r.greedy = block, False
-    r.blk = torch.zeros(1, block, dtype=torch.long)
-    r.pos = torch.tensor(7)
-    r.arange_b = torch.arange(block)
-    r.state, r.filtered, r.draft_greedy = SampledStepState(1, torch.device("cpu")), False, False
-    r.q = torch.zeros(block - 1, vocab)
-    return r
 
 
 def test_device_speculative_sampling_keeps_the_target_distribution():
@@ -524,12 +521,11 @@ def test_device_speculative_sampling_keeps_the_target_distribution():
     is the closed form sum_v min(p, q). An always-accepting or residual-free step fails this."""
     p = torch.tensor([[0.70, 0.10, 0.10, 0.05, 0.05], [0.05, 0.05, 0.10, 0.10, 0.70], [0.2] * 5])
     q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
-    r = _sampled_runner(3, 5)
+    r = sampled_runner(3, 5)
     n, first, second, bonus, kept, accepted = 6000, torch.zeros(5), torch.zeros(5), torch.zeros(5), 0, 0.0
     for key in range(n):
         r.state.key.fill_(key * 7919 + 11)
-        r._propose_sampled(q.log())
-        n_acc, tokens = r._accept_sampled(p.log())
+        n_acc, tokens = sampled_step(r, p, q)
         first[tokens[0]] += 1
         accepted += float(n_acc >= 1)
         if n_acc >= 1:

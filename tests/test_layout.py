@@ -157,8 +157,8 @@ def test_no_module_imports_a_later_stage_of_the_flow():
 ENGINE = {
     "nemo_dflash.data.generation",  # the slot engine: continuous batching, plain decoding (regenerate, replay)
     "nemo_dflash.inference.spec_decode",  # the one-prompt speculative decoder (the eager reference)
-    "nemo_dflash.inference.static_decode",  # its fixed-shape loop, CUDA graphs
-    "nemo_dflash.inference.batched_static",  # many prompts on fixed shapes, any temperature, CUDA graphs
+    "nemo_dflash.inference.static_decode",  # what the fixed-shape steps share: buckets, captured steps
+    "nemo_dflash.inference.batched_static",  # the fixed-shape loops: any rows (one included), any temperature
     "nemo_dflash.inference.graphs",  # capture and replay of the steps above
     "nemo_dflash.inference.recurrent_cache",  # the hybrid targets' caches and their rollback
     "nemo_dflash.inference.static_cache",  # the static caches the graphs read

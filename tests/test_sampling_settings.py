@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import conftest
-from _spec_fixtures import second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
+from _spec_fixtures import sampled_runner, sampled_step, second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
 from conftest import MASK_ID, random_batch
 from nemo_dflash.core import DFlashTrainerModule, LossSums, expected_block_length, sample_anchors
 from nemo_dflash.inference import DFlashSpeculativeDecoder
 from nemo_dflash.inference.batched_static import batched_static_speculative_generate
 from nemo_dflash.inference.spec_decode import DFlashContextCache
-from nemo_dflash.inference.static_decode import SampledStepState, StaticSpecRunner, static_speculative_generate
 from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -143,7 +142,8 @@ def test_one_prompt_decoders_keep_the_filtered_target_distribution(decode):
         if decode == "eager":
             out = decoder.generate(ids, max_new_tokens=2, temperature=s, generator=g)
         else:
-            out = static_speculative_generate(decoder, ids, 2, s, set(), g, use_graphs=False)
+            out = batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=2, temperature=s,
+                                                      rows=1, use_graphs=False, generator=g)[0]
         counts[out.output_ids[1]] += 1
     assert (counts / n - want).abs().max() < 0.065
 
@@ -167,18 +167,13 @@ def test_static_step_with_filters_keeps_the_filtered_distribution():
     """The captured sampled step with top-p / top-k read from buffers, hand-set p and q."""
     p = torch.tensor([[0.50, 0.25, 0.15, 0.06, 0.04], [0.05, 0.05, 0.10, 0.10, 0.70], [0.2] * 5])
     q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
-    r = StaticSpecRunner.__new__(StaticSpecRunner)
-    r.B, r.greedy, r.filtered, r.draft_greedy = 3, False, True, False
-    r.blk, r.pos, r.arange_b = torch.zeros(1, 3, dtype=torch.long), torch.tensor(7), torch.arange(3)
-    r.state = SampledStepState(1, torch.device("cpu"))
+    r = sampled_runner(3, 5, filtered=True)
     r.state.top_p.fill_(0.8)
-    r.q = torch.zeros(2, 5)
     want = SamplingParams(1.0, top_p=0.8).probs(p.log()[:1])[0]  # tokens 0, 1, 2 (0.5 + 0.25 < 0.8)
     n, first = 6000, torch.zeros(5)
     for key in range(n):
         r.state.key.fill_(key * 7919 + 11)
-        r._propose_sampled(q.log())
-        n_acc, tokens = r._accept_sampled(p.log())
+        n_acc, tokens = sampled_step(r, p, q)
         first[tokens[0]] += 1
     assert first[3:].sum() == 0
     assert (first / n - want).abs().max() < 0.02

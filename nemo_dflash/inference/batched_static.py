@@ -1,31 +1,38 @@
-"""Batched decoding on fixed shapes, plain and speculative, at any temperature; each step a captured
-CUDA graph (`use_graphs`), or the same code run eagerly (on a CPU).
+"""The decoding engine's fixed-shape loops, plain and speculative, at any temperature and any number of
+rows (one: what `DFlashSpeculativeDecoder.generate(decode="graphs")` and `autoregressive_generate` run);
+each step a captured CUDA graph (`use_graphs`), or the same code run eagerly (on a CPU, in tests).
 
-What a serving engine runs at concurrency R: R prompts decode together, one draft forward drafts
-every row's block and one target forward verifies every row's block, and each step is a captured
-CUDA graph. It is `static_decode`'s loop with a batch dimension:
+What a serving engine runs at concurrency R: R prompts decode together, one draft forward drafts every
+row's block and one target forward verifies every row's block. Per speculative step (block size B, a row's
+position p of its last verified token):
+1. draft: the row's new context features (its last verify's B tokens) -> the draft's context cache at their
+   positions, block `[last, MASK x (B-1)]` at p..p+B-1 -> B-1 proposals written into the verify input;
+2. verify: the target runs the B tokens at p..p+B-1 against its static cache (writing their K/V there),
+   its features of the B tokens go to the draft's next input, and the accepted length n, the next first
+   token and p + n + 1 are computed in place, so the host reads back only the new tokens, once a step.
 
-- one static cache per model with R rows ([R, H, L, D]), indexed by absolute position; each row
+- One static cache per model with R rows ([R, H, L, D]), indexed by absolute position; each row
   writes at its own positions (`static_cache.write_at`), and a row's rejected entries stay where
   they were written, hidden by that row's mask (key j visible to a query at p iff j <= p; j < p for
-  the draft's context), until a later step overwrites them;
-- prompts are prefilled eagerly (the prefill is not part of decode time), consecutive prompts of one
+  the draft's context), until a later step overwrites them.
+- Prompts are prefilled eagerly (the prefill is not part of decode time), consecutive prompts of one
   length in one forward (`same_length_runs`: no padding, so each row's cache is its own), and the first
-  draft block of each row is drafted eagerly against its whole prompt, as the one-prompt loop does;
-- every later step has the same shapes: R rows, and an attention view of the smallest multiple of
+  draft block of each row is drafted eagerly against its whole prompt, as the eager reference does.
+- Every later step has the same shapes: R rows, and an attention view of the smallest multiple of
   `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
-  (step, view length), captured up front;
-- a row that has finished stays in the batch (the shapes never change) with its position frozen
-  (`alive`, a device buffer the host rewrites only when a row stops); the host reads back each
-  step's accepted lengths and tokens once.
+  (step, view length), captured up front.
+- A row that has finished stays in the batch (the shapes never change) with its position frozen
+  (`alive`, a device buffer the host rewrites only when a row stops).
 
-At T=0 each row's answer and acceptance lengths are those of the one-prompt decoder (in exact
-arithmetic; tested in fp32 on CPU, where the same code runs eagerly). At T > 0 the captured steps also
-sample, with the one-prompt loop's keyed noise (`sampling.keyed_proposals`,
+At T=0 each row's answer and acceptance lengths are those of the eager reference decoder
+(`spec_decode`; in exact arithmetic, tested in fp32 on CPU, where the same code runs eagerly). At T > 0
+the captured steps also sample (speculative sampling: accept slot k with probability min(1, p/q), else
+draw from norm(max(p - q, 0)); the bonus from p) with keyed noise (`sampling.keyed_proposals`,
 `sampling.keyed_verify`): every row has its own key, drawn from the caller's generator after the first
 tokens, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
 other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
-answers. With one row, the answer is the one-prompt loop's from the same generator.
+answers. A position's noise only ever decides one kept token: a later step samples only positions past
+the last kept one.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from nemo_dflash.sampling import (
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
-from nemo_dflash.inference.static_decode import BucketedSteps, SampledStepState, make_step, cache_length_for
+from nemo_dflash.inference.static_decode import (
+    BucketedSteps, SampledStepState, bucket_key, cache_length_for, make_step,
+)
 
 
 def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -134,7 +143,13 @@ class BatchedStaticPlainRunner(_Rows):
         self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
                                     self.max_len, "the batched 1-token step", use_graphs)
 
+    @property
+    def bucket_key(self) -> int:
+        """The bucket setting its steps were made under (a runner made under another is rebuilt)."""
+        return self.steps.bucket_key
+
     def _step(self, view_len: int) -> torch.Tensor:
+        """One token a row at its position; returns the logits [R, V] (the loop reads `self.tok`)."""
         q_pos = self.pos.view(-1, 1)
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
@@ -145,7 +160,7 @@ class BatchedStaticPlainRunner(_Rows):
         else:
             self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
         self.pos.add_(self.alive)
-        return self.tok
+        return logits
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
@@ -172,7 +187,8 @@ class BatchedStaticPlainRunner(_Rows):
         t1 = time.perf_counter()
         while not all(stopped):
             need = max(p for p, s in zip(host_pos, stopped) if not s) + 1
-            toks = self.steps.get(self.steps.view(need)).replay().view(-1).tolist()  # the step's one host sync
+            self.steps.get(self.steps.view(need)).replay()
+            toks = self.tok.view(-1).tolist()  # the step's one host sync
             was = list(stopped)
             for r in range(n):
                 if was[r]:
@@ -216,12 +232,19 @@ class BatchedStaticSpecRunner(_Rows):
         self.state = SampledStepState(R, dev) if sampled else None  # each row's noise key, 1/T, the filters
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+        self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
+        # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
             "the batched draft block", use_graphs) if B > 1 else None
         self.verify_steps = BucketedSteps(
             lambda n: make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
             f"the batched {B}-token verify", use_graphs)
+
+    @property
+    def bucket_key(self) -> int:
+        """The bucket setting its steps were made under (a runner made under another is rebuilt)."""
+        return self.verify_steps.bucket_key
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
                        pos: torch.Tensor, view_len: int) -> torch.Tensor:
@@ -243,8 +266,9 @@ class BatchedStaticSpecRunner(_Rows):
         written into the block (the argmax, or keyed draws)."""
         ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
         noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
-        self._propose(self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len))
-        return self.blk
+        logits = self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len)
+        self._propose(logits)
+        return logits
 
     def _propose(self, logits: torch.Tensor) -> None:
         """Draft logits [R, B-1, V] -> the proposals in the block: the argmax (T=0, or greedy proposals
@@ -272,23 +296,27 @@ class BatchedStaticSpecRunner(_Rows):
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """The captured verify step: every row's block at its own positions; accept (greedily, or by
-        keyed speculative sampling) and advance the live rows on the device."""
+        keyed speculative sampling) and advance the live rows on the device. Returns the target's logits
+        [R, B, V]; the loop reads `self.result`."""
         q_pos = self.pos.view(-1, 1) + self.arange_b
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         with self.dec.target.capture(stop_early=False) as captured:
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
+        n_acc, tokens = self._accept(out.logits)
+        self._advance(n_acc, tokens, tokens.gather(1, n_acc.view(-1, 1)).view(-1))
+        return out.logits
+
+    def _accept(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted count [R], block tokens [R, B]) for target logits [R, B, V]: tokens[:n] are the kept
+        proposals and tokens[n] the next token. T=0: the target's argmax; T > 0: keyed speculative sampling
+        (accept slot k with probability min(1, p/q), else a residual draw; the bonus from p)."""
         if self.sampled:
-            # p [R, B, V]: row k judges slot k + 1
-            p = torch.softmax(self.state.scores(out.logits, self.filtered), dim=-1)
-            n_acc, tokens = keyed_verify(p, self.q, self.blk[:, 1:], self.state.key, self.pos)
-            self._advance(n_acc, tokens, tokens.gather(1, n_acc.view(-1, 1)).view(-1))
-            return self.result
-        tgt = out.logits.argmax(dim=-1)  # [R, B]
-        n_acc = (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [R]
-        self._advance(n_acc, tgt, tgt.gather(1, n_acc.view(-1, 1)).view(-1))
-        return self.result
+            p = torch.softmax(self.state.scores(logits, self.filtered), dim=-1)  # row k judges slot k + 1
+            return keyed_verify(p, self.q, self.blk[:, 1:], self.state.key, self.pos)
+        tgt = logits.argmax(dim=-1)  # [R, B]; accepted proposals equal the target's tokens
+        return (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1), tgt
 
     def _advance(self, n_acc: torch.Tensor, tokens: torch.Tensor, nxt: torch.Tensor) -> None:
         """Record a verified step ([n_accepted, tokens...] a row, the kept tokens being tokens[:n] then
@@ -340,7 +368,10 @@ class BatchedStaticSpecRunner(_Rows):
                 else:
                     self.draft_steps.get(view).replay()
             step_one = False
-            res = self.verify_steps.get(view).replay().tolist()  # the step's one host sync
+            if self.after_draft is not None:
+                self.after_draft()
+            self.verify_steps.get(view).replay()
+            res = self.result.tolist()  # the step's one host sync
             was = list(stopped)
             for r in range(n):
                 if was[r]:
@@ -370,10 +401,43 @@ _RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int, bool], Any]]" = w
 def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: int, use_graphs: bool) -> Any:
     runners = _RUNNERS.setdefault(owner, {})
     runner = runners.get((kind, rows, use_graphs))
-    if runner is None or runner.max_len < need:
+    if runner is None or runner.max_len < need or runner.bucket_key != bucket_key():
         runners.pop((kind, rows, use_graphs), None)  # free the old graphs and caches first
         runner = runners[(kind, rows, use_graphs)] = make(need)
     return runner
+
+
+def plain_runner(target_model: nn.Module, temperature: Sampling, rows: int, need: int,
+                 use_graphs: bool) -> BatchedStaticPlainRunner:
+    """The target's plain runner for this kind of step (greedy, sampled, sampled and filtered) with `rows`
+    rows and at least `need` cache positions: the one an earlier call made when it fits, else a new one."""
+    s = as_sampling(temperature)
+    filtered = not s.greedy and s.filtered
+    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}"
+    return _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
+                                                                          not s.greedy, filtered),
+                   rows, need, use_graphs)
+
+
+def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_graphs: bool) -> BatchedStaticSpecRunner:
+    """The decoder's speculative runner for this kind of step (its filters and proposals are baked into the
+    graphs; T, top-p and top-k are buffers), as `plain_runner`."""
+    s = as_sampling(temperature)
+    filtered, draft_greedy = (not s.greedy and s.filtered), (not s.greedy and s.draft == "greedy")
+    kind = "spec" if s.greedy else f"spec sampled{'+filtered' * filtered}{'+greedy draft' * draft_greedy}"
+    return _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
+                                                                    filtered, draft_greedy), rows, need, use_graphs)
+
+
+def drop_runners(owner: Any) -> None:
+    """Free the runners (caches and captured graphs) kept for a target or a decoder."""
+    _RUNNERS.pop(owner, None)
+
+
+def spec_cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Cache positions a speculative row needs: a row keeps writing a block at its frozen position after it
+    stops, so one block past the cap."""
+    return cache_length_for(prompt_len, max_new_tokens + block_size, block_size)
 
 
 def batched_static_autoregressive_generate(
@@ -382,16 +446,11 @@ def batched_static_autoregressive_generate(
     use_graphs: bool = True, generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
     """Plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts), at any
-    temperature: at T > 0 a row's tokens are keyed draws (a key per row from `generator`), and a batch of one
-    row gives the one-prompt graphs loop's answer from the same generator."""
+    temperature: at T > 0 a row's tokens are keyed draws (a key per row from `generator`)."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
-    filtered = not s.greedy and s.filtered
-    need = cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1)
-    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}"
-    runner = _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
-                                                                            not s.greedy, filtered),
-                     rows, need, use_graphs)
+    runner = plain_runner(target_model, s, rows, cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1),
+                          use_graphs)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
 
 
@@ -401,18 +460,12 @@ def batched_static_speculative_generate(
     use_graphs: bool = True, generator: Optional[torch.Generator] = None,
 ) -> list[GenerationOutput]:
     """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
-    At T=0 each row's answer and acceptance lengths are `decoder.generate`'s for that prompt; at T > 0
-    the rows are samples of the target's distribution, all drawn from one `generator`."""
+    At T=0 each row's answer and acceptance lengths are the eager reference decoder's for that prompt; at
+    T > 0 the rows are samples of the target's distribution, all drawn from one `generator`."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
-    # a row keeps writing a block at its frozen position after it stops: room for one block past the cap
-    need = cache_length_for(max(len(p) for p in prompts), max_new_tokens + decoder.block_size, decoder.block_size)
-    # a runner per kind of sampled step (its filters and proposals are baked into the graphs; T, top-p and top-k
-    # are buffers)
-    filtered, draft_greedy = (not s.greedy and s.filtered), (not s.greedy and s.draft == "greedy")
-    kind = "spec" if s.greedy else f"spec sampled{'+filtered' * filtered}{'+greedy draft' * draft_greedy}"
-    runner = _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
-                                                                      filtered, draft_greedy), rows, need, use_graphs)
+    need = spec_cache_length(max(len(p) for p in prompts), max_new_tokens, decoder.block_size)
+    runner = spec_runner(decoder, s, rows, need, use_graphs)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
 
 
@@ -421,5 +474,9 @@ __all__ = [
     "BatchedStaticPlainRunner",
     "BatchedStaticSpecRunner",
     "batched_static_autoregressive_generate",
+    "drop_runners",
+    "plain_runner",
+    "spec_cache_length",
+    "spec_runner",
     "batched_static_speculative_generate",
 ]

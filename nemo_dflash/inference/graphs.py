@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Union
 
 import torch
 from torch import nn
 
-from nemo_dflash import attention
 from nemo_dflash.compiled import compiled
 from nemo_dflash.attention import eager_attention_backends
 

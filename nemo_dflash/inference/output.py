@@ -1,7 +1,7 @@
 """What a one-prompt decoder returns, and the small output helpers both decode modes share.
 
-`spec_decode` (eager) and `static_decode` (graphs) both build a `GenerationOutput`; keeping it here
-lets `spec_decode` import `static_decode` without `static_decode` importing it back.
+`spec_decode` (eager) and `batched_static` (graphs) both build a `GenerationOutput`; keeping it here
+lets `spec_decode` import `batched_static` without `batched_static` importing it back.
 """
 
 from __future__ import annotations

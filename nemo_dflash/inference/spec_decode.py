@@ -16,8 +16,9 @@ Cache bookkeeping (the part that is easy to get wrong):
   states are snapshotted before each verify and re-advanced over the kept tokens after a
   partial acceptance (`recurrent_cache` says why this rollback).
 
-Two decode modes (`decode=`): "eager" is this module's loop on HF's DynamicCache; "graphs" is
-the fixed-shape loop of `static_decode` (StaticCache, CUDA graphs), what serving engines run.
+Two decode modes (`decode=`): "eager" is this module's loop on HF's DynamicCache, the readable reference
+every other loop is tested against; "graphs" is the engine's fixed-shape loop (`batched_static`, static
+caches, CUDA graphs) with one row, what serving engines run.
 The eager loop keeps its per-step host work small: the feature hooks stay registered for the
 whole generation, the verify mask is built directly (not by HF's mask utilities), and at T=0
 a step reads the device once (accepted length and tokens in one copy).
@@ -40,7 +41,9 @@ from nemo_dflash.inference import graphs, recurrent_cache
 from nemo_dflash.inference.graphs import check_decode_mode
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
 from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
-from nemo_dflash.inference.static_decode import static_autoregressive_generate, static_speculative_generate
+from nemo_dflash.inference.batched_static import (
+    batched_static_autoregressive_generate, batched_static_speculative_generate,
+)
 from nemo_dflash.sampling import Sampling, as_sampling, propose_tokens, select_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -152,7 +155,6 @@ class DFlashSpeculativeDecoder:
         self.embed_tokens = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self._prefill_kwargs = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
-        self._static_runners: dict = {}  # (greedy, use_graphs[, filtered, draft greedy]) -> StaticSpecRunner
         self._recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
         # Our direct verify mask is plain causal: targets with recurrent, sliding or chunked layers
         # need HF's per-layer-type masks (a full causal mask past the window changes the output).
@@ -214,7 +216,9 @@ class DFlashSpeculativeDecoder:
         if decode == "graphs":
             if past_key_values is not None or draft_cache is not None:
                 raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
-            return static_speculative_generate(self, ids, max_new_tokens, temperature, stop_ids, generator, True)
+            return batched_static_speculative_generate(  # the engine's loop with one row
+                self, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
+                stop_token_ids=stop_ids, rows=1, generator=generator)[0]
         return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache)
 
     def _verify_mask(self, q_pos: torch.Tensor, kv_len: int) -> dict:
@@ -355,7 +359,9 @@ def autoregressive_generate(
     if decode == "graphs":
         if past_key_values is not None:
             raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")
-        return static_autoregressive_generate(target_model, ids, max_new_tokens, temperature, stop_ids, generator, True)
+        return batched_static_autoregressive_generate(  # the engine's loop with one row
+            target_model, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
+            stop_token_ids=stop_ids, rows=1, generator=generator)[0]
     cache = past_key_values if past_key_values is not None else _new_cache(target_model, recurrent)
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
     with graphs.eager_attention_backends(device):
