@@ -35,17 +35,20 @@ from typing import Any, Iterable, Optional
 REPO = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> Optional[str]:
-    """Short hash of the checkout that ran, with '+dirty' when tracked files differ from it."""
+def git_commit(repo: Path = REPO) -> Optional[str]:
+    """Short hash of the checkout that ran, with '+dirty' when tracked files differ from it. A tree copied to
+    another machine names its commit in a `.commit` file, which wins: the copy's own git state (absent, or
+    the state the copy was made from) does not know the commit the tree holds."""
+    marker = repo / ".commit"
+    if marker.is_file():
+        return marker.read_text().strip() + " (copied tree)"
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # a copied tree without .git (e.g. sent to a GPU machine) names its commit in .commit
-        marker = REPO / ".commit"
-        return marker.read_text().strip() + " (copied tree)" if marker.is_file() else None
+        return None
     return head + ("+dirty" if dirty else "")
 
 

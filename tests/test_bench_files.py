@@ -172,3 +172,26 @@ def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):
     assert _common.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _common.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"
+
+
+def test_a_row_names_the_commit_of_the_tree_that_ran(tmp_path, monkeypatch):
+    """A checkout gives its HEAD (+dirty when a tracked file changed); a copied tree's `.commit` file wins over
+    the copy's own git state, which does not know the commit the tree holds."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from _common import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+dirty"
+    (tmp_path / ".commit").write_text("abc1234\n")
+    assert git_commit(tmp_path) == "abc1234 (copied tree)"
+    assert git_commit(tmp_path / "nowhere") is None
