@@ -934,12 +934,6 @@ class DFlashTrainerModule(nn.Module):
             compiled=_compiled_on_cuda(accept_chunk, h_sel.device),
         )
 
-    def build_mask(self, anchors: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
-                   ctx_start: Optional[torch.Tensor] = None):
-        if self.attn_backend == "flex":
-            return build_flex_block_mask(anchors, valid, key_valid, self.block_size, ctx_start=ctx_start)
-        return build_dense_block_mask(anchors, valid, key_valid, self.block_size, ctx_start=ctx_start)
-
     def plan(
         self,
         input_ids: torch.Tensor,

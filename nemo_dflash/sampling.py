@@ -333,11 +333,6 @@ def redo_wide_rows(
 # ----------------------------------------------------------------------------- generator-driven sampling
 
 
-def probs_at(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The filtered distribution of `sampling` (a temperature or `SamplingParams`), T > 0."""
-    return as_sampling(sampling).probs(logits)
-
-
 def sample_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

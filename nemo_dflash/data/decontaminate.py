@@ -181,20 +181,6 @@ def evaluation_index(extra_files: Sequence[str] = ()) -> ContaminationIndex:
     return ContaminationIndex([*evaluation_prompts(), *extra], name=f"MT-Bench, HumanEval and {names} prompts")
 
 
-def drop_contaminated_source(name: str, conversations: Sequence[Any], index: ContaminationIndex,
-                             roles: Optional[Sequence[str]] = ("system", "user")) -> tuple[list[Any], int]:
-    """:func:`drop_contaminated` for one named source, whose prompts (``roles``) are checked; a
-    DataError naming it when every one is dropped: a source the filters and decontamination leave
-    empty is refused before a model loads."""
-    kept, dropped = drop_contaminated(conversations, index, roles)
-    if conversations and not kept:
-        from nemo_dflash.data.sources import DataError
-
-        raise DataError(f"--data {name}: every one of its {len(conversations)} prompts shares a {index.n}-gram with "
-                        f"the {index.name}; it cannot train a draft evaluated on them: remove the source")
-    return kept, dropped
-
-
 def drop_contaminated(conversations: Iterable[Any], index: Optional[ContaminationIndex] = None,
                       roles: Optional[Sequence[str]] = None) -> tuple[list[Any], int]:
     """(the conversations that share no n-gram with ``index``, how many were dropped).

@@ -200,14 +200,6 @@ def holdout_path(out: Path) -> Path:
     return out.with_name(out.name[: -len(".jsonl")] + ".holdout.jsonl")
 
 
-def resolve_data_paths(data: Sequence[str]) -> list[str]:
-    """The files of ``--data`` entries that are files or ``sharegpt`` (kept for callers that read files only)."""
-    from nemo_dflash.data import SHAREGPT_FILE
-    from nemo_dflash.target.loading import package_file
-
-    return [str(package_file(*SHAREGPT_FILE)) if d == "sharegpt" else d for d in data]
-
-
 _HITS: dict[str, Any] = {}  # what contaminated()'s forked workers read (the conversations and the index)
 
 
