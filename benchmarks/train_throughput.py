@@ -387,8 +387,8 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     stepper = TrainStep(wrapper, model, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
                         use_bf16=True, return_logits=args.distill_weight > 0)
     if case.pack_length:
-        if cuda and case.backend == "flex":
-            wrapper.use_flex_attention()
+        if cuda and case.backend == "flex":  # target.packed_attention
+            wrapper.use_varlen_attention() if args.packed_attention == "varlen" else wrapper.use_flex_attention()
         if args.data:
             batches = make_real_packed_batches(args.distinct_batches * world, case.mbs * case.accum,
                                                case.pack_length, args.data, args.tokenizer)
@@ -448,6 +448,8 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
         pass
     row = {"mbs": case.mbs, "accum": case.accum, "anchors": case.anchors, "seq": case.seq, "compile": case.compile,
            "compile_target": case.compile_target, "pack_length": case.pack_length, "graphs_after_warmup": recompiles,
+           "packed_attention": (args.packed_attention if cuda and case.backend == "flex" else "dense")
+           if case.pack_length else None,
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
@@ -788,6 +790,9 @@ def main() -> None:
                    "Qwen3 shapes)")
     g.add_argument("--accum", default="1", help="micro-batches per step (train.grad_accum)")
     g.add_argument("--compile-target", default="0", help="1: compile the target's layers (train.compile_target)")
+    p.add_argument("--packed-attention", default="flex", choices=("flex", "varlen"),
+                   help="target.packed_attention on a GPU: the target over packed rows by a document-causal "
+                        "BlockMask (flex) or one flash varlen call over the documents (varlen)")
     p.add_argument("--pack-length", default="0", help="data.pack_length: rows of this many tokens packed with "
                    "documents of --seq tokens (less --jitter); --mbs then counts packed rows and --anchors is per row")
     p.add_argument("--append", default=os.path.join(os.path.dirname(__file__), "..", "docs", "bench",

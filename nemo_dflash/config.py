@@ -55,6 +55,9 @@ class TargetConfig:
     path: str = MISSING  # local HF dir, a .gguf file, or pkg:smollm2 (the bundled SmolLM2-135M-Instruct)
     dtype: str = "bf16"  # dtype of the frozen target's weights
     attn_implementation: str = "sdpa"
+    # packed rows on a GPU: flex (a document-causal BlockMask) or varlen (one flash varlen call over the
+    # documents; target/packed_attention.py)
+    packed_attention: str = "flex"
     random_init: bool = False  # architecture from path/config.json, random weights (benchmarks, scaling runs)
 
 
@@ -294,6 +297,7 @@ _CHOICES = {
     "distributed.strategy": ("auto", "none", "ddp", "fsdp2"),
     "wandb.mode": ("online", "offline", "disabled"),
     "target.dtype": ("bf16", "fp16", "fp32"),
+    "target.packed_attention": ("flex", "varlen"),
 }
 
 

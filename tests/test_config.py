@@ -77,6 +77,7 @@ def test_every_recorded_recipe_still_ships():
 # Schema fields added after the records were written, with their defaults (a record predates them).
 ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0, "tokenize_workers": None},
                       "train": {"eval_temperature": 1.0, "eval_top_p": 1.0, "eval_top_k": 0},
+                      "target": {"packed_attention": "flex"},
                       "loss": {"impl": "chunked", "accept_weight": 0.0, "accept_temperature": 1.0, "accept_form": "log"}}
 SECTIONS_ADDED_SINCE_RECORD = ("run", "prompts", "regenerate", "export", "evaluate")
 # Recipes whose values changed on purpose since the record: compared with the naive merge instead.

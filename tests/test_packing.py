@@ -89,6 +89,80 @@ def test_packed_target_features_equal_per_document_forwards(wrapper_draft):
         fill[r] += n
 
 
+def test_document_spans_cut_rows_at_documents_and_row_starts():
+    from nemo_dflash.target.packed_attention import document_spans
+
+    doc = torch.tensor([[0, 0, 1, 1, 1, -1], [1, 1, 1, 1, -1, -1], [1, 2, 2, 2, 2, 2]])  # row 1 starts with row 0's id 1
+    spans = document_spans(doc)
+    assert spans.cu.tolist() == [0, 2, 5, 6, 10, 12, 13, 18] and spans.cu.dtype == torch.int32 and spans.max_len == 6
+
+
+def test_varlen_target_attention_equals_per_document_forwards(wrapper_draft):
+    """`target.packed_attention: varlen` (off CUDA, the varlen kernel's per-document SDPA reference): each packed
+    document's features and final hidden state equal the document run alone; padding included; without the
+    spans the attention refuses in one line."""
+    from nemo_dflash.target.packed_attention import ATTN_NAME, document_varlen_attention
+
+    wrapper, _ = wrapper_draft
+    docs = _docs([9, 14, 6, 11, 3], seed=5)
+    packed = PackedCollator(pad_token_id=0, rows=2, pack_length=32)(docs)
+    alone = []
+    for d in docs:
+        n = len(d["input_ids"])
+        alone.append(wrapper.generate_batch(torch.tensor([d["input_ids"]]), torch.ones(1, n, dtype=torch.long),
+                                            torch.ones(1, n, dtype=torch.long), return_logits=True))
+    wrapper.use_varlen_attention()
+    assert wrapper.model.config._attn_implementation == ATTN_NAME
+    tb = wrapper.generate_batch(packed["input_ids"], packed["attention_mask"], packed["loss_mask"],
+                                position_ids=packed["position_ids"], doc_ids=packed["doc_ids"],
+                                return_final_hidden=True)
+    where, _ = first_fit([len(d["input_ids"]) for d in docs], 2, 32)
+    assert (packed["doc_ids"][1] == -1).any()  # a padded row
+    fill = [0, 0]
+    for d, r, want in zip(docs, where, alone):
+        n = len(d["input_ids"])
+        torch.testing.assert_close(tb.hidden_states[r, fill[r] : fill[r] + n], want.hidden_states[0],
+                                   atol=1e-5, rtol=1e-4)
+        logits = wrapper.get_output_embeddings()(tb.final_hidden[r, fill[r] : fill[r] + n])
+        torch.testing.assert_close(logits, want.logits[0], atol=1e-4, rtol=1e-4)
+        fill[r] += n
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="doc_spans"):
+        document_varlen_attention(None, q, q, q, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash varlen kernel runs on GPUs")
+def test_gpu_varlen_target_attention_equals_the_flex_document_mask():
+    """bf16 on a GPU: the packed target's features through the flash varlen kernel equal those through the flex
+    document-causal BlockMask at every real position, within bf16 rounding."""
+    target = tiny_qwen3().cuda().to(torch.bfloat16)
+    wrapper = HFDFlashTargetModel(target, make_draft(target, block_size=BLOCK).config.target_layer_ids)
+    docs = _docs([40, 90, 17, 60, 33, 7], seed=7)
+    batch = {k: v.cuda() for k, v in PackedCollator(pad_token_id=0, rows=2, pack_length=128)(docs).items()}
+
+    def features():
+        return wrapper.generate_batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                      position_ids=batch["position_ids"], doc_ids=batch["doc_ids"]).hidden_states
+
+    wrapper.use_flex_attention()
+    flex = features()
+    wrapper.use_varlen_attention()
+    varlen = features()
+    real = batch["doc_ids"] >= 0
+    torch.testing.assert_close(varlen[real].float(), flex[real].float(), atol=5e-2, rtol=5e-2)
+
+
+def test_packed_attention_is_a_recipe_key():
+    from nemo_dflash.config import ConfigError, load_recipe
+
+    assert load_recipe("smollm2_135m_gpu.yaml", []).target.packed_attention == "flex"
+    assert load_recipe("smollm2_135m_gpu.yaml", ["target.packed_attention=varlen"]).target.packed_attention == "varlen"
+    with pytest.raises(ConfigError) as e:
+        load_recipe("smollm2_135m_gpu.yaml", ["target.packed_attention=flash"])
+    assert "'target.packed_attention' must be one of ['flex', 'varlen'], got 'flash'" in str(e.value)
+
+
 def test_document_mask_would_be_caught(wrapper_draft):
     """Without the document mask the second document sees the first: features differ."""
     wrapper, _ = wrapper_draft

@@ -20,6 +20,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from nemo_dflash.target.packed_attention import ATTN_NAME as _VARLEN_ATTN, document_spans
+
 logger = logging.getLogger(__name__)
 
 # Attribute paths to the decoder-layer list, in the order we try them.
@@ -231,10 +233,25 @@ class HFDFlashTargetModel:
         else:  # pragma: no cover - older transformers
             self.model.config._attn_implementation = "flex_attention"
 
+    def use_varlen_attention(self) -> None:
+        """Run the target's attention over packed rows as one flash varlen call over their documents
+        (`target.packed_attention: varlen`; the module `target.packed_attention` says why): no mask at all."""
+        from nemo_dflash.target.packed_attention import register_document_varlen_attention
+
+        register_document_varlen_attention()
+        setter = getattr(self.model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(_VARLEN_ATTN)
+        else:  # pragma: no cover - older transformers
+            self.model.config._attn_implementation = _VARLEN_ATTN
+
     def document_mask(self, doc_ids: torch.Tensor):
         """The document-causal mask for packed rows, in the form the target's attention takes:
-        a flex BlockMask for `flex_attention`, a dense [B, 1, S, S] boolean mask otherwise."""
+        a flex BlockMask for `flex_attention`, none for the varlen attention (it reads the documents'
+        spans instead), a dense [B, 1, S, S] boolean mask otherwise."""
         impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl == _VARLEN_ATTN:
+            return None
         if impl == "flex_attention":
             return flex_document_causal_mask(doc_ids)
         return dense_document_causal_mask(doc_ids)
@@ -322,9 +339,12 @@ class HFDFlashTargetModel:
         stops there: distillation forms the teacher's logits from it chunk by chunk.
         """
         mask: Any = None if right_padded else attention_mask
+        kwargs: dict[str, Any] = {}
         if doc_ids is not None:
             mask = self.document_mask(doc_ids)
-        kwargs: dict[str, Any] = {"attention_mask": mask}
+            if getattr(self.model.config, "_attn_implementation", None) == _VARLEN_ATTN:
+                kwargs["doc_spans"] = document_spans(doc_ids)
+        kwargs["attention_mask"] = mask
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         norm = self.final_norm() if return_final_hidden and not return_logits else None

@@ -463,7 +463,10 @@ class Trainer:
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
         if cfg.data.pack_length and self.settings.attn_backend == "flex":
-            self.target.use_flex_attention()  # document-causal BlockMask over packed rows
+            if cfg.target.packed_attention == "varlen":
+                self.target.use_varlen_attention()  # one flash varlen call over the packed documents
+            else:
+                self.target.use_flex_attention()  # document-causal BlockMask over packed rows
         if self.device.type == "cuda":
             # packed rows have one shape: the whole draft compiles as one graph, once
             mode = ("draft" if cfg.data.pack_length else "layers") if cfg.train.compile else "0"
