@@ -361,7 +361,7 @@ def test_shared_queue_hands_out_each_item_once_in_cross_section_chunks(chunk):
     from nemo_dflash.data.work_queue import SharedQueue
 
     store, items = _CounterStore(), list(range(10))
-    a, b = iter(SharedQueue(store, "k", items, chunk)), iter(SharedQueue(store, "k", items, chunk))
+    a, b = iter(SharedQueue(store, "k", items, chunk, None, 0, 2)), iter(SharedQueue(store, "k", items, chunk, None, 1, 2))
     got: dict[str, list[int]] = {"a": [], "b": []}
     live = {"a": a, "b": b}
     while live:  # a takes two for each one b takes
@@ -399,7 +399,7 @@ def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queu
 
     weights = list(range(1000, 0, -1))
     store = _CounterStore()
-    ranks = [iter(SharedQueue(store, "k", weights, 16, block)) for _ in range(4)]
+    ranks = [iter(SharedQueue(store, "k", weights, 16, block, r, 4)) for r in range(4)]
     fills = [[next(r) for _ in range(96)] for r in ranks]  # rank 0 first, then 1, 2, 3
     mean = sum(map(sum, fills)) / 4
     assert all(abs(sum(f) - mean) / mean < 0.05 for f in fills), [sum(f) / mean for f in fills]
@@ -413,6 +413,25 @@ def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queu
         assert sorted(x for f in fills for x in f) == weights[:384][::-1]  # the first fills are the first block
         rest = [x for r in ranks for x in r]  # the others, all handed out once
         assert sorted(rest + [x for f in fills for x in f]) == sorted(weights)
+
+
+@pytest.mark.parametrize("n", [256, 1000])
+def test_the_first_block_is_dealt_to_every_rank_whoever_starts_first(n):
+    """Two ranks, blocks of 2 x 1,366 items (the slot engine's first fills, chunks of 16): rank 0 drains the queue
+    before rank 1 asks. Rank 1 still gets its half of the first block (chunks 1, 3, ...): a 256-item warm-up is
+    split 128 / 128, where claims gave rank 0 all 256; past the first block rank 0 takes what it reaches first."""
+    from nemo_dflash.data.work_queue import SharedQueue, queue_block
+
+    store, items = _CounterStore(), list(range(n))
+    block = queue_block(2 * 1366, 16)
+    early = list(SharedQueue(store, "k", items, 16, block, 0, 2))  # rank 0 runs to the end first
+    late = list(SharedQueue(store, "k", items, 16, block, 1, 2))
+    assert sorted(early + late) == items
+    first = min(n, block * 16)
+    assert len(late) == len([x for x in range(first) if (x % -(-first // 16)) % 2 == 1])  # its chunks of block 0
+    assert abs(len(late) - first / 2) <= 16
+    claimed = SharedQueue(_CounterStore(), "k", items, 16, 1, 0, 2)  # a first block of one chunk: the rest claimed
+    assert sorted(claimed) == items  # one rank alone drains every block it can claim
 
 
 @pytest.mark.parametrize("n,chunk,block", [(10, 3, 2), (37, 4, 3), (5, 16, 1), (48, 4, 4)])

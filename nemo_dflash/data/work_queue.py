@@ -12,6 +12,11 @@ whole head of a longest-first list: measured on four GPUs, one rank drew 1,376 c
 turns each, the others 1.5, and generated for 105 s against 38 s. With a block as large as all ranks'
 first fills together, every fill holds its share of the longest chains, and the list is still
 started block by block, longest first, so no long chain is left to start at the end.
+
+The first block is dealt, not claimed: chunk j of it goes to rank j mod world, whatever the order in which the
+ranks start; the counter hands out the blocks after it. Claimed, the first block went to whichever rank asked
+first: measured on two GPUs, a 256-conversation warm-up went entirely to rank 0, so rank 1 never compiled its
+decode step and paid 37 s of compiling inside the timed run that followed.
 """
 
 from __future__ import annotations
@@ -32,23 +37,27 @@ class CounterStore(Protocol):
 
 
 class SharedQueue(Generic[T]):
-    """Iterate the items this rank claims from ``items`` (identical on every rank), one chunk of up to
-    ``chunk`` items at a time, through the counter ``key`` of ``store``; iteration ends once every chunk
-    is claimed. Chunks are cross-sections of blocks of ``block`` chunks (default: the whole list is one
-    block); the module's docstring says why. ``chunk`` and ``block`` must be the same on every rank.
+    """Iterate the items this rank (``rank`` of ``world``) takes from ``items`` (identical on every rank), one
+    chunk of up to ``chunk`` items at a time: its deal of the first block, then chunks claimed through the
+    counter ``key`` of ``store``; iteration ends once every chunk is taken. Chunks are cross-sections of blocks
+    of ``block`` chunks (default: the whole list is one block, dealt); the module's docstring says why.
+    ``chunk``, ``block`` and ``world`` must be the same on every rank.
 
     Claims are lazy: a chunk is claimed when the consumer asks for its first item, so a rank
     takes work only as fast as its engine admits it. ``claimed`` counts the items handed out here.
     """
 
     def __init__(self, store: CounterStore, key: str, items: Sequence[T], chunk: int = 1,
-                 block: Optional[int] = None) -> None:
+                 block: Optional[int] = None, rank: int = 0, world: int = 1) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         if block is not None and block < 1:
             raise ValueError(f"block must be >= 1 chunks, got {block}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world), got rank {rank} of {world}")
         self._store, self._key, self._items, self._chunk = store, key, items, chunk
         self._block = block
+        self._rank, self._world = rank, world
         self.claimed = 0
 
     def chunk_items(self, k: int) -> Optional[list[T]]:
@@ -65,11 +74,22 @@ class SharedQueue(Generic[T]):
             return None
         return list(self._items[start + j:start + size:g])
 
-    def __iter__(self) -> Iterator[T]:
+    def _chunks(self) -> Iterator[list[T]]:
+        """This rank's chunks: its deal of the first block (chunks rank, rank + world, ...), then claims."""
+        first = self._block or max(1, -(-len(self._items) // self._chunk))  # the first block's chunk indices
+        for k in range(self._rank, first, self._world):
+            items = self.chunk_items(k)
+            if items is None:  # a short first block (the list ends inside it)
+                break
+            yield items
         while True:
-            items = self.chunk_items(int(self._store.add(self._key, 1)) - 1)
+            items = self.chunk_items(first + int(self._store.add(self._key, 1)) - 1)
             if items is None:
                 return
+            yield items
+
+    def __iter__(self) -> Iterator[T]:
+        for items in self._chunks():
             for item in items:
                 self.claimed += 1
                 yield item

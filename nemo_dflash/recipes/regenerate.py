@@ -909,11 +909,11 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         for mode in modes:
             left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
             queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", start_order(left, args.schedule, args.turns),
-                                       chunk, block)
+                                       chunk, block, rank, world)
         todo: Any = lambda mode: queues[mode]  # noqa: E731
         schedule = "given"
-        logger.info("%d ranks share a queue of %d conversations (%d claimed at a time, cross-sections of blocks of "
-                    "%d)", world, len(train) - len(done), chunk, block * chunk)
+        logger.info("%d ranks share a queue of %d conversations (%d taken at a time, cross-sections of blocks of "
+                    "%d; the first block dealt, the others claimed)", world, len(train) - len(done), chunk, block * chunk)
     else:  # one process, or a rank started alone: its static shard
         todo = [c for c in train[rank::world] if c.location not in done]
         if world > 1:
