@@ -574,6 +574,11 @@ def main_scaling(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         if done.returncode != 0:
             print(f"error: the warm-up run failed (exit {done.returncode}); no row written", file=sys.stderr)
             raise SystemExit(done.returncode)
+        idle = [d["rank"] for d in json.loads((warm / "summary.json").read_text()).get("ranks_detail") or []
+                if not d["conversations"]]
+        if idle:  # such a rank compiles its decode step inside the timed runs
+            print(f"warning: ranks {idle} answered nothing in the warm-up: their first timed run compiles cold; "
+                  "raise --warmup", file=sys.stderr, flush=True)
     runs = []
     for gpus in args.gpus:
         num_samples = args.num_samples * gpus if args.work == "weak" else args.num_samples
