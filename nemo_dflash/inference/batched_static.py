@@ -132,7 +132,7 @@ class _Rows:
 
 class BatchedStaticPlainRunner(_Rows):
     """R rows of one-token decoding, one captured graph per view length; at T > 0 each step draws every row's
-    token with the one-prompt plain loop's keyed noise (a key per row)."""
+    token with keyed noise (a key per row, `SampledStepState.next_tokens`)."""
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
                  filtered: bool = False) -> None:
@@ -214,7 +214,7 @@ class BatchedStaticSpecRunner(_Rows):
         super().__init__(decoder.target.model, rows, max_len, use_graphs)
         self.dec = decoder
         self.sampled = sampled  # the captured steps sample (T > 0), or accept greedily
-        # baked into the captured steps (as the one-prompt runner's): top-p / top-k filter (values in
+        # baked into the captured steps: top-p / top-k filter (values in
         # buffers), the draft proposes its argmax (one-hot q)
         self.filtered, self.draft_greedy = sampled and filtered, sampled and draft_greedy
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
