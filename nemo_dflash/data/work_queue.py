@@ -15,7 +15,7 @@ started block by block, longest first, so no long chain is left to start at the 
 
 The first block is dealt, not claimed: chunk j of it goes to rank j mod world, whatever the order in which the
 ranks start; the counter hands out the blocks after it. Claimed, the first block went to whichever rank asked
-first: measured on two GPUs, a 256-conversation warm-up went entirely to rank 0, so rank 1 never compiled its
+first: measured on two GPUs, a 512-conversation warm-up went entirely to rank 0, so rank 1 never compiled its
 decode step and paid 37 s of compiling inside the timed run that followed.
 """
 
