@@ -724,15 +724,20 @@ def check(args: argparse.Namespace) -> list[int]:
     return batches
 
 
-def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any]]:
-    """Decode `prompts` in batches of `bsz`; (decode seconds, outputs): prefills are not timed,
-    as `evaluate` times speedup."""
-    outs, seconds = [], 0.0
+def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any], list[float]]:
+    """Decode `prompts` in batches of `bsz`; (decode seconds, outputs, each batch's decode seconds): prefills
+    are not timed, as `evaluate` times speedup."""
+    outs, batch_seconds = [], []
     for i in range(0, len(prompts), bsz):
         res = fn(prompts[i : i + bsz])
-        seconds += res[0].decode_time_s
+        batch_seconds.append(res[0].decode_time_s)
         outs += res
-    return seconds, outs
+    return sum(batch_seconds), outs, batch_seconds
+
+
+def _batch_tokens(outs: list[Any], bsz: int) -> list[int]:
+    """New tokens of each batch of `bsz` answers (the first token comes from the untimed prefill)."""
+    return [sum(len(o.output_ids) - 1 for o in outs[i : i + bsz]) for i in range(0, len(outs), bsz)]
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -785,8 +790,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         longest = sorted(prompts, key=len)[-bsz:]  # the runners' caches then fit every batch (graphs)
         for fn in (plain, spec):  # warm-up: allocator, kernels, the graphs' capture
             fn(longest)
-        t_plain, o_plain = _timed(plain, prompts, bsz)
-        t_spec, o_spec = _timed(spec, prompts, bsz)
+        t_plain, o_plain, b_plain = _timed(plain, prompts, bsz)
+        t_spec, o_spec, b_spec = _timed(spec, prompts, bsz)
         tok_plain = sum(len(o.output_ids) - 1 for o in o_plain)
         tok_spec = sum(len(o.output_ids) - 1 for o in o_spec)
         steps = [a for o in o_spec for a in o.acceptance_lengths]
@@ -798,6 +803,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
             "tau": statistics.mean(steps) if steps else None, "identical_answers": same,
+            # what the speedup and its spread are recomputed from: each batch's decode seconds and new tokens
+            "batches_detail": {"plain_seconds": b_plain, "plain_tokens": _batch_tokens(o_plain, bsz),
+                               "spec_seconds": b_spec, "spec_tokens": _batch_tokens(o_spec, bsz)},
         })
     return rows
 

@@ -479,6 +479,11 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     assert all(r["identical_answers"] == 3 for r in got)
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
     assert got[2]["tau"] == got[0]["tau"]  # at T=0 a batched row's steps are the one-prompt decoder's
+    for r in got:  # the speedup is recomputed from each batch's seconds and tokens
+        d = r["batches_detail"]
+        assert len(d["plain_seconds"]) == len(d["spec_tokens"]) == -(-3 // r["concurrency"])
+        assert r["speedup"] == pytest.approx((sum(d["spec_tokens"]) / sum(d["spec_seconds"]))
+                                             / (sum(d["plain_tokens"]) / sum(d["plain_seconds"])))
     assert "eager on both sides" in capsys.readouterr().out
     # T=1 (on graphs the two loops at B=1 draw the same keyed samples; eager, the reference draws its own)
     sampled = tmp_path / "t1.json"
