@@ -792,8 +792,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             fn(longest)
         t_plain, o_plain, b_plain = _timed(plain, prompts, bsz)
         t_spec, o_spec, b_spec = _timed(spec, prompts, bsz)
-        tok_plain = sum(len(o.output_ids) - 1 for o in o_plain)
-        tok_spec = sum(len(o.output_ids) - 1 for o in o_spec)
+        n_plain, n_spec = _batch_tokens(o_plain, bsz), _batch_tokens(o_spec, bsz)
+        tok_plain, tok_spec = sum(n_plain), sum(n_spec)
         steps = [a for o in o_spec for a in o.acceptance_lengths]
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
         rows.append({
@@ -804,8 +804,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
             "tau": statistics.mean(steps) if steps else None, "identical_answers": same,
             # what the speedup and its spread are recomputed from: each batch's decode seconds and new tokens
-            "batches_detail": {"plain_seconds": b_plain, "plain_tokens": _batch_tokens(o_plain, bsz),
-                               "spec_seconds": b_spec, "spec_tokens": _batch_tokens(o_spec, bsz)},
+            "batches_detail": {"plain_seconds": b_plain, "plain_tokens": n_plain,
+                               "spec_seconds": b_spec, "spec_tokens": n_spec},
         })
     return rows
 

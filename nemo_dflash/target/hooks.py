@@ -20,7 +20,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from nemo_dflash.target.packed_attention import ATTN_NAME as _VARLEN_ATTN, document_spans
+from nemo_dflash.target.packed_attention import (
+    ATTN_NAME as _VARLEN_ATTN, document_spans, register_document_varlen_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,26 +226,23 @@ class HFDFlashTargetModel:
                 return mod
         return None
 
+    def _set_attn_implementation(self, name: str) -> None:
+        setter = getattr(self.model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(name)
+        else:  # pragma: no cover - older transformers
+            self.model.config._attn_implementation = name
+
     def use_flex_attention(self) -> None:
         """Run the target's attention through flex_attention (GPU, packed rows): the document mask
         is then a BlockMask, and fully invisible 128x128 tiles (other documents) are skipped."""
-        setter = getattr(self.model, "set_attn_implementation", None)
-        if callable(setter):
-            setter("flex_attention")
-        else:  # pragma: no cover - older transformers
-            self.model.config._attn_implementation = "flex_attention"
+        self._set_attn_implementation("flex_attention")
 
     def use_varlen_attention(self) -> None:
         """Run the target's attention over packed rows as one flash varlen call over their documents
         (`target.packed_attention: varlen`; the module `target.packed_attention` says why): no mask at all."""
-        from nemo_dflash.target.packed_attention import register_document_varlen_attention
-
         register_document_varlen_attention()
-        setter = getattr(self.model, "set_attn_implementation", None)
-        if callable(setter):
-            setter(_VARLEN_ATTN)
-        else:  # pragma: no cover - older transformers
-            self.model.config._attn_implementation = _VARLEN_ATTN
+        self._set_attn_implementation(_VARLEN_ATTN)
 
     def document_mask(self, doc_ids: torch.Tensor):
         """The document-causal mask for packed rows, in the form the target's attention takes:
