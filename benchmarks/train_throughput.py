@@ -234,8 +234,8 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
                 "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2), "tflops": round(r["tflops"], 1)})
-    for k in ("backend", "fused_ce", "loss_impl", "mbs", "accum", "overlap", "fsdp2"):
-        if k in r:
+    for k in ("backend", "fused_ce", "loss_impl", "packed_attention", "mbs", "accum", "overlap", "fsdp2"):
+        if r.get(k) is not None:
             row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
     return row
 
