@@ -700,6 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-prompt-loop", action="store_true",
                    help="at concurrency 1, also time the one-prompt loops `evaluate`'s speedup runs "
                         "(DFlashSpeculativeDecoder.generate, autoregressive_generate) on the same prompts")
+    p.add_argument("--schedule", default="batches", choices=["batches", "continuous"],
+                   help="batches: the prompts in consecutive batches of the concurrency, each waiting for its "
+                        "longest answer; continuous: all prompts through that many rows, a prompt entering a row "
+                        "as soon as its answer ends (what a serving engine does)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the rows here")
     return p
 
@@ -735,8 +739,12 @@ def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any], li
     return sum(batch_seconds), outs, batch_seconds
 
 
-def _batch_tokens(outs: list[Any], bsz: int) -> list[int]:
-    """New tokens of each batch of `bsz` answers (the first token comes from the untimed prefill)."""
+def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list[int]:
+    """New tokens of each batch of `bsz` answers (the first token comes from the untimed prefill). One batch
+    through fewer `rows` (continuous batching): the first tokens of the prompts that entered mid-run were made
+    inside the timed loop, so they count."""
+    if rows is not None and rows < bsz:
+        return [sum(len(o.output_ids) for o in outs) - rows]
     return [sum(len(o.output_ids) - 1 for o in outs[i : i + bsz]) for i in range(0, len(outs), bsz)]
 
 
@@ -765,6 +773,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
+    continuous = args.schedule == "continuous"
 
     def gen() -> torch.Generator:  # every call from the same seed: the loops sample alike at B=1
         return torch.Generator(device=device).manual_seed(args.seed)
@@ -790,14 +799,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         longest = sorted(prompts, key=len)[-bsz:]  # the runners' caches then fit every batch (graphs)
         for fn in (plain, spec):  # warm-up: allocator, kernels, the graphs' capture
             fn(longest)
-        t_plain, o_plain, b_plain = _timed(plain, prompts, bsz)
-        t_spec, o_spec, b_spec = _timed(spec, prompts, bsz)
-        n_plain, n_spec = _batch_tokens(o_plain, bsz), _batch_tokens(o_spec, bsz)
+        per_call, rows_of = (len(prompts), bsz) if continuous and loop == "batched" else (bsz, None)
+        t_plain, o_plain, b_plain = _timed(plain, prompts, per_call)
+        t_spec, o_spec, b_spec = _timed(spec, prompts, per_call)
+        n_plain, n_spec = _batch_tokens(o_plain, per_call, rows_of), _batch_tokens(o_spec, per_call, rows_of)
         tok_plain, tok_spec = sum(n_plain), sum(n_spec)
         steps = [a for o in o_spec for a in o.acceptance_lengths]
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
         rows.append({
             **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
+            "schedule": "continuous" if rows_of else "batches",
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,

@@ -21,26 +21,6 @@ def _prompts(n: int) -> list[list[int]]:
     return random_prompts(n, seed=11, max_len=40)
 
 
-@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
-@pytest.mark.parametrize("block", [1, 4, 8])
-def test_speculative_rows_equal_the_one_prompt_decoder(make_target, block):
-    """The same tokens and acceptance lengths per row, for prompts of different lengths, a stop
-    token that ends some answers early, the cap, and more rows than prompts (padding rows)."""
-    target = make_target()
-    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block)
-    prompts = _prompts(5)
-    free = [decoder.generate(torch.tensor([p]), max_new_tokens=30) for p in prompts]
-    stop = free[0].output_ids[5]
-    want = [decoder.generate(torch.tensor([p]), max_new_tokens=30, stop_token_ids=[stop]) for p in prompts]
-    assert any(w.stopped for w in want) and any(not w.stopped for w in want)
-    for rows in (5, 7):
-        got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=30, stop_token_ids=[stop],
-                                                  rows=rows, use_graphs=False)
-        assert [g.output_ids for g in got] == [w.output_ids for w in want]
-        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
-        assert [g.stopped for g in got] == [w.stopped for w in want]
-
-
 def test_long_accepted_blocks_and_a_reused_runner():
     """A draft trained on the target's own answer accepts long prefixes (rows drift far apart);
     the second call reuses the first call's runner and caches (stale entries must stay hidden)."""
@@ -79,10 +59,96 @@ def test_prefill_runs_are_consecutive_prompts_of_one_length_within_the_token_cap
     assert same_length_runs([long, long]) == [(0, 1), (1, 2)]
 
 
-def test_refuses_too_few_rows():
+def test_refuses_no_rows():
     target = tiny_qwen3()
-    with pytest.raises(ValueError, match="rows"):
-        batched_static_autoregressive_generate(target, [[1, 2], [3]], rows=1, use_graphs=False)
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        batched_static_autoregressive_generate(target, [[1, 2], [3]], rows=0, use_graphs=False)
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("block", [1, 4, 8])
+def test_speculative_rows_equal_the_one_prompt_decoder(make_target, block):
+    """The same tokens and acceptance lengths per prompt, for prompts of different lengths, a stop token that
+    ends some answers early, and the cap; with more rows than prompts (padding rows), as many, or fewer
+    (continuous batching: prompts enter rows as answers end, each on a row that held a longer or shorter
+    prompt before). At a cap of one token the rows pass from prompt to prompt without a decode step."""
+    target = make_target()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8), block_size=block)
+    prompts = _prompts(9)
+    free = [decoder.generate(torch.tensor([p]), max_new_tokens=24) for p in prompts]
+    stop = free[2].output_ids[4]
+    want = [decoder.generate(torch.tensor([p]), max_new_tokens=24, stop_token_ids=[stop]) for p in prompts]
+    assert any(w.stopped for w in want) and any(not w.stopped for w in want)
+    for rows in (1, 3, 9, 11):
+        got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=24, stop_token_ids=[stop],
+                                                  rows=rows, use_graphs=False)
+        assert [g.output_ids for g in got] == [w.output_ids for w in want], rows
+        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want], rows
+        assert [g.stopped for g in got] == [w.stopped for w in want], rows
+    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=1, rows=2, use_graphs=False)
+    assert [g.output_ids for g in got] == [f.output_ids[:1] for f in free]
+
+
+def test_continuous_batching_with_long_accepted_blocks():
+    """A draft that accepts long prefixes: a prompt entering a row mid-run must draft its first block against
+    its own prompt (a row drafting from its previous prompt's state would accept other lengths)."""
+    from _spec_fixtures import trained_like_decoder
+
+    base = _prompts(6)
+    decoder = trained_like_decoder(tiny_qwen3(), base)  # trained on base[0]'s answer: it enters last
+    prompts = base[1:] + [base[0]]
+    want = [decoder.generate(torch.tensor([p]), max_new_tokens=40) for p in prompts]
+    assert want[-1].acceptance_lengths[0] > 2
+    for rows in (1, 2):
+        got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=40, rows=rows, use_graphs=False)
+        assert [g.output_ids for g in got] == [w.output_ids for w in want], rows
+        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want], rows
+
+
+def test_a_prompt_whose_first_token_stops_gives_its_row_to_the_next():
+    """Every answer of one token (the stop): the rows pass from prompt to prompt without a decode step."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    prompts = _prompts(6)
+    firsts = [decoder.generate(torch.tensor([p]), max_new_tokens=1).output_ids[0] for p in prompts]
+    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=8, stop_token_ids=firsts, rows=2,
+                                              use_graphs=False)
+    assert [g.output_ids for g in got] == [[f] for f in firsts] and all(g.stopped for g in got)
+    got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=8, stop_token_ids=firsts, rows=2,
+                                                 use_graphs=False)
+    assert [g.output_ids for g in got] == [[f] for f in firsts]
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_continuous_plain_rows_equal_plain_decoding(make_target):
+    target = make_target()
+    prompts = _prompts(7)
+    want, stop = plain_answers_with_a_stop(target, prompts, 25, row=1, k=3)
+    for rows in (1, 3):
+        got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, stop_token_ids=[stop],
+                                                     rows=rows, use_graphs=False)
+        assert [g.output_ids for g in got] == [w.output_ids for w in want], rows
+        assert [g.stopped for g in got] == [w.stopped for w in want], rows
+
+
+def test_continuous_sampled_rows_with_a_one_token_nucleus_are_the_greedy_answers():
+    """At T > 0 with top-k 1 every draw is the argmax: the sampled steps' keys, q and accept test for prompts
+    that entered mid-run must then give the greedy answers; and the same generator seed, the same answers."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    prompts = _prompts(7)
+    setting = SamplingParams(1.0, top_k=1)
+    want = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, use_graphs=False)
+    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, temperature=setting, rows=3,
+                                              use_graphs=False, generator=torch.Generator().manual_seed(0))
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    plain = batched_static_autoregressive_generate(target, prompts, max_new_tokens=20, temperature=setting, rows=3,
+                                                   use_graphs=False, generator=torch.Generator().manual_seed(0))
+    assert [g.output_ids for g in plain] == [w.output_ids for w in want]
+    runs = [batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, temperature=1.0, rows=3,
+                                                use_graphs=False, generator=torch.Generator().manual_seed(5))
+            for _ in range(2)]
+    assert [o.output_ids for o in runs[0]] == [o.output_ids for o in runs[1]]
 
 
 @pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9)], ids=["t1", "top_p"])
@@ -227,6 +293,14 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
                                               **kw)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+    for temperature in (0.0, s):  # continuous batching: prompts entering rows between graph replays
+        order = prompts[1:] + [prompts[0]]
+        want = batched_static_speculative_generate(decoder, order, generator=torch.Generator("cuda").manual_seed(2),
+                                                   rows=2, use_graphs=False, max_new_tokens=30, temperature=temperature)
+        got = batched_static_speculative_generate(decoder, order, generator=torch.Generator("cuda").manual_seed(2),
+                                                  rows=2, max_new_tokens=30, temperature=temperature)
+        assert [g.output_ids for g in got] == [w.output_ids for w in want]
+        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
     ids, n = prompts[0], 4000
     with torch.no_grad():
         p = s.probs(decoder.target.model(torch.tensor([ids], device="cuda")).logits[0, -1]).cpu()
@@ -307,6 +381,23 @@ def test_t1_over_several_steps_keeps_the_joint_distribution():
     n = 6000
     outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
                                                use_graphs=False, generator=torch.Generator().manual_seed(2))
+    _assert_three_token_law(outs, joint, n)
+
+
+def test_t1_with_continuous_batching_keeps_the_joint_distribution():
+    """The same law when 6,000 prompts share 500 rows: every prompt after the first 500 enters a row mid-run
+    (its prefill, first token, key and first draft block on their own), so the refill path is judged too."""
+    from _spec_fixtures import three_token_law
+
+    target, draft, ids, _ = second_token_case()
+    decoder = DFlashSpeculativeDecoder(target, draft)
+    n = 6000
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+                                               rows=500, use_graphs=False, generator=torch.Generator().manual_seed(3))
+    _assert_three_token_law(outs, three_token_law(target, ids), n)
+
+
+def _assert_three_token_law(outs, joint: torch.Tensor, n: int) -> None:
     assert all(len(o.output_ids) == 3 for o in outs)
     assert any(o.acceptance_lengths[0] >= 2 for o in outs)  # some rows kept a proposal in step 1
     assert any(len(o.acceptance_lengths) >= 2 for o in outs)  # and some needed a second step
@@ -370,3 +461,17 @@ def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):
                                generator=torch.Generator().manual_seed(i), decode="graphs")
         assert got.output_ids == want.output_ids and got.acceptance_lengths == want.acceptance_lengths
     assert kept > 0  # proposals were kept, not only rejected
+
+
+def test_each_prompt_entering_a_row_draws_with_its_own_key():
+    """40 copies of one prompt through 2 rows at T=1: a row that kept its previous prompt's key would repeat
+    that answer draw for draw; every answer here is its own."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    prompt = _prompts(1)[0]
+    for outs in (batched_static_speculative_generate(decoder, [prompt] * 40, max_new_tokens=8, temperature=1.0,
+                                                     rows=2, use_graphs=False, generator=torch.Generator().manual_seed(1)),
+                 batched_static_autoregressive_generate(target, [prompt] * 40, max_new_tokens=8, temperature=1.0,
+                                                        rows=2, use_graphs=False,
+                                                        generator=torch.Generator().manual_seed(1))):
+        assert len({tuple(o.output_ids) for o in outs}) == 40

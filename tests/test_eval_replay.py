@@ -485,6 +485,12 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
         assert r["speedup"] == pytest.approx((sum(d["spec_tokens"]) / sum(d["spec_seconds"]))
                                              / (sum(d["plain_tokens"]) / sum(d["plain_seconds"])))
     assert "eager on both sides" in capsys.readouterr().out
+    cont = tmp_path / "continuous.json"  # 3 prompts through 2 rows: the third enters mid-run
+    assert bench.main(["concurrency", *argv[:-1], str(cont), "--batches", "2", "--schedule", "continuous"]) == 0
+    (c,) = json.loads(cont.read_text())
+    assert (c["schedule"], c["identical_answers"], c["tau"]) == ("continuous", 3, got[0]["tau"])
+    d = c["batches_detail"]  # one call; its new tokens: every answer's tokens but the first rows' prefill tokens
+    assert len(d["spec_seconds"]) == 1 and d["plain_tokens"][0] == sum(got[0]["batches_detail"]["plain_tokens"]) + 1
     # T=1 (on graphs the two loops at B=1 draw the same keyed samples; eager, the reference draws its own)
     sampled = tmp_path / "t1.json"
     assert bench.main(["concurrency", *argv[:-1], str(sampled), "--batches", "1", "--one-prompt-loop",

@@ -23,6 +23,12 @@ position p of its last verified token):
   (step, view length), captured up front.
 - A row that has finished stays in the batch (the shapes never change) with its position frozen
   (`alive`, a device buffer the host rewrites only when a row stops).
+- **Continuous batching.** With fewer rows than prompts, the prompts enter the rows in order and a row
+  whose answer ends takes the next prompt at once: its prompt is prefilled eagerly into that row alone
+  (its cache positions from 0; what the row held before stays hidden by the row's mask until overwritten),
+  its first token chosen, and a speculative row's first block drafted eagerly against the whole prompt,
+  while the other rows go on. A prompt's answer is the same whichever row and step it enters at (T=0),
+  and at T > 0 its draws use its own key, drawn from the caller's generator when it enters.
 
 At T=0 each row's answer and acceptance lengths are those of the eager reference decoder
 (`spec_decode`; in exact arithmetic, tested in fp32 on CPU, where the same code runs eagerly). At T > 0
@@ -65,12 +71,31 @@ def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
 
 
 def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[int]) -> int:
-    """The batch's row count (default: one per prompt), once the inputs suit this decoder."""
+    """The batch's row count (default: one per prompt; fewer rows than prompts: continuous batching),
+    once the inputs suit this decoder."""
     check_batch(prompts, max_new_tokens)
-    rows = rows or len(prompts)
-    if rows < len(prompts):
-        raise ValueError(f"rows ({rows}) must be >= the number of prompts ({len(prompts)})")
+    rows = len(prompts) if rows is None else int(rows)
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
     return rows
+
+
+class _Schedule:
+    """Which prompt each row holds: the first `rows` prompts start in rows 0..; later prompts enter rows
+    as the rows' answers end, in order (continuous batching)."""
+
+    def __init__(self, n: int, rows: int) -> None:
+        self.n, start = n, min(n, rows)
+        self.held: list[Optional[int]] = list(range(start)) + [None] * (rows - start)
+        self.next = start
+
+    def take(self, row: int) -> Optional[int]:
+        """The next prompt for `row`, whose answer just ended, or None when every prompt has started."""
+        i = None
+        if self.next < self.n:
+            i, self.next = self.next, self.next + 1
+        self.held[row] = i
+        return i
 
 
 # Prompts of one length are prefilled together, up to this many tokens a forward: the forward's logits
@@ -129,6 +154,18 @@ class _Rows:
     def set_alive(self, stopped: list[bool]) -> None:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
 
+    def enter(self, row: int, prompt: Sequence[int], first: torch.Tensor, sampling: Optional[SamplingParams],
+              generator: Optional[torch.Generator], state: Optional[SampledStepState]) -> int:
+        """A prompt entering `row` mid-run, its prompt prefilled: its first token from the prefill's last
+        logits `first` [1, V], its noise key (T > 0) drawn from the generator after it; the row's position
+        set. Returns the first token."""
+        tok = int(select_tokens(first, sampling or 0.0, generator)[0][0])
+        if state is not None:
+            gen_device = generator.device if generator is not None else torch.device("cpu")
+            state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
+        self.pos[row] = len(prompt)
+        return tok
+
 
 class BatchedStaticPlainRunner(_Rows):
     """R rows of one-token decoding, one captured graph per view length; at T > 0 each step draws every row's
@@ -166,36 +203,48 @@ class BatchedStaticPlainRunner(_Rows):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
                  sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
                  ) -> list[GenerationOutput]:
+        """Every prompt's answer; with fewer rows than prompts, prompts enter rows as answers end.
+        `prefill_time_s` is the first rows' prefill, `decode_time_s` the loop's (later prefills included)."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
-        n = len(prompts)
+        sampling = sampling if self.sampled else None
+        R = self.rows
+        sched = _Schedule(len(prompts), R)
+        m = sched.next  # prompts in the first rows
         sync(self.device)
         t0 = time.perf_counter()
         last = torch.cat([self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a])))
-                          for a, b in same_length_runs(prompts)])
-        last = torch.cat([last, last[:1].expand(self.rows - n, -1)])  # rows past the prompts: a copy of the first
-        firsts = select_tokens(last, sampling if self.sampled else 0.0, generator)[0].tolist()
+                          for a, b in same_length_runs(prompts[:m])])
+        last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
+        firsts = select_tokens(last, sampling or 0.0, generator)[0].tolist()
         if self.sampled:  # each row's noise key, drawn from (and advancing) the caller's generator
             self.state.start(sampling, generator)
         self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
-        host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)
+        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
-        outputs = [[t] for t in firsts[:n]]
-        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs] + [True] * (self.rows - n)
-        self.set_alive(stopped)
+        outputs: list[list[int]] = [[t] for t in firsts[:m]] + [[] for _ in prompts[m:]]
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs[:m]] + [True] * (R - m)
         sync(self.device)
         t1 = time.perf_counter()
+        for r in range(m):
+            if stopped[r]:
+                stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids, sampling,
+                                          generator)
+        self.set_alive(stopped)
         while not all(stopped):
             need = max(p for p, s in zip(host_pos, stopped) if not s) + 1
             self.steps.get(self.steps.view(need)).replay()
             toks = self.tok.view(-1).tolist()  # the step's one host sync
             was = list(stopped)
-            for r in range(n):
+            for r in range(R):
                 if was[r]:
                     continue
+                out = outputs[sched.held[r]]
                 host_pos[r] += 1
-                outputs[r].append(toks[r])
-                stopped[r] = toks[r] in stop_ids or len(outputs[r]) >= max_new_tokens
+                out.append(toks[r])
+                if toks[r] in stop_ids or len(out) >= max_new_tokens:
+                    stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
+                                              sampling, generator)
             if stopped != was:
                 self.set_alive(stopped)
         sync(self.device)
@@ -203,6 +252,22 @@ class BatchedStaticPlainRunner(_Rows):
         return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
                                  decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=o[-1] in stop_ids)
                 for o in outputs]
+
+    def _refill(self, row: int, sched: _Schedule, prompts: Sequence[Sequence[int]], outputs: list[list[int]],
+                host_pos: list[int], max_new_tokens: int, stop_ids: set[int], sampling: Optional[SamplingParams],
+                generator: Optional[torch.Generator]) -> bool:
+        """`row`'s answer ended: the next prompts enter it until one goes on decoding (False) or none is
+        left (True: the row stays stopped)."""
+        while (i := sched.take(row)) is not None:
+            prompt = prompts[i]
+            first = self.prefill_rows(row, [prompt], self.steps.view(len(prompt)))
+            tok = self.enter(row, prompt, first, sampling, generator, self.state)
+            self.tok[row, 0] = tok
+            host_pos[row] = len(prompt)
+            outputs[i].append(tok)
+            if not (tok in stop_ids or max_new_tokens <= 1):
+                return False
+        return True
 
 
 class BatchedStaticSpecRunner(_Rows):
@@ -270,17 +335,19 @@ class BatchedStaticSpecRunner(_Rows):
         self._propose(logits)
         return logits
 
-    def _propose(self, logits: torch.Tensor) -> None:
-        """Draft logits [R, B-1, V] -> the proposals in the block: the argmax (T=0, or greedy proposals
-        with a one-hot q), else one keyed draw per slot from the filtered softmax q, kept for the accept test."""
+    def _propose(self, logits: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Draft logits [R, B-1, V] (or those of `rows`) -> the proposals in the block: the argmax (T=0, or
+        greedy proposals with a one-hot q), else one keyed draw per slot from the filtered softmax q, kept for
+        the accept test."""
         if not self.sampled or self.draft_greedy:
             tok = logits.argmax(dim=-1)
             if self.sampled:
-                self.q.zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
-            self.blk[:, 1:].copy_(tok)
+                self.q[rows].zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
+            self.blk[rows, 1:].copy_(tok)
             return
-        self.q.copy_(torch.softmax(self.state.scores(logits, self.filtered), dim=-1))
-        self.blk[:, 1:].copy_(keyed_proposals(self.q, self.state.key, self.pos))
+        q = self.q[rows]
+        q.copy_(torch.softmax(self.state.scores(logits, self.filtered), dim=-1))
+        self.blk[rows, 1:].copy_(keyed_proposals(q, self.state.key[rows], self.pos[rows]))
 
     def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
@@ -331,66 +398,101 @@ class BatchedStaticSpecRunner(_Rows):
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
                  sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
                  ) -> list[GenerationOutput]:
+        """Every prompt's answer; with fewer rows than prompts, prompts enter rows as answers end.
+        `prefill_time_s` is the first rows' prefill, `decode_time_s` the loop's (later prefills included)."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
         self.sampling = sampling if self.sampled else None
-        n, B = len(prompts), self.B
+        R, B = self.rows, self.B
+        sched = _Schedule(len(prompts), R)
+        m = sched.next  # prompts in the first rows
         sync(self.device)
         t0 = time.perf_counter()
-        host_pos = [len(p) for p in prompts] + [len(prompts[0])] * (self.rows - n)  # rows past the prompts: unread
+        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
         view = self.verify_steps.view(max(host_pos) + B)
-        runs = same_length_runs(prompts)
+        runs = same_length_runs(prompts[:m])
         last_logits, prompt_feats = [], []
         with self.dec.target.capture(stop_early=False) as captured:
             for a, b in runs:
                 last_logits.append(self.prefill_rows(a, prompts[a:b], view))
                 prompt_feats.append(self.dec.target.concat(captured))
-        last_logits = torch.cat(last_logits + [last_logits[0][:1]] * (self.rows - n))
+        last_logits = torch.cat(last_logits + [last_logits[0][:1]] * (R - m))
         firsts = select_tokens(last_logits, self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         if self.sampling is not None:  # each row's noise key, drawn from (and advancing) the caller's generator
             self.state.start(self.sampling, generator)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
-        outputs = [[t] for t in firsts[:n]]
-        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs] + [True] * (self.rows - n)
-        self.set_alive(stopped)
-        accept: list[list[int]] = [[] for _ in range(n)]
+        outputs: list[list[int]] = [[t] for t in firsts[:m]] + [[] for _ in prompts[m:]]
+        accept: list[list[int]] = [[] for _ in prompts]
+        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs[:m]] + [True] * (R - m)
         sync(self.device)
         t1 = time.perf_counter()
+        fresh: dict[int, torch.Tensor] = {}  # rows whose prompt entered since the last step: its features
+        for r in range(m):
+            if stopped[r]:
+                stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
+                                          generator, fresh)
+        self.set_alive(stopped)
         step_one = True
         while not all(stopped):
             view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
             if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
                 if step_one:
                     d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
-                    self._propose(torch.cat([d_logits, d_logits[:1].expand(self.rows - n, -1, -1)]))  # unread rows
+                    self._propose(torch.cat([d_logits, d_logits[:1].expand(R - m, -1, -1)]))  # unread rows
                 else:
                     self.draft_steps.get(view).replay()
+                for r, feats in fresh.items():  # a prompt that entered mid-run: its first block, eagerly
+                    self._propose(self._first_draft_logits(r, feats, view), slice(r, r + 1))
             step_one = False
+            fresh.clear()
             if self.after_draft is not None:
                 self.after_draft()
             self.verify_steps.get(view).replay()
             res = self.result.tolist()  # the step's one host sync
             was = list(stopped)
-            for r in range(n):
+            for r in range(R):
                 if was[r]:
                     continue
+                i = sched.held[r]
                 n_acc = res[r][0]
                 host_pos[r] += n_acc + 1
                 new = res[r][1 : n_acc + 2]  # the kept proposals and the target's next token
-                accept[r].append(len(new))
-                kept, stopped[r] = truncate(new, stop_ids, max_new_tokens - len(outputs[r]))
-                outputs[r].extend(kept)
-                stopped[r] = stopped[r] or len(outputs[r]) >= max_new_tokens
+                accept[i].append(len(new))
+                kept, ended = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
+                outputs[i].extend(kept)
+                if ended or len(outputs[i]) >= max_new_tokens:
+                    stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
+                                              generator, fresh)
             if stopped != was:
                 self.set_alive(stopped)
         sync(self.device)
         t2 = time.perf_counter()
-        return [GenerationOutput(output_ids=outputs[r], num_target_forwards=len(accept[r]),
-                                 acceptance_lengths=accept[r], decode_time_s=t2 - t1, prefill_time_s=t1 - t0,
-                                 stopped=bool(outputs[r][-1] in stop_ids))
-                for r in range(n)]
+        return [GenerationOutput(output_ids=outputs[i], num_target_forwards=len(accept[i]),
+                                 acceptance_lengths=accept[i], decode_time_s=t2 - t1, prefill_time_s=t1 - t0,
+                                 stopped=bool(outputs[i][-1] in stop_ids))
+                for i in range(len(prompts))]
+
+    def _refill(self, row: int, sched: _Schedule, prompts: Sequence[Sequence[int]], outputs: list[list[int]],
+                host_pos: list[int], max_new_tokens: int, stop_ids: set[int], generator: Optional[torch.Generator],
+                fresh: dict[int, torch.Tensor]) -> bool:
+        """`row`'s answer ended: the next prompts enter it until one goes on decoding (False; its prompt's
+        features wait in `fresh` for the row's first draft) or none is left (True: the row stays stopped)."""
+        fresh.pop(row, None)
+        while (i := sched.take(row)) is not None:
+            prompt = prompts[i]
+            with self.dec.target.capture(stop_early=False) as captured:
+                first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + self.B))
+                feats = self.dec.target.concat(captured)
+            tok = self.enter(row, prompt, first, self.sampling, generator, self.state)
+            self.blk[row, 0] = tok
+            host_pos[row] = len(prompt)
+            outputs[i].append(tok)
+            if not (tok in stop_ids or max_new_tokens <= 1):
+                fresh[row] = feats
+                return False
+        return True
 
 
 # Runners are kept per (model or decoder) and (kind, rows, use_graphs), as long as their owner lives:
