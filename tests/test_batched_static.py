@@ -475,3 +475,39 @@ def test_each_prompt_entering_a_row_draws_with_its_own_key():
                                                         rows=2, use_graphs=False,
                                                         generator=torch.Generator().manual_seed(1))):
         assert len({tuple(o.output_ids) for o in outs}) == 40
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_follow_ups_from_on_done_are_decoded_as_more_prompts(kind):
+    """`on_done` sees each answer as it ends and may return a follow-up (a next turn built on that answer):
+    it is decoded as one more prompt, entering the first free row, and its answer is the one-prompt
+    decoder's for that prompt; outputs come back in request order. A follow-up the caches cannot hold is
+    refused in one line naming `max_prompt_tokens`."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    prompts = _prompts(4)
+    seen: list[int] = []
+    follow_ups: list[list[int]] = []
+
+    def on_done(i, out):
+        seen.append(i)
+        if i < len(prompts):  # a second turn for every first one
+            follow_ups.append(prompts[i] + out.output_ids + [7, 8])
+            return follow_ups[-1]
+        return None
+
+    kw = dict(max_new_tokens=12, rows=2, use_graphs=False, on_done=on_done, max_prompt_tokens=60)
+    if kind == "spec":
+        got = batched_static_speculative_generate(decoder, prompts, **kw)
+        one = lambda p: decoder.generate(torch.tensor([p]), max_new_tokens=12)  # noqa: E731
+    else:
+        got = batched_static_autoregressive_generate(target, prompts, **kw)
+        one = lambda p: autoregressive_generate(target, torch.tensor([p]), max_new_tokens=12)  # noqa: E731
+    assert sorted(seen) == list(range(8)) and len(got) == 8
+    want = [one(p) for p in prompts + follow_ups]
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+    with pytest.raises(ValueError, match="max_prompt_tokens >= ") as e:
+        batched_static_speculative_generate(decoder, prompts[:1], max_new_tokens=12, use_graphs=False,
+                                            on_done=lambda i, out: [1] * 500 if i == 0 else None)
+    assert "\n" not in str(e.value)

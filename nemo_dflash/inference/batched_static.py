@@ -80,22 +80,53 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
     return rows
 
 
-class _Schedule:
-    """Which prompt each row holds: the first `rows` prompts start in rows 0..; later prompts enter rows
-    as the rows' answers end, in order (continuous batching)."""
+# What a caller may do when an answer ends: (prompt index, its output) -> a follow-up prompt (the next turn of
+# its conversation, say), decoded as one more prompt, or None.
+OnDone = Callable[[int, GenerationOutput], Optional[Sequence[int]]]
 
-    def __init__(self, n: int, rows: int) -> None:
-        self.n, start = n, min(n, rows)
+
+def _output(tokens: list[int], accepted: Optional[list[int]], stop_ids: set[int], prefill_s: float,
+            decode_s: float) -> GenerationOutput:
+    """One prompt's answer; `accepted` None for plain decoding (one token a step)."""
+    accepted = [1] * (len(tokens) - 1) if accepted is None else accepted
+    return GenerationOutput(output_ids=list(tokens), num_target_forwards=len(accepted),
+                            acceptance_lengths=list(accepted), decode_time_s=decode_s, prefill_time_s=prefill_s,
+                            stopped=tokens[-1] in stop_ids)
+
+
+class _Schedule:
+    """The prompts (a caller's follow-ups appended as answers end), each one's tokens so far, and which prompt
+    each row holds: the first `rows` prompts start in rows 0..; later prompts enter rows as the rows' answers
+    end, in order (continuous batching)."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], rows: int, on_done: Optional[OnDone], max_len: int,
+                 room: int) -> None:
+        self.prompts = [list(p) for p in prompts]
+        self.outputs: list[list[int]] = [[] for _ in self.prompts]
+        self.accept: list[list[int]] = [[] for _ in self.prompts]
+        start = min(len(self.prompts), rows)
         self.held: list[Optional[int]] = list(range(start)) + [None] * (rows - start)
-        self.next = start
+        self.next, self.on_done, self.max_len, self.room = start, on_done, max_len, room
 
     def take(self, row: int) -> Optional[int]:
         """The next prompt for `row`, whose answer just ended, or None when every prompt has started."""
         i = None
-        if self.next < self.n:
+        if self.next < len(self.prompts):
             i, self.next = self.next, self.next + 1
         self.held[row] = i
         return i
+
+    def done(self, i: int, out: GenerationOutput) -> None:
+        """Prompt i's answer ended: the caller's follow-up, if any, joins the queue."""
+        follow = self.on_done(i, out) if self.on_done is not None else None
+        if follow is None:
+            return
+        if not 0 < len(follow) <= self.max_len - self.room:
+            raise ValueError(f"a follow-up prompt of {len(follow)} tokens does not fit the rows' cache of "
+                             f"{self.max_len} positions: pass max_prompt_tokens >= {len(follow)}")
+        self.prompts.append(list(follow))
+        self.outputs.append([])
+        self.accept.append([])
 
 
 # Prompts of one length are prefilled together, up to this many tokens a forward: the forward's logits
@@ -201,16 +232,17 @@ class BatchedStaticPlainRunner(_Rows):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
-                 ) -> list[GenerationOutput]:
-        """Every prompt's answer; with fewer rows than prompts, prompts enter rows as answers end.
-        `prefill_time_s` is the first rows' prefill, `decode_time_s` the loop's (later prefills included)."""
+                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
+                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
+        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
+        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
+        prefill, `decode_time_s` the loop's (later prefills included)."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
         sampling = sampling if self.sampled else None
         R = self.rows
-        sched = _Schedule(len(prompts), R)
-        m = sched.next  # prompts in the first rows
+        sched = _Schedule(prompts, R, on_done, self.max_len, max_new_tokens + 1)
+        prompts, outputs, m = sched.prompts, sched.outputs, sched.next  # m: prompts in the first rows
         sync(self.device)
         t0 = time.perf_counter()
         last = torch.cat([self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a])))
@@ -222,14 +254,30 @@ class BatchedStaticPlainRunner(_Rows):
         self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
         host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
-        outputs: list[list[int]] = [[t] for t in firsts[:m]] + [[] for _ in prompts[m:]]
-        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs[:m]] + [True] * (R - m)
+        for i in range(m):
+            outputs[i].append(firsts[i])
+        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
         sync(self.device)
         t1 = time.perf_counter()
+
+        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
+            while True:
+                i = sched.held[row]
+                sched.done(i, _output(outputs[i], None, stop_ids, t1 - t0, time.perf_counter() - t1))
+                if (i := sched.take(row)) is None:
+                    return True
+                prompt = prompts[i]
+                tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))),
+                                 sampling, generator, self.state)
+                self.tok[row, 0] = tok
+                host_pos[row] = len(prompt)
+                outputs[i].append(tok)
+                if not (tok in stop_ids or max_new_tokens <= 1):
+                    return False
+
         for r in range(m):
             if stopped[r]:
-                stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids, sampling,
-                                          generator)
+                stopped[r] = ended(r)
         self.set_alive(stopped)
         while not all(stopped):
             need = max(p for p, s in zip(host_pos, stopped) if not s) + 1
@@ -243,31 +291,12 @@ class BatchedStaticPlainRunner(_Rows):
                 host_pos[r] += 1
                 out.append(toks[r])
                 if toks[r] in stop_ids or len(out) >= max_new_tokens:
-                    stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
-                                              sampling, generator)
+                    stopped[r] = ended(r)
             if stopped != was:
                 self.set_alive(stopped)
         sync(self.device)
         t2 = time.perf_counter()
-        return [GenerationOutput(output_ids=o, num_target_forwards=len(o) - 1, acceptance_lengths=[1] * (len(o) - 1),
-                                 decode_time_s=t2 - t1, prefill_time_s=t1 - t0, stopped=o[-1] in stop_ids)
-                for o in outputs]
-
-    def _refill(self, row: int, sched: _Schedule, prompts: Sequence[Sequence[int]], outputs: list[list[int]],
-                host_pos: list[int], max_new_tokens: int, stop_ids: set[int], sampling: Optional[SamplingParams],
-                generator: Optional[torch.Generator]) -> bool:
-        """`row`'s answer ended: the next prompts enter it until one goes on decoding (False) or none is
-        left (True: the row stays stopped)."""
-        while (i := sched.take(row)) is not None:
-            prompt = prompts[i]
-            first = self.prefill_rows(row, [prompt], self.steps.view(len(prompt)))
-            tok = self.enter(row, prompt, first, sampling, generator, self.state)
-            self.tok[row, 0] = tok
-            host_pos[row] = len(prompt)
-            outputs[i].append(tok)
-            if not (tok in stop_ids or max_new_tokens <= 1):
-                return False
-        return True
+        return [_output(o, None, stop_ids, t1 - t0, t2 - t1) for o in outputs]
 
 
 class BatchedStaticSpecRunner(_Rows):
@@ -396,16 +425,17 @@ class BatchedStaticSpecRunner(_Rows):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None
-                 ) -> list[GenerationOutput]:
-        """Every prompt's answer; with fewer rows than prompts, prompts enter rows as answers end.
-        `prefill_time_s` is the first rows' prefill, `decode_time_s` the loop's (later prefills included)."""
+                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
+                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
+        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
+        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
+        prefill, `decode_time_s` the loop's (later prefills included)."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
         self.sampling = sampling if self.sampled else None
         R, B = self.rows, self.B
-        sched = _Schedule(len(prompts), R)
-        m = sched.next  # prompts in the first rows
+        sched = _Schedule(prompts, R, on_done, self.max_len, max_new_tokens + 2 * B)
+        prompts, outputs, accept, m = sched.prompts, sched.outputs, sched.accept, sched.next
         sync(self.device)
         t0 = time.perf_counter()
         host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
@@ -423,16 +453,35 @@ class BatchedStaticSpecRunner(_Rows):
             self.state.start(self.sampling, generator)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
-        outputs: list[list[int]] = [[t] for t in firsts[:m]] + [[] for _ in prompts[m:]]
-        accept: list[list[int]] = [[] for _ in prompts]
-        stopped = [o[0] in stop_ids or max_new_tokens <= 1 for o in outputs[:m]] + [True] * (R - m)
+        for i in range(m):
+            outputs[i].append(firsts[i])
+        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
         sync(self.device)
         t1 = time.perf_counter()
         fresh: dict[int, torch.Tensor] = {}  # rows whose prompt entered since the last step: its features
+
+        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
+            fresh.pop(row, None)
+            while True:
+                i = sched.held[row]
+                sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
+                if (i := sched.take(row)) is None:
+                    return True
+                prompt = prompts[i]
+                with self.dec.target.capture(stop_early=False) as captured:
+                    first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + B))
+                    feats = self.dec.target.concat(captured)
+                tok = self.enter(row, prompt, first, self.sampling, generator, self.state)
+                self.blk[row, 0] = tok
+                host_pos[row] = len(prompt)
+                outputs[i].append(tok)
+                if not (tok in stop_ids or max_new_tokens <= 1):
+                    fresh[row] = feats
+                    return False
+
         for r in range(m):
             if stopped[r]:
-                stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
-                                          generator, fresh)
+                stopped[r] = ended(r)
         self.set_alive(stopped)
         step_one = True
         while not all(stopped):
@@ -460,39 +509,15 @@ class BatchedStaticSpecRunner(_Rows):
                 host_pos[r] += n_acc + 1
                 new = res[r][1 : n_acc + 2]  # the kept proposals and the target's next token
                 accept[i].append(len(new))
-                kept, ended = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
+                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
                 outputs[i].extend(kept)
-                if ended or len(outputs[i]) >= max_new_tokens:
-                    stopped[r] = self._refill(r, sched, prompts, outputs, host_pos, max_new_tokens, stop_ids,
-                                              generator, fresh)
+                if hit or len(outputs[i]) >= max_new_tokens:
+                    stopped[r] = ended(r)
             if stopped != was:
                 self.set_alive(stopped)
         sync(self.device)
         t2 = time.perf_counter()
-        return [GenerationOutput(output_ids=outputs[i], num_target_forwards=len(accept[i]),
-                                 acceptance_lengths=accept[i], decode_time_s=t2 - t1, prefill_time_s=t1 - t0,
-                                 stopped=bool(outputs[i][-1] in stop_ids))
-                for i in range(len(prompts))]
-
-    def _refill(self, row: int, sched: _Schedule, prompts: Sequence[Sequence[int]], outputs: list[list[int]],
-                host_pos: list[int], max_new_tokens: int, stop_ids: set[int], generator: Optional[torch.Generator],
-                fresh: dict[int, torch.Tensor]) -> bool:
-        """`row`'s answer ended: the next prompts enter it until one goes on decoding (False; its prompt's
-        features wait in `fresh` for the row's first draft) or none is left (True: the row stays stopped)."""
-        fresh.pop(row, None)
-        while (i := sched.take(row)) is not None:
-            prompt = prompts[i]
-            with self.dec.target.capture(stop_early=False) as captured:
-                first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + self.B))
-                feats = self.dec.target.concat(captured)
-            tok = self.enter(row, prompt, first, self.sampling, generator, self.state)
-            self.blk[row, 0] = tok
-            host_pos[row] = len(prompt)
-            outputs[i].append(tok)
-            if not (tok in stop_ids or max_new_tokens <= 1):
-                fresh[row] = feats
-                return False
-        return True
+        return [_output(o, a, stop_ids, t1 - t0, t2 - t1) for o, a in zip(outputs, accept)]
 
 
 # Runners are kept per (model or decoder) and (kind, rows, use_graphs), as long as their owner lives:
@@ -542,33 +567,45 @@ def spec_cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> 
     return cache_length_for(prompt_len, max_new_tokens + block_size, block_size)
 
 
+def _longest(prompts: Sequence[Sequence[int]], max_prompt_tokens: Optional[int]) -> int:
+    """The longest prompt the rows' caches must hold: the prompts', or `max_prompt_tokens` for follow-ups."""
+    return max(max(len(p) for p in prompts), max_prompt_tokens or 0)
+
+
 def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
-    use_graphs: bool = True, generator: Optional[torch.Generator] = None,
+    use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
+    max_prompt_tokens: Optional[int] = None,
 ) -> list[GenerationOutput]:
-    """Plain decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts), at any
-    temperature: at T > 0 a row's tokens are keyed draws (a key per row from `generator`)."""
+    """Plain decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
+    continuous batching), at any temperature: at T > 0 a prompt's tokens are keyed draws (a key per prompt
+    from `generator`). `on_done(i, output)` may return a follow-up prompt (decoded as one more; the caches
+    hold prompts up to `max_prompt_tokens`)."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
-    runner = plain_runner(target_model, s, rows, cache_length_for(max(len(p) for p in prompts), max_new_tokens, 1),
-                          use_graphs)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
+    runner = plain_runner(target_model, s, rows, cache_length_for(_longest(prompts, max_prompt_tokens),
+                                                                  max_new_tokens, 1), use_graphs)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
+                           on_done)
 
 
 def batched_static_speculative_generate(
     decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
-    use_graphs: bool = True, generator: Optional[torch.Generator] = None,
+    use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
+    max_prompt_tokens: Optional[int] = None,
 ) -> list[GenerationOutput]:
-    """Speculative decoding of all prompts in one fixed-shape batch of `rows` (default: the prompts).
-    At T=0 each row's answer and acceptance lengths are the eager reference decoder's for that prompt; at
-    T > 0 the rows are samples of the target's distribution, all drawn from one `generator`."""
+    """Speculative decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
+    continuous batching). At T=0 each answer and its acceptance lengths are the eager reference decoder's for
+    that prompt; at T > 0 they are samples of the target's distribution, all drawn from one `generator`.
+    `on_done` and `max_prompt_tokens` as in `batched_static_autoregressive_generate`."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
-    need = spec_cache_length(max(len(p) for p in prompts), max_new_tokens, decoder.block_size)
+    need = spec_cache_length(_longest(prompts, max_prompt_tokens), max_new_tokens, decoder.block_size)
     runner = spec_runner(decoder, s, rows, need, use_graphs)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
+                           on_done)
 
 
 __all__ = [

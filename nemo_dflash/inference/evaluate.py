@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 from nemo_dflash.files import HUMANEVAL_FILE, MMATH_FILE, MTBENCH_FILE  # noqa: E402
 HUMANEVAL_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
 WARMUP_TOKENS = 16
+# tokens an earlier answer may take in a later turn's prompt beyond the cap (re-encoded text, end of turn)
+ANSWER_MARGIN = 32
 FIRST_TOKENS = 256  # the "first 256 tokens" column: steps that start before this output index
 STOP_RULE = "end of turn (EOS or the chat template's end-of-turn token) or max_new_tokens"
 
@@ -377,11 +379,12 @@ class ConversationDecoder:
 
     @torch.no_grad()
     def run_batch(self, prompts: Sequence[EvalPrompt]) -> list[list[Answer]]:
-        """`run` for many conversations at once: turn t of every conversation that has one is decoded in
-        one batch (`inference.batched_static`; `--decode graphs`: each step a captured CUDA graph). At
-        T=0 the answers are `run`'s; at T > 0 they are samples of the same distribution from one
-        generator (seeded by the first prompt), not `run`'s per-conversation samples. No timing: the
-        batch's clock is shared."""
+        """`run` for many conversations at once, on the engine's continuous batching
+        (`inference.batched_static`; `--decode graphs`: each step a captured CUDA graph): one row per
+        conversation, and a conversation's next turn, built on its own answer, enters as soon as that
+        answer ends. At T=0 the answers are `run`'s; at T > 0 they are samples of the same distribution
+        from one generator (seeded by the first prompt), not `run`'s per-conversation samples. No timing:
+        the rows share one clock."""
         from nemo_dflash.inference.batched_static import batched_static_speculative_generate
 
         s = self.settings
@@ -389,19 +392,39 @@ class ConversationDecoder:
         histories = [p.history() for p in prompts]
         turns = [conversation_turns(p, s.turns) for p in prompts]
         answers: list[list[Answer]] = [[] for _ in prompts]
-        for t in range(max(turns)):
-            live = [i for i in range(len(prompts)) if t < turns[i]]
-            for i in live:
-                if prompts[i].messages is None:
-                    histories[i].append({"role": "user", "content": prompts[i].turns[t]})
-            ids = [encode_chat(self.tokenizer, histories[i], s.use_chat_template) for i in live]
-            outs = batched_static_speculative_generate(self.spec, ids, generator=g,
-                                                       use_graphs=self.settings.decode == "graphs", **self._kw())
-            for i, prompt_ids, out in zip(live, ids, outs):
-                answers[i].append(_answer(prompts[i].id, t + 1, prompt_ids, out))
-                if t + 1 < turns[i]:
-                    histories[i].append({"role": "assistant", "content": self.answer_text(out.output_ids)})
+        asked: list[tuple[int, list[int]]] = []  # each request of the engine: (conversation, its prompt ids)
+
+        def ask(i: int) -> list[int]:  # conversation i's next turn as a prompt
+            if prompts[i].messages is None:
+                histories[i].append({"role": "user", "content": prompts[i].turns[len(answers[i])]})
+            ids = encode_chat(self.tokenizer, histories[i], s.use_chat_template)
+            asked.append((i, ids))
+            return ids
+
+        def on_done(k: int, out: Any) -> Optional[list[int]]:
+            i, prompt_ids = asked[k]
+            answers[i].append(_answer(prompts[i].id, len(answers[i]) + 1, prompt_ids, out))
+            if len(answers[i]) == turns[i]:
+                return None
+            histories[i].append({"role": "assistant", "content": self.answer_text(out.output_ids)})
+            return ask(i)
+
+        firsts = [ask(i) for i in range(len(prompts))]
+        batched_static_speculative_generate(
+            self.spec, firsts, generator=g, use_graphs=s.decode == "graphs", on_done=on_done,
+            max_prompt_tokens=max(self._longest_prompt(p, t) for p, t in zip(prompts, turns)), **self._kw())
         return answers
+
+    def _longest_prompt(self, prompt: EvalPrompt, turns: int) -> int:
+        """A bound on the tokens of `prompt`'s last turn's prompt: every user turn through the template, and
+        each earlier answer at the token cap plus a margin for its end-of-turn tokens and re-encoding."""
+        history = prompt.history()
+        if prompt.messages is None:
+            for t in range(turns):
+                history += ([{"role": "assistant", "content": ""}] if t else []) + [
+                    {"role": "user", "content": prompt.turns[t]}]
+        return len(encode_chat(self.tokenizer, history, self.settings.use_chat_template)) + (turns - 1) * (
+            self.settings.max_new_tokens + ANSWER_MARGIN)
 
     @torch.no_grad()
     def run(self, prompt: EvalPrompt) -> list[Answer]:
