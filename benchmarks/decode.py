@@ -739,6 +739,31 @@ def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any], li
     return sum(batch_seconds), outs, batch_seconds
 
 
+def _loops(o: Any, stops: Sequence[int]) -> bool:
+    """Whether an answer falls into a repetition loop (`data.loops`, as `evaluate` counts them)."""
+    from nemo_dflash.data.loops import find_loop_start
+
+    body = o.output_ids[:-1] if o.output_ids and o.output_ids[-1] in set(stops) else o.output_ids
+    return find_loop_start(body) is not None
+
+
+def _no_loop(o_plain: list[Any], o_spec: list[Any], per_call: int, b_plain: list[float], b_spec: list[float],
+             n_plain: list[int], n_spec: list[int], stops: Sequence[int]) -> dict[str, Any]:
+    """The figures on answers that do not loop: the speculative answers' loop share and tau without them, and
+    the speedup over the batches (calls) where no answer loops on either side (None when every one does)."""
+    spec_loops = [_loops(o, stops) for o in o_spec]
+    clean = [not any(_loops(o, stops) for o in o_plain[i : i + per_call] + o_spec[i : i + per_call])
+             for i in range(0, len(o_spec), per_call)]
+    steps = [a for o, lp in zip(o_spec, spec_loops) if not lp for a in o.acceptance_lengths]
+    keep = [k for k, c in enumerate(clean) if c]
+    speedup = None
+    if keep and sum(b_plain[k] for k in keep) > 0 and sum(b_spec[k] for k in keep) > 0:
+        speedup = ((sum(n_spec[k] for k in keep) / sum(b_spec[k] for k in keep))
+                   / (sum(n_plain[k] for k in keep) / sum(b_plain[k] for k in keep)))
+    return {"loop_share": sum(spec_loops) / len(o_spec), "tau_no_loop": statistics.mean(steps) if steps else None,
+            "speedup_no_loop": speedup, "batches_no_loop": len(keep)}
+
+
 def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list[int]:
     """New tokens of each batch of `bsz` answers (the first token comes from the untimed prefill). One batch
     through fewer `rows` (continuous batching): the first tokens of the prompts that entered mid-run were made
@@ -806,6 +831,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         tok_plain, tok_spec = sum(n_plain), sum(n_spec)
         steps = [a for o in o_spec for a in o.acceptance_lengths]
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
+        no_loop = _no_loop(o_plain, o_spec, per_call, b_plain, b_spec, n_plain, n_spec, stops)
         rows.append({
             **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches",
@@ -813,7 +839,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
             "spec_tokens_per_s": tok_spec / t_spec, "speedup": (tok_spec / t_spec) / (tok_plain / t_plain),
-            "tau": statistics.mean(steps) if steps else None, "identical_answers": same,
+            "tau": statistics.mean(steps) if steps else None, "identical_answers": same, **no_loop,
             # what the speedup and its spread are recomputed from: each batch's decode seconds and new tokens
             "batches_detail": {"plain_seconds": b_plain, "plain_tokens": n_plain,
                                "spec_seconds": b_spec, "spec_tokens": n_spec},
@@ -828,10 +854,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"T={r0['temperature']:g}{top_p}, "
             f"block {r0['block_size']}, {r0['decode']} on both sides, {r0['dtype']} on {r0['device']}")
     lines = [head, f"{'concurrency':>11} {'loop':>10} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'tau':>6} "
-                   f"{'same':>5}"]
+                   f"{'same':>5} {'looping':>7} {'no-loop speedup':>15} {'tau':>5}"]
     for r in rows:
+        nl = f"{r['speedup_no_loop']:.2f}x ({r['batches_no_loop']})" if r.get("speedup_no_loop") else "-"
+        tau_nl = f"{r['tau_no_loop']:.2f}" if r.get("tau_no_loop") else "-"
         lines.append(f"{r['concurrency']:>11} {r.get('loop', 'batched'):>10} {r['plain_tokens_per_s']:>12.1f} {r['spec_tokens_per_s']:>11.1f} "
-                     f"{r['speedup']:>7.2f}x {r['tau'] or 0:>6.2f} {r['identical_answers']:>3}/{r['prompts']}")
+                     f"{r['speedup']:>7.2f}x {r['tau'] or 0:>6.2f} {r['identical_answers']:>3}/{r['prompts']} "
+                     f"{r.get('loop_share', 0):>7.0%} {nl:>15} {tau_nl:>5}")
+    lines.append("no-loop: batches (calls) where no answer loops on either side, their count in brackets; tau over "
+                 "the speculative answers that do not loop")
     return "\n".join(lines)
 
 

@@ -479,6 +479,9 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     assert all(r["identical_answers"] == 3 for r in got)
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
     assert got[2]["tau"] == got[0]["tau"]  # at T=0 a batched row's steps are the one-prompt decoder's
+    for r in got:  # the answers that do not loop: their share, tau and the batches free of loops on both sides
+        assert 0 <= r["loop_share"] <= 1 and 0 <= r["batches_no_loop"] <= -(-3 // r["concurrency"])
+        assert (r["speedup_no_loop"] is None) == (r["batches_no_loop"] == 0)
     for r in got:  # the speedup is recomputed from each batch's seconds and tokens
         d = r["batches_detail"]
         assert len(d["plain_seconds"]) == len(d["spec_tokens"]) == -(-3 // r["concurrency"])
@@ -542,3 +545,20 @@ def test_replay_refuses_a_target_the_slot_engine_cannot_run(tokenizer):
         ReplayEvaluator(target, tokenizer, draft, EvalSettings(temperature=0.0))
     with pytest.raises(ValueError, match="T=0 only"):
         ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(temperature=1.0))
+
+
+def test_concurrency_no_loop_figures_by_hand():
+    """`decode.py`'s no-loop figures on three one-prompt batches, the second speculative answer a loop: tau
+    over answers 1 and 3, the speedup over batches 1 and 3 only (tokens over seconds, each side)."""
+    from types import SimpleNamespace as A
+
+    bench = _benchmark("decode")
+    loop = [5, 6, 7, 8, 9, 10, 11] * 20
+    plain = [A(output_ids=list(range(20)), acceptance_lengths=[1] * 19)] * 3
+    spec = [A(output_ids=list(range(20)) + [2], acceptance_lengths=[4, 4]),
+            A(output_ids=loop, acceptance_lengths=[8] * 10),
+            A(output_ids=list(range(30, 50)), acceptance_lengths=[2, 3, 3])]
+    got = bench._no_loop(plain, spec, 1, [1.0, 1.0, 3.0], [0.5, 0.1, 1.0], [19, 19, 19], [20, 139, 19], [2])
+    assert got["loop_share"] == pytest.approx(1 / 3) and got["batches_no_loop"] == 2
+    assert got["tau_no_loop"] == pytest.approx((4 + 4 + 2 + 3 + 3) / 5)
+    assert got["speedup_no_loop"] == pytest.approx(((20 + 19) / 1.5) / ((19 + 19) / 4.0))
