@@ -752,8 +752,8 @@ def _no_loop(o_plain: list[Any], o_spec: list[Any], per_call: int, b_plain: list
     """The figures on answers that do not loop: the speculative answers' loop share and tau without them, and
     the speedup over the batches (calls) where no answer loops on either side (None when every one does)."""
     spec_loops = [_loops(o, stops) for o in o_spec]
-    clean = [not any(_loops(o, stops) for o in o_plain[i : i + per_call] + o_spec[i : i + per_call])
-             for i in range(0, len(o_spec), per_call)]
+    either = [_loops(p, stops) or s for p, s in zip(o_plain, spec_loops)]
+    clean = [not any(either[i : i + per_call]) for i in range(0, len(o_spec), per_call)]
     steps = [a for o, lp in zip(o_spec, spec_loops) if not lp for a in o.acceptance_lengths]
     keep = [k for k, c in enumerate(clean) if c]
     speedup = None

@@ -186,14 +186,14 @@ class _Rows:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
 
     def enter(self, row: int, prompt: Sequence[int], first: torch.Tensor, sampling: Optional[SamplingParams],
-              generator: Optional[torch.Generator], state: Optional[SampledStepState]) -> int:
+              generator: Optional[torch.Generator]) -> int:
         """A prompt entering `row` mid-run, its prompt prefilled: its first token from the prefill's last
         logits `first` [1, V], its noise key (T > 0) drawn from the generator after it; the row's position
         set. Returns the first token."""
         tok = int(select_tokens(first, sampling or 0.0, generator)[0][0])
-        if state is not None:
+        if self.state is not None:  # the runner's sampled-step buffers (None at T=0)
             gen_device = generator.device if generator is not None else torch.device("cpu")
-            state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
+            self.state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
         self.pos[row] = len(prompt)
         return tok
 
@@ -268,7 +268,7 @@ class BatchedStaticPlainRunner(_Rows):
                     return True
                 prompt = prompts[i]
                 tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))),
-                                 sampling, generator, self.state)
+                                 sampling, generator)
                 self.tok[row, 0] = tok
                 host_pos[row] = len(prompt)
                 outputs[i].append(tok)
@@ -471,7 +471,7 @@ class BatchedStaticSpecRunner(_Rows):
                 with self.dec.target.capture(stop_early=False) as captured:
                     first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + B))
                     feats = self.dec.target.concat(captured)
-                tok = self.enter(row, prompt, first, self.sampling, generator, self.state)
+                tok = self.enter(row, prompt, first, self.sampling, generator)
                 self.blk[row, 0] = tok
                 host_pos[row] = len(prompt)
                 outputs[i].append(tok)
