@@ -234,9 +234,10 @@ def test_one_item_of_a_list_is_overridden_by_its_index():
     """`prompts.jobs.3.source=...` changes that item's field alone (Hydra's list index); a field the recipe's
     item does not set takes `++`; a typo in the field, an index past the list: one line naming the fix."""
     base = load_recipe("smollm2_135m_4gpu.yaml", data_optional=True)
-    cfg = load_recipe("smollm2_135m_4gpu.yaml", ["prompts.jobs.3.source=code_site+all"], data_optional=True)
-    assert [j.source for j in cfg.prompts.jobs] == [j.source for j in base.prompts.jobs[:3]] + ["code_site+all", None]
-    assert cfg.prompts.jobs[4] == base.prompts.jobs[4] and base.prompts.jobs[3].source == "code_site+all:200000"
+    cfg = load_recipe("smollm2_135m_4gpu.yaml", ["prompts.jobs.3.source=code_site+all:200000"], data_optional=True)
+    assert [j.source for j in cfg.prompts.jobs] == [j.source for j in base.prompts.jobs[:3]] + ["code_site+all:200000",
+                                                                                                None]
+    assert cfg.prompts.jobs[4] == base.prompts.jobs[4] and base.prompts.jobs[3].source == "code_site+all"
     assert load_recipe("smollm2_135m_4gpu.yaml", ["++data.sources.0.weight=2"],
                        data_optional=True).data.sources[0].weight == 2.0
     refusals = {
