@@ -195,3 +195,39 @@ def test_a_row_names_the_commit_of_the_tree_that_ran(tmp_path, monkeypatch):
     (tmp_path / ".commit").write_text("abc1234\n")
     assert git_commit(tmp_path) == "abc1234 (copied tree)"
     assert git_commit(tmp_path / "nowhere") is None
+
+
+def test_no_run_artifact_under_docs_bench_is_larger_than_200_kb():
+    """docs/bench keeps summary rows and plots; per-step metrics and per-answer files stay out of git."""
+    big = {str(p.relative_to(REPO)): p.stat().st_size for p in BENCH.rglob("*") if p.is_file()
+           and p.stat().st_size > 200_000}
+    assert not big, big
+
+
+def test_benchmarks_are_at_most_eight_files():
+    assert len([p for p in SCRIPTS.iterdir() if p.is_file()]) <= 8, sorted(p.name for p in SCRIPTS.iterdir())
+
+
+_DATE = re.compile(r"20\d\d-\d\d-\d\d")
+# a date inside a report's or a bench file's name, or a link's text, is a name, not a figure's date
+_NAMED = re.compile(r"reports/20\d\d-\d\d-\d\d[\w.-]*|bench/[\w./-]*20\d\d-\d\d-\d\d[\w./-]*|\[20\d\d-\d\d-\d\d[^\]]*\]")
+
+
+def _undated_by_a_current_figure(text: str) -> list[str]:
+    """Paragraphs that carry a date outside a "current figure" (the reference pages' only dated statements)."""
+    return [p[:120] for p in re.split(r"\n\s*\n", text)
+            if _DATE.search(_NAMED.sub("", p)) and not re.search(r"[Cc]urrent figure", p)]
+
+
+def test_reference_pages_date_only_their_current_figures():
+    """README and docs/*.md are a user's reference: a date appears only with the figure it measured (history
+    lives in CHANGELOG.md and the dated reports)."""
+    found = {page.name: _undated_by_a_current_figure(page.read_text()) for page in PAGES if page.suffix == ".md"}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
+def test_the_date_check_sees_a_diary_line():
+    assert _undated_by_a_current_figure("Intro.\n\nOn 2026-11-20 we tried X.\n\nCurrent figure (2026-11-21): 3x.") \
+        == ["On 2026-11-20 we tried X."]
+    assert _undated_by_a_current_figure("See [2026-11-20-x.md](reports/2026-11-20-x.md) and docs/bench/r_2026-11-20/a.png.") \
+        == []
