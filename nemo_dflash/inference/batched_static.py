@@ -163,6 +163,7 @@ class _Rows:
         self.key_index = torch.arange(self.max_len, device=self.device)
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
+        self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
 
     def causal(self, q_pos: torch.Tensor, view_len: int) -> torch.Tensor:
         """[R, 1, Q, view] mask: key j visible to row r's query at position p iff j <= p."""
@@ -197,6 +198,94 @@ class _Rows:
         self.pos[row] = len(prompt)
         return tok
 
+    # ---- what each runner supplies to the one loop below
+    sampled: bool
+    state: Optional[SampledStepState]
+
+    def _room(self, max_new_tokens: int) -> int:
+        """Cache positions a row needs past its prompt."""
+        raise NotImplementedError
+
+    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
+               generator: Optional[torch.Generator]) -> list[int]:
+        """The first rows' prompts (one a row; rows past them copy the first) prefilled, each row's first token
+        chosen and returned, the rows' positions set to `host_pos`."""
+        raise NotImplementedError
+
+    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
+        """A prompt entering `row` mid-run: (its first token, what the next step needs of it or None)."""
+        raise NotImplementedError
+
+    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+        """One step of every row, its live rows' queries reaching position `need`; `fresh` holds what rows
+        entered since the last step left (`_enter_row`'s second value). Returns each row's new tokens."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
+                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
+                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
+        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
+        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
+        prefill, `decode_time_s` the loop's (later prefills included). The one host loop of both runners:
+        a step, one read-back, then each live row's new tokens kept up to a stop token or the cap."""
+        if self.sampled != (sampling is not None and not sampling.greedy):
+            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
+        self.sampling = sampling if self.sampled else None
+        R = self.rows
+        sched = _Schedule(prompts, R, on_done, self.max_len, self._room(max_new_tokens))
+        prompts, outputs, accept, m = sched.prompts, sched.outputs, sched.accept, sched.next
+        sync(self.device)
+        t0 = time.perf_counter()
+        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
+        firsts = self._start(prompts[:m], host_pos, generator)
+        for i in range(m):
+            outputs[i].append(firsts[i])
+        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
+        sync(self.device)
+        t1 = time.perf_counter()
+        fresh: dict[int, Any] = {}  # rows whose prompt entered since the last step: what that step needs
+
+        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
+            fresh.pop(row, None)
+            while True:
+                i = sched.held[row]
+                sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
+                if (i := sched.take(row)) is None:
+                    return True
+                prompt = prompts[i]
+                tok, need = self._enter_row(row, prompt, generator)
+                host_pos[row] = len(prompt)
+                outputs[i].append(tok)
+                if not (tok in stop_ids or max_new_tokens <= 1):
+                    if need is not None:
+                        fresh[row] = need
+                    return False
+
+        for r in range(m):
+            if stopped[r]:
+                stopped[r] = ended(r)
+        self.set_alive(stopped)
+        while not all(stopped):
+            news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh)
+            fresh.clear()
+            was = list(stopped)
+            for r in range(R):
+                if was[r]:
+                    continue
+                i, new = sched.held[r], news[r]
+                host_pos[r] += len(new)
+                accept[i].append(len(new))
+                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
+                outputs[i].extend(kept)
+                if hit or len(outputs[i]) >= max_new_tokens:
+                    stopped[r] = ended(r)
+            if stopped != was:
+                self.set_alive(stopped)
+        sync(self.device)
+        t2 = time.perf_counter()
+        return [_output(o, a, stop_ids, t1 - t0, t2 - t1) for o, a in zip(outputs, accept)]
+
 
 class BatchedStaticPlainRunner(_Rows):
     """R rows of one-token decoding, one captured graph per view length; at T > 0 each step draws every row's
@@ -230,73 +319,31 @@ class BatchedStaticPlainRunner(_Rows):
         self.pos.add_(self.alive)
         return logits
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
-                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
-        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
-        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
-        prefill, `decode_time_s` the loop's (later prefills included)."""
-        if self.sampled != (sampling is not None and not sampling.greedy):
-            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
-        sampling = sampling if self.sampled else None
-        R = self.rows
-        sched = _Schedule(prompts, R, on_done, self.max_len, max_new_tokens + 1)
-        prompts, outputs, m = sched.prompts, sched.outputs, sched.next  # m: prompts in the first rows
-        sync(self.device)
-        t0 = time.perf_counter()
+    def _room(self, max_new_tokens: int) -> int:
+        return max_new_tokens + 1
+
+    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
+               generator: Optional[torch.Generator]) -> list[int]:
+        R, m = self.rows, len(prompts)
         last = torch.cat([self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a])))
-                          for a, b in same_length_runs(prompts[:m])])
+                          for a, b in same_length_runs(prompts)])
         last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
-        firsts = select_tokens(last, sampling or 0.0, generator)[0].tolist()
+        firsts = select_tokens(last, self.sampling or 0.0, generator)[0].tolist()
         if self.sampled:  # each row's noise key, drawn from (and advancing) the caller's generator
-            self.state.start(sampling, generator)
+            self.state.start(self.sampling, generator)
         self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
-        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
-        for i in range(m):
-            outputs[i].append(firsts[i])
-        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
-        sync(self.device)
-        t1 = time.perf_counter()
+        return firsts
 
-        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
-            while True:
-                i = sched.held[row]
-                sched.done(i, _output(outputs[i], None, stop_ids, t1 - t0, time.perf_counter() - t1))
-                if (i := sched.take(row)) is None:
-                    return True
-                prompt = prompts[i]
-                tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))),
-                                 sampling, generator)
-                self.tok[row, 0] = tok
-                host_pos[row] = len(prompt)
-                outputs[i].append(tok)
-                if not (tok in stop_ids or max_new_tokens <= 1):
-                    return False
+    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
+        tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))),
+                         self.sampling, generator)
+        self.tok[row, 0] = tok
+        return tok, None
 
-        for r in range(m):
-            if stopped[r]:
-                stopped[r] = ended(r)
-        self.set_alive(stopped)
-        while not all(stopped):
-            need = max(p for p, s in zip(host_pos, stopped) if not s) + 1
-            self.steps.get(self.steps.view(need)).replay()
-            toks = self.tok.view(-1).tolist()  # the step's one host sync
-            was = list(stopped)
-            for r in range(R):
-                if was[r]:
-                    continue
-                out = outputs[sched.held[r]]
-                host_pos[r] += 1
-                out.append(toks[r])
-                if toks[r] in stop_ids or len(out) >= max_new_tokens:
-                    stopped[r] = ended(r)
-            if stopped != was:
-                self.set_alive(stopped)
-        sync(self.device)
-        t2 = time.perf_counter()
-        return [_output(o, None, stop_ids, t1 - t0, t2 - t1) for o in outputs]
+    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+        self.steps.get(self.steps.view(need + 1)).replay()
+        return [[t] for t in self.tok.view(-1).tolist()]  # the step's one host sync
 
 
 class BatchedStaticSpecRunner(_Rows):
@@ -311,7 +358,6 @@ class BatchedStaticSpecRunner(_Rows):
         # baked into the captured steps: top-p / top-k filter (values in
         # buffers), the draft proposes its argmax (one-hot q)
         self.filtered, self.draft_greedy = sampled and filtered, sampled and draft_greedy
-        self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
         R, B, dev = self.rows, decoder.block_size, self.device
         self.B = B
         self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len, batch=R)
@@ -327,6 +373,7 @@ class BatchedStaticSpecRunner(_Rows):
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
+        self._first_blocks: Optional[tuple[list[tuple[int, int]], list[torch.Tensor], int]] = None
         # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
@@ -423,24 +470,14 @@ class BatchedStaticSpecRunner(_Rows):
         self.pos.add_((n_acc + 1) * self.alive)
         self.blk[:, :1].copy_(nxt.view(-1, 1))
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
-                 sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
-                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
-        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
-        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
-        prefill, `decode_time_s` the loop's (later prefills included)."""
-        if self.sampled != (sampling is not None and not sampling.greedy):
-            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
-        self.sampling = sampling if self.sampled else None
-        R, B = self.rows, self.B
-        sched = _Schedule(prompts, R, on_done, self.max_len, max_new_tokens + 2 * B)
-        prompts, outputs, accept, m = sched.prompts, sched.outputs, sched.accept, sched.next
-        sync(self.device)
-        t0 = time.perf_counter()
-        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
+    def _room(self, max_new_tokens: int) -> int:
+        return max_new_tokens + 2 * self.B
+
+    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
+               generator: Optional[torch.Generator]) -> list[int]:
+        R, B, m = self.rows, self.B, len(prompts)
         view = self.verify_steps.view(max(host_pos) + B)
-        runs = same_length_runs(prompts[:m])
+        runs = same_length_runs(prompts)
         last_logits, prompt_feats = [], []
         with self.dec.target.capture(stop_early=False) as captured:
             for a, b in runs:
@@ -453,71 +490,34 @@ class BatchedStaticSpecRunner(_Rows):
             self.state.start(self.sampling, generator)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
-        for i in range(m):
-            outputs[i].append(firsts[i])
-        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
-        sync(self.device)
-        t1 = time.perf_counter()
-        fresh: dict[int, torch.Tensor] = {}  # rows whose prompt entered since the last step: its features
+        self._first_blocks = (runs, prompt_feats, m)  # step 1 drafts these rows against their whole prompts
+        return firsts
 
-        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
-            fresh.pop(row, None)
-            while True:
-                i = sched.held[row]
-                sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
-                if (i := sched.take(row)) is None:
-                    return True
-                prompt = prompts[i]
-                with self.dec.target.capture(stop_early=False) as captured:
-                    first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + B))
-                    feats = self.dec.target.concat(captured)
-                tok = self.enter(row, prompt, first, self.sampling, generator)
-                self.blk[row, 0] = tok
-                host_pos[row] = len(prompt)
-                outputs[i].append(tok)
-                if not (tok in stop_ids or max_new_tokens <= 1):
-                    fresh[row] = feats
-                    return False
+    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
+        with self.dec.target.capture(stop_early=False) as captured:
+            first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + self.B))
+            feats = self.dec.target.concat(captured)
+        tok = self.enter(row, prompt, first, self.sampling, generator)
+        self.blk[row, 0] = tok
+        return tok, feats  # its first block is drafted against the whole prompt at the next step
 
-        for r in range(m):
-            if stopped[r]:
-                stopped[r] = ended(r)
-        self.set_alive(stopped)
-        step_one = True
-        while not all(stopped):
-            view = self.verify_steps.view(max(p for p, s in zip(host_pos, stopped) if not s) + B)
-            if B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
-                if step_one:
-                    d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
-                    self._propose(torch.cat([d_logits, d_logits[:1].expand(R - m, -1, -1)]))  # unread rows
-                else:
-                    self.draft_steps.get(view).replay()
-                for r, feats in fresh.items():  # a prompt that entered mid-run: its first block, eagerly
-                    self._propose(self._first_draft_logits(r, feats, view), slice(r, r + 1))
-            step_one = False
-            fresh.clear()
-            if self.after_draft is not None:
-                self.after_draft()
-            self.verify_steps.get(view).replay()
-            res = self.result.tolist()  # the step's one host sync
-            was = list(stopped)
-            for r in range(R):
-                if was[r]:
-                    continue
-                i = sched.held[r]
-                n_acc = res[r][0]
-                host_pos[r] += n_acc + 1
-                new = res[r][1 : n_acc + 2]  # the kept proposals and the target's next token
-                accept[i].append(len(new))
-                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
-                outputs[i].extend(kept)
-                if hit or len(outputs[i]) >= max_new_tokens:
-                    stopped[r] = ended(r)
-            if stopped != was:
-                self.set_alive(stopped)
-        sync(self.device)
-        t2 = time.perf_counter()
-        return [_output(o, a, stop_ids, t1 - t0, t2 - t1) for o, a in zip(outputs, accept)]
+    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+        view = self.verify_steps.view(need + self.B)
+        if self.B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
+            if self._first_blocks is not None:
+                runs, prompt_feats, m = self._first_blocks
+                d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
+                self._propose(torch.cat([d_logits, d_logits[:1].expand(self.rows - m, -1, -1)]))  # unread rows
+            else:
+                self.draft_steps.get(view).replay()
+            for r, feats in fresh.items():  # a prompt that entered mid-run: its first block, eagerly
+                self._propose(self._first_draft_logits(r, feats, view), slice(r, r + 1))
+        self._first_blocks = None
+        if self.after_draft is not None:
+            self.after_draft()
+        self.verify_steps.get(view).replay()
+        res = self.result.tolist()  # the step's one host sync
+        return [row[1 : row[0] + 2] for row in res]  # the kept proposals and the target's next token
 
 
 # Runners are kept per (model or decoder) and (kind, rows, use_graphs), as long as their owner lives:
