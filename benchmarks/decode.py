@@ -587,7 +587,7 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--exact-tokens", type=int, default=96)
     p.add_argument("--exact-seeds", type=int, default=2, help="prompts for the exactness check")
     p.add_argument("--interleave", type=int, default=0, help="new tokens for the evaluate-like interleaved run")
-    p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU")
+    p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU (and sampling)")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
     p.add_argument("--buckets", action="store_true",
                    help="also a graphs row with the other attention-view setting (static_decode.USE_BUCKETS: "
@@ -704,6 +704,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches: the prompts in consecutive batches of the concurrency, each waiting for its "
                         "longest answer; continuous: all prompts through that many rows, a prompt entering a row "
                         "as soon as its answer ends (what a serving engine does)")
+    p.add_argument("--fuse-sampling", type=int, default=1, choices=[0, 1],
+                   help="1: a sampled step's softmaxes, hashes and draws run compiled on a GPU "
+                        "(static_decode.FUSE_SAMPLING, the default); 0: op by op, for comparison")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the rows here")
     return p
 
@@ -795,6 +798,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else 0.0
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
+    from nemo_dflash.inference import static_decode
+
+    static_decode.FUSE_SAMPLING = bool(args.fuse_sampling)  # read by the runners this process makes
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
@@ -834,7 +840,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         no_loop = _no_loop(o_plain, o_spec, per_call, b_plain, b_spec, n_plain, n_spec, stops)
         rows.append({
             **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
-            "schedule": "continuous" if rows_of else "batches",
+            "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,

@@ -260,6 +260,42 @@ def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys
     return n_acc, torch.cat([proposals, nxt], 1).scatter(1, n_acc.view(R, 1), nxt)
 
 
+def _scaled(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+            filtered: bool) -> torch.Tensor:
+    scores = logits.float() * inv_temp
+    return filter_scores(scores, top_p, top_k) if filtered else scores
+
+
+# The sampled steps of the fixed-shape decoders, each a pure function of tensors (T, top-p and top-k read from
+# buffers, `filtered` a constant of the step), so that one `torch.compile` makes each a few fused kernels: the
+# softmaxes over the vocabulary, the keyed hashes and the draws' scans are otherwise ~40 small kernels a step.
+
+
+def sampled_next_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                        keys: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
+    """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R]."""
+    return keyed_draw(NEXT_STREAM, keys, positions, torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered),
+                                                                  dim=-1))
+
+
+def sampled_proposals(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                      keys: torch.Tensor, first_pos: torch.Tensor, filtered: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [R, K, V], proposals [R, K]) from the draft's logits [R, K, V]: `keyed_proposals` of the filtered
+    softmax at T."""
+    q = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered), dim=-1)
+    return q, keyed_proposals(q, keys, first_pos)
+
+
+def sampled_verify(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                   q: torch.Tensor, proposals: torch.Tensor, keys: torch.Tensor, first_pos: torch.Tensor,
+                   filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keyed_verify` of the target's logits [R, K + 1, V] (the filtered softmax at T) against the proposals
+    drawn from q."""
+    p = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered), dim=-1)  # row k judges slot k + 1
+    return keyed_verify(p, q, proposals, keys, first_pos)
+
+
 def gumbel(u: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
     return -torch.log(-torch.log(u))

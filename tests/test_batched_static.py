@@ -511,3 +511,42 @@ def test_follow_ups_from_on_done_are_decoded_as_more_prompts(kind):
         batched_static_speculative_generate(decoder, prompts[:1], max_new_tokens=12, use_graphs=False,
                                             on_done=lambda i, out: [1] * 500 if i == 0 else None)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, caplog):
+    """The sampled steps' math compiled (what a GPU runs, `static_decode.FUSE_SAMPLING`; inductor on the CPU
+    here) draws the same tokens as the same functions run op by op, with and without top-p / top-k, and
+    keeps every row's own key: 12 prompts through 5 rows at T=1, block 4."""
+    import torch._dynamo.utils as dutils
+
+    from nemo_dflash.inference import static_decode
+
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
+    prompts = _prompts(12)
+
+    def run(setting: SamplingParams) -> list[tuple[list[int], list[int]]]:
+        batched_static.drop_runners(decoder)
+        batched_static.drop_runners(target)
+        gen = torch.Generator().manual_seed(5)
+        if kind == "spec":
+            outs = batched_static_speculative_generate(decoder, prompts, max_new_tokens=12, temperature=setting,
+                                                       rows=5, use_graphs=False, generator=gen)
+        else:
+            outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=12, temperature=setting,
+                                                          rows=5, use_graphs=False, generator=gen)
+        return [(o.output_ids, o.acceptance_lengths) for o in outs]
+
+    settings = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9, top_k=20)]
+    unfused = [run(s) for s in settings]
+    init = static_decode.SampledStepState.__init__
+    monkeypatch.setattr(static_decode.SampledStepState, "__init__",
+                        lambda self, rows, device, fused=None: init(self, rows, device, fused=True))
+    graphs = dutils.counters["stats"]["unique_graphs"]
+    with caplog.at_level("WARNING"):
+        fused = [run(s) for s in settings]
+    assert dutils.counters["stats"]["unique_graphs"] > graphs  # the compiled functions ran
+    assert "did not compile" not in caplog.text
+    assert fused == unfused
+    assert len({tuple(o) for o, _ in fused[0]}) == len(prompts)

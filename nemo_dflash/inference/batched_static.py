@@ -38,7 +38,8 @@ draw from norm(max(p - q, 0)); the bonus from p) with keyed noise (`sampling.key
 tokens, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
 other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
 answers. A position's noise only ever decides one kept token: a later step samples only positions past
-the last kept one.
+the last kept one. On a GPU that sampling math (softmaxes over the vocabulary, hashes, the draws' scans) runs
+compiled, a few fused kernels instead of ~40 (`static_decode.FUSE_SAMPLING`), eager and captured steps alike.
 """
 
 from __future__ import annotations
@@ -51,9 +52,7 @@ import torch
 from torch import nn
 
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import (
-    Sampling, SamplingParams, as_sampling, keyed_proposals, keyed_verify, select_tokens,
-)
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
 from nemo_dflash.inference.static_cache import (
     StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
 )
@@ -421,9 +420,9 @@ class BatchedStaticSpecRunner(_Rows):
                 self.q[rows].zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
             self.blk[rows, 1:].copy_(tok)
             return
-        q = self.q[rows]
-        q.copy_(torch.softmax(self.state.scores(logits, self.filtered), dim=-1))
-        self.blk[rows, 1:].copy_(keyed_proposals(q, self.state.key[rows], self.pos[rows]))
+        q, proposals = self.state.proposals(logits, self.filtered, rows, self.pos[rows])
+        self.q[rows].copy_(q)
+        self.blk[rows, 1:].copy_(proposals)
 
     def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
@@ -456,8 +455,7 @@ class BatchedStaticSpecRunner(_Rows):
         proposals and tokens[n] the next token. T=0: the target's argmax; T > 0: keyed speculative sampling
         (accept slot k with probability min(1, p/q), else a residual draw; the bonus from p)."""
         if self.sampled:
-            p = torch.softmax(self.state.scores(logits, self.filtered), dim=-1)  # row k judges slot k + 1
-            return keyed_verify(p, self.q, self.blk[:, 1:], self.state.key, self.pos)
+            return self.state.verify(logits, self.filtered, self.q, self.blk[:, 1:], self.pos)
         tgt = logits.argmax(dim=-1)  # [R, B]; accepted proposals equal the target's tokens
         return (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1), tgt
 

@@ -19,8 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from nemo_dflash.compiled import compiled
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
-from nemo_dflash.sampling import NEXT_STREAM, SamplingParams, filter_scores, keyed_draw
+from nemo_dflash.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ USE_BUCKETS = True
 # is captured the first time a step needs it, inside the decode loop, where it would be timed.
 CAPTURE_ALL_BUCKETS = True
 FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
+# On a GPU, and while FUSE_ELEMENTWISE holds: a sampled step's softmaxes, keyed hashes and draws run as compiled
+# functions (`sampling.sampled_*`), eager or captured alike (so the eager and captured steps keep drawing the same
+# tokens). A runner reads it when it is made.
+FUSE_SAMPLING = True
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -103,13 +108,14 @@ def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *mo
 
 class SampledStepState:
     """What a sampled captured step reads from buffers, set per generation: each row's noise key (drawn from
-    the caller's generator), 1/T, top-p and top-k."""
+    the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`)."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
+    def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None) -> None:
         self.key = torch.zeros(rows, dtype=torch.long, device=device)
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
+        self.fused = (device.type == "cuda" and FUSE_SAMPLING and FUSE_ELEMENTWISE) if fused is None else fused
 
     def start(self, sampling: SamplingParams, generator: Optional[torch.Generator]) -> None:
         gen_device = generator.device if generator is not None else torch.device("cpu")
@@ -118,19 +124,42 @@ class SampledStepState:
         self.top_p.fill_(sampling.top_p)
         self.top_k.fill_(sampling.top_k)
 
-    def scores(self, logits: torch.Tensor, filtered: bool) -> torch.Tensor:
-        """logits / T, filtered by top-k / top-p when the step filters (`sampling.filter_scores`)."""
-        scores = logits.float() * self.inv_temp
-        return filter_scores(scores, self.top_p, self.top_k) if filtered else scores
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), compiled when fused (shapes are the runner's: R rows). A first call that fails to compile
+        (before any capture: a step's warm-up calls come first) leaves this state unfused, with one warning."""
+        if self.fused:
+            try:
+                return compiled(fn, dynamic=False)(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the same math, unfused
+                logger.warning("sampling step %s did not compile, it runs unfused: %s", fn.__name__,
+                               str(e).strip().splitlines()[0][:200])
+                self.fused = False
+        return fn(*args)
 
     def next_tokens(self, logits: torch.Tensor, filtered: bool, positions: torch.Tensor) -> torch.Tensor:
         """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R]."""
-        return keyed_draw(NEXT_STREAM, self.key, positions, torch.softmax(self.scores(logits, filtered), dim=-1))
+        return self._run(sampled_next_tokens, logits, self.inv_temp, self.top_p, self.top_k, self.key, positions,
+                         filtered)
+
+    def proposals(self, logits: torch.Tensor, filtered: bool, rows: slice, first_pos: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, proposals) of `rows` for the draft's logits [r, K, V] (`sampling.sampled_proposals`). Some rows
+        only (a prompt entering a row mid-run, eagerly): unfused, so that no new shape compiles inside the
+        timed loop; the eager and the captured runs still draw alike, as both take this path."""
+        args = (logits, self.inv_temp, self.top_p, self.top_k, self.key[rows], first_pos, filtered)
+        return self._run(sampled_proposals, *args) if rows == slice(None) else sampled_proposals(*args)
+
+    def verify(self, logits: torch.Tensor, filtered: bool, q: torch.Tensor, proposals: torch.Tensor,
+               first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [R], tokens [R, K + 1]) for the target's logits [R, K + 1, V] (`sampling.sampled_verify`)."""
+        return self._run(sampled_verify, logits, self.inv_temp, self.top_p, self.top_k, q, proposals, self.key,
+                         first_pos, filtered)
 
 
 __all__ = [
     "BucketedSteps",
     "CAPTURE_ALL_BUCKETS",
+    "FUSE_SAMPLING",
     "LENGTH_BUCKET",
     "SampledStepState",
     "USE_BUCKETS",
