@@ -550,3 +550,23 @@ def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, cap
     assert "did not compile" not in caplog.text
     assert fused == unfused
     assert len({tuple(o) for o, _ in fused[0]}) == len(prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_fused_sampling_keeps_the_joint_distribution():
+    """On a GPU, captured steps with the sampling math compiled (`static_decode.FUSE_SAMPLING`): the exact
+    three-token law of the target, 6,000 prompts through 500 rows (entering rows included)."""
+    from _spec_fixtures import three_token_law
+
+    target, draft, ids, _ = second_token_case()
+    joint = three_token_law(target, ids)
+    dev = torch.device("cuda")
+    decoder = DFlashSpeculativeDecoder(target.to(dev), draft.to(dev))
+    n = 6000
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+                                               rows=500, use_graphs=True,
+                                               generator=torch.Generator(device=dev).manual_seed(3))
+    runners = list(batched_static._RUNNERS[decoder].values())
+    assert runners and all(r.state.fused for r in runners)  # compiled, and no fallback to the op-by-op math
+    _assert_three_token_law(outs, joint, n)
