@@ -275,8 +275,12 @@ class _Rows:
                 i, new = sched.held[r], news[r]
                 host_pos[r] += len(new)
                 accept[i].append(len(new))
-                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
-                outputs[i].extend(kept)
+                if len(new) == 1:  # a plain step's token (a live row has room for one more)
+                    outputs[i].append(new[0])
+                    hit = new[0] in stop_ids
+                else:
+                    kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
+                    outputs[i].extend(kept)
                 if hit or len(outputs[i]) >= max_new_tokens:
                     stopped[r] = ended(r)
             if stopped != was:
