@@ -84,10 +84,9 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
 OnDone = Callable[[int, GenerationOutput], Optional[Sequence[int]]]
 
 
-def _output(tokens: list[int], accepted: Optional[list[int]], stop_ids: set[int], prefill_s: float,
+def _output(tokens: list[int], accepted: list[int], stop_ids: set[int], prefill_s: float,
             decode_s: float) -> GenerationOutput:
-    """One prompt's answer; `accepted` None for plain decoding (one token a step)."""
-    accepted = [1] * (len(tokens) - 1) if accepted is None else accepted
+    """One prompt's answer (`accepted`: the tokens each of its steps kept)."""
     return GenerationOutput(output_ids=list(tokens), num_target_forwards=len(accepted),
                             acceptance_lengths=list(accepted), decode_time_s=decode_s, prefill_time_s=prefill_s,
                             stopped=tokens[-1] in stop_ids)
@@ -185,12 +184,11 @@ class _Rows:
     def set_alive(self, stopped: list[bool]) -> None:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
 
-    def enter(self, row: int, prompt: Sequence[int], first: torch.Tensor, sampling: Optional[SamplingParams],
-              generator: Optional[torch.Generator]) -> int:
+    def enter(self, row: int, prompt: Sequence[int], first: torch.Tensor, generator: Optional[torch.Generator]) -> int:
         """A prompt entering `row` mid-run, its prompt prefilled: its first token from the prefill's last
         logits `first` [1, V], its noise key (T > 0) drawn from the generator after it; the row's position
         set. Returns the first token."""
-        tok = int(select_tokens(first, sampling or 0.0, generator)[0][0])
+        tok = int(select_tokens(first, self.sampling or 0.0, generator)[0][0])
         if self.state is not None:  # the runner's sampled-step buffers (None at T=0)
             gen_device = generator.device if generator is not None else torch.device("cpu")
             self.state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
@@ -339,8 +337,7 @@ class BatchedStaticPlainRunner(_Rows):
         return firsts
 
     def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
-        tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))),
-                         self.sampling, generator)
+        tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))), generator)
         self.tok[row, 0] = tok
         return tok, None
 
@@ -499,7 +496,7 @@ class BatchedStaticSpecRunner(_Rows):
         with self.dec.target.capture(stop_early=False) as captured:
             first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + self.B))
             feats = self.dec.target.concat(captured)
-        tok = self.enter(row, prompt, first, self.sampling, generator)
+        tok = self.enter(row, prompt, first, generator)
         self.blk[row, 0] = tok
         return tok, feats  # its first block is drafted against the whole prompt at the next step
 
