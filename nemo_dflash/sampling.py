@@ -139,6 +139,15 @@ def as_sampling(x: Sampling) -> SamplingParams:
     return x if isinstance(x, SamplingParams) else SamplingParams(temperature=float(x))
 
 
+@torch.compiler.disable
+def eager_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)``, always run eagerly, also inside a compiled sampling step (a graph break around it).
+    Inductor's split scan (long rows, few of them) failed to generate code for the T=1 verify step at 244 x
+    49,152 on an H200 (torch 2.11), which then ran unfused; eager cumsum also sums in the unfused order, so
+    fused and unfused draws stay the same tokens."""
+    return x.cumsum(dim=-1)
+
+
 def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
                   top_k: Union[int, torch.Tensor] = 0) -> torch.Tensor:
     """``scores`` with the tokens outside the top-k, then outside the smallest set of probability >= top-p
@@ -155,7 +164,7 @@ def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
     drop_sorted = (k > 0) & (rank >= k)
     sorted_scores = sorted_scores.masked_fill(drop_sorted, float("-inf"))
     probs = sorted_scores.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    before = eager_cumsum(probs) - probs  # mass of the tokens ranked above each one
     drop_sorted = drop_sorted | (before >= top_p)  # the first token always stays (before == 0)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
@@ -210,7 +219,7 @@ def keyed_draw(seed: int, keys: torch.Tensor, positions: torch.Tensor, weights: 
     """One token per row of ``weights`` [N, V] (non-negative, any scale: a distribution, or a residual not yet
     normalised), drawn with one keyed uniform per row (a pure function of seed, key and position) through the
     row's cumulative sum. Gumbel-max over ``keyed_uniform`` needs V hashes a row; this needs one, and a scan."""
-    cdf = weights.float().cumsum(dim=-1)
+    cdf = eager_cumsum(weights.float())
     u = keyed_uniform(seed, keys, positions, torch.zeros_like(keys).view(-1, 1))  # [N, 1]
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
 

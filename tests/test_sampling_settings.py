@@ -301,3 +301,34 @@ def test_keyed_draw_is_the_inverse_cdf_of_one_keyed_uniform_and_follows_the_weig
     freq = torch.bincount(draws, minlength=5).float() / n
     assert freq[0] == 0 and freq[2] == 0
     assert (freq - w[0] / w[0].sum()).abs().max() < 0.012
+
+
+def test_compiled_sampling_steps_leave_every_scan_to_eager_cumsum():
+    """Inductor's split scan failed to generate code for the T=1 verify step at 244 x 49,152 on an H200: the
+    sampled steps' cumsums (top-p and the keyed draws) run eagerly between the compiled pieces. Checked on the
+    graphs dynamo makes of `sampled_verify` and `sampled_next_tokens` with top-p on: no graph holds a cumsum, and
+    the compiled functions draw what the eager ones draw."""
+    import torch._dynamo
+
+    from nemo_dflash import sampling
+
+    torch.manual_seed(0)
+    R, K, V = 3, 4, 50
+    inv_temp, top_p, top_k = torch.tensor(1.25), torch.tensor(0.9), torch.tensor(0)
+    keys, first = torch.arange(R) * 7 + 1, torch.arange(R) + 10
+    q = torch.softmax(torch.randn(R, K, V), dim=-1)
+    proposals = torch.multinomial(q.view(-1, V), 1).view(R, K)
+    cases = [(sampling.sampled_verify, (torch.randn(R, K + 1, V), inv_temp, top_p, top_k, q, proposals, keys, first,
+                                        True)),
+             (sampling.sampled_next_tokens, (torch.randn(R, V), inv_temp, top_p, top_k, keys, first, True))]
+    for fn, args in cases:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*args)
+        assert explained.graph_count >= 2, fn.__name__  # cut at each eager cumsum
+        code = "\n".join(g.code for g in explained.graphs)
+        assert "cumsum" not in code, fn.__name__
+        torch._dynamo.reset()
+        got, want = torch.compile(fn, dynamic=False)(*args), fn(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(a, b), fn.__name__
+    torch._dynamo.reset()
