@@ -4,7 +4,7 @@ decoder's figures; with the speedup timed over 20 prompts per set and its spread
     python benchmarks/eval_speed.py --target pkg:smollm2 --draft EXPORT_DIR \
         [--protocol paper] [--datasets mtbench,humaneval] [--num-prompts K] [--max-new-tokens N] [--turns N]
         [--sequential-prompts 20] [--decode graphs|eager] [--t1 [--t1-method batched [--t1-decode graphs]]]
-        [--workers N] [--draft-attention flex|sdpa]
+        [--t1-gpu N] [--workers N] [--draft-attention flex|sdpa]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp32] [--out DIR] [--overwrite] [--max-minutes M]
         [--json docs/bench/eval_speed.json]
 
@@ -22,6 +22,8 @@ starts afresh. The row is appended once every phase is complete:
    `identical_answers`: the same tokens and acceptance lengths).
 3. `t1_seconds` (with --t1): the protocol's T=1 acceptance by the sequential decoder, or with
    `--t1-method batched` by the batched speculative decoder (`evaluate --method batched`); null otherwise.
+   With `--t1-gpu N` this phase runs in a child process on GPU N while phases 1-2 run here
+   (`t1_side_by_side`; its seconds are the child's wall time): the longest phase no longer adds to the others.
 
 Prints a table and appends one row to --json: {"date", "commit", "device", "command", "protocol",
 "answers", "t0_seconds", "t1_seconds", "speedup_seconds", "max_abs_tau_diff_vs_sequential",
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t1-decode", default="eager", choices=["eager", "graphs"],
                    help="--t1-method batched: the eager batched decoder, or the CUDA-graph one (same draws)")
     p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run (sequential)")
+    p.add_argument("--t1-gpu", default=None,
+                   help="run the T=1 phase in a child process on this GPU (its CUDA_VISIBLE_DEVICES), side by side "
+                        "with the T=0 phases on this process's GPU; t1_seconds is the child's wall time. With "
+                        "--device cpu the child runs on the CPU (any value)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -92,6 +99,11 @@ def _evaluate_args(args: argparse.Namespace, out: Path, *extra: str) -> argparse
     """The `evaluate` command's own flags (and so its own checks) for one phase."""
     from nemo_dflash.recipes import evaluate
 
+    return evaluate.build_parser().parse_args(_evaluate_argv(args, out, *extra))
+
+
+def _evaluate_argv(args: argparse.Namespace, out: Path, *extra: str) -> list[str]:
+    """The `evaluate` command line of one phase."""
     argv = ["--draft", args.draft, "--target", args.target, "--out", str(out), "--protocol", args.protocol,
             "--device", args.device, "--dtype", args.dtype] + (["--overwrite"] if args.overwrite else [])
     for flag, value in (("--datasets", args.datasets), ("--max-new-tokens", args.max_new_tokens),
@@ -99,12 +111,30 @@ def _evaluate_args(args: argparse.Namespace, out: Path, *extra: str) -> argparse
                         ("--max-minutes", args.max_minutes)):
         if value is not None:
             argv += [flag, str(value)]
-    return evaluate.build_parser().parse_args(argv + list(extra))
+    return argv + list(extra)
 
 
-def _run(ns: argparse.Namespace):
-    """(EvalRun, its protocol), every flag checked before any model loads."""
-    from nemo_dflash.inference.eval_run import EvalRun
+def _start_child(argv: list[str], gpu: str, device: str, log: Path) -> "subprocess.Popen[bytes]":
+    """`python -m nemo_dflash.recipes.evaluate ARGV` in the background, on GPU `gpu` (or the CPU)."""
+    env = dict(os.environ)
+    if device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv], stdout=f,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def _write_tmp(path: Path, value: Any) -> Path:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    return tmp
+
+
+def _check(ns: argparse.Namespace):
+    """(the run's options, its protocol): every flag checked before any model loads."""
     from nemo_dflash.recipes import evaluate
 
     evaluate.check_args(ns)
@@ -112,6 +142,14 @@ def _run(ns: argparse.Namespace):
     options = evaluate.run_options(ns)
     evaluate.check_decode(protocol.decode, options.device)
     evaluate.check_out(ns)
+    return options, protocol
+
+
+def _run(ns: argparse.Namespace):
+    """(EvalRun, its protocol), every flag checked before any model loads."""
+    from nemo_dflash.inference.eval_run import EvalRun
+
+    options, protocol = _check(ns)
     return EvalRun(options, protocol), protocol
 
 
@@ -147,11 +185,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             "--speedup-prompts", str(k), "--decode", decode)
     t1_extra = (["--method", "batched", "--batch-size", str(args.batch_size), "--decode", args.t1_decode]
                 if args.t1_method == "batched" else ["--workers", str(args.workers)])
-    t1_ns = (_evaluate_args(args, out / f"{args.t1_method}_t1", "--temperatures", "1", "--no-speedup", *t1_extra,
-                            *num) if args.t1 else None)
+    t1_flags = ["--temperatures", "1", "--no-speedup", *t1_extra, *num]
+    t1_argv = _evaluate_argv(args, out / f"{args.t1_method}_t1", *t1_flags) if args.t1 else None
+    t1_ns = _evaluate_args(args, out / f"{args.t1_method}_t1", *t1_flags) if args.t1 else None
+    side = t1_ns is not None and args.t1_gpu is not None
+    if args.t1_gpu is not None and t1_ns is None:
+        raise ValueError("--t1-gpu runs the T=1 phase: add --t1")
     replay, protocol = _run(replay_ns)
     sequential, _ = _run(seq_ns)
-    t1_run = _run(t1_ns)[0] if t1_ns is not None else None
+    if side:  # the child checks and runs the phase; this process reads its journal once it has ended
+        _check(t1_ns)
+        child_log = out / "t1_child.log"
+        child, child_t = _start_child(t1_argv, args.t1_gpu, device, child_log), time.perf_counter()
+    t1_run = _run(t1_ns)[0] if t1_ns is not None and not side else None
     times_path = out / TIMES
     times = {} if args.overwrite or not times_path.is_file() else json.loads(times_path.read_text())
 
@@ -160,9 +206,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         res = work()
         times[name] = times.get(name, 0.0) + time.perf_counter() - t
-        tmp = times_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(times))
-        os.replace(tmp, times_path)
+        os.replace(_write_tmp(times_path, times), times_path)
         return res
 
     def replay_phase() -> dict[str, Any]:
@@ -180,9 +224,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         t1_run.release_models()
         return t1_run.write_results()
 
-    rep_res = phase("t0", replay_phase)
-    seq_res = phase("speedup", speedup_phase)
-    t1_res = phase("t1", t1_phase) if t1_run is not None else None
+    try:
+        rep_res = phase("t0", replay_phase)
+        seq_res = phase("speedup", speedup_phase)
+    finally:
+        if side and child.poll() is None and sys.exc_info()[0] is not None:
+            child.terminate()  # this process failed: the child's journal keeps what it finished
+    if side:
+        rc = child.wait()
+        times["t1"] = times.get("t1", 0.0) + time.perf_counter() - child_t
+        os.replace(_write_tmp(times_path, times), times_path)
+        if rc != 0:
+            raise ValueError(f"the T=1 phase on --t1-gpu {args.t1_gpu} exited {rc}: see {child_log}")
+        t1_run = _run(t1_ns)[0]
+        t1_res = t1_run.write_results()
+    else:
+        t1_res = phase("t1", t1_phase) if t1_run is not None else None
     timed_done = all(("0", name, p.id) in sequential.timed.rows for name, ps in sequential.sets for p in ps[:k])
     complete = bool(rep_res["complete"]) and timed_done and (t1_res is None or bool(t1_res["complete"]))
     t0_seconds, speedup_seconds = times["t0"], times["speedup"]
@@ -224,6 +281,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "answers": sum(s["answers"] or 0 for s in sets.values()),
         "t0_seconds": round(t0_seconds, 2), "t1_seconds": None if t1_seconds is None else round(t1_seconds, 2),
         "t1_method": args.t1_method if t1_run is not None else None,
+        "t1_side_by_side": side,
         "t1_decode": args.t1_decode if t1_run is not None and args.t1_method == "batched" else None,
         "t1_tau": None if t1_res is None else {
             name: r.get("mean_acceptance_length") for name, r in t1_res["results"].get("1", {}).items()},

@@ -455,8 +455,22 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
     assert bench.main(argv + ["--t1", "--t1-method", "batched", "--batch-size", "2"]) == 0
     row = json.loads(rows.read_text())[-1]
     assert row["t1_method"] == "batched" and row["t1_seconds"] > 0 and set(row["t1_tau"]) == {"mtbench", "humaneval"}
-    assert row["t1_decode"] == "eager"
+    assert row["t1_decode"] == "eager" and row["t1_side_by_side"] is False
     assert "T=1 (batched)" in capsys.readouterr().out
+    # the T=1 phase in a child process beside the T=0 phases (on a CPU the child runs on the CPU): the same draws
+    side = tmp_path / "side"
+    argv_side = [a if a != str(tmp_path / "runs") else str(side) for a in argv]
+    assert bench.main(argv_side + ["--t1", "--t1-method", "batched", "--batch-size", "2", "--t1-gpu", "1"]) == 0
+    side_row = json.loads(rows.read_text())[-1]
+    assert side_row["t1_side_by_side"] is True and side_row["t1_seconds"] > 0
+    assert side_row["t1_tau"] == row["t1_tau"]
+    for name, s in row["sets"].items():  # the T=0 phases as before (their times aside)
+        for key in ("answers", "replay_tau", "replay_tau_checked", "sequential_tau_checked", "checked_answers"):
+            assert side_row["sets"][name][key] == s[key], (name, key)
+    assert (side / "t1_child.log").is_file()
+    with pytest.raises(SystemExit) as e:  # without --t1 there is no T=1 phase to place
+        bench.main(argv_side + ["--t1-gpu", "1"])
+    assert e.value.code == 2 and "--t1" in capsys.readouterr().err.strip().splitlines()[-1]
     if not torch.cuda.is_available():  # the CUDA-graph batched decoder: refused on a CPU in one line, no row
         n = len(json.loads(rows.read_text()))
         with pytest.raises(SystemExit) as e:
