@@ -319,8 +319,35 @@ def test_workers_give_the_same_answers(tiny_target_dir, exported_draft, tmp_path
     assert one["speedup"] == {} and one["protocol"]["speedup_prompts"] == 0
 
 
+def test_gpus_deal_the_temperatures_over_processes_and_merge_one_run(tiny_target_dir, exported_draft, tmp_path,
+                                                                     monkeypatch):
+    """--gpus 2 (on a CPU: two processes on the CPU): each temperature's answers decoded in its own process, merged
+    into --out as one run: the same results as one process, speedup rows included; this process loads no model."""
+    args = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "2", "--max-new-tokens", "5",
+            "--turns", "2", "--temperatures", "0,1", "--speedup-prompts", "1"]
+    assert _cli(tiny_target_dir, exported_draft, tmp_path / "one", *args) == 0
+
+    def no_load(*a, **k):
+        raise AssertionError("the merging process decoded")
+
+    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", no_load)
+    assert _cli(tiny_target_dir, exported_draft, tmp_path / "two", *args, "--gpus", "2") == 0
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert one["results"] == two["results"] and two["complete"] is True
+    assert set(two["speedup"]) == set(one["speedup"]) == {"0", "1"}
+    assert two["speedup"]["0"]["mtbench"]["answers"] == one["speedup"]["0"]["mtbench"]["answers"] == 2
+    for i, t in ((0, "0"), (1, "1")):  # each process decoded its own temperature only
+        rows = [json.loads(x) for x in (tmp_path / "two" / f"part{i}" / "answers.jsonl").read_text().splitlines()[1:]]
+        assert rows and {r["temperature"] for r in rows} == {t}
+    journal = (tmp_path / "two" / "answers.jsonl").read_text()
+    assert _cli(tiny_target_dir, exported_draft, tmp_path / "two", *args, "--gpus", "2") == 0
+    assert (tmp_path / "two" / "answers.jsonl").read_text() == journal
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--protocol", "fast"], "--protocol 'fast' is unknown"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--part", "2/2"], "--part '2/2'"),
     (["--workers", "0"], "--workers must be >= 1"),
     (["--temperatures", "0,x"], "--temperatures"),
     (["--temperatures", "-1"], ">= 0"),

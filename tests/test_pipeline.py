@@ -363,7 +363,8 @@ COMMANDS = [  # (module, section, the flags the pipeline fills in, the section's
     (evaluate, EvaluateConfig, ["--draft", "d", "--target", "t", "--out", "o"], ()),
 ]
 # The flags the pipeline sets itself (paths, the target, --overwrite): no recipe key.
-FILLED_BY_THE_PIPELINE = {"target", "out", "overwrite", "summary_json", "checkpoint", "draft"}
+FILLED_BY_THE_PIPELINE = {"target", "out", "overwrite", "summary_json", "checkpoint", "draft",
+                          "part"}  # part: evaluate sets it for its own --gpus processes
 
 
 @pytest.mark.parametrize("module, section, required, only", COMMANDS, ids=lambda x: getattr(x, "__name__", ""))

@@ -188,7 +188,7 @@ class Journal:
     """
 
     def __init__(self, path: Path, header: dict[str, Any], overwrite: bool) -> None:
-        self.path, self.rows = path, {}
+        self.path, self.header, self.rows = path, header, {}
         if path.is_file() and not overwrite:
             lines = path.read_text().split("\n")
             old = _json_or_none(lines[0]) or {}

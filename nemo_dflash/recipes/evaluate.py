@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from nemo_dflash.inference.eval_run import EvalRun, RunOptions
+from nemo_dflash.inference.eval_run import EvalRun, Journal, RunOptions
 from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path of the library names)
     METHODS, Answer, ConversationDecoder, EvalPrompt, EvalProtocol, EvalSettings, PROTOCOLS, dataset_result, encode_chat,
     evaluate_acceptance, format_table, load_chat_file, load_humaneval, load_mtbench, load_prompt_set,
@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes sharing the device for the acceptance runs, each with its own target + draft; "
                         "a conversation's turns stay in one process; results are merged in prompt order. "
                         "Speedup is never timed in workers (see --speedup-prompts)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="deal the temperatures over this many processes, process i on GPU i (on a CPU: processes on "
+                        "the CPU), each into --out/partI; their answers are merged into --out as one run's")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # I/N: one --gpus process's share
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no conversation after this; results.json then says complete: false (re-run continues)")
     p.add_argument("--overwrite", action="store_true", help="discard answers of an earlier run in --out")
@@ -210,6 +214,63 @@ def check_args(args: argparse.Namespace) -> None:
     if args.method in ("replay", "batched") and args.workers != 1:
         raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")
     batch_size(args.batch_size)
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1 (got {args.gpus})")
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    if device == "cuda" and args.gpus > 1:
+        import torch
+
+        if args.gpus > torch.cuda.device_count():
+            raise ValueError(f"--gpus {args.gpus} but torch sees {torch.cuda.device_count()} GPU(s): pass "
+                             f"--gpus {torch.cuda.device_count()}")
+    elif args.gpus > cpus:
+        raise ValueError(f"--gpus {args.gpus} on the CPU: at most {cpus} processes (this machine's CPUs)")
+    part(args)
+
+
+def part(args: argparse.Namespace) -> Optional[tuple[int, int]]:
+    """--part I/N (a --gpus process's share of the temperatures) as (I, N), or None."""
+    if args.part is None:
+        return None
+    i, _, n = args.part.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise ValueError(f"--part {args.part!r}: give I/N with 0 <= I < N")
+    return int(i), int(n)
+
+
+def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpus: int) -> EvalRun:
+    """Deal the protocol's temperatures over ``gpus`` processes (process i on GPU i, or on the CPU), each an
+    evaluate of its share into --out/partI, side by side; then the run on --out with their answers merged in
+    (what is left, e.g. after a process's --max-minutes, this process decodes)."""
+    import os
+    import subprocess
+
+    n = min(gpus, len(protocol.temperatures))
+    procs = []
+    for i in range(n):
+        out = options.out / f"part{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if options.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        with open(options.out / f"part{i}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv, "--out", str(out), "--gpus", "1",
+                 "--part", f"{i}/{n}"], stdout=log, stderr=subprocess.STDOUT, env=env))
+    logger.info("%d processes evaluate %s: logs %s/part*.log", n,
+                " | ".join(",".join(format(t, "g") for t in protocol.temperatures[i::n]) for i in range(n)),
+                options.out)
+    failed = [(i, rc) for i, rc in enumerate(p.wait() for p in procs) if rc != 0]
+    if failed:
+        i, rc = failed[0]
+        raise ValueError(f"evaluate process {i} of --gpus {n} exited {rc}: see {options.out / f'part{i}.log'}")
+    run = EvalRun(options, protocol)
+    for i in range(n):  # each part's journals, opened as the run's own (a part of another evaluation is refused)
+        for journal, name in ((run.journal, "answers.jsonl"), (run.timed, "speedup.jsonl")):
+            for key, row in Journal(options.out / f"part{i}" / name, journal.header, overwrite=False).rows.items():
+                if key not in journal.rows:
+                    journal.add(key, {k: v for k, v in row.items() if k not in ("temperature", "dataset", "id")})
+    return run
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -250,15 +311,23 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     setup_logging()
     with user_errors(FileNotFoundError, ValueError):  # flags, paths, earlier answers in --out: no model yet
         check_args(args)
         protocol = resolve_protocol(args)
+        share = part(args)
+        if share is not None:  # one --gpus process: every share-th temperature
+            protocol = protocol.with_overrides(temperatures=protocol.temperatures[share[0]::share[1]])
         options = run_options(args)
         check_decode(protocol.decode, options.device)
         check_out(args)
-        run = EvalRun(options, protocol)
+        if args.gpus > 1 and len(protocol.temperatures) > 1:
+            EvalRun(options, protocol).lock.release()  # the run's own checks (draft, target, journals) first
+            run = spread(argv, protocol, options, args.gpus)
+        else:
+            run = EvalRun(options, protocol)
     with user_errors(FileNotFoundError, ValueError):  # a draft that does not fit the target, a bad checkpoint
         results = run.execute()
     print(run.table(results))  # the command's report, on stdout by design
