@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t1-decode", default="eager", choices=["eager", "graphs"],
                    help="--t1-method batched: the eager batched decoder, or the CUDA-graph one (same draws)")
     p.add_argument("--workers", type=int, default=1, help="processes for the T=1 run (sequential)")
-    p.add_argument("--t1-gpu", default=None,
-                   help="run the T=1 phase in a child process on this GPU (its CUDA_VISIBLE_DEVICES), side by side "
+    p.add_argument("--t1-gpu", type=int, default=None,
+                   help="run the T=1 phase in a child process on this GPU (an index among the GPUs this process "
+                        "sees), side by side "
                         "with the T=0 phases on this process's GPU; t1_seconds is the child's wall time. With "
                         "--device cpu the child runs on the CPU (any value)")
     p.add_argument("--device", default="auto")
@@ -114,11 +115,11 @@ def _evaluate_argv(args: argparse.Namespace, out: Path, *extra: str) -> list[str
     return argv + list(extra)
 
 
-def _start_child(argv: list[str], gpu: str, device: str, log: Path) -> "subprocess.Popen[bytes]":
+def _start_child(argv: list[str], gpu: int, device: str, log: Path) -> "subprocess.Popen[bytes]":
     """`python -m nemo_dflash.recipes.evaluate ARGV` in the background, on GPU `gpu` (or the CPU)."""
-    env = dict(os.environ)
-    if device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    from nemo_dflash.recipes.evaluate import process_env
+
+    env = process_env(gpu, device)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     log.parent.mkdir(parents=True, exist_ok=True)

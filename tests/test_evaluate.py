@@ -344,6 +344,14 @@ def test_gpus_deal_the_temperatures_over_processes_and_merge_one_run(tiny_target
     assert (tmp_path / "two" / "answers.jsonl").read_text() == journal
 
 
+def test_a_gpus_process_takes_the_nth_gpu_this_one_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert evaluate_cmd.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert evaluate_cmd.process_env(0, "cpu")["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert evaluate_cmd.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--protocol", "fast"], "--protocol 'fast' is unknown"),
     (["--gpus", "0"], "--gpus must be >= 1"),

@@ -238,6 +238,18 @@ def part(args: argparse.Namespace) -> Optional[tuple[int, int]]:
     return int(i), int(n)
 
 
+def process_env(gpu: int, device: str) -> dict[str, str]:
+    """The environment of a child process on the ``gpu``-th GPU this process sees (its CUDA_VISIBLE_DEVICES
+    entry, so a job given GPUs 2,3 keeps to them); on a CPU, this process's environment."""
+    import os
+
+    env = dict(os.environ)
+    if device == "cuda":
+        visible = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
+    return env
+
+
 def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpus: int) -> EvalRun:
     """Deal the protocol's temperatures over ``gpus`` processes (process i on GPU i, or on the CPU), each an
     evaluate of its share into --out/partI, side by side; then the run on --out with their answers merged in
@@ -250,13 +262,11 @@ def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpu
     for i in range(n):
         out = options.out / f"part{i}"
         out.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        if options.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
         with open(options.out / f"part{i}.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv, "--out", str(out), "--gpus", "1",
-                 "--part", f"{i}/{n}"], stdout=log, stderr=subprocess.STDOUT, env=env))
+                 "--part", f"{i}/{n}"], stdout=log, stderr=subprocess.STDOUT,
+                env=process_env(i, options.device)))
     logger.info("%d processes evaluate %s: logs %s/part*.log", n,
                 " | ".join(",".join(format(t, "g") for t in protocol.temperatures[i::n]) for i in range(n)),
                 options.out)
