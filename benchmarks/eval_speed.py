@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -115,19 +114,6 @@ def _evaluate_argv(args: argparse.Namespace, out: Path, *extra: str) -> list[str
     return argv + list(extra)
 
 
-def _start_child(argv: list[str], gpu: int, device: str, log: Path) -> "subprocess.Popen[bytes]":
-    """`python -m nemo_dflash.recipes.evaluate ARGV` in the background, on GPU `gpu` (or the CPU)."""
-    from nemo_dflash.recipes.evaluate import process_env
-
-    env = process_env(gpu, device)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
-
-
 def _write_tmp(path: Path, value: Any) -> Path:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value))
@@ -166,6 +152,7 @@ def _fmt(x: Optional[float], spec: str = ".3f") -> str:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from nemo_dflash.recipes import evaluate
     from nemo_dflash.recipes._cli import resolve_device_dtype
 
     if args.sequential_prompts < 1:
@@ -188,7 +175,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if args.t1_method == "batched" else ["--workers", str(args.workers)])
     t1_flags = ["--temperatures", "1", "--no-speedup", *t1_extra, *num]
     t1_argv = _evaluate_argv(args, out / f"{args.t1_method}_t1", *t1_flags) if args.t1 else None
-    t1_ns = _evaluate_args(args, out / f"{args.t1_method}_t1", *t1_flags) if args.t1 else None
+    t1_ns = evaluate.build_parser().parse_args(t1_argv) if t1_argv is not None else None
     side = t1_ns is not None and args.t1_gpu is not None
     if args.t1_gpu is not None and t1_ns is None:
         raise ValueError("--t1-gpu runs the T=1 phase: add --t1")
@@ -197,7 +184,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if side:  # the child checks and runs the phase; this process reads its journal once it has ended
         _check(t1_ns)
         child_log = out / "t1_child.log"
-        child, child_t = _start_child(t1_argv, args.t1_gpu, device, child_log), time.perf_counter()
+        child, child_t = evaluate.start_process(t1_argv, args.t1_gpu, device, child_log), time.perf_counter()
     t1_run = _run(t1_ns)[0] if t1_ns is not None and not side else None
     times_path = out / TIMES
     times = {} if args.overwrite or not times_path.is_file() else json.loads(times_path.read_text())
@@ -228,9 +215,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         rep_res = phase("t0", replay_phase)
         seq_res = phase("speedup", speedup_phase)
-    finally:
-        if side and child.poll() is None and sys.exc_info()[0] is not None:
+    except BaseException:
+        if side:
             child.terminate()  # this process failed: the child's journal keeps what it finished
+        raise
     if side:
         rc = child.wait()
         times["t1"] = times.get("t1", 0.0) + time.perf_counter() - child_t

@@ -250,23 +250,30 @@ def process_env(gpu: int, device: str) -> dict[str, str]:
     return env
 
 
+def start_process(argv: Sequence[str], gpu: int, device: str, log: Path) -> "subprocess.Popen[bytes]":
+    """``python -m nemo_dflash.recipes.evaluate ARGV`` in the background on the ``gpu``-th GPU this process sees
+    (or on the CPU), its output in ``log``; the package importable as it is here."""
+    import os
+    import subprocess
+
+    import nemo_dflash
+
+    env = process_env(gpu, device)
+    root = str(Path(nemo_dflash.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv], stdout=f,
+                                stderr=subprocess.STDOUT, env=env)
+
+
 def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpus: int) -> EvalRun:
     """Deal the protocol's temperatures over ``gpus`` processes (process i on GPU i, or on the CPU), each an
     evaluate of its share into --out/partI, side by side; then the run on --out with their answers merged in
     (what is left, e.g. after a process's --max-minutes, this process decodes)."""
-    import os
-    import subprocess
-
     n = min(gpus, len(protocol.temperatures))
-    procs = []
-    for i in range(n):
-        out = options.out / f"part{i}"
-        out.mkdir(parents=True, exist_ok=True)
-        with open(options.out / f"part{i}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv, "--out", str(out), "--gpus", "1",
-                 "--part", f"{i}/{n}"], stdout=log, stderr=subprocess.STDOUT,
-                env=process_env(i, options.device)))
+    procs = [start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part", f"{i}/{n}"], i,
+                           options.device, options.out / f"part{i}.log") for i in range(n)]
     logger.info("%d processes evaluate %s: logs %s/part*.log", n,
                 " | ".join(",".join(format(t, "g") for t in protocol.temperatures[i::n]) for i in range(n)),
                 options.out)
