@@ -779,7 +779,7 @@ def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.data.chat_template import stop_token_ids
     from nemo_dflash.inference import batched_static
-    from nemo_dflash.inference.eval_run import ModelSpec, load_models
+    from nemo_dflash.inference.eval_run import ModelSpec, check_draft_files, load_models
     from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
     from nemo_dflash.recipes._cli import resolve_device_dtype
@@ -787,6 +787,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = check(args)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     name, prompt_set = load_prompt_set(args.dataset, args.prompts)
+    draft_sha256 = check_draft_files(str(args.draft))  # the rows name the weights they timed, read from the files
     target, tokenizer, draft = load_models(ModelSpec(args.draft, args.target, device, dtype, args.threads))
     decoder = DFlashSpeculativeDecoder(target, draft, args.block_size)
     stops = stop_token_ids(target, tokenizer)
@@ -839,7 +840,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
         no_loop = _no_loop(o_plain, o_spec, per_call, b_plain, b_spec, n_plain, n_spec, stops)
         rows.append({
-            **provenance(dev_name), "dataset": name, "prompts": len(prompts), "concurrency": bsz, "loop": loop,
+            **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
+            "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,

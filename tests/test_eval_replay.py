@@ -491,6 +491,8 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     got = json.loads(rows.read_text())
     assert [(r["concurrency"], r["loop"]) for r in got] == [(1, "batched"), (3, "batched"), (1, "one-prompt")]
     assert all(r["identical_answers"] == 3 for r in got)
+    from nemo_dflash.draft.build import draft_weights_sha256
+    assert {r["draft_sha256"] for r in got} == {draft_weights_sha256(draft_dir)}  # read from the draft's files
     assert all(r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0 and r["tau"] >= 1 for r in got)
     assert got[2]["tau"] == got[0]["tau"]  # at T=0 a batched row's steps are the one-prompt decoder's
     for r in got:  # the answers that do not loop: their share, tau and the batches free of loops on both sides

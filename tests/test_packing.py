@@ -361,9 +361,10 @@ def test_chunked_soft_ce_matches_full_logits_reference(weight):
     assert torch.equal(pred, logits.argmax(-1))
 
 
-def _compiled_gpu_step(compile_mode: str, packed: bool):
+def _compiled_gpu_step(compile_mode: str, packed: bool, compile_target: bool = False):
     """A one-GPU TrainStep on a tiny Qwen3 target, the draft compiled by `compile_mode`; packed rows give the
-    target flex attention with compiled layers, as the packed recipes run it."""
+    target flex attention with compiled layers, as the packed recipes run it; `compile_target` compiles the
+    target's layers on unpacked rows (`train.compile_target`, the large-target recipes' default)."""
     from nemo_dflash.config import OptimConfig
     from nemo_dflash.train.distributed import DistState
     from nemo_dflash.train.optim import build_optimizer
@@ -375,6 +376,7 @@ def _compiled_gpu_step(compile_mode: str, packed: bool):
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     if packed:
         wrapper.use_flex_attention()
+    if packed or compile_target:
         wrapper.compile_layers()
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=16, loss_decay_gamma=7.0, attn_backend="flex")
@@ -412,15 +414,17 @@ def test_compiled_packed_step_does_not_recompile():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex step needs a GPU")
-def test_compiled_unpacked_step_stops_recompiling_on_variable_lengths():
-    """Unpacked rows (the large-target recipes' batches): the draft layers compiled (`train.compile=true`), batch
-    lengths changing every step (multiples of 64). After warm-up steps of three lengths the compiled graphs
-    are dynamic in the length: steps of new lengths trigger no recompilation."""
+@pytest.mark.parametrize("compile_target", [False, True])
+def test_compiled_unpacked_step_stops_recompiling_on_variable_lengths(compile_target):
+    """Unpacked rows (the large-target recipes' batches): the draft layers compiled (`train.compile=true`), and the
+    target's (`train.compile_target=true`), batch lengths changing every step (multiples of 64). After warm-up
+    steps of three lengths the compiled graphs are dynamic in the length: steps of new lengths trigger no
+    recompilation."""
     import torch._dynamo.utils as dutils
 
     from nemo_dflash.data.dataset import collate
 
-    step = _compiled_gpu_step("layers", packed=False)
+    step = _compiled_gpu_step("layers", packed=False, compile_target=compile_target)
 
     def batch(longest: int, seed: int):
         docs = _docs([longest, max(longest // 2, 40)], seed=seed)

@@ -332,3 +332,28 @@ def test_compiled_sampling_steps_leave_every_scan_to_eager_cumsum():
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert torch.equal(a, b), fn.__name__
     torch._dynamo.reset()
+
+
+def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
+    """A T=1 run on an H200 hit dynamo's recompile limit on `keyed_draw`: the part after its eager cumsum became a
+    frame of its own, compiled again for each row count and grad mode. It runs eagerly: compiling the sampled
+    verify step at three row counts, with and without grad, leaves no compiled code for `keyed_draw`."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from nemo_dflash import sampling
+
+    torch._dynamo.reset()
+    K, V = 4, 50
+    step = torch.compile(sampling.sampled_verify, dynamic=False)
+    for R, grad in ((1, False), (2, True), (3, False), (3, True)):
+        q = torch.softmax(torch.randn(R, K, V), dim=-1)
+        args = (torch.randn(R, K + 1, V), torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0), q,
+                torch.multinomial(q.view(-1, V), 1).view(R, K), torch.arange(R) + 1, torch.arange(R) + 10, True)
+        with torch.set_grad_enabled(grad):
+            got, want = step(*args), sampling.sampled_verify(*args)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    code = getattr(sampling.keyed_draw, "__wrapped__", sampling.keyed_draw).__code__
+    assert _debug_get_cache_entry_list(code) == []
+    torch._dynamo.reset()
