@@ -252,7 +252,7 @@ class EvaluateConfig:
     batch_size: str = "auto"
     decode: Optional[str] = None  # eager | graphs
     workers: int = 1
-    gpus: int = 1  # processes (one a GPU) the temperatures are dealt over
+    gpus: int = 1  # processes (one a GPU) the conversations are dealt over (prompt j to process j % gpus)
     max_minutes: Optional[float] = None
     no_chat_template: bool = False
     reasoning: Optional[str] = None

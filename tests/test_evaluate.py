@@ -319,10 +319,12 @@ def test_workers_give_the_same_answers(tiny_target_dir, exported_draft, tmp_path
     assert one["speedup"] == {} and one["protocol"]["speedup_prompts"] == 0
 
 
-def test_gpus_deal_the_temperatures_over_processes_and_merge_one_run(tiny_target_dir, exported_draft, tmp_path,
-                                                                     monkeypatch):
-    """--gpus 2 (on a CPU: two processes on the CPU): each temperature's answers decoded in its own process, merged
-    into --out as one run: the same results as one process, speedup rows included; this process loads no model."""
+def test_gpus_deal_the_conversations_over_processes_and_merge_one_run(tiny_target_dir, exported_draft, tmp_path,
+                                                                       monkeypatch):
+    """--gpus 2 (on a CPU: two processes on the CPU): the conversations dealt over two processes, prompt j of each
+    set to process j % 2 at every temperature (so each holds half of every figure's work, the timed prompts
+    included), merged into --out as one run: the same results as one process, speedup rows included; this
+    process loads no model."""
     args = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "2", "--max-new-tokens", "5",
             "--turns", "2", "--temperatures", "0,1", "--speedup-prompts", "1"]
     assert _cli(tiny_target_dir, exported_draft, tmp_path / "one", *args) == 0
@@ -336,9 +338,12 @@ def test_gpus_deal_the_temperatures_over_processes_and_merge_one_run(tiny_target
     assert one["results"] == two["results"] and two["complete"] is True
     assert set(two["speedup"]) == set(one["speedup"]) == {"0", "1"}
     assert two["speedup"]["0"]["mtbench"]["answers"] == one["speedup"]["0"]["mtbench"]["answers"] == 2
-    for i, t in ((0, "0"), (1, "1")):  # each process decoded its own temperature only
-        rows = [json.loads(x) for x in (tmp_path / "two" / f"part{i}" / "answers.jsonl").read_text().splitlines()[1:]]
-        assert rows and {r["temperature"] for r in rows} == {t}
+    ids = {"mtbench": ["mtbench/81", "mtbench/82"], "humaneval": ["HumanEval/0", "HumanEval/1"]}
+    for i in (0, 1):  # process i decoded prompt i of each set at both temperatures, and timed prompt 0 if i == 0
+        for name, want in (("answers.jsonl", {(t, d, ids[d][i]) for t in ("0", "1") for d in ids}),
+                           ("speedup.jsonl", {(t, d, ids[d][0]) for t in ("0", "1") for d in ids} if i == 0 else set())):
+            rows = [json.loads(x) for x in (tmp_path / "two" / f"part{i}" / name).read_text().splitlines()[1:]]
+            assert {(r["temperature"], r["dataset"], r["id"]) for r in rows} == want, (i, name)
     journal = (tmp_path / "two" / "answers.jsonl").read_text()
     assert _cli(tiny_target_dir, exported_draft, tmp_path / "two", *args, "--gpus", "2") == 0
     assert (tmp_path / "two" / "answers.jsonl").read_text() == journal

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -55,6 +55,7 @@ class RunOptions:
     reasoning: Optional[str] = None  # the thinking mode prompts are rendered in; None: the template's default
     batch_size: Optional[int] = None  # conversations per batch (--method batched); None: auto (batch_rows)
     speedup_only: bool = False  # time the speedup prompts, skip the acceptance phase (their tau is in the timing)
+    part: Optional[tuple[int, int]] = None  # (i, n): this process takes prompt j of each set where j % n == i
 
 
 # rows of the automatic batch on a GPU; on a CPU (memory the OS shares) the fixed default
@@ -301,10 +302,18 @@ class EvalRun:
                             turns=p.turns, decode=p.decode, measure_speedup=timed, warmup=False,
                             use_chat_template=self.opts.chat_template, seed=self.opts.seed)
 
+    def _mine(self, j: int) -> bool:
+        """Whether prompt j of a set is this process's (every prompt, unless it is one part of `--gpus`: then every
+        n-th, so each part holds its share of every temperature and set, the speedup prompts included)."""
+        return self.opts.part is None or j % self.opts.part[1] == self.opts.part[0]
+
+    def _keys(self, t: Any, name: str, prompts: Sequence[EvalPrompt]) -> list[tuple[Key, EvalPrompt]]:
+        return [((f"{t:g}", name, p.id), p) for j, p in enumerate(prompts) if self._mine(j)]
+
     def _items(self, journal: Journal, timed: bool) -> list[tuple[Key, EvalSettings, EvalPrompt]]:
         k = self.protocol.speedup_prompts if timed else None
-        return [((f"{t:g}", name, p.id), self.settings(t, timed), p) for t in self.protocol.temperatures
-                for name, prompts in self.sets for p in prompts[:k] if (f"{t:g}", name, p.id) not in journal.rows]
+        return [(key, self.settings(t, timed), p) for t in self.protocol.temperatures
+                for name, prompts in self.sets for key, p in self._keys(t, name, prompts[:k]) if key not in journal.rows]
 
     def _expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -442,15 +451,16 @@ class EvalRun:
         for t in p.temperatures:
             tkey = f"{t:g}"
             for name, prompts in self.sets:
-                keys = [(tkey, name, x.id) for x in prompts]
+                keys = [k for k, _ in self._keys(t, name, prompts)]
                 done = [k for k in keys if k in self.journal.rows]
                 complete &= self.opts.speedup_only or len(done) == len(keys)
                 if done:
                     results.setdefault(tkey, {})[name] = dataset_result(
                         [a for k in done for a in self.journal.answers(k)], block_size=block, temperature=t,
                         max_new_tokens=p.max_new_tokens, num_prompts=len(done))
-                tk = [k for k in keys[: p.speedup_prompts] if k in self.timed.rows]
-                complete &= len(tk) == len(keys[: p.speedup_prompts])
+                timed = [k for k, _ in self._keys(t, name, prompts[: p.speedup_prompts])]
+                tk = [k for k in timed if k in self.timed.rows]
+                complete &= len(tk) == len(timed)
                 if tk:
                     speedup.setdefault(tkey, {})[name] = {
                         "num_prompts": len(tk), **speedup_metrics([a for k in tk for a in self.timed.answers(k)], t)}

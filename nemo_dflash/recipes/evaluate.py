@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a conversation's turns stay in one process; results are merged in prompt order. "
                         "Speedup is never timed in workers (see --speedup-prompts)")
     p.add_argument("--gpus", type=int, default=1,
-                   help="deal the temperatures over this many processes, process i on GPU i (on a CPU: processes on "
-                        "the CPU), each into --out/partI; their answers are merged into --out as one run's")
+                   help="deal the conversations over this many processes, process i on GPU i (on a CPU: processes "
+                        "on the CPU): prompt j of each set, at every temperature, to process j %% N, each into "
+                        "--out/partI; their answers and timings are merged into --out as one run's")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # I/N: one --gpus process's share
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no conversation after this; results.json then says complete: false (re-run continues)")
@@ -229,7 +230,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def part(args: argparse.Namespace) -> Optional[tuple[int, int]]:
-    """--part I/N (a --gpus process's share of the temperatures) as (I, N), or None."""
+    """--part I/N (a --gpus process's share: prompt j of each set where j % N == I) as (I, N), or None."""
     if args.part is None:
         return None
     i, _, n = args.part.partition("/")
@@ -268,15 +269,15 @@ def start_process(argv: Sequence[str], gpu: int, device: str, log: Path) -> "sub
 
 
 def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpus: int) -> EvalRun:
-    """Deal the protocol's temperatures over ``gpus`` processes (process i on GPU i, or on the CPU), each an
-    evaluate of its share into --out/partI, side by side; then the run on --out with their answers merged in
-    (what is left, e.g. after a process's --max-minutes, this process decodes)."""
-    n = min(gpus, len(protocol.temperatures))
+    """Deal the conversations over ``gpus`` processes (process i on GPU i, or on the CPU; prompt j of each set to
+    process j % gpus, at every temperature, so each holds an equal share of every figure's work), each an evaluate
+    of its share into --out/partI, side by side; then the run on --out with their answers merged in (what is left,
+    e.g. after a process's --max-minutes, this process decodes)."""
+    n = gpus
     procs = [start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part", f"{i}/{n}"], i,
                            options.device, options.out / f"part{i}.log") for i in range(n)]
-    logger.info("%d processes evaluate %s: logs %s/part*.log", n,
-                " | ".join(",".join(format(t, "g") for t in protocol.temperatures[i::n]) for i in range(n)),
-                options.out)
+    logger.info("%d processes evaluate every %d-th conversation of each set at T %s: logs %s/part*.log", n, n,
+                ",".join(format(t, "g") for t in protocol.temperatures), options.out)
     failed = [(i, rc) for i, rc in enumerate(p.wait() for p in procs) if rc != 0]
     if failed:
         i, rc = failed[0]
@@ -324,7 +325,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
                       reasoning=args.reasoning, batch_size=batch_size(args.batch_size),
-                      speedup_only=args.speedup_only)
+                      speedup_only=args.speedup_only, part=part(args))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -334,13 +335,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with user_errors(FileNotFoundError, ValueError):  # flags, paths, earlier answers in --out: no model yet
         check_args(args)
         protocol = resolve_protocol(args)
-        share = part(args)
-        if share is not None:  # one --gpus process: every share-th temperature
-            protocol = protocol.with_overrides(temperatures=protocol.temperatures[share[0]::share[1]])
         options = run_options(args)
         check_decode(protocol.decode, options.device)
         check_out(args)
-        if args.gpus > 1 and len(protocol.temperatures) > 1:
+        if args.gpus > 1:
             EvalRun(options, protocol).lock.release()  # the run's own checks (draft, target, journals) first
             run = spread(argv, protocol, options, args.gpus)
         else:
