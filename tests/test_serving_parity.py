@@ -10,11 +10,11 @@ import pytest
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
 from nemo_dflash.export import serving_config_dict
 from nemo_dflash.inference.parity import (
-    ServingParityError, check_serving_parity, reference_draft_hidden, reference_generate, serving_weights,
+    ServingParityError, check_serving_parity, reference_acceptance, reference_draft_hidden, serving_weights,
 )
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, GenerationOutput
 
-from _spec_fixtures import make_draft, tiny_qwen3
+from _spec_fixtures import make_draft, tiny_qwen3, train_on_greedy_answer
 
 PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7], [200, 1, 2, 3, 4, 5, 6, 7, 8]]
 
@@ -47,6 +47,54 @@ def test_rebuilt_draft_equals_our_module_on_partial_rotary():
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
 
 
+def _hf_greedy(target, prompt, n):
+    """The target's greedy tokens, by HF generate."""
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _reference_by_forwards(target, weights, cfg, prompt, max_new_tokens, blk):
+    """The rules decoded step by step, a full target forward to verify each block (what the walk replaces)."""
+    from nemo_dflash.inference.parity import _features
+
+    layer_ids, mask_id = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    out, lens = [_hf_greedy(target, prompt, 1)[0]], []
+    with torch.no_grad():
+        while len(out) < max_new_tokens:
+            seq = prompt + out
+            _, ctx = _features(target, seq[:-1], layer_ids)
+            emb = embed(torch.tensor([seq[-1]] + [mask_id] * (blk - 1)))
+            hid = reference_draft_hidden(weights, cfg, emb, ctx, torch.arange(len(seq) - 1 + blk))
+            drafted = head(hid[1:]).argmax(-1).tolist()
+            tgt = _features(target, seq + drafted, layer_ids, keep=blk)[0].argmax(-1).tolist()
+            n = 0
+            while n < blk - 1 and drafted[n] == tgt[n]:
+                n += 1
+            lens.append(n + 1)
+            out += (drafted[:n] + [tgt[n]])[: max_new_tokens - len(out)]
+    return out, lens
+
+
+def test_the_walk_equals_the_rules_decoded_with_a_forward_a_step():
+    """The reference walks one forward over the greedy answer; the same rules decoded step by step, each block
+    verified by a forward of its own, give the same tokens and acceptance lengths (a draft that accepts some)."""
+    target = tiny_qwen3()
+    draft = make_draft(target, block_size=4)
+    train_on_greedy_answer(target, draft, torch.tensor([PROMPTS[0]]), steps=60)  # long steps there, short elsewhere
+    cfg, weights = serving_config_dict(draft.config), {k: v.float() for k, v in draft.state_dict().items()}
+    seen = []
+    for prompt in PROMPTS:
+        out, lens = _reference_by_forwards(target, weights, cfg, prompt, 24, 4)
+        ref = reference_acceptance(target, weights, cfg, prompt, _hf_greedy(target, prompt, 24 + 4), 24, 4)
+        assert (ref.output_ids, ref.acceptance_lengths) == (out, lens)
+        seen += lens
+    assert {1, 4} <= set(seen), seen  # rejected blocks and whole blocks both walked
+    bad = _hf_greedy(target, PROMPTS[0], 18)
+    bad[5] = (bad[5] + 1) % 256  # a token that is not the target's argmax
+    assert reference_acceptance(target, weights, cfg, PROMPTS[0], bad, 14, 4).not_greedy_at == 5
+
+
 def test_random_draft_passes_and_matches_step_for_step():
     target = tiny_qwen3()
     draft = make_draft(target, num_layers=2, block_size=4)
@@ -64,8 +112,9 @@ def test_full_acceptance_is_the_same_both_ways():
         target.model.norm.weight.zero_()
         draft.norm.weight.zero_()
     weights = serving_weights(draft)
-    ref = reference_generate(target, weights, serving_config_dict(draft.config), PROMPTS[0], 11)
-    assert ref.acceptance_lengths == [4, 4, 4] and len(ref.output_ids) == 11  # 1 + 4 + 4 + 2 kept of the last 4
+    greedy = _hf_greedy(target, PROMPTS[0], 11 + 4)
+    ref = reference_acceptance(target, weights, serving_config_dict(draft.config), PROMPTS[0], greedy, 11)
+    assert ref.acceptance_lengths == [4, 4, 4] and ref.output_ids == greedy[:11]  # 1 + 4 + 4 + 2 kept of the last 4
     rep = check_serving_parity(target, draft, PROMPTS, cfg=serving_config_dict(draft.config), max_new_tokens=11,
                                min_agreement=1.0)
     assert rep.ours_tau == rep.reference_tau == 4.0

@@ -11,8 +11,10 @@ cache and nothing shared with `spec_decode` or the draft module:
   attention -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual, final norm;
 - each step drafts `[last, MASK x (B-1)]` against the target features (HF `output_hidden_states`,
   layer i = hidden_states[i + 1]) of every verified token before `last`, at positions
-  0..p-1 for the context and p..p+B-1 for the block; the target verifies the whole sequence again;
-  accepted = longest prefix where draft[k] == the target's argmax at k; plus the target's bonus.
+  0..p-1 for the context and p..p+B-1 for the block; accepted = longest prefix where draft[k] == the
+  target's argmax at k; plus the target's bonus. At T=0 the argmaxes along an accepted prefix are the target's
+  greedy tokens, so the steps walk one full forward over the greedy answer (each of its tokens checked to be the
+  forward's argmax) instead of running a forward each.
 
 `check_serving_parity` runs both on a few prompts at T=0 and compares (1) the drafted tokens of our
 draft module and of the rebuilt one on the same context, and (2) our decoder's output and
@@ -118,6 +120,7 @@ class ReferenceRun:
     acceptance_lengths: list[int] = field(default_factory=list)
     proposals: int = 0        # drafted tokens compared with our draft module's
     proposals_agree: int = 0  # of which equal
+    not_greedy_at: Optional[int] = None  # first index where the given tokens are not the target's argmax
 
 
 def _features(target: nn.Module, ids: list[int], layer_ids: Sequence[int],
@@ -133,42 +136,49 @@ def _features(target: nn.Module, ids: list[int], layer_ids: Sequence[int],
 
 
 @torch.no_grad()
-def reference_generate(target: nn.Module, weights: Mapping[str, torch.Tensor], cfg: Mapping[str, Any],
-                       prompt_ids: Sequence[int], max_new_tokens: int, block_size: Optional[int] = None,
-                       stop_ids: Iterable[int] = (), our_draft: Optional[nn.Module] = None) -> ReferenceRun:
-    """Greedy DFlash decoding by the rules alone (see the module doc); with ``our_draft``, its
-    proposals on each step's context are counted against the rebuilt draft's."""
+def reference_acceptance(target: nn.Module, weights: Mapping[str, torch.Tensor], cfg: Mapping[str, Any],
+                         prompt_ids: Sequence[int], greedy: Sequence[int], max_new_tokens: int,
+                         block_size: Optional[int] = None, stop_ids: Iterable[int] = (),
+                         our_draft: Optional[nn.Module] = None) -> ReferenceRun:
+    """Greedy DFlash decoding by the rules alone (see the module doc), stepped along ``greedy``: the target's greedy
+    continuation of the prompt, stop tokens ignored, at least B tokens past where the answer ends. One full target
+    forward checks that each of those tokens is the target's argmax (else `not_greedy_at`, and no steps) and gives
+    every position's features; then each step drafts from its anchor with the rebuilt draft and keeps the longest
+    prefix of the drafted tokens equal to the target's next tokens, plus the target's own (bonus) token. At T=0 the
+    verify's argmaxes along an accepted prefix are these tokens, so no step needs a forward of its own. With
+    ``our_draft``, its proposals on each step's context are counted against the rebuilt draft's."""
     dflash = cfg["dflash_config"]
     layer_ids, mask_id = [int(i) for i in dflash["target_layer_ids"]], int(dflash["mask_token_id"])
     blk = int(block_size or cfg["block_size"])
     stops = {int(s) for s in stop_ids}
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    prompt = [int(t) for t in prompt_ids]
-    logits, _ = _features(target, prompt, layer_ids)
-    out = [int(logits[-1].argmax())]
-    run = ReferenceRun(output_ids=out)
+    prompt, given = [int(t) for t in prompt_ids], [int(t) for t in greedy]
+    logits, feats = _features(target, prompt + given, layer_ids, keep=len(given) + 1)
+    nxt = logits.argmax(-1).tolist()  # nxt[k]: the target's token after prompt + given[:k]
+    run = ReferenceRun(output_ids=[nxt[0]])
+    run.not_greedy_at = next((k for k, (a, b) in enumerate(zip(given, nxt)) if a != b), None)
+    if run.not_greedy_at is not None:
+        return run
+    out = run.output_ids
     while out[-1] not in stops and len(out) < max_new_tokens:
-        seq = prompt + out
-        p = len(seq) - 1  # position of the last verified token, the block's anchor
-        _, ctx = _features(target, seq[:-1], layer_ids)
-        dev = ctx.device
-        block = torch.tensor([seq[-1]] + [mask_id] * (blk - 1), device=dev)
-        emb = embed(block)
-        pos = torch.arange(p + blk, device=dev)
-        hid = reference_draft_hidden(weights, cfg, emb, ctx, pos)
+        k0 = len(out)  # nxt index of the first token after the anchor out[-1]
+        if k0 + blk > len(nxt):
+            raise ValueError(f"reference_acceptance needs {k0 + blk} greedy tokens, was given {len(given)}")
+        a = len(prompt) + k0 - 1  # the anchor's position; the context is every verified token before it
+        block = torch.tensor([out[-1]] + [mask_id] * (blk - 1), device=feats.device)
+        emb, pos = embed(block), torch.arange(a + blk, device=feats.device)
+        hid = reference_draft_hidden(weights, cfg, emb, feats[:a], pos)
         drafted = head(hid[1:].to(head.weight.dtype)).float().argmax(-1).tolist()
         if our_draft is not None:
-            mine = our_draft(noise_embedding=emb[None].to(our_draft.fc.weight.dtype), target_hidden=ctx[None],
+            mine = our_draft(noise_embedding=emb[None].to(our_draft.fc.weight.dtype), target_hidden=feats[None, :a],
                              position_ids=pos[None])
             ours = head(mine[0, 1:].to(head.weight.dtype)).float().argmax(-1).tolist()
             run.proposals += len(ours)
-            run.proposals_agree += sum(a == b for a, b in zip(ours, drafted))
-        v_logits, _ = _features(target, seq + drafted, layer_ids, keep=blk)  # positions p .. p+blk-1
-        tgt = v_logits.argmax(-1).tolist()
+            run.proposals_agree += sum(x == y for x, y in zip(ours, drafted))
         n_acc = 0
-        while n_acc < blk - 1 and drafted[n_acc] == tgt[n_acc]:
+        while n_acc < blk - 1 and drafted[n_acc] == nxt[k0 + n_acc]:
             n_acc += 1
-        new = drafted[:n_acc] + [tgt[n_acc]]
+        new = nxt[k0: k0 + n_acc + 1]  # the accepted drafts, then the target's bonus token
         run.acceptance_lengths.append(len(new))
         for t in new[: max_new_tokens - len(out)]:
             out.append(t)
@@ -226,8 +236,14 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
     agree = total = steps = 0
     ours_taus, ref_taus = [], []
     for n, ids in enumerate(prompts):
-        ref = reference_generate(target, weights, cfg, ids, max_new_tokens, decoder.block_size, stops, ours_draft)
         ours = decoder.generate(list(ids), max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+        greedy = decoder.generate(list(ids), max_new_tokens=len(ours.output_ids) + decoder.block_size,
+                                  temperature=0.0, stop_token_ids=[]).output_ids  # stops ignored: the last steps' tokens
+        ref = reference_acceptance(target, weights, cfg, ids, greedy, max_new_tokens, decoder.block_size, stops,
+                                   ours_draft)
+        if ref.not_greedy_at is not None:
+            mismatches.append(f"prompt {n}: our decoder's token {ref.not_greedy_at} is not the target's argmax")
+            continue
         agree, total, steps = agree + ref.proposals_agree, total + ref.proposals, steps + len(ref.acceptance_lengths)
         ref_taus.append(sum(ref.acceptance_lengths) / max(len(ref.acceptance_lengths), 1))
         ours_taus.append(ours.mean_acceptance_length)
@@ -259,4 +275,4 @@ def encode_parity_prompts(tokenizer: Any, texts: Sequence[str] = PARITY_PROMPTS)
 
 
 __all__ = ["PARITY_PROMPTS", "ParityReport", "ServingParityError", "check_serving_parity", "encode_parity_prompts",
-           "reference_draft_hidden", "reference_generate", "serving_weights"]
+           "reference_acceptance", "reference_draft_hidden", "serving_weights"]
