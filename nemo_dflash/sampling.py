@@ -221,10 +221,10 @@ def keyed_draw(seed: int, keys: torch.Tensor, positions: torch.Tensor, weights: 
     normalised), drawn with one keyed uniform per row (a pure function of seed, key and position) through the
     row's cumulative sum. Gumbel-max over ``keyed_uniform`` needs V hashes a row; this needs one, and a scan.
 
-    Eager inside the compiled sampling steps: its scan breaks the graph anyway (`eager_cumsum`), and compiled,
-    what follows the break was a frame of its own, recompiled for every row count and grad mode until dynamo's
+    Eager inside the compiled sampling steps, scan included (a graph break there, as at `eager_cumsum`): compiled,
+    what followed its scan was a frame of its own, recompiled for every row count and grad mode until dynamo's
     limit (8) on a GPU's T=1 run. Under CUDA graphs its few small kernels cost no launches."""
-    cdf = eager_cumsum(weights.float())
+    cdf = weights.float().cumsum(dim=-1)
     u = keyed_uniform(seed, keys, positions, torch.zeros_like(keys).view(-1, 1))  # [N, 1]
     return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
 

@@ -8,7 +8,6 @@ The command only parses flags into `RunOptions` and an `EvalProtocol`; the measu
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from nemo_dflash.device import release_device_memory
 from nemo_dflash.sampling import Sampling, as_sampling
 from nemo_dflash.inference.evaluate import (
     Answer,
@@ -336,9 +336,7 @@ class EvalRun:
     def release_models(self) -> None:
         """Drop this process's target and draft (and the decoders built on them) from the device."""
         self._loaded, self._decoders = None, {}
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
 
     def run_speedup(self) -> None:
         """Time the first `speedup_prompts` conversations of each set against plain decoding, alone

@@ -26,7 +26,6 @@ identity: it keeps the sequential decoder.
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from torch import nn
 from nemo_dflash.core import draft_block_hidden
 from nemo_dflash.data.chat_template import stop_token_ids
 from nemo_dflash.data.loops import find_loop_start
+from nemo_dflash.device import release_device_memory
 from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.evaluate import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
 from nemo_dflash.inference.output import truncate
@@ -64,13 +64,6 @@ class GreedyTurn:
     output_ids: list[int]
     stopped: bool
     beyond: list[int]
-
-
-def _release() -> None:
-    """Give a finished slot engine's KV cache back before the next allocation."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def walk(output_ids: Sequence[int], beyond: Sequence[int], drafts: Sequence[Sequence[int]], stops: set[int],
@@ -192,7 +185,7 @@ class ReplayEvaluator:
                                                                                self.stops)})
                 pending.append(request(i, t + 1, after=c))
         del engine, pending
-        _release()
+        release_device_memory()  # the finished slot engine's KV cache, before the next allocation
         return self._continue(raw)
 
     def _continue(self, raw: dict[tuple[int, int], tuple[list[int], list[int], bool]]
@@ -220,7 +213,7 @@ class ReplayEvaluator:
             else:
                 out[k] = GreedyTurn(prompt_ids, body, False, nxt)
         del engine, pending
-        _release()
+        release_device_memory()  # the finished slot engine's KV cache, before the next allocation
         if mismatched:
             logger.warning("%d answers ended at a stop token that a re-run of their prefix did not predict "
                            "(low-precision near ties)", mismatched)

@@ -295,6 +295,7 @@ class Pipeline:
             check_paths(now)
 
         def run(overwrite: bool) -> dict[str, Any]:
+            from nemo_dflash.device import release_device_memory
             from nemo_dflash.recipes.train import check_paths, user_error_types
             from nemo_dflash.train.trainer import train
 
@@ -304,7 +305,7 @@ class Pipeline:
             check_paths(run_cfg)
             with user_errors(*user_error_types()):
                 summary = train(run_cfg, overwrite=overwrite)
-            _release_device_memory()  # the GPUs are free for the evaluate stage's processes (evaluate.gpus)
+            release_device_memory()  # the GPUs are free for the evaluate stage's processes (evaluate.gpus)
             if summary.get("stopped_early"):  # the time cap or SIGTERM: not complete, the same command resumes it
                 return {**summary, "incomplete": True, "stopped_by": summary["stopped_early"]}
             return summary
@@ -475,17 +476,6 @@ class Pipeline:
             logger.info("pipeline: %s (run directory %s)", ", ".join(f"{k} {v}" for k, v in outcome.items()),
                         self.lay.run)
         return outcome
-
-
-def _release_device_memory() -> None:
-    """Give this rank's cached GPU memory back once a stage's models are gone."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, str]:
