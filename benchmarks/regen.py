@@ -54,7 +54,8 @@ DOC_THROUGHPUT = """Regeneration throughput: the pipeline's slot engine against 
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
-``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``generate``
+``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``engine`` (the
+decoding engine's plain runner, nemo_dflash.inference.batched_static, with --batch-size rows), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
@@ -166,7 +167,7 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     warm = collections.deque(Request(i, p) for i, p in enumerate(prompts[: min(len(prompts), 64)]))
     for _ in engine.generate(warm):  # compile / warm up
         pass
-    engine.generated_tokens = engine.steps = 0
+    engine.generated_tokens = engine.steps = engine.prefill_tokens = engine.reused_tokens = 0
     engine.seconds.clear()
     engine.gpu.read()
     engine.gpu.seconds.clear()
@@ -237,6 +238,34 @@ def run_step(model, prompts, args, stop_ids) -> dict:
     return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
 
 
+def run_engine(model, prompts, args, stop_ids) -> dict:
+    """The decoding engine's plain runner (nemo_dflash.inference.batched_static, what evaluation times) on the
+    same prompts: --batch-size fixed-shape rows, a prompt entering a row as its answer ends (continuous
+    batching), each step a captured CUDA graph over the static cache. No loop stop, no slot reuse."""
+    from nemo_dflash.inference.batched_static import batched_static_autoregressive_generate
+    from nemo_dflash.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature > 0 else 1.0)
+    rows = min(args.batch_size, len(prompts))
+    use_graphs = torch.cuda.is_available()
+
+    def run(batch: list) -> tuple[list, float]:
+        g = torch.Generator(device=model.device).manual_seed(0)
+        _sync()
+        t0 = time.perf_counter()
+        outs = batched_static_autoregressive_generate(
+            model, batch, max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stop_ids,
+            rows=rows, use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens)
+        _sync()
+        return outs, time.perf_counter() - t0
+
+    run(prompts[: min(len(prompts), 2 * rows)])  # capture / warm up (the same runner is kept for the timed run)
+    outs, dt = run(prompts)
+    finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
+    return {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt,
+            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
+
+
 def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
     from nemo_dflash.data.regenerate import _generation_kwargs, generate_batch
 
@@ -298,8 +327,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
-    p.add_argument("--modes", default="slots,generate", help="comma list of slots, generate, hf_cb, step (the "
-                   "parts of one decode step)")
+    p.add_argument("--modes", default="slots,generate", help="comma list of slots, engine (the decoding "
+                   "engine's plain runner), generate, hf_cb, step (the parts of one decode step)")
     g = p.add_argument_group("engine settings (nemo_dflash.data.generation.EngineConfig; default: the device's)")
     g.add_argument("--refill-fraction", type=int, default=None, help="refill once 1/N of the slots are idle")
     g.add_argument("--attention-group-cost", type=float, default=None,
@@ -365,6 +394,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                 r = run_slots(model, prompts, args, stop_ids)
             elif mode == "step":
                 r = run_step(model, prompts, args, stop_ids)
+            elif mode == "engine":
+                r = run_engine(model, prompts, args, stop_ids)
             elif mode == "generate":
                 r = run_generate(model, prompts, args, stop_ids, pad_id)
             elif mode == "hf_cb":
