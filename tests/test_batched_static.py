@@ -436,6 +436,58 @@ def test_write_at_puts_each_rows_kv_at_its_positions(rows, row):
         assert got_k.shape[0] == k_rows and torch.equal(got_k, want_k[(row or 0) : (row or 0) + k_rows])
 
 
+@pytest.mark.parametrize("q_len,mask_rows", [(1, 3), (4, 3), (5, 1)])
+def test_folded_gqa_attention_equals_attention_written_out(q_len, mask_rows):
+    """`static_cache.folded_gqa_sdpa` (query heads that share a K/V head folded into its query rows) against
+    softmax attention written out per row, head and query in float64, query head h reading K/V head h // 3;
+    a mask of one row per batch row, or one row broadcast over the batch (a prefill's)."""
+    from nemo_dflash.inference.static_cache import folded_gqa_sdpa
+
+    g = torch.Generator().manual_seed(q_len)
+    rows, heads, kv_heads, keys, dim, scale = 3, 6, 2, 11, 4, 0.7
+    q = torch.randn(rows, heads, q_len, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(rows, kv_heads, keys, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(rows, kv_heads, keys, dim, generator=g, dtype=torch.float64)
+    q_pos = torch.tensor([2, 6, 5])[:mask_rows].view(-1, 1) + torch.arange(q_len)  # [mask_rows, Q]
+    mask = (torch.arange(keys).view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [mask_rows, 1, Q, keys]
+    got, _ = folded_gqa_sdpa(torch.nn.Module(), q, k, v, mask, scaling=scale)
+    assert got.shape == (rows, q_len, heads, dim)
+    for r in range(rows):
+        for h in range(heads):
+            for i in range(q_len):
+                seen = int(q_pos[r % mask_rows, i]) + 1
+                w = torch.softmax(k[r, h // 3, :seen] @ q[r, h, i] * scale, dim=0)
+                assert torch.allclose(got[r, i, h], w @ v[r, h // 3, :seen], atol=1e-12)
+
+
+def test_the_engine_attends_with_folded_heads_and_restores_the_target(monkeypatch):
+    """Every target forward of both runners (prefills, steps, verifies) goes through the folded attention,
+    the answers are those of HF's own SDPA (FOLD_GQA off), and the target is left on "sdpa" afterwards."""
+    from nemo_dflash.inference import static_cache
+
+    calls = []
+    real = static_cache.folded_gqa_sdpa
+    monkeypatch.setattr(static_cache, "folded_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
+    prompts = _prompts(3)
+    runs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
+        batched_static.drop_runners(target)
+        batched_static.drop_runners(decoder)
+        runs[fold] = (batched_static_autoregressive_generate(target, prompts, max_new_tokens=12, rows=2, use_graphs=False),
+                      batched_static_speculative_generate(decoder, prompts, max_new_tokens=12, rows=2, use_graphs=False))
+        assert target.config._attn_implementation == "sdpa"
+        if fold:
+            q_lens = {shape[2] for shape in calls}
+            assert 1 in q_lens and 4 in q_lens and max(q_lens) > 4  # plain steps, verifies, prefills
+            calls.clear()
+    assert not calls  # FOLD_GQA off: HF's SDPA alone
+    for a, b in zip(runs[True], runs[False]):
+        assert [o.output_ids for o in a] == [o.output_ids for o in b]
+
+
 @pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20),
                                      SamplingParams(1.0, draft="greedy")], ids=["t1", "top_p", "top_k", "greedy_draft"])
 def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):

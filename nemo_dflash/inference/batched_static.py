@@ -54,7 +54,8 @@ from torch import nn
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
 from nemo_dflash.inference.static_cache import (
-    StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, visible_to_mask,
+    StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, folded_attention,
+    visible_to_mask,
 )
 from nemo_dflash.inference.static_decode import (
     BucketedSteps, SampledStepState, bucket_key, cache_length_for, make_step,
@@ -174,9 +175,10 @@ class _Rows:
         positions = torch.arange(len(prompts[0]), device=self.device)
         self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
         try:
-            out = self.model(input_ids=torch.tensor([list(p) for p in prompts], device=self.device),
-                             position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
-                             attention_mask=self.causal(positions.unsqueeze(0), view_len))
+            with folded_attention(self.model):
+                out = self.model(input_ids=torch.tensor([list(p) for p in prompts], device=self.device),
+                                 position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
+                                 attention_mask=self.causal(positions.unsqueeze(0), view_len))
         finally:
             self.kv.row = None
         return out.logits[:, -1]
@@ -310,8 +312,9 @@ class BatchedStaticPlainRunner(_Rows):
         """One token a row at its position; returns the logits [R, V] (the loop reads `self.tok`)."""
         q_pos = self.pos.view(-1, 1)
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
-        out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
-                         attention_mask=self.causal(q_pos, view_len))
+        with folded_attention(self.model):
+            out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
+                             attention_mask=self.causal(q_pos, view_len))
         logits = out.logits[:, -1]
         if self.sampled:
             self.tok.copy_(self.state.next_tokens(logits, self.filtered, self.pos + 1).view(-1, 1))
@@ -443,7 +446,7 @@ class BatchedStaticSpecRunner(_Rows):
         [R, B, V]; the loop reads `self.result`."""
         q_pos = self.pos.view(-1, 1) + self.arange_b
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
-        with self.dec.target.capture(stop_early=False) as captured:
+        with self.dec.target.capture(stop_early=False) as captured, folded_attention(self.model):
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
