@@ -249,18 +249,18 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     rows = min(args.batch_size, len(prompts))
     use_graphs = torch.cuda.is_available()
 
-    def run(batch: list) -> tuple[list, float]:
+    def run(batch: list, new: int) -> tuple[list, float]:
         g = torch.Generator(device=model.device).manual_seed(0)
         _sync()
         t0 = time.perf_counter()
-        outs = batched_static_autoregressive_generate(
-            model, batch, max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stop_ids,
-            rows=rows, use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens)
+        outs = batched_static_autoregressive_generate(  # the caches hold max prompt + max new tokens either way
+            model, batch, max_new_tokens=new, temperature=sampling, stop_token_ids=stop_ids, rows=rows,
+            use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens + args.max_new_tokens - new)
         _sync()
         return outs, time.perf_counter() - t0
 
-    run(prompts[: min(len(prompts), 2 * rows)])  # capture / warm up (the same runner is kept for the timed run)
-    outs, dt = run(prompts)
+    run(prompts[:rows], 16)  # capture / warm up: the timed run finds this runner and its graphs
+    outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
     return {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt,
             "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
