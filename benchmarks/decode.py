@@ -2,11 +2,13 @@
 
     python benchmarks/decode.py speed [--shapes smollm2_135m] [--modes graphs] [--draft EXPORT_DIR] ...
     python benchmarks/decode.py concurrency --target pkg:smollm2 --draft OUT/export/main --batches 1,4,16 ...
+    python benchmarks/decode.py rows --shape smollm2_135m --rows 1,16,64,256 --view 768 --fold-gqa 0,1
 
 `speed`: ms per token and per step of each decoding loop on random-weight target shapes (the projected
 speedup at a given tau), with T=0 exactness checks; rows to docs/bench/decode_speed.json.
 `concurrency`: speedup of speculative over plain decoding against the number of prompts decoded together;
-rows to docs/bench/concurrency.json. Each subcommand has its own flags (`decode.py SUBCOMMAND --help`).
+rows to docs/bench/concurrency.json. `rows`: what one engine step costs against its row count (plain step,
+verify, draft block), with and without the grouped-query fold; rows to docs/bench/decode_rows.json. Each subcommand has its own flags (`decode.py SUBCOMMAND --help`).
 """
 
 from __future__ import annotations
@@ -707,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse-sampling", type=int, default=1, choices=[0, 1],
                    help="1: a sampled step's softmaxes, hashes and draws run compiled on a GPU "
                         "(static_decode.FUSE_SAMPLING, the default); 0: op by op, for comparison")
+    p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
+                   help="the engine's target attention with grouped-query heads folded (1) or HF's SDPA (0); "
+                        "default: static_cache.FOLD_GQA")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the rows here")
     return p
 
@@ -802,6 +807,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.inference import static_decode
 
     static_decode.FUSE_SAMPLING = bool(args.fuse_sampling)  # read by the runners this process makes
+    from nemo_dflash.inference import static_cache
+
+    if args.fold_gqa is not None:
+        static_cache.FOLD_GQA = bool(args.fold_gqa)  # read at every target forward of the runners
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
@@ -843,6 +852,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
             "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
+            "fold_gqa": static_cache.FOLD_GQA,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
@@ -890,10 +900,132 @@ def main_concurrency(argv: Optional[Sequence[str]] = None) -> int:
 
 
 
+# ====================================================================================================
+# rows
+
+DOC_ROWS = """The engine's steps against their row count: what one captured step of R rows costs.
+
+    python benchmarks/decode.py rows --shape smollm2_135m --rows 1,16,64,256 --view 768 --fold-gqa 0,1
+    python benchmarks/decode.py rows --shape tiny --rows 1,3 --view 256 --device cpu     # a smoke test, eager
+
+On random weights of --shape (bf16 on a GPU, fp32 on a CPU), for each row count R and each --fold-gqa setting
+(`static_cache.FOLD_GQA`: 0, HF's SDPA, which copies every K/V head per query head under a mask; 1, the query
+heads folded into their K/V head's query rows): the plain 1-token step of `BatchedStaticPlainRunner` and the
+speculative runner's B-token verify and draft block (a random 5-layer draft), every row at the last position a
+--view-position attention view holds, the caches filled with random K/V; the median of --reps replays (CUDA
+graphs on a GPU, the same step functions eagerly on a CPU). With two fold settings it also compares their plain
+step's logits on the same caches (`max_abs_logit_diff`, `same_argmax`). Prints a table and appends a row a
+setting to --json: {"date", "commit", "device", "command", "shape", "rows", "fold_gqa", "view", "block_size",
+"plain_step_ms", "plain_tokens_per_s", "verify_ms", "draft_ms", ...}.
+"""
+
+
+def build_rows_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="decode.py rows", description=DOC_ROWS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2_135m", help="qwen3_8b, smollm2_135m or tiny")
+    p.add_argument("--rows", default="1,16,64,256", help="comma list of row counts")
+    p.add_argument("--view", type=int, default=768, help="attention view (a multiple of 256): the rows' caches")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--fold-gqa", default="0,1", help="comma list of static_cache.FOLD_GQA settings (0, 1)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / "decode_rows.json"))
+    return p
+
+
+def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row a (row count, fold setting); see DOC_ROWS."""
+    from _common import provenance
+    from nemo_dflash.inference import static_cache
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    graphs_on = device.type == "cuda"
+    target = build_target(args.shape, device, dtype)
+    decoder = DFlashSpeculativeDecoder(target, build_draft(target, 5, args.block_size, dtype, None),
+                                       block_size=args.block_size)
+    B, view = args.block_size, args.view
+    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    out = []
+    for R in [int(r) for r in args.rows.split(",")]:
+        logits = {}
+        for fold in [bool(int(f)) for f in args.fold_gqa.split(",")]:
+            static_cache.FOLD_GQA = fold  # read at each forward, captures included
+            plain = batched_static.BatchedStaticPlainRunner(target, R, view, graphs_on)
+            spec = batched_static.BatchedStaticSpecRunner(decoder, R, view, graphs_on)
+            for kv in (plain.kv, spec.kv):
+                g = torch.Generator(device=device).manual_seed(0)
+                for layer in kv.cache.layers:
+                    layer.keys.normal_(generator=g)
+                    layer.values.normal_(generator=g)
+            plain.tok.copy_(torch.arange(R, device=device).view(-1, 1) % 100 + 5)
+
+            def plain_at() -> None:
+                plain.pos.fill_(view - 2)
+
+            def spec_at() -> None:
+                spec.pos.fill_(view - B - 1)
+                spec.ctx_start.fill_(view - B - 2)
+
+            plain_step = plain.steps.get(plain.steps.view(view - 1))
+            plain_at()
+            logits[fold] = plain_step.replay().float().clone()
+            row = {"shape": args.shape, "rows": R, "fold_gqa": fold, "view": view, "block_size": B,
+                   "dtype": str(dtype).replace("torch.", ""), "decode": "graphs" if graphs_on else "eager",
+                   "plain_step_ms": timed(plain_step.replay, device, args.reps, plain_at)}
+            row["plain_tokens_per_s"] = R / row["plain_step_ms"] * 1e3
+            sview = spec.verify_steps.view(view - 1)
+            row["verify_ms"] = timed(spec.verify_steps.get(sview).replay, device, args.reps, spec_at)
+            row["draft_ms"] = timed(spec.draft_steps.get(sview).replay, device, args.reps, spec_at)
+            out.append({**provenance(dev_name), **row})
+            del plain, spec
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if len(logits) == 2:
+            diff = (logits[True] - logits[False]).abs().max().item()
+            same = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
+            for r in out[-2:]:
+                r.update(max_abs_logit_diff=diff, same_argmax=same)
+    static_cache.FOLD_GQA = False
+    return out
+
+
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    r0 = rows[0]
+    lines = [f"{r0['shape']}, view {r0['view']}, block {r0['block_size']}, {r0['dtype']}, {r0['decode']} on {r0['device']}",
+             f"{'rows':>5} {'fold':>4} {'plain ms':>9} {'plain tok/s':>12} {'verify ms':>10} {'draft ms':>9} "
+             f"{'|logit diff|':>12} {'same argmax':>11}"]
+    for r in rows:
+        diff = f"{r['max_abs_logit_diff']:.2e}" if "max_abs_logit_diff" in r else "-"
+        same = f"{r['same_argmax']:.3f}" if "same_argmax" in r else "-"
+        lines.append(f"{r['rows']:>5} {int(r['fold_gqa']):>4} {r['plain_step_ms']:>9.2f} {r['plain_tokens_per_s']:>12.0f} "
+                     f"{r['verify_ms']:>10.2f} {r['draft_ms']:>9.2f} {diff:>12} {same:>11}")
+    return "\n".join(lines)
+
+
+def main_rows(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_rows_parser().parse_args(argv)
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+        folds = [int(f) for f in args.fold_gqa.split(",")]
+        if min(row_counts) < 1 or not set(folds) <= {0, 1} or args.view % 256 or args.view < args.block_size + 2:
+            raise ValueError
+    except ValueError:
+        print("error: give --rows as counts >= 1, --fold-gqa as 0 and/or 1, --view a multiple of 256 past the block",
+              file=sys.stderr)
+        raise SystemExit(2)
+    rows = measure_rows(args)
+    print(rows_table(rows))
+    append_rows(Path(args.json), rows)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
-    return run_subcommands("decode.py", __doc__, {"speed": (main_speed, DOC_SPEED), "concurrency": (main_concurrency, DOC_CONCURRENCY)}, argv)
+    return run_subcommands("decode.py", __doc__, {"speed": (main_speed, DOC_SPEED), "concurrency": (main_concurrency, DOC_CONCURRENCY),
+                                           "rows": (main_rows, DOC_ROWS)}, argv)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,10 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.inference.batched_static import batched_static_autoregressive_generate
     from nemo_dflash.sampling import SamplingParams
 
+    from nemo_dflash.inference import static_cache
+
+    if args.fold_gqa is not None:
+        static_cache.FOLD_GQA = bool(args.fold_gqa)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature > 0 else 1.0)
     rows = min(args.batch_size, len(prompts))
     use_graphs = torch.cuda.is_available()
@@ -262,7 +266,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     run(prompts[:rows], 16)  # capture / warm up: the timed run finds this runner and its graphs
     outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
-    return {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt,
+    return {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
             "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
 
 
@@ -338,6 +342,9 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                    help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
     g.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="the decode step through torch.compile before capture")
+    p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
+                   help="--modes engine: the target attention with grouped-query heads folded (1) or HF's SDPA (0); "
+                        "default: nemo_dflash.inference.static_cache.FOLD_GQA")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,

@@ -479,6 +479,27 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
         assert "graphs" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_rows_benchmark_on_cpu(tmp_path, capsys):
+    """benchmarks/decode.py rows on the tiny shape, eagerly: a row a (row count, fold setting), the folded
+    attention's logits those of HF's SDPA in fp32, tokens/s = rows / step time; bad flags: exit 2, nothing written."""
+    bench = _benchmark("decode")
+    out = tmp_path / "rows.json"
+    argv = ["rows", "--shape", "tiny", "--rows", "1,3", "--view", "256", "--reps", "1", "--device", "cpu",
+            "--json", str(out)]
+    assert bench.main(argv) == 0
+    got = json.loads(out.read_text())
+    assert [(r["rows"], r["fold_gqa"]) for r in got] == [(1, False), (1, True), (3, False), (3, True)]
+    for r in got:
+        assert r["max_abs_logit_diff"] < 1e-5 and r["same_argmax"] == 1.0
+        assert r["plain_tokens_per_s"] == pytest.approx(r["rows"] / r["plain_step_ms"] * 1e3)
+        assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["decode"] == "eager" and r["commit"]
+    assert "tiny, view 256, block 16" in capsys.readouterr().out
+    for bad in (["--view", "300"], ["--fold-gqa", "2"], ["--rows", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*argv[:-2], "--json", str(tmp_path / "bad.json"), *bad])
+        assert e.value.code == 2 and not (tmp_path / "bad.json").exists()
+
+
 def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     """benchmarks/decode.py concurrency on the tiny target: a row per concurrency, plain and speculative
     answers identical at T=0 in fp32; a bad flag is one line, exit 2, before any model."""

@@ -30,7 +30,7 @@ SUPPORTED_ATTN = ("sdpa", "eager")
 # True: the engine's target forwards run SDPA with grouped-query heads folded (`folded_gqa_sdpa`) instead
 # of HF's copy of every K/V head per query head. Profiled on an H200, SmolLM2 shape (9 query heads on 3 K/V
 # heads), 768-position view: those copies were 70% of the plain step's GPU time at 256 rows (15.4 of 22.1
-# ms; docs/performance.md). Off until the folded step is timed on a GPU (the step against rows, both ways).
+# ms; docs/performance.md). Off until the folded step is timed on a GPU (`benchmarks/decode.py rows`).
 FOLD_GQA = False
 FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionInterface
 
