@@ -310,6 +310,50 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
     assert (counts / n - p).abs().max() < 0.03
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch):
+    """On a GPU, in fp32: captured plain and speculative rows with the grouped-query fold (`FOLD_GQA`) give the
+    tokens and acceptance lengths of the eager runs through HF's own SDPA, at T=0 and T=1, prompts entering rows
+    between replays; the runners made before the switch are rebuilt, not reused."""
+    import copy
+
+    from _spec_fixtures import trained_like_decoder
+    from nemo_dflash.inference import static_cache
+
+    prompts = _prompts(5)
+    cpu = trained_like_decoder(tiny_qwen3(), prompts)
+    target = copy.deepcopy(cpu.target.model).cuda()
+    decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
+    for temperature in (0.0, SamplingParams(1.0)):
+        kw = dict(rows=2, max_new_tokens=30, temperature=temperature)
+        runs = {}
+        for fold, graphs in ((False, False), (True, True)):
+            monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
+            runs[fold] = (
+                batched_static_autoregressive_generate(target, prompts, use_graphs=graphs,
+                                                       generator=torch.Generator("cuda").manual_seed(5), **kw),
+                batched_static_speculative_generate(decoder, prompts, use_graphs=graphs,
+                                                    generator=torch.Generator("cuda").manual_seed(5), **kw))
+        for a, b in zip(runs[True], runs[False]):
+            assert [o.output_ids for o in a] == [o.output_ids for o in b]
+            assert [o.acceptance_lengths for o in a] == [o.acceptance_lengths for o in b]
+
+
+def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
+    """A runner's captured steps hold the fold setting they were made under: a call after the switch gets a new
+    runner (`static_decode.bucket_key`), a call under the same setting the kept one."""
+    from nemo_dflash.inference import static_cache
+
+    target = tiny_qwen3()
+    prompts = _prompts(2)
+    made = []
+    for fold in (False, False, True):
+        monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
+        batched_static_autoregressive_generate(target, prompts, max_new_tokens=4, use_graphs=False)
+        made.append(batched_static.plain_runner(target, 0.0, 2, 0, False))
+    assert made[0] is made[1] and made[2] is not made[1] and made[2].bucket_key[1] is True
+
+
 def test_one_runner_serves_every_setting_of_its_kind():
     """T=1 with top-p 0.95, then T=0.5 with top-p 0.9, on one decoder (one runner for both: T and the filters'
     values are buffers): the second answers equal those of a fresh decoder's runner from the same seed, so

@@ -304,8 +304,8 @@ class BatchedStaticPlainRunner(_Rows):
                                     self.max_len, "the batched 1-token step", use_graphs)
 
     @property
-    def bucket_key(self) -> int:
-        """The bucket setting its steps were made under (a runner made under another is rebuilt)."""
+    def bucket_key(self) -> tuple[int, bool]:
+        """The settings its steps were made under (`static_decode.bucket_key`; a runner made under others is rebuilt)."""
         return self.steps.bucket_key
 
     def _step(self, view_len: int) -> torch.Tensor:
@@ -386,8 +386,8 @@ class BatchedStaticSpecRunner(_Rows):
             f"the batched {B}-token verify", use_graphs)
 
     @property
-    def bucket_key(self) -> int:
-        """The bucket setting its steps were made under (a runner made under another is rebuilt)."""
+    def bucket_key(self) -> tuple[int, bool]:
+        """The settings its steps were made under (`static_decode.bucket_key`; a runner made under others is rebuilt)."""
         return self.verify_steps.bucket_key
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,

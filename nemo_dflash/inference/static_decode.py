@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nemo_dflash.compiled import compiled
+from nemo_dflash.inference import static_cache
 from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
 
@@ -63,9 +64,11 @@ def view_lengths(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def bucket_key() -> int:
-    """What a runner's graphs depend on besides its cache length (0 = no buckets)."""
-    return LENGTH_BUCKET if USE_BUCKETS else 0
+def bucket_key() -> tuple[int, bool]:
+    """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets) and
+    whether the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`). A runner made under
+    another key is rebuilt."""
+    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA)
 
 
 class BucketedSteps:
