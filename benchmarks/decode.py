@@ -929,6 +929,8 @@ def build_rows_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--fold-gqa", default="0,1", help="comma list of static_cache.FOLD_GQA settings (0, 1)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--profile-rows", type=int, default=None,
+                   help="at this row count, also print the top CUDA kernels of one eager plain step (torch.profiler)")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / "decode_rows.json"))
     return p
@@ -975,6 +977,17 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                    "dtype": str(dtype).replace("torch.", ""), "decode": "graphs" if graphs_on else "eager",
                    "plain_step_ms": timed(plain_step.replay, device, args.reps, plain_at)}
             row["plain_tokens_per_s"] = R / row["plain_step_ms"] * 1e3
+            if R == args.profile_rows:
+                from torch.profiler import ProfilerActivity, profile
+
+                kinds = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+                with torch.no_grad(), profile(activities=kinds) as prof:
+                    plain_at()
+                    plain._step(plain.steps.view(view - 1))
+                    sync(device)
+                print(f"rows {R}, fold {int(fold)}: one eager plain step", flush=True)
+                print(prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda"
+                                                else "self_cpu_time_total", row_limit=8, max_name_column_width=60))
             sview = spec.verify_steps.view(view - 1)
             row["verify_ms"] = timed(spec.verify_steps.get(sview).replay, device, args.reps, spec_at)
             row["draft_ms"] = timed(spec.draft_steps.get(sview).replay, device, args.reps, spec_at)

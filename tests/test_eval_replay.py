@@ -485,7 +485,7 @@ def test_rows_benchmark_on_cpu(tmp_path, capsys):
     bench = _benchmark("decode")
     out = tmp_path / "rows.json"
     argv = ["rows", "--shape", "tiny", "--rows", "1,3", "--view", "256", "--reps", "1", "--device", "cpu",
-            "--json", str(out)]
+            "--profile-rows", "3", "--json", str(out)]
     assert bench.main(argv) == 0
     got = json.loads(out.read_text())
     assert [(r["rows"], r["fold_gqa"]) for r in got] == [(1, False), (1, True), (3, False), (3, True)]
@@ -493,7 +493,9 @@ def test_rows_benchmark_on_cpu(tmp_path, capsys):
         assert r["max_abs_logit_diff"] < 1e-5 and r["same_argmax"] == 1.0
         assert r["plain_tokens_per_s"] == pytest.approx(r["rows"] / r["plain_step_ms"] * 1e3)
         assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["decode"] == "eager" and r["commit"]
-    assert "tiny, view 256, block 16" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tiny, view 256, block 16" in printed
+    assert "rows 3, fold 0: one eager plain step" in printed and "rows 3, fold 1: one eager plain step" in printed
     for bad in (["--view", "300"], ["--fold-gqa", "2"], ["--rows", "0"]):
         with pytest.raises(SystemExit) as e:
             bench.main([*argv[:-2], "--json", str(tmp_path / "bad.json"), *bad])
