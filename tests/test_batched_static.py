@@ -354,6 +354,47 @@ def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
     assert made[0] is made[1] and made[2] is not made[1] and made[2].bucket_key[1] is True
 
 
+def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatch):
+    """Every prefill and first draft block (a new shape per prompt length) runs inside `eager_attention_backends`,
+    and no verify or later draft step does (captured steps keep PyTorch's kernel choice): on a run where prompts
+    enter rows mid-run, prompts of 5-8 tokens and blocks of 4, so a forward's length tells which it is."""
+    import contextlib
+
+    inside = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(batched_static, "eager_attention_backends", recording)
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
+    runner = batched_static.spec_runner(decoder, 0.0, 2, 256, False)
+    target_calls, draft_calls = [], []  # (tokens a row, inside the backends)
+    real_forward, real_draft = type(target).forward, runner._draft_forward
+
+    def forward(self, *a, **k):
+        target_calls.append((k["input_ids"].shape[1], bool(inside)))
+        return real_forward(self, *a, **k)
+
+    def draft_forward(noise, feats, *a, **k):
+        draft_calls.append((feats.shape[1], bool(inside)))
+        return real_draft(noise, feats, *a, **k)
+
+    monkeypatch.setattr(type(target), "forward", forward)
+    monkeypatch.setattr(runner, "_draft_forward", draft_forward)
+    prompts = [[(7 * j + 3 * i) % 50 + 3 for j in range(5 + i)] for i in range(4)]  # the last two enter mid-run
+    batched_static_speculative_generate(decoder, prompts, max_new_tokens=6, rows=2, use_graphs=False)
+    assert sorted(n for n, _ in target_calls if n != 4) == [5, 6, 7, 8] and any(n == 4 for n, _ in target_calls)
+    assert all(ins == (n != 4) for n, ins in target_calls)  # prefills inside, verifies outside
+    assert sorted(n for n, _ in draft_calls if n != 4) == [5, 6, 7, 8] and any(n == 4 for n, _ in draft_calls)
+    assert all(ins == (n != 4) for n, ins in draft_calls)  # first blocks inside, later steps outside
+
+
 def test_one_runner_serves_every_setting_of_its_kind():
     """T=1 with top-p 0.95, then T=0.5 with top-p 0.9, on one decoder (one runner for both: T and the filters'
     values are buffers): the second answers equal those of a fresh decoder's runner from the same seed, so

@@ -17,7 +17,9 @@ position p of its last verified token):
   the draft's context), until a later step overwrites them.
 - Prompts are prefilled eagerly (the prefill is not part of decode time), consecutive prompts of one
   length in one forward (`same_length_runs`: no padding, so each row's cache is its own), and the first
-  draft block of each row is drafted eagerly against its whole prompt, as the eager reference does.
+  draft block of each row is drafted eagerly against its whole prompt, as the eager reference does. These
+  eager forwards have a new shape per prompt length, so they run SDPA without cuDNN, whose per-shape plan
+  builds they would pay (`nemo_dflash.attention`); the captured steps keep PyTorch's choice.
 - Every later step has the same shapes: R rows, and an attention view of the smallest multiple of
   `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
   (step, view length), captured up front.
@@ -51,6 +53,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
 from nemo_dflash.inference.static_cache import (
@@ -174,8 +177,8 @@ class _Rows:
         positions' logits [k, V]."""
         positions = torch.arange(len(prompts[0]), device=self.device)
         self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
-        try:
-            with folded_attention(self.model):
+        try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
+            with folded_attention(self.model), eager_attention_backends(self.device):
                 out = self.model(input_ids=torch.tensor([list(p) for p in prompts], device=self.device),
                                  position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
                                  attention_mask=self.causal(positions.unsqueeze(0), view_len))
@@ -436,7 +439,8 @@ class BatchedStaticSpecRunner(_Rows):
         try:
             noise = torch.cat([self.blk[row : row + k, :1], self.mask_ids[:k]], 1)
             ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
-            return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + k], view_len)
+            with eager_attention_backends(self.device):  # a context of the prompt's length: a new shape
+                return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + k], view_len)
         finally:
             self.dcache.row = None
 
