@@ -70,7 +70,8 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     products and softmaxes as HF's SDPA, which copies every K/V head per query head when it is given a mask."""
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    if heads == kv_heads or attention_mask is None or dropout or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
+    plain = heads == kv_heads or attention_mask is None or dropout
+    if plain or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -87,9 +88,12 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 def folded_attention(model: nn.Module) -> Iterator[None]:
     """Within: the target's SDPA attention layers run `folded_gqa_sdpa` (its attention modules' configs
     switched, then restored). A no-op for other attention implementations, or with FOLD_GQA off."""
+    if not FOLD_GQA:
+        yield
+        return
     configs = {id(m.config): m.config for m in model.modules()
                if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}
-    switched = [c for c in configs.values() if FOLD_GQA and getattr(c, "_attn_implementation", None) == "sdpa"]
+    switched = [c for c in configs.values() if getattr(c, "_attn_implementation", None) == "sdpa"]
     if switched:
         from transformers import AttentionInterface
 
