@@ -951,7 +951,7 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     target = build_target(args.shape, device, dtype)
     decoder = DFlashSpeculativeDecoder(target, build_draft(target, 5, args.block_size, dtype, None),
                                        block_size=args.block_size)
-    B, view = args.block_size, args.view
+    B, view, fold_before = args.block_size, args.view, static_cache.FOLD_GQA
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     out = []
     for R in [int(r) for r in args.rows.split(",")]:
@@ -1004,7 +1004,7 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             same = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
             for r in out[-2:]:
                 r.update(max_abs_logit_diff=diff, same_argmax=same)
-    static_cache.FOLD_GQA = False
+    static_cache.FOLD_GQA = fold_before
     return out
 
 

@@ -69,7 +69,7 @@ data/regen_summary.json, run/summary.json (training), eval/results.json. Run dir
 Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
 this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
 set (counted in the data file), the loop/cap counts and the throughput of the regeneration (from its
-log), then one row per row of any `regen_throughput.py --json` file given. Drafter row: training
+log), then one row per row of any `regen.py throughput --json` file given. Drafter row: training
 tokens and held-out simulated tau (the run's summary), tau per dataset and temperature, first-256 tau,
 loop share and speedup (evaluate's results.json), with evaluate's protocol. Nothing is typed in: a
 value the run did not produce is null. Without a JSON path the rows are printed.
@@ -148,7 +148,7 @@ def _regen_rest(out: Path, res: dict[str, Any], data: Optional[Path], throughput
     for path in throughput:
         found = _load(path) or {}
         for row in found if isinstance(found, list) else found.get("rows", []):
-            rows.append({**head, "what": f"regen_throughput.py {row.get('mode')}", **row, "file": str(path)})
+            rows.append({**head, "what": f"regen.py throughput {row.get('mode')}", **row, "file": str(path)})
     return rows + [res]
 
 
@@ -358,7 +358,7 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
                    help="the commit(s) the measured run used, when it is not this checkout's (e.g. '005dcf4 (training), "
                         "93de145 (evaluation)')")
     p.add_argument("--data", type=Path, default=None, help="the regenerated .jsonl (or .jsonl.gz); default OUT/data")
-    p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen_throughput.py --json files")
+    p.add_argument("--throughput", type=Path, nargs="*", default=[], help="regen.py throughput --json files")
     p.add_argument("--regen-json", type=Path, default=None)
     p.add_argument("--drafter-json", type=Path, default=None)
     p.add_argument("--train-json", type=Path, default=None,

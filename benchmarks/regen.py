@@ -426,14 +426,13 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f} "
               f"{'-' if ratio is None else f'{ratio:.3f}':>11} {r.get('reused_tokens', '-'):>10}  {r['finish']}",
               flush=True)
+    rows = [{**provenance(name), "what": f"regen.py throughput {r['mode']}",
+             **{k: v for k, v in r.items() if k != "device"}} for r in rows]  # each row says where it was measured
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
     if args.append and rows:
-        from _common import append_rows, provenance
-
-        append_rows(args.append, [{**provenance(name), "what": f"regen_throughput.py {r['mode']}",
-                                   **{k: v for k, v in r.items() if k != "device"}} for r in rows])
+        append_rows(args.append, rows)
 
 
 # ====================================================================================================

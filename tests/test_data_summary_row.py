@@ -27,3 +27,24 @@ def test_row_per_gpu_rates_and_report_figures():
     assert "unique_13gram_share" not in by["b"]  # no report row for it: nothing invented
     assert by["all"]["supervised_tokens"] == 750
     assert row(summary, "4x GPU", "cmd")["sources"] == summary["sources"]
+
+
+def test_throughput_slot_engine_and_decoding_engine_rows(tmp_path, monkeypatch):
+    """regen.py throughput on random SmolLM2-shaped weights, CPU, T=0: the slot engine and the decoding engine's
+    plain runner answer the same prompts (the same new tokens), and each row says where it was measured."""
+    import json
+
+    import regen
+    from nemo_dflash.inference import static_cache
+
+    monkeypatch.setattr(static_cache, "FOLD_GQA", static_cache.FOLD_GQA)  # --fold-gqa sets it: restored after
+    out = tmp_path / "t.json"
+    regen.main_throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
+                           "--max-new-tokens", "3", "--max-prompt-tokens", "24", "--temperature", "0",
+                           "--modes", "slots,engine", "--fold-gqa", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["slots", "engine"]
+    assert rows[0]["tokens"] == rows[1]["tokens"] and rows[1]["fold_gqa"] is True
+    for r in rows:
+        assert {"date", "commit", "device", "command"} <= set(r) and r["what"] == f"regen.py throughput {r['mode']}"
+        assert r["tokens_per_s"] == r["tokens"] / r["seconds"]
