@@ -341,7 +341,7 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch):
 
 def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
     """A runner's captured steps hold the fold setting they were made under: a call after the switch gets a new
-    runner (`static_decode.bucket_key`), a call under the same setting the kept one."""
+    runner (`static_decode.step_key`), a call under the same setting the kept one."""
     from nemo_dflash.inference import static_cache
 
     target = tiny_qwen3()
@@ -351,7 +351,7 @@ def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
         monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
         batched_static_autoregressive_generate(target, prompts, max_new_tokens=4, use_graphs=False)
         made.append(batched_static.plain_runner(target, 0.0, 2, 0, False))
-    assert made[0] is made[1] and made[2] is not made[1] and made[2].bucket_key[1] is True
+    assert made[0] is made[1] and made[2] is not made[1] and made[2].step_key[1] is True
 
 
 def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatch):

@@ -61,7 +61,7 @@ from nemo_dflash.inference.static_cache import (
     visible_to_mask,
 )
 from nemo_dflash.inference.static_decode import (
-    BucketedSteps, SampledStepState, bucket_key, cache_length_for, make_step,
+    BucketedSteps, SampledStepState, step_key, cache_length_for, make_step,
 )
 
 
@@ -307,9 +307,10 @@ class BatchedStaticPlainRunner(_Rows):
                                     self.max_len, "the batched 1-token step", use_graphs)
 
     @property
-    def bucket_key(self) -> tuple[int, bool]:
-        """The settings its steps were made under (`static_decode.bucket_key`; a runner made under others is rebuilt)."""
-        return self.steps.bucket_key
+    def step_key(self) -> tuple[int, bool]:
+        """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
+        rebuilt)."""
+        return self.steps.step_key
 
     def _step(self, view_len: int) -> torch.Tensor:
         """One token a row at its position; returns the logits [R, V] (the loop reads `self.tok`)."""
@@ -389,9 +390,10 @@ class BatchedStaticSpecRunner(_Rows):
             f"the batched {B}-token verify", use_graphs)
 
     @property
-    def bucket_key(self) -> tuple[int, bool]:
-        """The settings its steps were made under (`static_decode.bucket_key`; a runner made under others is rebuilt)."""
-        return self.verify_steps.bucket_key
+    def step_key(self) -> tuple[int, bool]:
+        """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
+        rebuilt)."""
+        return self.verify_steps.step_key
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
                        pos: torch.Tensor, view_len: int) -> torch.Tensor:
@@ -534,7 +536,7 @@ _RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int, bool], Any]]" = w
 def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: int, use_graphs: bool) -> Any:
     runners = _RUNNERS.setdefault(owner, {})
     runner = runners.get((kind, rows, use_graphs))
-    if runner is None or runner.max_len < need or runner.bucket_key != bucket_key():
+    if runner is None or runner.max_len < need or runner.step_key != step_key():
         runners.pop((kind, rows, use_graphs), None)  # free the old graphs and caches first
         runner = runners[(kind, rows, use_graphs)] = make(need)
     return runner

@@ -64,7 +64,7 @@ def view_lengths(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def bucket_key() -> tuple[int, bool]:
+def step_key() -> tuple[int, bool]:
     """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets) and
     whether the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`). A runner made under
     another key is rebuilt."""
@@ -76,7 +76,7 @@ class BucketedSteps:
 
     def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool) -> None:
         self.make, self.max_len, self.name, self.use_graphs = make, max_len, name, use_graphs
-        self.bucket_key = bucket_key()
+        self.step_key = step_key()
         self.steps: dict[int, Any] = {}
         if CAPTURE_ALL_BUCKETS:  # the eager path follows the same choice, so CPU tests cover both
             for n in view_lengths(max_len):
@@ -166,7 +166,7 @@ __all__ = [
     "LENGTH_BUCKET",
     "SampledStepState",
     "USE_BUCKETS",
-    "bucket_key",
+    "step_key",
     "cache_length_for",
     "make_step",
     "view_length",
