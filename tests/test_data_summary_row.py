@@ -1,4 +1,4 @@
-"""benchmarks/regen.py summary: the row's per-GPU rates and the data report's per-source figures."""
+"""benchmarks/regen.py: the summary row's per-GPU rates and the data report's per-source figures; throughput's rows."""
 
 from __future__ import annotations
 
