@@ -378,12 +378,13 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
                                  loss_impl=resolve_loss_impl(case.loss_impl, device))
     module = apply_compile(module, case.compile)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    params = [q for q in draft.parameters() if q.requires_grad]
-    opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     state = state or DistState(rank=0, world_size=1, local_rank=0, device=device)
     world, rank = state.world_size, state.rank
     strategy = "fsdp2" if args.fsdp2 else "ddp" if world > 1 else "none"
     model = wrap_draft(module, strategy, state, torch.bfloat16 if cuda else None)
+    # after wrapping, as `train` does: FSDP2 swaps the draft's parameters for sharded ones
+    params = [q for q in draft.parameters() if q.requires_grad]
+    opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     stepper = TrainStep(wrapper, model, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
                         use_bf16=True, return_logits=args.distill_weight > 0)
     if case.pack_length:
@@ -453,7 +454,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
-           "warmup_s": warm_s, "loss": res.loss, "overlap": bool(args.overlap), "world": world,
+           "warmup_s": warm_s, "loss": res.loss, "grad_norm": res.grad_norm, "overlap": bool(args.overlap), "world": world,
            "loss_impl": resolve_loss_impl(case.loss_impl, device), "backend": case.backend if cuda else "sdpa",
            "fused_ce": case.fused_ce,
            "fsdp2": bool(args.fsdp2)}

@@ -133,9 +133,12 @@ def test_every_benchmark_script_starts(script, helps):
 
 
 
-def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monkeypatch):
-    """`train_throughput.py --shape smollm2_135m` under torchrun (two CPU ranks, gloo): DDP as `train` wraps it,
-    each rank its own batches, and a step's tokens are both ranks' batches, counted here from the batches."""
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monkeypatch, fsdp2):
+    """`train_throughput.py --shape smollm2_135m` under torchrun (two CPU ranks, gloo): DDP or FSDP2 as `train`
+    wraps it, each rank its own batches, and a step's tokens are both ranks' batches, counted here from the
+    batches. The step updates the wrapped draft (a gradient norm above zero: an optimizer over the parameters
+    FSDP2 replaced sees none)."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports _common from its own folder
@@ -150,17 +153,18 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m", "--device", "cpu",
                           "--cases", "1:32:104:0:0:256", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
-                          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          "--json", str(out), *(["--fsdp2"] if fsdp2 else [])], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "cpu x2 (DDP)" in res.stdout
+    assert f"cpu x2 ({'FSDP2' if fsdp2 else 'DDP'})" in res.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
+    assert row["grad_norm"] > 0 and row["fsdp2"] is fsdp2, row
     # the appended row is per GPU: the world's tokens a step over the step time, over the world
     bench_args = types.SimpleNamespace(commit="abc1234", shape="smollm2_135m", data=None)
     made = bench.bench_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")
     assert made["tokens_per_s"] == pytest.approx(row["tokens_s"] / 2, abs=0.1) and made["world"] == 2
-    assert made["tokens_per_s_note"] == "per GPU" and made["fsdp2"] is False and made["backend"] == "sdpa"
+    assert made["tokens_per_s_note"] == "per GPU" and made["fsdp2"] is fsdp2 and made["backend"] == "sdpa"
 
 
 def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):

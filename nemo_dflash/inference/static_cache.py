@@ -29,9 +29,10 @@ from transformers import StaticCache
 SUPPORTED_ATTN = ("sdpa", "eager")
 # True: the engine's target forwards run SDPA with grouped-query heads folded (`folded_gqa_sdpa`) instead
 # of HF's copy of every K/V head per query head. Profiled on an H200, SmolLM2 shape (9 query heads on 3 K/V
-# heads), 768-position view: those copies were 70% of the plain step's GPU time at 256 rows (15.4 of 22.1
-# ms; docs/performance.md). Off until the folded step is timed on a GPU (`benchmarks/decode.py rows`).
-FOLD_GQA = False
+# heads), 768-position view: those copies were 70% of the plain step's GPU time at 256 rows; folded, the
+# captured plain step takes 4.3 ms instead of 20.7 and the verify 8.3 instead of 26.7 (docs/performance.md,
+# `benchmarks/decode.py rows`). False: HF's SDPA, for A/B runs (`--fold-gqa 0` of the benchmarks).
+FOLD_GQA = True
 FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionInterface
 
 
