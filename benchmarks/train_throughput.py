@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
+from nemo_dflash.device import limit_host_threads  # noqa: E402
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
 from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402
@@ -234,7 +235,8 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
                 "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2), "tflops": round(r["tflops"], 1)})
-    for k in ("backend", "fused_ce", "loss_impl", "packed_attention", "mbs", "accum", "overlap", "fsdp2"):
+    for k in ("backend", "fused_ce", "loss_impl", "packed_attention", "mbs", "accum", "overlap", "fsdp2",
+              "cpu_threads"):
         if r.get(k) is not None:
             row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
     return row
@@ -454,7 +456,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "step_ms": med * 1e3, "tokens_step": tok_step, "tokens_s": tok_step / med,
            "block_tokens_s": world * case.mbs * case.accum * case.anchors * draft.config.block_size / med,
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
-           "warmup_s": warm_s, "loss": res.loss, "grad_norm": res.grad_norm, "overlap": bool(args.overlap), "world": world,
+           "warmup_s": warm_s, "loss": res.loss, "grad_norm": res.grad_norm, "cpu_threads": torch.get_num_threads(), "overlap": bool(args.overlap), "world": world,
            "loss_impl": resolve_loss_impl(case.loss_impl, device), "backend": case.backend if cuda else "sdpa",
            "fused_ce": case.fused_ce,
            "fsdp2": bool(args.fsdp2)}
@@ -844,6 +846,7 @@ def main() -> None:
         state = DistState(rank=int(os.environ.get("RANK", "0")), local_rank=local, world_size=world, device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    limit_host_threads(device)  # as `train` does: one CPU thread on a GPU unless OMP_NUM_THREADS says otherwise
     if state is not None:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                              device_id=device if device.type == "cuda" else None)

@@ -159,7 +159,7 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     assert f"cpu x2 ({'FSDP2' if fsdp2 else 'DDP'})" in res.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
-    assert row["grad_norm"] > 0 and row["fsdp2"] is fsdp2, row
+    assert row["grad_norm"] > 0 and row["fsdp2"] is fsdp2 and row["cpu_threads"] == 1, row  # OMP_NUM_THREADS=1
     # the appended row is per GPU: the world's tokens a step over the step time, over the world
     bench_args = types.SimpleNamespace(commit="abc1234", shape="smollm2_135m", data=None)
     made = bench.bench_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")

@@ -108,3 +108,28 @@ def test_evaluate_refuses_non_finite_temperatures_in_one_line(temps, tmp_path, m
         evaluate.main(["--draft", "d", "--target", "t", "--out", "o", "--temperatures", temps])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "finite numbers >= 0" in err
+
+
+@pytest.fixture
+def threads_restored(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded, so the teardown puts the variable back as it was
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    yield
+    torch.set_num_threads(before)
+
+
+def test_gpu_training_takes_one_host_thread_unless_told_otherwise(threads_restored, monkeypatch):
+    """`device.limit_host_threads`: one torch thread on a GPU device (torchrun's setting), torch's own on a
+    CPU device, and ``--threads N`` (which records OMP_NUM_THREADS) is kept on a GPU too."""
+    from nemo_dflash.device import limit_host_threads
+    from nemo_dflash.recipes._cli import set_threads
+
+    torch.set_num_threads(2)
+    assert limit_host_threads(torch.device("cpu")) is None and torch.get_num_threads() == 2
+    assert limit_host_threads(torch.device("cuda", 0)) == 1 and torch.get_num_threads() == 1
+    set_threads(2)
+    assert torch.get_num_threads() == 2
+    assert limit_host_threads(torch.device("cuda", 0)) is None and torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # empty: not a choice
+    assert limit_host_threads(torch.device("cuda")) == 1 and torch.get_num_threads() == 1

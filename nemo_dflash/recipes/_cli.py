@@ -137,14 +137,16 @@ def section_argv(parser: argparse.ArgumentParser, section: Any, pipeline_only: S
 
 
 def set_threads(threads: int | None) -> None:
-    """``--threads N`` of the CPU commands: torch's default (every core) can run many times slower on a
-    machine whose cores are shared with another process (docs/performance.md)."""
+    """``--threads N``: torch's default (every core) can run many times slower on a machine whose cores are
+    shared with another process (docs/performance.md). Recorded as ``OMP_NUM_THREADS`` too, so GPU training
+    (`device.limit_host_threads`) and the processes this one starts keep the choice."""
     if threads is None:
         return
     if threads < 1:
         fail(f"--threads must be >= 1 (got {threads})")
     import torch
 
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
 

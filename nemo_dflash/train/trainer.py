@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from nemo_dflash.config import ConfigError, RecipeConfig, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
+from nemo_dflash.device import limit_host_threads
 from nemo_dflash.fused_loss import resolve_loss_impl
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
@@ -397,6 +398,7 @@ class Trainer:
             self.settings.device, cfg.distributed.backend, cfg.distributed.timeout_minutes
         )
         self.device = self.state.device
+        limit_host_threads(self.device)
         self.strategy = self.settings.strategy
         if self.state.is_main:
             logger.info("device %s, distributed.strategy %s, loss.attn_backend %s, loss.impl %s",
