@@ -86,7 +86,9 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num
 
 def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A random-weight target of `shape`, made on the device directly (meta init, no HF init)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
+
+    from nemo_dflash.target.loading import random_weight_model
 
     if shape == "qwen3_8b":
         from _common import QWEN3_8B_CONFIG
@@ -101,22 +103,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
     else:
         raise ValueError(f"unknown shape {shape!r}: use qwen3_8b, smollm2_135m or tiny")
     cfg._attn_implementation = "sdpa"  # what load_target uses
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if getattr(cfg, "tie_word_embeddings", False):
-        model.tie_weights()
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
-    # to_empty left the rotary tables (non-persistent buffers) uninitialised: rebuild them, in fp32.
-    for name, module in list(model.named_modules()):
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            parent_name, _, child = name.rpartition(".")
-            fresh = type(module)(config=module.config).to(device)
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
-    return model.eval().requires_grad_(False)
+    return random_weight_model(cfg, device, dtype, seed=0).eval().requires_grad_(False)
 
 
 def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str]):

@@ -48,6 +48,7 @@ from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
 from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
+from nemo_dflash.target.loading import random_weight_model  # noqa: E402
 
 SHAPES = {
     "qwen3_8b": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
@@ -89,16 +90,11 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
 
 def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device):
     """A random-weight Qwen3 target of `shape_name` and a DFlash draft for it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
     shape = SHAPES[shape_name]
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    with torch.device("meta"):
-        target = Qwen3ForCausalLM(cfg)
-    target = target.to_empty(device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.normal_(0, 0.02)
+    target = random_weight_model(cfg, device, torch.bfloat16)
     ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
     dcfg = DFlashConfig.from_target_config(cfg, num_hidden_layers=draft_layers, block_size=block,
                                            mask_token_id=151669, target_layer_ids=ids)
@@ -114,7 +110,7 @@ def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device):
 
 def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
     """A random-weight Llama target of `shape_name` and the draft the recipe builds for it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from nemo_dflash.draft.build import build_draft_for_target
 
@@ -123,13 +119,7 @@ def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
                       rope_parameters={"rope_type": "default", "rope_theta": extra["rope_theta"]},
                       architectures=["LlamaForCausalLM"])
     cfg._attn_implementation = "sdpa"  # what load_target uses
-    with torch.device("meta"):
-        target = LlamaForCausalLM(cfg)
-    target = target.to_empty(device=device).to(torch.bfloat16)
-    target.tie_weights()
-    with torch.no_grad():
-        for name, prm in target.named_parameters():
-            prm.fill_(1.0) if name.endswith("norm.weight") else prm.normal_(0, 0.02)
+    target = random_weight_model(cfg, device, torch.bfloat16)
     target.eval().requires_grad_(False)
     draft = build_draft_for_target(target, None, num_layers=draft_layers, block_size=block,
                                    mask_token_id=extra["mask_token_id"]).to(device)

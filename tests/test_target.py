@@ -101,3 +101,27 @@ def test_unknown_packaged_target_names_the_known_ones(tmp_path, capsys):
         regenerate.main(["--target", "pkg:smollm3", "--data", str(data), "--out", str(tmp_path / "o.jsonl")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "packaged targets are: pkg:smollm2" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("factory", [tiny_qwen3, tiny_llama])
+def test_random_weight_targets_have_their_rotary_tables(factory):
+    """`random_weight_model` (`target.random_init`, the benchmarks' targets) builds on the meta device and
+    allocates with ``to_empty``, which leaves buffers as whatever memory held: the rotary tables must equal HF's
+    own, and a forward be finite. Memory filled with NaN first, so leftovers cannot pass by chance."""
+    from nemo_dflash.target.loading import random_weight_model
+
+    reference = factory()
+    config = reference.config
+    junk = [torch.full((1 << 16,), float("nan")) for _ in range(64)]  # freed: to_empty may reuse these blocks
+    del junk
+    model = random_weight_model(config, "cpu", torch.float32, seed=0)
+    ours = {n: b for n, b in model.named_buffers()}
+    for name, buf in reference.named_buffers():
+        torch.testing.assert_close(ours[name], buf, rtol=0, atol=0)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    x, attn, _ = random_batch()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=x, attention_mask=attn).logits).all()

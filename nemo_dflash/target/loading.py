@@ -271,6 +271,30 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_dir(path), local_files_only=True)
 
 
+def random_weight_model(config: Any, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of `config` with random weights, made on `device` directly (no HF init pass, no checkpoint):
+    throughput and scaling runs, where the values do not matter but must be finite. Weights N(0, 0.02), norms 1,
+    embeddings tied when the config ties them. ``to_empty`` leaves buffers as whatever memory held, so the
+    rotary tables (non-persistent buffers) are rebuilt from the config: left as they were, they can hold NaN."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device=device).to(dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            parent, _, child = name.rpartition(".")
+            fresh = type(module)(config=module.config).to(device)
+            setattr(model.get_submodule(parent) if parent else model, child, fresh)
+    return model
+
+
 def load_target(
     path: str,
     dtype: str | torch.dtype = "bf16",
@@ -292,16 +316,7 @@ def load_target(
     if random_init:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         config._attn_implementation = attn_implementation
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        model = model.to_empty(device=device).to(resolve_dtype(dtype))
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
+        model = random_weight_model(config, device, resolve_dtype(dtype), seed)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attn_implementation
@@ -312,4 +327,4 @@ def load_target(
 
 
 __all__ = ["cache_problem", "check_model_dir", "convert_gguf", "load_target", "load_target_config", "load_tokenizer", "resolve_dtype", "resolve_model_dir",
-           "package_file", "smollm2_gguf_path", "cache_root"]
+           "package_file", "random_weight_model", "smollm2_gguf_path", "cache_root"]
