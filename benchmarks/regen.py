@@ -264,10 +264,34 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         return outs, time.perf_counter() - t0
 
     run(prompts[:rows], 16)  # capture / warm up: the timed run finds this runner and its graphs
-    outs, dt = run(prompts, args.max_new_tokens)
+    if args.profile_engine:
+        from torch.profiler import ProfilerActivity, profile
+
+        kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=kinds) as prof:
+            outs, dt = run(prompts, args.max_new_tokens)
+    else:
+        outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
-    return {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
-            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
+    row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
+           "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
+    if args.profile_engine:
+        row["phases"] = engine_phases(prof)
+    return row
+
+
+def engine_phases(prof) -> dict[str, dict[str, float]]:
+    """The engine's named ranges (`engine.start`, `engine.enter_row`, `engine.step`) in a profiled run: how many,
+    their host time and the device time of the kernels they launched; printed as a table."""
+    phases = {}
+    for e in prof.key_averages():
+        if e.key.startswith("engine."):
+            phases[e.key] = {"count": e.count, "host_s": round(e.cpu_time_total / 1e6, 4),
+                             "device_s": round(getattr(e, "device_time_total", 0.0) / 1e6, 4)}
+    print(f"{'engine range':<18} {'count':>7} {'host s':>9} {'device s':>9}")
+    for k, v in sorted(phases.items()):
+        print(f"{k:<18} {v['count']:>7} {v['host_s']:>9.3f} {v['device_s']:>9.3f}")
+    return phases
 
 
 def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
@@ -345,6 +369,9 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
                    help="--modes engine: the target attention with grouped-query heads folded (1) or HF's SDPA (0); "
                         "default: nemo_dflash.inference.static_cache.FOLD_GQA")
+    p.add_argument("--profile-engine", action="store_true",
+                   help="--modes engine: the timed run under torch.profiler; prints and records (row 'phases') the "
+                        "count, host and device time of its prefills, prompts entering rows and steps")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,

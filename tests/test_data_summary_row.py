@@ -41,10 +41,15 @@ def test_throughput_slot_engine_and_decoding_engine_rows(tmp_path, monkeypatch):
     out = tmp_path / "t.json"
     regen.main_throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "24", "--temperature", "0",
-                           "--modes", "slots,engine", "--fold-gqa", "1", "--json", str(out)])
+                           "--modes", "slots,engine", "--fold-gqa", "1", "--profile-engine", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["slots", "engine"]
     assert rows[0]["tokens"] == rows[1]["tokens"] and rows[1]["fold_gqa"] is True
+    # --profile-engine: one start (2 rows' prompts), the other 3 prompts entering rows, one step a new token
+    phases = rows[1]["phases"]
+    assert phases["engine.start"]["count"] == 1 and phases["engine.enter_row"]["count"] == 5 - 2
+    # at most 3 prompts a row, each 2 steps after the token its prefill chose
+    assert 2 <= phases["engine.step"]["count"] <= 3 * 2, phases
     for r in rows:
         assert {"date", "commit", "device", "command"} <= set(r) and r["what"] == f"regen.py throughput {r['mode']}"
         assert r["tokens_per_s"] == r["tokens"] / r["seconds"]

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
@@ -240,7 +241,8 @@ class _Rows:
         sync(self.device)
         t0 = time.perf_counter()
         host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
-        firsts = self._start(prompts[:m], host_pos, generator)
+        with record_function("engine.start"):  # named ranges: where a profiled run's time goes (regen.py)
+            firsts = self._start(prompts[:m], host_pos, generator)
         for i in range(m):
             outputs[i].append(firsts[i])
         stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
@@ -256,7 +258,8 @@ class _Rows:
                 if (i := sched.take(row)) is None:
                     return True
                 prompt = prompts[i]
-                tok, need = self._enter_row(row, prompt, generator)
+                with record_function("engine.enter_row"):
+                    tok, need = self._enter_row(row, prompt, generator)
                 host_pos[row] = len(prompt)
                 outputs[i].append(tok)
                 if not (tok in stop_ids or max_new_tokens <= 1):
@@ -269,7 +272,8 @@ class _Rows:
                 stopped[r] = ended(r)
         self.set_alive(stopped)
         while not all(stopped):
-            news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh)
+            with record_function("engine.step"):
+                news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh)
             fresh.clear()
             was = list(stopped)
             for r in range(R):
