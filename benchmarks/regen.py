@@ -439,7 +439,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
         except Exception as e:  # one failing mode must not hide the others
             print(f"{mode:<10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], device=name, turns_mode=args.turns,
+        r.update(mode=mode, tokens_per_s=r["tokens"] / r["seconds"], tokens_per_s_note="per GPU", world=1,
+                 device=name, turns_mode=args.turns,
                  prompts=len(convs) if args.turns == "all" else len(prompts),
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,

@@ -52,4 +52,4 @@ def test_throughput_slot_engine_and_decoding_engine_rows(tmp_path, monkeypatch):
     assert 2 <= phases["engine.step"]["count"] <= 3 * 2, phases
     for r in rows:
         assert {"date", "commit", "device", "command"} <= set(r) and r["what"] == f"regen.py throughput {r['mode']}"
-        assert r["tokens_per_s"] == r["tokens"] / r["seconds"]
+        assert r["tokens_per_s"] == r["tokens"] / r["seconds"] and r["world"] == 1  # one process, one device
