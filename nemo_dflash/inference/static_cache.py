@@ -16,6 +16,7 @@ up to a bucket, not over every preallocated slot.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -85,6 +86,10 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
+# Per target: the configs of its attention layers with grouped-query heads (found by one walk of its modules).
+_GQA_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
 @contextmanager
 def folded_attention(model: nn.Module) -> Iterator[None]:
     """Within: the target's SDPA attention layers run `folded_gqa_sdpa` (its attention modules' configs
@@ -92,13 +97,13 @@ def folded_attention(model: nn.Module) -> Iterator[None]:
     if not FOLD_GQA:
         yield
         return
-    configs = {id(m.config): m.config for m in model.modules()
-               if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}
-    switched = [c for c in configs.values() if getattr(c, "_attn_implementation", None) == "sdpa"]
-    if switched:
+    if model not in _GQA_CONFIGS:  # walked once a model: this wraps every eager step
         from transformers import AttentionInterface
 
         AttentionInterface.register(FOLDED_SDPA, folded_gqa_sdpa)
+        _GQA_CONFIGS[model] = list({id(m.config): m.config for m in model.modules()
+                                    if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}.values())
+    switched = [c for c in _GQA_CONFIGS[model] if getattr(c, "_attn_implementation", None) == "sdpa"]
     for c in switched:
         c._attn_implementation = FOLDED_SDPA
     try:
