@@ -699,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
                    help="the engine's target attention with grouped-query heads folded (1) or HF's SDPA (0); "
                         "default: static_cache.FOLD_GQA")
+    p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
+                   help="the engine's captured target steps read each row's filled KV blocks only (1: flex) or attend "
+                        "over the bucketed view (0: SDPA); default: static_cache.FILLED_BLOCKS")
     p.add_argument("--cudnn", action="store_true",
                    help="let the engine's eager prefills and first draft blocks use cuDNN attention (per-shape plan "
                         "builds), for comparison; default: flash / memory-efficient (nemo_dflash.attention)")
@@ -801,6 +804,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if args.fold_gqa is not None:
         static_cache.FOLD_GQA = bool(args.fold_gqa)  # read at every target forward of the runners
+    if args.filled_blocks is not None:
+        static_cache.FILLED_BLOCKS = bool(args.filled_blocks)  # read by the runners this process makes
     attention.AVOID_CUDNN_ATTENTION = not args.cudnn
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -843,7 +848,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
             "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
-            "fold_gqa": static_cache.FOLD_GQA, "eager_cudnn": args.cudnn,
+            "fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.FILLED_BLOCKS,
+            "eager_cudnn": args.cudnn,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,

@@ -249,9 +249,13 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
 
     if args.fold_gqa is not None:
         static_cache.FOLD_GQA = bool(args.fold_gqa)
+    if args.filled_blocks is not None:
+        static_cache.FILLED_BLOCKS = bool(args.filled_blocks)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature > 0 else 1.0)
     rows = min(args.batch_size, len(prompts))
     use_graphs = torch.cuda.is_available()
+    # freed rows take prompts as the slot engine refills its slots: once 1/--refill-fraction of them are free
+    refill = max(1, rows // args.engine_config.resolved(model.device.type).refill_fraction)
 
     def run(batch: list, new: int) -> tuple[list, float]:
         g = torch.Generator(device=model.device).manual_seed(0)
@@ -259,7 +263,8 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         t0 = time.perf_counter()
         outs = batched_static_autoregressive_generate(  # the caches hold max prompt + max new tokens either way
             model, batch, max_new_tokens=new, temperature=sampling, stop_token_ids=stop_ids, rows=rows,
-            use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens + args.max_new_tokens - new)
+            use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens + args.max_new_tokens - new,
+            refill_rows=refill)
         _sync()
         return outs, time.perf_counter() - t0
 
@@ -274,6 +279,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
     row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
+           "filled_blocks": static_cache.FILLED_BLOCKS, "refill_rows": refill,
            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
     if args.profile_engine:
         row["phases"] = engine_phases(prof)
@@ -281,7 +287,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
 
 
 def engine_phases(prof) -> dict[str, dict[str, float]]:
-    """The engine's named ranges (`engine.start`, `engine.enter_row`, `engine.step`) in a profiled run: how many,
+    """The engine's named ranges (`engine.start`, `engine.enter`, `engine.step`) in a profiled run: how many,
     their host time and the device time of the kernels they launched; printed as a table."""
     phases = {}
     for e in prof.key_averages():
@@ -358,7 +364,9 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--modes", default="slots,generate", help="comma list of slots, engine (the decoding "
                    "engine's plain runner), generate, hf_cb, step (the parts of one decode step)")
     g = p.add_argument_group("engine settings (nemo_dflash.data.generation.EngineConfig; default: the device's)")
-    g.add_argument("--refill-fraction", type=int, default=None, help="refill once 1/N of the slots are idle")
+    g.add_argument("--refill-fraction", type=int, default=None,
+                   help="refill once 1/N of the slots are idle (--modes engine: of the rows, their prompts prefilled "
+                        "together)")
     g.add_argument("--attention-group-cost", type=float, default=None,
                    help="packed prefills: the fixed cost of an attention group in (query, key) pairs")
     g.add_argument("--decode-window", type=int, default=None, help="decode steps per host round trip")
@@ -369,6 +377,9 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
                    help="--modes engine: the target attention with grouped-query heads folded (1) or HF's SDPA (0); "
                         "default: nemo_dflash.inference.static_cache.FOLD_GQA")
+    p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
+                   help="--modes engine: the captured steps read each row's filled KV blocks only (1: flex) or attend "
+                        "over the bucketed view (0: SDPA); default: nemo_dflash.inference.static_cache.FILLED_BLOCKS")
     p.add_argument("--profile-engine", action="store_true",
                    help="--modes engine: the timed run under torch.profiler; prints and records (row 'phases') the "
                         "count, host and device time of its prefills, prompts entering rows and steps")

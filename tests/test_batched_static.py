@@ -10,7 +10,7 @@ from _spec_fixtures import make_draft, plain_answers_with_a_stop, random_prompts
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.inference.batched_static import (
     PREFILL_TOKENS, batched_static_autoregressive_generate, batched_static_speculative_generate, check_batch,
-    same_length_runs,
+    prefill_batches,
 )
 from nemo_dflash.inference import batched_static
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
@@ -50,13 +50,16 @@ def test_plain_rows_equal_plain_decoding(make_target):
     assert [g.stopped for g in got] == [w.stopped for w in want]
 
 
-def test_prefill_runs_are_consecutive_prompts_of_one_length_within_the_token_cap():
-    assert same_length_runs([[1, 2], [3, 4], [5], [6, 7], [8, 9]]) == [(0, 2), (2, 3), (3, 5)]
-    assert same_length_runs([[1]]) == [(0, 1)]
-    n = PREFILL_TOKENS // 4  # prompts of 4 tokens: n fit one forward, the next starts another
-    assert same_length_runs([[1, 2, 3, 4]] * (n + 1)) == [(0, n), (n, n + 1)]
-    long = [0] * (PREFILL_TOKENS + 1)  # one prompt over the cap still makes its own forward
-    assert same_length_runs([long, long]) == [(0, 1), (1, 2)]
+def test_prefill_batches_are_shortest_first_within_the_padded_token_cap():
+    assert prefill_batches([2, 2, 1, 3, 2]) == [[2, 0, 1, 4, 3]]
+    assert prefill_batches([5]) == [[0]]
+    n = PREFILL_TOKENS // 4  # n rows of 4 (padded) tokens fit one forward, the next starts another
+    assert prefill_batches([4] * (n + 1)) == [list(range(n)), [n]]
+    assert prefill_batches([1] * (n - 1) + [4, 4]) == [list(range(n)), [n]]  # the longest row pads them all
+    assert prefill_batches([PREFILL_TOKENS + 1] * 2) == [[0], [1]]  # over the cap: a forward of its own
+    batches = prefill_batches([7, 300, 3, 90, 1000, 12, 5, 640])
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    assert all(len(b) * max([7, 300, 3, 90, 1000, 12, 5, 640][i] for i in b) <= PREFILL_TOKENS for b in batches)
 
 
 def test_refuses_no_rows():
@@ -131,6 +134,93 @@ def test_continuous_plain_rows_equal_plain_decoding(make_target):
         assert [g.stopped for g in got] == [w.stopped for w in want], rows
 
 
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_refills_wait_for_rows_and_batch_their_prefills_without_changing_an_answer(kind, monkeypatch):
+    """With `refill_rows`, freed rows wait until that many are free (or no row decodes) and their prompts enter in
+    one right-padded prefill: fewer prefill forwards, the same answers, at T=0 (the one-prompt decoders') and at
+    T=1 (each prompt's first token and key are drawn as it enters, in the prompts' order, whenever that is)."""
+    target = tiny_qwen3()
+    decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
+    prompts = [p + [5] for p in _prompts(9)]  # at least 2 tokens: a forward of more than one token a row is a prefill
+    prefills = []
+    real = type(target).forward
+
+    def forward(self, *a, **k):
+        if k["input_ids"].shape[1] not in (1, 4):
+            prefills.append(k["input_ids"].shape[0])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(target), "forward", forward)
+
+    want, stop = plain_answers_with_a_stop(target, prompts, 12, row=1, k=3)  # answers of different lengths
+
+    def run(temperature: float, refill: int) -> list:
+        prefills.clear()
+        gen = torch.Generator().manual_seed(3)
+        kw = dict(max_new_tokens=12, temperature=temperature, rows=3, use_graphs=False, generator=gen,
+                  refill_rows=refill, stop_token_ids=[stop])
+        outs = (batched_static_autoregressive_generate(target, prompts, **kw) if kind == "plain" else
+                batched_static_speculative_generate(decoder, prompts, **kw))
+        return [o.output_ids for o in outs], list(prefills)
+
+    ref = [w.output_ids for w in want] if kind == "plain" else [
+        decoder.generate(torch.tensor([p]), max_new_tokens=12, stop_token_ids=[stop]).output_ids for p in prompts]
+    at_once, forwards_at_once = run(0.0, 1)
+    batched, forwards_batched = run(0.0, 3)
+    assert at_once == ref and batched == ref
+    assert sum(forwards_batched) == sum(forwards_at_once) == 9  # every prompt prefilled once
+    assert forwards_batched == [3, 3, 3] and len(forwards_at_once) > 3  # rows entering alone or in twos
+    assert run(1.0, 3)[0] == run(1.0, 1)[0] != at_once  # sampled, and the same samples
+
+
+@pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_target, monkeypatch):
+    """`static_cache.FILLED_BLOCKS`: the plain step and the verify attend with flex over each row's filled KV blocks
+    (eager flex on CPU) instead of SDPA over the bucketed view. Prompts enter rows mid-run, rows drift apart and
+    cross a 128-position block: each answer is the one-prompt decoder's, and every step's target attention took the
+    flex path (its calls counted: one a layer a step)."""
+    from nemo_dflash.inference import static_cache
+
+    from _spec_fixtures import trained_like_decoder
+
+    monkeypatch.setattr(static_cache, "FILLED_BLOCKS", True)
+    prompts = _prompts(5) + [list(range(3, 123))]  # the last one's answer crosses position 128
+    decoder = trained_like_decoder(make_target(), prompts, block_size=4)  # long accepted blocks: every query counts
+    target = decoder.target.model
+    want_plain, stop = plain_answers_with_a_stop(target, prompts, 20, row=1, k=3)
+    want_spec = [decoder.generate(torch.tensor([p]), max_new_tokens=20, stop_token_ids=[stop]) for p in prompts]
+    calls = []
+    real = static_cache.FilledBlocks.__init__
+
+    def counting(self, *a, **k):
+        real(self, *a, **k)
+        flex = self.flex
+        self.flex = lambda *x, **y: calls.append(1) or flex(*x, **y)
+
+    monkeypatch.setattr(static_cache.FilledBlocks, "__init__", counting)
+    got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=20, stop_token_ids=[stop], rows=3,
+                                                 use_graphs=False)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want_plain]
+    layers = target.config.num_hidden_layers
+    assert len(calls) >= layers * max(len(w.output_ids) for w in want_plain) and len(calls) % layers == 0
+    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, stop_token_ids=[stop], rows=3,
+                                              use_graphs=False)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want_spec]
+    assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want_spec]
+    assert max(a for w in want_spec for a in w.acceptance_lengths) >= 3
+
+
+def test_filled_blocks_read_each_rows_blocks_up_to_its_furthest_query():
+    """`FilledBlocks`' block structure (what a GPU's flex kernel reads; eager flex on CPU applies the mask everywhere)
+    against the blocks written out: row r reads KV blocks 0..max(q_pos[r]) // 128, nothing past them."""
+    from nemo_dflash.inference.static_cache import FilledBlocks
+
+    fb = FilledBlocks(rows=3, queries=4, max_len=512, group=3, device=torch.device("cpu"))
+    fb.set(torch.tensor([[5, 6, 7, 8], [126, 127, 128, 129], [400, 401, 402, 403]]))
+    dense = fb.mask.to_dense()[:, 0, 0]  # [rows, KV blocks]: 1 where a block is read
+    assert dense.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+
 def test_continuous_sampled_rows_with_a_one_token_nucleus_are_the_greedy_answers():
     """At T > 0 with top-k 1 every draw is the argmax: the sampled steps' keys, q and accept test for prompts
     that entered mid-run must then give the greedy answers; and the same generator seed, the same answers."""
@@ -197,13 +287,14 @@ def _record_draft(decoder) -> tuple[list[torch.Tensor], object]:
 def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
     """Stronger than equal answers (a random draft's proposals are mostly rejected either way): each
     row's draft output at every step equals the one-prompt decoder's, so each row's context, positions
-    and masks are its own. Rows 1 and 2 (at least) hold prompts of one length, prefilled and drafted together."""
+    and masks are its own. The prompts, of different lengths, are prefilled and drafted in one right-padded
+    forward (shortest first)."""
     from _spec_fixtures import trained_like_decoder
 
     base = _prompts(3)
-    prompts = [base[0], base[1], base[1][::-1], base[2]]
-    runs = same_length_runs(prompts)
-    assert any(b - a >= 2 for a, b in runs) and len(runs) >= 2  # rows prefilled together, and apart
+    prompts = [base[0], base[1], base[1][::-1], base[0][:11]]  # 27, 4, 4 and 11 tokens
+    batches = prefill_batches([len(p) for p in prompts])
+    assert len(batches) == 1 and len({len(p) for p in prompts}) >= 3  # one forward, padded rows
     decoder = trained_like_decoder(make_target(), prompts)
     want, lens = [], []
     for p in prompts:
@@ -216,9 +307,9 @@ def test_every_rows_draft_sees_what_the_one_prompt_draft_sees(make_target):
     got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=30, rows=5, use_graphs=False)
     handle.remove()
     assert [len(g.acceptance_lengths) for g in got] == lens
-    first, later = torch.cat(calls[: len(runs)]), calls[len(runs):]  # step 1 a run of one length, then all rows
+    first, later = calls[0], calls[1:]  # step 1: the prefill's rows, shortest first; then every row
     for r in range(len(prompts)):
-        rows = [first[r]] + [step[r] for step in later[: lens[r] - 1]]
+        rows = [first[batches[0].index(r)]] + [step[r] for step in later[: lens[r] - 1]]
         assert len(rows) == len(want[r])
         for k, (g, w) in enumerate(zip(rows, want[r])):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"row {r} step {k}: {m}")
@@ -311,16 +402,20 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch):
-    """On a GPU, in fp32: captured plain and speculative rows with the grouped-query fold (`FOLD_GQA`) give the
-    tokens and acceptance lengths of the eager runs through HF's own SDPA, at T=0 and T=1, prompts entering rows
-    between replays; the runners made before the switch are rebuilt, not reused."""
+@pytest.mark.parametrize("setting", ["FOLD_GQA", "FILLED_BLOCKS"])
+def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting):
+    """On a GPU, in fp32: captured plain and speculative rows with the grouped-query fold (`FOLD_GQA`), or reading
+    filled KV blocks only with compiled flex (`FILLED_BLOCKS`), give the tokens and acceptance lengths of the eager
+    runs through HF's own SDPA, at T=0 and T=1, prompts entering rows between replays (one of them long enough to
+    cross a 128-position block); the runners made before the switch are rebuilt, not reused."""
     import copy
 
     from _spec_fixtures import trained_like_decoder
     from nemo_dflash.inference import static_cache
 
-    prompts = _prompts(5)
+    prompts = _prompts(5) + [list(range(3, 123))]
+    monkeypatch.setattr(static_cache, "FOLD_GQA", False)
+    monkeypatch.setattr(static_cache, "FILLED_BLOCKS", False)
     cpu = trained_like_decoder(tiny_qwen3(), prompts)
     target = copy.deepcopy(cpu.target.model).cuda()
     decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
@@ -328,7 +423,7 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch):
         kw = dict(rows=2, max_new_tokens=30, temperature=temperature)
         runs = {}
         for fold, graphs in ((False, False), (True, True)):
-            monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
+            monkeypatch.setattr(static_cache, setting, fold)
             runs[fold] = (
                 batched_static_autoregressive_generate(target, prompts, use_graphs=graphs,
                                                        generator=torch.Generator("cuda").manual_seed(5), **kw),
@@ -357,7 +452,8 @@ def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
 def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatch):
     """Every prefill and first draft block (a new shape per prompt length) runs inside `eager_attention_backends`,
     and no verify or later draft step does (captured steps keep PyTorch's kernel choice): on a run where prompts
-    enter rows mid-run, prompts of 5-8 tokens and blocks of 4, so a forward's length tells which it is."""
+    enter rows mid-run, prompts of 5-8 tokens and blocks of 4, so a forward's length tells which it is. Both rows
+    end at one step, so the prompts enter in pairs: two prefills, right-padded to 6 and 8 tokens."""
     import contextlib
 
     inside = []
@@ -389,9 +485,9 @@ def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatc
     monkeypatch.setattr(runner, "_draft_forward", draft_forward)
     prompts = [[(7 * j + 3 * i) % 50 + 3 for j in range(5 + i)] for i in range(4)]  # the last two enter mid-run
     batched_static_speculative_generate(decoder, prompts, max_new_tokens=6, rows=2, use_graphs=False)
-    assert sorted(n for n, _ in target_calls if n != 4) == [5, 6, 7, 8] and any(n == 4 for n, _ in target_calls)
+    assert sorted(n for n, _ in target_calls if n != 4) == [6, 8] and any(n == 4 for n, _ in target_calls)
     assert all(ins == (n != 4) for n, ins in target_calls)  # prefills inside, verifies outside
-    assert sorted(n for n, _ in draft_calls if n != 4) == [5, 6, 7, 8] and any(n == 4 for n, _ in draft_calls)
+    assert sorted(n for n, _ in draft_calls if n != 4) == [6, 8] and any(n == 4 for n, _ in draft_calls)
     assert all(ins == (n != 4) for n, ins in draft_calls)  # first blocks inside, later steps outside
 
 
@@ -494,31 +590,32 @@ def _assert_three_token_law(outs, joint: torch.Tensor, n: int) -> None:
         assert (freq.sum(dims) - joint.sum(dims)).abs().max() < 0.025, dims
 
 
-@pytest.mark.parametrize("rows,row", [(1, None), (3, None), (3, 1)])
-def test_write_at_puts_each_rows_kv_at_its_positions(rows, row):
+@pytest.mark.parametrize("rows,chosen", [(1, None), (3, None), (2, [1, 2]), (2, [3, 0])])
+def test_write_at_puts_each_rows_kv_at_its_positions(rows, chosen):
     """`static_cache.write_at` against a plain loop over rows and positions: [Q] positions shared by the rows,
-    [R, Q] positions of their own (one row takes the index_copy_ path, several the scatter_), `row` offsets."""
+    [R, Q] positions of their own (one row takes the index_copy_ path, several the scatter_), and a forward's
+    rows sent to chosen rows of the buffers (a prefill's: in order or not)."""
     from nemo_dflash.inference.static_cache import write_at
 
     g = torch.Generator().manual_seed(rows)
     total, heads, length, dim, q = 4, 2, 10, 3, 3
+    targets = list(range(rows)) if chosen is None else chosen
     for shared in (True, False):
-        k_rows = rows if row is None else 2
         pos = (torch.tensor([2, 5, 7]) if shared else
-               torch.stack([torch.randperm(length, generator=g)[:q] for _ in range(k_rows)]))
-        keys, values = torch.zeros(total if row is not None else k_rows, heads, length, dim), None
-        values = torch.zeros_like(keys)
-        k = torch.randn(k_rows, heads, q, dim, generator=g)
-        v = torch.randn(k_rows, heads, q, dim, generator=g)
+               torch.stack([torch.randperm(length, generator=g)[:q] for _ in range(rows)]))
+        keys = torch.randn(total if chosen is not None else rows, heads, length, dim, generator=g)
+        values = torch.randn(keys.shape, generator=g)
+        k = torch.randn(rows, heads, q, dim, generator=g)
+        v = torch.randn(rows, heads, q, dim, generator=g)
         want_k, want_v = keys.clone(), values.clone()
-        for r in range(k_rows):
+        for r in range(rows):
             for j in range(q):
                 p = int(pos[j] if shared else pos[r, j])
-                want_k[(row or 0) + r, :, p] = k[r, :, j]
-                want_v[(row or 0) + r, :, p] = v[r, :, j]
-        got_k, got_v = write_at(keys, values, k, v, pos, row)
+                want_k[targets[r], :, p] = k[r, :, j]
+                want_v[targets[r], :, p] = v[r, :, j]
+        got_k, got_v = write_at(keys, values, k, v, pos, None if chosen is None else torch.tensor(chosen))
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # in place
-        assert got_k.shape[0] == k_rows and torch.equal(got_k, want_k[(row or 0) : (row or 0) + k_rows])
+        assert got_k.shape[0] == rows and torch.equal(got_k, want_k[targets]) and torch.equal(got_v, want_v[targets])
 
 
 @pytest.mark.parametrize("q_len,mask_rows", [(1, 3), (4, 3), (5, 1)])

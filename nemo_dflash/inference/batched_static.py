@@ -15,22 +15,24 @@ position p of its last verified token):
   writes at its own positions (`static_cache.write_at`), and a row's rejected entries stay where
   they were written, hidden by that row's mask (key j visible to a query at p iff j <= p; j < p for
   the draft's context), until a later step overwrites them.
-- Prompts are prefilled eagerly (the prefill is not part of decode time), consecutive prompts of one
-  length in one forward (`same_length_runs`: no padding, so each row's cache is its own), and the first
-  draft block of each row is drafted eagerly against its whole prompt, as the eager reference does. These
-  eager forwards have a new shape per prompt length, so they run SDPA without cuDNN, whose per-shape plan
-  builds they would pay (`nemo_dflash.attention`); the captured steps keep PyTorch's choice.
+- Prompts are prefilled eagerly (the prefill is not part of decode time), many in one forward
+  (`prefill_batches`: shortest first, right-padded; a pad's K/V sits past its row's position, hidden by
+  the row's mask until the row's own steps overwrite it), and the first draft block of each row is
+  drafted eagerly against its whole prompt, as the eager reference does. These eager forwards have a new
+  shape each time, so they run SDPA without cuDNN, whose per-shape plan builds they would pay
+  (`nemo_dflash.attention`); the captured steps keep PyTorch's choice.
 - Every later step has the same shapes: R rows, and an attention view of the smallest multiple of
   `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
   (step, view length), captured up front.
 - A row that has finished stays in the batch (the shapes never change) with its position frozen
   (`alive`, a device buffer the host rewrites only when a row stops).
-- **Continuous batching.** With fewer rows than prompts, the prompts enter the rows in order and a row
-  whose answer ends takes the next prompt at once: its prompt is prefilled eagerly into that row alone
-  (its cache positions from 0; what the row held before stays hidden by the row's mask until overwritten),
-  its first token chosen, and a speculative row's first block drafted eagerly against the whole prompt,
-  while the other rows go on. A prompt's answer is the same whichever row and step it enters at (T=0),
-  and at T > 0 its draws use its own key, drawn from the caller's generator when it enters.
+- **Continuous batching.** With fewer rows than prompts, the prompts enter the rows in order: the rows
+  whose answers end at one step take the next prompts together, once `refill_rows` rows are free (1: at
+  once) or no row decodes. Their prompts are prefilled in one forward into those rows (cache positions
+  from 0; what a row held before stays hidden by its mask until overwritten), each one's first token
+  chosen, and a speculative row's first block drafted eagerly against its whole prompt, while the other
+  rows go on. A prompt's answer is the same whichever row and step it enters at (T=0), and at T > 0 its
+  draws use its own key, drawn from the caller's generator when it enters.
 
 At T=0 each row's answer and acceptance lengths are those of the eager reference decoder
 (`spec_decode`; in exact arithmetic, tested in fp32 on CPU, where the same code runs eagerly). At T > 0
@@ -58,11 +60,12 @@ from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
 from nemo_dflash.inference.static_cache import (
-    StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target, folded_attention,
-    visible_to_mask,
+    FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
+    engine_attention, query_groups, visible_to_mask,
 )
+from nemo_dflash.inference import static_cache
 from nemo_dflash.inference.static_decode import (
-    BucketedSteps, SampledStepState, step_key, cache_length_for, make_step,
+    BucketedSteps, SampledStepState, step_key, cache_length_for, make_step, view_length,
 )
 
 
@@ -132,23 +135,21 @@ class _Schedule:
         self.accept.append([])
 
 
-# Prompts of one length are prefilled together, up to this many tokens a forward: the forward's logits
-# [tokens, V] then take no more memory than one prompt of this length's did when each row had its own.
+# Entering prompts are prefilled together, right-padded, up to this many padded tokens a forward: the forward's
+# logits [tokens, V] then take no more memory than one prompt of this length's did when each row had its own.
 PREFILL_TOKENS = 2048
 
 
-def same_length_runs(prompts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """[start, end) runs of consecutive prompts of one length, each at most PREFILL_TOKENS tokens (at
-    least one prompt): the prefill's forwards. Equal lengths need no padding, so a row's cache and
-    logits are those of its own forward."""
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(prompts) + 1):
-        if (i == len(prompts) or len(prompts[i]) != len(prompts[start])
-                or (i - start + 1) * len(prompts[start]) > PREFILL_TOKENS):
-            runs.append((start, i))
-            start = i
-    return runs
+def prefill_batches(lengths: Sequence[int]) -> list[list[int]]:
+    """The prefill's forwards for prompts of these lengths: indices, shortest first (the least padding), in
+    batches whose rows x longest prompt is at most PREFILL_TOKENS (a longer prompt makes its own forward)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= PREFILL_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 class _Rows:
@@ -167,39 +168,72 @@ class _Rows:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
+        self.filled_blocks = static_cache.FILLED_BLOCKS  # the captured target steps read filled KV blocks only
+
+    def filled_mask(self, queries: int) -> Optional[FilledBlocks]:
+        """The flex mask of a target step of `queries` queries a row (None: SDPA over the bucketed view)."""
+        if not self.filled_blocks:
+            return None
+        return FilledBlocks(self.rows, queries, self.max_len, query_groups(self.model), self.device)
+
+    def target_view(self, need: int, steps: BucketedSteps) -> int:
+        """A target step's view: the whole cache when it reads filled blocks, else `steps`' bucket."""
+        return self.max_len if self.filled_blocks else steps.view(need)
 
     def causal(self, q_pos: torch.Tensor, view_len: int) -> torch.Tensor:
         """[R, 1, Q, view] mask: key j visible to row r's query at position p iff j <= p."""
         visible = self.key_index[:view_len].view(1, 1, -1) <= q_pos.unsqueeze(-1)
         return visible_to_mask(visible.unsqueeze(1), self.attn, self.dtype)
 
-    def prefill_rows(self, row: int, prompts: Sequence[Sequence[int]], view_len: int) -> torch.Tensor:
-        """Prompts of one length into rows row..row+k-1 of the cache, in one eager forward; their last
-        positions' logits [k, V]."""
-        positions = torch.arange(len(prompts[0]), device=self.device)
-        self.kv.write_positions, self.kv.row, self.kv.view_len = positions, row, view_len
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], view_len: int) -> torch.Tensor:
+        """Prompts of any lengths into those rows of the cache, in one eager forward, right-padded (a pad's K/V
+        sits past its row's position, hidden by the row's mask until a step overwrites it); the logits [k, V]
+        at each prompt's last token."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts], device=self.device)
+        positions = torch.arange(width, device=self.device)
+        self.kv.write_positions, self.kv.rows, self.kv.view_len = positions, torch.tensor(rows, device=self.device), view_len
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
-            with folded_attention(self.model), eager_attention_backends(self.device):
-                out = self.model(input_ids=torch.tensor([list(p) for p in prompts], device=self.device),
-                                 position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache, use_cache=True,
-                                 attention_mask=self.causal(positions.unsqueeze(0), view_len))
+            with engine_attention(self.model), eager_attention_backends(self.device):
+                out = self.model(input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache,
+                                 use_cache=True, attention_mask=self.causal(positions.unsqueeze(0), view_len))
         finally:
-            self.kv.row = None
-        return out.logits[:, -1]
+            self.kv.rows = None
+        return out.logits[torch.arange(len(prompts), device=self.device), lengths - 1]
+
+    def _prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                 keep: Optional[Callable[[list[int]], None]] = None) -> torch.Tensor:
+        """Prompts into `rows` (prompt j into rows[j]) in the forwards `prefill_batches` plans, each attending
+        over its longest prompt's bucket; `keep(its rows)` runs after each forward (the speculative runner keeps
+        its features there). The last logits [k, V], in the prompts' order."""
+        last: list[torch.Tensor] = [None] * len(prompts)  # type: ignore[list-item]
+        for batch in prefill_batches([len(p) for p in prompts]):
+            batch_rows = [rows[i] for i in batch]
+            logits = self.prefill_rows(batch_rows, [prompts[i] for i in batch],
+                                       view_length(max(len(prompts[i]) for i in batch), self.max_len))
+            if keep is not None:
+                keep(batch_rows)
+            for j, i in enumerate(batch):
+                last[i] = logits[j]
+        return torch.stack(last)
 
     def set_alive(self, stopped: list[bool]) -> None:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
 
-    def enter(self, row: int, prompt: Sequence[int], first: torch.Tensor, generator: Optional[torch.Generator]) -> int:
-        """A prompt entering `row` mid-run, its prompt prefilled: its first token from the prefill's last
-        logits `first` [1, V], its noise key (T > 0) drawn from the generator after it; the row's position
-        set. Returns the first token."""
-        tok = int(select_tokens(first, self.sampling or 0.0, generator)[0][0])
-        if self.state is not None:  # the runner's sampled-step buffers (None at T=0)
-            gen_device = generator.device if generator is not None else torch.device("cpu")
-            self.state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
-        self.pos[row] = len(prompt)
-        return tok
+    def enter(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], last: torch.Tensor,
+              generator: Optional[torch.Generator]) -> list[int]:
+        """Prompts entering `rows` mid-run, their prompts prefilled: each one's first token from its prefill's
+        last logits (`last` [k, V]), then its noise key (T > 0) drawn from the generator, prompt by prompt; the
+        rows' positions set. Returns the first tokens."""
+        toks = []
+        for j, row in enumerate(rows):
+            toks.append(int(select_tokens(last[j : j + 1], self.sampling or 0.0, generator)[0][0]))
+            if self.state is not None:  # the runner's sampled-step buffers (None at T=0)
+                gen_device = generator.device if generator is not None else torch.device("cpu")
+                self.state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
+        self.pos[torch.tensor(rows, device=self.device)] = torch.tensor([len(p) for p in prompts], device=self.device)
+        return toks
 
     # ---- what each runner supplies to the one loop below
     sampled: bool
@@ -215,25 +249,30 @@ class _Rows:
         chosen and returned, the rows' positions set to `host_pos`."""
         raise NotImplementedError
 
-    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
-        """A prompt entering `row` mid-run: (its first token, what the next step needs of it or None)."""
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
+        """Prompts entering `rows` mid-run, prefilled together: (their first tokens, what the next step needs of
+        each or None)."""
         raise NotImplementedError
 
     def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
         """One step of every row, its live rows' queries reaching position `need`; `fresh` holds what rows
-        entered since the last step left (`_enter_row`'s second value). Returns each row's new tokens."""
+        entered since the last step left (`_enter_rows`' second value). Returns each row's new tokens."""
         raise NotImplementedError
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
                  sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
-                 on_done: Optional[OnDone] = None) -> list[GenerationOutput]:
+                 on_done: Optional[OnDone] = None, refill_rows: int = 1) -> list[GenerationOutput]:
         """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
-        fewer rows than prompts, prompts enter rows as answers end. `prefill_time_s` is the first rows'
+        fewer rows than prompts, prompts enter rows as answers end: the rows freed by one step enter together
+        (one prefill), once `refill_rows` rows are free or no row decodes. `prefill_time_s` is the first rows'
         prefill, `decode_time_s` the loop's (later prefills included). The one host loop of both runners:
         a step, one read-back, then each live row's new tokens kept up to a stop token or the cap."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
+        if refill_rows < 1:
+            raise ValueError(f"refill_rows must be >= 1, got {refill_rows}")
         self.sampling = sampling if self.sampled else None
         R = self.rows
         sched = _Schedule(prompts, R, on_done, self.max_len, self._room(max_new_tokens))
@@ -245,31 +284,46 @@ class _Rows:
             firsts = self._start(prompts[:m], host_pos, generator)
         for i in range(m):
             outputs[i].append(firsts[i])
-        stopped = [firsts[i] in stop_ids or max_new_tokens <= 1 for i in range(m)] + [True] * (R - m)
+        stopped = [True] * R
         sync(self.device)
         t1 = time.perf_counter()
         fresh: dict[int, Any] = {}  # rows whose prompt entered since the last step: what that step needs
+        free: list[int] = []  # rows whose answer ended, waiting for a prompt
 
-        def ended(row: int) -> bool:  # the answer in `row` ended: the next prompts enter it; True if none goes on
+        def ended(row: int) -> None:  # the answer in `row` ended: the row waits for the next prompt
             fresh.pop(row, None)
-            while True:
-                i = sched.held[row]
-                sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
-                if (i := sched.take(row)) is None:
-                    return True
-                prompt = prompts[i]
-                with record_function("engine.enter_row"):
-                    tok, need = self._enter_row(row, prompt, generator)
-                host_pos[row] = len(prompt)
-                outputs[i].append(tok)
-                if not (tok in stop_ids or max_new_tokens <= 1):
-                    if need is not None:
-                        fresh[row] = need
-                    return False
+            i = sched.held[row]
+            sched.held[row] = None
+            sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
+            free.append(row)
+
+        def started(row: int, tok: int, need: Any) -> None:  # a prompt's first token is in `row`
+            if tok in stop_ids or max_new_tokens <= 1:
+                ended(row)
+            else:
+                stopped[row] = False
+                if need is not None:
+                    fresh[row] = need
+
+        def refill() -> None:  # waiting prompts into the free rows, each batch's prefills one forward
+            while free and sched.next < len(sched.prompts):
+                waiting = len(sched.prompts) - sched.next
+                if len(free) < min(refill_rows, waiting) and not all(stopped):
+                    return
+                rows = sorted(free[:waiting])
+                del free[:len(rows)]
+                taken = [sched.take(r) for r in rows]
+                with record_function("engine.enter"):
+                    toks, needs = self._enter_rows(rows, [prompts[i] for i in taken], generator)
+                for r, i, tok, need in zip(rows, taken, toks, needs):
+                    host_pos[r] = len(prompts[i])
+                    outputs[i].append(tok)
+                    started(r, tok, need)
 
         for r in range(m):
-            if stopped[r]:
-                stopped[r] = ended(r)
+            started(r, firsts[r], None)
+        free.extend(range(m, R))
+        refill()
         self.set_alive(stopped)
         while not all(stopped):
             with record_function("engine.step"):
@@ -289,7 +343,9 @@ class _Rows:
                     kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
                     outputs[i].extend(kept)
                 if hit or len(outputs[i]) >= max_new_tokens:
-                    stopped[r] = ended(r)
+                    stopped[r] = True
+                    ended(r)
+            refill()
             if stopped != was:
                 self.set_alive(stopped)
         sync(self.device)
@@ -307,11 +363,13 @@ class BatchedStaticPlainRunner(_Rows):
         self.sampled, self.filtered = sampled, sampled and filtered
         self.state = SampledStepState(self.rows, self.device) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
+        self.filled = self.filled_mask(1)
         self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
-                                    self.max_len, "the batched 1-token step", use_graphs)
+                                    self.max_len, "the batched 1-token step", use_graphs,
+                                    buckets=not self.filled_blocks)
 
     @property
-    def step_key(self) -> tuple[int, bool]:
+    def step_key(self) -> tuple[int, bool, bool]:
         """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
         rebuilt)."""
         return self.steps.step_key
@@ -320,7 +378,9 @@ class BatchedStaticPlainRunner(_Rows):
         """One token a row at its position; returns the logits [R, V] (the loop reads `self.tok`)."""
         q_pos = self.pos.view(-1, 1)
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
-        with folded_attention(self.model):
+        if self.filled is not None:
+            self.filled.set(q_pos)
+        with engine_attention(self.model, self.filled):
             out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         logits = out.logits[:, -1]
@@ -337,8 +397,7 @@ class BatchedStaticPlainRunner(_Rows):
     def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
                generator: Optional[torch.Generator]) -> list[int]:
         R, m = self.rows, len(prompts)
-        last = torch.cat([self.prefill_rows(a, prompts[a:b], self.steps.view(len(prompts[a])))
-                          for a, b in same_length_runs(prompts)])
+        last = self._prefill(list(range(m)), prompts)
         last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
         firsts = select_tokens(last, self.sampling or 0.0, generator)[0].tolist()
         if self.sampled:  # each row's noise key, drawn from (and advancing) the caller's generator
@@ -347,13 +406,14 @@ class BatchedStaticPlainRunner(_Rows):
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         return firsts
 
-    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
-        tok = self.enter(row, prompt, self.prefill_rows(row, [prompt], self.steps.view(len(prompt))), generator)
-        self.tok[row, 0] = tok
-        return tok, None
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
+        toks = self.enter(rows, prompts, self._prefill(rows, prompts), generator)
+        self.tok[torch.tensor(rows, device=self.device), 0] = torch.tensor(toks, device=self.device)
+        return toks, [None] * len(rows)
 
     def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
-        self.steps.get(self.steps.view(need + 1)).replay()
+        self.steps.get(self.target_view(need + 1, self.steps)).replay()
         return [[t] for t in self.tok.view(-1).tolist()]  # the step's one host sync
 
 
@@ -384,17 +444,18 @@ class BatchedStaticSpecRunner(_Rows):
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
-        self._first_blocks: Optional[tuple[list[tuple[int, int]], list[torch.Tensor], int]] = None
+        self._first_blocks: Optional[tuple[list[tuple[list[int], torch.Tensor]], int]] = None
         # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
             "the batched draft block", use_graphs) if B > 1 else None
+        self.filled = self.filled_mask(B)
         self.verify_steps = BucketedSteps(
             lambda n: make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
-            f"the batched {B}-token verify", use_graphs)
+            f"the batched {B}-token verify", use_graphs, buckets=not self.filled_blocks)
 
     @property
-    def step_key(self) -> tuple[int, bool]:
+    def step_key(self) -> tuple[int, bool, bool]:
         """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
         rebuilt)."""
         return self.verify_steps.step_key
@@ -437,18 +498,19 @@ class BatchedStaticSpecRunner(_Rows):
         self.q[rows].copy_(q)
         self.blk[rows, 1:].copy_(proposals)
 
-    def _first_draft_logits(self, row: int, prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
-        """Step 1 of rows row..row+k-1 (prompts of one length), eagerly: their blocks' draft logits
-        [k, B-1, V] against their whole prompts (`prompt_feats` [k, C, F])."""
-        k = prompt_feats.shape[0]
-        self.dcache.row = row
+    def _first_draft_logits(self, rows: Sequence[int], prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
+        """Step 1 of those rows (prompts prefilled together, right-padded), eagerly: their blocks' draft logits
+        [k, B-1, V] against their whole prompts (`prompt_feats` [k, C, F]; a pad's context sits at or past its
+        row's position, where the draft's mask hides it)."""
+        k, idx = prompt_feats.shape[0], torch.tensor(rows, device=self.device)
+        self.dcache.rows = idx
         try:
-            noise = torch.cat([self.blk[row : row + k, :1], self.mask_ids[:k]], 1)
+            noise = torch.cat([self.blk[idx, :1], self.mask_ids[:k]], 1)
             ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
             with eager_attention_backends(self.device):  # a context of the prompt's length: a new shape
-                return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[row : row + k], view_len)
+                return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[idx], view_len)
         finally:
-            self.dcache.row = None
+            self.dcache.rows = None
 
     def _verify(self, view_len: int) -> torch.Tensor:
         """The captured verify step: every row's block at its own positions; accept (greedily, or by
@@ -456,7 +518,9 @@ class BatchedStaticSpecRunner(_Rows):
         [R, B, V]; the loop reads `self.result`."""
         q_pos = self.pos.view(-1, 1) + self.arange_b
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
-        with self.dec.target.capture(stop_early=False) as captured, folded_attention(self.model):
+        if self.filled is not None:
+            self.filled.set(q_pos)
+        with self.dec.target.capture(stop_early=False) as captured, engine_attention(self.model, self.filled):
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
@@ -485,45 +549,67 @@ class BatchedStaticSpecRunner(_Rows):
     def _room(self, max_new_tokens: int) -> int:
         return max_new_tokens + 2 * self.B
 
+    def _prefill_feats(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list]:
+        """`_prefill` that also keeps the target features of each forward: (last logits [k, V], [(rows, their
+        prompts' features [k', C, F])] a forward), for the rows' first draft blocks."""
+        feats: list[tuple[list[int], torch.Tensor]] = []
+        with self.dec.target.capture(stop_early=False) as captured:
+            def keep(batch_rows: list[int]) -> None:
+                feats.append((batch_rows, self.dec.target.concat(captured)))
+
+            last = self._prefill(rows, prompts, keep)
+        return last, feats
+
     def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
                generator: Optional[torch.Generator]) -> list[int]:
-        R, B, m = self.rows, self.B, len(prompts)
-        view = self.verify_steps.view(max(host_pos) + B)
-        runs = same_length_runs(prompts)
-        last_logits, prompt_feats = [], []
-        with self.dec.target.capture(stop_early=False) as captured:
-            for a, b in runs:
-                last_logits.append(self.prefill_rows(a, prompts[a:b], view))
-                prompt_feats.append(self.dec.target.concat(captured))
-        last_logits = torch.cat(last_logits + [last_logits[0][:1]] * (R - m))
-        firsts = select_tokens(last_logits, self.sampling or 0.0, generator)[0].tolist()
+        R, m = self.rows, len(prompts)
+        last, feats = self._prefill_feats(list(range(m)), prompts)
+        last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
+        firsts = select_tokens(last, self.sampling or 0.0, generator)[0].tolist()
         self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
         if self.sampling is not None:  # each row's noise key, drawn from (and advancing) the caller's generator
             self.state.start(self.sampling, generator)
         self.pos.copy_(torch.tensor(host_pos, device=self.device))
         self.ctx_start.zero_()
-        self._first_blocks = (runs, prompt_feats, m)  # step 1 drafts these rows against their whole prompts
+        self._first_blocks = (feats, m)  # step 1 drafts these rows against their whole prompts
         return firsts
 
-    def _enter_row(self, row: int, prompt: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, Any]:
-        with self.dec.target.capture(stop_early=False) as captured:
-            first = self.prefill_rows(row, [prompt], self.verify_steps.view(len(prompt) + self.B))
-            feats = self.dec.target.concat(captured)
-        tok = self.enter(row, prompt, first, generator)
-        self.blk[row, 0] = tok
-        return tok, feats  # its first block is drafted against the whole prompt at the next step
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
+        last, feats = self._prefill_feats(rows, prompts)
+        toks = self.enter(rows, prompts, last, generator)
+        self.blk[torch.tensor(rows, device=self.device), 0] = torch.tensor(toks, device=self.device)
+        by_row = {r: (batch, f) for batch, f in feats for r in batch}  # the next step drafts each forward's rows
+        return toks, [by_row[r] for r in rows]
+
+    @staticmethod
+    def _entered_forwards(fresh: dict[int, Any]) -> list[tuple[list[int], torch.Tensor]]:
+        """The prefills whose rows still wait for their first block: (those rows, their features) a forward, in
+        the order they ran. A row that stopped at its first token (and maybe took a later prompt) is left out."""
+        out = []
+        for batch, f in {id(f): v for v in fresh.values() for f in [v[1]]}.values():
+            keep = [j for j, r in enumerate(batch) if r in fresh and fresh[r][1] is f]
+            out.append(([batch[j] for j in keep], f[keep]))
+        return out
 
     def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
-        view = self.verify_steps.view(need + self.B)
-        if self.B > 1:  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
+        view = self.target_view(need + self.B, self.verify_steps)
+        if self.B > 1:
+            dview = self.draft_steps.view(need + self.B)  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
             if self._first_blocks is not None:
-                runs, prompt_feats, m = self._first_blocks
-                d_logits = torch.cat([self._first_draft_logits(a, f, view) for (a, _), f in zip(runs, prompt_feats)])
-                self._propose(torch.cat([d_logits, d_logits[:1].expand(self.rows - m, -1, -1)]))  # unread rows
+                feats, m = self._first_blocks
+                d_logits = torch.zeros(self.rows, self.B - 1, self.dec.lm_head.weight.shape[0],
+                                       dtype=self.dec.lm_head.weight.dtype, device=self.device)
+                for rows, f in feats:
+                    d_logits[torch.tensor(rows, device=self.device)] = self._first_draft_logits(rows, f, dview)
+                d_logits[m:] = d_logits[:1]  # rows past the prompts: a copy of the first (unread)
+                self._propose(d_logits)
             else:
-                self.draft_steps.get(view).replay()
-            for r, feats in fresh.items():  # a prompt that entered mid-run: its first block, eagerly
-                self._propose(self._first_draft_logits(r, feats, view), slice(r, r + 1))
+                self.draft_steps.get(dview).replay()
+            for rows, f in self._entered_forwards(fresh):  # prompts that entered mid-run: first blocks, eagerly
+                d_logits = self._first_draft_logits(rows, f, dview)
+                for j, r in enumerate(rows):
+                    self._propose(d_logits[j : j + 1], slice(r, r + 1))
         self._first_blocks = None
         if self.after_draft is not None:
             self.after_draft()
@@ -588,36 +674,37 @@ def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
-    max_prompt_tokens: Optional[int] = None,
+    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1,
 ) -> list[GenerationOutput]:
     """Plain decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
     continuous batching), at any temperature: at T > 0 a prompt's tokens are keyed draws (a key per prompt
     from `generator`). `on_done(i, output)` may return a follow-up prompt (decoded as one more; the caches
-    hold prompts up to `max_prompt_tokens`)."""
+    hold prompts up to `max_prompt_tokens`). Freed rows take new prompts once `refill_rows` are free (their
+    prefills batched: more rows a refill, fewer forwards, more idle rows)."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
     runner = plain_runner(target_model, s, rows, cache_length_for(_longest(prompts, max_prompt_tokens),
                                                                   max_new_tokens, 1), use_graphs)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
-                           on_done)
+                           on_done, refill_rows)
 
 
 def batched_static_speculative_generate(
     decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
-    max_prompt_tokens: Optional[int] = None,
+    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1,
 ) -> list[GenerationOutput]:
     """Speculative decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
     continuous batching). At T=0 each answer and its acceptance lengths are the eager reference decoder's for
     that prompt; at T > 0 they are samples of the target's distribution, all drawn from one `generator`.
-    `on_done` and `max_prompt_tokens` as in `batched_static_autoregressive_generate`."""
+    `on_done`, `max_prompt_tokens` and `refill_rows` as in `batched_static_autoregressive_generate`."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
     need = spec_cache_length(_longest(prompts, max_prompt_tokens), max_new_tokens, decoder.block_size)
     runner = spec_runner(decoder, s, rows, need, use_graphs)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
-                           on_done)
+                           on_done, refill_rows)
 
 
 __all__ = [
@@ -627,6 +714,7 @@ __all__ = [
     "batched_static_autoregressive_generate",
     "drop_runners",
     "plain_runner",
+    "prefill_batches",
     "spec_cache_length",
     "spec_runner",
     "batched_static_speculative_generate",

@@ -35,6 +35,13 @@ SUPPORTED_ATTN = ("sdpa", "eager")
 # `benchmarks/decode.py rows`). False: HF's SDPA, for A/B runs (`--fold-gqa 0` of the benchmarks).
 FOLD_GQA = True
 FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionInterface
+# True: the engine's captured target steps (the plain step, the verify) attend with flex_attention over each row's
+# filled KV blocks only (`FilledBlocks`), query heads folded per K/V head, one graph a step over the whole cache;
+# False: SDPA over the step's bucketed view (the furthest row's), under a mask. `--filled-blocks 0|1` of
+# `benchmarks/decode.py` and `benchmarks/regen.py` time both.
+FILLED_BLOCKS = False
+FILLED_NAME = "nemo_dflash_filled_blocks"  # its name in transformers' AttentionInterface
+KV_BLOCK = 128  # flex's KV block: a row reads its blocks up to the one holding its furthest query
 
 
 def attn_implementation(model: nn.Module) -> str:
@@ -86,29 +93,106 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-# Per target: the configs of its attention layers with grouped-query heads (found by one walk of its modules).
-_GQA_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+class FilledBlocks:
+    """A captured step's flex BlockMask over each row's filled KV blocks: `rows` rows of `queries` queries each
+    (at positions `q_pos` [rows, queries], key j visible to a query at p iff j <= p), `group` query heads a K/V
+    head folded into its query rows, keys the whole cache of `max_len` positions. Its tensors are updated in place
+    by `set` (a captured graph reads them), and a row's blocks past its furthest query are never read."""
+
+    def __init__(self, rows: int, queries: int, max_len: int, group: int, device: torch.device) -> None:
+        import inspect
+
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        from nemo_dflash.compiled import compiled
+
+        if max_len % KV_BLOCK:
+            raise ValueError(f"filled-block attention needs a cache length that is a multiple of {KV_BLOCK}")
+        q_rows = group * queries
+        q_blocks, kv_blocks = -(-q_rows // KV_BLOCK), max_len // KV_BLOCK
+        self.q_pos = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        self.kv_blocks = torch.ones(rows, 1, q_blocks, dtype=torch.int32, device=device)
+        indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(rows, 1, q_blocks, -1).contiguous()
+        q_pos = self.q_pos
+
+        def mask_mod(b, h, q_idx, kv_idx):  # folded query row g * queries + i is the row's query i
+            return kv_idx <= q_pos[b, q_idx % queries]
+
+        extra = {}
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            extra["compute_q_blocks"] = False  # only a backward pass reads them
+        self.mask = BlockMask.from_kv_blocks(self.kv_blocks, indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
+                                             seq_lengths=(q_rows, max_len), **extra)
+        self.flex = compiled(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+    def set(self, q_pos: torch.Tensor) -> None:
+        """The step's query positions [rows, queries] (device ops only: fine inside a captured step)."""
+        self.q_pos.copy_(q_pos)
+        self.kv_blocks.copy_((q_pos.max(dim=1).values // KV_BLOCK + 1).view(-1, 1, 1).expand_as(self.kv_blocks))
 
 
-@contextmanager
-def folded_attention(model: nn.Module) -> Iterator[None]:
-    """Within: the target's SDPA attention layers run `folded_gqa_sdpa` (its attention modules' configs
-    switched, then restored). A no-op for other attention implementations, or with FOLD_GQA off."""
-    if not FOLD_GQA:
-        yield
-        return
-    if model not in _GQA_CONFIGS:  # walked once a model: this wraps every eager step
+_FILLED: list[FilledBlocks] = []  # the step in flight's mask (`engine_attention`)
+
+
+def filled_blocks_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                            scaling: Optional[float] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function (q [R, H, Q, D], k/v [R, KVH, L, D], L the whole cache) -> ([R, Q, H, D],
+    None): flex_attention over each row's filled blocks (the step's `FilledBlocks`), the H / KVH query heads that
+    share a K/V head as that head's query rows (flex decoding reads each K/V block once for them). Layers it cannot
+    serve (attention sinks) take `folded_gqa_sdpa` with the step's mask over the whole cache."""
+    if kwargs.get("s_aux") is not None or dropout or not _FILLED:
+        return folded_gqa_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    rows, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    fb = _FILLED[-1]
+    out = fb.flex(query.reshape(rows, kv_heads, heads // kv_heads * q_len, dim), key, value, block_mask=fb.mask,
+                  scale=scaling)
+    return out.reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+# Per target: the configs of its attention layers, each with whether its query heads are grouped (one walk).
+_ATTN_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list[tuple[Any, bool]]]" = weakref.WeakKeyDictionary()
+
+
+def _attention_configs(model: nn.Module) -> list[tuple[Any, bool]]:
+    if model not in _ATTN_CONFIGS:  # walked once a model: this wraps every eager step
         from transformers import AttentionInterface
 
         AttentionInterface.register(FOLDED_SDPA, folded_gqa_sdpa)
-        _GQA_CONFIGS[model] = list({id(m.config): m.config for m in model.modules()
-                                    if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}.values())
-    switched = [c for c in _GQA_CONFIGS[model] if getattr(c, "_attn_implementation", None) == "sdpa"]
+        AttentionInterface.register(FILLED_NAME, filled_blocks_attention)
+        found = {id(m.config): (m.config, getattr(m, "num_key_value_groups", 1) > 1) for m in model.modules()
+                 if hasattr(m, "num_key_value_groups") and hasattr(m, "config")}
+        _ATTN_CONFIGS[model] = list(found.values())
+    return _ATTN_CONFIGS[model]
+
+
+def query_groups(model: nn.Module) -> int:
+    """Query heads per K/V head of the target."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.num_attention_heads) // _kv_shape(model)[0]
+
+
+@contextmanager
+def engine_attention(model: nn.Module, filled: Optional[FilledBlocks] = None) -> Iterator[None]:
+    """Within: the target's SDPA attention layers run `filled_blocks_attention` over `filled` (a captured step's),
+    or else, with FOLD_GQA, those with grouped-query heads run `folded_gqa_sdpa` (configs switched, then
+    restored). A no-op for other attention implementations."""
+    if filled is None and not FOLD_GQA:
+        yield
+        return
+    name = FILLED_NAME if filled is not None else FOLDED_SDPA
+    switched = [c for c, grouped in _attention_configs(model)
+                if (grouped or filled is not None) and getattr(c, "_attn_implementation", None) == "sdpa"]
     for c in switched:
-        c._attn_implementation = FOLDED_SDPA
+        c._attn_implementation = name
+    if filled is not None:
+        _FILLED.append(filled)
     try:
         yield
     finally:
+        if filled is not None:
+            _FILLED.pop()
         for c in switched:
             c._attn_implementation = "sdpa"
 
@@ -139,16 +223,19 @@ def _kv_shape(model: nn.Module) -> tuple[int, int]:
 
 
 def write_at(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             positions: torch.Tensor, row: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             positions: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write new K/V [R, H, Q, D] into preallocated [R, H, L, D] buffers at absolute positions, in place.
 
     `positions` is [Q] (every row at the same positions) or [R, Q] (each row at its own: batched
-    decoding, rows drifting apart). `row` sends a forward of k rows (a batched runner's prefill of
-    k prompts of one length) into rows row..row+k-1 of the buffers. Returns the buffers (or those
-    rows) as written.
+    decoding, rows drifting apart). `rows` ([k] indices) sends a forward of k rows (a batched runner's
+    prefill of k prompts) into those rows of the buffers. Returns the buffers (or those rows, gathered)
+    as written.
     """
-    if row is not None:
-        keys, values = keys[row : row + k.shape[0]], values[row : row + k.shape[0]]
+    if rows is not None:
+        idx = positions.unsqueeze(0) if positions.dim() == 1 else positions
+        keys[rows.view(-1, 1), :, idx] = k.transpose(1, 2)  # [k, Q, H, D]: the advanced indices come first
+        values[rows.view(-1, 1), :, idx] = v.transpose(1, 2)
+        return keys[rows], values[rows]
     if positions.dim() == 2 and positions.shape[0] == 1 == k.shape[0] == keys.shape[0]:
         positions = positions[0]  # one row: index_copy_, a lighter kernel than scatter_ over an expanded index
     if positions.dim() == 1:
@@ -171,8 +258,8 @@ class TargetStaticCache:
     layer instead of 5, no rewind, and no dependence on how a transformers version counts.
     `update` returns the first `view_len` positions only (default: all); the caller sets it
     with the matching mask length, and must cover every position its queries can see.
-    With `batch` rows, `write_positions` may be [rows, Q] (`write_at`), and `row` directs a
-    forward of k rows into rows row..row+k-1.
+    With `batch` rows, `write_positions` may be [rows, Q] (`write_at`), and `rows` ([k] indices) directs
+    a forward of k rows into those rows.
     """
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -186,7 +273,7 @@ class TargetStaticCache:
         except AttributeError as e:  # pragma: no cover - transformers < 5
             raise ValueError(f"decode='graphs' needs transformers >= 5 ({e}): use decode='eager'.") from None
         self.write_positions: Optional[torch.Tensor] = None
-        self.row: Optional[int] = None
+        self.rows: Optional[torch.Tensor] = None
         self.view_len = self.max_len
         for layer in self.cache.layers:
             keys = getattr(layer, "keys", None)
@@ -199,8 +286,11 @@ class TargetStaticCache:
 
     def _writer(self, layer: Any) -> Any:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            keys, values = write_at(layer.keys, layer.values, key_states, value_states, self.write_positions, self.row)
             n = self.view_len
+            if self.rows is not None:  # a prefill: gather only the view of those rows
+                write_at(layer.keys, layer.values, key_states, value_states, self.write_positions, self.rows)
+                return layer.keys[:, :, :n][self.rows], layer.values[:, :, :n][self.rows]
+            keys, values = write_at(layer.keys, layer.values, key_states, value_states, self.write_positions)
             return keys[:, :, :n], values[:, :, :n]
 
         return update
@@ -213,7 +303,7 @@ class StaticDraftContextCache:
     draft's attention writes the new context K/V there and gets the buffer's first `view_len`
     positions back (a Python int fixed per captured step), so its shapes never change within a
     graph. Slots at or after the current position hold stale or padding K/V that the mask hides.
-    `batch` rows (default: the first forward's batch) and `row` as in `TargetStaticCache`.
+    `batch` rows (default: the first forward's batch) and `rows` as in `TargetStaticCache`.
     """
 
     def __init__(self, num_layers: int, max_len: int, batch: Optional[int] = None) -> None:
@@ -222,7 +312,7 @@ class StaticDraftContextCache:
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.write_positions: Optional[torch.Tensor] = None
-        self.row: Optional[int] = None
+        self.rows: Optional[torch.Tensor] = None
         self.view_len = self.max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,10 +322,12 @@ class StaticDraftContextCache:
             rows = self.batch or k.shape[0]
             self.keys[layer] = k.new_zeros(rows, k.shape[1], self.max_len, k.shape[3])
             self.values[layer] = v.new_zeros(rows, v.shape[1], self.max_len, v.shape[3])
-        keys, values = write_at(self.keys[layer], self.values[layer], k, v,  # type: ignore[arg-type]
-                                self.write_positions, self.row)
         n = self.view_len
-        return keys[:, :, :n], values[:, :, :n]
+        keys, values = self.keys[layer], self.values[layer]
+        write_at(keys, values, k, v, self.write_positions, self.rows)  # type: ignore[arg-type]
+        if self.rows is not None:
+            return keys[:, :, :n][self.rows], values[:, :, :n][self.rows]  # type: ignore[index]
+        return keys[:, :, :n], values[:, :, :n]  # type: ignore[index]
 
     def get_seq_length(self) -> int:
         return self.max_len
@@ -248,7 +340,10 @@ __all__ = [
     "attn_implementation",
     "causal_mask",
     "check_static_target",
-    "folded_attention",
+    "FilledBlocks",
+    "engine_attention",
+    "filled_blocks_attention",
+    "query_groups",
     "folded_gqa_sdpa",
     "visible_to_mask",
     "write_at",

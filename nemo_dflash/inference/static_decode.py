@@ -64,27 +64,29 @@ def view_lengths(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def step_key() -> tuple[int, bool]:
-    """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets) and
-    whether the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`). A runner made under
-    another key is rebuilt."""
-    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA)
+def step_key() -> tuple[int, bool, bool]:
+    """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets), whether
+    the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`) and whether its steps read filled
+    blocks only (`static_cache.FILLED_BLOCKS`). A runner made under another key is rebuilt."""
+    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS)
 
 
 class BucketedSteps:
     """One step (EagerStep or CapturedStep) per view length, made up front or on first use."""
 
-    def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool) -> None:
+    def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool,
+                 buckets: bool = True) -> None:
         self.make, self.max_len, self.name, self.use_graphs = make, max_len, name, use_graphs
+        self.buckets = buckets  # False: one step over the whole cache (it reads only what it needs)
         self.step_key = step_key()
         self.steps: dict[int, Any] = {}
         if CAPTURE_ALL_BUCKETS:  # the eager path follows the same choice, so CPU tests cover both
-            for n in view_lengths(max_len):
+            for n in (view_lengths(max_len) if buckets else [max_len]):
                 self.steps[n] = make(n)
 
     def view(self, need: int) -> int:
         """The view length for a step that must see [0, need); a one-int host check that it does."""
-        n = view_length(need, self.max_len)
+        n = view_length(need, self.max_len) if self.buckets else self.max_len
         if not need <= n <= self.max_len:
             raise RuntimeError(f"{self.name}: attention view of {n} positions cannot hold the {need} it needs "
                                f"(cache length {self.max_len})")
