@@ -288,15 +288,24 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
 
 def engine_phases(prof) -> dict[str, dict[str, float]]:
     """The engine's named ranges (`engine.start`, `engine.enter`, `engine.step`) in a profiled run: how many,
-    their host time and the device time of the kernels they launched; printed as a table."""
-    phases = {}
+    their host time and the device time of the kernels they launched; then the kernels that took the most device
+    time over the run (key "kernels"). Printed as tables."""
+    phases: dict = {}
+    kernels = []
     for e in prof.key_averages():
+        device_s = round(getattr(e, "device_time_total", 0.0) / 1e6, 4)
         if e.key.startswith("engine."):
-            phases[e.key] = {"count": e.count, "host_s": round(e.cpu_time_total / 1e6, 4),
-                             "device_s": round(getattr(e, "device_time_total", 0.0) / 1e6, 4)}
+            phases[e.key] = {"count": e.count, "host_s": round(e.cpu_time_total / 1e6, 4), "device_s": device_s}
+        elif getattr(e, "self_device_time_total", 0.0) > 0:
+            kernels.append((e.key, e.count, round(e.self_device_time_total / 1e6, 4)))
     print(f"{'engine range':<18} {'count':>7} {'host s':>9} {'device s':>9}")
     for k, v in sorted(phases.items()):
         print(f"{k:<18} {v['count']:>7} {v['host_s']:>9.3f} {v['device_s']:>9.3f}")
+    kernels = sorted(kernels, key=lambda k: -k[2])[:12]
+    print(f"{'kernel (self device time)':<72} {'count':>7} {'device s':>9}")
+    for name, count, dev in kernels:
+        print(f"{name[:72]:<72} {count:>7} {dev:>9.3f}")
+    phases["kernels"] = [{"name": n[:120], "count": c, "device_s": d} for n, c, d in kernels]
     return phases
 
 

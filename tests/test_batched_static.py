@@ -615,7 +615,7 @@ def test_write_at_puts_each_rows_kv_at_its_positions(rows, chosen):
                 want_v[targets[r], :, p] = v[r, :, j]
         got_k, got_v = write_at(keys, values, k, v, pos, None if chosen is None else torch.tensor(chosen))
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # in place
-        assert got_k.shape[0] == rows and torch.equal(got_k, want_k[targets]) and torch.equal(got_v, want_v[targets])
+        assert got_k is keys and got_v is values
 
 
 @pytest.mark.parametrize("q_len,mask_rows", [(1, 3), (4, 3), (5, 1)])

@@ -228,14 +228,13 @@ def write_at(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 
     `positions` is [Q] (every row at the same positions) or [R, Q] (each row at its own: batched
     decoding, rows drifting apart). `rows` ([k] indices) sends a forward of k rows (a batched runner's
-    prefill of k prompts) into those rows of the buffers. Returns the buffers (or those rows, gathered)
-    as written.
+    prefill of k prompts) into those rows of the buffers. Returns the buffers as written.
     """
     if rows is not None:
         idx = positions.unsqueeze(0) if positions.dim() == 1 else positions
         keys[rows.view(-1, 1), :, idx] = k.transpose(1, 2)  # [k, Q, H, D]: the advanced indices come first
         values[rows.view(-1, 1), :, idx] = v.transpose(1, 2)
-        return keys[rows], values[rows]
+        return keys, values
     if positions.dim() == 2 and positions.shape[0] == 1 == k.shape[0] == keys.shape[0]:
         positions = positions[0]  # one row: index_copy_, a lighter kernel than scatter_ over an expanded index
     if positions.dim() == 1:
