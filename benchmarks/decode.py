@@ -848,7 +848,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
             "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
-            "fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.FILLED_BLOCKS,
+            "fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.filled_blocks_on(torch.device(device)),
             "eager_cudnn": args.cudnn,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,

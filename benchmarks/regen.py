@@ -279,7 +279,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
     row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
-           "filled_blocks": static_cache.FILLED_BLOCKS, "refill_rows": refill,
+           "filled_blocks": static_cache.filled_blocks_on(model.device), "refill_rows": refill,
            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
     if args.profile_engine:
         row["phases"] = engine_phases(prof)

@@ -61,9 +61,8 @@ from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutpu
 from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
 from nemo_dflash.inference.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
-    engine_attention, query_groups, visible_to_mask,
+    engine_attention, filled_blocks_on, query_groups, visible_to_mask,
 )
-from nemo_dflash.inference import static_cache
 from nemo_dflash.inference.static_decode import (
     BucketedSteps, SampledStepState, step_key, cache_length_for, make_step, view_length,
 )
@@ -168,7 +167,7 @@ class _Rows:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
-        self.filled_blocks = static_cache.FILLED_BLOCKS  # the captured target steps read filled KV blocks only
+        self.filled_blocks = filled_blocks_on(self.device)  # the captured target steps read filled KV blocks only
 
     def filled_mask(self, queries: int) -> Optional[FilledBlocks]:
         """The flex mask of a target step of `queries` queries a row (None: SDPA over the bucketed view)."""

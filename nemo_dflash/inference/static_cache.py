@@ -37,9 +37,11 @@ FOLD_GQA = True
 FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionInterface
 # True: the engine's captured target steps (the plain step, the verify) attend with flex_attention over each row's
 # filled KV blocks only (`FilledBlocks`), query heads folded per K/V head, one graph a step over the whole cache;
-# False: SDPA over the step's bucketed view (the furthest row's), under a mask. `--filled-blocks 0|1` of
-# `benchmarks/decode.py` and `benchmarks/regen.py` time both.
-FILLED_BLOCKS = False
+# False: SDPA over the step's bucketed view (the furthest row's), under a mask; None: True on a GPU (flex is
+# compiled there; eager flex on a CPU is slow). `--filled-blocks 0|1` of `benchmarks/decode.py` and
+# `benchmarks/regen.py` time both: on an H200, SmolLM2, regeneration on the engine 22.0k -> 33.3k tokens/s
+# (docs/data.md), and both sides of the concurrency table faster (docs/evaluation.md).
+FILLED_BLOCKS: Optional[bool] = None
 FILLED_NAME = "nemo_dflash_filled_blocks"  # its name in transformers' AttentionInterface
 KV_BLOCK = 128  # flex's KV block: a row reads its blocks up to the one holding its furthest query
 
@@ -91,6 +93,11 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                                          attn_mask=mask.reshape(*attention_mask.shape[:2], group * q_len, -1),
                                          scale=scaling)
     return out.reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def filled_blocks_on(device: torch.device) -> bool:
+    """Whether the engine's captured target steps on `device` read filled blocks only (FILLED_BLOCKS resolved)."""
+    return device.type == "cuda" if FILLED_BLOCKS is None else bool(FILLED_BLOCKS)
 
 
 class FilledBlocks:
@@ -342,6 +349,7 @@ __all__ = [
     "FilledBlocks",
     "engine_attention",
     "filled_blocks_attention",
+    "filled_blocks_on",
     "query_groups",
     "folded_gqa_sdpa",
     "visible_to_mask",
