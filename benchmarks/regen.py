@@ -256,6 +256,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     use_graphs = torch.cuda.is_available()
     # freed rows take prompts as the slot engine refills its slots: once 1/--refill-fraction of them are free
     refill = max(1, rows // args.engine_config.resolved(model.device.type).refill_fraction)
+    window = args.engine_config.decode_window or 1  # steps a host read-back: --decode-window, else 1
 
     def run(batch: list, new: int) -> tuple[list, float]:
         g = torch.Generator(device=model.device).manual_seed(0)
@@ -264,7 +265,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         outs = batched_static_autoregressive_generate(  # the caches hold max prompt + max new tokens either way
             model, batch, max_new_tokens=new, temperature=sampling, stop_token_ids=stop_ids, rows=rows,
             use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens + args.max_new_tokens - new,
-            refill_rows=refill)
+            refill_rows=refill, window=window)
         _sync()
         return outs, time.perf_counter() - t0
 
@@ -279,7 +280,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
         outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
     row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
-           "filled_blocks": static_cache.filled_blocks_on(model.device), "refill_rows": refill,
+           "filled_blocks": static_cache.filled_blocks_on(model.device), "refill_rows": refill, "window": window,
            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
     if args.profile_engine:
         row["phases"] = engine_phases(prof)
@@ -378,7 +379,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                         "together)")
     g.add_argument("--attention-group-cost", type=float, default=None,
                    help="packed prefills: the fixed cost of an attention group in (query, key) pairs")
-    g.add_argument("--decode-window", type=int, default=None, help="decode steps per host round trip")
+    g.add_argument("--decode-window", type=int, default=None,
+                   help="decode steps per host round trip (--modes engine: its plain steps a read-back; default 1)")
     g.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
                    help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
     g.add_argument("--decode-compile", choices=("on", "off"), default=None,

@@ -221,6 +221,33 @@ def test_filled_blocks_read_each_rows_blocks_up_to_its_furthest_query():
     assert dense.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_windows_of_steps_give_the_same_answers(temperature):
+    """`window` plain steps a host read-back: answers ending (stop token, cap) inside a window are cut where they
+    end, prompts enter rows between windows, and every answer is the one-step loop's (T=0: plain decoding's), its
+    acceptance lengths one forward a token."""
+    target = tiny_qwen3()
+    prompts = _prompts(9)
+    want, stop = plain_answers_with_a_stop(target, prompts, 13, row=1, k=3)
+
+    def run(window: int) -> list:
+        return batched_static_autoregressive_generate(
+            target, prompts, max_new_tokens=13, stop_token_ids=[stop], rows=3, use_graphs=False, window=window,
+            temperature=temperature, generator=torch.Generator().manual_seed(2))
+
+    one = run(1)
+    if temperature == 0:
+        assert [o.output_ids for o in one] == [w.output_ids for w in want]
+    for window in (4, 13, 20):
+        got = run(window)
+        assert [g.output_ids for g in got] == [o.output_ids for o in one], window
+        assert [g.stopped for g in got] == [o.stopped for o in one]
+        assert [g.acceptance_lengths for g in got] == [[1] * (len(g.output_ids) - 1) for g in got]
+    assert any(len(o.output_ids) == 13 for o in one) and (temperature > 0 or any(o.stopped for o in one))
+    with pytest.raises(ValueError, match="window must be in"):
+        run(0)
+
+
 def test_continuous_sampled_rows_with_a_one_token_nucleus_are_the_greedy_answers():
     """At T > 0 with top-k 1 every draw is the argmax: the sampled steps' keys, q and accept test for prompts
     that entered mid-run must then give the greedy answers; and the same generator seed, the same answers."""
@@ -407,7 +434,8 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting)
     """On a GPU, in fp32: captured plain and speculative rows with the grouped-query fold (`FOLD_GQA`), or reading
     filled KV blocks only with compiled flex (`FILLED_BLOCKS`), give the tokens and acceptance lengths of the eager
     runs through HF's own SDPA, at T=0 and T=1, prompts entering rows between replays (one of them long enough to
-    cross a 128-position block); the runners made before the switch are rebuilt, not reused."""
+    cross a 128-position block; the captured plain rows 4 steps a read-back); the runners made before the switch
+    are rebuilt, not reused."""
     import copy
 
     from _spec_fixtures import trained_like_decoder
@@ -425,7 +453,7 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting)
         for fold, graphs in ((False, False), (True, True)):
             monkeypatch.setattr(static_cache, setting, fold)
             runs[fold] = (
-                batched_static_autoregressive_generate(target, prompts, use_graphs=graphs,
+                batched_static_autoregressive_generate(target, prompts, use_graphs=graphs, window=4 if graphs else 1,
                                                        generator=torch.Generator("cuda").manual_seed(5), **kw),
                 batched_static_speculative_generate(decoder, prompts, use_graphs=graphs,
                                                     generator=torch.Generator("cuda").manual_seed(5), **kw))

@@ -137,6 +137,7 @@ class _Schedule:
 # Entering prompts are prefilled together, right-padded, up to this many padded tokens a forward: the forward's
 # logits [tokens, V] then take no more memory than one prompt of this length's did when each row had its own.
 PREFILL_TOKENS = 2048
+WINDOW_MAX = 64  # plain steps a host read-back, at most
 
 
 def prefill_batches(lengths: Sequence[int]) -> list[list[int]]:
@@ -235,6 +236,7 @@ class _Rows:
         return toks
 
     # ---- what each runner supplies to the one loop below
+    one_token_steps: bool  # a step's tokens are one forward each (plain), or one verify's (speculative)
     sampled: bool
     state: Optional[SampledStepState]
 
@@ -334,13 +336,12 @@ class _Rows:
                     continue
                 i, new = sched.held[r], news[r]
                 host_pos[r] += len(new)
-                accept[i].append(len(new))
-                if len(new) == 1:  # a plain step's token (a live row has room for one more)
-                    outputs[i].append(new[0])
-                    hit = new[0] in stop_ids
+                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
+                outputs[i].extend(kept)
+                if self.one_token_steps:  # a plain window: one forward a kept token (the rest ran idle)
+                    accept[i].extend([1] * len(kept))
                 else:
-                    kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
-                    outputs[i].extend(kept)
+                    accept[i].append(len(new))
                 if hit or len(outputs[i]) >= max_new_tokens:
                     stopped[r] = True
                     ended(r)
@@ -354,7 +355,11 @@ class _Rows:
 
 class BatchedStaticPlainRunner(_Rows):
     """R rows of one-token decoding, one captured graph per view length; at T > 0 each step draws every row's
-    token with keyed noise (a key per row, `SampledStepState.next_tokens`)."""
+    token with keyed noise (a key per row, `SampledStepState.next_tokens`). `window` steps are replayed per host
+    read-back (a row's tokens past its stop or cap within a window are dropped, their K/V written past its
+    answer where nothing reads them); prompts enter rows between windows."""
+
+    one_token_steps = True
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
                  filtered: bool = False) -> None:
@@ -362,6 +367,9 @@ class BatchedStaticPlainRunner(_Rows):
         self.sampled, self.filtered = sampled, sampled and filtered
         self.state = SampledStepState(self.rows, self.device) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
+        self.window = 1  # steps a host read-back (set per call by `batched_static_autoregressive_generate`)
+        self.outs = torch.zeros(WINDOW_MAX, self.rows, dtype=torch.long, device=self.device)  # a window's tokens
+        self.out_i = torch.zeros((), dtype=torch.long, device=self.device)  # the next step's row in `outs`
         self.filled = self.filled_mask(1)
         self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
                                     self.max_len, "the batched 1-token step", use_graphs,
@@ -387,11 +395,13 @@ class BatchedStaticPlainRunner(_Rows):
             self.tok.copy_(self.state.next_tokens(logits, self.filtered, self.pos + 1).view(-1, 1))
         else:
             self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
+        self.outs.index_copy_(0, self.out_i.view(1), self.tok.view(1, -1))
+        self.out_i.add_(1)
         self.pos.add_(self.alive)
         return logits
 
     def _room(self, max_new_tokens: int) -> int:
-        return max_new_tokens + 1
+        return max_new_tokens + self.window
 
     def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
                generator: Optional[torch.Generator]) -> list[int]:
@@ -412,13 +422,18 @@ class BatchedStaticPlainRunner(_Rows):
         return toks, [None] * len(rows)
 
     def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
-        self.steps.get(self.target_view(need + 1, self.steps)).replay()
-        return [[t] for t in self.tok.view(-1).tolist()]  # the step's one host sync
+        step = self.steps.get(self.target_view(need + self.window, self.steps))
+        self.out_i.zero_()
+        for _ in range(self.window):
+            step.replay()
+        return self.outs[: self.window].t().tolist()  # the window's one host sync
 
 
 class BatchedStaticSpecRunner(_Rows):
     """R rows of speculative decoding for one `DFlashSpeculativeDecoder`: per step, the draft
     block of every row and the B-token verify of every row, each one captured graph per view length."""
+
+    one_token_steps = False
 
     def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
                  filtered: bool = False, draft_greedy: bool = False) -> None:
@@ -673,17 +688,21 @@ def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
-    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1,
+    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1, window: int = 1,
 ) -> list[GenerationOutput]:
     """Plain decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
     continuous batching), at any temperature: at T > 0 a prompt's tokens are keyed draws (a key per prompt
     from `generator`). `on_done(i, output)` may return a follow-up prompt (decoded as one more; the caches
     hold prompts up to `max_prompt_tokens`). Freed rows take new prompts once `refill_rows` are free (their
-    prefills batched: more rows a refill, fewer forwards, more idle rows)."""
+    prefills batched: more rows a refill, fewer forwards, more idle rows). `window` steps run per host read-back
+    (answers unchanged; a row whose answer ends inside a window idles to its end)."""
     rows = _rows(prompts, max_new_tokens, rows)
+    if not 1 <= window <= WINDOW_MAX:
+        raise ValueError(f"window must be in [1, {WINDOW_MAX}], got {window}")
     s = as_sampling(temperature)
     runner = plain_runner(target_model, s, rows, cache_length_for(_longest(prompts, max_prompt_tokens),
-                                                                  max_new_tokens, 1), use_graphs)
+                                                                  max_new_tokens + window - 1, 1), use_graphs)
+    runner.window = window
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
                            on_done, refill_rows)
 
