@@ -193,7 +193,8 @@ class _Rows:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device)
-        self.kv.write_positions, self.kv.rows, self.kv.view_len = positions, torch.tensor(rows, device=self.device), view_len
+        self.kv.write_positions, self.kv.view_len = positions, view_len
+        self.kv.rows = torch.tensor(rows, device=self.device)
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
             with engine_attention(self.model), eager_attention_backends(self.device):
                 out = self.model(input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache,
@@ -601,7 +602,7 @@ class BatchedStaticSpecRunner(_Rows):
         """The prefills whose rows still wait for their first block: (those rows, their features) a forward, in
         the order they ran. A row that stopped at its first token (and maybe took a later prompt) is left out."""
         out = []
-        for batch, f in {id(f): v for v in fresh.values() for f in [v[1]]}.values():
+        for batch, f in {id(feats): (batch, feats) for batch, feats in fresh.values()}.values():
             keep = [j for j, r in enumerate(batch) if r in fresh and fresh[r][1] is f]
             out.append(([batch[j] for j in keep], f[keep]))
         return out
@@ -609,7 +610,8 @@ class BatchedStaticSpecRunner(_Rows):
     def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
         view = self.target_view(need + self.B, self.verify_steps)
         if self.B > 1:
-            dview = self.draft_steps.view(need + self.B)  # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
+            # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
+            dview = self.draft_steps.view(need + self.B)
             if self._first_blocks is not None:
                 feats, m = self._first_blocks
                 d_logits = torch.zeros(self.rows, self.B - 1, self.dec.lm_head.weight.shape[0],
