@@ -29,7 +29,7 @@ import collections
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -267,17 +267,4 @@ class ReplayEvaluator:
             self.draft.train(was_training)
 
 
-def replay_acceptance(target_model: nn.Module, tokenizer: Any, draft: DFlashDraftModel,
-                      prompts: Sequence[EvalPrompt], settings: EvalSettings,
-                      on_conversation: Optional[Callable[[int, list[Answer]], None]] = None, **kwargs: Any
-                      ) -> list[list[Answer]]:
-    """Every conversation's answers (T=0) by replay; `on_conversation(index, answers)` as each is done."""
-    rows: list[list[Answer]] = []
-    for i, answers in ReplayEvaluator(target_model, tokenizer, draft, settings, **kwargs).run(prompts):
-        rows.append(answers)
-        if on_conversation is not None:
-            on_conversation(i, answers)
-    return rows
-
-
-__all__ = ["GreedyTurn", "ReplayEvaluator", "replay_acceptance", "walk"]
+__all__ = ["GreedyTurn", "ReplayEvaluator", "walk"]
