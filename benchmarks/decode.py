@@ -664,7 +664,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import append_rows, provenance  # noqa: E402
+from _common import add_engine_attention_flags, append_rows, apply_engine_attention_flags, provenance  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "concurrency.json"
 
@@ -696,12 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse-sampling", type=int, default=1, choices=[0, 1],
                    help="1: a sampled step's softmaxes, hashes and draws run compiled on a GPU "
                         "(static_decode.FUSE_SAMPLING, the default); 0: op by op, for comparison")
-    p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
-                   help="the engine's target attention with grouped-query heads folded (1) or HF's SDPA (0); "
-                        "default: static_cache.FOLD_GQA")
-    p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
-                   help="the engine's captured target steps read each row's filled KV blocks only (1: flex) or attend "
-                        "over the bucketed view (0: SDPA); default: static_cache.FILLED_BLOCKS")
+    add_engine_attention_flags(p)
     p.add_argument("--cudnn", action="store_true",
                    help="let the engine's eager prefills and first draft blocks use cuDNN attention (per-shape plan "
                         "builds), for comparison; default: flash / memory-efficient (nemo_dflash.attention)")
@@ -800,12 +795,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.inference import static_decode
 
     static_decode.FUSE_SAMPLING = bool(args.fuse_sampling)  # read by the runners this process makes
-    from nemo_dflash.inference import static_cache
-
-    if args.fold_gqa is not None:
-        static_cache.FOLD_GQA = bool(args.fold_gqa)  # read at every target forward of the runners
-    if args.filled_blocks is not None:
-        static_cache.FILLED_BLOCKS = bool(args.filled_blocks)  # read by the runners this process makes
+    attention_settings = apply_engine_attention_flags(args, device)
     attention.AVOID_CUDNN_ATTENTION = not args.cudnn
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -848,8 +838,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
             "concurrency": bsz, "loop": loop,
             "schedule": "continuous" if rows_of else "batches", "fuse_sampling": bool(args.fuse_sampling),
-            "fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.filled_blocks_on(torch.device(device)),
-            "eager_cudnn": args.cudnn,
+            **attention_settings, "eager_cudnn": args.cudnn,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "block_size": decoder.block_size,
             "decode": decode, "dtype": dtype, "plain_tokens_per_s": tok_plain / t_plain,
@@ -912,7 +901,7 @@ speculative runner's B-token verify and draft block (a random 5-layer draft), ev
 --view-position attention view holds, the caches filled with random K/V; the median of --reps replays (CUDA
 graphs on a GPU, the same step functions eagerly on a CPU). With two fold settings it also compares their plain
 step's logits on the same caches (`max_abs_logit_diff`, `same_argmax`). Prints a table and appends a row a
-setting to --json: {"date", "commit", "device", "command", "shape", "rows", "fold_gqa", "view", "block_size",
+setting to --json: {"date", "commit", "device", "command", "shape", "rows", "fold_gqa", "filled_blocks", "view", "block_size",
 "plain_step_ms", "plain_tokens_per_s", "verify_ms", "draft_ms", ...}.
 """
 
@@ -970,7 +959,8 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             plain_step = plain.steps.get(plain.steps.view(view - 1))
             plain_at()
             logits[fold] = plain_step.replay().float().clone()
-            row = {"shape": args.shape, "rows": R, "fold_gqa": fold, "view": view, "block_size": B,
+            row = {"shape": args.shape, "rows": R, "fold_gqa": fold,
+                   "filled_blocks": static_cache.filled_blocks_on(device), "view": view, "block_size": B,
                    "dtype": str(dtype).replace("torch.", ""), "decode": "graphs" if graphs_on else "eager",
                    "plain_step_ms": timed(plain_step.replay, device, args.reps, plain_at)}
             row["plain_tokens_per_s"] = R / row["plain_step_ms"] * 1e3

@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the package
 
 import torch  # noqa: E402
 
-from _common import REPO, append_rows, git_commit, provenance  # noqa: E402
+from _common import (  # noqa: E402
+    REPO, add_engine_attention_flags, append_rows, apply_engine_attention_flags, git_commit, provenance,
+)
 from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
 from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
 from nemo_dflash.target.loading import package_file  # noqa: E402
@@ -245,12 +247,7 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.inference.batched_static import batched_static_autoregressive_generate
     from nemo_dflash.sampling import SamplingParams
 
-    from nemo_dflash.inference import static_cache
-
-    if args.fold_gqa is not None:
-        static_cache.FOLD_GQA = bool(args.fold_gqa)
-    if args.filled_blocks is not None:
-        static_cache.FILLED_BLOCKS = bool(args.filled_blocks)
+    attention_settings = apply_engine_attention_flags(args, model.device)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature > 0 else 1.0)
     rows = min(args.batch_size, len(prompts))
     use_graphs = torch.cuda.is_available()
@@ -279,8 +276,8 @@ def run_engine(model, prompts, args, stop_ids) -> dict:
     else:
         outs, dt = run(prompts, args.max_new_tokens)
     finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
-    row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, "fold_gqa": static_cache.FOLD_GQA,
-           "filled_blocks": static_cache.filled_blocks_on(model.device), "refill_rows": refill, "window": window,
+    row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, **attention_settings,
+           "refill_rows": refill, "window": window,
            "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
     if args.profile_engine:
         row["phases"] = engine_phases(prof)
@@ -385,12 +382,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                    help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
     g.add_argument("--decode-compile", choices=("on", "off"), default=None,
                    help="the decode step through torch.compile before capture")
-    p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
-                   help="--modes engine: the target attention with grouped-query heads folded (1) or HF's SDPA (0); "
-                        "default: nemo_dflash.inference.static_cache.FOLD_GQA")
-    p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
-                   help="--modes engine: the captured steps read each row's filled KV blocks only (1: flex) or attend "
-                        "over the bucketed view (0: SDPA); default: nemo_dflash.inference.static_cache.FILLED_BLOCKS")
+    add_engine_attention_flags(p, "--modes engine: ")
     p.add_argument("--profile-engine", action="store_true",
                    help="--modes engine: the timed run under torch.profiler; prints and records (row 'phases') the "
                         "count, host and device time of its prefills, prompts entering rows and steps")

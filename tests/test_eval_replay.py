@@ -493,6 +493,7 @@ def test_rows_benchmark_on_cpu(tmp_path, capsys):
         assert r["max_abs_logit_diff"] < 1e-5 and r["same_argmax"] == 1.0
         assert r["plain_tokens_per_s"] == pytest.approx(r["rows"] / r["plain_step_ms"] * 1e3)
         assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["decode"] == "eager" and r["commit"]
+        assert r["filled_blocks"] is False  # a CPU keeps SDPA over the bucketed view
     printed = capsys.readouterr().out
     assert "tiny, view 256, block 16" in printed
     assert "rows 3, fold 0: one eager plain step" in printed and "rows 3, fold 1: one eager plain step" in printed
@@ -531,6 +532,7 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     assert bench.main(["concurrency", *argv[:-1], str(cont), "--batches", "2", "--schedule", "continuous"]) == 0
     (c,) = json.loads(cont.read_text())
     assert (c["schedule"], c["identical_answers"], c["tau"]) == ("continuous", 3, got[0]["tau"])
+    assert (c["fold_gqa"], c["filled_blocks"]) == (True, False)  # the defaults on a CPU
     d = c["batches_detail"]  # one call; its new tokens: every answer's tokens but the first rows' prefill tokens
     assert len(d["spec_seconds"]) == 1 and d["plain_tokens"][0] == sum(got[0]["batches_detail"]["plain_tokens"]) + 1
     # T=1 (on graphs the two loops at B=1 draw the same keyed samples; eager, the reference draws its own)
