@@ -1,4 +1,5 @@
-"""Which SDPA kernels run attention whose shapes change call after call.
+"""Which SDPA kernels run attention whose shapes change call after call, and the flex mask of decode steps that
+read only each row's filled KV blocks (`FilledBlocks`, shared by the slot engine and the decoding engine).
 
 cuDNN's SDPA, which PyTorch picks first on Hopper, builds and caches an execution plan for every
 new shape. Eager decoding changes the key length every step, and the slot engine's prefills
@@ -16,7 +17,10 @@ from typing import Any, ContextManager
 
 import torch
 
+from nemo_dflash.compiled import compiled
+
 AVOID_CUDNN_ATTENTION = True  # benchmarks set False to time PyTorch's own choice
+KV_BLOCK = 128  # flex's KV block: a decode step reads a row's blocks up to the one holding its furthest query
 
 
 def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
@@ -26,3 +30,40 @@ def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+class FilledBlocks:
+    """A decode step's flex BlockMask over each row's filled KV blocks (the slot engine's decode pass, the decoding
+    engine's plain step and verify): `rows` rows of `queries` queries each
+    (at positions `q_pos` [rows, queries], key j visible to a query at p iff j <= p), `group` query heads a K/V
+    head folded into its query rows, keys the whole cache of `max_len` positions. Its tensors are updated in place
+    by `set` (a captured graph reads them), and a row's blocks past its furthest query are never read."""
+
+    def __init__(self, rows: int, queries: int, max_len: int, group: int, device: torch.device) -> None:
+        import inspect
+
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        if max_len % KV_BLOCK:
+            raise ValueError(f"filled-block attention needs a cache length that is a multiple of {KV_BLOCK}")
+        q_rows = group * queries
+        q_blocks, kv_blocks = -(-q_rows // KV_BLOCK), max_len // KV_BLOCK
+        self.q_pos = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        self.kv_blocks = torch.ones(rows, 1, q_blocks, dtype=torch.int32, device=device)
+        indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(rows, 1, q_blocks, -1).contiguous()
+        q_pos = self.q_pos
+
+        def mask_mod(b, h, q_idx, kv_idx):  # folded query row g * queries + i is the row's query i
+            return kv_idx <= q_pos[b, q_idx % queries]
+
+        extra = {}
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            extra["compute_q_blocks"] = False  # only a backward pass reads them
+        self.mask = BlockMask.from_kv_blocks(self.kv_blocks, indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
+                                             seq_lengths=(q_rows, max_len), **extra)
+        self.flex = compiled(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+    def set(self, q_pos: torch.Tensor) -> None:
+        """The step's query positions [rows, queries] (device ops only: fine inside a captured step)."""
+        self.q_pos.copy_(q_pos)
+        self.kv_blocks.copy_((q_pos.max(dim=1).values // KV_BLOCK + 1).view(-1, 1, 1).expand_as(self.kv_blocks))

@@ -49,13 +49,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from nemo_dflash.attention import eager_attention_backends
-from nemo_dflash.compiled import compiled
+from nemo_dflash.attention import KV_BLOCK, FilledBlocks, eager_attention_backends
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.data.prefill_plan import min_cost_attention_plan
 from nemo_dflash.data.slot_attention import (
     ATTN_NAME,
-    KV_BLOCK,
     AttentionGroup,
     PackedRows,
     SlotKVCache,
@@ -344,34 +342,12 @@ class SlotEngine:
                     ", CUDA graph" if self.cuda_graph else "", ", compiled step" if decode_compile else "")
 
     def _setup_flex(self) -> None:
-        """One BlockMask for every decode pass: its tensors are updated in place from the fills, so
-        the pass has fixed shapes and fixed tensors (what a CUDA graph needs)."""
-        import inspect
-
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-        n_blocks = self.cache.width // KV_BLOCK
-        self._kv_len = torch.ones(self.num_slots, dtype=torch.int32, device=self.device)
-        self._kv_blocks = torch.ones((self.num_slots, 1, 1), dtype=torch.int32, device=self.device)
-        kv_indices = (
-            torch.arange(n_blocks, dtype=torch.int32, device=self.device)
-            .view(1, 1, 1, n_blocks).expand(self.num_slots, 1, 1, n_blocks).contiguous()
-        )
-        kv_len = self._kv_len
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx < kv_len[b]
-
-        extra = {}
-        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
-            extra["compute_q_blocks"] = False  # only the backward pass reads them
+        """One mask for every decode pass (`attention.FilledBlocks`): its tensors are updated in place from the
+        fills, so the pass has fixed shapes and fixed tensors (what a CUDA graph needs)."""
         text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        self._block_mask = BlockMask.from_kv_blocks(
-            self._kv_blocks, kv_indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
-            seq_lengths=(group, self.cache.width), **extra,
-        )
-        self.cache.flex = flex_attention if self.device.type != "cuda" else compiled(flex_attention, dynamic=False)
+        self._filled = FilledBlocks(self.num_slots, 1, self.cache.width, group, self.device)
+        self.cache.flex = self._filled.flex
 
     # -- forwards
 
@@ -467,9 +443,8 @@ class SlotEngine:
         lengths = self.cache.lengths
         slot_pass = SlotPass(self.cache, decode=True)
         if self.use_flex:
-            self._kv_len.copy_(lengths + 1)
-            self._kv_blocks.copy_(((lengths + KV_BLOCK) // KV_BLOCK).view(-1, 1, 1))
-            slot_pass.block_mask = self._block_mask
+            self._filled.set(lengths.view(-1, 1))  # each slot's query at its fill position
+            slot_pass.block_mask = self._filled.mask
         else:
             visible = torch.arange(self.cache.width, device=self.device)[None, :] <= lengths[:, None]
             slot_pass.kv_mask = visible[:, None, None, :]

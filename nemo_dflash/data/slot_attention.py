@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTN_NAME = "nemo_dflash_slots"
-KV_BLOCK = 128  # flex decoding's KV block; the cache width is a multiple of it
 KV_MEMORY_FRACTION = 0.85  # of the GPU memory free at start: the rest is for prefill activations
 
 

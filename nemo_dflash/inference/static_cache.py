@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import StaticCache
 
+from nemo_dflash.attention import FilledBlocks
+
 # Target attention implementations whose masks we can build: SDPA takes a boolean mask
 # (True = visible), HF's eager attention adds a float mask.
 SUPPORTED_ATTN = ("sdpa", "eager")
@@ -43,7 +45,6 @@ FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionIn
 # (docs/data.md), and both sides of the concurrency table faster (docs/evaluation.md).
 FILLED_BLOCKS: Optional[bool] = None
 FILLED_NAME = "nemo_dflash_filled_blocks"  # its name in transformers' AttentionInterface
-KV_BLOCK = 128  # flex's KV block: a row reads its blocks up to the one holding its furthest query
 
 
 def attn_implementation(model: nn.Module) -> str:
@@ -98,44 +99,6 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 def filled_blocks_on(device: torch.device) -> bool:
     """Whether the engine's captured target steps on `device` read filled blocks only (FILLED_BLOCKS resolved)."""
     return device.type == "cuda" if FILLED_BLOCKS is None else bool(FILLED_BLOCKS)
-
-
-class FilledBlocks:
-    """A captured step's flex BlockMask over each row's filled KV blocks: `rows` rows of `queries` queries each
-    (at positions `q_pos` [rows, queries], key j visible to a query at p iff j <= p), `group` query heads a K/V
-    head folded into its query rows, keys the whole cache of `max_len` positions. Its tensors are updated in place
-    by `set` (a captured graph reads them), and a row's blocks past its furthest query are never read."""
-
-    def __init__(self, rows: int, queries: int, max_len: int, group: int, device: torch.device) -> None:
-        import inspect
-
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-        from nemo_dflash.compiled import compiled
-
-        if max_len % KV_BLOCK:
-            raise ValueError(f"filled-block attention needs a cache length that is a multiple of {KV_BLOCK}")
-        q_rows = group * queries
-        q_blocks, kv_blocks = -(-q_rows // KV_BLOCK), max_len // KV_BLOCK
-        self.q_pos = torch.zeros(rows, queries, dtype=torch.long, device=device)
-        self.kv_blocks = torch.ones(rows, 1, q_blocks, dtype=torch.int32, device=device)
-        indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(rows, 1, q_blocks, -1).contiguous()
-        q_pos = self.q_pos
-
-        def mask_mod(b, h, q_idx, kv_idx):  # folded query row g * queries + i is the row's query i
-            return kv_idx <= q_pos[b, q_idx % queries]
-
-        extra = {}
-        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
-            extra["compute_q_blocks"] = False  # only a backward pass reads them
-        self.mask = BlockMask.from_kv_blocks(self.kv_blocks, indices, BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
-                                             seq_lengths=(q_rows, max_len), **extra)
-        self.flex = compiled(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-
-    def set(self, q_pos: torch.Tensor) -> None:
-        """The step's query positions [rows, queries] (device ops only: fine inside a captured step)."""
-        self.q_pos.copy_(q_pos)
-        self.kv_blocks.copy_((q_pos.max(dim=1).values // KV_BLOCK + 1).view(-1, 1, 1).expand_as(self.kv_blocks))
 
 
 _FILLED: list[FilledBlocks] = []  # the step in flight's mask (`engine_attention`)
