@@ -217,6 +217,16 @@ def write_at(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
     return keys, values
 
 
+def write_and_view(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, rows: Optional[torch.Tensor], view_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`write_at`, then what attention reads: the buffers' first `view_len` positions (of `rows` only, gathered,
+    for a prefill sent to those rows)."""
+    write_at(keys, values, k, v, positions, rows)
+    keys, values = keys[:, :, :view_len], values[:, :, :view_len]
+    return (keys, values) if rows is None else (keys[rows], values[rows])
+
+
 class TargetStaticCache:
     """HF `StaticCache` (preallocated per-layer K/V) written at explicit positions.
 
@@ -255,12 +265,8 @@ class TargetStaticCache:
 
     def _writer(self, layer: Any) -> Any:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            n = self.view_len
-            if self.rows is not None:  # a prefill: gather only the view of those rows
-                write_at(layer.keys, layer.values, key_states, value_states, self.write_positions, self.rows)
-                return layer.keys[:, :, :n][self.rows], layer.values[:, :, :n][self.rows]
-            keys, values = write_at(layer.keys, layer.values, key_states, value_states, self.write_positions)
-            return keys[:, :, :n], values[:, :, :n]
+            return write_and_view(layer.keys, layer.values, key_states, value_states, self.write_positions,
+                                  self.rows, self.view_len)
 
         return update
 
@@ -291,12 +297,8 @@ class StaticDraftContextCache:
             rows = self.batch or k.shape[0]
             self.keys[layer] = k.new_zeros(rows, k.shape[1], self.max_len, k.shape[3])
             self.values[layer] = v.new_zeros(rows, v.shape[1], self.max_len, v.shape[3])
-        n = self.view_len
-        keys, values = self.keys[layer], self.values[layer]
-        write_at(keys, values, k, v, self.write_positions, self.rows)  # type: ignore[arg-type]
-        if self.rows is not None:
-            return keys[:, :, :n][self.rows], values[:, :, :n][self.rows]  # type: ignore[index]
-        return keys[:, :, :n], values[:, :, :n]  # type: ignore[index]
+        return write_and_view(self.keys[layer], self.values[layer], k, v,  # type: ignore[arg-type]
+                              self.write_positions, self.rows, self.view_len)
 
     def get_seq_length(self) -> int:
         return self.max_len
