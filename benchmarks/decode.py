@@ -641,7 +641,7 @@ are decoded in batches of B twice, plainly and speculatively, at `--temperature`
 each call draws from a generator seeded with `--seed`, so on graphs the batched loop at B=1 and the one-prompt
 loop sample the same answers):
 
-- `--decode graphs` (the default on a GPU): `inference.batched_static`, B rows on fixed shapes, each
+- `--decode graphs` (the default on a GPU): `engine.batched_static`, B rows on fixed shapes, each
   step a captured CUDA graph on both sides (what a serving engine runs);
 - `--decode eager` (the default on a CPU): the same decoders, each step run eagerly.
 
@@ -717,7 +717,7 @@ def check(args: argparse.Namespace) -> list[int]:
     if not batches or min(batches) < 1:
         raise ValueError(f"--batches {args.batches!r}: give concurrencies >= 1, like 1,4,16")
     if args.decode == "graphs":
-        from nemo_dflash.inference.graphs import check_decode_mode
+        from nemo_dflash.engine.graphs import check_decode_mode
         from nemo_dflash.recipes._cli import resolve_device_dtype
 
         check_decode_mode("graphs", resolve_device_dtype(args.device, args.dtype)[0])
@@ -771,7 +771,7 @@ def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.data.chat_template import stop_token_ids
-    from nemo_dflash.inference import batched_static
+    from nemo_dflash.engine import batched_static
     from nemo_dflash.inference.eval_run import ModelSpec, check_draft_files, load_models
     from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
@@ -792,7 +792,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else 0.0
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
-    from nemo_dflash.inference import static_decode
+    from nemo_dflash.engine import static_decode
 
     static_decode.FUSE_SAMPLING = bool(args.fuse_sampling)  # read by the runners this process makes
     attention_settings = apply_engine_attention_flags(args, device)
@@ -925,7 +925,7 @@ def build_rows_parser() -> argparse.ArgumentParser:
 def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row a (row count, fold setting); see DOC_ROWS."""
     from _common import provenance
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -57,7 +57,7 @@ Both sides answer the same prompts (ShareGPT first user turns through the target
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
 ``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``engine`` (the
-decoding engine's plain runner, nemo_dflash.inference.batched_static, with --batch-size rows), ``generate``
+decoding engine's plain runner, nemo_dflash.engine.batched_static, with --batch-size rows), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
@@ -241,10 +241,10 @@ def run_step(model, prompts, args, stop_ids) -> dict:
 
 
 def run_engine(model, prompts, args, stop_ids) -> dict:
-    """The decoding engine's plain runner (nemo_dflash.inference.batched_static, what evaluation times) on the
+    """The decoding engine's plain runner (nemo_dflash.engine.batched_static, what evaluation times) on the
     same prompts: --batch-size fixed-shape rows, a prompt entering a row as its answer ends (continuous
     batching), each step a captured CUDA graph over the static cache. No loop stop, no slot reuse."""
-    from nemo_dflash.inference.batched_static import batched_static_autoregressive_generate
+    from nemo_dflash.engine.batched_static import batched_static_autoregressive_generate
     from nemo_dflash.sampling import SamplingParams
 
     attention_settings = apply_engine_attention_flags(args, model.device)

@@ -215,8 +215,8 @@ def sabotage_slot_reuse(monkeypatch, how) -> None:
 
 def sampled_runner(block: int, vocab: int, filtered: bool = False):
     """A one-row BatchedStaticSpecRunner holding only the state its sampled propose/accept steps read."""
-    from nemo_dflash.inference.batched_static import BatchedStaticSpecRunner
-    from nemo_dflash.inference.static_decode import SampledStepState
+    from nemo_dflash.engine.batched_static import BatchedStaticSpecRunner
+    from nemo_dflash.engine.static_decode import SampledStepState
 
     r = BatchedStaticSpecRunner.__new__(BatchedStaticSpecRunner)
     r.B, r.sampled, r.filtered, r.draft_greedy = block, True, filtered, False

@@ -8,11 +8,11 @@ import torch
 
 from _spec_fixtures import make_draft, plain_answers_with_a_stop, random_prompts, second_token_case, single_thread, tiny_llama, tiny_qwen3  # noqa: F401
 from nemo_dflash.draft.model import DFlashContextCache
-from nemo_dflash.inference.batched_static import (
+from nemo_dflash.engine.batched_static import (
     PREFILL_TOKENS, batched_static_autoregressive_generate, batched_static_speculative_generate, check_batch,
     prefill_batches,
 )
-from nemo_dflash.inference import batched_static
+from nemo_dflash.engine import batched_static
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.sampling import SamplingParams
 
@@ -138,21 +138,20 @@ def test_continuous_plain_rows_equal_plain_decoding(make_target):
 def test_refills_wait_for_rows_and_batch_their_prefills_without_changing_an_answer(kind, monkeypatch):
     """With `refill_rows`, freed rows wait until that many are free (or no row decodes) and their prompts enter in
     one right-padded prefill: fewer prefill forwards, the same answers, at T=0 (the one-prompt decoders') and at
-    T=1 (each prompt's first token and key are drawn as it enters, in the prompts' order, whenever that is)."""
+    T=1 (each prompt's key is drawn in the prompts' order, its draws keyed by position, whenever it enters)."""
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
     prompts = [p + [5] for p in _prompts(9)]  # at least 2 tokens: a forward of more than one token a row is a prefill
     prefills = []
-    real = type(target).forward
+    real = type(target.model).forward  # the decoder's: a prefill runs it alone (the LM head on last tokens only)
 
     def forward(self, *a, **k):
         if k["input_ids"].shape[1] not in (1, 4):
             prefills.append(k["input_ids"].shape[0])
         return real(self, *a, **k)
 
-    monkeypatch.setattr(type(target), "forward", forward)
-
     want, stop = plain_answers_with_a_stop(target, prompts, 12, row=1, k=3)  # answers of different lengths
+    monkeypatch.setattr(type(target.model), "forward", forward)
 
     def run(temperature: float, refill: int) -> list:
         prefills.clear()
@@ -179,7 +178,7 @@ def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_targe
     (eager flex on CPU) instead of SDPA over the bucketed view. Prompts enter rows mid-run, rows drift apart and
     cross a 128-position block: each answer is the one-prompt decoder's, and every step's target attention took the
     flex path (its calls counted: one a layer a step)."""
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     from _spec_fixtures import trained_like_decoder
 
@@ -213,7 +212,7 @@ def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_targe
 def test_filled_blocks_read_each_rows_blocks_up_to_its_furthest_query():
     """`FilledBlocks`' block structure (what a GPU's flex kernel reads; eager flex on CPU applies the mask everywhere)
     against the blocks written out: row r reads KV blocks 0..max(q_pos[r]) // 128, nothing past them."""
-    from nemo_dflash.inference.static_cache import FilledBlocks
+    from nemo_dflash.engine.static_cache import FilledBlocks
 
     fb = FilledBlocks(rows=3, queries=4, max_len=512, group=3, device=torch.device("cpu"))
     fb.set(torch.tensor([[5, 6, 7, 8], [126, 127, 128, 129], [400, 401, 402, 403]]))
@@ -439,7 +438,7 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting)
     import copy
 
     from _spec_fixtures import trained_like_decoder
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     prompts = _prompts(5) + [list(range(3, 123))]
     monkeypatch.setattr(static_cache, "FOLD_GQA", False)
@@ -465,7 +464,7 @@ def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting)
 def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
     """A runner's captured steps hold the fold setting they were made under: a call after the switch gets a new
     runner (`static_decode.step_key`), a call under the same setting the kept one."""
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     target = tiny_qwen3()
     prompts = _prompts(2)
@@ -499,7 +498,7 @@ def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatc
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
     runner = batched_static.spec_runner(decoder, 0.0, 2, 256, False)
     target_calls, draft_calls = [], []  # (tokens a row, inside the backends)
-    real_forward, real_draft = type(target).forward, runner._draft_forward
+    real_forward, real_draft = type(target.model).forward, runner._draft_forward  # the decoder: prefills run it alone
 
     def forward(self, *a, **k):
         target_calls.append((k["input_ids"].shape[1], bool(inside)))
@@ -509,7 +508,7 @@ def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatc
         draft_calls.append((feats.shape[1], bool(inside)))
         return real_draft(noise, feats, *a, **k)
 
-    monkeypatch.setattr(type(target), "forward", forward)
+    monkeypatch.setattr(type(target.model), "forward", forward)
     monkeypatch.setattr(runner, "_draft_forward", draft_forward)
     prompts = [[(7 * j + 3 * i) % 50 + 3 for j in range(5 + i)] for i in range(4)]  # the last two enter mid-run
     batched_static_speculative_generate(decoder, prompts, max_new_tokens=6, rows=2, use_graphs=False)
@@ -525,7 +524,7 @@ def test_one_runner_serves_every_setting_of_its_kind():
     nothing of the first setting lingers. Unfiltered sampling has a runner of its own (no sort in its graph)."""
     from _spec_fixtures import trained_like_decoder
 
-    from nemo_dflash.inference import batched_static
+    from nemo_dflash.engine import batched_static
 
     prompts = _prompts(3)
     decoder = trained_like_decoder(tiny_qwen3(), prompts)
@@ -623,7 +622,7 @@ def test_write_at_puts_each_rows_kv_at_its_positions(rows, chosen):
     """`static_cache.write_at` against a plain loop over rows and positions: [Q] positions shared by the rows,
     [R, Q] positions of their own (one row takes the index_copy_ path, several the scatter_), and a forward's
     rows sent to chosen rows of the buffers (a prefill's: in order or not)."""
-    from nemo_dflash.inference.static_cache import write_at
+    from nemo_dflash.engine.static_cache import write_at
 
     g = torch.Generator().manual_seed(rows)
     total, heads, length, dim, q = 4, 2, 10, 3, 3
@@ -651,7 +650,7 @@ def test_folded_gqa_attention_equals_attention_written_out(q_len, mask_rows):
     """`static_cache.folded_gqa_sdpa` (query heads that share a K/V head folded into its query rows) against
     softmax attention written out per row, head and query in float64, query head h reading K/V head h // 3;
     a mask of one row per batch row, or one row broadcast over the batch (a prefill's)."""
-    from nemo_dflash.inference.static_cache import folded_gqa_sdpa
+    from nemo_dflash.engine.static_cache import folded_gqa_sdpa
 
     g = torch.Generator().manual_seed(q_len)
     rows, heads, kv_heads, keys, dim, scale = 3, 6, 2, 11, 4, 0.7
@@ -673,7 +672,7 @@ def test_folded_gqa_attention_equals_attention_written_out(q_len, mask_rows):
 def test_the_engine_attends_with_folded_heads_and_restores_the_target(monkeypatch):
     """Every target forward of both runners (prefills, steps, verifies) goes through the folded attention,
     the answers are those of HF's own SDPA (FOLD_GQA off), and the target is left on "sdpa" afterwards."""
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     calls = []
     real = static_cache.folded_gqa_sdpa
@@ -782,7 +781,7 @@ def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, cap
     keeps every row's own key: 12 prompts through 5 rows at T=1, block 4."""
     import torch._dynamo.utils as dutils
 
-    from nemo_dflash.inference import static_decode
+    from nemo_dflash.engine import static_decode
 
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))

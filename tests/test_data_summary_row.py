@@ -35,7 +35,7 @@ def test_throughput_slot_engine_and_decoding_engine_rows(tmp_path, monkeypatch):
     import json
 
     import regen
-    from nemo_dflash.inference import static_cache
+    from nemo_dflash.engine import static_cache
 
     monkeypatch.setattr(static_cache, "FOLD_GQA", static_cache.FOLD_GQA)  # --fold-gqa sets it: restored after
     monkeypatch.setattr(static_cache, "FILLED_BLOCKS", static_cache.FILLED_BLOCKS)  # --filled-blocks too

@@ -11,21 +11,21 @@ import torch
 from transformers import DynamicCache
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode
-from nemo_dflash.inference.static_cache import (
+from nemo_dflash.engine.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,
     causal_mask,
     check_static_target,
 )
-from nemo_dflash.inference import batched_static, static_decode
-from nemo_dflash.inference.batched_static import (
+from nemo_dflash.engine import batched_static, static_decode
+from nemo_dflash.engine.batched_static import (
     BatchedStaticPlainRunner,
     BatchedStaticSpecRunner,
     batched_static_autoregressive_generate,
     batched_static_speculative_generate,
     spec_cache_length,
 )
-from nemo_dflash.inference.static_decode import (
+from nemo_dflash.engine.static_decode import (
     LENGTH_BUCKET,
     cache_length_for,
     view_length,
@@ -544,7 +544,7 @@ def test_fused_elementwise_same_output_then_removed():
     import transformers.models.qwen3.modeling_qwen3 as hf_qwen3
 
     import nemo_dflash.draft.model.modeling as draft_modeling
-    from nemo_dflash.inference.graphs import fused_elementwise
+    from nemo_dflash.engine.graphs import fused_elementwise
 
     target = tiny_qwen3()
     draft = make_draft(target)

@@ -65,6 +65,7 @@ FLOW = {
     "accept_loss": 0,  # the loss on the speculative-sampling accept probability (loss.accept_weight) core's loss calls
     "device": 0,  # giving a process's cached GPU memory back between phases
     "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it
+    "engine": 0,  # the generation engine regeneration (data/) and evaluation (inference/) run on
     "data": 1,  # chat files -> token batches; regenerate.py + generation.py make the data
     "target": 2,  # the frozen model: loading.py, then hooks.py
     "config": 3,  # the recipe schema (reads data/ and target/ checks)
@@ -158,11 +159,11 @@ def test_no_module_imports_a_later_stage_of_the_flow():
 ENGINE = {
     "nemo_dflash.data.generation",  # the slot engine: continuous batching, plain decoding (regenerate, replay)
     "nemo_dflash.inference.spec_decode",  # the one-prompt speculative decoder (the eager reference)
-    "nemo_dflash.inference.static_decode",  # what the fixed-shape steps share: buckets, captured steps
-    "nemo_dflash.inference.batched_static",  # the fixed-shape loops: any rows (one included), any temperature
-    "nemo_dflash.inference.graphs",  # capture and replay of the steps above
+    "nemo_dflash.engine.static_decode",  # what the fixed-shape steps share: buckets, captured steps
+    "nemo_dflash.engine.batched_static",  # the fixed-shape loops: any rows (one included), any temperature
+    "nemo_dflash.engine.graphs",  # capture and replay of the steps above
     "nemo_dflash.inference.recurrent_cache",  # the hybrid targets' caches and their rollback
-    "nemo_dflash.inference.static_cache",  # the static caches the graphs read
+    "nemo_dflash.engine.static_cache",  # the static caches the graphs read
 }
 CACHE_OR_GRAPH = {"DynamicCache", "StaticCache", "HybridCache", "SlotKVCache", "DFlashContextCache",
                   "TargetStaticCache", "StaticDraftContextCache", "CUDAGraph", "graph", "make_graphed_callables"}

@@ -13,7 +13,7 @@ from _spec_fixtures import sampled_runner, sampled_step, second_token_case, sing
 from conftest import MASK_ID, random_batch
 from nemo_dflash.core import DFlashTrainerModule, LossSums, expected_block_length, sample_anchors
 from nemo_dflash.inference import DFlashSpeculativeDecoder
-from nemo_dflash.inference.batched_static import batched_static_speculative_generate
+from nemo_dflash.engine.batched_static import batched_static_speculative_generate
 from nemo_dflash.inference.spec_decode import DFlashContextCache
 from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel

@@ -4,7 +4,7 @@ Two decode modes: "eager" (HF DynamicCache) and "graphs" (static cache + CUDA gr
 serving engines run); `check_decode_mode` validates one before any model is loaded.
 """
 
-from nemo_dflash.inference.graphs import DECODE_MODES, check_decode_mode
+from nemo_dflash.engine.graphs import DECODE_MODES, check_decode_mode
 from nemo_dflash.inference.spec_decode import (
     DFlashSpeculativeDecoder,
     GenerationOutput,

@@ -82,7 +82,7 @@ class EvalProtocol:
 
 
 # replay: T=0 acceptance from batched greedy answers (inference.replay); batched: the speculative decoder
-# on many conversations at once (inference.batched_static), any temperature
+# on many conversations at once (engine.batched_static), any temperature
 METHODS = ("sequential", "replay", "batched")
 
 PROTOCOLS: dict[str, EvalProtocol] = {
@@ -380,12 +380,12 @@ class ConversationDecoder:
     @torch.no_grad()
     def run_batch(self, prompts: Sequence[EvalPrompt]) -> list[list[Answer]]:
         """`run` for many conversations at once, on the engine's continuous batching
-        (`inference.batched_static`; `--decode graphs`: each step a captured CUDA graph): one row per
+        (`engine.batched_static`; `--decode graphs`: each step a captured CUDA graph): one row per
         conversation, and a conversation's next turn, built on its own answer, enters as soon as that
         answer ends. At T=0 the answers are `run`'s; at T > 0 they are samples of the same distribution
         from one generator (seeded by the first prompt), not `run`'s per-conversation samples. No timing:
         the rows share one clock."""
-        from nemo_dflash.inference.batched_static import batched_static_speculative_generate
+        from nemo_dflash.engine.batched_static import batched_static_speculative_generate
 
         s = self.settings
         g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.temperature, prompts[0].id))

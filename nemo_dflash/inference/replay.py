@@ -40,7 +40,7 @@ from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.device import release_device_memory
 from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.evaluate import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
-from nemo_dflash.inference.output import truncate
+from nemo_dflash.engine.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel
 from nemo_dflash.sampling import as_sampling
 

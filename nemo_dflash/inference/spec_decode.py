@@ -37,11 +37,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
-from nemo_dflash.inference import graphs, recurrent_cache
-from nemo_dflash.inference.graphs import check_decode_mode
-from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
-from nemo_dflash.inference.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
-from nemo_dflash.inference.batched_static import (
+from nemo_dflash.engine import graphs
+from nemo_dflash.inference import recurrent_cache
+from nemo_dflash.engine.graphs import check_decode_mode
+from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
+from nemo_dflash.engine.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
+from nemo_dflash.engine.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
 from nemo_dflash.sampling import Sampling, as_sampling, propose_tokens, select_tokens, verify_block

@@ -31,15 +31,17 @@ position p of its last verified token):
   once) or no row decodes. Their prompts are prefilled in one forward into those rows (cache positions
   from 0; what a row held before stays hidden by its mask until overwritten), each one's first token
   chosen, and a speculative row's first block drafted eagerly against its whole prompt, while the other
-  rows go on. A prompt's answer is the same whichever row and step it enters at (T=0), and at T > 0 its
-  draws use its own key, drawn from the caller's generator when it enters.
+  rows go on. A prompt's answer is the same whichever row and step it enters at: at T > 0 its draws use
+  its own noise key (`Request.key` with the call's seed).
+- **Requests** (`serve`): prompts are taken from a queue the caller may append to while answers stream
+  out; each has its own cap; a looping answer can be stopped at a loop check; a conversation's next turn
+  can continue in its row, prefilling only what its prompt adds to the row's tokens (the plain runner).
 
 At T=0 each row's answer and acceptance lengths are those of the eager reference decoder
 (`spec_decode`; in exact arithmetic, tested in fp32 on CPU, where the same code runs eagerly). At T > 0
 the captured steps also sample (speculative sampling: accept slot k with probability min(1, p/q), else
 draw from norm(max(p - q, 0)); the bonus from p) with keyed noise (`sampling.keyed_proposals`,
-`sampling.keyed_verify`): every row has its own key, drawn from the caller's generator after the first
-tokens, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
+`sampling.keyed_verify`): every row has its prompt's key, and each uniform is a hash of (key, position[, token]), so a row's draws do not depend on the
 other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
 answers. A position's noise only ever decides one kept token: a later step samples only positions past
 the last kept one. On a GPU that sampling math (softmaxes over the vocabulary, hashes, the draws' scans) runs
@@ -48,24 +50,30 @@ compiled, a few fused kernels instead of ~40 (`static_decode.FUSE_SAMPLING`), ea
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 from nemo_dflash.attention import eager_attention_backends
-from nemo_dflash.inference.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, select_tokens
-from nemo_dflash.inference.static_cache import (
+from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling
+from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,
 )
-from nemo_dflash.inference.static_decode import (
+from nemo_dflash.engine import static_decode
+from nemo_dflash.engine.static_decode import (
     BucketedSteps, SampledStepState, step_key, cache_length_for, make_step, view_length,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -91,52 +99,62 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
 OnDone = Callable[[int, GenerationOutput], Optional[Sequence[int]]]
 
 
-def _output(tokens: list[int], accepted: list[int], stop_ids: set[int], prefill_s: float,
-            decode_s: float) -> GenerationOutput:
-    """One prompt's answer (`accepted`: the tokens each of its steps kept)."""
-    return GenerationOutput(output_ids=list(tokens), num_target_forwards=len(accepted),
-                            acceptance_lengths=list(accepted), decode_time_s=decode_s, prefill_time_s=prefill_s,
-                            stopped=tokens[-1] in stop_ids)
+@dataclass
+class Request:
+    """One prompt for `serve`. `key` keys its sampling noise (with the call's seed): an answer depends on its
+    prompt and key only, not on the row it lands in, the prompts beside it, or an interrupted run.
+
+    `hold`: a follow-up may continue this conversation, so its row (and the K/V it holds) waits for it when the
+    answer ends. `after`: the completion this request follows; if its row is still held, the request continues
+    there and only what its prompt adds past the longest common prefix with the row's tokens is prefilled
+    (a prefix's K/V is right whatever follows it). `prompt_ids` is always the whole prompt.
+    `max_new_tokens`: this answer's cap, 1 up to the call's (None: the call's)."""
+
+    key: int
+    prompt_ids: list[int]
+    tag: Any = None  # the caller's handle, returned with the completion
+    hold: bool = False
+    after: Optional["Completion"] = None
+    max_new_tokens: Optional[int] = None
 
 
-class _Schedule:
-    """The prompts (a caller's follow-ups appended as answers end), each one's tokens so far, and which prompt
-    each row holds: the first `rows` prompts start in rows 0..; later prompts enter rows as the rows' answers
-    end, in order (continuous batching)."""
+@dataclass
+class Completion:
+    """An answer. `token_ids` exclude the stop token and, for an answer stopped at a loop, everything from the
+    loop's start; `output` holds every token kept (the stop token included) and the steps' acceptance lengths."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], rows: int, on_done: Optional[OnDone], max_len: int,
-                 room: int) -> None:
-        self.prompts = [list(p) for p in prompts]
-        self.outputs: list[list[int]] = [[] for _ in self.prompts]
-        self.accept: list[list[int]] = [[] for _ in self.prompts]
-        start = min(len(self.prompts), rows)
-        self.held: list[Optional[int]] = list(range(start)) + [None] * (rows - start)
-        self.next, self.on_done, self.max_len, self.room = start, on_done, max_len, room
-
-    def take(self, row: int) -> Optional[int]:
-        """The next prompt for `row`, whose answer just ended, or None when every prompt has started."""
-        i = None
-        if self.next < len(self.prompts):
-            i, self.next = self.next, self.next + 1
-        self.held[row] = i
-        return i
-
-    def done(self, i: int, out: GenerationOutput) -> None:
-        """Prompt i's answer ended: the caller's follow-up, if any, joins the queue."""
-        follow = self.on_done(i, out) if self.on_done is not None else None
-        if follow is None:
-            return
-        if not 0 < len(follow) <= self.max_len - self.room:
-            raise ValueError(f"a follow-up prompt of {len(follow)} tokens does not fit the rows' cache of "
-                             f"{self.max_len} positions: pass max_prompt_tokens >= {len(follow)}")
-        self.prompts.append(list(follow))
-        self.outputs.append([])
-        self.accept.append([])
+    request: Request
+    token_ids: list[int]
+    finish: str  # "stop" | "length" | "loop"
+    generated: int  # tokens generated for it (a stop token and a cut loop included)
+    output: GenerationOutput
+    loop_start: Optional[int] = None
+    row: Optional[int] = None  # the row held for a follow-up (`Request.hold`), else None
 
 
-# Entering prompts are prefilled together, right-padded, up to this many padded tokens a forward: the forward's
-# logits [tokens, V] then take no more memory than one prompt of this length's did when each row had its own.
-PREFILL_TOKENS = 2048
+def noise_key(seed: int, key: int) -> int:
+    """A request's 62-bit noise key from the call's seed and its own key (splitmix64's finaliser)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(key) + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 2
+
+
+@dataclass
+class _Live:
+    """A row's answer in progress: its request, tokens kept so far (a stop token included), each step's
+    acceptance length, its cap and the last length its loop check reached."""
+
+    request: Request
+    cap: int
+    tokens: list[int]
+    accepted: list[int]
+    checked: int = 0
+
+
+# Entering prompts are prefilled together, right-padded, up to this many padded tokens a forward (only each
+# prompt's last position reaches the LM head, so a forward's memory is its activations').
+PREFILL_TOKENS = 16384
 WINDOW_MAX = 64  # plain steps a host read-back, at most
 
 
@@ -152,13 +170,28 @@ def prefill_batches(lengths: Sequence[int]) -> list[list[int]]:
     return batches
 
 
+def common_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """Tokens a follow-up can keep of a held row: the common prefix of the row's tokens and the new prompt,
+    leaving at least the prompt's last token to run (its logits give the answer's first token)."""
+    n = 0
+    for a, b in zip(held, prompt):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(prompt) - 1)
+
+
 class _Rows:
     """What both batched runners share: R rows of one target on a static cache, their positions
-    and live flags on the device, and the eager prefill."""
+    and live flags on the device, the eager prefill, and the one host loop (`serve`)."""
+
+    reuses_prefix = False  # a follow-up may keep the K/V its row holds (the plain runner)
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
         check_static_target(model)
         self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.attn = attn_implementation(model)
@@ -167,8 +200,14 @@ class _Rows:
         self.key_index = torch.arange(self.max_len, device=self.device)
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
-        self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `generate`
+        self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `serve`
         self.filled_blocks = filled_blocks_on(self.device)  # the captured target steps read filled KV blocks only
+        # what a call did: tokens generated, prompt tokens prefilled and kept from a held row, follow-ups that
+        # continued in their row (of them, rows whose tokens were not all a prefix of the new prompt), wall time
+        # by phase (prefill, decode, host, caller: between yields)
+        self.generated_tokens = self.prefill_tokens = self.reused_tokens = 0
+        self.continued = self.prefix_short = 0
+        self.seconds: collections.Counter = collections.Counter()
 
     def filled_mask(self, queries: int) -> Optional[FilledBlocks]:
         """The flex mask of a target step of `queries` queries a row (None: SDPA over the bucketed view)."""
@@ -185,33 +224,36 @@ class _Rows:
         visible = self.key_index[:view_len].view(1, 1, -1) <= q_pos.unsqueeze(-1)
         return visible_to_mask(visible.unsqueeze(1), self.attn, self.dtype)
 
-    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], view_len: int) -> torch.Tensor:
-        """Prompts of any lengths into those rows of the cache, in one eager forward, right-padded (a pad's K/V
-        sits past its row's position, hidden by the row's mask until a step overwrites it); the logits [k, V]
-        at each prompt's last token."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([list(p) + [p[-1]] * (width - len(p)) for p in prompts], device=self.device)
-        positions = torch.arange(width, device=self.device)
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                     view_len: int) -> torch.Tensor:
+        """Prompts into those rows of the cache from `starts` (the K/V before a start is the row's already), in
+        one eager forward, right-padded (a pad's K/V sits past its row's position, hidden by the row's mask until
+        a step overwrites it); the logits [k, V] at each prompt's last token."""
+        lengths = torch.tensor([len(p) - s for p, s in zip(prompts, starts)], device=self.device)
+        width = max(len(p) - s for p, s in zip(prompts, starts))
+        ids = torch.tensor([list(p[s:]) + [p[-1]] * (width - len(p) + s) for p, s in zip(prompts, starts)],
+                           device=self.device)
+        positions = torch.tensor(starts, device=self.device).view(-1, 1) + torch.arange(width, device=self.device)
         self.kv.write_positions, self.kv.view_len = positions, view_len
         self.kv.rows = torch.tensor(rows, device=self.device)
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
             with engine_attention(self.model), eager_attention_backends(self.device):
-                out = self.model(input_ids=ids, position_ids=positions.unsqueeze(0), past_key_values=self.kv.cache,
-                                 use_cache=True, attention_mask=self.causal(positions.unsqueeze(0), view_len))
+                hidden = self.decoder(input_ids=ids, position_ids=positions, past_key_values=self.kv.cache,
+                                      use_cache=True, attention_mask=self.causal(positions, view_len)).last_hidden_state
         finally:
             self.kv.rows = None
-        return out.logits[torch.arange(len(prompts), device=self.device), lengths - 1]
+        self.prefill_tokens += int(lengths.sum())
+        return self.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])
 
-    def _prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+    def _prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
                  keep: Optional[Callable[[list[int]], None]] = None) -> torch.Tensor:
-        """Prompts into `rows` (prompt j into rows[j]) in the forwards `prefill_batches` plans, each attending
-        over its longest prompt's bucket; `keep(its rows)` runs after each forward (the speculative runner keeps
-        its features there). The last logits [k, V], in the prompts' order."""
+        """Prompts into `rows` (prompt j into rows[j], from starts[j]) in the forwards `prefill_batches` plans,
+        each attending over its longest prompt's bucket; `keep(its rows)` runs after each forward (the
+        speculative runner keeps its features there). The last logits [k, V], in the prompts' order."""
         last: list[torch.Tensor] = [None] * len(prompts)  # type: ignore[list-item]
-        for batch in prefill_batches([len(p) for p in prompts]):
+        for batch in prefill_batches([len(p) - s for p, s in zip(prompts, starts)]):
             batch_rows = [rows[i] for i in batch]
-            logits = self.prefill_rows(batch_rows, [prompts[i] for i in batch],
+            logits = self.prefill_rows(batch_rows, [prompts[i] for i in batch], [starts[i] for i in batch],
                                        view_length(max(len(prompts[i]) for i in batch), self.max_len))
             if keep is not None:
                 keep(batch_rows)
@@ -222,136 +264,245 @@ class _Rows:
     def set_alive(self, stopped: list[bool]) -> None:
         self.alive.copy_(torch.tensor([0 if s else 1 for s in stopped], device=self.device))
 
-    def enter(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], last: torch.Tensor,
-              generator: Optional[torch.Generator]) -> list[int]:
-        """Prompts entering `rows` mid-run, their prompts prefilled: each one's first token from its prefill's
-        last logits (`last` [k, V]), then its noise key (T > 0) drawn from the generator, prompt by prompt; the
-        rows' positions set. Returns the first tokens."""
-        toks = []
-        for j, row in enumerate(rows):
-            toks.append(int(select_tokens(last[j : j + 1], self.sampling or 0.0, generator)[0][0]))
-            if self.state is not None:  # the runner's sampled-step buffers (None at T=0)
-                gen_device = generator.device if generator is not None else torch.device("cpu")
-                self.state.key[row] = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0])
-        self.pos[torch.tensor(rows, device=self.device)] = torch.tensor([len(p) for p in prompts], device=self.device)
-        return toks
+    def enter(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], keys: Sequence[int],
+              last: torch.Tensor) -> list[int]:
+        """Prompts entering `rows`, prefilled: each one's first token from its prefill's last logits (`last`
+        [k, V]): the argmax, or (T > 0) its keyed draw for position len(prompt), as a step draws; the rows'
+        noise keys and positions set. Returns the first tokens."""
+        idx = torch.tensor(rows, device=self.device)
+        at = torch.tensor([len(p) for p in prompts], device=self.device)
+        if self.state is None:
+            toks = last.argmax(dim=-1)
+        else:
+            self.state.key[idx] = torch.tensor(list(keys), device=self.device)
+            toks = self.state.next_tokens(last, self.filtered, at, rows=idx)
+        self.pos[idx] = at
+        return toks.tolist()
 
     # ---- what each runner supplies to the one loop below
     one_token_steps: bool  # a step's tokens are one forward each (plain), or one verify's (speculative)
     sampled: bool
+    filtered: bool
     state: Optional[SampledStepState]
 
     def _room(self, max_new_tokens: int) -> int:
         """Cache positions a row needs past its prompt."""
         raise NotImplementedError
 
-    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
-               generator: Optional[torch.Generator]) -> list[int]:
-        """The first rows' prompts (one a row; rows past them copy the first) prefilled, each row's first token
-        chosen and returned, the rows' positions set to `host_pos`."""
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                    keys: Sequence[int]) -> tuple[list[int], list[Any]]:
+        """Prompts entering `rows` (from `starts`), prefilled together: (their first tokens, what the next
+        step needs of each or None)."""
         raise NotImplementedError
 
-    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
-        """Prompts entering `rows` mid-run, prefilled together: (their first tokens, what the next step needs of
-        each or None)."""
-        raise NotImplementedError
-
-    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+    def _decode_step(self, need: int, fresh: dict[int, Any], all_fresh: bool) -> list[list[int]]:
         """One step of every row, its live rows' queries reaching position `need`; `fresh` holds what rows
-        entered since the last step left (`_enter_rows`' second value). Returns each row's new tokens."""
+        entered since the last step left (`_enter_rows`' second value; `all_fresh`: every live row entered so).
+        Returns each row's new tokens."""
         raise NotImplementedError
+
+    def _reset(self) -> None:
+        """A call's start: every row free, position 0 (what a row held before stays hidden by its mask)."""
+        self.pos.zero_()
+        self.alive.zero_()
+
+    @torch.no_grad()
+    def serve(self, pending: "collections.deque[Request]", max_new_tokens: int, stop_ids: set[int],
+              sampling: Optional[SamplingParams] = None, seed: int = 0, loop_detector: Any = None,
+              stop_on_loop: bool = False, loop_check_every: int = 128, refill_rows: int = 1
+              ) -> Iterator[Completion]:
+        """Answer the requests of `pending` (popped from the left), yielding each completion as its answer
+        ends; the caller may append requests meanwhile (a conversation's next turn). Prompts enter rows as
+        answers end: the rows freed by one step enter together (one prefill), once `refill_rows` rows are free
+        or no row decodes. The one host loop of both runners: a step, one read-back, then each live row's new
+        tokens kept up to a stop token or its cap. `loop_detector` (`.find(tokens)` -> a loop's start or None,
+        `.min_tokens`) fills each completion's `loop_start`; with `stop_on_loop` each answer is also checked at
+        its own lengths k, 2k, ... (k = `loop_check_every`) and a looping one ends there, cut at the loop."""
+        if self.sampled != (sampling is not None and not sampling.greedy):
+            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
+        if refill_rows < 1 or loop_check_every < 1:
+            raise ValueError(f"refill_rows and loop_check_every must be >= 1, got {refill_rows}, {loop_check_every}")
+        self.sampling = sampling if self.sampled else None
+        if self.state is not None:
+            self.state.configure(sampling)
+        stop_on_loop = stop_on_loop and loop_detector is not None
+        R, room = self.rows, self._room(max_new_tokens)
+        self._reset()
+        live: list[Optional[_Live]] = [None] * R
+        host_pos = [0] * R
+        free = list(range(R))  # rows waiting for a prompt
+        held: dict[int, tuple[Completion, list[int]]] = {}  # row -> (its completion, the tokens its K/V holds)
+        fresh: dict[int, Any] = {}  # rows whose prompt entered since the last step: what that step needs
+        done: list[Completion] = []
+        alive_set: list[bool] = [True] * R  # the rows `alive` marks stopped (`_reset`: all)
+        clock = time.perf_counter
+
+        def check(req: Request) -> int:
+            if not 0 < len(req.prompt_ids) <= self.max_len - room:
+                raise ValueError(f"request {req.key}: a prompt of {len(req.prompt_ids)} tokens does not fit the "
+                                 f"rows' cache of {self.max_len} positions: pass max_prompt_tokens >= "
+                                 f"{len(req.prompt_ids)}")
+            cap = max_new_tokens if req.max_new_tokens is None else int(req.max_new_tokens)
+            if not 0 < cap <= max_new_tokens:
+                raise ValueError(f"request {req.key}: max_new_tokens {cap}; this call takes 1..{max_new_tokens}")
+            return cap
+
+        def finish(row: int, n: Optional[int] = None, loop_start: Optional[int] = None) -> None:
+            """The answer in `row` ended (at its first `n` tokens, a loop check's cut); the row is held for a
+            follow-up or freed."""
+            a = live[row]
+            live[row] = None
+            fresh.pop(row, None)
+            tokens = a.tokens if n is None else a.tokens[:n]
+            stopped = bool(tokens) and tokens[-1] in stop_ids and n is None
+            answer = tokens[:-1] if stopped else tokens
+            if n is None and loop_detector is not None:
+                loop_start = loop_detector.find(answer)
+            out = GenerationOutput(output_ids=list(tokens), num_target_forwards=len(a.accepted),
+                                   acceptance_lengths=list(a.accepted), stopped=stopped)
+            req = a.request
+            if stop_on_loop and loop_start is not None:
+                c = Completion(req, answer[:loop_start], "loop", len(tokens), out, loop_start)
+            else:
+                c = Completion(req, answer, "stop" if stopped else "length", len(tokens), out, loop_start)
+            if req.hold:
+                c.row = row
+                held[row] = (c, list(req.prompt_ids) + tokens[:-1])  # the last token's K/V was never written
+            else:
+                free.append(row)
+            done.append(c)
+
+        def claim() -> list[tuple[int, Request, int]]:
+            """The follow-ups of held rows, taken from `pending` into their rows (row, request, tokens kept);
+            a held row nobody follows is freed."""
+            ready, claimed = [], set()
+            if held and any(r.after is not None for r in pending):
+                rest = []
+                for req in pending:
+                    row = None if req.after is None else req.after.row
+                    if row is None or row in claimed or row not in held or held[row][0] is not req.after:
+                        rest.append(req)
+                        continue
+                    start = common_prefix(held[row][1], req.prompt_ids) if self.reuses_prefix else 0
+                    self.prefix_short += start < len(held[row][1])
+                    ready.append((row, req, start))
+                    claimed.add(row)
+                pending.clear()
+                pending.extend(rest)
+            free.extend(r for r in held if r not in claimed)
+            held.clear()
+            return ready
+
+        def refill() -> None:
+            entering = claim()
+            self.continued += len(entering)
+            stopped = all(a is None for a in live)
+            if pending and free and (len(free) >= min(refill_rows, len(pending)) or stopped):
+                for row in sorted(free[: len(pending)]):
+                    entering.append((row, pending.popleft(), 0))
+                taken = {row for row, _, _ in entering}
+                free[:] = [r for r in free if r not in taken]
+            if not entering:
+                return
+            caps = [check(req) for _, req, _ in entering]
+            rows = [row for row, _, _ in entering]
+            t = clock()
+            with record_function("engine.enter"):
+                toks, needs = self._enter_rows(rows, [req.prompt_ids for _, req, _ in entering],
+                                               [s for _, _, s in entering],
+                                               [noise_key(seed, req.key) for _, req, _ in entering])
+            self.seconds["prefill"] += clock() - t
+            for (row, req, start), cap, tok, need in zip(entering, caps, toks, needs):
+                self.reused_tokens += start
+                self.generated_tokens += 1
+                host_pos[row] = len(req.prompt_ids)
+                live[row] = _Live(req, cap, [tok], [])
+                if tok in stop_ids or cap <= 1:
+                    finish(row)
+                elif need is not None:
+                    fresh[row] = need
+
+        sync(self.device)
+        t0 = clock()
+        refill()
+        sync(self.device)
+        self.first_prefill_s, self.decode_start = clock() - t0, clock()  # `generate`'s times
+        while True:
+            if done:
+                t = clock()
+                out, done = done, []
+                for c in out:
+                    yield c
+                self.seconds["caller"] += clock() - t
+            t = clock()
+            refill()
+            if all(a is None for a in live):
+                if not pending and not held and not done:
+                    return
+                self.seconds["host"] += clock() - t
+                continue
+            stopped = [a is None for a in live]
+            if stopped != alive_set:
+                self.set_alive(stopped)
+                alive_set = stopped
+            t1 = clock()
+            with record_function("engine.step"):
+                news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh,
+                                         len(fresh) == stopped.count(False))
+            t2 = clock()
+            fresh.clear()
+            for r, a in enumerate(live):
+                if a is None:
+                    continue
+                new = news[r]
+                host_pos[r] += len(new)
+                kept, hit = truncate(new, stop_ids, a.cap - len(a.tokens))
+                a.tokens.extend(kept)
+                self.generated_tokens += len(kept)
+                a.accepted.extend([1] * len(kept) if self.one_token_steps else [len(new)])
+                if stop_on_loop:  # each answer checked at its own lengths k, 2k, ...: the cut is the batch's
+                    answer = len(a.tokens) - (1 if hit else 0)
+                    for n in range(a.checked + loop_check_every, answer + 1, loop_check_every):
+                        a.checked = n
+                        start = loop_detector.find(a.tokens[:n]) if n >= loop_detector.min_tokens else None
+                        if start is not None:
+                            self.generated_tokens -= len(a.tokens) - n
+                            finish(r, n, start)
+                            break
+                    if live[r] is None:
+                        continue
+                if hit or len(a.tokens) >= a.cap:
+                    finish(r)
+            self.seconds["decode"] += t2 - t1
+            self.seconds["host"] += (t1 - t) + (clock() - t2)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
                  sampling: Optional[SamplingParams] = None, generator: Optional[torch.Generator] = None,
                  on_done: Optional[OnDone] = None, refill_rows: int = 1) -> list[GenerationOutput]:
-        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came); with
-        fewer rows than prompts, prompts enter rows as answers end: the rows freed by one step enter together
-        (one prefill), once `refill_rows` rows are free or no row decodes. `prefill_time_s` is the first rows'
-        prefill, `decode_time_s` the loop's (later prefills included). The one host loop of both runners:
-        a step, one read-back, then each live row's new tokens kept up to a stop token or the cap."""
-        if self.sampled != (sampling is not None and not sampling.greedy):
-            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
-        if refill_rows < 1:
-            raise ValueError(f"refill_rows must be >= 1, got {refill_rows}")
-        self.sampling = sampling if self.sampled else None
-        R = self.rows
-        sched = _Schedule(prompts, R, on_done, self.max_len, self._room(max_new_tokens))
-        prompts, outputs, accept, m = sched.prompts, sched.outputs, sched.accept, sched.next
+        """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came), through
+        `serve`; each prompt's noise key (T > 0) drawn from `generator` in that order. `prefill_time_s` is the
+        first rows' prefill, `decode_time_s` the rest of the call (later prefills included)."""
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+
+        def request(i: int, prompt: Sequence[int]) -> Request:
+            key = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0]) if self.sampled else 0
+            return Request(key, list(prompt), tag=i)
+
+        pending = collections.deque(request(i, p) for i, p in enumerate(prompts))
+        outputs: list[GenerationOutput] = [None] * len(pending)  # type: ignore[list-item]
+        for c in self.serve(pending, max_new_tokens, stop_ids, sampling, 0, refill_rows=refill_rows):
+            outputs[c.request.tag] = c.output
+            c.output.prefill_time_s, c.output.decode_time_s = self.first_prefill_s, time.perf_counter() - self.decode_start
+            follow = on_done(c.request.tag, c.output) if on_done is not None else None
+            if follow is not None:
+                pending.append(request(len(outputs), follow))
+                outputs.append(None)  # type: ignore[arg-type]
         sync(self.device)
-        t0 = time.perf_counter()
-        host_pos = [len(p) for p in prompts[:m]] + [len(prompts[0])] * (R - m)  # rows past the prompts: unread
-        with record_function("engine.start"):  # named ranges: where a profiled run's time goes (regen.py)
-            firsts = self._start(prompts[:m], host_pos, generator)
-        for i in range(m):
-            outputs[i].append(firsts[i])
-        stopped = [True] * R
-        sync(self.device)
-        t1 = time.perf_counter()
-        fresh: dict[int, Any] = {}  # rows whose prompt entered since the last step: what that step needs
-        free: list[int] = []  # rows whose answer ended, waiting for a prompt
-
-        def ended(row: int) -> None:  # the answer in `row` ended: the row waits for the next prompt
-            fresh.pop(row, None)
-            i = sched.held[row]
-            sched.held[row] = None
-            sched.done(i, _output(outputs[i], accept[i], stop_ids, t1 - t0, time.perf_counter() - t1))
-            free.append(row)
-
-        def started(row: int, tok: int, need: Any) -> None:  # a prompt's first token is in `row`
-            if tok in stop_ids or max_new_tokens <= 1:
-                ended(row)
-            else:
-                stopped[row] = False
-                if need is not None:
-                    fresh[row] = need
-
-        def refill() -> None:  # waiting prompts into the free rows, each batch's prefills one forward
-            while free and sched.next < len(sched.prompts):
-                waiting = len(sched.prompts) - sched.next
-                if len(free) < min(refill_rows, waiting) and not all(stopped):
-                    return
-                rows = sorted(free[:waiting])
-                del free[:len(rows)]
-                taken = [sched.take(r) for r in rows]
-                with record_function("engine.enter"):
-                    toks, needs = self._enter_rows(rows, [prompts[i] for i in taken], generator)
-                for r, i, tok, need in zip(rows, taken, toks, needs):
-                    host_pos[r] = len(prompts[i])
-                    outputs[i].append(tok)
-                    started(r, tok, need)
-
-        for r in range(m):
-            started(r, firsts[r], None)
-        free.extend(range(m, R))
-        refill()
-        self.set_alive(stopped)
-        while not all(stopped):
-            with record_function("engine.step"):
-                news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh)
-            fresh.clear()
-            was = list(stopped)
-            for r in range(R):
-                if was[r]:
-                    continue
-                i, new = sched.held[r], news[r]
-                host_pos[r] += len(new)
-                kept, hit = truncate(new, stop_ids, max_new_tokens - len(outputs[i]))
-                outputs[i].extend(kept)
-                if self.one_token_steps:  # a plain window: one forward a kept token (the rest ran idle)
-                    accept[i].extend([1] * len(kept))
-                else:
-                    accept[i].append(len(new))
-                if hit or len(outputs[i]) >= max_new_tokens:
-                    stopped[r] = True
-                    ended(r)
-            refill()
-            if stopped != was:
-                self.set_alive(stopped)
-        sync(self.device)
-        t2 = time.perf_counter()
-        return [_output(o, a, stop_ids, t1 - t0, t2 - t1) for o, a in zip(outputs, accept)]
+        decode_s = time.perf_counter() - self.decode_start
+        for out in outputs:
+            out.prefill_time_s, out.decode_time_s = self.first_prefill_s, decode_s
+        return outputs
 
 
 class BatchedStaticPlainRunner(_Rows):
@@ -361,23 +512,38 @@ class BatchedStaticPlainRunner(_Rows):
     answer where nothing reads them); prompts enter rows between windows."""
 
     one_token_steps = True
+    reuses_prefix = True
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
                  filtered: bool = False) -> None:
         super().__init__(model, rows, max_len, use_graphs)
         self.sampled, self.filtered = sampled, sampled and filtered
+        # the target's forward through inductor inside the captured step (`static_decode.COMPILE_PLAIN_STEP`)
+        self.forward = self._forward
+        if use_graphs and static_decode.compile_plain_step(self.device):
+            self.forward = torch.compile(self._forward, dynamic=False)
         self.state = SampledStepState(self.rows, self.device) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.window = 1  # steps a host read-back (set per call by `batched_static_autoregressive_generate`)
         self.outs = torch.zeros(WINDOW_MAX, self.rows, dtype=torch.long, device=self.device)  # a window's tokens
         self.out_i = torch.zeros((), dtype=torch.long, device=self.device)  # the next step's row in `outs`
         self.filled = self.filled_mask(1)
-        self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
-                                    self.max_len, "the batched 1-token step", use_graphs,
+        self.steps = BucketedSteps(self._make_step, self.max_len, "the batched 1-token step", use_graphs,
                                     buckets=not self.filled_blocks)
 
+    def _make_step(self, n: int) -> Any:
+        try:
+            return make_step(lambda: self._step(n), self.device, self.use_graphs, self.model)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the same step, uncompiled
+            if self.forward == self._forward:
+                raise
+            logger.warning("the compiled plain step failed (%s: %s); capturing the uncompiled step",
+                           type(e).__name__, str(e).strip().splitlines()[0][:200] if str(e).strip() else "")
+            self.forward = self._forward
+            return make_step(lambda: self._step(n), self.device, self.use_graphs, self.model)
+
     @property
-    def step_key(self) -> tuple[int, bool, bool]:
+    def step_key(self) -> tuple:
         """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
         rebuilt)."""
         return self.steps.step_key
@@ -389,9 +555,7 @@ class BatchedStaticPlainRunner(_Rows):
         if self.filled is not None:
             self.filled.set(q_pos)
         with engine_attention(self.model, self.filled):
-            out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
-                             attention_mask=self.causal(q_pos, view_len))
-        logits = out.logits[:, -1]
+            logits = self.forward(q_pos, view_len)
         if self.sampled:
             self.tok.copy_(self.state.next_tokens(logits, self.filtered, self.pos + 1).view(-1, 1))
         else:
@@ -401,28 +565,22 @@ class BatchedStaticPlainRunner(_Rows):
         self.pos.add_(self.alive)
         return logits
 
+    def _forward(self, q_pos: torch.Tensor, view_len: int) -> torch.Tensor:
+        """The target's logits [R, V] for each row's token at `q_pos` [R, 1]."""
+        out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
+                         attention_mask=self.causal(q_pos, view_len))
+        return out.logits[:, -1]
+
     def _room(self, max_new_tokens: int) -> int:
         return max_new_tokens + self.window
 
-    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
-               generator: Optional[torch.Generator]) -> list[int]:
-        R, m = self.rows, len(prompts)
-        last = self._prefill(list(range(m)), prompts)
-        last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
-        firsts = select_tokens(last, self.sampling or 0.0, generator)[0].tolist()
-        if self.sampled:  # each row's noise key, drawn from (and advancing) the caller's generator
-            self.state.start(self.sampling, generator)
-        self.tok.copy_(torch.tensor(firsts, device=self.device).view(-1, 1))
-        self.pos.copy_(torch.tensor(host_pos, device=self.device))
-        return firsts
-
-    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
-        toks = self.enter(rows, prompts, self._prefill(rows, prompts), generator)
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                    keys: Sequence[int]) -> tuple[list[int], list[Any]]:
+        toks = self.enter(rows, prompts, keys, self._prefill(rows, prompts, starts))
         self.tok[torch.tensor(rows, device=self.device), 0] = torch.tensor(toks, device=self.device)
         return toks, [None] * len(rows)
 
-    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+    def _decode_step(self, need: int, fresh: dict[int, Any], all_fresh: bool) -> list[list[int]]:
         step = self.steps.get(self.target_view(need + self.window, self.steps))
         self.out_i.zero_()
         for _ in range(self.window):
@@ -459,7 +617,6 @@ class BatchedStaticSpecRunner(_Rows):
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
-        self._first_blocks: Optional[tuple[list[tuple[list[int], torch.Tensor]], int]] = None
         # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
         self.draft_steps = BucketedSteps(
             lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
@@ -470,7 +627,7 @@ class BatchedStaticSpecRunner(_Rows):
             f"the batched {B}-token verify", use_graphs, buckets=not self.filled_blocks)
 
     @property
-    def step_key(self) -> tuple[int, bool, bool]:
+    def step_key(self) -> tuple:
         """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
         rebuilt)."""
         return self.verify_steps.step_key
@@ -564,7 +721,8 @@ class BatchedStaticSpecRunner(_Rows):
     def _room(self, max_new_tokens: int) -> int:
         return max_new_tokens + 2 * self.B
 
-    def _prefill_feats(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list]:
+    def _prefill_feats(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int]
+                       ) -> tuple[torch.Tensor, list]:
         """`_prefill` that also keeps the target features of each forward: (last logits [k, V], [(rows, their
         prompts' features [k', C, F])] a forward), for the rows' first draft blocks."""
         feats: list[tuple[list[int], torch.Tensor]] = []
@@ -572,27 +730,17 @@ class BatchedStaticSpecRunner(_Rows):
             def keep(batch_rows: list[int]) -> None:
                 feats.append((batch_rows, self.dec.target.concat(captured)))
 
-            last = self._prefill(rows, prompts, keep)
+            last = self._prefill(rows, prompts, starts, keep)
         return last, feats
 
-    def _start(self, prompts: Sequence[Sequence[int]], host_pos: list[int],
-               generator: Optional[torch.Generator]) -> list[int]:
-        R, m = self.rows, len(prompts)
-        last, feats = self._prefill_feats(list(range(m)), prompts)
-        last = torch.cat([last, last[:1].expand(R - m, -1)])  # rows past the prompts: a copy of the first
-        firsts = select_tokens(last, self.sampling or 0.0, generator)[0].tolist()
-        self.blk[:, 0].copy_(torch.tensor(firsts, device=self.device))
-        if self.sampling is not None:  # each row's noise key, drawn from (and advancing) the caller's generator
-            self.state.start(self.sampling, generator)
-        self.pos.copy_(torch.tensor(host_pos, device=self.device))
+    def _reset(self) -> None:
+        super()._reset()
         self.ctx_start.zero_()
-        self._first_blocks = (feats, m)  # step 1 drafts these rows against their whole prompts
-        return firsts
 
-    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                    generator: Optional[torch.Generator]) -> tuple[list[int], list[Any]]:
-        last, feats = self._prefill_feats(rows, prompts)
-        toks = self.enter(rows, prompts, last, generator)
+    def _enter_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                    keys: Sequence[int]) -> tuple[list[int], list[Any]]:
+        last, feats = self._prefill_feats(rows, prompts, starts)
+        toks = self.enter(rows, prompts, keys, last)
         self.blk[torch.tensor(rows, device=self.device), 0] = torch.tensor(toks, device=self.device)
         by_row = {r: (batch, f) for batch, f in feats for r in batch}  # the next step drafts each forward's rows
         return toks, [by_row[r] for r in rows]
@@ -607,26 +755,15 @@ class BatchedStaticSpecRunner(_Rows):
             out.append(([batch[j] for j in keep], f[keep]))
         return out
 
-    def _decode_step(self, need: int, fresh: dict[int, Any]) -> list[list[int]]:
+    def _decode_step(self, need: int, fresh: dict[int, Any], all_fresh: bool) -> list[list[int]]:
         view = self.target_view(need + self.B, self.verify_steps)
         if self.B > 1:
-            # step 1 drafts each row against its whole prompt (eager); later steps replay the graph
-            dview = self.draft_steps.view(need + self.B)
-            if self._first_blocks is not None:
-                feats, m = self._first_blocks
-                d_logits = torch.zeros(self.rows, self.B - 1, self.dec.lm_head.weight.shape[0],
-                                       dtype=self.dec.lm_head.weight.dtype, device=self.device)
-                for rows, f in feats:
-                    d_logits[torch.tensor(rows, device=self.device)] = self._first_draft_logits(rows, f, dview)
-                d_logits[m:] = d_logits[:1]  # rows past the prompts: a copy of the first (unread)
-                self._propose(d_logits)
-            else:
-                self.draft_steps.get(dview).replay()
-            for rows, f in self._entered_forwards(fresh):  # prompts that entered mid-run: first blocks, eagerly
-                d_logits = self._first_draft_logits(rows, f, dview)
+            if not all_fresh:  # the rows past their first block: the captured draft step
+                self.draft_steps.get(self.draft_steps.view(need + self.B)).replay()
+            for rows, f in self._entered_forwards(fresh):  # prompts that just entered: first blocks, eagerly,
+                d_logits = self._first_draft_logits(rows, f, self.draft_steps.view(need + self.B))  # whole prompt
                 for j, r in enumerate(rows):
                     self._propose(d_logits[j : j + 1], slice(r, r + 1))
-        self._first_blocks = None
         if self.after_draft is not None:
             self.after_draft()
         self.verify_steps.get(view).replay()

@@ -1,6 +1,6 @@
 """What every fixed-shape ("graphs") decode step shares: length buckets, the steps of one runner per view
 length (captured as CUDA graphs, or run eagerly with the very same code), and the buffers a sampled step
-reads. The decode loops themselves are `inference.batched_static`'s (any number of rows, one included).
+reads. The decode loops themselves are `engine.batched_static`'s (any number of rows, one included).
 
 Length buckets: a step attends over the first L positions of the caches only, L the smallest
 multiple of LENGTH_BUCKET covering every position it can see (pos + 1 for the plain step,
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from nemo_dflash.compiled import compiled
-from nemo_dflash.inference import static_cache
-from nemo_dflash.inference.graphs import CapturedStep, EagerStep, fused_elementwise
+from nemo_dflash.engine import static_cache
+from nemo_dflash.engine.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs
 # functions (`sampling.sampled_*`), eager or captured alike (so the eager and captured steps keep drawing the same
 # tokens). A runner reads it when it is made.
 FUSE_SAMPLING = True
+# The plain runner's captured step runs the target's forward through inductor (torch.compile) first: True, False,
+# or None (off until measured faster). `benchmarks/regen.py --compile-step 0|1` times both.
+COMPILE_PLAIN_STEP: Optional[bool] = None
+
+
+def compile_plain_step(device: torch.device) -> bool:
+    """COMPILE_PLAIN_STEP resolved for a runner on `device` (only captured steps on a GPU compile)."""
+    return device.type == "cuda" and bool(COMPILE_PLAIN_STEP)
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -64,11 +72,13 @@ def view_lengths(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def step_key() -> tuple[int, bool, bool]:
+def step_key() -> tuple[int, bool, bool, bool]:
     """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets), whether
     the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`) and whether its steps read filled
-    blocks only (`static_cache.FILLED_BLOCKS`). A runner made under another key is rebuilt."""
-    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS)
+    blocks only (`static_cache.FILLED_BLOCKS`), and whether the plain step compiles (`COMPILE_PLAIN_STEP`). A runner
+    made under another key is rebuilt."""
+    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS,
+            COMPILE_PLAIN_STEP)
 
 
 class BucketedSteps:
@@ -122,9 +132,8 @@ class SampledStepState:
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
         self.fused = (device.type == "cuda" and FUSE_SAMPLING and FUSE_ELEMENTWISE) if fused is None else fused
 
-    def start(self, sampling: SamplingParams, generator: Optional[torch.Generator]) -> None:
-        gen_device = generator.device if generator is not None else torch.device("cpu")
-        self.key.copy_(torch.randint(0, 2**62, self.key.shape, generator=generator, device=gen_device))
+    def configure(self, sampling: SamplingParams) -> None:
+        """A call's setting into the buffers (each row's key is set as its prompt enters)."""
         self.inv_temp.fill_(1.0 / sampling.temperature)
         self.top_p.fill_(sampling.top_p)
         self.top_k.fill_(sampling.top_k)
@@ -141,8 +150,13 @@ class SampledStepState:
                 self.fused = False
         return fn(*args)
 
-    def next_tokens(self, logits: torch.Tensor, filtered: bool, positions: torch.Tensor) -> torch.Tensor:
-        """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R]."""
+    def next_tokens(self, logits: torch.Tensor, filtered: bool, positions: torch.Tensor,
+                    rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R].
+        Some rows only (`rows`: prompts entering, eagerly): unfused, as `proposals`."""
+        if rows is not None:
+            return sampled_next_tokens(logits, self.inv_temp, self.top_p, self.top_k, self.key[rows], positions,
+                                       filtered)
         return self._run(sampled_next_tokens, logits, self.inv_temp, self.top_p, self.top_k, self.key, positions,
                          filtered)
 
