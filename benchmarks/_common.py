@@ -138,26 +138,20 @@ def add_engine_attention_flags(p: argparse.ArgumentParser, scope: str = "") -> N
     p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
                    help=f"{scope}the engine's captured target steps read each row's filled KV blocks only (1: flex) or "
                         "attend over the bucketed view (0: SDPA); default: static_cache.FILLED_BLOCKS (on a GPU)")
-    p.add_argument("--compile-step", type=int, default=None, choices=[0, 1],
-                   help=f"{scope}the engine's captured plain step runs the target through inductor (1) or not (0); "
-                        "default: static_decode.COMPILE_PLAIN_STEP")
 
 
 def apply_engine_attention_flags(args: argparse.Namespace, device: Any) -> dict[str, bool]:
-    """Set what --fold-gqa / --filled-blocks / --compile-step give (read by the runners this process makes); the
-    settings in force on `device`, for the rows."""
-    from nemo_dflash.engine import static_cache, static_decode
+    """Set what --fold-gqa / --filled-blocks give (read by the runners this process makes); the settings in force on
+    `device`, for the rows."""
+    from nemo_dflash.engine import static_cache
 
     if args.fold_gqa is not None:
         static_cache.FOLD_GQA = bool(args.fold_gqa)
     if args.filled_blocks is not None:
         static_cache.FILLED_BLOCKS = bool(args.filled_blocks)
-    if getattr(args, "compile_step", None) is not None:
-        static_decode.COMPILE_PLAIN_STEP = bool(args.compile_step)
     import torch
 
-    return {"fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.filled_blocks_on(torch.device(device)),
-            "compile_step": static_decode.compile_plain_step(torch.device(device))}
+    return {"fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.filled_blocks_on(torch.device(device))}
 
 
 def write_qwen3_8b_config(out: Path) -> Path:

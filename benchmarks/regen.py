@@ -1,5 +1,5 @@
-"""Regeneration benchmarks: the slot engine's throughput, multi-GPU scaling, a run's summary row, and the
-ShareGPT prompts cut for a machine without the wheel.
+"""Regeneration benchmarks: the decoding engine's regeneration throughput, multi-GPU scaling, a run's summary
+row, and the ShareGPT prompts cut for a machine without the wheel.
 
     python benchmarks/regen.py throughput --target pkg:smollm2 --prompts sharegpt --num-prompts 4096 ...
     python benchmarks/regen.py scaling --target pkg:smollm2 --data sharegpt --num-samples 4096 --gpus 1,2,4 -- ...
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import gc
 import json
@@ -43,7 +42,7 @@ from nemo_dflash.target.loading import package_file  # noqa: E402
 # ====================================================================================================
 # throughput  (was regen_throughput.py)
 
-DOC_THROUGHPUT = """Regeneration throughput: the pipeline's slot engine against plain batched ``model.generate``.
+DOC_THROUGHPUT = """Regeneration throughput: the pipeline's decoding engine against plain batched ``model.generate``.
 
     python benchmarks/regen.py throughput --target pkg:smollm2 --prompts sharegpt --num-prompts 4096 \
         --max-new-tokens 1024 --batch-size 1024 --json OUT.json
@@ -56,18 +55,18 @@ DOC_THROUGHPUT = """Regeneration throughput: the pipeline's slot engine against 
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
-``slots`` (nemo_dflash.data.generation.SlotEngine, what `regenerate --engine slots` runs), ``engine`` (the
-decoding engine's plain runner, nemo_dflash.engine.batched_static, with --batch-size rows), ``generate``
+``slots`` (the decoding engine's plain rows, nemo_dflash.engine.plain.PlainEngine, what `regenerate --engine
+slots` runs, with --batch-size rows), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
 ``--turns all`` (needs --target) runs whole conversations: the first --num-prompts conversations
 of --prompts, every user turn answered with the target's own earlier answers in the history,
 through ``regenerate_conversations`` itself (templating and tokenising included, as the pipeline
-runs). ``slots`` keeps a conversation in its slot between turns and prefills only each turn's new
-tokens; ``slots_full`` is the same engine prefilling every turn's whole history (the behaviour
-before); ``generate`` is ``--engine generate``. The ``prefill/gen`` column is the prompt tokens
-run through a prefill per generated token (``reused``: prompt tokens found in the slot instead).
+runs). ``slots`` keeps a conversation in its row between turns and prefills only each turn's new
+tokens; ``slots_full`` is the same engine prefilling every turn's whole history; ``generate`` is
+``--engine generate``. The ``prefill/gen`` column is the prompt tokens run through a prefill per
+generated token (``reused``: prompt tokens found in the row instead).
 Prints a table; --json writes the rows.
 """
 
@@ -136,8 +135,8 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             model, tokenizer, sample, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
             max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
-            after_cut=args.after_cut, max_prefill_tokens=args.max_prefill_tokens, reuse_slots=reuse, stats=stats,
-            prepare_ahead=args.prepare_ahead, schedule=args.schedule, engine_config=args.engine_config,
+            after_cut=args.after_cut, reuse_slots=reuse, stats=stats, prepare_ahead=args.prepare_ahead,
+            schedule=args.schedule,
         ):
             pass
         _sync()
@@ -152,140 +151,58 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
             "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
                        "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
                        "shortened": dict(stats.shortened),
-                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())},
-                       "gpu_seconds": {k: round(v, 1) for k, v in sorted(stats.gpu_seconds.items())},
-                       "prefill_calls": dict(stats.prefill_calls)}}
+                       "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())}}}
 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
+    """The decoding engine on the prompts as `regenerate --engine slots` runs it (`engine.plain.PlainEngine`):
+    --batch-size rows, a prompt entering a row as an answer ends, each step a captured CUDA graph on a GPU."""
     from nemo_dflash.data.loops import LoopDetector
-    from nemo_dflash.data.generation import Request, SlotEngine
-
-    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
-                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens,
-                        loop_detector=LoopDetector() if args.stop_loops else None, stop_on_loop=args.stop_loops,
-                        config=args.engine_config)
-    warm = collections.deque(Request(i, p) for i, p in enumerate(prompts[: min(len(prompts), 64)]))
-    for _ in engine.generate(warm):  # compile / warm up
-        pass
-    engine.generated_tokens = engine.steps = engine.prefill_tokens = engine.reused_tokens = 0
-    engine.seconds.clear()
-    engine.gpu.read()
-    engine.gpu.seconds.clear()
-    pending = collections.deque(Request(i, p) for i, p in enumerate(prompts))
-    finish = collections.Counter()
-    _sync()
-    t0 = time.perf_counter()
-    for c in engine.generate(pending):
-        finish[c.finish] += 1
-    _sync()
-    dt = time.perf_counter() - t0
-    split = {k: round(v, 2) for k, v in engine.seconds.items()}
-    engine.gpu.read()
-    split.update({f"gpu_{k}": round(v, 2) for k, v in engine.gpu.seconds.items()})
-    return {"tokens": engine.generated_tokens, "seconds": dt, "steps": engine.steps, "phase_seconds": split,
-            "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
-            "finish": dict(finish, steps=engine.steps, **split)}
-
-
-def run_step(model, prompts, args, stop_ids) -> dict:
-    """Where a decode step's time goes, with every slot filled (a full batch, mid-answer)."""
-    from nemo_dflash.data.generation import Request, SlotEngine
-    from nemo_dflash.sampling import keyed_sample_candidates
-
-    engine = SlotEngine(model, num_slots=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                        max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
-                        top_p=args.top_p, seed=0, max_prefill_tokens=args.max_prefill_tokens, cuda_graph=False,
-                        config=args.engine_config)
-    S = args.batch_size
-    engine._start_state()
-    reqs = [Request(i, prompts[i % len(prompts)]) for i in range(S)]
-    chunk = max(1, args.max_prefill_tokens // args.max_prompt_tokens)
-    for k in range(0, S, chunk):
-        engine._prefill(list(range(k, min(S, k + chunk))), reqs[k: k + chunk])
-    engine._active.fill_(1)
-    engine._answer_pos.fill_(5)
-    keys, pos = engine._keys, engine._answer_pos
-
-    def timed(fn, n=20) -> float:
-        fn()
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync()
-        return (time.perf_counter() - t0) / n * 1e3
-
-    out = {"eager_forward_ms": timed(lambda: engine._decode_logits())}
-    logits = engine._decode_logits()
-    out["eager_step_ms"] = timed(lambda: engine._step())
-    if engine.decode_compile:
-        out["compiled_step_ms"] = timed(lambda: engine._step_fn())
-    for k in (16, 64, 256):
-        out[f"sample_ms_k{k}"] = timed(lambda: keyed_sample_candidates(
-            logits, keys, pos, seed=0, temperature=args.temperature, top_p=args.top_p, candidates=k))
-    out["argmax_ms"] = timed(lambda: logits.argmax(-1))
-    if torch.cuda.is_available():
-        engine.cuda_graph = True
-        engine._capture()
-        out["graph_step_ms"] = timed(lambda: engine._graph.replay())
-        out["graph_decode_ms"] = timed(lambda: (engine._launch(), engine._collect()))
-        if engine.decode_compile:  # the same graph of the eager step, for the A/B in one process
-            engine._graph = None
-            engine._uncompile()
-            engine._capture()
-            out["graph_step_eager_ms"] = timed(lambda: engine._graph.replay())
-    out["mean_fill"] = float(engine.cache.lengths.float().mean())
-    return {"tokens": 0, "seconds": 1e-9, "finish": {k: round(v, 3) for k, v in out.items()}}
-
-
-def run_engine(model, prompts, args, stop_ids) -> dict:
-    """The decoding engine's plain runner (nemo_dflash.engine.batched_static, what evaluation times) on the
-    same prompts: --batch-size fixed-shape rows, a prompt entering a row as its answer ends (continuous
-    batching), each step a captured CUDA graph over the static cache. No loop stop, no slot reuse."""
-    from nemo_dflash.engine.batched_static import batched_static_autoregressive_generate
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.plain import PlainEngine, Request
 
     attention_settings = apply_engine_attention_flags(args, model.device)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature > 0 else 1.0)
-    rows = min(args.batch_size, len(prompts))
-    use_graphs = torch.cuda.is_available()
-    # freed rows take prompts as the slot engine refills its slots: once 1/--refill-fraction of them are free
-    refill = max(1, rows // args.engine_config.resolved(model.device.type).refill_fraction)
-    window = args.engine_config.decode_window or 1  # steps a host read-back: --decode-window, else 1
+    engine = PlainEngine(model, rows=min(args.batch_size, len(prompts)), max_prompt_tokens=args.max_prompt_tokens,
+                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                         top_p=args.top_p, seed=0, loop_detector=LoopDetector() if args.stop_loops else None,
+                         stop_on_loop=args.stop_loops, window=args.decode_window,
+                         refill_rows=max(1, engine_rows(args, prompts) // args.refill_fraction)
+                         if args.refill_fraction else None)
 
-    def run(batch: list, new: int) -> tuple[list, float]:
-        g = torch.Generator(device=model.device).manual_seed(0)
-        _sync()
-        t0 = time.perf_counter()
-        outs = batched_static_autoregressive_generate(  # the caches hold max prompt + max new tokens either way
-            model, batch, max_new_tokens=new, temperature=sampling, stop_token_ids=stop_ids, rows=rows,
-            use_graphs=use_graphs, generator=g, max_prompt_tokens=args.max_prompt_tokens + args.max_new_tokens - new,
-            refill_rows=refill, window=window)
-        _sync()
-        return outs, time.perf_counter() - t0
+    def run(batch: list) -> collections.Counter:
+        finish = collections.Counter()
+        for c in engine.generate(collections.deque(Request(i, p) for i, p in enumerate(batch))):
+            finish[c.finish] += 1
+        return finish
 
-    run(prompts[:rows], 16)  # capture / warm up: the timed run finds this runner and its graphs
+    run(prompts[: engine.rows])  # capture / warm up
+    before = (engine.generated_tokens, engine.prefill_tokens, collections.Counter(engine.seconds))
+    _sync()
+    t0 = time.perf_counter()
     if args.profile_engine:
         from torch.profiler import ProfilerActivity, profile
 
         kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=kinds) as prof:
-            outs, dt = run(prompts, args.max_new_tokens)
+            finish = run(prompts)
     else:
-        outs, dt = run(prompts, args.max_new_tokens)
-    finish = collections.Counter("stop" if o.stopped else "length" for o in outs)
-    row = {"tokens": sum(len(o.output_ids) for o in outs), "seconds": dt, **attention_settings,
-           "refill_rows": refill, "window": window,
-           "prefill_tokens": sum(map(len, prompts)), "finish": dict(finish)}
+        finish = run(prompts)
+    _sync()
+    dt = time.perf_counter() - t0
+    split = {k: round(v, 2) for k, v in (collections.Counter(engine.seconds) - before[2]).items()}
+    row = {"tokens": engine.generated_tokens - before[0], "seconds": dt, "phase_seconds": split,
+           "prefill_tokens": engine.prefill_tokens - before[1], "reused_tokens": 0, **attention_settings,
+           "refill_rows": engine.refill_rows, "window": engine.window, "finish": dict(finish, **split)}
     if args.profile_engine:
         row["phases"] = engine_phases(prof)
     return row
 
 
+def engine_rows(args, prompts) -> int:
+    return min(args.batch_size, len(prompts))
+
+
 def engine_phases(prof) -> dict[str, dict[str, float]]:
-    """The engine's named ranges (`engine.start`, `engine.enter`, `engine.step`) in a profiled run: how many,
+    """The engine's named ranges (`engine.enter`, `engine.step`) in a profiled run: how many,
     their host time and the device time of the kernels they launched; then the kernels that took the most device
     time over the run (key "kernels"). Printed as tables."""
     phases: dict = {}
@@ -364,28 +281,19 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--max-prefill-tokens", type=int, default=65536)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
-    p.add_argument("--modes", default="slots,generate", help="comma list of slots, engine (the decoding "
-                   "engine's plain runner), generate, hf_cb, step (the parts of one decode step)")
-    g = p.add_argument_group("engine settings (nemo_dflash.data.generation.EngineConfig; default: the device's)")
+    p.add_argument("--modes", default="slots,generate", help="comma list of slots (the decoding engine, what "
+                   "`regenerate --engine slots` runs), generate, hf_cb")
+    g = p.add_argument_group("engine settings (nemo_dflash.engine.plain; default: the device's)")
     g.add_argument("--refill-fraction", type=int, default=None,
-                   help="refill once 1/N of the slots are idle (--modes engine: of the rows, their prompts prefilled "
-                        "together)")
-    g.add_argument("--attention-group-cost", type=float, default=None,
-                   help="packed prefills: the fixed cost of an attention group in (query, key) pairs")
-    g.add_argument("--decode-window", type=int, default=None,
-                   help="decode steps per host round trip (--modes engine: its plain steps a read-back; default 1)")
-    g.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
-                   help="packed prefills: attention by right-padded groups or one varlen flash call per layer")
-    g.add_argument("--decode-compile", choices=("on", "off"), default=None,
-                   help="the decode step through torch.compile before capture")
-    add_engine_attention_flags(p, "--modes engine: ")
+                   help="refill once 1/N of the rows are free, their prompts prefilled together")
+    g.add_argument("--decode-window", type=int, default=None, help="plain steps a host read-back")
+    add_engine_attention_flags(p, "--modes slots: ")
     p.add_argument("--profile-engine", action="store_true",
-                   help="--modes engine: the timed run under torch.profiler; prints and records (row 'phases') the "
-                        "count, host and device time of its prefills, prompts entering rows and steps")
+                   help="--modes slots: the timed run under torch.profiler; prints and records (row 'phases') the "
+                        "count, host and device time of prompts entering rows and of steps, and the top kernels")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
     p.add_argument("--prepare-ahead", type=int, default=64,
@@ -395,13 +303,6 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--append", default=None, type=Path,
                    help="also append the rows to this JSON list of rows (e.g. docs/bench/regen_summary.json)")
     args = p.parse_args(argv)
-    from nemo_dflash.data.generation import EngineConfig
-
-    on_off = {"on": True, "off": False, None: None}
-    args.engine_config = EngineConfig(
-        decode_window=args.decode_window, decode_compile=on_off[args.decode_compile],
-        prefill_attention=args.prefill_attention,
-        attention_group_cost=args.attention_group_cost, refill_fraction=args.refill_fraction)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
@@ -440,10 +341,6 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                                       reuse=mode != "slots_full")
             elif mode == "slots":
                 r = run_slots(model, prompts, args, stop_ids)
-            elif mode == "step":
-                r = run_step(model, prompts, args, stop_ids)
-            elif mode == "engine":
-                r = run_engine(model, prompts, args, stop_ids)
             elif mode == "generate":
                 r = run_generate(model, prompts, args, stop_ids, pad_id)
             elif mode == "hf_cb":
@@ -459,9 +356,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                  top_p=args.top_p, target=args.target or args.random_shape,
-                 engine={**dataclasses.asdict(args.engine_config.resolved(device)),
-                         "max_prefill_tokens": args.max_prefill_tokens, "prepare_ahead": args.prepare_ahead,
-                         "schedule": args.schedule})
+                 engine={"refill_fraction": args.refill_fraction, "decode_window": args.decode_window,
+                         "prepare_ahead": args.prepare_ahead, "schedule": args.schedule})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)

@@ -13,9 +13,10 @@ per-shape cost. Captured CUDA graphs have fixed shapes and keep PyTorch's choice
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Optional
 
 import torch
+import torch.nn.functional as F
 
 from nemo_dflash.compiled import compiled
 
@@ -67,3 +68,32 @@ class FilledBlocks:
         """The step's query positions [rows, queries] (device ops only: fine inside a captured step)."""
         self.q_pos.copy_(q_pos)
         self.kv_blocks.copy_((q_pos.max(dim=1).values // KV_BLOCK + 1).view(-1, 1, 1).expand_as(self.kv_blocks))
+
+
+def varlen_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                               cu_k: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """:func:`varlen_attention` one row at a time with SDPA and an explicit end-aligned causal mask."""
+    outs = []
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(bounds_q) - 1):
+        q = query[bounds_q[r]:bounds_q[r + 1]].transpose(0, 1)[None]  # [1, H, q, D]
+        k = key[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
+        v = value[bounds_k[r]:bounds_k[r + 1]].transpose(0, 1)[None]
+        nq, nk = q.shape[2], k.shape[2]
+        mask = torch.arange(nk, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: Optional[float]) -> torch.Tensor:
+    """Causal attention over packed rows of different lengths, aligned at each row's end:
+    q [queries, H, D], k/v [keys, KV heads, D] -> [queries, H, D]. On CUDA in 16-bit, one flash
+    call (PyTorch's own varlen kernel, GQA native); elsewhere :func:`varlen_attention_reference`."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        # is_causal: flash-attention 2 aligns the causal mask at the bottom right when rows have
+        # fewer queries than keys, which is what a row continuing after its cached prefix needs
+        return torch.ops.aten._flash_attention_forward(
+            query.contiguous(), key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+    return varlen_attention_reference(query, key, value, cu_q, cu_k, scale)

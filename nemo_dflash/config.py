@@ -203,11 +203,8 @@ class RegenerateConfig:
     top_p: float = 0.95
     engine: str = "slots"
     batch_size: Any = 8  # a number, or auto
-    max_prefill_tokens: int = 65536
     prepare_ahead: int = 64
     schedule: str = "most_turns_first"
-    prefill_attention: Optional[str] = None
-    decode_compile: Optional[str] = None  # on | off | null (the engine's)
     loops: str = "cut"  # cut | drop | keep
     capped: str = "keep"
     after_cut: str = "end"
@@ -617,8 +614,6 @@ def validate(cfg: RecipeConfig, data_optional: bool = False) -> None:
     parsers (`recipes.pipeline`), before anything loads."""
     regen = cfg.regenerate
     regen.decontaminate = _ON_OFF.get(regen.decontaminate, regen.decontaminate)
-    if regen.decode_compile is not None:
-        regen.decode_compile = _ON_OFF.get(regen.decode_compile, regen.decode_compile)
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(OmegaConf.structured(cfg), key)
         if value not in choices:

@@ -1,6 +1,6 @@
-"""Token sampling shared by regeneration (`data.generation`) and speculative decoding (`inference`).
+"""Token sampling of the decoding engine (`engine`: regeneration and evaluation) and the one-prompt decoders.
 
-Bottom layer: imports torch only, so both sides take their noise and acceptance rule from one place.
+Bottom layer: imports torch only, so every decoder takes its noise and acceptance rule from one place.
 
 - Keyed sampling: every uniform is a pure hash of (seed, key, position, token id), so a sampled token
   does not depend on batch composition or launch order, and a sampling step is one CUDA graph.
@@ -308,76 +308,6 @@ def sampled_verify(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Te
     drawn from q."""
     p = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered), dim=-1)  # row k judges slot k + 1
     return keyed_verify(p, q, proposals, keys, first_pos)
-
-
-def gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from uniforms: argmax(scores + gumbel(u)) is a draw from softmax(scores)."""
-    return -torch.log(-torch.log(u))
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``scores`` with the tokens outside the smallest set of probability >= top_p set to -inf."""
-    return filter_scores(scores, top_p, 0)
-
-
-def sample_full(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, seed: int, top_p: float):
-    vocab = torch.arange(scores.shape[-1], device=scores.device)
-    return (top_p_filter(scores, top_p) + gumbel(keyed_uniform(seed, keys, positions, vocab))).argmax(dim=-1)
-
-
-def keyed_sample_candidates(
-    logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, seed: int, temperature: float,
-    top_p: float, candidates: int = 64,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(next token per row, rows whose nucleus is wider than ``candidates`` or None), branch-free.
-
-    Gumbel-max with keyed noise: argmax(scores + Gumbel(u)) is distributed as softmax(scores).
-    The nucleus almost always lies within a row's ``candidates`` best tokens, so noise is drawn
-    for those only (the same noise the whole-vocabulary path draws for them). The token of a
-    "wide" row is not exact: :func:`keyed_sample` redoes those rows over the whole vocabulary.
-    """
-    if temperature <= 0:
-        return logits.argmax(dim=-1), None
-    scores = logits.float() / temperature
-    if top_p >= 1.0 or candidates >= scores.shape[-1]:
-        return sample_full(scores, keys, positions, seed, top_p), None
-    values, ids = scores.topk(candidates, dim=-1)
-    probs = (values - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
-    cum = probs.cumsum(dim=-1)
-    keep = (cum - probs) < top_p
-    noisy = values + gumbel(keyed_uniform(seed, keys, positions, ids))
-    out = ids.gather(-1, noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True))[:, 0]
-    return out, cum[:, -1] < top_p
-
-
-def keyed_sample(
-    logits: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    seed: int,
-    temperature: float,
-    top_p: float,
-    candidates: int = 64,
-) -> torch.Tensor:
-    """Next token per row: argmax at temperature 0, else a sample of softmax(logits / T) within
-    top-p, a pure function of (seed, key, position, logits); see :func:`keyed_sample_candidates`."""
-    out, wide = keyed_sample_candidates(logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p,
-                                        candidates=candidates)
-    redo_wide_rows(out, wide, logits, keys, positions, seed=seed, temperature=temperature, top_p=top_p)
-    return out
-
-
-def redo_wide_rows(
-    out: torch.Tensor, wide: Optional[torch.Tensor], logits: torch.Tensor, keys: torch.Tensor,
-    positions: torch.Tensor, *, seed: int, temperature: float, top_p: float,
-) -> Optional[torch.Tensor]:
-    """Redo, in ``out``, the rows of ``wide`` over the whole vocabulary (exact); the rows redone, or None."""
-    if wide is None or not bool(wide.any()):
-        return None
-    rows = wide.nonzero()[:, 0]
-    out[rows] = sample_full(logits[rows].float() / temperature, keys[rows], positions[rows], seed, top_p)
-    return rows
 
 
 # ----------------------------------------------------------------------------- generator-driven sampling

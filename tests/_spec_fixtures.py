@@ -196,21 +196,45 @@ def trained_like_decoder(target: torch.nn.Module, prompts: list[list[int]], bloc
 
 
 def sabotage_slot_reuse(monkeypatch, how) -> None:
-    """Sabotage for the slot-reuse tests: the follow-ups' reused prefix lengths become
-    ``how(start, slot tokens, prompt)``, so a test can check that a wrong KV length is caught."""
-    from nemo_dflash.data.generation import SlotEngine
+    """Sabotage for the row-reuse tests: the follow-ups' kept prefix lengths become ``how(start, row tokens,
+    prompt)``, so a test can check that a wrong K/V length is caught."""
+    from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner, common_prefix
 
-    real = SlotEngine._claim_follow_ups
+    monkeypatch.setattr(BatchedStaticPlainRunner, "_reusable",
+                        lambda self, held, prompt: how(common_prefix(held, prompt), held, prompt))
 
-    def claim(self, pending, held, ready, free):
-        kv = {s: tokens for s, (_, tokens) in held.items()}
-        before = len(ready)
-        real(self, pending, held, ready, free)
-        for k in range(before, len(ready)):
-            slot, req, start = ready[k]
-            ready[k] = (slot, req, how(start, kv[slot], req.prompt_ids))
 
-    monkeypatch.setattr(SlotEngine, "_claim_follow_ups", claim)
+def force_answers(monkeypatch, rule) -> None:
+    """The engine's plain rows choose ``rule(request, answer position, token)`` instead of each token they pick
+    (eagerly, on CPU): a random model can be made to end, loop or write given tokens, per request."""
+    from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner
+
+    real = BatchedStaticPlainRunner._pick
+
+    def pick(self, logits, positions, rows=None):
+        out = real(self, logits, positions, rows)
+        rows_l = list(range(self.rows)) if rows is None else rows.tolist()
+        for j, (r, pos) in enumerate(zip(rows_l, positions.tolist())):
+            req = self.row_requests[r]
+            if req is not None:
+                out[j] = rule(req, pos - len(req.prompt_ids), int(out[j]))
+        return out
+
+    monkeypatch.setattr(BatchedStaticPlainRunner, "_pick", pick)
+
+
+def watch_prefills(monkeypatch, seen) -> None:
+    """``seen(request)`` for each request the engine's plain rows prefill, as it enters."""
+    from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner
+
+    real = BatchedStaticPlainRunner._enter_rows
+
+    def enter(self, rows, prompts, starts, keys):
+        for r in rows:
+            seen(self.row_requests[r])
+        return real(self, rows, prompts, starts, keys)
+
+    monkeypatch.setattr(BatchedStaticPlainRunner, "_enter_rows", enter)
 
 
 def sampled_runner(block: int, vocab: int, filtered: bool = False):

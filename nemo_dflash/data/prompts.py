@@ -680,7 +680,7 @@ def magpie_max_prompt(prefix_tokens: int, max_turns: int, max_new_tokens: int,
                       user_max_new_tokens: Optional[int] = None) -> int:
     """The longest prompt of a Magpie conversation of ``max_turns`` user turns: the prefix, then every
     earlier user turn (at most ``user_max_new_tokens`` each; None: ``max_new_tokens``) and its answer
-    (at most ``max_new_tokens``), each with its template markers. A slot holds this plus the larger
+    (at most ``max_new_tokens``), each with its template markers. A row holds this plus the larger
     of the two caps: what ``--batch-size auto`` must size the KV cache for."""
     user = max_new_tokens if user_max_new_tokens is None else user_max_new_tokens
     return prefix_tokens + (max_turns - 1) * (user + max_new_tokens + 2 * TURN_OVERHEAD_TOKENS)
@@ -827,8 +827,8 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     import zlib
 
     from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
-    from nemo_dflash.data.generation import Request, SlotEngine
     from nemo_dflash.data.loops import LoopDetector
+    from nemo_dflash.engine.plain import PlainEngine, Request
 
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")
@@ -850,10 +850,10 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     pending: collections.deque = collections.deque(
         Request(key=(seed * 7919 + topic_index[c.topic] * 1_000_003 + c.index) & 0x7FFFFFFF,
                 prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1, max_new_tokens=user_cap) for c in convs)
-    engine = SlotEngine(model, num_slots=batch_size, max_prompt_tokens=max_prompt,
-                        max_new_tokens=max(user_cap, max_new_tokens),
-                        stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
-                        loop_detector=LoopDetector(), stop_on_loop=True)
+    engine = PlainEngine(model, rows=batch_size, max_prompt_tokens=max_prompt,
+                         max_new_tokens=max(user_cap, max_new_tokens),
+                         stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
+                         loop_detector=LoopDetector(), stop_on_loop=True)
     for done in engine.generate(pending):
         conv: _MagpieConversation = done.request.tag
         role = "user" if conv.messages[-1]["role"] != "user" else "assistant"

@@ -30,8 +30,8 @@ import torch
 from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
     TURNS, encode_prompt, encode_prompt_text, special_token_strings, split_prompt, stop_token_ids,
 )
-from nemo_dflash.data.generation import Completion, EngineConfig, Request, SlotEngine
 from nemo_dflash.data.loops import LoopDetector
+from nemo_dflash.engine.plain import Completion, PlainEngine, Request
 from nemo_dflash.data.sources import Conversation
 
 logger = logging.getLogger(__name__)
@@ -70,12 +70,10 @@ class RegenStats:
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
     prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
-    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its slot is not)
-    reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the slot
+    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its row is not)
+    reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the row
     seconds: float = 0.0  # time spent generating
     phase_seconds: Counter = field(default_factory=Counter)  # slots engine: seconds by phase (prefill, decode, ...)
-    gpu_seconds: Counter = field(default_factory=Counter)  # slots engine on CUDA: GPU busy / idle-before seconds by phase
-    prefill_calls: Counter = field(default_factory=Counter)  # slots engine: prefill forwards, fresh and continuing
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:
@@ -90,14 +88,10 @@ class RegenStats:
             f"({rate:.1f} tokens/s)"
         )
         if self.prefill_tokens or self.reused_tokens:
-            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the slot "
+            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the row "
                      f"({self.prefix_mismatch} later turns not a prefix extension)")
         if self.phase_seconds:
             text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
-            text += " (prefill forwards: " + ", ".join(f"{k} {v}" for k, v in sorted(self.prefill_calls.items())) + ")"
-        if self.gpu_seconds:
-            text += "; GPU seconds (busy by phase, idle_before_*: waiting for the host): " + ", ".join(
-                f"{k} {v:.1f}" for k, v in sorted(self.gpu_seconds.items()))
         if self.shortened:
             text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
         return text
@@ -216,9 +210,9 @@ def generate_batch(
 
 class BatchedGenerateEngine:
     """``model.generate`` on successive batches of the pending requests: the fallback for models the
-    slot engine cannot run (recurrent or sliding-window layers). Finished rows idle until the
+    decoding engine cannot run (recurrent or sliding-window layers). Finished rows idle until the
     longest answer of their batch ends, and sampling follows torch's global RNG, so samples
-    depend on the batch composition (the slot engine's do not)."""
+    depend on the batch composition (the engine's do not)."""
 
     def __init__(self, model: Any, *, batch_size: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
                  temperature: float, top_p: float, seed: int, loop_detector: Optional[LoopDetector]) -> None:
@@ -403,16 +397,12 @@ def regenerate_conversations(
     capped: str = "keep",
     after_cut: str = "end",
     loop_detector: Optional[LoopDetector] = None,
-    max_prefill_tokens: int = 65536,
     reuse_slots: bool = True,
     stats: Optional[RegenStats] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     should_stop: Optional[Callable[[], bool]] = None,
     prepare_ahead: int = 0,
     schedule: str = "most_turns_first",
-    prefill_attention: Optional[str] = None,
-    decode_compile: Optional[bool] = None,
-    engine_config: Optional[EngineConfig] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -422,16 +412,16 @@ def regenerate_conversations(
     ``turns="first"`` answers the first user turn only (``[system?, user, assistant]``);
     ``turns="all"`` answers every user turn, with the target's own earlier answers as context.
 
-    ``engine="slots"`` keeps ``batch_size`` answers in flight and refills a slot as soon as its
-    answer ends (:class:`~nemo_dflash.data.generation.SlotEngine`); ``"generate"`` runs
+    ``engine="slots"`` keeps ``batch_size`` answers in flight in the decoding engine's rows and refills rows
+    as answers end (:class:`~nemo_dflash.engine.plain.PlainEngine`); ``"generate"`` runs
     ``model.generate`` batch after batch. An answer that loops (``loop_detector``, default
     :class:`LoopDetector`) is cut at the loop's start (``loops="cut"``), dropped (``"drop"``) or kept
     (``"keep"``); an answer cut by ``max_new_tokens`` is kept (``capped="keep"``) or dropped. A
     dropped answer, an empty answer, or a next prompt over ``max_prompt_tokens`` ends the
     conversation there, and so does a cut or capped answer unless ``after_cut="continue"`` (the
     next turn then sees the cut answer in its history); if no turn survives it is skipped and counted in
-    ``stats.skipped``. With the slot engine a conversation keeps its slot between turns and a later
-    turn prefills only what its prompt adds to the slot's tokens (``stats.prefill_tokens`` /
+    ``stats.skipped``. With the engine a conversation keeps its row between turns and a later
+    turn prefills only what its prompt adds to the row's tokens (``stats.prefill_tokens`` /
     ``reused_tokens``; ``prefix_mismatch`` counts the turns whose prompt rewrote earlier tokens:
     they reuse only the common prefix; ``reuse_slots=False`` prefills every prompt whole, for
     comparison). ``progress(conversations_done, new_tokens)`` is called as answers end.
@@ -450,10 +440,7 @@ def regenerate_conversations(
     ``schedule`` (:data:`SCHEDULES`) is the order conversations start in: ``"most_turns_first"``
     (with ``turns="all"``; it reads every conversation before the first starts) or as given.
 
-    ``engine_config`` holds the slot engine's speed settings (:class:`~nemo_dflash.data.generation.EngineConfig`;
-    None: the device's defaults); ``prefill_attention`` and ``decode_compile``, when given, override its
-    fields. None of them changes a record.
-    """
+"""
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
     if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
@@ -475,13 +462,10 @@ def regenerate_conversations(
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         max_prompt_tokens = max(context - max_new_tokens, 1)
     if engine == "slots":
-        gen: Any = SlotEngine(
-            model, num_slots=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+        gen: Any = PlainEngine(
+            model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
             stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
-            stop_on_loop=loops != "keep", max_prefill_tokens=max_prefill_tokens, reuse_slots=reuse_slots,
-            config=replace(engine_config or EngineConfig(), **{
-                k: v for k, v in (("prefill_attention", prefill_attention), ("decode_compile", decode_compile))
-                if v is not None}),
+            stop_on_loop=loops != "keep", reuse_rows=reuse_slots,
         )
     else:
         gen = BatchedGenerateEngine(
@@ -652,8 +636,6 @@ class _Regeneration:
         generated0 = gen.generated_tokens
         prefill0, reused0 = getattr(gen, "prefill_tokens", 0), getattr(gen, "reused_tokens", 0)
         phases0 = collections.Counter(getattr(gen, "seconds", {}))
-        gpu0 = collections.Counter(getattr(getattr(gen, "gpu", None), "seconds", {}))
-        calls0 = collections.Counter(getattr(gen, "prefills", {}))
         # ``stats`` may carry an earlier call's figures (one call per thinking mode): they are added to
         before = (stats.seconds, stats.generated_tokens, stats.prefill_tokens, stats.reused_tokens)
 
@@ -678,8 +660,3 @@ class _Regeneration:
             self._admit()
         count_progress()
         stats.phase_seconds += collections.Counter(getattr(gen, "seconds", {})) - phases0
-        gpu = getattr(gen, "gpu", None)
-        if gpu is not None:
-            gpu.read()  # the last window's events (the run ended after its collect)
-        stats.gpu_seconds += collections.Counter(getattr(gpu, "seconds", {})) - gpu0
-        stats.prefill_calls += collections.Counter(getattr(gen, "prefills", {})) - calls0

@@ -51,7 +51,6 @@ compiled, a few fused kernels instead of ~40 (`static_decode.FUSE_SAMPLING`), ea
 from __future__ import annotations
 
 import collections
-import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -68,12 +67,9 @@ from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,
 )
-from nemo_dflash.engine import static_decode
 from nemo_dflash.engine.static_decode import (
     BucketedSteps, SampledStepState, step_key, cache_length_for, make_step, view_length,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def check_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -127,9 +123,9 @@ class Completion:
     token_ids: list[int]
     finish: str  # "stop" | "length" | "loop"
     generated: int  # tokens generated for it (a stop token and a cut loop included)
-    output: GenerationOutput
     loop_start: Optional[int] = None
     row: Optional[int] = None  # the row held for a follow-up (`Request.hold`), else None
+    output: Optional[GenerationOutput] = None
 
 
 def noise_key(seed: int, key: int) -> int:
@@ -202,6 +198,7 @@ class _Rows:
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `serve`
         self.filled_blocks = filled_blocks_on(self.device)  # the captured target steps read filled KV blocks only
+        self.row_requests: list[Optional[Request]] = [None] * self.rows  # the request each row holds (`serve`)
         # what a call did: tokens generated, prompt tokens prefilled and kept from a held row, follow-ups that
         # continued in their row (of them, rows whose tokens were not all a prefix of the new prompt), wall time
         # by phase (prefill, decode, host, caller: between yields)
@@ -234,14 +231,16 @@ class _Rows:
         ids = torch.tensor([list(p[s:]) + [p[-1]] * (width - len(p) + s) for p, s in zip(prompts, starts)],
                            device=self.device)
         positions = torch.tensor(starts, device=self.device).view(-1, 1) + torch.arange(width, device=self.device)
-        self.kv.write_positions, self.kv.view_len = positions, view_len
+        fresh = not any(starts)  # whole prompts: attention over the forward's own K/V (`TargetStaticCache.fresh`)
+        self.kv.write_positions, self.kv.view_len, self.kv.fresh = positions, view_len, fresh
         self.kv.rows = torch.tensor(rows, device=self.device)
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
             with engine_attention(self.model), eager_attention_backends(self.device):
                 hidden = self.decoder(input_ids=ids, position_ids=positions, past_key_values=self.kv.cache,
-                                      use_cache=True, attention_mask=self.causal(positions, view_len)).last_hidden_state
+                                      use_cache=True, attention_mask=self.causal(positions, width if fresh else view_len)
+                                      ).last_hidden_state
         finally:
-            self.kv.rows = None
+            self.kv.rows, self.kv.fresh = None, False
         self.prefill_tokens += int(lengths.sum())
         return self.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])
 
@@ -271,13 +270,23 @@ class _Rows:
         noise keys and positions set. Returns the first tokens."""
         idx = torch.tensor(rows, device=self.device)
         at = torch.tensor([len(p) for p in prompts], device=self.device)
-        if self.state is None:
-            toks = last.argmax(dim=-1)
-        else:
+        if self.state is not None:
             self.state.key[idx] = torch.tensor(list(keys), device=self.device)
-            toks = self.state.next_tokens(last, self.filtered, at, rows=idx)
+        toks = self._pick(last, at, idx)
         self.pos[idx] = at
         return toks.tolist()
+
+    def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """The tokens [k] of `rows` (None: every row) for their logits [k, V], each at its position [k]: the argmax,
+        or (T > 0) the row's keyed draw. (Tests replace it to force answers: `row_requests` says whose they are.)"""
+        if self.state is None:
+            return logits.argmax(dim=-1)
+        return self.state.next_tokens(logits, self.filtered, positions, rows=rows)
+
+    def _reusable(self, held: Sequence[int], prompt: Sequence[int]) -> int:
+        """Tokens of a held row a follow-up keeps (`common_prefix`)."""
+        return common_prefix(held, prompt)
 
     # ---- what each runner supplies to the one loop below
     one_token_steps: bool  # a step's tokens are one forward each (plain), or one verify's (speculative)
@@ -309,15 +318,16 @@ class _Rows:
     @torch.no_grad()
     def serve(self, pending: "collections.deque[Request]", max_new_tokens: int, stop_ids: set[int],
               sampling: Optional[SamplingParams] = None, seed: int = 0, loop_detector: Any = None,
-              stop_on_loop: bool = False, loop_check_every: int = 128, refill_rows: int = 1
-              ) -> Iterator[Completion]:
+              stop_on_loop: bool = False, loop_check_every: int = 128, refill_rows: int = 1,
+              reuse_prefix: bool = True) -> Iterator[Completion]:
         """Answer the requests of `pending` (popped from the left), yielding each completion as its answer
         ends; the caller may append requests meanwhile (a conversation's next turn). Prompts enter rows as
         answers end: the rows freed by one step enter together (one prefill), once `refill_rows` rows are free
         or no row decodes. The one host loop of both runners: a step, one read-back, then each live row's new
         tokens kept up to a stop token or its cap. `loop_detector` (`.find(tokens)` -> a loop's start or None,
         `.min_tokens`) fills each completion's `loop_start`; with `stop_on_loop` each answer is also checked at
-        its own lengths k, 2k, ... (k = `loop_check_every`) and a looping one ends there, cut at the loop."""
+        its own lengths k, 2k, ... (k = `loop_check_every`) and a looping one ends there, cut at the loop.
+        `reuse_prefix=False`: a follow-up in its row is prefilled whole (for comparison)."""
         if self.sampled != (sampling is not None and not sampling.greedy):
             raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
         if refill_rows < 1 or loop_check_every < 1:
@@ -328,6 +338,7 @@ class _Rows:
         stop_on_loop = stop_on_loop and loop_detector is not None
         R, room = self.rows, self._room(max_new_tokens)
         self._reset()
+        self.row_requests: list[Optional[Request]] = [None] * R  # the request each row holds (or last held)
         live: list[Optional[_Live]] = [None] * R
         host_pos = [0] * R
         free = list(range(R))  # rows waiting for a prompt
@@ -362,9 +373,9 @@ class _Rows:
                                    acceptance_lengths=list(a.accepted), stopped=stopped)
             req = a.request
             if stop_on_loop and loop_start is not None:
-                c = Completion(req, answer[:loop_start], "loop", len(tokens), out, loop_start)
+                c = Completion(req, answer[:loop_start], "loop", len(tokens), loop_start, output=out)
             else:
-                c = Completion(req, answer, "stop" if stopped else "length", len(tokens), out, loop_start)
+                c = Completion(req, answer, "stop" if stopped else "length", len(tokens), loop_start, output=out)
             if req.hold:
                 c.row = row
                 held[row] = (c, list(req.prompt_ids) + tokens[:-1])  # the last token's K/V was never written
@@ -383,7 +394,8 @@ class _Rows:
                     if row is None or row in claimed or row not in held or held[row][0] is not req.after:
                         rest.append(req)
                         continue
-                    start = common_prefix(held[row][1], req.prompt_ids) if self.reuses_prefix else 0
+                    reuse = self.reuses_prefix and reuse_prefix
+                    start = self._reusable(held[row][1], req.prompt_ids) if reuse else 0
                     self.prefix_short += start < len(held[row][1])
                     ready.append((row, req, start))
                     claimed.add(row)
@@ -406,6 +418,8 @@ class _Rows:
                 return
             caps = [check(req) for _, req, _ in entering]
             rows = [row for row, _, _ in entering]
+            for row, req, _ in entering:
+                self.row_requests[row] = req
             t = clock()
             with record_function("engine.enter"):
                 toks, needs = self._enter_rows(rows, [req.prompt_ids for _, req, _ in entering],
@@ -518,29 +532,15 @@ class BatchedStaticPlainRunner(_Rows):
                  filtered: bool = False) -> None:
         super().__init__(model, rows, max_len, use_graphs)
         self.sampled, self.filtered = sampled, sampled and filtered
-        # the target's forward through inductor inside the captured step (`static_decode.COMPILE_PLAIN_STEP`)
-        self.forward = self._forward
-        if use_graphs and static_decode.compile_plain_step(self.device):
-            self.forward = torch.compile(self._forward, dynamic=False)
         self.state = SampledStepState(self.rows, self.device) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.window = 1  # steps a host read-back (set per call by `batched_static_autoregressive_generate`)
         self.outs = torch.zeros(WINDOW_MAX, self.rows, dtype=torch.long, device=self.device)  # a window's tokens
         self.out_i = torch.zeros((), dtype=torch.long, device=self.device)  # the next step's row in `outs`
         self.filled = self.filled_mask(1)
-        self.steps = BucketedSteps(self._make_step, self.max_len, "the batched 1-token step", use_graphs,
+        self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
+                                    self.max_len, "the batched 1-token step", use_graphs,
                                     buckets=not self.filled_blocks)
-
-    def _make_step(self, n: int) -> Any:
-        try:
-            return make_step(lambda: self._step(n), self.device, self.use_graphs, self.model)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the same step, uncompiled
-            if self.forward == self._forward:
-                raise
-            logger.warning("the compiled plain step failed (%s: %s); capturing the uncompiled step",
-                           type(e).__name__, str(e).strip().splitlines()[0][:200] if str(e).strip() else "")
-            self.forward = self._forward
-            return make_step(lambda: self._step(n), self.device, self.use_graphs, self.model)
 
     @property
     def step_key(self) -> tuple:
@@ -555,21 +555,14 @@ class BatchedStaticPlainRunner(_Rows):
         if self.filled is not None:
             self.filled.set(q_pos)
         with engine_attention(self.model, self.filled):
-            logits = self.forward(q_pos, view_len)
-        if self.sampled:
-            self.tok.copy_(self.state.next_tokens(logits, self.filtered, self.pos + 1).view(-1, 1))
-        else:
-            self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
+            out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
+                             attention_mask=self.causal(q_pos, view_len))
+        logits = out.logits[:, -1]
+        self.tok.copy_(self._pick(logits, self.pos + 1).view(-1, 1))
         self.outs.index_copy_(0, self.out_i.view(1), self.tok.view(1, -1))
         self.out_i.add_(1)
         self.pos.add_(self.alive)
         return logits
-
-    def _forward(self, q_pos: torch.Tensor, view_len: int) -> torch.Tensor:
-        """The target's logits [R, V] for each row's token at `q_pos` [R, 1]."""
-        out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
-                         attention_mask=self.causal(q_pos, view_len))
-        return out.logits[:, -1]
 
     def _room(self, max_new_tokens: int) -> int:
         return max_new_tokens + self.window

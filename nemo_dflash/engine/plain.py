@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.engine.batched_static import Completion, Request, plain_runner
+from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner, Completion, Request
 from nemo_dflash.engine.static_cache import check_static_target
 from nemo_dflash.engine.static_decode import cache_length_for
 from nemo_dflash.sampling import SamplingParams
@@ -64,6 +64,16 @@ def max_rows(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int) -> O
     return int(free_device_bytes(param.device) * KV_MEMORY_FRACTION) // row_bytes(model.config, length, param.dtype)
 
 
+def check_rows_fit(rows: int, length: int, row_bytes: int, free_bytes: int) -> None:
+    """Raise a one-line ValueError naming the fix if `rows` KV rows of `row_bytes` do not fit in KV_MEMORY_FRACTION
+    of `free_bytes`: caught before the cache is allocated."""
+    fit = int(free_bytes * KV_MEMORY_FRACTION) // row_bytes
+    if rows > fit:
+        raise ValueError(f"{rows} rows x {length} positions need a {rows * row_bytes / 1e9:.1f} GB KV cache and "
+                         f"{free_bytes / 1e9:.1f} GB is free: use --batch-size {max(fit, 1)} or less, or lower "
+                         "--max-prompt-tokens / --max-new-tokens")
+
+
 def auto_rows(fit: Optional[int]) -> int:
     """`--batch-size auto`: 97% of the rows that fit (`max_rows`; a margin for what the engine allocates besides
     its cache), capped at AUTO_ROWS_CAP; CPU_AUTO_ROWS where nothing was fitted (off a GPU)."""
@@ -73,13 +83,14 @@ def auto_rows(fit: Optional[int]) -> int:
 class PlainEngine:
     """`generate(pending)` answers a queue of `Request`s with `rows` rows, yielding `Completion`s as they end
     (the caller may append a conversation's next turn meanwhile; it continues in its row). `loop_detector`
-    fills each completion's `loop_start`; with `stop_on_loop` a looping answer ends at a loop check, cut."""
+    fills each completion's `loop_start`; with `stop_on_loop` a looping answer ends at a loop check, cut.
+    `reuse_rows=False`: a conversation's next turn is prefilled whole, for comparison."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt_tokens: int, max_new_tokens: int,
                  stop_ids: Iterable[int], temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  loop_detector: Any = None, stop_on_loop: bool = False, loop_check_every: int = 128,
                  refill_rows: Optional[int] = None, window: Optional[int] = None,
-                 use_graphs: Optional[bool] = None) -> None:
+                 use_graphs: Optional[bool] = None, reuse_rows: bool = True) -> None:
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("rows, max_prompt_tokens and max_new_tokens must be >= 1")
         check_static_target(model)
@@ -87,28 +98,30 @@ class PlainEngine:
         self.sampling = SamplingParams(temperature, top_p=top_p)
         self.window = window or window_for(device)
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device (the model is on {device.type}): leave use_graphs unset")
         length = row_length(max_prompt_tokens, max_new_tokens, self.window)
         if device.type == "cuda":
-            need, free = rows * row_bytes(model.config, length, next(model.parameters()).dtype), free_device_bytes(device)
-            if need > free * KV_MEMORY_FRACTION:
-                raise ValueError(f"{rows} rows x {length} positions need a {need / 1e9:.1f} GB KV cache and "
-                                 f"{free / 1e9:.1f} GB is free: use --batch-size {max_rows(model, max_prompt_tokens, max_new_tokens) or 1} "
-                                 "or less, or lower --max-prompt-tokens / --max-new-tokens")
-        self.runner = plain_runner(model, self.sampling, rows, length, self.use_graphs)
+            check_rows_fit(rows, length, row_bytes(model.config, length, next(model.parameters()).dtype),
+                           free_device_bytes(device))
+        # its own runner (not the cached ones evaluation reuses): its KV cache goes with this engine
+        self.runner = BatchedStaticPlainRunner(model, rows, length, self.use_graphs, not self.sampling.greedy,
+                                               self.sampling.filtered)
         self.runner.window = self.window
         self.rows, self.max_new_tokens, self.seed = rows, max_new_tokens, seed
         self.stop_ids = {int(t) for t in stop_ids}
         self.loop_detector, self.stop_on_loop, self.loop_check_every = loop_detector, stop_on_loop, loop_check_every
         self.refill_rows = refill_rows or max(1, rows // REFILL_FRACTION.get(device.type, 2))
+        self.reuse_rows = reuse_rows  # False: a conversation's next turn is prefilled whole (for comparison)
         logger.info("engine: %d rows x %d positions, %s, window %d", rows, length,
                     "CUDA graphs" if self.use_graphs else "eager", self.window)
 
     def generate(self, pending: "collections.deque[Request]") -> Iterator[Completion]:
         return self.runner.serve(pending, self.max_new_tokens, self.stop_ids,
                                  None if self.sampling.greedy else self.sampling, self.seed, self.loop_detector,
-                                 self.stop_on_loop, self.loop_check_every, self.refill_rows)
+                                 self.stop_on_loop, self.loop_check_every, self.refill_rows, self.reuse_rows)
 
-    # what the runner did (summed over its calls: a caller takes differences)
+    # what the runner did (summed over its calls)
     @property
     def generated_tokens(self) -> int:
         return self.runner.generated_tokens
@@ -134,4 +147,5 @@ class PlainEngine:
         return self.runner.seconds
 
 
-__all__ = ["AUTO_ROWS_CAP", "Completion", "PlainEngine", "Request", "auto_rows", "max_rows", "row_bytes"]
+__all__ = ["AUTO_ROWS_CAP", "Completion", "PlainEngine", "Request", "auto_rows", "check_rows_fit", "max_rows",
+           "row_bytes"]

@@ -238,7 +238,8 @@ class TargetStaticCache:
     `update` returns the first `view_len` positions only (default: all); the caller sets it
     with the matching mask length, and must cover every position its queries can see.
     With `batch` rows, `write_positions` may be [rows, Q] (`write_at`), and `rows` ([k] indices) directs
-    a forward of k rows into those rows.
+    a forward of k rows into those rows. With `fresh` (prompts prefilled whole, from position 0) attention reads
+    the forward's own K/V: nothing before them is visible, so no gather of the rows' buffers.
     """
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -254,6 +255,7 @@ class TargetStaticCache:
         self.write_positions: Optional[torch.Tensor] = None
         self.rows: Optional[torch.Tensor] = None
         self.view_len = self.max_len
+        self.fresh = False  # a prefill of whole prompts: attention reads the forward's own K/V, not the buffers
         for layer in self.cache.layers:
             keys = getattr(layer, "keys", None)
             if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (batch, heads, self.max_len, head_dim):
@@ -265,6 +267,9 @@ class TargetStaticCache:
 
     def _writer(self, layer: Any) -> Any:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if self.fresh:
+                write_at(layer.keys, layer.values, key_states, value_states, self.write_positions, self.rows)
+                return key_states, value_states
             return write_and_view(layer.keys, layer.values, key_states, value_states, self.write_positions,
                                   self.rows, self.view_len)
 

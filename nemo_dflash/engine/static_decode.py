@@ -42,14 +42,6 @@ FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs
 # functions (`sampling.sampled_*`), eager or captured alike (so the eager and captured steps keep drawing the same
 # tokens). A runner reads it when it is made.
 FUSE_SAMPLING = True
-# The plain runner's captured step runs the target's forward through inductor (torch.compile) first: True, False,
-# or None (off until measured faster). `benchmarks/regen.py --compile-step 0|1` times both.
-COMPILE_PLAIN_STEP: Optional[bool] = None
-
-
-def compile_plain_step(device: torch.device) -> bool:
-    """COMPILE_PLAIN_STEP resolved for a runner on `device` (only captured steps on a GPU compile)."""
-    return device.type == "cuda" and bool(COMPILE_PLAIN_STEP)
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -72,13 +64,11 @@ def view_lengths(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def step_key() -> tuple[int, bool, bool, bool]:
+def step_key() -> tuple[int, bool, bool]:
     """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets), whether
     the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`) and whether its steps read filled
-    blocks only (`static_cache.FILLED_BLOCKS`), and whether the plain step compiles (`COMPILE_PLAIN_STEP`). A runner
-    made under another key is rebuilt."""
-    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS,
-            COMPILE_PLAIN_STEP)
+    blocks only (`static_cache.FILLED_BLOCKS`). A runner made under another key is rebuilt."""
+    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS)
 
 
 class BucketedSteps:

@@ -5,8 +5,8 @@ each step's acceptance is fixed by that answer: step i drafts a block from the l
 token (its anchor) and keeps 1 + the longest prefix of draft tokens equal to the greedy tokens
 that follow. So instead of decoding one prompt at a time:
 
-1. the greedy answers of all conversations are generated in batch (the slot engine of
-   `data.generation`, continuous batching; turn 2 sees the target's own turn-1 answer, built as
+1. the greedy answers of all conversations are generated in batch (the decoding engine's plain rows,
+   `engine.plain`, continuous batching; turn 2 sees the target's own turn-1 answer, built as
    `ConversationDecoder` builds it), then each answer is continued greedily for one more block
    past its end, stop tokens ignored: the sequential decoder's last step compares its drafts with
    those tokens too (its acceptance length counts tokens cut at the stop or the cap);
@@ -47,8 +47,8 @@ from nemo_dflash.sampling import as_sampling
 logger = logging.getLogger(__name__)
 
 ANCHOR_TOKENS = 8192  # block tokens per draft forward (anchors x block): bounds the dense mask's memory
-MAX_SLOTS = 512  # slot-engine rows at most
-KV_SHARE = 0.6  # of the free GPU memory, for the slot engine's KV cache (the rest: activations, the replay)
+MAX_ROWS = 512  # engine rows at most
+KV_SHARE = 0.6  # of the free GPU memory, for the engine's KV cache (the rest: activations, the replay)
 # The draft's attention over all anchors, by device: flex_attention with a BlockMask on a GPU, as training
 # runs it (a dense mask with grouped KV heads falls back to SDPA's math kernel, which materialises the
 # scores); the dense SDPA mask elsewhere. The benchmarks may set it.
@@ -101,21 +101,21 @@ class ReplayEvaluator:
     """The T=0 acceptance of `draft` on whole prompt sets; answers as `ConversationDecoder.run` gives them."""
 
     def __init__(self, target_model: nn.Module, tokenizer: Any, draft: DFlashDraftModel, settings: EvalSettings,
-                 *, num_slots: Optional[int] = None, anchor_tokens: int = ANCHOR_TOKENS,
-                 decode_compile: Optional[bool] = False, cuda_graph: Optional[bool] = None) -> None:
+                 *, num_rows: Optional[int] = None, anchor_tokens: int = ANCHOR_TOKENS,
+                 cuda_graph: Optional[bool] = None) -> None:
         from nemo_dflash.draft.build import check_draft_fits_target
 
         if not as_sampling(settings.temperature).greedy:
             raise ValueError(f"replay measures T=0 only (got {as_sampling(settings.temperature).label}): "
                              "use the sequential decoder for T > 0")
         check_draft_fits_target(draft.config, target_model.config)
-        from nemo_dflash.data.generation import check_supported
+        from nemo_dflash.engine.static_cache import check_static_target
 
         try:
-            check_supported(target_model)
+            check_static_target(target_model)
         except ValueError as e:
             reason = str(e).split(":")[0]
-            raise ValueError(f"--method replay generates with the slot engine, and {reason}: "
+            raise ValueError(f"--method replay generates with the decoding engine, and {reason}: "
                              "use --method sequential for this target") from None
         self.model, self.tokenizer, self.draft, self.settings = target_model, tokenizer, draft, settings
         self.target = HFDFlashTargetModel(target_model, draft.target_layer_ids)
@@ -123,26 +123,22 @@ class ReplayEvaluator:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self.stops = stop_token_ids(target_model, tokenizer)
-        self.num_slots, self.anchor_tokens, self.decode_compile = num_slots, anchor_tokens, decode_compile
-        self.cuda_graph = cuda_graph  # None: the slot engine's default (a graph on CUDA)
+        self.num_rows, self.anchor_tokens = num_rows, anchor_tokens
+        self.cuda_graph = cuda_graph  # None: the engine's default (graphs on CUDA)
         self.device = next(target_model.parameters()).device
 
     # ------------------------------------------------------------------ 1. greedy answers
 
     def _engine(self, n: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids: list[int]):
-        from nemo_dflash.data.generation import EngineConfig, SlotEngine
-        from nemo_dflash.data.slot_attention import SlotKVCache
+        from nemo_dflash.engine.plain import PlainEngine, free_device_bytes, row_bytes, row_length, window_for
 
-        slots = min(n, self.num_slots or MAX_SLOTS)
+        rows = min(n, self.num_rows or MAX_ROWS)
         if self.device.type == "cuda":
-            width = 128 * math.ceil((max_prompt_tokens + max_new_tokens) / 128)
-            per_slot = SlotKVCache.slot_bytes(self.model.config, width, next(self.model.parameters()).dtype)
-            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) - \
-                torch.cuda.memory_allocated(self.device)
-            slots = max(1, min(slots, int(free * KV_SHARE) // per_slot))
-        return SlotEngine(self.model, num_slots=slots, max_prompt_tokens=max_prompt_tokens,
-                          max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=0.0,
-                          cuda_graph=self.cuda_graph, config=EngineConfig(decode_compile=self.decode_compile))
+            length = row_length(max_prompt_tokens, max_new_tokens, window_for(self.device))
+            per_row = row_bytes(self.model.config, length, next(self.model.parameters()).dtype)
+            rows = max(1, min(rows, int(free_device_bytes(self.device) * KV_SHARE) // per_row))
+        return PlainEngine(self.model, rows=rows, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                           stop_ids=stop_ids, use_graphs=self.cuda_graph)
 
     def _prompt_bound(self, prompts: Sequence[EvalPrompt]) -> int:
         """Tokens a turn's prompt can take: the whole conversation's user turns plus every earlier answer
@@ -160,7 +156,7 @@ class ReplayEvaluator:
 
     def greedy_answers(self, prompts: Sequence[EvalPrompt]) -> dict[tuple[int, int], GreedyTurn]:
         """{(prompt index, turn index): greedy answer} for every turn of every prompt, in batch."""
-        from nemo_dflash.data.generation import Request
+        from nemo_dflash.engine.plain import Request
 
         s = self.settings
         history = {i: p.history() for i, p in enumerate(prompts)}
@@ -185,14 +181,14 @@ class ReplayEvaluator:
                                                                                self.stops)})
                 pending.append(request(i, t + 1, after=c))
         del engine, pending
-        release_device_memory()  # the finished slot engine's KV cache, before the next allocation
+        release_device_memory()  # the finished engine's KV cache, before the next allocation
         return self._continue(raw)
 
     def _continue(self, raw: dict[tuple[int, int], tuple[list[int], list[int], bool]]
                   ) -> dict[tuple[int, int], GreedyTurn]:
         """Each answer (stop token excluded) continued greedily by one block, stop tokens ignored: the
         stop token itself, then the tokens the sequential decoder's last step is compared with."""
-        from nemo_dflash.data.generation import Request
+        from nemo_dflash.engine.plain import Request
 
         extra = self.block_size
         keys = sorted(raw)
@@ -213,7 +209,7 @@ class ReplayEvaluator:
             else:
                 out[k] = GreedyTurn(prompt_ids, body, False, nxt)
         del engine, pending
-        release_device_memory()  # the finished slot engine's KV cache, before the next allocation
+        release_device_memory()  # the finished engine's KV cache, before the next allocation
         if mismatched:
             logger.warning("%d answers ended at a stop token that a re-run of their prefix did not predict "
                            "(low-precision near ties)", mismatched)

@@ -43,7 +43,7 @@ RANK0_STAGES = ("export", "evaluate")  # single-process commands: the other rank
 # shards, the prompt files, the export) that the next stage reads on every rank.
 STAGES_DIR = "stages"
 # Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
-HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "prefill_attention", "decode_compile", "workers")
+HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "workers")
 # Training keys that never change the trained draft: whole sections, and keys inside one (a job limit: a run it
 # stops is incomplete, and resumes under another limit).
 TRAIN_HOW_NOT_WHAT = ("wandb", "run", "prompts", "regenerate", "export", "evaluate")

@@ -207,15 +207,15 @@ def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: 
     if not getattr(tokenizer, "chat_template", None):
         fail(f"the tokenizer of {args.target} has no chat template; Magpie prompts need the instruct model")
     if args.batch_size == "auto":
-        from nemo_dflash.data.generation import auto_num_slots, max_slots
+        from nemo_dflash.engine.plain import auto_rows, max_rows
         from nemo_dflash.data.prompts import MAGPIE_TOPICS, magpie_max_prompt, magpie_prefix
 
         with user_errors(DataError):
             longest = max(len(magpie_prefix(tokenizer, MAGPIE_TOPICS[t])) for t in counts)
-        # a slot holds a whole conversation: its longest prompt (every earlier turn) plus a turn (the larger cap)
+        # a row holds a whole conversation: its longest prompt (every earlier turn) plus a turn (the larger cap)
         longest = magpie_max_prompt(longest, turns[1], args.max_new_tokens, args.user_max_new_tokens)
         cap = max(args.max_new_tokens, args.user_max_new_tokens or args.max_new_tokens)
-        args.batch_size = auto_num_slots(max_slots(model, longest, cap))
+        args.batch_size = auto_rows(max_rows(model, longest, cap))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
     sampling = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, user_max_new_tokens=args.user_max_new_tokens,
                     batch_size=args.batch_size,

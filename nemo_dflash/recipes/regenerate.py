@@ -91,27 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (see --sampling); 0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (see --sampling)")
     p.add_argument("--engine", choices=("slots", "generate"), default="slots",
-                   help="slots: continuous batching, a finished answer's row refilled at once (full-attention "
-                        "models); generate: model.generate batch after batch (any model)")
+                   help="slots: the decoding engine, continuous batching, a finished answer's row refilled as it "
+                        "ends (full-attention models); generate: model.generate batch after batch (any model)")
     p.add_argument("--batch-size", type=count_or_auto, default=8,
                    help="answers in flight (slots: rows of the KV cache; generate: prompts per call); auto: as "
                         "many as the GPU's free memory holds, at most 2,048 (on a CPU or with "
                         "--engine generate: 8)")
-    p.add_argument("--max-prefill-tokens", type=int, default=65536,
-                   help="slots: cap on the prompt tokens of one prefill forward (a refill's prompts are packed "
-                        "into one row)")
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="conversations whose first prompt is templated and tokenised ahead on a background "
                         "thread, overlapping the GPU (0: inline); the output does not depend on it")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in; starting those with the most turns "
                         "first shortens the tail where the batch empties; the output does not depend on it")
-    p.add_argument("--prefill-attention", choices=("groups", "varlen"), default=None,
-                   help="slots: a packed prefill's attention, by right-padded groups or one flash varlen call "
-                        "per layer (default: the engine's); the output does not depend on it")
-    p.add_argument("--decode-compile", choices=("on", "off"), default=None,
-                   help="slots: the decode step through torch.compile before it is captured (default: the "
-                        "engine's); the output does not depend on it")
     p.add_argument("--loops", choices=("cut", "drop", "keep"), default="cut",
                    help="an answer that degenerates into repetition: cut at the loop's start (the conversation "
                         "ends there), drop the turn, or keep it")
@@ -143,16 +134,15 @@ MAX_SAMPLES_PER_PROMPT = 1024
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from nemo_dflash.data.generation import AUTO_SLOTS_CAP
+    from nemo_dflash.engine.plain import AUTO_ROWS_CAP
 
-    for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_prefill_tokens",
-                 "samples_per_prompt"):
+    for name in ("num_samples", "max_new_tokens", "batch_size", "max_prompt_tokens", "samples_per_prompt"):
         value = getattr(args, name)
         if value is not None and value != "auto" and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
-    if args.batch_size != "auto" and args.batch_size > AUTO_SLOTS_CAP:
+    if args.batch_size != "auto" and args.batch_size > AUTO_ROWS_CAP:
         fail(f"--batch-size {args.batch_size} is more answers in flight than any GPU holds: give at most "
-             f"{AUTO_SLOTS_CAP}, or auto (what the GPU's free memory holds)")
+             f"{AUTO_ROWS_CAP}, or auto (what the GPU's free memory holds)")
     if args.samples_per_prompt > MAX_SAMPLES_PER_PROMPT:
         fail(f"--samples-per-prompt {args.samples_per_prompt}: give at most {MAX_SAMPLES_PER_PROMPT} (each copy is "
              "held in memory); for more data add prompts (--num-samples, more --data)")
@@ -165,11 +155,6 @@ def _validate(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not args.out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
-
-
-def _on_off(value: Optional[str]) -> Optional[bool]:
-    """An ``on``/``off`` switch of the command line; None: not given."""
-    return None if value is None else value == "on"
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
@@ -829,17 +814,17 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
                  f"context of {context} tokens; lower one of them")
 
     if args.batch_size == "auto":
-        from nemo_dflash.data.generation import auto_num_slots, max_slots
+        from nemo_dflash.engine.plain import auto_rows, max_rows
 
-        fit = (max_slots(model, max_prompt, args.max_new_tokens)
+        fit = (max_rows(model, max_prompt, args.max_new_tokens)
                if args.engine == "slots" and max_prompt is not None else None)
-        args.batch_size = auto_num_slots(fit)
+        args.batch_size = auto_rows(fit)
         logger.info("--batch-size auto: %d answers in flight%s", args.batch_size,
                     f" ({fit} fit in the GPU's free memory)" if fit is not None else "")
     elif args.engine == "slots" and max_prompt is not None:
-        from nemo_dflash.data.generation import max_slots
+        from nemo_dflash.engine.plain import max_rows
 
-        fit = max_slots(model, max_prompt, args.max_new_tokens)
+        fit = max_rows(model, max_prompt, args.max_new_tokens)
         if fit is not None and args.batch_size > fit:
             fail(f"--batch-size {args.batch_size}: the KV cache of only {fit} answers fits in the GPU's free memory; "
                  "lower it, or pass --batch-size auto")
@@ -945,9 +930,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
-            max_prefill_tokens=args.max_prefill_tokens, prepare_ahead=args.prepare_ahead,
-            schedule=schedule, prefill_attention=args.prefill_attention,
-            decode_compile=_on_off(args.decode_compile),
+            prepare_ahead=args.prepare_ahead, schedule=schedule,
             stats=stats, progress=progress, should_stop=out_of_time,
         )
     try:

@@ -3,7 +3,7 @@
 A packed row holds whole documents back to back; each must attend only to itself, causally. The flex path
 (`HFDFlashTargetModel.use_flex_attention`) expresses that as a document-causal BlockMask. This one cuts the
 rows into their documents instead (cumulative lengths over the flattened rows, `document_spans`) and runs
-PyTorch's flash varlen kernel over them (`data.slot_attention.varlen_attention`; off CUDA, its per-document
+PyTorch's flash varlen kernel over them (`attention.varlen_attention`; off CUDA, its per-document
 SDPA reference): no mask, no tile of another document read. The target is frozen, so only its forward runs.
 
 The attention function is registered with transformers under `ATTN_NAME` and reads the spans from the
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.data.slot_attention import varlen_attention
+from nemo_dflash.attention import varlen_attention
 
 ATTN_NAME = "nemo_packed_documents"  # no "flash" in it: transformers would look for a flash kernel
 
