@@ -12,32 +12,28 @@ def forced_engine(monkeypatch: Any, tok: Any, *, degenerate_marker: Optional[str
     """Make the tiny random target end its turns: a quarter of the requests at once (empty), one in
     seven writes <|im_start|> (a template marker) at its third token, the rest after 6-10 tokens;
     requests whose prompt holds ``degenerate_marker`` always end at once. Returns the prompts seen."""
-    from nemo_dflash.data.generation import SlotEngine
+    from _spec_fixtures import force_answers, watch_prefills
 
     eot, im_start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
-    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill_logits
     seen: list[str] = []
     dead: set[int] = set()
 
-    def pick(self, logits, keys, positions):
-        out, _ = real_pick(self, logits, keys, positions)
-        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
-            if key in dead or key % 4 == 0 or pos >= 6 + key % 5:
-                out[row] = eot
-            elif key % 7 == 1 and pos == 2:
-                out[row] = im_start
-        return out, None
+    def rule(req, pos, t):
+        key = req.key
+        if key in dead or key % 4 == 0 or pos >= 6 + key % 5:
+            return eot
+        if key % 7 == 1 and pos == 2:
+            return im_start
+        return t
 
-    def prefill(self, slots, requests, starts=None):
-        for r in requests:
-            text = tok.decode(r.prompt_ids)
-            seen.append(text)
-            if degenerate_marker is not None and degenerate_marker in text:
-                dead.add(r.key)
-        return real_prefill(self, slots, requests, starts)
+    def prefill(req):
+        text = tok.decode(req.prompt_ids)
+        seen.append(text)
+        if degenerate_marker is not None and degenerate_marker in text:
+            dead.add(req.key)
 
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    force_answers(monkeypatch, rule)
+    watch_prefills(monkeypatch, prefill)
     return seen
 
 

@@ -391,7 +391,8 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
     (the engine is forced to stop after a few tokens: a random model never ends a turn)."""
     from _tiny_target import make_tiny_target_dir
 
-    from nemo_dflash.data.generation import SlotEngine
+    from _spec_fixtures import force_answers, watch_prefills
+
     from nemo_dflash.data.prompts import MAGPIE_TOPICS
     from nemo_dflash.recipes import prompts as recipe
     from nemo_dflash.target.loading import load_target
@@ -399,21 +400,10 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
     target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
     tok = target[1]
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    real_pick, real_prefill, seen = SlotEngine._pick, SlotEngine._prefill_logits, []
-
-    def pick(self, logits, keys, positions):
-        out, _ = real_pick(self, logits, keys, positions)
-        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
-            if key % 4 == 0 or pos >= 6 + key % 5:  # a quarter end at once: empty prompts, dropped
-                out[row] = eot
-        return out, None
-
-    def prefill(self, slots, requests, starts=None):
-        seen.extend(tok.decode(r.prompt_ids) for r in requests)
-        return real_prefill(self, slots, requests, starts)
-
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    seen = []
+    # a quarter end at once: empty prompts, dropped
+    force_answers(monkeypatch, lambda req, pos, t: eot if req.key % 4 == 0 or pos >= 6 + req.key % 5 else t)
+    watch_prefills(monkeypatch, lambda req: seen.append(tok.decode(req.prompt_ids)))
     monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
     out = tmp_path / "magpie.jsonl"
     summary = recipe.main(["--target", "x", "--out", str(out), "--topics", "code=5,math=4", "--max-new-tokens", "12",
@@ -600,36 +590,29 @@ def test_magpie_user_turns_take_their_own_cap(tmp_path, monkeypatch):
     and dropped."""
     from _tiny_target import make_tiny_target_dir
 
-    from nemo_dflash.data.generation import SlotEngine
+    from _spec_fixtures import force_answers, watch_prefills
+
     from nemo_dflash.data.prompts import magpie_prompts
+    from nemo_dflash.engine.plain import PlainEngine
     from nemo_dflash.target.loading import load_target
 
     model, tok = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    real_pick, real_prefill, real_completion = SlotEngine._pick, SlotEngine._prefill_logits, SlotEngine._completion
     user_keys: set[int] = set()
     done: list[tuple[str, int, str, int]] = []  # (role, cap, finish, tokens)
+    watch_prefills(monkeypatch, lambda req: user_keys.add(req.key) if tok.decode(req.prompt_ids).endswith(
+        "<|im_start|>user\n") else None)
+    # user turns end after 13-15 tokens, answers never
+    force_answers(monkeypatch, lambda req, pos, t: eot if req.key in user_keys and pos >= 13 + req.key % 3 else t)
+    real_generate = PlainEngine.generate
 
-    def prefill(self, slots, requests, starts=None):
-        user_keys.update(r.key for r in requests if tok.decode(r.prompt_ids).endswith("<|im_start|>user\n"))
-        return real_prefill(self, slots, requests, starts)
+    def generate(self, pending):
+        for c in real_generate(self, pending):
+            role = "user" if c.request.key in user_keys else "assistant"
+            done.append((role, c.request.max_new_tokens, c.finish, len(c.token_ids)))
+            yield c
 
-    def pick(self, logits, keys, positions):  # user turns end after 13-15 tokens, answers never
-        out, _ = real_pick(self, logits, keys, positions)
-        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
-            if key in user_keys and pos >= 13 + key % 3:
-                out[row] = eot
-        return out, None
-
-    def completion(self, request, answer, stopped, loop_start, slot=None):
-        c = real_completion(self, request, answer, stopped, loop_start, slot)
-        role = "user" if request.key in user_keys else "assistant"
-        done.append((role, request.max_new_tokens, c.finish, len(c.token_ids)))
-        return c
-
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
-    monkeypatch.setattr(SlotEngine, "_completion", completion)
+    monkeypatch.setattr(PlainEngine, "generate", generate)
     report: dict = {}
     convs = magpie_prompts(model, tok, {"chat": 3, "code": 2}, seed=1, max_new_tokens=6, user_max_new_tokens=20,
                            batch_size=3, oversample=1.0, turns=(2, 3), report=report)

@@ -213,7 +213,7 @@ def test_replay_hands_the_cuda_graph_choice_to_its_engine(tokenizer):
     target = make_target("llama", tokenizer)
     draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
     settings = EvalSettings(max_new_tokens=8, temperature=0.0, turns=1, warmup=False)
-    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):  # asked for, on a CPU: refused
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # asked for, on a CPU: refused
         ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=True).greedy_answers(prompts()[:1])
     assert ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=False).greedy_answers(prompts()[:1])
     assert demo.HeldOutAcceptance({}, 8, eager=True).cuda_graph is False

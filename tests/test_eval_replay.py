@@ -566,7 +566,7 @@ def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_replay_equals_sequential(case, tokenizer):
-    """The GPU path (slot engine with flex decoding and CUDA graphs, the draft's compiled flex attention)
+    """The GPU path (the engine's plain rows with flex decoding and CUDA graphs, the draft's compiled flex attention)
     in fp32, where near ties do not flip: the same answers and acceptance lengths as the sequential decoder."""
     import copy
 
@@ -578,11 +578,11 @@ def test_gpu_replay_equals_sequential(case, tokenizer):
                                                        for c in sequential(target, tokenizer, draft, settings, items)]
 
 
-def test_replay_refuses_a_target_the_slot_engine_cannot_run(tokenizer):
+def test_replay_refuses_a_target_the_engine_cannot_run(tokenizer):
     target = tiny_qwen3(num_layers=2, seed=0)
     target.config.sliding_window, target.config.use_sliding_window = 4, True
     draft = make_draft(target, block_size=BLOCK, layer_ids=[0, 1])
-    with pytest.raises(ValueError, match="sliding-window.*use --method sequential"):
+    with pytest.raises(ValueError, match="sliding_window.*use --method sequential"):
         ReplayEvaluator(target, tokenizer, draft, EvalSettings(temperature=0.0))
     with pytest.raises(ValueError, match="T=0 only"):
         ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(temperature=1.0))

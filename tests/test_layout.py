@@ -153,11 +153,10 @@ def test_no_module_imports_a_later_stage_of_the_flow():
 
 # ---- The decoding engine: the only modules that open a KV cache or capture a CUDA graph
 
-# A decode loop needs a KV cache; a fast one, CUDA graphs. Decoding lives in these modules (the slot engine
-# regeneration and replay run on, and the speculative decoders evaluation runs); a new loop elsewhere is a
-# second engine. The caches' own classes (SlotKVCache, DFlashContextCache, ...) may be defined elsewhere.
+# A decode loop needs a KV cache; a fast one, CUDA graphs. Decoding lives in these modules (the engine that
+# regeneration, Magpie prompts, replay and evaluation run on, and the one-prompt reference decoder); a new loop
+# elsewhere is a second engine. The caches' own classes (DFlashContextCache, ...) may be defined elsewhere.
 ENGINE = {
-    "nemo_dflash.data.generation",  # the slot engine: continuous batching, plain decoding (regenerate, replay)
     "nemo_dflash.inference.spec_decode",  # the one-prompt speculative decoder (the eager reference)
     "nemo_dflash.engine.static_decode",  # what the fixed-shape steps share: buckets, captured steps
     "nemo_dflash.engine.batched_static",  # the fixed-shape loops: any rows (one included), any temperature
@@ -165,7 +164,7 @@ ENGINE = {
     "nemo_dflash.inference.recurrent_cache",  # the hybrid targets' caches and their rollback
     "nemo_dflash.engine.static_cache",  # the static caches the graphs read
 }
-CACHE_OR_GRAPH = {"DynamicCache", "StaticCache", "HybridCache", "SlotKVCache", "DFlashContextCache",
+CACHE_OR_GRAPH = {"DynamicCache", "StaticCache", "HybridCache", "DFlashContextCache",
                   "TargetStaticCache", "StaticDraftContextCache", "CUDAGraph", "graph", "make_graphed_callables"}
 
 

@@ -44,31 +44,16 @@ def _reference(model, tokenizer, messages, max_new_tokens: int) -> str:
 
 
 def _forcing_sampler(monkeypatch, tokenizer, prompts_seen: list | None = None, stop_at=lambda key: 2 + key % 3):
-    """The slot engine answers every prompt with "Hello" + the model's tokens + <|im_end|>, ending
+    """The engine answers every prompt with "Hello" + the model's tokens + <|im_end|>, ending
     after ``stop_at(key)`` tokens, so answers end at different steps (a random model never emits
     <|im_end|> by itself). ``prompts_seen`` collects the decoded prompts of the prefills."""
-    from nemo_dflash.data.generation import SlotEngine
+    from _spec_fixtures import force_answers, watch_prefills
 
     first = tokenizer.convert_tokens_to_ids("Hello")
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    real_pick, real_prefill = SlotEngine._pick, SlotEngine._prefill_logits
-
-    def pick(self, logits, keys, positions):
-        out, wide = real_pick(self, logits, keys, positions)
-        for row, (key, pos) in enumerate(zip(keys.tolist(), positions.tolist())):
-            if pos == 0:
-                out[row] = first
-            elif pos >= stop_at(key):
-                out[row] = eot
-        return out, None
-
-    def prefill(self, slots, requests, starts=None):
-        if prompts_seen is not None:
-            prompts_seen.extend(tokenizer.decode(r.prompt_ids) for r in requests)
-        return real_prefill(self, slots, requests, starts)
-
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
-    monkeypatch.setattr(SlotEngine, "_prefill_logits", prefill)
+    force_answers(monkeypatch, lambda req, pos, t: first if pos == 0 else eot if pos >= stop_at(req.key) else t)
+    if prompts_seen is not None:
+        watch_prefills(monkeypatch, lambda req: prompts_seen.append(tokenizer.decode(req.prompt_ids)))
 
 
 @pytest.fixture
@@ -176,16 +161,14 @@ def test_cli_writes_openai_jsonl_and_holdout(tmp_path, target_dir, chat_file):
 
 
 def test_batch_size_auto_fits_the_kv_cache():
-    """--batch-size auto: 97% of the slots whose KV cache fits the free memory, capped at 2,048; 8 off a
-    GPU. The fit is the one the refusal names (an H100's 84.2 GB free at 59 MB a slot: 1,213)."""
-    from nemo_dflash.data.slot_attention import slots_that_fit
-    from nemo_dflash.data.generation import AUTO_SLOTS_CAP, CPU_AUTO_SLOTS, auto_num_slots
+    """--batch-size auto: 97% of the rows whose KV cache fits the free memory, capped at 2,048; 8 off a
+    GPU (the fit itself: tests/test_generation.py)."""
+    from nemo_dflash.engine.plain import AUTO_ROWS_CAP, CPU_AUTO_ROWS, auto_rows
     from nemo_dflash.recipes.regenerate import build_parser
 
-    assert slots_that_fit(59_000_000, 84_200_000_000) == 1213  # int(84.2e9 * 0.85) // 59e6
-    assert auto_num_slots(1213) == 1213 - 37
-    assert auto_num_slots(10_000) == AUTO_SLOTS_CAP == 2048
-    assert auto_num_slots(None) == 8
+    assert auto_rows(1213) == 1213 - 37
+    assert auto_rows(10_000) == AUTO_ROWS_CAP == 2048
+    assert auto_rows(None) == 8
     parser = build_parser()
     base = ["--target", "x", "--data", "d.jsonl", "--out", "o.jsonl"]
     assert parser.parse_args(base + ["--batch-size", "auto"]).batch_size == "auto"
@@ -198,7 +181,7 @@ def test_batch_size_auto_fits_the_kv_cache():
 
     for p in (parser, prompts_parser()):
         (action,) = [a for a in p._actions if "--batch-size" in a.option_strings]
-        assert f"at most {AUTO_SLOTS_CAP:,}" in action.help and f": {CPU_AUTO_SLOTS})" in action.help
+        assert f"at most {AUTO_ROWS_CAP:,}" in action.help and f": {CPU_AUTO_ROWS})" in action.help
 
 
 @pytest.mark.parametrize("batch", ["2", "auto"])
@@ -248,7 +231,7 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     """Sampled multi-turn answers; a crash mid-run, a torn last line, a refused change of settings,
     then a resume: the final file is the uninterrupted run's, byte for byte (keyed sampling does not
     depend on which conversations share the batch)."""
-    from nemo_dflash.data.generation import SlotEngine
+    from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner
 
     model, tokenizer = cached_target
     _forcing_sampler(monkeypatch, tokenizer, stop_at=lambda key: 2 + key % 5)
@@ -258,7 +241,7 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
     cli.main(args + ["--out", str(reference)])
 
     out = tmp_path / "run.jsonl"
-    real, calls = SlotEngine._launch, []
+    real, calls = BatchedStaticPlainRunner._decode_step, []
 
     def crash_later(self, *a, **k):
         calls.append(1)
@@ -266,10 +249,10 @@ def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target
             raise RuntimeError("boom")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(SlotEngine, "_launch", crash_later)
+    monkeypatch.setattr(BatchedStaticPlainRunner, "_decode_step", crash_later)
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(args + ["--out", str(out)])
-    monkeypatch.setattr(SlotEngine, "_launch", real)
+    monkeypatch.setattr(BatchedStaticPlainRunner, "_decode_step", real)
     partial = tmp_path / "run.jsonl.partial"
     written = _read_jsonl(partial)
     assert not out.exists() and 0 < len(written) < 8
@@ -353,19 +336,10 @@ def test_sampling_does_not_depend_on_the_batch(target, chat_file):
 
 def _looping_sampler(monkeypatch, tokenizer, loop_from: int):
     """Answers "Hello" + the model's tokens, then from ``loop_from`` the same 5 tokens over and over."""
-    from nemo_dflash.data.generation import SlotEngine
+    from _spec_fixtures import force_answers
 
     unit = [tokenizer.convert_tokens_to_ids(t) for t in ("Hello", "Ġworld", ",", "Ġagain", ".")]
-    real = SlotEngine._pick
-
-    def pick(self, logits, keys, positions):
-        out, _ = real(self, logits, keys, positions)
-        for row, pos in enumerate(positions.tolist()):
-            if pos >= loop_from:
-                out[row] = unit[(pos - loop_from) % len(unit)]
-        return out, None
-
-    monkeypatch.setattr(SlotEngine, "_pick", pick)
+    force_answers(monkeypatch, lambda req, pos, t: unit[(pos - loop_from) % len(unit)] if pos >= loop_from else t)
     return unit
 
 
@@ -525,7 +499,7 @@ def _conversations(n: int = 6, turns: int = 3) -> list[list[dict]]:
 def _regen_all_turns(model, tokenizer, convs, *, batch_size, detector, max_prompt_tokens=None, stats=None):
     return list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=16, turns="all",
                                          batch_size=batch_size, after_cut="continue", loop_detector=detector,
-                                         max_prompt_tokens=max_prompt_tokens, max_prefill_tokens=128, stats=stats))
+                                         max_prompt_tokens=max_prompt_tokens, stats=stats))
 
 
 def _check_against_reference(model, tokenizer, convs, records, detector, max_prompt_tokens=None) -> int:
@@ -559,10 +533,8 @@ def test_later_turns_reuse_their_slot_and_equal_hf_generate(target, kind, monkey
     assert stats.reused_tokens > stats.prefill_tokens  # the histories were not prefilled again
     assert stats.prefill_tokens + stats.reused_tokens == stats.prompt_tokens
     # time by phase: every phase the run went through is timed, and the phases fit in the run's time
-    assert {"decode", "prefill_fresh", "prefill_continue", "host", "caller"} <= set(stats.phase_seconds)
+    assert {"decode", "prefill", "host", "caller"} <= set(stats.phase_seconds)
     assert sum(stats.phase_seconds.values()) <= stats.seconds
-    # 6 first turns in slots of 3 need >= 2 fresh prefills; 12 later turns continue in their slot
-    assert stats.prefill_calls["prefill_fresh"] >= 2 and 1 <= stats.prefill_calls["prefill_continue"] <= 12
     one = _regen_all_turns(model, tokenizer, convs, batch_size=1, detector=detector)
     assert sorted(map(str, one)) == sorted(map(str, records))
 
@@ -625,7 +597,7 @@ def _prepare_threads() -> list:
 
 def _comparable(stats: RegenStats) -> dict:
     """Every RegenStats field but the timings (which differ from run to run)."""
-    return {k: v for k, v in vars(stats).items() if k not in ("seconds", "phase_seconds", "gpu_seconds")}
+    return {k: v for k, v in vars(stats).items() if k not in ("seconds", "phase_seconds")}
 
 
 def _mixed_conversations() -> list:
@@ -665,7 +637,7 @@ def test_prepare_ahead_equals_inline(target, monkeypatch):
         stats, calls = RegenStats(), []
         records = list(regenerate_conversations(
             model, tokenizer, iter(convs), max_new_tokens=16, turns="all", batch_size=bs, after_cut="continue",
-            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats,
+            loop_detector=detector, max_prompt_tokens=limit, stats=stats,
             progress=lambda done, new: calls.append((done, new)), prepare_ahead=ahead))
         runs[ahead, bs] = records, _comparable(stats), calls
         assert not _prepare_threads()
@@ -758,38 +730,15 @@ def test_schedule_orders_by_user_turns_and_changes_no_record(target):
         stats = RegenStats()
         records = list(regenerate_conversations(
             model, tokenizer, convs, max_new_tokens=16, turns="all", batch_size=2, after_cut="continue",
-            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats, schedule=schedule))
+            loop_detector=detector, max_prompt_tokens=limit, stats=stats, schedule=schedule))
         runs[schedule] = records, _comparable(stats)
     (given, given_stats), (sched, sched_stats) = runs["given"], runs["most_turns_first"]
     key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
     assert sorted(map(key, sched)) == sorted(map(key, given))
-    given_stats.pop("prefill_calls"), sched_stats.pop("prefill_calls")  # how refills split: the schedule's
     assert given_stats == sched_stats
     assert [r["messages"][0] for r in sched] != [r["messages"][0] for r in given]  # the order did change
     with pytest.raises(ValueError, match="schedule must be one of"):
         regenerate_conversations(model, tokenizer, convs, turns="all", schedule="shortest")
-
-
-def test_speed_switches_change_no_record(target):
-    """The slot engine's speed switches, passed through ``regenerate_conversations`` (what the
-    recipe's --prefill-attention / --decode-compile set): records in order and
-    every stats counter equal the defaults'; an unknown attention is refused."""
-    from nemo_dflash.data.loops import LoopDetector
-
-    _, tokenizer = target
-    model, convs = _word_model("llama", tokenizer), _mixed_conversations()
-    detector = LoopDetector(ngram=3, min_tokens=8, min_copies=2.0)
-    limit = max(len(regen.encode_prompt(tokenizer, c[:1])) for c in _conversations(n=8, turns=3)) + 40
-    runs = {}
-    for switches in ({}, {"prefill_attention": "varlen", "decode_compile": False}):
-        stats = RegenStats()
-        records = list(regenerate_conversations(
-            model, tokenizer, convs, max_new_tokens=16, turns="all", batch_size=2, after_cut="continue",
-            loop_detector=detector, max_prompt_tokens=limit, max_prefill_tokens=128, stats=stats, **switches))
-        runs[len(switches)] = records, _comparable(stats)
-    assert runs[2] == runs[0] and runs[0][1]["looping_before"] > 0
-    with pytest.raises(ValueError, match="prefill_attention must be"):
-        list(regenerate_conversations(model, tokenizer, convs, turns="all", prefill_attention="dense"))
 
 
 class _CallSpy:

@@ -448,8 +448,9 @@ class _Rows:
                 for c in out:
                     yield c
                 self.seconds["caller"] += clock() - t
-            t = clock()
+            t, prefilled = clock(), self.seconds["prefill"]
             refill()
+            t += self.seconds["prefill"] - prefilled  # host time: the refill's prefill is counted apart
             if all(a is None for a in live):
                 if not pending and not held and not done:
                     return
