@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
 from nemo_dflash import attention  # noqa: E402
-from nemo_dflash.inference import batched_static, graphs, static_decode  # noqa: E402
+from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 

@@ -1,8 +1,9 @@
-"""Which SDPA kernels run attention whose shapes change call after call, and the flex mask of decode steps that
-read only each row's filled KV blocks (`FilledBlocks`, shared by the slot engine and the decoding engine).
+"""Which SDPA kernels run attention whose shapes change call after call, the flex mask of the engine's decode steps
+that read only each row's filled KV blocks (`FilledBlocks`), and causal attention over packed rows of different
+lengths (`varlen_attention`: the target's packed training forward).
 
 cuDNN's SDPA, which PyTorch picks first on Hopper, builds and caches an execution plan for every
-new shape. Eager decoding changes the key length every step, and the slot engine's prefills
+new shape. Eager decoding changes the key length every step, and the engine's prefills
 change (rows, tokens) every refill, so each of their calls can pay a plan build: on an H200,
 Qwen3-8B-shape eager decoding of never-seen lengths ran at 55 ms per token against 26 ms once
 the lengths had been seen (docs/performance.md), and a whole-set SmolLM2 regeneration spent 87 s
@@ -34,8 +35,7 @@ def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
 
 
 class FilledBlocks:
-    """A decode step's flex BlockMask over each row's filled KV blocks (the slot engine's decode pass, the decoding
-    engine's plain step and verify): `rows` rows of `queries` queries each
+    """A decode step's flex BlockMask over each row's filled KV blocks (the engine's plain step and verify): `rows` rows of `queries` queries each
     (at positions `q_pos` [rows, queries], key j visible to a query at p iff j <= p), `group` query heads a K/V
     head folded into its query rows, keys the whole cache of `max_len` positions. Its tensors are updated in place
     by `set` (a captured graph reads them), and a row's blocks past its furthest query are never read."""

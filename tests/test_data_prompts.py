@@ -425,18 +425,19 @@ def test_magpie_prompts_are_sampled_filtered_and_written(tmp_path, monkeypatch):
 
 
 def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
-    """--batch-size auto: the slot count the engine's memory fit gives (8 off a GPU), resolved after the
+    """--batch-size auto: the row count the engine's memory fit gives (8 off a GPU), resolved after the
     model loads; the fit is asked for the longest prompt a conversation reaches."""
     from _tiny_target import make_tiny_target_dir
 
-    from nemo_dflash.data import generation, prompts as data_prompts
+    from nemo_dflash.data import prompts as data_prompts
+    from nemo_dflash.engine import plain
     from nemo_dflash.recipes import prompts as recipe
     from nemo_dflash.target.loading import load_target
 
     target = load_target(str(make_tiny_target_dir(tmp_path)), dtype="fp32")
     monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: target)
     asked, fits = [], []
-    monkeypatch.setattr(generation, "max_slots", lambda model, prompt, new: fits.append((prompt, new)) or fit)
+    monkeypatch.setattr(plain, "max_rows", lambda model, prompt, new: fits.append((prompt, new)) or fit)
     monkeypatch.setattr(data_prompts, "magpie_prompts", lambda *a, **k: asked.append(k["batch_size"]) or [])
     for fit, want in ((None, 8), (1213, 1213 - 37)):
         with pytest.raises(SystemExit):  # every topic empty (the stub writes none): refused after the fit
@@ -445,7 +446,7 @@ def test_magpie_batch_size_auto_is_fitted_after_load(tmp_path, monkeypatch):
         assert asked[-1] == want
     longest = max(len(data_prompts.magpie_prefix(target[1], data_prompts.MAGPIE_TOPICS[t])) for t in ("code", "chat"))
     assert fits == [(longest, 12)] * 2
-    # conversations of up to 3 user turns: a slot holds the 2 earlier turns and their answers too, each at most
+    # conversations of up to 3 user turns: a row holds the 2 earlier turns and their answers too, each at most
     # 12 tokens plus 32 of template markers (an auto fit of the first turn alone overflowed an H200: 3,200-token slots)
     with pytest.raises(SystemExit):
         recipe.main(["--target", "x", "--out", str(tmp_path / "m.jsonl"), "--topics", "code=2,chat=1",
@@ -553,15 +554,16 @@ def test_magpie_degenerate_topic_is_reported_not_padded(tmp_path, monkeypatch):
         recipe.main(["--target", "x", "--out", str(tmp_path / "n.jsonl"), "--turns", "3-2"])
 
 
-# Written by the code before user turns had their own cap (commit 421588b), for the settings of
-# test_magpie_default_user_cap_writes_the_same_bytes: the default must keep writing these bytes.
-MAGPIE_BYTES_BEFORE_USER_CAP = "f93dcc53468c9ef538c1b3c126a6509fce42bb857ffc1596b7eb6e8fa933f061"
+# Written for the settings of test_magpie_default_user_cap_writes_the_same_bytes by the engine's plain rows
+# (their keyed draws; the pin before them, of the regeneration engine they replaced, was taken at commit 421588b,
+# before user turns had their own cap): the default must keep writing these bytes.
+MAGPIE_BYTES_BEFORE_USER_CAP = "6c856bd16001f654024a0df881b0bf74bdd6dfd0c67025fad5421df26d9b4897"
 
 
 def test_magpie_default_user_cap_writes_the_same_bytes(tmp_path, monkeypatch):
     """No --user-max-new-tokens (user turns capped at --max-new-tokens, as before the flag) and the flag
-    set to --max-new-tokens both write the file the code wrote before the flag existed, byte for byte
-    (multi-turn, some turns capped)."""
+    set to --max-new-tokens write the same file, byte for byte, and the pinned one (multi-turn, some turns
+    capped)."""
     import hashlib
 
     from _tiny_target import make_tiny_target_dir
@@ -824,9 +826,10 @@ def test_magpie_split_over_ranks_merges_to_the_one_process_result(tmp_path, monk
 
 
 def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
-    """2 gloo ranks under torchrun (each generating its share with its own batch, rank 0 merging) write the
-    bytes and the topic report of one process with the same seed and counts (user turns under their own
-    cap); the rank shards are removed."""
+    """2 gloo ranks under torchrun (each generating its share, rank 0 merging) write the bytes and the topic
+    report of one process with the same seed, counts and --batch-size (user turns under their own cap); the rank
+    shards are removed. (The same rows: a row count changes the rounding of the CPU's matmuls, and the tiny random
+    target's near-uniform draws over 151k tokens follow the last bit.)"""
     from _tiny_target import make_tiny_target_dir
     from _torchrun import REPO, torchrun
 
@@ -841,7 +844,7 @@ def test_magpie_on_two_ranks_writes_the_one_process_file(tmp_path, monkeypatch):
             "--max-new-tokens", "7", "--user-max-new-tokens", "12", "--oversample", "1.5", "--device", "cpu",
             "--threads", "1"]
     ref = tmp_path / "one" / "m.jsonl"
-    want = recipe.main([*args, "--out", str(ref), "--batch-size", "4"])
+    want = recipe.main([*args, "--out", str(ref), "--batch-size", "2"])
     out = tmp_path / "ranks" / "m.jsonl"
     proc = torchrun([*args, "--out", str(out), "--batch-size", "2"], script=str(REPO / "tests" / "_magpie_forced.py"),
                     env={"MAGPIE_SUMMARY": str(tmp_path / "summary.json")})

@@ -301,7 +301,6 @@ def test_existing_output_needs_overwrite(tmp_path, cached_target, chat_file, cap
                                          (["--temperature", "-1"], "--temperature"),
                                          (["--max-minutes", "0"], "--max-minutes"),
                                          (["--top-p", "1.5"], "--top-p"),
-                                         (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
                                          (["--threads", "0"], "--threads")])
 def test_bad_arguments(bad, message, capsys):
     args = ["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"]

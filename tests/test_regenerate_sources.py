@@ -418,7 +418,7 @@ def test_a_rank_that_starts_first_does_not_take_the_head_of_a_longest_first_queu
 
 @pytest.mark.parametrize("n", [256, 1000])
 def test_the_first_block_is_dealt_to_every_rank_whoever_starts_first(n):
-    """Two ranks, blocks of 2 x 1,366 items (the slot engine's first fills, chunks of 16): rank 0 drains the queue
+    """Two ranks, blocks of 2 x 1,366 items (the engine's first fills, chunks of 16): rank 0 drains the queue
     before rank 1 asks. Rank 1 still gets its half of the first block (chunks 1, 3, ...): a 256-item warm-up is
     split 128 / 128, where claims gave rank 0 all 256; past the first block rank 0 takes what it reaches first."""
     from nemo_dflash.data.work_queue import SharedQueue, queue_block

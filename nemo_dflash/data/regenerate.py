@@ -70,10 +70,10 @@ class RegenStats:
     skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
     shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
     prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
-    prefill_tokens: int = 0  # slots engine: prompt tokens prefilled (a history found in its row is not)
-    reused_tokens: int = 0  # slots engine: prompt tokens whose K/V was already in the row
+    prefill_tokens: int = 0  # the engine: prompt tokens prefilled (a history found in its row is not)
+    reused_tokens: int = 0  # the engine: prompt tokens whose K/V was already in the row
     seconds: float = 0.0  # time spent generating
-    phase_seconds: Counter = field(default_factory=Counter)  # slots engine: seconds by phase (prefill, decode, ...)
+    phase_seconds: Counter = field(default_factory=Counter)  # the engine: seconds by phase (prefill, decode, host, caller)
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:

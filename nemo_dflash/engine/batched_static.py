@@ -197,7 +197,7 @@ class _Rows:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `serve`
-        self.filled_blocks = filled_blocks_on(self.device)  # the captured target steps read filled KV blocks only
+        self.filled_blocks = filled_blocks_on(self.device, model)  # the captured target steps read filled KV blocks
         self.row_requests: list[Optional[Request]] = [None] * self.rows  # the request each row holds (`serve`)
         # what a call did: tokens generated, prompt tokens prefilled and kept from a held row, follow-ups that
         # continued in their row (of them, rows whose tokens were not all a prefix of the new prompt), wall time
@@ -475,7 +475,7 @@ class _Rows:
                 a.tokens.extend(kept)
                 self.generated_tokens += len(kept)
                 a.accepted.extend([1] * len(kept) if self.one_token_steps else [len(new)])
-                if stop_on_loop:  # each answer checked at its own lengths k, 2k, ...: the cut is the batch's
+                if stop_on_loop:  # each answer checked at its own lengths k, 2k, ...: the cut is not the batch's
                     answer = len(a.tokens) - (1 if hit else 0)
                     for n in range(a.checked + loop_check_every, answer + 1, loop_check_every):
                         a.checked = n

@@ -121,30 +121,14 @@ class PlainEngine:
                                  None if self.sampling.greedy else self.sampling, self.seed, self.loop_detector,
                                  self.stop_on_loop, self.loop_check_every, self.refill_rows, self.reuse_rows)
 
-    # what the runner did (summed over its calls)
-    @property
-    def generated_tokens(self) -> int:
-        return self.runner.generated_tokens
+    # what the runner did, summed over its calls: tokens generated, prompt tokens prefilled and kept from a held row,
+    # follow-ups that continued in their row (of them, those whose row was not all a prefix), seconds by phase
+    STATS = ("generated_tokens", "prefill_tokens", "reused_tokens", "continued", "prefix_short", "seconds")
 
-    @property
-    def prefill_tokens(self) -> int:
-        return self.runner.prefill_tokens
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.runner.reused_tokens
-
-    @property
-    def continued(self) -> int:
-        return self.runner.continued
-
-    @property
-    def prefix_short(self) -> int:
-        return self.runner.prefix_short
-
-    @property
-    def seconds(self) -> collections.Counter:
-        return self.runner.seconds
+    def __getattr__(self, name: str) -> Any:
+        if name in PlainEngine.STATS and "runner" in self.__dict__:
+            return getattr(self.runner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 __all__ = ["AUTO_ROWS_CAP", "Completion", "PlainEngine", "Request", "auto_rows", "check_rows_fit", "max_rows",

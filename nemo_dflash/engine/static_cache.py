@@ -96,9 +96,15 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-def filled_blocks_on(device: torch.device) -> bool:
-    """Whether the engine's captured target steps on `device` read filled blocks only (FILLED_BLOCKS resolved)."""
-    return device.type == "cuda" if FILLED_BLOCKS is None else bool(FILLED_BLOCKS)
+FLEX_MIN_HEAD_DIM = 16  # compiled flex_attention's smallest head dimension (inductor refuses less)
+
+
+def filled_blocks_on(device: torch.device, model: Optional[nn.Module] = None) -> bool:
+    """Whether the engine's captured target steps on `device` read filled blocks only (FILLED_BLOCKS resolved): by
+    default on a GPU, for a target (`model`) whose head dimension compiled flex takes."""
+    if FILLED_BLOCKS is not None:
+        return bool(FILLED_BLOCKS)
+    return device.type == "cuda" and (model is None or _kv_shape(model)[1] >= FLEX_MIN_HEAD_DIM)
 
 
 _FILLED: list[FilledBlocks] = []  # the step in flight's mask (`engine_attention`)

@@ -263,7 +263,7 @@ def main(argv=None) -> dict:
             "--target", "pkg:smollm2", *data_args, "--out", str(data_file), "--dtype", dtype, *threads_arg,
             "--num-samples", str(sizes["num_conversations"]), "--max-prompt-tokens", str(sizes["max_prompt_tokens"]),
             "--max-new-tokens", str(sizes["max_new_tokens"]), "--batch-size", str(sizes["batch_size"]),
-            "--seed", "0", *cap, *(["--decode-compile", "off"] if device == "cuda" else []),
+            "--seed", "0", *cap,
             # SmolLM2's model card sampling, as the GPU recipe (its generation_config has none)
             "--sampling", "given", "--temperature", "0.2", "--top-p", "0.9",
         ])
