@@ -73,7 +73,7 @@ class RegenStats:
     prefill_tokens: int = 0  # the engine: prompt tokens prefilled (a history found in its row is not)
     reused_tokens: int = 0  # the engine: prompt tokens whose K/V was already in the row
     seconds: float = 0.0  # time spent generating
-    phase_seconds: Counter = field(default_factory=Counter)  # the engine: seconds by phase (prefill, decode, host, caller)
+    phase_seconds: Counter = field(default_factory=Counter)  # the engine: seconds by phase (prefill, decode, ...)
     halted: bool = False  # should_stop() ended the run early: later conversations were not generated
 
     def summary(self) -> str:

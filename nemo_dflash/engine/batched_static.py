@@ -236,9 +236,9 @@ class _Rows:
         self.kv.rows = torch.tensor(rows, device=self.device)
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
             with engine_attention(self.model), eager_attention_backends(self.device):
+                mask = self.causal(positions, width if fresh else view_len)
                 hidden = self.decoder(input_ids=ids, position_ids=positions, past_key_values=self.kv.cache,
-                                      use_cache=True, attention_mask=self.causal(positions, width if fresh else view_len)
-                                      ).last_hidden_state
+                                      use_cache=True, attention_mask=mask).last_hidden_state
         finally:
             self.kv.rows, self.kv.fresh = None, False
         self.prefill_tokens += int(lengths.sum())
@@ -508,7 +508,8 @@ class _Rows:
         outputs: list[GenerationOutput] = [None] * len(pending)  # type: ignore[list-item]
         for c in self.serve(pending, max_new_tokens, stop_ids, sampling, 0, refill_rows=refill_rows):
             outputs[c.request.tag] = c.output
-            c.output.prefill_time_s, c.output.decode_time_s = self.first_prefill_s, time.perf_counter() - self.decode_start
+            c.output.prefill_time_s = self.first_prefill_s
+            c.output.decode_time_s = time.perf_counter() - self.decode_start
             follow = on_done(c.request.tag, c.output) if on_done is not None else None
             if follow is not None:
                 pending.append(request(len(outputs), follow))
