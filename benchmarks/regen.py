@@ -161,12 +161,12 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.engine.plain import PlainEngine, Request
 
     attention_settings = apply_engine_attention_flags(args, model.device)
-    engine = PlainEngine(model, rows=min(args.batch_size, len(prompts)), max_prompt_tokens=args.max_prompt_tokens,
+    rows = min(args.batch_size, len(prompts))
+    engine = PlainEngine(model, rows=rows, max_prompt_tokens=args.max_prompt_tokens,
                          max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
                          top_p=args.top_p, seed=0, loop_detector=LoopDetector() if args.stop_loops else None,
                          stop_on_loop=args.stop_loops, window=args.decode_window,
-                         refill_rows=max(1, engine_rows(args, prompts) // args.refill_fraction)
-                         if args.refill_fraction else None)
+                         refill_rows=max(1, rows // args.refill_fraction) if args.refill_fraction else None)
 
     def run(batch: list) -> collections.Counter:
         finish = collections.Counter()
@@ -195,10 +195,6 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     if args.profile_engine:
         row["phases"] = engine_phases(prof)
     return row
-
-
-def engine_rows(args, prompts) -> int:
-    return min(args.batch_size, len(prompts))
 
 
 def engine_phases(prof) -> dict[str, dict[str, float]]:

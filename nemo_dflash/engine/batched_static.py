@@ -338,7 +338,7 @@ class _Rows:
         stop_on_loop = stop_on_loop and loop_detector is not None
         R, room = self.rows, self._room(max_new_tokens)
         self._reset()
-        self.row_requests: list[Optional[Request]] = [None] * R  # the request each row holds (or last held)
+        self.row_requests = [None] * R
         live: list[Optional[_Live]] = [None] * R
         host_pos = [0] * R
         free = list(range(R))  # rows waiting for a prompt
@@ -807,6 +807,11 @@ def drop_runners(owner: Any) -> None:
     _RUNNERS.pop(owner, None)
 
 
+def plain_cache_length(prompt_len: int, max_new_tokens: int, window: int) -> int:
+    """Cache positions a plain row needs: a row whose answer ends inside a window of steps writes to its end."""
+    return cache_length_for(prompt_len, max_new_tokens + window - 1, 1)
+
+
 def spec_cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """Cache positions a speculative row needs: a row keeps writing a block at its frozen position after it
     stops, so one block past the cap."""
@@ -834,8 +839,8 @@ def batched_static_autoregressive_generate(
     if not 1 <= window <= WINDOW_MAX:
         raise ValueError(f"window must be in [1, {WINDOW_MAX}], got {window}")
     s = as_sampling(temperature)
-    runner = plain_runner(target_model, s, rows, cache_length_for(_longest(prompts, max_prompt_tokens),
-                                                                  max_new_tokens + window - 1, 1), use_graphs)
+    runner = plain_runner(target_model, s, rows, plain_cache_length(_longest(prompts, max_prompt_tokens),
+                                                                     max_new_tokens, window), use_graphs)
     runner.window = window
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
                            on_done, refill_rows)
@@ -865,6 +870,7 @@ __all__ = [
     "BatchedStaticSpecRunner",
     "batched_static_autoregressive_generate",
     "drop_runners",
+    "plain_cache_length",
     "plain_runner",
     "prefill_batches",
     "spec_cache_length",

@@ -18,9 +18,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner, Completion, Request
+from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner, Completion, Request, plain_cache_length
 from nemo_dflash.engine.static_cache import check_static_target
-from nemo_dflash.engine.static_decode import cache_length_for
 from nemo_dflash.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,11 +29,6 @@ CPU_AUTO_ROWS = 8  # `auto` where nothing is fitted (off a GPU)
 KV_MEMORY_FRACTION = 0.9  # of the GPU's free memory, the most the rows' KV cache may take
 WINDOW = {"cuda": 12}  # plain steps a host read-back by device type (else 1: a CPU runs each step synchronously)
 REFILL_FRACTION = {"cuda": 16}  # refill once rows // this are free (else 2)
-
-
-def row_length(max_prompt_tokens: int, max_new_tokens: int, window: int) -> int:
-    """Cache positions a row holds: its prompt, its answer, and a window's steps past its end."""
-    return cache_length_for(max_prompt_tokens, max_new_tokens + window - 1, 1)
 
 
 def row_bytes(config: Any, length: int, dtype: torch.dtype) -> int:
@@ -55,13 +49,14 @@ def window_for(device: torch.device) -> int:
     return WINDOW.get(device.type, 1)
 
 
-def max_rows(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int) -> Optional[int]:
-    """The most answers in flight whose KV cache fits the GPU's free memory now (None off a GPU)."""
+def max_rows(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int,
+             fraction: float = KV_MEMORY_FRACTION) -> Optional[int]:
+    """The most answers in flight whose KV cache fits `fraction` of the GPU's free memory now (None off a GPU)."""
     param = next(model.parameters())
     if param.device.type != "cuda":
         return None
-    length = row_length(max_prompt_tokens, max_new_tokens, window_for(param.device))
-    return int(free_device_bytes(param.device) * KV_MEMORY_FRACTION) // row_bytes(model.config, length, param.dtype)
+    length = plain_cache_length(max_prompt_tokens, max_new_tokens, window_for(param.device))
+    return int(free_device_bytes(param.device) * fraction) // row_bytes(model.config, length, param.dtype)
 
 
 def check_rows_fit(rows: int, length: int, row_bytes: int, free_bytes: int) -> None:
@@ -100,7 +95,7 @@ class PlainEngine:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device (the model is on {device.type}): leave use_graphs unset")
-        length = row_length(max_prompt_tokens, max_new_tokens, self.window)
+        length = plain_cache_length(max_prompt_tokens, max_new_tokens, self.window)
         if device.type == "cuda":
             check_rows_fit(rows, length, row_bytes(model.config, length, next(model.parameters()).dtype),
                            free_device_bytes(device))

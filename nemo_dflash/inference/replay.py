@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -130,13 +129,11 @@ class ReplayEvaluator:
     # ------------------------------------------------------------------ 1. greedy answers
 
     def _engine(self, n: int, max_prompt_tokens: int, max_new_tokens: int, stop_ids: list[int]):
-        from nemo_dflash.engine.plain import PlainEngine, free_device_bytes, row_bytes, row_length, window_for
+        from nemo_dflash.engine.plain import PlainEngine, max_rows
 
         rows = min(n, self.num_rows or MAX_ROWS)
-        if self.device.type == "cuda":
-            length = row_length(max_prompt_tokens, max_new_tokens, window_for(self.device))
-            per_row = row_bytes(self.model.config, length, next(self.model.parameters()).dtype)
-            rows = max(1, min(rows, int(free_device_bytes(self.device) * KV_SHARE) // per_row))
+        fit = max_rows(self.model, max_prompt_tokens, max_new_tokens, fraction=KV_SHARE)
+        rows = rows if fit is None else max(1, min(rows, fit))
         return PlainEngine(self.model, rows=rows, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                            stop_ids=stop_ids, use_graphs=self.cuda_graph)
 
