@@ -62,7 +62,24 @@ class TargetConfig:
 
 
 @dataclass
+class DFlash2Options:
+    """The DFlash2 modules' sizes (`draft.kind: dflash2`; docs/training.md): the engines' dflash_config fields.
+    A 0 kernel size turns the block convolution off, a 0 rank and top-K the candidate selector."""
+
+    conv_kernel_size: int = 2  # taps of the causal block convolution (2 in the published drafts)
+    conv_group_size: int = 16  # channels a group shares a per-token kernel offset (must divide the hidden size)
+    selector_rank: int = 256  # rank of the predecessor / successor codebooks
+    selector_top_k: int = 16  # candidates a slot's walk chooses among
+    output_multiplier: float = 1.0  # unary logits = softcap(multiplier * lm_head(h))
+    final_logit_softcapping: float = 0.0  # c * tanh(x / c) on the unary logits; 0: off
+
+
+@dataclass
 class DraftConfig:
+    # dflash: every block slot predicted on its own (DFlash-1); dflash2: a causal conv over the block and a
+    # candidate selector that walks the block left to right (coherent samples at T > 0)
+    kind: str = "dflash"
+    dflash2: DFlash2Options = field(default_factory=DFlash2Options)
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None  # default: build_target_layer_ids(L, num_layers)
@@ -94,6 +111,13 @@ class LossConfig:
     # training loss kernel: chunked (PyTorch, chunk by chunk; the fastest measured) | cce (cut-cross-entropy)
     # | liger (liger-kernel); cce/liger fall back to chunked, with a warning, where they cannot run
     impl: str = "chunked"
+    # DFlash2: loss = unary + selector_weight * the selector's K-way cross-entropy (predecessor teacher-forced).
+    selector_weight: float = 1.0
+    # a true token outside the slot's top-K: inject it in place of the K-th candidate (loss only), or skip the slot
+    selector_outside: str = "inject"
+    # per-slot weights of both terms: decay (exp(-(k-1)/gamma)) | dpace (D-PACE: survival-weighted, from the CE)
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5  # D-PACE's floor on the per-slot survival estimate, q~ = (1 - a) exp(-CE) + a
 
 
 @dataclass
@@ -286,6 +310,9 @@ class RecipeConfig:
 
 
 _CHOICES = {
+    "draft.kind": ("dflash", "dflash2"),
+    "loss.selector_outside": ("inject", "skip"),
+    "loss.position_weights": ("decay", "dpace"),
     "loss.attn_backend": ("auto", "sdpa", "eager", "flex"),
     "loss.impl": ("chunked", "cce", "liger"),
     "loss.accept_form": ("log", "tv"),
@@ -570,6 +597,19 @@ def _ranges(cfg: RecipeConfig) -> list[tuple[bool, str]]:
         (d.intermediate_size is None or 1 <= d.intermediate_size <= 1 << 24,
          "draft.intermediate_size must be >= 1 or null (null: the target's)"),
         (d.mask_token_id is None or d.mask_token_id >= 0, "draft.mask_token_id must be >= 0 or null"),
+        (0 <= d.dflash2.conv_kernel_size <= d.block_size,
+         "draft.dflash2.conv_kernel_size must be in [0, draft.block_size] (0: no block convolution)"),
+        (1 <= d.dflash2.conv_group_size <= 1 << 16, "draft.dflash2.conv_group_size must be >= 1 (it must divide the "
+         "target's hidden size; 16 in the published drafts)"),
+        ((d.dflash2.selector_rank == 0) == (d.dflash2.selector_top_k == 0) and d.dflash2.selector_rank >= 0
+         and d.dflash2.selector_top_k >= 0 and d.dflash2.selector_rank <= 1 << 16,
+         "draft.dflash2.selector_rank and selector_top_k must both be > 0, or both 0 (no selector)"),
+        (_finite(d.dflash2.output_multiplier) and d.dflash2.output_multiplier > 0,
+         "draft.dflash2.output_multiplier must be a finite number > 0 (1: plain logits)"),
+        (_in(d.dflash2.final_logit_softcapping, 0.0, 1e6),
+         "draft.dflash2.final_logit_softcapping must be a finite number >= 0 (0: off)"),
+        (_in(lo.selector_weight, 0.0, 1e3), "loss.selector_weight must be a finite number >= 0"),
+        (_in(lo.dpace_alpha, 0.0, 1.0), "loss.dpace_alpha must be in [0, 1] (D-PACE is stable in [0.3, 0.7])"),
         (1 <= lo.num_anchors <= MAX_TOKENS, f"loss.num_anchors must be in [1, {MAX_TOKENS}]"),
         (lo.gamma is None or (_finite(lo.gamma) and lo.gamma > 0), "loss.gamma must be a finite number > 0 or null"),
         (_in(lo.distill_weight, 0.0, 1.0), "loss.distill_weight must be in [0, 1]"),
@@ -649,7 +689,7 @@ def to_yaml(cfg: RecipeConfig) -> str:
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DistributedConfig", "DraftConfig", "EvaluateConfig", "ExportConfig",
+    "CheckpointConfig", "ConfigError", "DFlash2Options", "DistributedConfig", "DraftConfig", "EvaluateConfig", "ExportConfig",
     "LossConfig", "OptimConfig", "PromptJobConfig", "PromptsConfig", "RecipeConfig", "RegenerateConfig", "RunConfig",
     "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "shipped_dir", "to_yaml",
 ]

@@ -26,6 +26,9 @@ from nemo_dflash.target import DFlashTargetBatch
 from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
 from nemo_dflash.accept_loss import accept_chunk, accept_lm_loss, check_accept
+from nemo_dflash.selector_loss import (
+    SELECTOR_OUTSIDE, dpace_weights, selector_lm_loss, selector_slot_acceptance,
+)
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -468,6 +471,13 @@ class LossSums:
     # those slots' count (0 when `loss.accept_weight` is off)
     accept_prob_sum: float = 0.0
     accept_prob_slots: float = 0.0
+    # a candidate selector's (DFlash2): its loss term (weighted like the unary loss), the unary argmax's simulated
+    # acceptance beside the walk's (accept_sum is the walk's then), top-K recall, and the oracle walk that picks
+    # the true token whenever it is a candidate
+    selector_loss_sum: float = 0.0
+    unary_accept_sum: float = 0.0
+    topk_hits: float = 0.0
+    oracle_accept_sum: float = 0.0
 
     @classmethod
     def size(cls) -> int:
@@ -506,6 +516,11 @@ class LossSums:
             out[f"{prefix}sampled_accept_len_greedy_draft"] = self.greedy_draft_accept_sum / self.sampled_blocks
         if self.accept_prob_slots > 0:
             out[f"{prefix}accept_prob"] = self.accept_prob_sum / self.accept_prob_slots
+        if self.topk_hits > 0 or self.selector_loss_sum > 0:
+            out[f"{prefix}selector_loss"] = self.selector_loss_sum / self.weight_sum if self.weight_sum > 0 else 0.0
+            out[f"{prefix}unary_accept_len"] = self.unary_accept_sum / max(self.num_blocks, 1.0)
+            out[f"{prefix}topk_recall"] = self.topk_hits / max(self.num_labels, 1.0)
+            out[f"{prefix}oracle_accept_len"] = self.oracle_accept_sum / max(self.num_blocks, 1.0)
         return out
 
 
@@ -528,6 +543,10 @@ class DFlashLossOutput:
     context_pairs: Optional[torch.Tensor] = None
     accept_prob_sum: Optional[torch.Tensor] = None  # the acceptance term's a summed over valid label slots, when on
     accept_prob_slots: Optional[torch.Tensor] = None
+    selector_loss_sum: Optional[torch.Tensor] = None  # a candidate selector's (DFlash2), as in `LossSums`
+    unary_accept_sum: Optional[torch.Tensor] = None
+    topk_hits: Optional[torch.Tensor] = None
+    oracle_accept_sum: Optional[torch.Tensor] = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -836,7 +855,7 @@ def draft_block_hidden(
     else:
         mask = build_dense_block_mask(anchors, valid, key_valid, block_size, ctx_start=ctx_start)
     return draft(noise_embedding=noise, target_hidden=target_hidden, position_ids=pos, attention_mask=mask,
-                 backend=backend)
+                 backend=backend, block_size=block_size)
 
 
 # ----------------------------------------------------------------------------- module
@@ -866,6 +885,10 @@ class DFlashTrainerModule(nn.Module):
         accept_weight: float = 0.0,
         accept_temperature: float = 1.0,
         accept_form: str = "log",
+        selector_weight: float = 1.0,
+        selector_outside: str = "inject",
+        position_weights: str = "decay",
+        dpace_alpha: float = 0.5,
     ) -> None:
         super().__init__()
         if attn_backend not in ("sdpa", "eager", "flex"):
@@ -893,6 +916,24 @@ class DFlashTrainerModule(nn.Module):
         self.accept_weight = float(accept_weight)
         self.accept_temperature = float(accept_temperature)
         self.accept_form = accept_form
+        # DFlash2: the candidate selector's term, and the per-slot weights of every term
+        if selector_outside not in SELECTOR_OUTSIDE:
+            raise ValueError(f"selector_outside must be one of {list(SELECTOR_OUTSIDE)}, got {selector_outside!r}")
+        if position_weights not in ("decay", "dpace"):
+            raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
+        self.selector_weight = float(selector_weight)
+        self.selector_outside = selector_outside
+        self.position_weights = position_weights
+        self.dpace_alpha = float(dpace_alpha)
+        cfg = draft.config
+        self.output_multiplier = float(getattr(cfg, "output_multiplier", 1.0))
+        self.softcap = float(getattr(cfg, "final_logit_softcapping", 0.0) or 0.0)
+        if self.softcap > 0:
+            raise ValueError("training a draft with final_logit_softcapping > 0 is not supported (the fused "
+                             "cross-entropy has no soft-cap): set draft.dflash2.final_logit_softcapping=0")
+        if self.output_multiplier != 1.0 and (self.distill_weight > 0 or self.accept_weight > 0):
+            raise ValueError("draft.dflash2.output_multiplier != 1 trains with hard cross-entropy only: set "
+                             "loss.distill_weight=0 and loss.accept_weight=0, or output_multiplier=1")
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -1009,15 +1050,17 @@ class DFlashTrainerModule(nn.Module):
                 teacher_h = rows
             else:
                 teacher = rows
+        # the unary logits are output_multiplier * lm_head(h) (DFlash2's; 1 for DFlash-1): scale the rows
+        h_ce = h_sel if self.output_multiplier == 1.0 else h_sel * self.output_multiplier
         kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
         if kernel is not None:
             tok_loss, pred = fused_lm_loss(
-                kernel, h_sel, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
+                kernel, h_ce, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
                 compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
             )
         else:
             tok_loss, pred = chunked_lm_loss(
-                h_sel, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
+                h_ce, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
                 teacher_hidden=teacher_h, teacher_embedding=teacher_e,
             )
         accept = None
@@ -1026,36 +1069,63 @@ class DFlashTrainerModule(nn.Module):
                 src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
             acc_term, accept = self._accept_term(batch, h_sel, src, sel)
             tok_loss = (1.0 - w_acc) * tok_loss + w_acc * acc_term
+        weight_sum = w_sel.sum()
+        if self.position_weights == "dpace":
+            w_sel = _to_rows(dpace_weights(_to_slots(tok_loss.detach(), sel, bsz, n_blk, blk), label_valid[..., 1:],
+                                           self.dpace_alpha), sel)
+            weight_sum = label_valid.sum().to(w_sel.dtype)  # D-PACE normalises by the valid slots
+        term = None
+        if getattr(self.draft, "has_selector", False):
+            term = selector_lm_loss(
+                h_sel, self.lm_head.weight, self.draft.candidate_selector, plan.labels,
+                _rows_at(input_ids.unsqueeze(-1), _predecessor_positions(anchors, blk, seq, sel), sel).squeeze(-1),
+                self.ce_chunk_size, multiplier=self.output_multiplier, outside=self.selector_outside,
+            )
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()
                 and batch.final_hidden is not None):
             if src is None:
                 src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
             t_rows = _rows_at(batch.final_hidden, src, sel)
-            sampled = slot_acceptance(h_sel, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
+            if term is not None:  # q from the walk given the true predecessor, as decoding proposes
+                sampled = selector_slot_acceptance(term.scores, term.candidates, term.pick, t_rows, self.lm_head,
+                                                   self.accept_sampling, self.ce_chunk_size)
+            else:
+                sampled = slot_acceptance(h_ce, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
         loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
+        sel_sum = None
+        if term is not None:
+            sel_sum = (term.loss * w_sel).sum()
+            loss_sum = loss_sum + self.selector_weight * sel_sum
+            if h_sel.shape[0] == 0:  # no loss rows: the selector's parameters still join the gradient collectives
+                loss_sum = loss_sum + 0.0 * sum(p.sum() for p in self.draft.candidate_selector.parameters())
 
         with torch.no_grad():
-            if sel is None:
-                hit = (pred == plan.labels).view(bsz, n_blk, blk - 1)
-                correct = F.pad(hit, (1, 0), value=False)
-            else:
-                correct = torch.zeros(bsz * n_blk * blk, dtype=torch.bool, device=input_ids.device)
-                correct[sel] = pred == plan.labels
-                correct = correct.view(bsz, n_blk, blk)
+            def by_slot(ok: torch.Tensor) -> torch.Tensor:
+                return F.pad(_to_slots(ok, sel, bsz, n_blk, blk), (1, 0), value=False)
+
+            # a selector's walk proposes its pick; DFlash-1 each slot's argmax
+            correct = by_slot((term.pick if term is not None else pred) == plan.labels)
             block_ok = label_valid.any(-1)
             acc_len = acceptance_lengths(correct, label_valid)
             return_out = DFlashLossOutput(
                 loss_sum=loss_sum,
-                weight_sum=w_sel.sum(),
+                weight_sum=weight_sum,
                 correct=(correct & label_valid).sum(),
                 num_labels=label_valid.sum(),
                 accept_sum=(acc_len * block_ok).sum().float(),
                 num_blocks=block_ok.sum(),
                 **_flop_counts(batch, plan, blk),
             )
+            if term is not None:
+                return_out.selector_loss_sum = sel_sum.detach()
+                return_out.unary_accept_sum = (acceptance_lengths(by_slot(pred == plan.labels), label_valid)
+                                               * block_ok).sum().float()
+                inside = by_slot(term.inside)
+                return_out.topk_hits = (inside & label_valid).sum()
+                return_out.oracle_accept_sum = (acceptance_lengths(inside, label_valid) * block_ok).sum().float()
             if accept is not None:
                 on = label_valid[..., 1:].flatten() if sel is None else None
                 return_out.accept_prob_sum = (accept * on).sum() if on is not None else accept.sum()
@@ -1063,16 +1133,35 @@ class DFlashTrainerModule(nn.Module):
             if sampled is not None:
                 lengths = []
                 for alpha in sampled:
-                    if sel is None:
-                        per_slot = alpha.view(bsz, n_blk, blk - 1) * label_valid[..., 1:]
-                    else:
-                        full = torch.zeros(bsz * n_blk * blk, dtype=alpha.dtype, device=alpha.device)
-                        full[sel] = alpha
-                        per_slot = full.view(bsz, n_blk, blk)[..., 1:] * label_valid[..., 1:]
+                    per_slot = _to_slots(alpha, sel, bsz, n_blk, blk) * label_valid[..., 1:]
                     lengths.append((expected_block_length(per_slot) * block_ok).sum())
                 return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
                 return_out.sampled_blocks = block_ok.sum()
         return return_out
+
+
+def _to_slots(rows: torch.Tensor, sel: Optional[torch.Tensor], bsz: int, n_blk: int, blk: int) -> torch.Tensor:
+    """Per loss row values [N] -> [B, A, blk - 1] by label slot 1..blk-1 (zero / False where no row is)."""
+    if sel is None:
+        return rows.view(bsz, n_blk, blk - 1)
+    full = torch.zeros(bsz * n_blk * blk, dtype=rows.dtype, device=rows.device)
+    full[sel] = rows
+    return full.view(bsz, n_blk, blk)[..., 1:]
+
+
+def _to_rows(slots: torch.Tensor, sel: Optional[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `_to_slots`: [B, A, blk - 1] -> the loss rows [N]."""
+    if sel is None:
+        return slots.flatten()
+    return F.pad(slots, (1, 0)).flatten().index_select(0, sel)
+
+
+def _predecessor_positions(anchors: torch.Tensor, blk: int, seq: int, sel: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, L] positions of the token before each label slot (a + k - 1: the anchor for slot 1), laid out as
+    `_rows_at` reads them for the loss rows."""
+    if sel is None:
+        return (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).clamp(max=seq - 1).flatten(1)
+    return (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
 
 
 def _flop_counts(batch: DFlashTargetBatch, plan: BlockPlan, block: int) -> dict[str, torch.Tensor]:

@@ -75,11 +75,34 @@ def engine_findings(cfg: Mapping[str, Any], vocab: Optional[int] = None) -> list
         out.append(Finding(ENGINES, (
             f"rope type {rope_type!r} is not one the engines' RoPE factory builds ({sorted(ENGINE_ROPE_TYPES)}): "
             "the draft would serve with another rotation; train against a target with a supported RoPE")))
+    if "DFlash2DraftModel" in (cfg.get("architectures") or []):
+        out.extend(_dflash2_findings(cfg, dflash, rows))
     factor = float(cfg.get("partial_rotary_factor", 1.0))
     if factor != 1.0 and int(head_dim * factor) % 2:
         out.append(Finding(ENGINES, (
             f"partial_rotary_factor {factor} of head_dim {head_dim} rotates an odd number of dims: "
             "no engine can pair them; check the target's config")))
+    return out
+
+
+def _dflash2_findings(cfg: Mapping[str, Any], dflash: Mapping[str, Any], rows: int) -> list[Finding]:
+    """DFlash2's fields as the engines' loaders read them: each pair set together (SGLang takes an absent field
+    as 0, which turns the module off while its weights are still there), the group size dividing the hidden size,
+    and top-K no larger than the vocabulary."""
+    out = []
+    conv = [dflash.get("conv_kernel_size"), dflash.get("conv_group_size")]
+    sel = [dflash.get("selector_rank"), dflash.get("selector_top_k")]
+    for name, pair in (("conv_kernel_size / conv_group_size", conv), ("selector_rank / selector_top_k", sel)):
+        if any(v is None for v in pair):
+            out.append(Finding(ENGINES, (f"dflash_config sets only part of {name}: write both (re-export with "
+                                         "`python -m nemo_dflash.recipes.export`)")))
+    hidden = int(cfg.get("hidden_size") or 0)
+    if conv[0] and conv[1] and hidden % int(conv[1]):
+        out.append(Finding(ENGINES, (f"conv_group_size {conv[1]} does not divide hidden_size {hidden}: retrain with "
+                                     "draft.dflash2.conv_group_size dividing it")))
+    if sel[1] and rows and int(sel[1]) > rows:
+        out.append(Finding(ENGINES, (f"selector_top_k {sel[1]} is above the vocabulary ({rows}): retrain with "
+                                     "draft.dflash2.selector_top_k <= the vocabulary")))
     return out
 
 

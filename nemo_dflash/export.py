@@ -40,7 +40,8 @@ from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' ol
     serving_weight_shapes,
     validate_serving_weights,
 )
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.model import DFlash2Config, DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.registry import DRAFT_VARIANTS, draft_kind
 from nemo_dflash.engine_limits import check_engine_limits
 from nemo_dflash.files import apply_umask, write_error_reason
 from nemo_dflash.target import check_target_layer_ids
@@ -57,7 +58,7 @@ SERVING_CONFIG_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "tie_word_embeddings",
-    "torch_dtype", "dtype", "block_size", "num_target_layers", "dflash_config",
+    "torch_dtype", "dtype", "block_size", "num_target_layers", "dflash_config", "is_causal",
 )
 
 # ----------------------------------------------------------------------------- contract
@@ -73,8 +74,9 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
     partial = float(rope.pop("partial_rotary_factor", 1.0))
     mask_id = check_mask_token_id(config.mask_token_id, source="the draft config's dflash_config")
     layer_ids = check_target_layer_ids(config.target_layer_ids, key="the draft config's dflash_config.target_layer_ids")
+    kind = draft_kind(config)
     out: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [DRAFT_VARIANTS[kind].architecture],
         "model_type": "qwen3",
         "hidden_size": int(config.hidden_size),
         "intermediate_size": int(config.intermediate_size),
@@ -98,6 +100,16 @@ def serving_config_dict(config: DFlashConfig) -> dict[str, Any]:
             "target_layer_ids": layer_ids,
         },
     }
+    if isinstance(config, DFlash2Config):
+        # the engines' DFlash2 fields, each pair written together (SGLang reads an absent field as 0)
+        out["dflash_config"].update({
+            "block_size": int(config.block_size),
+            "conv_kernel_size": config.conv_kernel_size, "conv_group_size": config.conv_group_size,
+            "selector_rank": config.selector_rank, "selector_top_k": config.selector_top_k,
+            "output_multiplier": config.output_multiplier,
+            "final_logit_softcapping": config.final_logit_softcapping,
+        })
+        out["is_causal"] = False
     if rope_type != "default":
         out["rope_scaling"] = rope
     if partial != 1.0:

@@ -20,14 +20,18 @@ import json
 import logging
 import os
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
 
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec, resolve_dflash_draft_spec
+from nemo_dflash.draft.model import DFlash2Config, DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.registry import (
+    DFLASH_DRAFT_REGISTRY, DRAFT_VARIANTS, DraftSpec, draft_kind, resolve_dflash_draft_spec, resolve_draft_variant,
+    variant_of,
+)
 from nemo_dflash.files import COMPLETE, DRAFT_DIR, STEP_PREFIX, checkpoint_root, final_draft_dir
 from nemo_dflash.target import LayerIdsError, build_target_layer_ids, check_target_layer_ids
 
@@ -208,32 +212,51 @@ def build_draft_for_target(
     mask_token_id: Optional[int] = None,
     intermediate_size: Optional[int] = None,
     mask_token_for: Optional[str] = None,
+    kind: str = "dflash",
+    variant_options: Optional[Mapping[str, Any]] = None,
 ) -> DFlashDraftModel:
-    """A fresh (randomly initialised, fp32) draft shaped like `target_model`, of the registry's classes."""
+    """A fresh (randomly initialised, fp32) draft shaped like `target_model`: the family's registry classes for
+    DFlash-1 (`kind="dflash"`), the variant's for another kind, its sizes from `variant_options` (the recipe's
+    `draft.<kind>` section)."""
     tcfg = getattr(target_model.config, "text_config", None) or target_model.config
     spec = resolve_dflash_draft_spec(_architectures(target_model.config, type(target_model).__name__))
+    try:
+        variant = resolve_draft_variant(kind)
+    except ValueError as e:
+        raise DraftError(str(e)) from None
+    config_cls, draft_cls = (spec.config_cls, spec.draft_cls) if kind == "dflash" else (variant.config_cls,
+                                                                                        variant.draft_cls)
     n_target = int(tcfg.num_hidden_layers)
     if target_layer_ids:
         ids = check_target_layer_ids(target_layer_ids, n_target, key="draft.target_layer_ids")
     else:
         ids = build_target_layer_ids(n_target, num_layers)
     overrides = {"intermediate_size": intermediate_size} if intermediate_size else {}
-    cfg: DFlashConfig = spec.config_cls.from_target_config(
-        tcfg,
-        num_hidden_layers=num_layers,
-        block_size=block_size,
-        mask_token_id=resolve_mask_token_id(target_model, tokenizer, mask_token_id, mask_token_for),
-        target_layer_ids=ids,
-        **overrides,
-    )
-    return spec.draft_cls(cfg).float()
+    try:
+        cfg: DFlashConfig = config_cls.from_target_config(
+            tcfg,
+            num_hidden_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=resolve_mask_token_id(target_model, tokenizer, mask_token_id, mask_token_for),
+            target_layer_ids=ids,
+            dflash_extra=dict(variant_options or {}) if kind != "dflash" else None,
+            **overrides,
+        )
+    except ValueError as e:  # a variant's sizes that do not fit this target (a group size that does not divide)
+        if isinstance(e, DraftError):
+            raise
+        raise DraftError(str(e)) from None
+    return draft_cls(cfg).float()
 
 
 def draft_for_recipe(draft_cfg: "DraftConfig", target_model: torch.nn.Module, tokenizer: Any) -> DFlashDraftModel:
     """The trainer's draft (fp32, CPU): `draft.init_from` loaded and checked against the target, else built."""
     if draft_cfg.init_from:
+        check_draft_kind(draft_cfg.init_from, draft_cfg.kind, "draft.init_from")
         return load_draft_for_target(draft_cfg.init_from, target_model.config, tokenizer, device="cpu",
                                      dtype=torch.float32)
+    variant = resolve_draft_variant(draft_cfg.kind)
+    options = asdict(getattr(draft_cfg, variant.options)) if variant.options else None
     return build_draft_for_target(
         target_model,
         tokenizer,
@@ -243,14 +266,53 @@ def draft_for_recipe(draft_cfg: "DraftConfig", target_model: torch.nn.Module, to
         mask_token_id=draft_cfg.mask_token_id,
         intermediate_size=draft_cfg.intermediate_size,
         mask_token_for=draft_cfg.mask_token_for,
+        kind=draft_cfg.kind,
+        variant_options=options,
     )
+
+
+def stored_draft_kind(path: PathLike) -> str:
+    """The `draft.kind` of a stored draft, from its config.json's `architectures` (no weights read)."""
+    d = resolve_draft_dir(path)
+    try:
+        raw = json.loads((d / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise DraftError(f"{d / CONFIG_NAME} is not valid JSON: {e}") from None
+    return variant_of(raw.get("architectures") if isinstance(raw, dict) else None)
+
+
+def check_draft_kind(path: PathLike, kind: str, what: str) -> None:
+    """A stored draft is only continued as the variant it is (a DFlash2 draft resumed as DFlash-1 would drop its
+    selector; the reverse would start one from nothing): one line naming the key to set."""
+    stored = stored_draft_kind(path)
+    if stored != kind:
+        raise DraftError(f"{what}={path} is a {stored} draft but draft.kind={kind}: set draft.kind={stored} "
+                         f"(or start from a {kind} draft)")
+
+
+def check_variant_fits(kind: str, options: Optional[Mapping[str, Any]], hidden_size: int, vocab_size: int,
+                       block_size: int) -> None:
+    """The variant's sizes against the target's hidden size and vocabulary, from its config alone (before any
+    model loads): DraftError naming the key."""
+    if kind != "dflash2":
+        return
+    from nemo_dflash.draft.model.dflash2 import check_dflash2_sizes
+
+    probe = DFlash2Config.__new__(DFlash2Config)  # the check reads these fields only: no Qwen3Config init
+    probe.hidden_size, probe.vocab_size, probe.block_size = hidden_size, vocab_size, block_size
+    probe.dflash_config = dict(options or {})
+    try:
+        check_dflash2_sizes(probe)
+    except ValueError as e:
+        raise DraftError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- the serving contract (read side)
 
 
 def serving_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight name of the serving contract and its shape, for a given draft config."""
+    """Every weight name of the serving contract and its shape, for a given draft config (DFlash2's conv and
+    selector tensors too, named as the engines' DFlash2 loaders read them)."""
     h, inter = config.hidden_size, config.intermediate_size
     hd = config.head_dim or h // config.num_attention_heads
     nq, nkv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -279,6 +341,18 @@ def serving_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
                 p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (h,),
             })
+        if isinstance(config, DFlash2Config) and config.conv_kernel_size:
+            kc, groups = config.conv_kernel_size, h // config.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"{p}{conv}.base_kernel"] = (2, kc, h)
+                shapes[f"{p}{conv}.kernel_projection.weight"] = (2 * kc * groups, h)
+    if isinstance(config, DFlash2Config) and config.selector_rank:
+        r, v = config.selector_rank, config.vocab_size
+        shapes.update({
+            "candidate_selector.hidden_projection.weight": (r, h),
+            "candidate_selector.predecessor_codebook": (v, r),
+            "candidate_selector.successor_codebook": (v, r),
+        })
     return shapes
 
 
@@ -322,7 +396,11 @@ def draft_config_from_dict(
     """A draft config (the registry's ``config_cls``) from an exported, training or published-DFlash-style dict."""
     d = dict(raw)
     archs = d.get("architectures") or []
-    drafts = {config_cls.__name__, *(spec.draft_cls.__name__ for spec in DFLASH_DRAFT_REGISTRY.values())}
+    kind = variant_of(archs)
+    if kind != "dflash":  # a variant's stored config: its own classes, whatever the family's are
+        config_cls = DRAFT_VARIANTS[kind].config_cls
+    drafts = {config_cls.__name__, *(spec.draft_cls.__name__ for spec in DFLASH_DRAFT_REGISTRY.values()),
+              *(v.architecture for v in DRAFT_VARIANTS.values())}
     if archs and not any("DFlash" in a or a in drafts for a in archs):  # save_pretrained writes the class name
         raise DraftError(
             f"{source} describes {archs}, not a DFlash draft: pass the draft directory (the one whose "
@@ -351,14 +429,22 @@ def draft_config_from_dict(
     for k in ("model_type", "auto_map", "transformers_version", "_name_or_path", "draft_vocab_size",
               "eagle_aux_hidden_state_layer_ids", "has_embed_tokens", "has_lm_head"):
         d.pop(k, None)
-    d["architectures"] = ["DFlashDraftModel"]
+    d["architectures"] = [DRAFT_VARIANTS[kind].architecture]
     check_target_layer_ids(layer_ids, key=f"{source}: dflash_config.target_layer_ids")
-    return config_cls(
-        block_size=int(block_size),
-        num_target_layers=int(num_target_layers),
-        dflash_config={"mask_token_id": int(mask_id), "target_layer_ids": [int(i) for i in layer_ids]},
-        **d,
-    )
+    # a variant keeps its own dflash_config fields (DFlash2's sizes); DFlash-1 keeps the two it has
+    extra = {k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")
+             and k not in _UNSUPPORTED_VARIANT_FLAGS} if kind != "dflash" else {}
+    try:
+        return config_cls(
+            block_size=int(block_size),
+            num_target_layers=int(num_target_layers),
+            dflash_config={**extra, "mask_token_id": int(mask_id), "target_layer_ids": [int(i) for i in layer_ids]},
+            **d,
+        )
+    except ValueError as e:
+        if isinstance(e, DraftError):
+            raise
+        raise DraftError(f"{source}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- locate / load
@@ -467,6 +553,8 @@ def load_draft(
     spec = resolve_dflash_draft_spec(architectures) if architectures else DraftSpec()
     d = resolve_draft_dir(path)
     config = load_draft_config(d, config_cls=spec.config_cls)
+    kind = draft_kind(config)
+    draft_cls = spec.draft_cls if kind == "dflash" else DRAFT_VARIANTS[kind].draft_cls
     tensors = _read_safetensors(_weight_files(d))
     shared = sorted(k for k in tensors if _SHARED_WITH_TARGET.match(k))
     if shared:
@@ -475,7 +563,7 @@ def load_draft(
             tensors.pop(k)
     validate_serving_weights({k: tuple(v.shape) for k, v in tensors.items()}, config, source=f"Weights in {d}")
     with torch.device("meta"):
-        model = spec.draft_cls(config)
+        model = draft_cls(config)
     model.load_state_dict(tensors, strict=True, assign=True)
     target_dtype = resolve_dtype(dtype) if dtype is not None else None
     model = model.to(device=device, dtype=target_dtype) if target_dtype is not None else model.to(device)
@@ -499,7 +587,7 @@ def load_draft_for_target(
 
 __all__ = [
     "CONFIG_NAME", "DraftError", "MaskTokenError", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "build_draft_for_target",
-    "check_draft_fits_target", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
+    "check_draft_fits_target", "check_draft_kind", "check_variant_fits", "stored_draft_kind", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
     "draft_for_recipe", "draft_weights_sha256", "load_draft", "load_draft_config", "load_draft_for_target", "placeholder_token_id", "resolve_draft_dir",
     "resolve_mask_token_id", "serving_weight_shapes", "target_vocab_size", "validate_serving_weights",
 ]

@@ -1,8 +1,13 @@
-"""Which draft class serves which target family, keyed by the HF `architectures` string.
+"""Which draft class serves which target family, keyed by the HF `architectures` string, and which
+variants of the draft exist (`DRAFT_VARIANTS`, keyed by the recipe's `draft.kind`).
 
 Adding a family is a one-line append to `DFLASH_DRAFT_REGISTRY` (see docs/registry.md):
 
     DFLASH_DRAFT_REGISTRY["MistralForCausalLM"] = DraftSpec(draft_cls=DFlashDraftModel)
+
+Adding a variant (a DSpark Markov head, Domino) is one module under `draft/model/` and one entry here:
+
+    DRAFT_VARIANTS["dspark"] = DraftVariant(DSparkDraftModel, DSparkConfig, options="dspark")
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.model import DFlash2Config, DFlash2DraftModel, DFlashConfig, DFlashDraftModel
 from nemo_dflash.target import build_target_layer_ids  # noqa: F401  (the target's layers; exported here too)
 
 
@@ -70,6 +75,52 @@ DFLASH_DRAFT_REGISTRY: dict[str, DraftSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class DraftVariant:
+    """One draft design: its model and config classes (subclasses of DFlash's: same backbone, same serving
+    contract plus the variant's fields) and the recipe section holding its sizes (`draft.<options>`, whose
+    fields are the variant's `dflash_config` entries). The exported `architectures` is the model class's name."""
+
+    draft_cls: type[DFlashDraftModel]
+    config_cls: type[DFlashConfig]
+    options: Optional[str] = None
+
+    @property
+    def architecture(self) -> str:
+        return self.draft_cls.__name__
+
+
+DRAFT_VARIANTS: dict[str, DraftVariant] = {
+    "dflash": DraftVariant(DFlashDraftModel, DFlashConfig),
+    "dflash2": DraftVariant(DFlash2DraftModel, DFlash2Config, options="dflash2"),
+}
+
+
+def resolve_draft_variant(kind: str) -> DraftVariant:
+    """The variant `draft.kind` names."""
+    if kind not in DRAFT_VARIANTS:
+        raise ValueError(f"draft.kind={kind!r} is not a draft variant: use one of {', '.join(DRAFT_VARIANTS)}")
+    return DRAFT_VARIANTS[kind]
+
+
+def variant_of(architectures: Sequence[str] | str | None) -> str:
+    """The `draft.kind` of a stored draft, from its config's `architectures` (DFlash-1 when none is a variant's)."""
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    for kind, variant in DRAFT_VARIANTS.items():
+        if kind != "dflash" and variant.architecture in (architectures or ()):
+            return kind
+    return "dflash"
+
+
+def draft_kind(config: DFlashConfig) -> str:
+    """The `draft.kind` of a draft config (its class decides, whatever `architectures` it carries)."""
+    for kind, variant in DRAFT_VARIANTS.items():
+        if kind != "dflash" and isinstance(config, variant.config_cls):
+            return kind
+    return "dflash"
+
+
 def resolve_dflash_draft_spec(architectures: Sequence[str] | str | None) -> DraftSpec:
     """Return the spec of the first registered architecture in `architectures`."""
     if isinstance(architectures, str):
@@ -86,4 +137,5 @@ def resolve_dflash_draft_spec(architectures: Sequence[str] | str | None) -> Draf
     )
 
 
-__all__ = ["DraftSpec", "DFLASH_DRAFT_REGISTRY", "resolve_dflash_draft_spec", "build_target_layer_ids"]
+__all__ = ["DRAFT_VARIANTS", "DraftSpec", "DraftVariant", "DFLASH_DRAFT_REGISTRY", "build_target_layer_ids",
+           "draft_kind", "resolve_dflash_draft_spec", "resolve_draft_variant", "variant_of"]

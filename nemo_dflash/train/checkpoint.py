@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_dflash.data import DataError
+from nemo_dflash.draft.registry import draft_kind
 from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir reads it too)
     CHECKPOINTS_DIR, COMPLETE, DRAFT_DIR, FINAL_DIR, STEP_PREFIX, apply_umask, checkpoint_root,
     final_draft_dir, fsync_path, verify_complete, write_complete_marker, write_error_reason,
@@ -60,7 +61,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # Fields that must match between a checkpoint and the run resuming from it (see `run_identity`).
-IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers")
+IDENTITY_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "target_architecture", "num_draft_layers",
+                 "draft_kind")
 # The inputs a checkpoint was trained on (see `run_inputs`): checked before the target loads.
 INPUT_KEYS = ("target_weights", "data_sha256")
 
@@ -103,6 +105,7 @@ def run_identity(draft_config: Any, target_config: Any) -> dict[str, Any]:
         "target_layer_ids": list(draft_config.target_layer_ids),
         "target_architecture": archs[0],
         "num_draft_layers": int(draft_config.num_hidden_layers),
+        "draft_kind": draft_kind(draft_config),
     }
 
 

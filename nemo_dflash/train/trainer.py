@@ -459,6 +459,8 @@ class Trainer:
             fused_ce=cfg.loss.fused_ce, loss_impl=self.settings.loss_impl,
             accept_weight=cfg.loss.accept_weight, accept_temperature=cfg.loss.accept_temperature,
             accept_form=cfg.loss.accept_form,
+            selector_weight=cfg.loss.selector_weight, selector_outside=cfg.loss.selector_outside,
+            position_weights=cfg.loss.position_weights, dpace_alpha=cfg.loss.dpace_alpha,
             accept_sampling=(SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
                              if cfg.train.eval_temperature > 0 else None),
         )

@@ -87,11 +87,13 @@ class DFlashConfig(Qwen3Config):
         block_size: int,
         mask_token_id: int,
         target_layer_ids: list[int],
+        dflash_extra: Optional[dict[str, Any]] = None,
         **overrides: Any,
     ) -> "DFlashConfig":
         """Shape the draft like its target: the draft reuses the target's embeddings and
         lm_head, so hidden size and vocab must match; heads/head_dim follow by default, and the
-        RoPE is the target's (`target_rope_parameters`: theta, scaling, partial rotary factor)."""
+        RoPE is the target's (`target_rope_parameters`: theta, scaling, partial rotary factor).
+        `dflash_extra`: a variant's own dflash_config fields (DFlash2's conv and selector sizes)."""
         tc = getattr(target_config, "text_config", None) or target_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         rope = target_rope_parameters(tc)
@@ -120,6 +122,7 @@ class DFlashConfig(Qwen3Config):
             num_hidden_layers=num_hidden_layers,
             block_size=block_size,
             num_target_layers=tc.num_hidden_layers,
-            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+            dflash_config={**dict(dflash_extra or {}), "mask_token_id": int(mask_token_id),
+                           "target_layer_ids": list(target_layer_ids)},
             **fields,
         )

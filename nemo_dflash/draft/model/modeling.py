@@ -286,6 +286,7 @@ class DFlashDraftModel(PreTrainedModel):
     main_input_name = "noise_embedding"
     _no_split_modules = ["DFlashDecoderLayer"]
     supports_gradient_checkpointing = False
+    layer_cls: type[nn.Module] = DFlashDecoderLayer  # a variant's layers (`dflash2.DFlash2DecoderLayer`)
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__(config)
@@ -294,11 +295,20 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError("DFlashConfig.dflash_config['target_layer_ids'] is empty: set the target layers to fuse.")
         self.fc = nn.Linear(n_ctx_layers * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.attn_backend = "sdpa"  # "sdpa" (dense mask), "eager" (explicit softmax) or "flex" (BlockMask)
+        self.add_variant_modules(config)
         self.post_init()
+
+    def add_variant_modules(self, config: DFlashConfig) -> None:
+        """Where a variant adds the modules DFlash lacks (DFlash2's selector), before weights are initialised."""
+
+    @property
+    def has_selector(self) -> bool:
+        """Whether proposals come from a candidate selector's walk (DFlash2) rather than each slot's argmax."""
+        return False
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config, "initializer_range", 0.02)
@@ -333,8 +343,10 @@ class DFlashDraftModel(PreTrainedModel):
         attention_mask: AttnMask = None,
         cache: Optional[DFlashContextCache] = None,
         backend: Optional[str] = None,
+        block_size: Optional[int] = None,
     ) -> torch.Tensor:
-        """Run the draft over block tokens.
+        """Run the draft over block tokens (`block_size`: the blocks' length, which the attention mask alone
+        carries here; a variant that mixes positions within a block reads it).
 
         noise_embedding: [B, Q, H] embedded block tokens (anchor + MASKs), Q = n_blocks * block_size.
         target_hidden: [B, C, n_layers*H] target features of the (new) context.
