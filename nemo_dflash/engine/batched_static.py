@@ -62,7 +62,7 @@ from torch.profiler import record_function
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling
+from nemo_dflash.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
 from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,
@@ -599,6 +599,8 @@ class BatchedStaticSpecRunner(_Rows):
         self.filtered, self.draft_greedy = sampled and filtered, sampled and draft_greedy
         R, B, dev = self.rows, decoder.block_size, self.device
         self.B = B
+        self.selector = bool(getattr(decoder.draft, "has_selector", False))
+        self.draft_hidden: Optional[torch.Tensor] = None
         self.dcache = StaticDraftContextCache(len(decoder.draft.layers), self.max_len, batch=R)
         self.blk = torch.zeros(R, B, dtype=torch.long, device=dev)  # verify input: [last, proposals] a row
         self.ctx_start = torch.zeros(R, dtype=torch.long, device=dev)  # first position of each row's new context
@@ -639,8 +641,11 @@ class BatchedStaticSpecRunner(_Rows):
         visible = torch.cat([self.key_index[:view_len].view(1, -1) < pos.view(-1, 1),
                              self.block_visible[:rows]], 1).view(rows, 1, 1, -1)
         hidden = self.dec.draft(noise_embedding=self.dec.embed_tokens(noise_ids), target_hidden=feats,
-                                position_ids=position_ids, attention_mask=visible, cache=self.dcache)
-        return self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype))
+                                position_ids=position_ids, attention_mask=visible, cache=self.dcache,
+                                block_size=self.B)
+        # a selector draft (DFlash2) proposes from its hidden states too: kept for `_propose`
+        self.draft_hidden = hidden[:, 1:] if self.selector else None
+        return self.dec.draft.unary_logits(self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype)))
 
     def _draft(self, view_len: int) -> torch.Tensor:
         """The captured draft step: every row's block from its last verify's features, its proposals
@@ -648,13 +653,15 @@ class BatchedStaticSpecRunner(_Rows):
         ctx_pos = self.ctx_start.view(-1, 1) + self.arange_b
         noise = torch.cat([self.blk[:, :1], self.mask_ids], 1)
         logits = self._draft_forward(noise, self.feats, ctx_pos, self.pos, view_len)
-        self._propose(logits)
+        self._propose(logits, hidden=self.draft_hidden)
         return logits
 
-    def _propose(self, logits: torch.Tensor, rows: slice = slice(None)) -> None:
+    def _propose(self, logits: torch.Tensor, rows: slice = slice(None), hidden: Optional[torch.Tensor] = None) -> None:
         """Draft logits [R, B-1, V] (or those of `rows`) -> the proposals in the block: the argmax (T=0, or
         greedy proposals with a one-hot q), else one keyed draw per slot from the filtered softmax q, kept for
-        the accept test."""
+        the accept test. A selector draft (`hidden` given) walks its candidates instead (`_walk`)."""
+        if hidden is not None:
+            return self._walk(logits, rows, hidden)
         if not self.sampled or self.draft_greedy:
             tok = logits.argmax(dim=-1)
             if self.sampled:
@@ -664,6 +671,25 @@ class BatchedStaticSpecRunner(_Rows):
         q, proposals = self.state.proposals(logits, self.filtered, rows, self.pos[rows])
         self.q[rows].copy_(q)
         self.blk[rows, 1:].copy_(proposals)
+
+    def _walk(self, logits: torch.Tensor, rows: slice, hidden: torch.Tensor) -> None:
+        """A selector draft's proposals (DFlash2): the walk's argmax path (T=0, or greedy proposals with a one-hot
+        q), else slot k drawn from the walk's q given the slot before, keyed by (row key, position of slot k)."""
+        anchors = self.blk[rows, 0]
+        if not self.sampled or self.draft_greedy:
+            tok, _ = self.dec.draft.propose_block(hidden, logits, anchors)
+            if self.sampled:
+                self.q[rows].zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
+            self.blk[rows, 1:].copy_(tok)
+            return
+        keys, first = self.state.key[rows], self.pos[rows]
+
+        def draw(k: int, q: torch.Tensor) -> torch.Tensor:
+            return keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q)
+
+        tok, q = self.dec.draft.propose_block(hidden, logits, anchors, self.state.inv_temp, draw)
+        self.q[rows].copy_(q)
+        self.blk[rows, 1:].copy_(tok)
 
     def _first_draft_logits(self, rows: Sequence[int], prompt_feats: torch.Tensor, view_len: int) -> torch.Tensor:
         """Step 1 of those rows (prompts prefilled together, right-padded), eagerly: their blocks' draft logits
@@ -757,8 +783,10 @@ class BatchedStaticSpecRunner(_Rows):
                 self.draft_steps.get(self.draft_steps.view(need + self.B)).replay()
             for rows, f in self._entered_forwards(fresh):  # prompts that just entered: first blocks, eagerly,
                 d_logits = self._first_draft_logits(rows, f, self.draft_steps.view(need + self.B))  # whole prompt
+                d_hidden = self.draft_hidden
                 for j, r in enumerate(rows):
-                    self._propose(d_logits[j : j + 1], slice(r, r + 1))
+                    self._propose(d_logits[j : j + 1], slice(r, r + 1),
+                                  d_hidden[j : j + 1] if d_hidden is not None else None)
         if self.after_draft is not None:
             self.after_draft()
         self.verify_steps.get(view).replay()

@@ -45,7 +45,7 @@ from nemo_dflash.engine.static_cache import SUPPORTED_ATTN, attn_implementation,
 from nemo_dflash.engine.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
-from nemo_dflash.sampling import Sampling, as_sampling, propose_tokens, select_tokens, verify_block
+from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)
@@ -179,13 +179,44 @@ class DFlashSpeculativeDecoder:
         target features of the verified tokens at positions position-C..position-1 (the ones
         the draft cache has not seen yet); they are appended to `draft_cache`.
         """
+        return self.draft_block(last_token, position, context_features, draft_cache, block_size)[1]
+
+    def draft_block(
+        self, last_token: torch.Tensor, position: int, context_features: torch.Tensor,
+        draft_cache: DFlashContextCache, block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [B - 1, H], unary logits [B - 1, V]) of slots 1..B-1 of one drafted block (see `draft_logits`)."""
         device = last_token.device
         masks = torch.full((block_size - 1,), self.mask_token_id, dtype=torch.long, device=device)
         noise = self.embed_tokens(torch.cat([last_token.view(1), masks]).unsqueeze(0))
         c_len = context_features.shape[1]
         pos = torch.arange(position - c_len, position + block_size, device=device).unsqueeze(0)
-        hidden = self.draft(noise_embedding=noise, target_hidden=context_features, position_ids=pos, cache=draft_cache)
-        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+        hidden = self.draft(noise_embedding=noise, target_hidden=context_features, position_ids=pos, cache=draft_cache,
+                            block_size=block_size)[0, 1:]
+        return hidden, self.draft.unary_logits(self.lm_head(hidden.to(self.lm_head.weight.dtype)))
+
+    def walk_proposals(
+        self, last_token: torch.Tensor, position: int, context_features: torch.Tensor,
+        draft_cache: DFlashContextCache, block_size: int, sampling: SamplingParams,
+        generator: Optional[torch.Generator],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A selector draft's proposals (DFlash2): (tokens [B - 1], q [B - 1, V] or None at T=0). Each slot is drawn
+        from the walk's q given the token drawn before it (temperature only: the target's filters act on p);
+        `draft="greedy"` proposes the walk's argmax path with a one-hot q."""
+        hidden, logits = self.draft_block(last_token, position, context_features, draft_cache, block_size)
+        if sampling.greedy or sampling.draft == "greedy":
+            tokens, _ = self.draft.propose_block(hidden[None], logits[None], last_token.view(1))
+            if sampling.greedy:
+                return tokens[0], None
+            q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            return tokens[0], q.scatter_(-1, tokens[0].unsqueeze(-1), 1.0)
+
+        def draw(k: int, q: torch.Tensor) -> torch.Tensor:
+            return torch.multinomial(q, 1, generator=generator).squeeze(-1)
+
+        tokens, q = self.draft.propose_block(hidden[None], logits[None], last_token.view(1),
+                                             1.0 / sampling.temperature, draw)
+        return tokens[0], q[0]
 
     @torch.no_grad()
     def generate(
@@ -288,7 +319,10 @@ class DFlashSpeculativeDecoder:
             accept_lens: list[int] = []
             while not stopped and len(output) < max_new_tokens:
                 position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
-                if blk > 1:
+                if blk > 1 and self.draft.has_selector:
+                    d_tokens, d_probs = self.walk_proposals(last, position, pending, dcache, blk, temperature,
+                                                            generator)
+                elif blk > 1:
                     d_logits = self.draft_logits(last, position, pending, dcache, blk)
                     d_tokens, d_probs = propose_tokens(d_logits, temperature, generator)
                 else:

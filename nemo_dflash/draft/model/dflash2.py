@@ -199,7 +199,7 @@ class CandidateSelector(nn.Module):
         ph = self.hidden_projection(hidden[:, 1:])  # [R, S-1, r]
         pred = self.predecessor_codebook[candidate_ids[:, :-1]].to(ph.dtype)  # [R, S-1, K, r]
         succ = self.successor_codebook[candidate_ids[:, 1:]].to(ph.dtype)  # [R, S-1, K, r]
-        return torch.einsum("rsir,rsr,rsjr->rsij", pred, ph, succ).float()
+        return torch.einsum("bsiq,bsq,bsjq->bsij", pred, ph, succ).float()
 
 
 def unary_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -272,6 +272,21 @@ class DFlash2DraftModel(DFlashDraftModel):
     @property
     def has_selector(self) -> bool:
         return self.candidate_selector is not None
+
+    def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """softcap(output_multiplier * logits), in fp32 when either is set."""
+        c = self.config
+        if c.output_multiplier == 1.0 and c.final_logit_softcapping == 0:
+            return logits
+        return unary_logits(c, logits)
+
+    def propose_block(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                      inv_temperature: Optional[torch.Tensor | float] = None, draw: Optional[Draw] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The selector's walk over drafted slots (`selector_walk`): hidden [R, S, H] and the lm_head's logits
+        [R, S, V] of slots 1..S, anchors [R] the token before them. Every decoder proposes through here."""
+        return selector_walk(self.candidate_selector, hidden, self.unary_logits(logits), anchors, inv_temperature,
+                             draw)
 
     def forward(
         self,

@@ -307,8 +307,13 @@ class DFlashDraftModel(PreTrainedModel):
 
     @property
     def has_selector(self) -> bool:
-        """Whether proposals come from a candidate selector's walk (DFlash2) rather than each slot's argmax."""
+        """Whether proposals come from a candidate selector's walk (DFlash2, `propose_block`) rather than each
+        slot's own distribution."""
         return False
+
+    def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The slots' own logits from the lm_head's (a variant may scale or soft-cap them)."""
+        return logits
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config, "initializer_range", 0.02)

@@ -1,0 +1,401 @@
+"""DFlash2: the block convolution and candidate selector against brute-force references, its training terms, the
+walk in every decoder (T=0 exactness, the output law at T=1, a misreported q caught), export and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _spec_fixtures import second_token_case, single_thread, three_token_law  # noqa: F401  (fixture)
+from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
+
+from nemo_dflash import HFDFlashTargetModel
+from nemo_dflash.core import DFlashTrainerModule, LossSums, sample_anchors
+from nemo_dflash.draft.build import DraftError, build_draft_for_target, check_variant_fits
+from nemo_dflash.draft.model import DFlash2Config, DFlash2DraftModel
+from nemo_dflash.draft.model.dflash2 import BlockConv, selector_walk
+from nemo_dflash.selector_loss import dpace_weights
+
+
+def dflash2_like(draft, *, rank: int = 8, top_k: int = 4, conv: int = 2, group: int = 16, seed: int = 5,
+                 random_modules: bool = True) -> DFlash2DraftModel:
+    """A DFlash2 draft with `draft`'s backbone weights; its conv and selector random (or as initialised)."""
+    c = draft.config
+    cfg = DFlash2Config(
+        **{k: v for k, v in c.to_dict().items() if k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                        "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                                        "max_position_embeddings", "vocab_size", "hidden_act",
+                                                        "rope_parameters", "num_hidden_layers")},
+        block_size=c.block_size, num_target_layers=c.num_target_layers,
+        dflash_config={"mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
+                       "conv_kernel_size": conv, "conv_group_size": group, "selector_rank": rank,
+                       "selector_top_k": top_k},
+    )
+    d2 = DFlash2DraftModel(cfg).float().eval()
+    missing, unexpected = d2.load_state_dict(draft.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), missing
+    if random_modules:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in d2.named_parameters():
+                if "conv" in name or "candidate_selector" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "codebook" in name else 0.1))
+    return d2
+
+
+def _trainer(target, draft, **kw):
+    return DFlashTrainerModule(draft, target.get_input_embeddings(), target.get_output_embeddings(),
+                               loss_decay_gamma=kw.pop("gamma", 7.0), **kw)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_identity_init_without_selector_computes_exactly_dflash():
+    """Identity convs and no selector: the same hidden states, loss and metrics as the DFlash-1 draft, bit for bit;
+    a fresh DFlash2 draft's convs are the identity."""
+    target = tiny_qwen3()
+    d1 = make_draft(target)
+    d2 = dflash2_like(d1, rank=0, top_k=0, random_modules=False)
+    assert not d2.has_selector
+    for layer in d2.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            assert torch.equal(conv.base_kernel[:, 0], torch.ones_like(conv.base_kernel[:, 0]))
+            assert not conv.base_kernel[:, 1:].any() and not conv.kernel_projection.weight.any()
+    wrapper = HFDFlashTargetModel(target, d1.config.target_layer_ids)
+    ids, attn, lm = random_batch()
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, 4, 6, torch.Generator().manual_seed(1))
+    o1 = _trainer(wrapper, d1, num_anchors=6)(batch, anchors=anchors, valid=valid)
+    o2 = _trainer(wrapper, d2, num_anchors=6)(batch, anchors=anchors, valid=valid)
+    assert torch.equal(o1.sums(), o2.sums())
+    # and a perturbed conv is seen: the equivalence is not vacuous
+    with torch.no_grad():
+        d2.layers[0].attention_conv.base_kernel[0, 1] += 0.5
+    o3 = _trainer(wrapper, d2, num_anchors=6)(batch, anchors=anchors, valid=valid)
+    assert not torch.equal(o1.loss_sum, o3.loss_sum)
+
+
+def test_block_conv_matches_a_naive_loop():
+    """y[i, c] = sum_t (base[s, t, c] + d_s[i, t, c // group]) z[i - t, c] within each block, per token and channel."""
+    g = torch.Generator().manual_seed(0)
+    conv = BlockConv(hidden_size=8, kernel_size=3, group_size=4)
+    with torch.no_grad():
+        conv.base_kernel.copy_(torch.randn(conv.base_kernel.shape, generator=g))
+        conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g))
+    block, n_blk = 4, 2
+    z = torch.randn(2, n_blk * block, 8, generator=g)
+    y = torch.randn(2, n_blk * block, 8, generator=g)
+    got_in, delta = conv.prepare(z, block)
+    got_out = conv.finish(y, delta, block)
+    d = (z @ conv.kernel_projection.weight.T).view(2, n_blk * block, 2, 3, 2)
+    for side, (x, got) in enumerate(((z, got_in), (y, got_out))):
+        want = torch.zeros_like(x)
+        for b in range(2):
+            for i in range(n_blk * block):
+                for c in range(8):
+                    for t in range(3):
+                        if i % block - t >= 0:
+                            k = conv.base_kernel[side, t, c] + d[b, i, side, t, c // 4]
+                            want[b, i, c] += k * x[b, i - t, c]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
+    """The greedy walk against a loop over slots and candidates (pair scores written out); sampled, each slot's
+    q is the softmax of the pair scores at T over C_k given the token drawn before, 0 elsewhere."""
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target), top_k=5)
+    sel = d2.candidate_selector
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 4, 64, generator=g)
+    logits = torch.randn(3, 4, 256, generator=g) * 3
+    anchors = torch.tensor([7, 100, 3])
+
+    def naive_scores(h, u, prev):
+        cand = u.topk(5).indices
+        ph = sel.hidden_projection.weight @ h
+        return cand, torch.stack([u[c] + (sel.predecessor_codebook[prev] * ph * sel.successor_codebook[c]).sum()
+                                  for c in cand])
+
+    with torch.no_grad():
+        tokens, q = selector_walk(sel, hidden, logits, anchors)
+        assert q is None
+        for r in range(3):
+            prev = int(anchors[r])
+            for k in range(4):
+                cand, s = naive_scores(hidden[r, k], logits[r, k], prev)
+                prev = int(cand[s.argmax()])
+                assert int(tokens[r, k]) == prev
+        picks = []
+        tokens, q = selector_walk(sel, hidden, logits, anchors, 1 / 0.7,
+                                  lambda k, qk: picks.append(qk) or torch.multinomial(qk, 1, generator=g).squeeze(-1))
+        for r in range(3):
+            prev = int(anchors[r])
+            for k in range(4):
+                cand, s = naive_scores(hidden[r, k], logits[r, k], prev)
+                want = torch.zeros(256).index_put_((cand,), torch.softmax(s / 0.7, -1))
+                torch.testing.assert_close(q[r, k], want, atol=1e-5, rtol=1e-5)
+                assert q[r, k, int(tokens[r, k])] > 0
+                prev = int(tokens[r, k])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("outside", ["inject", "skip"])
+def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside):
+    """The trainer's selector term and the walk's simulated acceptance against each block run alone (as decoding
+    runs it), the pair scores written out, the predecessor the true token (the anchor for slot 1)."""
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target), top_k=4)
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=2, seq=40)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, 4, 6, torch.Generator().manual_seed(3))
+    out = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside)(batch, anchors=anchors, valid=valid)
+    sums = LossSums.from_vector(out.sums())
+    embed, head, sel = wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), d2.candidate_selector
+    ref_sel, ref_acc, ref_unary, ref_hits, blocks = 0.0, 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for b in range(2):
+            for i in range(anchors.shape[1]):
+                a = int(anchors[b, i])
+                if not valid[b, i]:
+                    continue
+                block_ids = torch.tensor([[int(ids[b, a])] + [MASK_ID] * 3])
+                pos = torch.cat([torch.arange(a), a + torch.arange(4)]).unsqueeze(0)
+                h = d2(embed(block_ids), batch.hidden_states[b : b + 1, :a], pos, None)[0]
+                logits = head(h)
+                walk_ok, unary_ok, labelled = True, True, False
+                acc, unary_acc = 1, 1
+                for k in range(1, 4):
+                    if not (a + k < ids.shape[1] and lm[b, a + k] and attn[b, a + k]):
+                        walk_ok = unary_ok = False
+                        continue
+                    labelled = True
+                    y, prev = int(ids[b, a + k]), int(ids[b, a + k - 1])
+                    cand = logits[k].topk(4).indices.tolist()
+                    inside = y in cand
+                    ref_hits += inside
+                    if not inside and outside == "inject":
+                        cand[-1] = y
+                    ph = sel.hidden_projection.weight @ h[k]
+                    s = torch.stack([logits[k, c] + (sel.predecessor_codebook[prev] * ph * sel.successor_codebook[c]
+                                                     ).sum() for c in cand])
+                    w = math.exp(-(k - 1) / 7.0)
+                    if inside or outside == "inject":
+                        ref_sel += w * float(F.cross_entropy(s[None], torch.tensor([cand.index(y)])))
+                    walk_pick = logits[k].topk(4).indices.tolist()
+                    s_walk = torch.stack([logits[k, c] + (sel.predecessor_codebook[prev] * ph
+                                                          * sel.successor_codebook[c]).sum() for c in walk_pick])
+                    walk_ok = walk_ok and walk_pick[int(s_walk.argmax())] == y
+                    unary_ok = unary_ok and int(logits[k].argmax()) == y
+                    acc += walk_ok
+                    unary_acc += unary_ok
+                if labelled:
+                    blocks += 1
+                    ref_acc += acc
+                    ref_unary += unary_acc
+    assert sums.selector_loss_sum == pytest.approx(ref_sel, rel=1e-4)
+    assert sums.accept_sum == pytest.approx(ref_acc) and sums.unary_accept_sum == pytest.approx(ref_unary)
+    assert sums.topk_hits == ref_hits and sums.num_blocks == blocks
+    # the selector term enters the loss at its weight
+    off = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside, selector_weight=0.0)(
+        batch, anchors=anchors, valid=valid)
+    assert float(out.loss_sum - off.loss_sum) == pytest.approx(ref_sel, rel=1e-4)
+
+
+def test_selector_loss_trains_the_selector_and_the_backbone():
+    """One backward: gradients reach the codebooks, the projection, the convs and the backbone."""
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target))
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    ids, attn, lm = random_batch()
+    out = _trainer(wrapper, d2, num_anchors=8, gamma=None, selector_weight=1.0)(wrapper.generate_batch(ids, attn, lm))
+    out.loss_sum.backward()
+    for name, p in d2.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_dpace_weights_hand_computed():
+    """w_k = sum_{m >= k} prod_{i <= m} q~_i, q~ = 0.5 exp(-CE) + 0.5, invalid slots 0 and ending the run."""
+    ce = torch.tensor([[0.0, math.log(2.0), math.log(4.0), 1.0]])
+    valid = torch.tensor([[True, True, True, False]])
+    q = [1.0, 0.75, 0.625]  # 0.5 * exp(-ce) + 0.5
+    p = [q[0], q[0] * q[1], q[0] * q[1] * q[2]]
+    want = torch.tensor([[p[0] + p[1] + p[2], p[1] + p[2], p[2], 0.0]])
+    torch.testing.assert_close(dpace_weights(ce, valid, 0.5), want)
+
+
+def test_dpace_normalises_by_valid_slots_and_weighs_the_selector_alike():
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target))
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    ids, attn, lm = random_batch()
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, 4, 6, torch.Generator().manual_seed(1))
+    dp = _trainer(wrapper, d2, num_anchors=6, position_weights="dpace")(batch, anchors=anchors, valid=valid)
+    assert float(dp.weight_sum) == float(dp.num_labels)
+    decay = _trainer(wrapper, d2, num_anchors=6)(batch, anchors=anchors, valid=valid)
+    assert not torch.isclose(dp.selector_loss_sum, decay.selector_loss_sum)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _dflash2_second_token_case(top_k: int = 4):
+    target, draft, ids, p2 = second_token_case()
+    return target, dflash2_like(draft, rank=4, top_k=top_k, group=8), ids, p2
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_dflash2_greedy_decoding_is_the_targets_greedy_output(block_size):
+    """T=0, eager decoder and the engine's rows: the target's greedy tokens, and the same acceptance lengths."""
+    from _spec_fixtures import hf_greedy
+
+    from nemo_dflash.engine.batched_static import batched_static_speculative_generate
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case()
+    dec = DFlashSpeculativeDecoder(target, d2, block_size=block_size)
+    prompts = [ids[0].tolist(), [3, 1, 4, 1, 5, 2], [7, 6]]
+    eager = [dec.generate(torch.tensor([p]), max_new_tokens=20) for p in prompts]
+    for p, out in zip(prompts, eager):
+        assert out.output_ids == hf_greedy(target, torch.tensor([p]), 20)
+    rows = batched_static_speculative_generate(dec, prompts, max_new_tokens=20, use_graphs=False)
+    assert [r.output_ids for r in rows] == [e.output_ids for e in eager]
+    assert [r.acceptance_lengths for r in rows] == [e.acceptance_lengths for e in eager]
+
+
+def test_dflash2_replay_equals_sequential_decoding():
+    """Replay's walk at every answer position gives the eager decoder's acceptance lengths (T=0)."""
+    from nemo_dflash.inference.replay import walk
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case()
+    dec = DFlashSpeculativeDecoder(target, d2)
+    out = dec.generate(ids, max_new_tokens=24)
+    # the draft's walk from each position of the greedy answer, as replay forms it (one block at a time here)
+    from nemo_dflash.core import draft_block_hidden
+
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    seq = torch.tensor([ids[0].tolist() + out.output_ids[:-1]])
+    feats, _ = wrapper.forward_features(seq)
+    anchors = torch.arange(ids.shape[1], seq.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        hidden = draft_block_hidden(d2, wrapper.get_input_embeddings(), seq, feats, torch.ones_like(seq), anchors,
+                                    torch.ones_like(anchors, dtype=torch.bool), 4, MASK_ID_8, backend="sdpa")
+        hidden = hidden.view(anchors.shape[1], 4, -1)[:, 1:]
+        logits = wrapper.get_output_embeddings()(hidden)
+        drafts = d2.propose_block(hidden, logits, seq[0, anchors[0]])[0].tolist()
+    lens = walk(out.output_ids, [], drafts, set(), 24)
+    assert lens == out.acceptance_lengths
+
+
+MASK_ID_8 = 7  # second_token_case's draft: the last row of its 8-token vocabulary
+
+
+def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_caught(monkeypatch):
+    """T=1 through the engine's rows (6,000 conversations): the exact law of the first three tokens, with the
+    selector's candidates a strict subset of the vocabulary (q is 0 outside them). Then q misreported leaves the
+    law: uniform over the whole vocabulary while the tokens were drawn over the candidates (a one-hot q on the
+    drawn token would be no sabotage: it is exact for any proposal)."""
+    from nemo_dflash.draft.model import dflash2
+    from nemo_dflash.engine.batched_static import batched_static_speculative_generate
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case(top_k=4)
+    joint = three_token_law(target, ids)
+    n = 6000
+
+    def law_tv() -> float:
+        dec = DFlashSpeculativeDecoder(target, d2)
+        outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+                                                   use_graphs=False, generator=torch.Generator().manual_seed(2))
+        assert any(o.acceptance_lengths[0] >= 2 for o in outs)
+        codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
+        freq = (torch.bincount(codes, minlength=512).float() / n).view(8, 8, 8)
+        return float(0.5 * (freq.sum(0) - joint.sum(0)).abs().sum())
+
+    good = law_tv()
+    assert good < 0.07, good
+    real = dflash2.selector_walk
+
+    def misreported(selector, hidden, unary, anchors, inv_temperature=None, draw=None):
+        tokens, q = real(selector, hidden, unary, anchors, inv_temperature, draw)
+        if q is not None:  # not what the tokens were drawn from
+            q = torch.full_like(q, 1.0 / q.shape[-1])
+        return tokens, q
+
+    monkeypatch.setattr(dflash2, "selector_walk", misreported)
+    bad = law_tv()
+    assert bad > 0.12 and bad > 2 * good, (good, bad)
+
+
+def test_dflash2_eager_t1_second_token_marginal():
+    """The eager decoder at T=1 with the walk's q: the second token's marginal is the target's."""
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, p2 = _dflash2_second_token_case()
+    dec = DFlashSpeculativeDecoder(target, d2)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(8)
+    for _ in range(800):
+        counts[dec.generate(ids, max_new_tokens=2, temperature=1.0, generator=g).output_ids[1]] += 1
+    assert (counts / 800 - p2).abs().max() < 0.06
+
+
+# ----------------------------------------------------------------------------- export and bad input
+
+
+def test_export_round_trip_writes_the_engines_dflash2_format(tmp_path):
+    from nemo_dflash.export import export_draft, load_draft
+
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target))
+    out = export_draft(d2, tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False
+    dc = cfg["dflash_config"]
+    assert (dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_rank"], dc["selector_top_k"]) == (2, 16, 8, 4)
+    assert dc["output_multiplier"] == 1.0 and dc["final_logit_softcapping"] == 0.0 and dc["block_size"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
+            "layers.1.mlp_conv.kernel_projection.weight"} <= names
+    loaded = load_draft(out, dtype="fp32")
+    assert isinstance(loaded, DFlash2DraftModel) and loaded.has_selector
+    ref = d2.to(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(0)
+    noise, feats = torch.randn(1, 4, 64, generator=g), torch.randn(1, 5, 128, generator=g)
+    pos = torch.arange(9).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(noise, feats, pos), ref(noise, feats, pos), atol=0, rtol=0)
+
+
+def test_bad_sizes_and_kind_mismatches_are_one_line(tmp_path):
+    target = tiny_qwen3()  # hidden 64, vocab 256
+    with pytest.raises(DraftError, match="conv_group_size=24 must divide the hidden size 64"):
+        check_variant_fits("dflash2", {"conv_group_size": 24}, 64, 256, 4)
+    with pytest.raises(DraftError, match="selector_top_k=300 is above the vocabulary"):
+        build_draft_for_target(target, None, num_layers=2, block_size=4, mask_token_id=MASK_ID, kind="dflash2",
+                               variant_options={"selector_top_k": 300, "selector_rank": 8})
+    from nemo_dflash.draft.build import check_draft_kind
+    from nemo_dflash.export import export_draft
+
+    out = export_draft(make_draft(target), tmp_path / "d1")
+    with pytest.raises(DraftError, match="is a dflash draft but draft.kind=dflash2: set draft.kind=dflash"):
+        check_draft_kind(out, "dflash2", "draft.init_from")
+    d2 = build_draft_for_target(target, None, num_layers=2, block_size=4, mask_token_id=MASK_ID, kind="dflash2",
+                                variant_options={"selector_top_k": 4, "selector_rank": 8})
+    out2 = export_draft(d2, tmp_path / "d2")
+    with pytest.raises(DraftError, match="is a dflash2 draft but draft.kind=dflash: set draft.kind=dflash2"):
+        check_draft_kind(out2, "dflash", "draft.init_from")
