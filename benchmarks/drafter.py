@@ -416,6 +416,8 @@ Levers (`LEVERS`): the data's sampling temperature, `loss.distill_weight` and `l
   b05: a + distillation (weight 0.5)   c: hard CE on answers sampled at T=1 (two answers a prompt)   d: c + b
   e: a with distillation 0.5 and the acceptance term 0.5 (`loss.accept_weight`: -log sum_x min(p_T=1, q))
   f: distillation (weight 1) on both answer sets at once (T=0.2 and T=1: three answers a prompt)
+  v2i / v2s: b as a DFlash2 draft (`draft.kind=dflash2`), a true token outside the top-K injected / skipped
+  v2i_dpace / v2s_dpace: the same with D-PACE position weights (`loss.position_weights=dpace`)
 and, at decode time, for every draft: T=1 with the draft proposing its argmax (`--draft-proposals greedy`).
 
 `regen` answers the prompts twice, at T=0.2 / top-p 0.9 and at T=1 (two samples a prompt), on half the GPUs
@@ -442,6 +444,18 @@ LEVERS: dict[str, dict[str, Any]] = {
     "e": {"data": "t02", "distill": 0.5, "accept": 0.5, "loss": "distill 0.5 + accept (-log a, T=1) 0.5"},
     # both answer sets at once: the T=0.2 answers for greedy decoding, the T=1 ones for the contexts of sampling
     "f": {"data": "t02+t1", "distill": 1.0, "loss": "distill 1.0"},
+    # DFlash2 against DFlash-1 (b, the GPU recipes' default) at equal tokens: the selector's two conventions for a
+    # true token outside the top-K, then D-PACE position weights instead of the fixed decay
+    "v2i": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (inject)", "variant": "dflash2",
+            "overrides": ["draft.kind=dflash2", "loss.selector_outside=inject"]},
+    "v2s": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (skip)", "variant": "dflash2",
+            "overrides": ["draft.kind=dflash2", "loss.selector_outside=skip"]},
+    "v2i_dpace": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (inject), D-PACE",
+                  "variant": "dflash2", "overrides": ["draft.kind=dflash2", "loss.selector_outside=inject",
+                                                      "loss.position_weights=dpace"]},
+    "v2s_dpace": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (skip), D-PACE",
+                  "variant": "dflash2", "overrides": ["draft.kind=dflash2", "loss.selector_outside=skip",
+                                                      "loss.position_weights=dpace"]},
 }
 DATA = {  # name -> (regenerate sampling flags, samples per prompt, data temperature label)
     "t02": (["--temperature", "0.2", "--top-p", "0.9"], 1, "0.2 (top-p 0.9)"),
@@ -540,7 +554,8 @@ def train(args: argparse.Namespace) -> None:
                                                         for d in lever["data"].split("+")) + "]",
                            f"output_dir={run}", f"train.max_steps={steps}", f"loss.distill_weight={lever['distill']}",
                            f"loss.accept_weight={lever.get('accept', 0.0)}",
-                           f"train.eval_every={args.eval_every}", "wandb.mode=disabled", *args.overrides]
+                           f"train.eval_every={args.eval_every}", "wandb.mode=disabled",
+                           *lever.get("overrides", []), *args.overrides]
         if args.max_minutes:
             argv.append(f"train.max_minutes={args.max_minutes}")
         jobs.append((f"train_{name}", argv, gpu_env(i)))
@@ -679,7 +694,8 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
     ev_dir = out / "eval" / name
     res = {tag: _read(ev_dir / tag / "results.json") for tag in (*ACCEPTANCE, "speed")}
     row: dict[str, Any] = {
-        "draft": f"sampling lever {name}", "loss": lever["loss"], "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
+        "draft": f"sampling lever {name}", "variant": lever.get("variant", "dflash"), "loss": lever["loss"],
+        "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
         "data_temperature": " + ".join(DATA[d][2] for d in lever["data"].split("+")),
         "samples_per_prompt": sum(DATA[d][1] for d in lever["data"].split("+")),
         "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
@@ -688,6 +704,10 @@ def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
         "sampled_tau_heldout": last.get("eval_sampled_accept_len"),
         "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
         "loss_heldout": last.get("eval_loss"), "target": target,
+        # a selector draft's own held-out figures: the unary argmax's simulated tau beside the walk's, top-K recall,
+        # and the oracle walk that picks the true token whenever it is a candidate
+        **{k: last.get(f"eval_{k}") for k in ("unary_accept_len", "topk_recall", "oracle_accept_len", "selector_loss")
+           if f"eval_{k}" in last},
         # the median logged step time (compile and the first steps' warm-up fall outside the median)
         "step_s_median": statistics.median(steps) if (steps := [r["step_s"] for r in rows if "step_s" in r]) else None,
         # every held-out evaluation: levers that stopped at their time cap compare at a step both reached

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
 from nemo_dflash.device import limit_host_threads  # noqa: E402
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel  # noqa: E402
+from nemo_dflash.draft.registry import DRAFT_VARIANTS  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
 from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
@@ -88,18 +88,19 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
     return shapes.flops(sums)
 
 
-def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device):
-    """A random-weight Qwen3 target of `shape_name` and a DFlash draft for it."""
+def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, kind: str = "dflash"):
+    """A random-weight Qwen3 target of `shape_name` and a draft of `kind` (dflash | dflash2) for it."""
     from transformers import Qwen3Config
 
     shape = SHAPES[shape_name]
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     target = random_weight_model(cfg, device, torch.bfloat16)
     ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
-    dcfg = DFlashConfig.from_target_config(cfg, num_hidden_layers=draft_layers, block_size=block,
-                                           mask_token_id=151669, target_layer_ids=ids)
+    variant = DRAFT_VARIANTS[kind]
+    dcfg = variant.config_cls.from_target_config(cfg, num_hidden_layers=draft_layers, block_size=block,
+                                                 mask_token_id=151669, target_layer_ids=ids)
     with torch.device(device):
-        draft = DFlashDraftModel(dcfg).float()
+        draft = variant.draft_cls(dcfg).float()
     target.eval().requires_grad_(False)
     wrapper = HFDFlashTargetModel(target, ids)
     return shape, target, wrapper, draft
@@ -108,7 +109,7 @@ def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device):
 # ----------------------------------------------------------------------------- the targets and their batches
 
 
-def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
+def build_llama_target(shape_name: str, draft_layers: int, block: int, device, kind: str = "dflash"):
     """A random-weight Llama target of `shape_name` and the draft the recipe builds for it."""
     from transformers import LlamaConfig
 
@@ -122,7 +123,7 @@ def build_llama_target(shape_name: str, draft_layers: int, block: int, device):
     target = random_weight_model(cfg, device, torch.bfloat16)
     target.eval().requires_grad_(False)
     draft = build_draft_for_target(target, None, num_layers=draft_layers, block_size=block,
-                                   mask_token_id=extra["mask_token_id"]).to(device)
+                                   mask_token_id=extra["mask_token_id"], kind=kind).to(device)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     return shape, target, wrapper, draft
 
@@ -220,7 +221,7 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
     row = provenance(device_name)
     if args.commit:
         row["commit"] = args.commit
-    row.update({"shape": args.shape, "case": case, "world": world,
+    row.update({"shape": args.shape, "case": case, "world": world, "variant": getattr(args, "draft_kind", "dflash"),
                 "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed,
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
@@ -673,7 +674,7 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
     """The trainer-step cases; under torchrun (`state`) rank 0 prints and appends the world's rows."""
     world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
     builder = build_llama_target if args.shape in LLAMA_SHAPES else build_qwen3_target
-    shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device)
+    shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device, args.draft_kind)
     knobs = [(b, bool(int(f))) for b in args.backend.split(",") for f in args.fused_ce.split(",")]
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
         cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0,
@@ -765,6 +766,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3_8b", choices=sorted(SHAPES))
     p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--draft-kind", default="dflash", choices=sorted(DRAFT_VARIANTS),
+                   help="draft.kind: dflash, or dflash2 (block convolution and candidate selector at their defaults)")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--anchors", default="512")
     p.add_argument("--seq", default="3072")

@@ -53,12 +53,13 @@ PathLike = Union[str, os.PathLike]
 SERVING_DTYPE = torch.bfloat16
 
 # Keys of the exported config.json, in the order they are written. `rope_scaling` is added
-# only for a non-default RoPE, `partial_rotary_factor` only when the target rotates part of each head.
+# only for a non-default RoPE, `partial_rotary_factor` only when the target rotates part of each head, `is_causal`
+# (false) only for a DFlash2 draft.
 SERVING_CONFIG_KEYS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "tie_word_embeddings",
-    "torch_dtype", "dtype", "block_size", "num_target_layers", "dflash_config", "is_causal",
+    "torch_dtype", "dtype", "block_size", "num_target_layers", "dflash_config",
 )
 
 # ----------------------------------------------------------------------------- contract

@@ -78,7 +78,13 @@ def test_every_recorded_recipe_still_ships():
 ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0, "tokenize_workers": None},
                       "train": {"eval_temperature": 1.0, "eval_top_p": 1.0, "eval_top_k": 0},
                       "target": {"packed_attention": "flex"},
-                      "loss": {"impl": "chunked", "accept_weight": 0.0, "accept_temperature": 1.0, "accept_form": "log"}}
+                      "loss": {"impl": "chunked", "accept_weight": 0.0, "accept_temperature": 1.0, "accept_form": "log",
+                               "selector_weight": 1.0, "selector_outside": "inject", "position_weights": "decay",
+                               "dpace_alpha": 0.5},
+                      "draft": {"kind": "dflash", "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                              "selector_rank": 256, "selector_top_k": 16,
+                                                              "output_multiplier": 1.0,
+                                                              "final_logit_softcapping": 0.0}}}
 SECTIONS_ADDED_SINCE_RECORD = ("run", "prompts", "regenerate", "export", "evaluate")
 # Recipes whose values changed on purpose since the record: compared with the naive merge instead.
 CHANGED_SINCE_RECORD = {

@@ -63,6 +63,7 @@ FLOW = {
     "compiled": 0,  # the one cache of torch.compile'd functions
     "fused_loss": 0,  # the fused linear cross-entropy kernels (liger, cut-cross-entropy) core's loss calls
     "accept_loss": 0,  # the loss on the speculative-sampling accept probability (loss.accept_weight) core's loss calls
+    "selector_loss": 0,  # DFlash2's candidate-selector term and D-PACE weights, which core's loss calls
     "device": 0,  # giving a process's cached GPU memory back between phases
     "sampling": 0,  # keyed sampling and the acceptance rule: regeneration (data/) and decoding (inference/) share it
     "engine": 0,  # the generation engine regeneration (data/) and evaluation (inference/) run on

@@ -52,6 +52,12 @@ def check_paths(cfg) -> None:
             check_model_dir(target, "target.path")
     if cfg.draft.init_from:
         check_init_from(cfg.draft.init_from)
+        from nemo_dflash.draft.build import DraftError, check_draft_kind
+
+        with user_errors(DraftError):
+            check_draft_kind(cfg.draft.init_from, cfg.draft.kind, "draft.init_from")
+    if Path(target).is_dir():  # a variant's sizes against the target's config.json, before the target loads
+        check_variant_sizes(cfg, Path(target) / "config.json")
     if cfg.data.decontaminate:  # the evaluation packages it reads: missing, refused now, not after the target loads
         from nemo_dflash.data import DataError
         from nemo_dflash.data.decontaminate import training_index
@@ -62,6 +68,27 @@ def check_paths(cfg) -> None:
     if block is not None and cfg.data.max_length <= block:
         fail(f"data.max_length={cfg.data.max_length} leaves no room for a prompt and a block of draft.block_size="
              f"{block} tokens, so no conversation can be trained on: raise data.max_length (the recipes use 3072)")
+
+
+def check_variant_sizes(cfg, config_json) -> None:
+    """`draft.<kind>` sizes that cannot fit the target (a conv group size not dividing its hidden size, a top-K
+    above its vocabulary): one line before the target loads."""
+    import dataclasses
+    import json
+
+    from nemo_dflash.draft.build import DraftError, check_variant_fits
+    from nemo_dflash.draft.registry import resolve_draft_variant
+
+    variant = resolve_draft_variant(cfg.draft.kind)
+    if not variant.options:
+        return
+    raw = json.loads(config_json.read_text())
+    raw = raw.get("text_config") or raw
+    if "hidden_size" not in raw or "vocab_size" not in raw:
+        return  # the build checks them once the target's config is read whole
+    with user_errors(DraftError):
+        check_variant_fits(cfg.draft.kind, dataclasses.asdict(getattr(cfg.draft, variant.options)),
+                           int(raw["hidden_size"]), int(raw["vocab_size"]), cfg.draft.block_size)
 
 
 def check_init_from(init_from: str) -> None:
