@@ -399,3 +399,46 @@ def test_bad_sizes_and_kind_mismatches_are_one_line(tmp_path):
     out2 = export_draft(d2, tmp_path / "d2")
     with pytest.raises(DraftError, match="is a dflash2 draft but draft.kind=dflash: set draft.kind=dflash2"):
         check_draft_kind(out2, "dflash", "draft.init_from")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
+    """On a GPU, the engine's captured steps (CUDA graphs, compiled flex over filled blocks) with the selector's
+    walk inside them: T=0 answers and acceptance lengths equal the eager decoder's; T=1 keeps the target's
+    three-token law (6,000 conversations through 500 rows)."""
+    from nemo_dflash.engine.batched_static import batched_static_speculative_generate
+    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case()
+    joint = three_token_law(target, ids)
+    dev = torch.device("cuda")
+    dec = DFlashSpeculativeDecoder(target.to(dev), d2.to(dev))
+    prompts = [ids[0].tolist(), [3, 1, 4, 1, 5, 2], [7, 6]]
+    eager = [dec.generate(torch.tensor([p], device=dev), max_new_tokens=20) for p in prompts]
+    rows = batched_static_speculative_generate(dec, prompts, max_new_tokens=20, use_graphs=True)
+    assert [r.output_ids for r in rows] == [e.output_ids for e in eager]
+    assert [r.acceptance_lengths for r in rows] == [e.acceptance_lengths for e in eager]
+    n = 6000
+    outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+                                               rows=500, use_graphs=True,
+                                               generator=torch.Generator(device=dev).manual_seed(3))
+    codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
+    freq = (torch.bincount(codes, minlength=512).float() / n).view(8, 8, 8)
+    assert float(0.5 * (freq.sum(0) - joint.cpu().sum(0)).abs().sum()) < 0.07
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_flex_training_loss_equals_the_dense_one():
+    """The DFlash2 trainer module on a GPU with flex attention (the training path) against dense SDPA: the same
+    loss, selector term and walk metrics."""
+    target = tiny_qwen3().cuda()
+    d2 = dflash2_like(make_draft(target)).cuda()
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    ids, attn, lm = (t.cuda() for t in random_batch())
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm.cpu(), attn.cpu(), 4, 6, torch.Generator().manual_seed(1))
+    outs = [_trainer(wrapper, d2, num_anchors=6, attn_backend=b)(batch, anchors=anchors.cuda(), valid=valid.cuda())
+            for b in ("sdpa", "flex")]
+    torch.testing.assert_close(outs[0].sums(), outs[1].sums(), atol=1e-3, rtol=1e-3)
