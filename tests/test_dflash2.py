@@ -442,3 +442,47 @@ def test_gpu_flex_training_loss_equals_the_dense_one():
     outs = [_trainer(wrapper, d2, num_anchors=6, attn_backend=b)(batch, anchors=anchors.cuda(), valid=valid.cuda())
             for b in ("sdpa", "flex")]
     torch.testing.assert_close(outs[0].sums(), outs[1].sums(), atol=1e-3, rtol=1e-3)
+
+
+def test_the_train_command_refuses_bad_dflash2_input_before_loading(tmp_path, monkeypatch, capsys):
+    """`train` with sizes that cannot fit the target, a selector pair half set, or `draft.init_from` of the other
+    kind: exit 2 and one line naming the key, before the target loads."""
+    from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+
+    from nemo_dflash.export import export_draft
+    from nemo_dflash.recipes import train as recipe
+
+    target_dir = make_tiny_target_dir(tmp_path)  # hidden 32
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", no_load)
+    monkeypatch.setattr("nemo_dflash.train.trainer.load_target", no_load)
+    base = ["--config", "qwen3_8b.yaml", f"target.path={target_dir}", f"data.sources=[{{path: {data}}}]",
+            f"output_dir={tmp_path / 'run'}", "distributed.strategy=none", "wandb.mode=disabled"]
+    d2 = build_draft_for_target(tiny_qwen3(), None, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                kind="dflash2", variant_options={"selector_top_k": 4, "selector_rank": 8})
+    export = export_draft(d2, tmp_path / "d2")
+    capsys.readouterr()  # the export's own output
+    cases = [
+        (["draft.kind=dflash2", "draft.dflash2.conv_group_size=24"], "conv_group_size=24 must divide the hidden size 32"),
+        (["draft.kind=dflash2", "draft.dflash2.selector_top_k=0"], "selector_rank and selector_top_k must both be"),
+        ([f"draft.init_from={export}"], "is a dflash2 draft but draft.kind=dflash: set draft.kind=dflash2"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as e:
+            recipe.main([*base, *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err, (extra, err)
+        assert err.count("\n") == 0 and "Traceback" not in err
+
+
+def test_a_resume_of_the_other_kind_is_refused_before_loading(tmp_path):
+    from nemo_dflash.train.checkpoint import ResumeMismatchError, check_inputs
+
+    (tmp_path / "meta.json").write_text(json.dumps({"draft_kind": "dflash2"}))
+    with pytest.raises(ResumeMismatchError, match="holds a dflash2 draft and draft.kind=dflash: set draft.kind=dflash2"):
+        check_inputs(tmp_path, {}, "dflash")
+    check_inputs(tmp_path, {}, "dflash2")  # the same kind resumes

@@ -136,12 +136,17 @@ def _input_diffs(saved: dict[str, Any], inputs: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def check_inputs(ckpt: Path, inputs: dict[str, Any]) -> None:
-    """Refuse (one line, before the target loads) a resume whose target weights or data files changed."""
+def check_inputs(ckpt: Path, inputs: dict[str, Any], draft_kind: Optional[str] = None) -> None:
+    """Refuse (one line, before the target loads) a resume whose target weights or data files changed, or whose
+    `draft.kind` is not the checkpoint's (a DFlash2 checkpoint resumed as DFlash-1, or the reverse)."""
     try:
         saved = json.loads((ckpt / "meta.json").read_text())
     except (OSError, json.JSONDecodeError):
         return  # a damaged meta.json is the load's to report (and fall back from)
+    if draft_kind is not None and saved.get("draft_kind", draft_kind) != draft_kind:
+        raise ResumeMismatchError(
+            f"Refusing to resume from {ckpt}: it holds a {saved['draft_kind']} draft and draft.kind={draft_kind}: "
+            f"set draft.kind={saved['draft_kind']}, or start a fresh run with a new output_dir")
     diffs = _input_diffs(saved, inputs)
     if diffs:
         raise ResumeMismatchError(

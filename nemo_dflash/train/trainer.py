@@ -413,7 +413,7 @@ class Trainer:
         # with other weights or data at the same paths is refused here, before the target loads.
         self.inputs = run_inputs(cfg.target.path, [s.path for s in cfg.data.sources], random_init=cfg.target.random_init)
         if resume_plan:
-            check_inputs(resume_plan[0], self.inputs)
+            check_inputs(resume_plan[0], self.inputs, cfg.draft.kind)
 
         target_dtype = cfg.target.dtype
         self.target_model, self.tokenizer = load_target(
