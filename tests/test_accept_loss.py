@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 import nemo_dflash.core as core
 import nemo_dflash.fused_loss as fl
+from _torchrun import run_command
 from conftest import VOCAB, make_draft, random_batch, tiny_qwen3
 from nemo_dflash.accept_loss import accept_lm_loss
 from nemo_dflash.config import ConfigError, load_recipe
@@ -350,8 +350,8 @@ def test_weights_over_one_are_refused_and_good_values_load():
 def test_the_train_command_refuses_a_bad_weight_in_one_line(tmp_path):
     """Refused while the recipe is read: exit 2, one line, before the (8B) target could load."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml",
-                        "loss.accept_weight=2"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    r = run_command([sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml",
+                     "loss.accept_weight=2"], 120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "loss.accept_weight must be in [0, 1]" in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import SCALE_ENV, run_command, scaled
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "docs" / "bench"
@@ -116,10 +117,11 @@ def helps(request) -> dict[str, tuple[int, str, str]]:
     out = {}
     for name, proc in procs.items():
         try:
-            stdout, stderr = proc.communicate(timeout=240)
+            stdout, stderr = proc.communicate(timeout=scaled(240))
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
+            stderr += f"\n(timed out after {scaled(240):.0f} s: {SCALE_ENV} stretches the tests' timeouts)"
         out[name] = (proc.returncode, stdout, stderr)
     return out
 
@@ -138,7 +140,8 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     """`train_throughput.py --shape smollm2_135m` under torchrun (two CPU ranks, gloo): DDP or FSDP2 as `train`
     wraps it, each rank its own batches, and a step's tokens are both ranks' batches, counted here from the
     batches. The step updates the wrapped draft (a gradient norm above zero: an optimizer over the parameters
-    FSDP2 replaced sees none)."""
+    FSDP2 replaced sees none). In fp32, one draft layer, 8 anchors: a CPU without bf16 matmuls (AMX, AVX512-BF16)
+    takes minutes a bf16 step of this shape (318 s for the run in bf16 with oneDNN held to AVX2, 10 s in fp32)."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports _common from its own folder
@@ -150,16 +153,18 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     batches = bench.make_packed_batches(4, 1, 256, 104, 0.15, 0.25, 49152)
     expected = sum(float(b["attention_mask"].sum()) for b in batches) / 2
     out = tmp_path / "rows.json"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m", "--device", "cpu",
-                          "--cases", "1:32:104:0:0:256", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
-                          "--json", str(out), *(["--fsdp2"] if fsdp2 else [])], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    res = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(SCRIPTS / "train_throughput.py"), "--shape", "smollm2_135m", "--device", "cpu",
+                       "--cases", "1:8:104:0:0:256", "--steps", "2", "--warmup", "1", "--distinct-batches", "2",
+                       "--precision", "fp32", "--draft-layers", "1", "--json", str(out),
+                       *(["--fsdp2"] if fsdp2 else [])], 240, cwd=REPO,
+                      env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"cpu x2 ({'FSDP2' if fsdp2 else 'DDP'})" in res.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world"] == 2 and row["tokens_step"] == pytest.approx(expected), (row, expected)
     assert row["grad_norm"] > 0 and row["fsdp2"] is fsdp2 and row["cpu_threads"] == 1, row  # OMP_NUM_THREADS=1
+    assert row["precision"] == "fp32" and row["anchors"] == 8, row
     # the appended row is per GPU: the world's tokens a step over the step time, over the world
     bench_args = types.SimpleNamespace(commit="abc1234", shape="smollm2_135m", data=None)
     made = bench.bench_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")

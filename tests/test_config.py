@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
+from _torchrun import run_command
 from omegaconf import OmegaConf
 
 from nemo_dflash.config import REPO_CONFIGS, REPO_RECIPES, ConfigError, RecipeConfig, load_recipe
@@ -227,13 +228,12 @@ def test_the_command_line_composes_groups_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", "--print-config"]
     # the two commands run at once (their imports overlap on the cores)
-    procs = [subprocess.Popen([*cmd, *ov], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                              cwd=tmp_path) for ov in (["~cluster", "optim.lr=1e-4"], ["cluster=fsdp3"])]
-    (out, err), (_, err3) = (p.communicate(timeout=120) for p in procs)
-    assert procs[0].returncode == 0, err[-2000:]
-    printed = yaml.safe_load(out)
+    with ThreadPoolExecutor(2) as pool:
+        ok, r = pool.map(lambda ov: run_command([*cmd, *ov], 120, env=env, cwd=tmp_path),
+                         (["~cluster", "optim.lr=1e-4"], ["cluster=fsdp3"]))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    printed = yaml.safe_load(ok.stdout)
     assert printed["distributed"]["strategy"] == "auto" and printed["optim"]["lr"] == 1e-4
-    r = subprocess.CompletedProcess(procs[1].args, procs[1].returncode, None, err3)
     assert r.returncode == 2 and "Did you mean 'cluster=fsdp2'" in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from _tiny_target import tiny_train_args as _args
 from _fault_fixtures import assets, finished_run, unwritable_dir  # noqa: F401  (fixtures)
+from _torchrun import scaled
 
 REPO = Path(__file__).resolve().parent.parent
 STEP2, STEP4 = "step_00000002", "step_00000004"
@@ -264,7 +266,8 @@ def test_second_training_on_the_same_output_dir_refuses_and_a_killed_one_leaves_
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, *args], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     try:
-        assert holder.stdout.readline().strip() == "READY"
+        started, _, _ = select.select([holder.stdout], [], [], scaled(120))  # the holder's READY, or its end
+        assert started and holder.stdout.readline().strip() == "READY", "the holder never took the lock"
         before = _snapshot(out)
         with pytest.raises(SystemExit) as exc:
             main(args)

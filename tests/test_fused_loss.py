@@ -8,7 +8,6 @@ installed kernel against the chunked path and against fp32 full logits, loss and
 
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 import nemo_dflash.core as core
 import nemo_dflash.fused_loss as fl
+from _torchrun import run_command
 from conftest import make_draft, random_batch, tiny_qwen3
 from nemo_dflash.core import DFlashTrainerModule, chunked_lm_loss, sample_anchors, teacher_expected_embedding
 from nemo_dflash.target import HFDFlashTargetModel
@@ -206,8 +206,8 @@ def test_resolve_settings_picks_the_loss_impl(caplog):
 def test_invalid_loss_impl_is_a_one_line_config_error(tmp_path):
     """Refused while the recipe is read: exit 2, one line, before the (8B) target could load."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml",
-                        "loss.impl=fast"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    r = run_command([sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml",
+                     "loss.impl=fast"], 120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "'loss.impl' must be one of ['chunked', 'cce', 'liger'], got 'fast'" in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _torchrun import scaled
 
 from nemo_dflash.target import loading
 
@@ -72,9 +73,12 @@ def test_two_processes_converting_at_once_convert_once_and_both_read_a_complete_
     for p in procs:
         p.start()
     for p in procs:
-        p.join(30)
+        p.join(scaled(30))
+        if p.exitcode is None:
+            p.kill()
+            pytest.fail(f"a conversion had not finished after {scaled(30):.0f} s", pytrace=False)
         assert p.exitcode == 0
-    outs = {queue.get(timeout=5), queue.get(timeout=5)}
+    outs = {queue.get(timeout=scaled(5)), queue.get(timeout=scaled(5))}
     assert len(outs) == 1 and log.read_text().count("converted") == 1
     out = Path(outs.pop())
     assert loading.cache_complete(out) and (out / "config.json").read_text() == "config.json"

@@ -4,12 +4,12 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from _torchrun import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 # What a build reads: the package, the build files and the YAML folders (copied, so the build's
@@ -35,9 +35,9 @@ def wheel(tmp_path_factory) -> Path:
         else:
             shutil.copy2(path, src / name)
     out = tmp_path_factory.mktemp("wheel")
-    r = subprocess.run(
+    r = run_command(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", ".", "-w", str(out)],
-        cwd=src, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"},
+        300, cwd=src, env={**os.environ, "PIP_NO_INPUT": "1"},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (whl,) = out.glob("nemo_dflash-*.whl")
@@ -67,7 +67,7 @@ def test_installed_package_finds_its_recipes(wheel, tmp_path):
         " cfg.draft.block_size, cfg.distributed.strategy, cfg.optim.lr]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env)
+    r = run_command([sys.executable, "-c", code], 120, cwd=elsewhere, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     package, recipe, configs, block, strategy, lr = json.loads(r.stdout.strip().splitlines()[-1])
     assert Path(package).is_relative_to(site)  # the installed copy, not the checkout

@@ -21,6 +21,7 @@ from nemo_dflash.recipes import evaluate, export, pipeline, prompts, regenerate
 from nemo_dflash.recipes._cli import section_argv
 
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
+from _torchrun import run_command
 
 RECIPE = """
 run: {{dir: {run}}}
@@ -231,7 +232,7 @@ def torchrun(config: Path, script: str = "-m nemo_dflash.recipes.pipeline", args
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "NEMO_DFLASH_NO_BAR": "1", **env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script.split(),
            "--config", str(config), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return run_command(cmd, 240, env=env)
 
 
 def losses(run: Path) -> dict[int, float]:

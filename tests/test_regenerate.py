@@ -320,9 +320,13 @@ def test_sampling_is_seeded(target, chat_file):
     assert run(0) == run(0) != run(1)
 
 
-def test_sampling_does_not_depend_on_the_batch(target, chat_file):
-    """Keyed sampling: the same answers with 1 or 3 answers in flight (other batch neighbours)."""
-    model, tokenizer = target
+def test_sampling_does_not_depend_on_the_batch(target_dir, chat_file):
+    """Keyed sampling: the same answers with 1 or 3 answers in flight (other batch neighbours). In float64: the
+    tiny target's near-uniform draws over 151k tokens follow the last bit of its logits, and a float32 matmul
+    over 3 rows rounds otherwise than over one on some CPUs (the answers then part for a reason that is not the
+    sampling's)."""
+    model, tokenizer = load_target(str(target_dir), dtype="fp32")
+    model.double()
     convs = list(read_conversations(str(chat_file), max_samples=5))
 
     def run(bs: int) -> list[dict]:
@@ -330,7 +334,8 @@ def test_sampling_does_not_depend_on_the_batch(target, chat_file):
                                            batch_size=bs, seed=4)
         return sorted(records, key=lambda r: r["source"])
 
-    assert run(1) == run(3)
+    one = run(1)
+    assert one == run(3) and len(one) == 5 and all(r["messages"][-1]["content"] for r in one)
 
 
 def _looping_sampler(monkeypatch, tokenizer, loop_from: int):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 import nemo_dflash.target.loading
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
-from _torchrun import torchrun as _torchrun
+from _torchrun import run_command, torchrun as _torchrun
 from nemo_dflash.recipes import regenerate as cli
 from nemo_dflash.target.loading import load_target
 
@@ -227,11 +226,10 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
     rows.write_text(json.dumps([{"date": "2026-01-01", "commit": "x", "device": "d", "command": "c"}]))
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regen.py"), "scaling", "--cpu", "--target",
-                           str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
-                           "strong", "--warmup", "2", "--out-dir", str(runs), "--json", str(rows), "--",
-                           *CHAIN_ARGS],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, str(REPO / "benchmarks" / "regen.py"), "scaling", "--cpu", "--target",
+                        str(target_dir), "--data", str(data), "--num-samples", "16", "--gpus", "1,2", "--work",
+                        "strong", "--warmup", "2", "--out-dir", str(runs), "--json", str(rows), "--",
+                        *CHAIN_ARGS], 600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = runs / "gpus2" / "regen.jsonl"
     assert merged.read_bytes() == (runs / "gpus1" / "regen.jsonl").read_bytes()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from _torchrun import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "drafter.py"
@@ -37,8 +38,8 @@ def test_drafter_row_merges_replay_sequential_and_batched_runs(tmp_path):
                           {"0": {"mtbench": {**speed, "speedup": 1.9}, "humaneval": speed}}, [0.0])
     batched = _results(tmp_path / "t1.json", "batched", True,
                        {"1": {"mtbench": _figures(1.5), "humaneval": _figures(1.75)}}, {}, [1.0])
-    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc (training)",
-                          "--eval", str(replay), str(sequential), str(batched)], capture_output=True, text=True)
+    res = run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc (training)",
+                       "--eval", str(replay), str(sequential), str(batched)], 120)
     assert res.returncode == 0, res.stderr
     text = res.stdout
     row = json.loads(text[text.rindex("[\n {"):])[-1]
@@ -58,8 +59,7 @@ def test_a_missing_results_file_is_refused_in_one_line(tmp_path):
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "regenerate.log").write_text("")
-    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")],
-                         capture_output=True, text=True)
+    res = run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(tmp_path / "nope.json")], 120)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: no evaluate results at")
 
 
@@ -80,8 +80,8 @@ def test_a_pipeline_run_directory_is_read(tmp_path):
     _results(out / "eval" / "results.json", "replay", True,
              {"0": {"mtbench": _figures(4.0), "humaneval": _figures(3.0)}}, {}, [0.0])
     regen_json = tmp_path / "regen_rows.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc",
-                          "--regen-json", str(regen_json)], capture_output=True, text=True)
+    res = run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", "abc",
+                       "--regen-json", str(regen_json)], 120)
     assert res.returncode == 0, res.stderr
     drafter = json.loads(res.stdout[res.stdout.rindex("[\n {"):])[-1]
     assert (drafter["train_tokens"], drafter["train_steps"], drafter["sim_tau_heldout"]) == (321, 9, 2.5)
@@ -114,8 +114,8 @@ def test_the_training_throughput_row_is_the_median_window_per_gpu(tmp_path):
         _training_run(out, summary)
         rows = tmp_path / f"{name}.json"
         rows.write_text("[]")
-        subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--no-drafter-row",
-                        "--train-json", str(rows)], check=True, capture_output=True, text=True)
+        run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--no-drafter-row",
+                     "--train-json", str(rows)], 120).check_returncode()
         (row,) = json.loads(rows.read_text())
         assert row["world"] == 4 and row["tokens_per_s"] == 200.0 and row["tokens_per_s_note"] == "per GPU"
         assert row["mfu"] == 0.20 and row["step_ms"] == 500.0 and row["mbs"] == 2 and row["steps"] == 300
@@ -125,8 +125,8 @@ def test_the_training_throughput_row_is_the_median_window_per_gpu(tmp_path):
 def test_train_json_without_training_files_is_refused_in_one_line(tmp_path):
     rows = tmp_path / "rows.json"
     rows.write_text("[]")
-    res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(tmp_path), "--device", "GPU",
-                          "--no-drafter-row", "--train-json", str(rows)], capture_output=True, text=True)
+    res = run_command([sys.executable, str(SCRIPT), "summaries", str(tmp_path), "--device", "GPU",
+                       "--no-drafter-row", "--train-json", str(rows)], 120)
     assert res.returncode != 0 and "--train-json" in res.stderr and json.loads(rows.read_text()) == []
 
 
@@ -192,8 +192,7 @@ def test_the_drafter_row_carries_no_loop_recommended_loss_data_temperature_and_h
         return path
 
     def row(results: Path) -> dict:
-        res = subprocess.run([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(results)],
-                             capture_output=True, text=True)
+        res = run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--eval", str(results)], 120)
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout[res.stdout.rindex("[\n {"):])[-1]
 
@@ -218,8 +217,7 @@ def test_the_scaling_curve_joins_each_run_summary_to_its_drafter_row(tmp_path):
     rows.write_text(json.dumps([{"draft": "sampling lever a", "train_tokens": 9_000_000, "humaneval_t0_tau": 9.0},
                                 {"train_tokens": 9_000_000.0, "humaneval_t0_tau": 2.25, "mtbench_t1_tau": 1.5}]))
     png = tmp_path / "curve.png"
-    res = subprocess.run([sys.executable, str(SCRIPT), "curve", str(run), "--rows", str(rows), "--png", str(png)],
-                         capture_output=True, text=True)
+    res = run_command([sys.executable, str(SCRIPT), "curve", str(run), "--rows", str(rows), "--png", str(png)], 120)
     assert res.returncode == 0, res.stderr
     line = next(x for x in (res.stdout + res.stderr).splitlines() if x.startswith("| smollm2_drafter_9m_run"))
     cells = [c.strip() for c in line.strip("|").split("|")]

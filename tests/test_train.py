@@ -4,7 +4,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
+from _torchrun import run_command
 from conftest import make_draft, random_batch, tiny_qwen3
 from nemo_dflash.config import ConfigError, load_recipe
 from nemo_dflash.core import DFlashTrainerModule, sample_anchors
@@ -332,9 +332,9 @@ def test_half_written_checkpoint_is_ignored(tiny_assets, tmp_path):
 
 def test_train_via_subprocess_reports_config_errors(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run(
+    r = run_command(
         [sys.executable, "-m", "nemo_dflash.recipes.train", "--config", "qwen3_8b.yaml", "optim.lr_=1"],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
+        120, env=env, cwd=tmp_path,
     )
     assert r.returncode == 2 and "Did you mean 'optim.lr'" in r.stderr
 
