@@ -337,16 +337,20 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
     assert bad > 0.12 and bad > 2 * good, (good, bad)
 
 
-def test_dflash2_eager_t1_second_token_marginal():
-    """The eager decoder at T=1 with the walk's q: the second token's marginal is the target's."""
+@pytest.mark.parametrize("proposals", ["sample", "greedy"])
+def test_dflash2_eager_t1_second_token_marginal(proposals):
+    """The eager decoder at T=1 with the walk's q (or, `--draft-proposals greedy`, its argmax path with a one-hot
+    q): the second token's marginal is the target's."""
     from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.sampling import SamplingParams
 
     target, d2, ids, p2 = _dflash2_second_token_case()
     dec = DFlashSpeculativeDecoder(target, d2)
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(8)
+    s = SamplingParams(1.0, draft=proposals)
     for _ in range(800):
-        counts[dec.generate(ids, max_new_tokens=2, temperature=1.0, generator=g).output_ids[1]] += 1
+        counts[dec.generate(ids, max_new_tokens=2, temperature=s, generator=g).output_ids[1]] += 1
     assert (counts / 800 - p2).abs().max() < 0.06
 
 

@@ -69,6 +69,8 @@ def _trainings(nproc: int, root: Path, target, data, runs: dict[str, tuple]) -> 
 
 COMMON = ("train.max_steps=4",)
 FUSED = ("train.max_steps=4", "optim.fused=true")
+# a DFlash2 draft (block convolution and candidate selector) on the tiny target (hidden 32)
+DFLASH2 = ("draft.kind=dflash2", "draft.dflash2.selector_rank=16", "draft.dflash2.selector_top_k=8")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,7 @@ def one_process(assets, tmp_path_factory) -> dict[str, Path]:
         "single": (*COMMON, "train.micro_batch_size=4", "distributed.strategy=none"),
         "accum": (*COMMON, "train.micro_batch_size=2", "train.grad_accum=2"),
         "single_fused": (*FUSED, "train.micro_batch_size=4", "distributed.strategy=none"),
+        "single_v2": (*COMMON, *DFLASH2, "train.micro_batch_size=4", "distributed.strategy=none"),
     })
 
 
@@ -103,6 +106,10 @@ def two_ranks(assets, tmp_path_factory) -> dict[str, Path]:
                         "distributed.shard_target=true"),
         "ddp_fused": (*FUSED, "train.micro_batch_size=2", "distributed.strategy=ddp"),
         "ddp_fused_stopped": (*FUSED, "train.micro_batch_size=2", "distributed.strategy=ddp", "train.max_minutes=0.0"),
+        "ddp_v2": (*COMMON, *DFLASH2, "train.micro_batch_size=2", "distributed.strategy=ddp"),
+        "fsdp2_v2": (*COMMON, *DFLASH2, "train.micro_batch_size=2", "distributed.strategy=fsdp2"),
+        "no_anchor_v2": (root / "mixed.jsonl", ("train.max_steps=3", "train.micro_batch_size=1", *DFLASH2,
+                                                "distributed.strategy=ddp", "draft.block_size=8")),
     })
 
 
@@ -121,6 +128,18 @@ def test_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
 
 def test_rank_without_valid_anchor_does_not_hang(two_ranks):
     assert sorted(_losses(two_ranks["no_anchor"])) == [1, 2, 3]
+    assert sorted(_losses(two_ranks["no_anchor_v2"])) == [1, 2, 3]  # the selector's parameters join too
+
+
+def test_dflash2_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
+    """A DFlash2 draft (selector term in the loss) trains the same on two ranks as in one process."""
+    single = _losses(one_process["single_v2"])
+    assert single != _losses(one_process["single"])  # the variant is on: other losses than DFlash-1's
+    for name in ("ddp_v2", "fsdp2_v2"):
+        got = _losses(two_ranks[name])
+        assert sorted(got) == [1, 2, 3, 4]
+        for step, loss in single.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (name, step)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
