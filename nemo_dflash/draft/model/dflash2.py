@@ -28,9 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_dflash.draft.model.configuration import DFlashConfig
-from nemo_dflash.draft.model.modeling import (
-    AttnMask, BlockMask, DFlashDecoderLayer, DFlashDraftModel, RMSNorm,
-)
+from nemo_dflash.draft.model.modeling import DFlashDecoderLayer, DFlashDraftModel
 
 # dflash_config fields of a DFlash2 draft beyond DFlash's, with the defaults of the published fixture's sizes
 # (output multiplier and soft-capping off: the values our drafts train with).
@@ -288,31 +286,13 @@ class DFlash2DraftModel(DFlashDraftModel):
         return selector_walk(self.candidate_selector, hidden, self.unary_logits(logits), anchors, inv_temperature,
                              draw)
 
-    def forward(
-        self,
-        noise_embedding: torch.Tensor,
-        target_hidden: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: AttnMask = None,
-        cache=None,
-        backend: Optional[str] = None,
-        block_size: Optional[int] = None,
-    ) -> torch.Tensor:
-        """`DFlashDraftModel.forward`, the queries being consecutive blocks of `block_size` tokens (default: the
-        trained block size when the queries are several whole blocks, else one block of all queries)."""
-        q_len = noise_embedding.shape[1]
+    def layer_args(self, q_len: int, block_size: Optional[int]) -> tuple:
+        """The blocks' length for the convolutions: `block_size`, else the trained block size when the queries are
+        several whole blocks, else one block of all queries (a decoder's single, maybe shorter, block)."""
         block = int(block_size or (self.config.block_size if q_len % self.config.block_size == 0 else q_len))
         if q_len % block:
             raise ValueError(f"{q_len} block tokens are not whole blocks of {block}")
-        backend = backend or self.attn_backend
-        if backend == "flex" and BlockMask is not None and not isinstance(attention_mask, BlockMask):
-            backend = "sdpa"
-        context = self.fuse_context(target_hidden.to(self.fc.weight.dtype))
-        hidden = noise_embedding.to(self.fc.weight.dtype)
-        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, backend, cache, block)
-        return self.norm(hidden)
+        return (block,)
 
 
 __all__ = [

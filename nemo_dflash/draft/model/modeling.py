@@ -366,9 +366,14 @@ class DFlashDraftModel(PreTrainedModel):
         context = self.fuse_context(target_hidden.to(self.fc.weight.dtype))
         hidden = noise_embedding.to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        extra = self.layer_args(hidden.shape[1], block_size)
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, backend, cache)
+            hidden = layer(hidden, context, cos, sin, attention_mask, backend, cache, *extra)
         return self.norm(hidden)
+
+    def layer_args(self, q_len: int, block_size: Optional[int]) -> tuple:
+        """What a variant's layers take beyond DFlash's (DFlash2's: the blocks' length)."""
+        return ()
 
 
 __all__ = ["DFlashDraftModel", "DFlashContextCache", "dense_attention", "apply_partial_rope", "apply_rope"]
