@@ -227,13 +227,16 @@ def test_all_turns_stops_after_a_cut_answer(target):
     assert "source" not in records[0] and stats.shortened["length"] == len(records) == stats.written
 
 
-def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, cached_target, chat_file):
+def test_crash_leaves_no_output_then_resume(tmp_path, monkeypatch, target_dir, chat_file):
     """Sampled multi-turn answers; a crash mid-run, a torn last line, a refused change of settings,
     then a resume: the final file is the uninterrupted run's, byte for byte (keyed sampling does not
-    depend on which conversations share the batch)."""
+    depend on which conversations share the batch). The target in float64, as in
+    test_sampling_does_not_depend_on_the_batch: the resumed run's batches hold other neighbours."""
     from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner
 
-    model, tokenizer = cached_target
+    model, tokenizer = load_target(str(target_dir), dtype="fp32")
+    model.double()
+    monkeypatch.setattr(nemo_dflash.target.loading, "load_target", lambda *a, **k: (model, tokenizer))
     _forcing_sampler(monkeypatch, tokenizer, stop_at=lambda key: 2 + key % 5)
     args = ["--target", "x", "--data", str(chat_file), "--num-samples", "8", "--max-new-tokens", "8",
             "--batch-size", "2", "--turns", "all", "--sampling", "given", "--temperature", "1.0", "--top-p", "0.9"]
