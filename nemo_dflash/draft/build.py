@@ -296,13 +296,10 @@ def check_variant_fits(kind: str, options: Optional[Mapping[str, Any]], hidden_s
     model loads): DraftError naming the key."""
     if kind != "dflash2":
         return
-    from nemo_dflash.draft.model.dflash2 import check_dflash2_sizes
+    from nemo_dflash.draft.model.dflash2 import check_dflash2_fields
 
-    probe = DFlash2Config.__new__(DFlash2Config)  # the check reads these fields only: no Qwen3Config init
-    probe.hidden_size, probe.vocab_size, probe.block_size = hidden_size, vocab_size, block_size
-    probe.dflash_config = dict(options or {})
     try:
-        check_dflash2_sizes(probe)
+        check_dflash2_fields(hidden_size, vocab_size, block_size, dict(options or {}))
     except ValueError as e:
         raise DraftError(str(e)) from None
 

@@ -80,13 +80,21 @@ class DFlash2Config(DFlashConfig):
 
 
 def check_dflash2_sizes(config: Any) -> None:
-    """One-line errors for conv and selector sizes the model cannot be built with (ValueError; the builders
-    turn it into the user's one-line error). The keys are named as the recipe writes them."""
-    h, v = int(config.hidden_size), int(config.vocab_size)
-    kc, gs = config.conv_kernel_size, config.conv_group_size
-    rank, top_k = config.selector_rank, config.selector_top_k
-    if kc < 0 or kc > int(config.block_size):
-        raise ValueError(f"draft.dflash2.conv_kernel_size={kc} must be in [0, block_size={config.block_size}] "
+    """`check_dflash2_fields` of a DFlash2 config."""
+    check_dflash2_fields(int(config.hidden_size), int(config.vocab_size), int(config.block_size),
+                         {k: config._field(k) for k in DFLASH2_DEFAULTS})
+
+
+def check_dflash2_fields(hidden: int, vocab: int, block: int, fields: dict[str, Any]) -> None:
+    """One-line errors for conv and selector sizes (`fields`: dflash_config entries, defaults filled in) that a
+    draft of this hidden size, vocabulary and block cannot be built with (ValueError; the builders turn it into the
+    user's one-line error). The keys are named as the recipe writes them."""
+    f = {**DFLASH2_DEFAULTS, **fields}
+    h, v = hidden, vocab
+    kc, gs = int(f["conv_kernel_size"]), int(f["conv_group_size"])
+    rank, top_k = int(f["selector_rank"]), int(f["selector_top_k"])
+    if kc < 0 or kc > block:
+        raise ValueError(f"draft.dflash2.conv_kernel_size={kc} must be in [0, block_size={block}] "
                          "(0: no convolution)")
     if kc > 0 and (gs < 1 or h % gs):
         raise ValueError(f"draft.dflash2.conv_group_size={gs} must divide the hidden size {h} (channels a group; "
@@ -97,7 +105,7 @@ def check_dflash2_sizes(config: Any) -> None:
     if top_k > v:
         raise ValueError(f"draft.dflash2.selector_top_k={top_k} is above the vocabulary ({v} tokens): use <= {v} "
                          "(the published drafts use 16)")
-    if not config.output_multiplier > 0 or config.final_logit_softcapping < 0:
+    if not float(f["output_multiplier"]) > 0 or float(f["final_logit_softcapping"] or 0.0) < 0:
         raise ValueError("draft.dflash2.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0: off)")
 
 
@@ -297,5 +305,5 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 __all__ = [
     "BlockConv", "CandidateSelector", "DFLASH2_DEFAULTS", "DFlash2Config", "DFlash2DecoderLayer",
-    "DFlash2DraftModel", "check_dflash2_sizes", "selector_walk", "unary_logits",
+    "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "selector_walk", "unary_logits",
 ]
