@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
 
 
 def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, dtype=torch.bfloat16,
-                       kind: str = "dflash"):
+                       kind: str = "dflash", variant_options: Optional[dict] = None):
     """A random-weight Qwen3 target of `shape_name` (in `dtype`) and a draft of `kind` (dflash | dflash2) for it."""
     from transformers import Qwen3Config
 
@@ -99,7 +100,8 @@ def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, d
     ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
     variant = DRAFT_VARIANTS[kind]
     dcfg = variant.config_cls.from_target_config(cfg, num_hidden_layers=draft_layers, block_size=block,
-                                                 mask_token_id=151669, target_layer_ids=ids)
+                                                 mask_token_id=151669, target_layer_ids=ids,
+                                                 dflash_extra=dict(variant_options or {}) if kind != "dflash" else None)
     with torch.device(device):
         draft = variant.draft_cls(dcfg).float()
     target.eval().requires_grad_(False)
@@ -111,7 +113,7 @@ def build_qwen3_target(shape_name: str, draft_layers: int, block: int, device, d
 
 
 def build_llama_target(shape_name: str, draft_layers: int, block: int, device, dtype=torch.bfloat16,
-                       kind: str = "dflash"):
+                       kind: str = "dflash", variant_options: Optional[dict] = None):
     """A random-weight Llama target of `shape_name` (in `dtype`) and the draft of `kind` the recipe builds for it."""
     from transformers import LlamaConfig
 
@@ -125,7 +127,8 @@ def build_llama_target(shape_name: str, draft_layers: int, block: int, device, d
     target = random_weight_model(cfg, device, dtype)
     target.eval().requires_grad_(False)
     draft = build_draft_for_target(target, None, num_layers=draft_layers, block_size=block,
-                                   mask_token_id=extra["mask_token_id"], kind=kind).to(device)
+                                   mask_token_id=extra["mask_token_id"], kind=kind,
+                                   variant_options=variant_options).to(device)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     return shape, target, wrapper, draft
 
@@ -228,6 +231,8 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
                 "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
                 "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
                 "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2), "tflops": round(r["tflops"], 1)})
+    if getattr(args, "variant_options", ""):
+        row["variant_options"] = args.variant_options
     for k in ("backend", "fused_ce", "loss_impl", "packed_attention", "mbs", "accum", "overlap", "fsdp2",
               "cpu_threads"):
         if r.get(k) is not None:
@@ -673,13 +678,22 @@ def probe_flex_tiles(args, device) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def variant_options(text: str) -> dict:
+    """"k=v,k=v" -> {k: number}: the draft variant's options (`draft.dflash2.*`)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = float(value) if "." in value else int(value)
+    return out
+
+
 def main_trainer_step(args, device, peak: float, state=None) -> None:
     """The trainer-step cases; under torchrun (`state`) rank 0 prints and appends the world's rows."""
     world, main_rank = (state.world_size, state.is_main) if state is not None else (1, True)
     builder = build_llama_target if args.shape in LLAMA_SHAPES else build_qwen3_target
     shape, target, wrapper, draft = builder(args.shape, args.draft_layers, args.block, device,
                                             torch.bfloat16 if args.precision == "bf16" else torch.float32,
-                                            args.draft_kind)
+                                            args.draft_kind, variant_options(args.variant_options))
     knobs = [(b, bool(int(f))) for b in args.backend.split(",") for f in args.fused_ce.split(",")]
     if args.cases:  # explicit cases, "mbs:anchors:seq:compile:compile_target[:pack_length]" separated by spaces
         cases = [StepCase(int(x[0]), int(x[1]), int(x[2]), x[3], 1, bool(int(x[4])), int(x[5]) if len(x) > 5 else 0,
@@ -774,6 +788,9 @@ def main() -> None:
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--draft-kind", default="dflash", choices=sorted(DRAFT_VARIANTS),
                    help="draft.kind: dflash, or dflash2 (block convolution and candidate selector at their defaults)")
+    p.add_argument("--variant-options", default="",
+                   help='the variant\'s sizes, e.g. "conv_kernel_size=0" or "selector_rank=0,selector_top_k=0" (a '
+                        "part off, to time the rest)")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--anchors", default="512")
     p.add_argument("--seq", default="3072")

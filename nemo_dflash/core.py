@@ -616,8 +616,10 @@ def _ce_chunk(
     need_grad: bool,
     te: Optional[torch.Tensor] = None,
     soft_weight: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """One chunk of `_FusedLinearCE`: per-row loss, argmax and dL/dh = (softmax - target) @ W, in fp32.
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One chunk of `_FusedLinearCE`: per-row loss, argmax, dL/dh = (softmax - target) @ W in fp32, and with
+    `top_k` the ids of each row's top-k logits (a candidate selector's candidates, from the same logits).
 
     Hard CE has target = onehot(y). With the teacher's expected embeddings `te`
     (`teacher_expected_embedding`), the soft cross-entropy is mixed in:
@@ -642,13 +644,14 @@ def _ce_chunk(
         loss = lse - logit_y
         hard = 1.0
     pred = logits.argmax(-1)
+    cand = logits.topk(top_k, dim=-1).indices if top_k else None
     if not need_grad:
-        return loss, pred, None
+        return loss, pred, None, cand
     probs = torch.exp(logits - lse.unsqueeze(1))
     onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == y.unsqueeze(1)
     probs = torch.where(onehot, probs - hard, probs)
     grad = torch.matmul(probs.to(mm_dtype), w_mm).float()
-    return loss, pred, grad - soft_weight * te if te is not None else grad
+    return loss, pred, grad - soft_weight * te if te is not None else grad, cand
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -660,37 +663,33 @@ class _FusedLinearCE(torch.autograd.Function):
     [N, vocab] tensor outlives its chunk. `weight` is the frozen lm_head: it gets no gradient.
     With `teacher` (the target's expected embeddings for the same rows, `teacher_expected_embedding`),
     the soft CE against the target's distribution is mixed in with weight `soft_weight`.
+    With `top_k`, the third output holds each row's top-k token ids from the same logits (DFlash2's
+    candidates: no second pass over the vocabulary); else it is [N, 0].
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                teacher: Optional[torch.Tensor] = None, soft_weight: float = 0.0):
+                teacher: Optional[torch.Tensor] = None, soft_weight: float = 0.0, top_k: int = 0):
         n = hidden.shape[0]
         losses = hidden.new_empty(n, dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
+        cands = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
         chunk_fn = _compiled_on_cuda(_ce_chunk, hidden.device)
         dev = hidden.device.type
-        if chunk_fn is not None:
+        if chunk_fn is not None or teacher is not None:
+            run = chunk_fn or _ce_chunk
             mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
             with torch.autocast(dev, enabled=False):
                 for s in range(0, n, chunk_size):
                     th = teacher[s : s + chunk_size] if teacher is not None else None
-                    loss, pred, g = chunk_fn(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
-                                             need_grad, th, soft_weight)
+                    loss, pred, g, cand = run(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
+                                              need_grad, th, soft_weight, top_k)
                     losses[s : s + chunk_size] = loss
                     preds[s : s + chunk_size] = pred
-                    if need_grad:
-                        grad[s : s + chunk_size] = g
-        elif teacher is not None:
-            mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-            with torch.autocast(dev, enabled=False):
-                for s in range(0, n, chunk_size):
-                    loss, pred, g = _ce_chunk(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
-                                              need_grad, teacher[s : s + chunk_size], soft_weight)
-                    losses[s : s + chunk_size] = loss
-                    preds[s : s + chunk_size] = pred
+                    if top_k:
+                        cands[s : s + chunk_size] = cand
                     if need_grad:
                         grad[s : s + chunk_size] = g
         else:
@@ -701,6 +700,8 @@ class _FusedLinearCE(torch.autograd.Function):
                 lse = torch.logsumexp(logits, dim=-1)
                 losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
                 preds[s : s + chunk_size] = logits.argmax(-1)
+                if top_k:
+                    cands[s : s + chunk_size] = logits.topk(top_k, dim=-1).indices
                 if need_grad:
                     probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                     probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))
@@ -708,15 +709,15 @@ class _FusedLinearCE(torch.autograd.Function):
                     grad[s : s + chunk_size] = torch.matmul(probs.to(weight.dtype), weight).float()
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(preds)
-        return losses, preds
+        ctx.mark_non_differentiable(preds, cands)
+        return losses, preds, cands
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor]):
+    def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor], grad_cands: Optional[torch.Tensor]):
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None, None, None
-        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None, None, None
+            return None, None, None, None, None, None, None
+        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None, None, None, None
 
 
 def _fusable(lm_head: nn.Module, teacher_logits: Optional[torch.Tensor], distill_weight: float) -> bool:
@@ -738,7 +739,8 @@ def chunked_lm_loss(
     fused: bool = True,
     teacher_hidden: Optional[torch.Tensor] = None,
     teacher_embedding: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """Per-token loss and argmax over [N, H] hidden states, `chunk_size` rows at a time.
 
     The [N, vocab] fp32 logits never exist whole. With `fused` (and a frozen, bias-free
@@ -747,26 +749,33 @@ def chunked_lm_loss(
     `teacher_expected_embedding`) or `teacher_hidden` (its final hidden states, [N, H], from which
     they are formed here); otherwise each chunk is checkpointed and recomputed in backward
     (distillation then against `teacher_logits` [N, vocab]).
+    With `top_k` > 0 a third value is returned: each row's top-k token ids [N, top_k] when the fused path
+    formed them from its logits, else None (the caller then runs `selector_loss.topk_rows`).
     """
     weight = getattr(lm_head, "weight", None)
     if (isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype
             and not torch.is_autocast_enabled(hidden.device.type)):
         hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target without autocast
+
+    def done(loss: torch.Tensor, pred: torch.Tensor, cand: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+        return (loss, pred, cand) if top_k else (loss, pred)
+
     n = hidden.shape[0]
     if teacher_embedding is not None and distill_weight > 0:
         if not _fusable(lm_head, None, 0.0):
             raise ValueError("teacher_embedding needs a frozen, bias-free Linear lm_head; give teacher_hidden")
-        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_embedding,
-                                    float(distill_weight))
+        return done(*_FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, teacher_embedding,
+                                          float(distill_weight), top_k))
     if teacher_hidden is not None and distill_weight > 0 and _fusable(lm_head, None, 0.0):
         te = teacher_expected_embedding(teacher_hidden, lm_head.weight, chunk_size)
-        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, te, float(distill_weight))
+        return done(*_FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, te, float(distill_weight),
+                                          top_k))
     if teacher_hidden is not None and distill_weight > 0 and teacher_logits is None:
         teacher_logits = lm_head(teacher_hidden)
     if fused and torch.is_grad_enabled() and _fusable(lm_head, teacher_logits, distill_weight):
-        return _FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size)
+        return done(*_FusedLinearCE.apply(hidden, lm_head.weight, labels, chunk_size, None, 0.0, top_k))
     if n <= chunk_size:
-        return _chunk_loss(hidden, labels, lm_head, teacher_logits, distill_weight)
+        return done(*_chunk_loss(hidden, labels, lm_head, teacher_logits, distill_weight))
     # without grad (held-out evaluation) the chunks are plain calls: still never [N, vocab] at once
     run = partial(checkpoint, _chunk_loss, use_reentrant=False) if torch.is_grad_enabled() else _chunk_loss
     losses, preds = [], []
@@ -775,7 +784,7 @@ def chunked_lm_loss(
         l, p = run(hidden[s : s + chunk_size], labels[s : s + chunk_size], lm_head, t, distill_weight)
         losses.append(l)
         preds.append(p)
-    return torch.cat(losses), torch.cat(preds)
+    return done(torch.cat(losses), torch.cat(preds))
 
 
 def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
@@ -1053,10 +1062,17 @@ class DFlashTrainerModule(nn.Module):
         # the unary logits are output_multiplier * lm_head(h) (DFlash2's; 1 for DFlash-1): scale the rows
         h_ce = h_sel if self.output_multiplier == 1.0 else h_sel * self.output_multiplier
         kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
+        selector = self.draft.candidate_selector if getattr(self.draft, "has_selector", False) else None
+        candidates = None  # the selector's top-K unary candidates, from the CE's own logits where it forms them
         if kernel is not None:
             tok_loss, pred = fused_lm_loss(
                 kernel, h_ce, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
                 compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
+            )
+        elif selector is not None:
+            tok_loss, pred, candidates = chunked_lm_loss(
+                h_ce, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
+                teacher_hidden=teacher_h, teacher_embedding=teacher_e, top_k=selector.top_k,
             )
         else:
             tok_loss, pred = chunked_lm_loss(
@@ -1075,11 +1091,12 @@ class DFlashTrainerModule(nn.Module):
                                            self.dpace_alpha), sel)
             weight_sum = label_valid.sum().to(w_sel.dtype)  # D-PACE normalises by the valid slots
         term = None
-        if getattr(self.draft, "has_selector", False):
+        if selector is not None:
             term = selector_lm_loss(
-                h_sel, self.lm_head.weight, self.draft.candidate_selector, plan.labels,
+                h_sel, self.lm_head.weight, selector, plan.labels,
                 _rows_at(input_ids.unsqueeze(-1), _predecessor_positions(anchors, blk, seq, sel), sel).squeeze(-1),
                 self.ce_chunk_size, multiplier=self.output_multiplier, outside=self.selector_outside,
+                candidates=candidates,
             )
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()

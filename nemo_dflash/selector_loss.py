@@ -77,13 +77,15 @@ class SelectorTerm:
 
 def selector_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Module, labels: torch.Tensor,
                      prev: torch.Tensor, chunk_size: int, *, multiplier: float = 1.0, softcap: float = 0.0,
-                     outside: str = "inject") -> SelectorTerm:
+                     outside: str = "inject", candidates: Optional[torch.Tensor] = None) -> SelectorTerm:
     """The selector term over loss rows: hidden [N, H] (the draft's final states), labels [N] (the true tokens),
     prev [N] (the true token of the slot before; the anchor for the first slot). Chunks of ``chunk_size`` rows,
-    each checkpointed under grad: the gathered [n, K, H] lm_head rows never outlive their chunk."""
+    each checkpointed under grad: the gathered [n, K, H] lm_head rows never outlive their chunk. ``candidates``
+    [N, K]: the unary top-K when the caller's cross-entropy already formed them (`core.chunked_lm_loss`'s
+    ``top_k``), else they are computed here."""
     if outside not in SELECTOR_OUTSIDE:
         raise ValueError(f"loss.selector_outside must be one of {SELECTOR_OUTSIDE}, got {outside!r}")
-    cand = topk_rows(hidden.detach(), weight, selector.top_k, chunk_size)
+    cand = candidates if candidates is not None else topk_rows(hidden.detach(), weight, selector.top_k, chunk_size)
     inject = outside == "inject"
     run = _selector_chunk
     if torch.is_grad_enabled():

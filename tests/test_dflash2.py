@@ -147,17 +147,20 @@ def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["train-step", "held-out"])
 @pytest.mark.parametrize("outside", ["inject", "skip"])
-def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside):
+def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
     """The trainer's selector term and the walk's simulated acceptance against each block run alone (as decoding
-    runs it), the pair scores written out, the predecessor the true token (the anchor for slot 1)."""
+    runs it), the pair scores written out, the predecessor the true token (the anchor for slot 1). Under grad the
+    candidates come from the fused cross-entropy's logits, without it from a pass of their own: both checked."""
     target = tiny_qwen3()
     d2 = dflash2_like(make_draft(target), top_k=4)
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     batch = wrapper.generate_batch(ids, attn, lm)
     anchors, valid = sample_anchors(lm, attn, 4, 6, torch.Generator().manual_seed(3))
-    out = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside)(batch, anchors=anchors, valid=valid)
+    with torch.set_grad_enabled(grad):
+        out = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside)(batch, anchors=anchors, valid=valid)
     sums = LossSums.from_vector(out.sums())
     embed, head, sel = wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), d2.candidate_selector
     ref_sel, ref_acc, ref_unary, ref_hits, blocks = 0.0, 0.0, 0.0, 0, 0
@@ -205,8 +208,9 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside):
     assert sums.accept_sum == pytest.approx(ref_acc) and sums.unary_accept_sum == pytest.approx(ref_unary)
     assert sums.topk_hits == ref_hits and sums.num_blocks == blocks
     # the selector term enters the loss at its weight
-    off = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside, selector_weight=0.0)(
-        batch, anchors=anchors, valid=valid)
+    with torch.set_grad_enabled(grad):
+        off = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside, selector_weight=0.0)(
+            batch, anchors=anchors, valid=valid)
     assert float(out.loss_sum - off.loss_sum) == pytest.approx(ref_sel, rel=1e-4)
 
 
