@@ -470,22 +470,45 @@ ACCEPTANCE = {
 }
 
 
-def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path) -> dict[str, int]:
-    """Start every (name, argv, extra env) at once, wait for all; exit codes by name, logs under `logs`."""
+def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path, per_gpu: Optional[int] = None
+            ) -> dict[str, int]:
+    """Run every (name, argv, extra env), at most `per_gpu` (default `PER_GPU`) at a time on each GPU (`CUDA_VISIBLE_DEVICES` of its
+    env; jobs without one all at once), in order; exit codes by name, logs under `logs`. Two DFlash2 trainings of
+    the GPU recipe do not fit one H200 together: on one GPU the levers queue rather than run out of memory."""
     logs.mkdir(parents=True, exist_ok=True)
-    procs = {}
-    for name, argv, env in jobs:
-        log = open(logs / f"{name}.log", "a")
-        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}), log)
-        print(f"[{time.strftime('%H:%M:%S')}] started {name}: {' '.join(argv)}", flush=True)
-    codes = {}
-    for name, (proc, log) in procs.items():
-        codes[name] = proc.wait()
-        log.close()
-        print(f"[{time.strftime('%H:%M:%S')}] {name} exited {codes[name]}", flush=True)
-        if codes[name]:
-            print("".join((logs / f"{name}.log").read_text().splitlines(True)[-15:]), flush=True)
+    pending = list(jobs)
+    running: dict[str, tuple[subprocess.Popen, Any, Optional[str]]] = {}
+    codes: dict[str, int] = {}
+
+    def busy(gpu: Optional[str]) -> bool:
+        return gpu is not None and sum(g == gpu for _, _, g in running.values()) >= max(per_gpu or PER_GPU, 1)
+
+    while pending or running:
+        for job in list(pending):
+            name, argv, env = job
+            gpu = env.get("CUDA_VISIBLE_DEVICES")
+            if busy(gpu):
+                continue
+            pending.remove(job)
+            log = open(logs / f"{name}.log", "a")
+            running[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}),
+                             log, gpu)
+            print(f"[{time.strftime('%H:%M:%S')}] started {name}: {' '.join(argv)}", flush=True)
+        for name, (proc, log, _) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            codes[name] = proc.returncode
+            log.close()
+            del running[name]
+            print(f"[{time.strftime('%H:%M:%S')}] {name} exited {codes[name]}", flush=True)
+            if codes[name]:
+                print("".join((logs / f"{name}.log").read_text().splitlines(True)[-15:]), flush=True)
+        if running:
+            time.sleep(0.5)
     return codes
+
+
+PER_GPU = 1  # --per-gpu: jobs at once on one GPU (speed's timing jobs always run alone)
 
 
 CPU_ONLY = False  # --cpu: no GPU pinning (a dry run of every phase on a tiny target)
@@ -625,7 +648,7 @@ def speed(args: argparse.Namespace) -> None:
             str(args.speedup_prompts), "--speedup-only", "--max-minutes", str(args.max_minutes or 8)]
             + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []), own_last=True)
         jobs.append((f"speed_{name}", argv, gpu_env(i)))
-    run_all(jobs, out / "logs")
+    run_all(jobs, out / "logs", per_gpu=1)  # timed alone: another job on its GPU would slow both sides
 
 
 def chain(args: argparse.Namespace) -> None:
@@ -812,6 +835,9 @@ def main_levers(argv: Optional[list[str]] = None) -> None:
                    help="answer cap of the timed prompts (default: the protocol's)")
     p.add_argument("--acceptance", default=",".join(ACCEPTANCE), help="acceptance runs of `eval`, comma list")
     p.add_argument("--gpu-list", default="", help="GPU of each lever in order, comma list (default: 0, 1, ...)")
+    p.add_argument("--per-gpu", type=int, default=1,
+                   help="train / eval jobs at once on one GPU (default 1: two DFlash2 trainings of the GPU recipe do "
+                        "not fit one H200; evaluations fit several); `speed` always times one at a time")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--commit", default=None)
@@ -824,9 +850,10 @@ def main_levers(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     args.argv_rest = _without(argv[1:], ("--levers", "--gpu-list"))  # what `chain` passes on to each lever
     args.extra, args.eval_extra = shlex.split(args.extra), shlex.split(args.eval_extra)
-    global CPU_ONLY, GPU_LIST
+    global CPU_ONLY, GPU_LIST, PER_GPU
     CPU_ONLY = args.cpu
     GPU_LIST = [g.strip() for g in args.gpu_list.split(",") if g.strip()]
+    PER_GPU = max(1, args.per_gpu)
     {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report, "chain": chain,
      "_chain_one": _chain_one}[args.phase](args)
 

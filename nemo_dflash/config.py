@@ -113,8 +113,9 @@ class LossConfig:
     impl: str = "chunked"
     # DFlash2: loss = unary + selector_weight * the selector's K-way cross-entropy (predecessor teacher-forced).
     selector_weight: float = 1.0
-    # a true token outside the slot's top-K: inject it in place of the K-th candidate (loss only), or skip the slot
-    selector_outside: str = "inject"
+    # a true token outside the slot's top-K: skip the slot (default: higher held-out walk tau and top-K recall at
+    # equal tokens, docs/results.md "DFlash2"), or inject it in place of the K-th candidate (loss only)
+    selector_outside: str = "skip"
     # per-slot weights of both terms: decay (exp(-(k-1)/gamma)) | dpace (D-PACE: survival-weighted, from the CE)
     position_weights: str = "decay"
     dpace_alpha: float = 0.5  # D-PACE's floor on the per-slot survival estimate, q~ = (1 - a) exp(-CE) + a

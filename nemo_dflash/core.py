@@ -478,6 +478,15 @@ class LossSums:
     unary_accept_sum: float = 0.0
     topk_hits: float = 0.0
     oracle_accept_sum: float = 0.0
+    # where the T=0 -> T>0 loss sits, held-out only (beside the sampled acceptance): per valid label slot, the
+    # proposal's T=0 hit (teacher-forced: conditional on the slots before) and its accept probability under
+    # speculative sampling, summed separately for the first label slot and the later ones
+    slot1_greedy_sum: float = 0.0
+    slot1_sampled_sum: float = 0.0
+    slot1_slots: float = 0.0
+    later_greedy_sum: float = 0.0
+    later_sampled_sum: float = 0.0
+    later_slots: float = 0.0
 
     @classmethod
     def size(cls) -> int:
@@ -521,6 +530,12 @@ class LossSums:
             out[f"{prefix}unary_accept_len"] = self.unary_accept_sum / max(self.num_blocks, 1.0)
             out[f"{prefix}topk_recall"] = self.topk_hits / max(self.num_labels, 1.0)
             out[f"{prefix}oracle_accept_len"] = self.oracle_accept_sum / max(self.num_blocks, 1.0)
+        if self.slot1_slots > 0:
+            out[f"{prefix}slot1_accept"] = self.slot1_greedy_sum / self.slot1_slots
+            out[f"{prefix}sampled_slot1_accept"] = self.slot1_sampled_sum / self.slot1_slots
+            if self.later_slots > 0:
+                out[f"{prefix}later_accept"] = self.later_greedy_sum / self.later_slots
+                out[f"{prefix}sampled_later_accept"] = self.later_sampled_sum / self.later_slots
         return out
 
 
@@ -547,6 +562,12 @@ class DFlashLossOutput:
     unary_accept_sum: Optional[torch.Tensor] = None
     topk_hits: Optional[torch.Tensor] = None
     oracle_accept_sum: Optional[torch.Tensor] = None
+    slot1_greedy_sum: Optional[torch.Tensor] = None  # the T=0 / T>0 split by slot, as in `LossSums`
+    slot1_sampled_sum: Optional[torch.Tensor] = None
+    slot1_slots: Optional[torch.Tensor] = None
+    later_greedy_sum: Optional[torch.Tensor] = None
+    later_sampled_sum: Optional[torch.Tensor] = None
+    later_slots: Optional[torch.Tensor] = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -1154,6 +1175,12 @@ class DFlashTrainerModule(nn.Module):
                     lengths.append((expected_block_length(per_slot) * block_ok).sum())
                 return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
                 return_out.sampled_blocks = block_ok.sum()
+                on = label_valid[..., 1:]
+                hit = (correct[..., 1:] & on).double()
+                alpha = _to_slots(sampled[0], sel, bsz, n_blk, blk).double() * on
+                return_out.slot1_greedy_sum, return_out.later_greedy_sum = hit[..., 0].sum(), hit[..., 1:].sum()
+                return_out.slot1_sampled_sum, return_out.later_sampled_sum = alpha[..., 0].sum(), alpha[..., 1:].sum()
+                return_out.slot1_slots, return_out.later_slots = on[..., 0].sum(), on[..., 1:].sum()
         return return_out
 
 

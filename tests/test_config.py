@@ -80,7 +80,7 @@ ADDED_SINCE_RECORD = {"data": {"decontaminate": True, "pack_length": 0, "tokeniz
                       "train": {"eval_temperature": 1.0, "eval_top_p": 1.0, "eval_top_k": 0},
                       "target": {"packed_attention": "flex"},
                       "loss": {"impl": "chunked", "accept_weight": 0.0, "accept_temperature": 1.0, "accept_form": "log",
-                               "selector_weight": 1.0, "selector_outside": "inject", "position_weights": "decay",
+                               "selector_weight": 1.0, "selector_outside": "skip", "position_weights": "decay",
                                "dpace_alpha": 0.5},
                       "draft": {"kind": "dflash", "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16,
                                                               "selector_rank": 256, "selector_top_k": 16,

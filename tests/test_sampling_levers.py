@@ -88,7 +88,7 @@ def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypat
     levers = _script()
     seen = []
 
-    def fake_run_all(jobs, logs):
+    def fake_run_all(jobs, logs, per_gpu=None):
         seen.append(jobs)
         return {name: 0 for name, _, _ in jobs}
 
@@ -125,7 +125,7 @@ def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, mon
     """Lever f: one training on the T=0.2 and the T=1 answers together (two data sources), and its row says so."""
     levers = _script()
     seen = []
-    monkeypatch.setattr(levers, "run_all", lambda jobs, logs: seen.append(jobs) or {n: 0 for n, _, _ in jobs})
+    monkeypatch.setattr(levers, "run_all", lambda jobs, logs, per_gpu=None: seen.append(jobs) or {n: 0 for n, _, _ in jobs})
     out = tmp_path / "out"
     levers.main(["levers", "train", str(out), "--levers", "f", "--tokens", "1e6"])
     ((name, argv, _),) = seen[0]
@@ -174,3 +174,29 @@ def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path, capsys)
     levers.report(ns)
     printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[1:]]
     assert printed == ["b", "f"]
+
+
+def test_run_all_queues_the_jobs_of_one_gpu_and_runs_other_gpus_beside_them(tmp_path):
+    """At most --per-gpu jobs at once on one GPU (two DFlash2 trainings of the GPU recipe do not fit one H200): each
+    job writes its start and end time; the two jobs of GPU 0 never overlap, GPU 1's job overlaps one of them, and
+    with per_gpu=2 GPU 0's two overlap."""
+    import sys
+
+    levers = _script()
+    job = ("import sys, time; t = time.time(); time.sleep(0.4); "
+           "open(sys.argv[1], 'w').write(f'{t} {time.time()}')")
+
+    def spans(per_gpu):
+        jobs = [(f"j{i}", [sys.executable, "-c", job, str(tmp_path / f"{per_gpu}_{i}")], {"CUDA_VISIBLE_DEVICES": g})
+                for i, g in enumerate("001")]
+        codes = levers.run_all(jobs, tmp_path / "logs", per_gpu=per_gpu)
+        assert codes == {"j0": 0, "j1": 0, "j2": 0}
+        return [tuple(map(float, (tmp_path / f"{per_gpu}_{i}").read_text().split())) for i in range(3)]
+
+    def overlap(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    (a, b, c) = spans(1)
+    assert not overlap(a, b) and (overlap(a, c) or overlap(b, c))
+    (a, b, _) = spans(2)
+    assert overlap(a, b)

@@ -200,6 +200,7 @@ def test_expected_acceptance_against_brute_force_and_the_accept_rule():
         t_logits = target(ids).logits
     embed, head, blk = wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), 4
     want_s, want_g, n_blocks, g = 0.0, 0.0, 0, torch.Generator().manual_seed(1)
+    split = {"slot1": [0.0, 0.0, 0], "later": [0.0, 0.0, 0]}  # T=0 hits, accept probability, slots
     for b in range(2):
         for i in range(anchors.shape[1]):
             if not valid[b, i]:
@@ -214,6 +215,12 @@ def test_expected_acceptance_against_brute_force_and_the_accept_rule():
             q = naive_filtered_probs(q_logits, 1.0, 0.9, 12)
             alpha_s = [float(torch.minimum(p[k], q[k]).sum()) if k_ok[k] else 0.0 for k in range(blk - 1)]
             alpha_g = [float(p[k, q_logits[k].argmax()]) if k_ok[k] else 0.0 for k in range(blk - 1)]
+            for k in range(blk - 1):  # label slot k + 1: the token at a + k + 1
+                if k_ok[k]:
+                    part = split["slot1" if k == 0 else "later"]
+                    part[0] += int(q_logits[k].argmax()) == int(ids[b, a + k + 1])
+                    part[1] += alpha_s[k]
+                    part[2] += 1
             for alpha, acc in ((alpha_s, "s"), (alpha_g, "g")):
                 run, length = 1.0, 1.0
                 for x in alpha:
@@ -236,6 +243,15 @@ def test_expected_acceptance_against_brute_force_and_the_accept_rule():
     assert float(out.sampled_accept_sum) == pytest.approx(want_s, rel=1e-4)
     assert float(out.greedy_draft_accept_sum) == pytest.approx(want_g, rel=1e-4)
     assert float(out.sampled_accept_sum) < float(out.accept_sum) + n_blocks * (blk - 1)  # not trivially maximal
+    # the split by slot: the first label slot against the later ones, at T=0 (hits) and under sampling
+    for name in ("slot1", "later"):
+        hits, accept, slots = split[name]
+        assert slots > 0 and float(getattr(out, f"{name}_slots")) == slots
+        assert float(getattr(out, f"{name}_greedy_sum")) == hits
+        assert float(getattr(out, f"{name}_sampled_sum")) == pytest.approx(accept, rel=1e-4)
+    rates = LossSums.from_vector(out.sums()).rates("eval_")
+    assert rates["eval_sampled_slot1_accept"] == pytest.approx(split["slot1"][1] / split["slot1"][2], rel=1e-4)
+    assert rates["eval_later_accept"] == pytest.approx(split["later"][0] / split["later"][2], rel=1e-6)
 
 
 def test_training_steps_do_not_pay_for_the_metric():
