@@ -42,7 +42,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from _common import append_rows, provenance, read_rows, write_qwen3_8b_config  # noqa: E402
-from nemo_dflash.core import draft_block_hidden, expected_block_length  # noqa: E402
+from nemo_dflash.core import draft_block_hidden  # noqa: E402
+from nemo_dflash.engine.acceptance import expected_block_length  # noqa: E402
 from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa: E402
 from nemo_dflash.inference.replay import DRAFT_ATTENTION  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nemo_dflash.compiled import compiled
+from nemo_dflash.engine.acceptance import accepted_prefix, expected_block_length
 from nemo_dflash.target import DFlashTargetBatch
 from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
@@ -810,8 +811,7 @@ def chunked_lm_loss(
 
 def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
     """[B, A, block] -> [B, A]: 1 + length of the run of correct slots from slot 1."""
-    ok = (correct & label_valid)[..., 1:].long()
-    return 1 + ok.cumprod(dim=-1).sum(dim=-1)
+    return 1 + accepted_prefix((correct & label_valid)[..., 1:])
 
 
 def slot_acceptance(
@@ -842,12 +842,6 @@ def _rows_at(source: torch.Tensor, src: torch.Tensor, sel: Optional[torch.Tensor
     each slot's token is predicted from), then `sel`'s valid slots when the plan selects them."""
     rows = source.gather(1, src.unsqueeze(-1).expand(-1, -1, source.shape[-1])).reshape(-1, source.shape[-1])
     return rows if sel is None else rows.index_select(0, sel)
-
-
-def expected_block_length(alpha: torch.Tensor) -> torch.Tensor:
-    """[..., K] per-slot accept probabilities (0 past the answer) -> [...] expected tokens a step:
-    1 + sum_k prod_{j<=k} alpha_j (the target's own token, plus each slot kept only if all before it were)."""
-    return 1 + alpha.cumprod(dim=-1).sum(dim=-1)
 
 
 def draft_block_hidden(

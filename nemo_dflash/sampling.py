@@ -20,6 +20,8 @@ from typing import Optional, Union
 
 import torch
 
+from nemo_dflash.engine.acceptance import greedy_accepted, sampled_accepted
+
 DRAFT_PROPOSALS = ("sample", "greedy")
 
 
@@ -260,7 +262,7 @@ def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys
         q_tok = q.gather(-1, proposals.unsqueeze(-1)).squeeze(-1)
         u = keyed_uniform(ACCEPT_STREAM, keys.view(-1, 1).expand(R, K).reshape(-1), slots[:, :-1].reshape(-1),
                           proposals.reshape(-1, 1)).view(R, K)
-        n_acc = (u * q_tok < p_tok).long().cumprod(dim=1).sum(dim=1)  # u < p/q without dividing by q
+        n_acc = sampled_accepted(u, q_tok, p_tok)
     else:
         n_acc = torch.zeros(R, dtype=torch.long, device=p.device)
     p_row = p.gather(1, n_acc.view(R, 1, 1).expand(R, 1, V)).squeeze(1)  # [R, V]
@@ -366,8 +368,7 @@ def verify_block(
     s = as_sampling(temperature)
     if s.greedy:
         target_tokens = target_logits.argmax(dim=-1)
-        match = (draft_tokens == target_tokens[:k_len]).long()
-        n_acc = int(match.cumprod(dim=0).sum()) if k_len else 0
+        n_acc = int(greedy_accepted(draft_tokens, target_tokens)) if k_len else 0
         return n_acc, int(target_tokens[n_acc])
     if draft_probs is None and k_len:
         raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
@@ -377,8 +378,7 @@ def verify_block(
         p_tok = p[:-1].gather(-1, idx).squeeze(-1)
         q_tok = draft_probs.float().gather(-1, idx).squeeze(-1)  # type: ignore[union-attr]
         u = torch.rand(k_len, device=p.device, generator=generator)
-        accept = (u * q_tok < p_tok).long()  # u < p/q without dividing by a zero q
-        n_acc = int(accept.cumprod(dim=0).sum())
+        n_acc = int(sampled_accepted(u, q_tok, p_tok))
     else:
         n_acc = 0
     if n_acc < k_len:

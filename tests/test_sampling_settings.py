@@ -11,7 +11,8 @@ import torch
 import conftest
 from _spec_fixtures import sampled_runner, sampled_step, second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
 from conftest import MASK_ID, random_batch
-from nemo_dflash.core import DFlashTrainerModule, LossSums, expected_block_length, sample_anchors
+from nemo_dflash.core import DFlashTrainerModule, LossSums, sample_anchors
+from nemo_dflash.engine.acceptance import expected_block_length
 from nemo_dflash.inference import DFlashSpeculativeDecoder
 from nemo_dflash.engine.batched_static import batched_static_speculative_generate
 from nemo_dflash.inference.spec_decode import DFlashContextCache

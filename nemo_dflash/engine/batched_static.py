@@ -61,6 +61,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from nemo_dflash.attention import eager_attention_backends
+from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
 from nemo_dflash.engine.static_cache import (
@@ -728,7 +729,7 @@ class BatchedStaticSpecRunner(_Rows):
         if self.sampled:
             return self.state.verify(logits, self.filtered, self.q, self.blk[:, 1:], self.pos)
         tgt = logits.argmax(dim=-1)  # [R, B]; accepted proposals equal the target's tokens
-        return (self.blk[:, 1:] == tgt[:, :-1]).long().cumprod(dim=1).sum(dim=1), tgt
+        return greedy_accepted(self.blk[:, 1:], tgt), tgt
 
     def _advance(self, n_acc: torch.Tensor, tokens: torch.Tensor, nxt: torch.Tensor) -> None:
         """Record a verified step ([n_accepted, tokens...] a row, the kept tokens being tokens[:n] then

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_dflash.engine.acceptance import greedy_accepted_list
+
 logger = logging.getLogger(__name__)
 
 # A few short prompts, enough to run a dozen blocks each.
@@ -175,9 +177,7 @@ def reference_acceptance(target: nn.Module, weights: Mapping[str, torch.Tensor],
             ours = head(mine[0, 1:].to(head.weight.dtype)).float().argmax(-1).tolist()
             run.proposals += len(ours)
             run.proposals_agree += sum(x == y for x, y in zip(ours, drafted))
-        n_acc = 0
-        while n_acc < blk - 1 and drafted[n_acc] == nxt[k0 + n_acc]:
-            n_acc += 1
+        n_acc = greedy_accepted_list(drafted[: blk - 1], nxt[k0: k0 + blk - 1])
         new = nxt[k0: k0 + n_acc + 1]  # the accepted drafts, then the target's bonus token
         run.acceptance_lengths.append(len(new))
         for t in new[: max_new_tokens - len(out)]:

@@ -39,6 +39,7 @@ from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.device import release_device_memory
 from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.inference.evaluate import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
+from nemo_dflash.engine.acceptance import greedy_accepted_list
 from nemo_dflash.engine.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel
 from nemo_dflash.sampling import as_sampling
@@ -82,9 +83,7 @@ def walk(output_ids: Sequence[int], beyond: Sequence[int], drafts: Sequence[Sequ
     while not stopped and n_out < max_new_tokens:
         p = n_out - 1
         d = drafts[p]
-        n_acc = 0
-        while n_acc < len(d) and p + 1 + n_acc < len(greedy) and d[n_acc] == greedy[p + 1 + n_acc]:
-            n_acc += 1
+        n_acc = greedy_accepted_list(d, greedy[p + 1:])
         if p + n_acc + 2 > len(greedy):
             raise RuntimeError(f"replay needs greedy tokens up to output index {p + n_acc + 1}; have {len(greedy)}")
         new = greedy[p + 1: p + n_acc + 2]

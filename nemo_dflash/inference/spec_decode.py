@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.engine import graphs
+from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.inference import recurrent_cache
 from nemo_dflash.engine.graphs import check_decode_mode
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
@@ -337,7 +338,7 @@ class DFlashSpeculativeDecoder:
                 feats = self.target.concat(captured)
                 if greedy:
                     tgt = out.logits[0].argmax(dim=-1)  # [B]
-                    n_acc_t = (d_tokens == tgt[:-1]).long().cumprod(dim=0).sum()
+                    n_acc_t = greedy_accepted(d_tokens, tgt)
                     res = torch.cat([n_acc_t.view(1), tgt]).tolist()  # the step's one host sync
                     n_acc = res[0]
                     new = res[1: n_acc + 2]  # accepted proposals equal the target's own tokens
