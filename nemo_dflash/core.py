@@ -28,7 +28,7 @@ from nemo_dflash.sampling import SamplingParams
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
 from nemo_dflash.accept_loss import accept_chunk, accept_lm_loss, check_accept
 from nemo_dflash.selector_loss import (
-    SELECTOR_OUTSIDE, dpace_weights, selector_lm_loss, selector_slot_acceptance,
+    SELECTOR_OUTSIDE, dpace_weights, selector_lm_loss, selector_slot_acceptance, topk_ids,
 )
 
 try:
@@ -666,7 +666,7 @@ def _ce_chunk(
         loss = lse - logit_y
         hard = 1.0
     pred = logits.argmax(-1)
-    cand = logits.topk(top_k, dim=-1).indices if top_k else None
+    cand = topk_ids(logits, top_k) if top_k else None
     if not need_grad:
         return loss, pred, None, cand
     probs = torch.exp(logits - lse.unsqueeze(1))
@@ -723,7 +723,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
                 preds[s : s + chunk_size] = logits.argmax(-1)
                 if top_k:
-                    cands[s : s + chunk_size] = logits.topk(top_k, dim=-1).indices
+                    cands[s : s + chunk_size] = topk_ids(logits, top_k)
                 if need_grad:
                     probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                     probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))

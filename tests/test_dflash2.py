@@ -214,6 +214,26 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
     assert float(out.loss_sum - off.loss_sum) == pytest.approx(ref_sel, rel=1e-4)
 
 
+@pytest.mark.parametrize("vocab", [49152, 151936, 1000, 96, 37])
+def test_blockwise_topk_is_the_topk(vocab):
+    """`topk_ids` (k blocks by their maxima, then the top-k of their values) against `torch.topk`: the same ids in
+    the same order on continuous values; on a row of ties the same multiset of values (ties broken otherwise)."""
+    from nemo_dflash.selector_loss import topk_ids
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g)
+    logits[0, :] = -1e4
+    logits[0, [3, vocab - 1]] = 5.0  # the largest two at the row's ends, in other blocks
+    logits[1, : min(vocab, 300)] = 9.0  # the whole top-k inside one block
+    k = min(16, vocab)
+    want = logits.topk(k, dim=-1)
+    got = topk_ids(logits, k)
+    assert torch.equal(logits.gather(1, got), want.values)
+    assert torch.equal(got[2:], want.indices[2:])
+    ties = torch.randint(0, 4, (32, vocab), generator=g).float()  # many equal values
+    assert torch.equal(ties.gather(1, topk_ids(ties, k)), ties.topk(k, dim=-1).values)
+
+
 def test_selector_loss_trains_the_selector_and_the_backbone():
     """One backward: gradients reach the codebooks, the projection, the convs and the backbone."""
     target = tiny_qwen3()
