@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 from nemo_dflash.compiled import compiled
 from nemo_dflash.engine.acceptance import accepted_prefix, expected_block_length
 from nemo_dflash.target import DFlashTargetBatch
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.sampling import SamplingParams, topk_ids
 from nemo_dflash.fused_loss import LOSS_IMPLS, argmax_chunk, fused_lm_loss, resolve_loss_impl
 from nemo_dflash.accept_loss import accept_chunk, accept_lm_loss, check_accept
 from nemo_dflash.selector_loss import (
-    SELECTOR_OUTSIDE, dpace_weights, selector_lm_loss, selector_slot_acceptance, topk_ids,
+    SELECTOR_OUTSIDE, dpace_weights, selector_lm_loss, selector_slot_acceptance,
 )
 
 try:

@@ -150,26 +150,53 @@ def eager_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(dim=-1)
 
 
+def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
+    """The ids [N, k] of each row's k largest logits [N, V], through blocks of `block` columns: the k blocks with
+    the largest maxima hold every one of the row's k largest values (a value among the top k lies in a block whose
+    maximum is at least it, and at most k blocks reach the k-th value), so one reduction over the vocabulary and a
+    top-k over k * block gathered values give the same set as ``logits.topk(k)`` (ties may be broken otherwise),
+    without the multi-pass selection over every column of every row. The order is by value, largest first."""
+    n, v = logits.shape
+    while block > 1 and v % block:
+        block //= 2
+    blocks = v // block
+    if block == 1 or blocks <= k:
+        return logits.topk(k, dim=-1).indices
+    tiles = logits.view(n, blocks, block)
+    top_blocks = tiles.amax(dim=-1).topk(k, dim=-1).indices  # [N, k]
+    values = tiles.gather(1, top_blocks.unsqueeze(-1).expand(n, k, block)).view(n, k * block)
+    best = values.topk(k, dim=-1).indices  # [N, k] into the gathered values
+    return top_blocks.gather(1, best // block) * block + best % block
+
+
 def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
-                  top_k: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+                  top_k: Union[int, torch.Tensor] = 0, k_cap: int = 0) -> torch.Tensor:
     """``scores`` with the tokens outside the top-k, then outside the smallest set of probability >= top-p
     of what remains (renormalised), set to -inf: the order vLLM and HF apply them in.
 
     ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
-    Ties at the top-k boundary keep the first in sort order.
+    Ties at the top-k boundary keep the first in sort order. ``k_cap`` > 0 promises top_k in [1, k_cap] (a step
+    captured for one setting): only the k_cap largest scores are ranked then, not the whole vocabulary (a sort of
+    151k scores a row is a large share of a sampled step), with the same result. A python top_k > 0 is its own cap.
     """
     if not isinstance(top_p, torch.Tensor) and not isinstance(top_k, torch.Tensor) and top_p >= 1.0 and top_k <= 0:
         return scores
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    rank = torch.arange(scores.shape[-1], device=scores.device)
+    cap = top_k if not isinstance(top_k, torch.Tensor) and top_k > 0 else k_cap
+    if 0 < cap < scores.shape[-1]:
+        flat = scores.reshape(-1, scores.shape[-1])
+        order = topk_ids(flat, cap).view(*scores.shape[:-1], cap)  # largest first
+        sorted_scores = scores.gather(-1, order)
+    else:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_scores.shape[-1], device=scores.device)
     k = top_k if isinstance(top_k, torch.Tensor) else torch.tensor(top_k, device=scores.device)
     drop_sorted = (k > 0) & (rank >= k)
     sorted_scores = sorted_scores.masked_fill(drop_sorted, float("-inf"))
     probs = sorted_scores.softmax(dim=-1)
     before = eager_cumsum(probs) - probs  # mass of the tokens ranked above each one
     drop_sorted = drop_sorted | (before >= top_p)  # the first token always stays (before == 0)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, order, ~drop_sorted)
+    return scores.masked_fill(~keep, float("-inf"))
 
 _MASK32 = 0xFFFFFFFF
 
@@ -277,9 +304,9 @@ def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys
 
 
 def _scaled(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-            filtered: bool) -> torch.Tensor:
+            filtered: bool, k_cap: int = 0) -> torch.Tensor:
     scores = logits.float() * inv_temp
-    return filter_scores(scores, top_p, top_k) if filtered else scores
+    return filter_scores(scores, top_p, top_k, k_cap) if filtered else scores
 
 
 # The sampled steps of the fixed-shape decoders, each a pure function of tensors (T, top-p and top-k read from
@@ -288,27 +315,27 @@ def _scaled(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, t
 
 
 def sampled_next_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                        keys: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
+                        keys: torch.Tensor, positions: torch.Tensor, filtered: bool, k_cap: int = 0) -> torch.Tensor:
     """A plain step's tokens [R] for logits [R, V]: each row's keyed draw for its token at `positions` [R]."""
-    return keyed_draw(NEXT_STREAM, keys, positions, torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered),
-                                                                  dim=-1))
+    return keyed_draw(NEXT_STREAM, keys, positions,
+                      torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered, k_cap), dim=-1))
 
 
 def sampled_proposals(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                      keys: torch.Tensor, first_pos: torch.Tensor, filtered: bool
+                      keys: torch.Tensor, first_pos: torch.Tensor, filtered: bool, k_cap: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [R, K, V], proposals [R, K]) from the draft's logits [R, K, V]: `keyed_proposals` of the filtered
     softmax at T."""
-    q = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered), dim=-1)
+    q = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered, k_cap), dim=-1)
     return q, keyed_proposals(q, keys, first_pos)
 
 
 def sampled_verify(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                    q: torch.Tensor, proposals: torch.Tensor, keys: torch.Tensor, first_pos: torch.Tensor,
-                   filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   filtered: bool, k_cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`keyed_verify` of the target's logits [R, K + 1, V] (the filtered softmax at T) against the proposals
     drawn from q."""
-    p = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered), dim=-1)  # row k judges slot k + 1
+    p = torch.softmax(_scaled(logits, inv_temp, top_p, top_k, filtered, k_cap), dim=-1)  # row k judges slot k + 1
     return keyed_verify(p, q, proposals, keys, first_pos)
 
 

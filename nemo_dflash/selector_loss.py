@@ -25,26 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nemo_dflash.sampling import topk_ids
+
 SELECTOR_OUTSIDE = ("inject", "skip")
-
-
-def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
-    """The ids [N, k] of each row's k largest logits [N, V], through blocks of `block` columns: the k blocks with
-    the largest maxima hold every one of the row's k largest values (a value among the top k lies in a block whose
-    maximum is at least it, and at most k blocks reach the k-th value), so one reduction over the vocabulary and a
-    top-k over k * block gathered values give the same set as ``logits.topk(k)`` (ties may be broken otherwise),
-    without the multi-pass selection over every column of every row. The order is by value, largest first."""
-    n, v = logits.shape
-    while block > 1 and v % block:
-        block //= 2
-    blocks = v // block
-    if block == 1 or blocks <= k:
-        return logits.topk(k, dim=-1).indices
-    tiles = logits.view(n, blocks, block)
-    top_blocks = tiles.amax(dim=-1).topk(k, dim=-1).indices  # [N, k]
-    values = tiles.gather(1, top_blocks.unsqueeze(-1).expand(n, k, block)).view(n, k * block)
-    best = values.topk(k, dim=-1).indices  # [N, k] into the gathered values
-    return top_blocks.gather(1, best // block) * block + best % block
 
 
 def topk_rows(hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int) -> torch.Tensor:
@@ -156,4 +139,4 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
 
 
 __all__ = ["SELECTOR_OUTSIDE", "SelectorTerm", "dpace_weights", "selector_lm_loss", "selector_slot_acceptance",
-           "topk_ids", "topk_rows"]
+           "topk_rows"]

@@ -218,7 +218,7 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
 def test_blockwise_topk_is_the_topk(vocab):
     """`topk_ids` (k blocks by their maxima, then the top-k of their values) against `torch.topk`: the same ids in
     the same order on continuous values; on a row of ties the same multiset of values (ties broken otherwise)."""
-    from nemo_dflash.selector_loss import topk_ids
+    from nemo_dflash.sampling import topk_ids
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(64, vocab, generator=g)

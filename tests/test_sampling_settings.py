@@ -374,3 +374,31 @@ def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
     code = getattr(sampling.keyed_draw, "__wrapped__", sampling.keyed_draw).__code__
     assert _debug_get_cache_entry_list(code) == []
     torch._dynamo.reset()
+
+
+def test_filter_with_a_top_k_cap_equals_the_full_sort():
+    """`filter_scores` ranking only the k_cap largest scores (a step made for one top-k, or a python top-k) keeps
+    exactly the tokens the full sort keeps, for tensor and python settings and p from tight to off; a setting's
+    top-k above the step's cap is refused when the step is configured."""
+    from nemo_dflash.engine.static_decode import SampledStepState
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 5, 1000, generator=g) * 3
+    ties = scores[0, 0].clone()
+    ties[10:20] = ties.max() + 1  # ten equal scores at the top: either rule may keep any of them
+    for top_k in (1, 7, 20):
+        for top_p in (0.3, 0.9, 1.0):
+            full = filter_scores(scores, torch.tensor(top_p), torch.tensor(top_k))  # tensors: the full sort
+            capped = filter_scores(scores, torch.tensor(top_p), torch.tensor(top_k), k_cap=top_k)
+            python = filter_scores(scores, top_p, top_k)  # a python top-k is its own cap
+            for got in (capped, python):
+                assert torch.equal(torch.isinf(got), torch.isinf(full)) and torch.equal(got[~torch.isinf(got)],
+                                                                                        full[~torch.isinf(full)])
+            assert (~torch.isinf(full)).sum(-1).max() <= top_k
+            a = filter_scores(ties, torch.tensor(top_p), torch.tensor(top_k))
+            b = filter_scores(ties, torch.tensor(top_p), torch.tensor(top_k), k_cap=top_k)
+            assert torch.equal(a[~torch.isinf(a)].sort().values, b[~torch.isinf(b)].sort().values)
+    state = SampledStepState(2, torch.device("cpu"), k_cap=20)
+    state.configure(SamplingParams(0.7, top_p=0.8, top_k=20))
+    with pytest.raises(ValueError, match="top-k <= 20"):
+        state.configure(SamplingParams(0.7, top_k=50))

@@ -532,10 +532,10 @@ class BatchedStaticPlainRunner(_Rows):
     reuses_prefix = True
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
-                 filtered: bool = False) -> None:
+                 filtered: bool = False, k_cap: int = 0) -> None:
         super().__init__(model, rows, max_len, use_graphs)
         self.sampled, self.filtered = sampled, sampled and filtered
-        self.state = SampledStepState(self.rows, self.device) if sampled else None
+        self.state = SampledStepState(self.rows, self.device, k_cap=k_cap if self.filtered else 0) if sampled else None
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.window = 1  # steps a host read-back (set per call by `batched_static_autoregressive_generate`)
         self.outs = torch.zeros(WINDOW_MAX, self.rows, dtype=torch.long, device=self.device)  # a window's tokens
@@ -591,7 +591,7 @@ class BatchedStaticSpecRunner(_Rows):
     one_token_steps = False
 
     def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
-                 filtered: bool = False, draft_greedy: bool = False) -> None:
+                 filtered: bool = False, draft_greedy: bool = False, k_cap: int = 0) -> None:
         super().__init__(decoder.target.model, rows, max_len, use_graphs)
         self.dec = decoder
         self.sampled = sampled  # the captured steps sample (T > 0), or accept greedily
@@ -611,7 +611,8 @@ class BatchedStaticSpecRunner(_Rows):
         n_feat = len(decoder.target.target_layer_ids) * self.model.config.hidden_size
         self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
         self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
-        self.state = SampledStepState(R, dev) if sampled else None  # each row's noise key, 1/T, the filters
+        # each row's noise key, 1/T, the filters
+        self.state = SampledStepState(R, dev, k_cap=k_cap if self.filtered else 0) if sampled else None
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
@@ -814,11 +815,17 @@ def plain_runner(target_model: nn.Module, temperature: Sampling, rows: int, need
     """The target's plain runner for this kind of step (greedy, sampled, sampled and filtered) with `rows`
     rows and at least `need` cache positions: the one an earlier call made when it fits, else a new one."""
     s = as_sampling(temperature)
-    filtered = not s.greedy and s.filtered
-    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}"
+    filtered, cap = (not s.greedy and s.filtered), top_k_cap(s)
+    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
     return _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
-                                                                          not s.greedy, filtered),
+                                                                          not s.greedy, filtered, cap),
                    rows, need, use_graphs)
+
+
+def top_k_cap(s: SamplingParams) -> int:
+    """The top-k a sampled runner's filter ranks at most (`sampling.filter_scores`' k_cap): the setting's own top-k,
+    so a captured step never sorts the whole vocabulary when one is set; 0 without one."""
+    return s.top_k if not s.greedy and s.top_k > 0 else 0
 
 
 def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_graphs: bool) -> BatchedStaticSpecRunner:
@@ -826,9 +833,11 @@ def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_g
     graphs; T, top-p and top-k are buffers), as `plain_runner`."""
     s = as_sampling(temperature)
     filtered, draft_greedy = (not s.greedy and s.filtered), (not s.greedy and s.draft == "greedy")
-    kind = "spec" if s.greedy else f"spec sampled{'+filtered' * filtered}{'+greedy draft' * draft_greedy}"
+    cap = top_k_cap(s)
+    kind = "spec" if s.greedy else (f"spec sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
+                                    f"{'+greedy draft' * draft_greedy}")
     return _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
-                                                                    filtered, draft_greedy), rows, need, use_graphs)
+                                                                    filtered, draft_greedy, cap), rows, need, use_graphs)
 
 
 def drop_runners(owner: Any) -> None:

@@ -18,7 +18,9 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.engine.batched_static import BatchedStaticPlainRunner, Completion, Request, plain_cache_length
+from nemo_dflash.engine.batched_static import (
+    BatchedStaticPlainRunner, Completion, Request, plain_cache_length, top_k_cap,
+)
 from nemo_dflash.engine.static_cache import check_static_target
 from nemo_dflash.sampling import SamplingParams
 
@@ -101,7 +103,7 @@ class PlainEngine:
                            free_device_bytes(device))
         # its own runner (not the cached ones evaluation reuses): its KV cache goes with this engine
         self.runner = BatchedStaticPlainRunner(model, rows, length, self.use_graphs, not self.sampling.greedy,
-                                               self.sampling.filtered)
+                                               self.sampling.filtered, top_k_cap(self.sampling))
         self.runner.window = self.window
         self.rows, self.max_new_tokens, self.seed = rows, max_new_tokens, seed
         self.stop_ids = {int(t) for t in stop_ids}

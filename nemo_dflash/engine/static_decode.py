@@ -113,9 +113,12 @@ def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *mo
 
 class SampledStepState:
     """What a sampled captured step reads from buffers, set per generation: each row's noise key (drawn from
-    the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`)."""
+    the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`).
+    ``k_cap`` > 0: the steps rank only that many scores for the filters (`sampling.filter_scores`), so every call's
+    top-k must be in [1, k_cap] (the runners are made per top-k)."""
 
-    def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None) -> None:
+    def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None, k_cap: int = 0) -> None:
+        self.k_cap = int(k_cap)
         self.key = torch.zeros(rows, dtype=torch.long, device=device)
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
@@ -124,6 +127,8 @@ class SampledStepState:
 
     def configure(self, sampling: SamplingParams) -> None:
         """A call's setting into the buffers (each row's key is set as its prompt enters)."""
+        if self.k_cap and not 0 < sampling.top_k <= self.k_cap:
+            raise ValueError(f"a step made for top-k <= {self.k_cap} was given top_k={sampling.top_k}")
         self.inv_temp.fill_(1.0 / sampling.temperature)
         self.top_p.fill_(sampling.top_p)
         self.top_k.fill_(sampling.top_k)
@@ -146,23 +151,23 @@ class SampledStepState:
         Some rows only (`rows`: prompts entering, eagerly): unfused, as `proposals`."""
         if rows is not None:
             return sampled_next_tokens(logits, self.inv_temp, self.top_p, self.top_k, self.key[rows], positions,
-                                       filtered)
+                                       filtered, self.k_cap)
         return self._run(sampled_next_tokens, logits, self.inv_temp, self.top_p, self.top_k, self.key, positions,
-                         filtered)
+                         filtered, self.k_cap)
 
     def proposals(self, logits: torch.Tensor, filtered: bool, rows: slice, first_pos: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, proposals) of `rows` for the draft's logits [r, K, V] (`sampling.sampled_proposals`). Some rows
         only (a prompt entering a row mid-run, eagerly): unfused, so that no new shape compiles inside the
         timed loop; the eager and the captured runs still draw alike, as both take this path."""
-        args = (logits, self.inv_temp, self.top_p, self.top_k, self.key[rows], first_pos, filtered)
+        args = (logits, self.inv_temp, self.top_p, self.top_k, self.key[rows], first_pos, filtered, self.k_cap)
         return self._run(sampled_proposals, *args) if rows == slice(None) else sampled_proposals(*args)
 
     def verify(self, logits: torch.Tensor, filtered: bool, q: torch.Tensor, proposals: torch.Tensor,
                first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted [R], tokens [R, K + 1]) for the target's logits [R, K + 1, V] (`sampling.sampled_verify`)."""
         return self._run(sampled_verify, logits, self.inv_temp, self.top_p, self.top_k, q, proposals, self.key,
-                         first_pos, filtered)
+                         first_pos, filtered, self.k_cap)
 
 
 __all__ = [
