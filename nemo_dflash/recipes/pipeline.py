@@ -9,11 +9,14 @@ name (`prompts.jobs`, `regenerate`, the training sections, `export`, `evaluate`)
 run directory (`run.dir`, default: the folder holding `output_dir`; training writes to `output_dir`):
     prompts/NAME.jsonl    data/regen.jsonl (+ .holdout.jsonl, regen_summary.json)    export/    eval/
     recipe.yaml (the resolved recipe)    stages/STAGE.json (completion markers)    summary.json
-A stage's marker is written when it ends and holds its resolved settings and its summary. A stage whose
-marker holds the settings asked for is skipped; one whose settings changed is refused in one line (exit 2)
-unless `redo=STAGE` asks for it again (its outputs replaced, and the later stages that read them redone).
-A stage killed before its marker resumes on the next run: regenerate continues its journal, train its
-last checkpoint, evaluate its answers. Under torchrun, regenerate, train and the Magpie prompt jobs run on
+A stage's marker is written when it ends and holds its resolved settings, the fingerprints of what it read
+(`stage_graph`: the upstream stage's outputs, the input files, the target) and its summary. A stage whose
+marker holds the settings and inputs asked for is skipped; one whose inputs changed (a file edited in place, an
+upstream stage run again) is stale and runs again, with every stage after it; one whose settings changed is
+refused in one line (exit 2) unless `redo=STAGE` asks for it again (its outputs replaced, the later stages
+stale). A stage killed before its marker resumes on the next run under the settings it started with
+(`stages/STAGE.started.json`; other settings are refused naming redo=STAGE): regenerate continues its journal,
+train its last checkpoint, evaluate its answers. Under torchrun, regenerate, train and the Magpie prompt jobs run on
 every rank; file-source prompt jobs, export and evaluate run on rank 0 while the other ranks wait.
 """
 
@@ -34,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 from nemo_dflash.config import ConfigError, RecipeConfig, load_recipe, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
+from nemo_dflash.recipes.stage_graph import FINGERPRINTS, Fingerprints, downstream, entry_path, input_diffs, \
+    target_fingerprint
 
 logger = logging.getLogger("nemo_dflash.pipeline")
 
@@ -132,6 +137,10 @@ class Layout:
     def marker(self, stage: str) -> Path:
         return self.run / STAGES_DIR / f"{stage}.json"
 
+    def started(self, stage: str) -> Path:
+        """Written when a stage starts: the settings an incomplete stage may only be continued under."""
+        return self.run / STAGES_DIR / f"{stage}.started.json"
+
 
 def layout_of(cfg: RecipeConfig) -> Layout:
     out = Path(cfg.output_dir)
@@ -149,6 +158,10 @@ class Stage:
     name: str
     settings: dict[str, Any]
     upstream: Optional[str] = None  # the stage whose outputs this one reads
+    # the fingerprints of what it reads (the upstream's outputs, the recipe's input files, the target)
+    inputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)
+    outputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)  # of what it writes
+    why: str = ""  # why it runs again when it does (redo=, stale inputs)
     action: str = "run"  # run | skip | redo
     run: Optional[Callable[[bool], dict[str, Any]]] = field(default=None, repr=False)  # (overwrite) -> summary
     # the outputs already on disk that its command would refuse to replace without --overwrite
@@ -196,6 +209,8 @@ class Pipeline:
         self.cfg, self.lay = cfg, layout_of(cfg)
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.checked = set(stages)  # only the stages this run runs are checked (the others give their settings)
+        self.fp = Fingerprints(self.lay.run / STAGES_DIR / FINGERPRINTS)  # saved only once the run owns the folder
+        self._target_fp: Optional[str] = None
         built = {"prompts": self._prompts, "regenerate": self._regenerate, "train": self._train,
                  "export": self._export, "evaluate": self._evaluate}
         self.stages: list[Stage] = []
@@ -245,7 +260,11 @@ class Pipeline:
         def left() -> list[str]:
             return [str(p) for p in (self.lay.prompts(j.name) for j in jobs) if needs_overwrite(Output(p, "--out"))]
 
-        return Stage("prompts", settings, run=run, left=left)
+        def outputs() -> dict[str, Optional[str]]:
+            return {f"prompts/{j.name}.jsonl": self.fp.file(self.lay.prompts(j.name)) for j in jobs}
+
+        inputs = (lambda: {"target": self.target_fp()}) if magpie else dict
+        return Stage("prompts", settings, run=run, left=left, inputs=inputs, outputs=outputs)
 
     def _regenerate(self) -> Stage:
         from nemo_dflash.recipes import regenerate
@@ -273,8 +292,24 @@ class Pipeline:
                                               regenerate.holdout_path(out) if args.holdout else None, self.world)
             return [str(o.path) for o in places if needs_overwrite(o)]
 
+        def inputs() -> dict[str, Optional[str]]:
+            found: dict[str, Optional[str]] = {"target": self.target_fp()}
+            for j in self.cfg.prompts.jobs:  # the prompts stage's outputs, there or not yet
+                found[f"prompts/{j.name}.jsonl"] = self.fp.file(self.lay.prompts(j.name))
+            for key, entries in (("regenerate.data", self.cfg.regenerate.data),
+                                 ("regenerate.eval_file", self.cfg.regenerate.eval_file)):
+                for entry in entries:
+                    path = entry_path(entry)
+                    if path is not None:
+                        found[f"{key}:{entry}"] = self.fp.file(path)
+            return found
+
+        def outputs() -> dict[str, Optional[str]]:
+            return {str(p.relative_to(self.lay.run)): self.fp.file(p) for p in
+                    (self.lay.regen, regenerate.holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
+
         return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run,
-                     left=left)
+                     left=left, inputs=inputs, outputs=outputs)
 
     def _train(self) -> Stage:
         from nemo_dflash.data.config import DataSourceConfig
@@ -318,8 +353,20 @@ class Pipeline:
                 return []
             return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
 
+        def inputs() -> dict[str, Optional[str]]:
+            found = {"target": self.target_fp()}
+            for i, s in enumerate(cfg.data.sources):  # the regenerated data among them, there or not yet
+                found[f"data.sources[{i}]:{s.path}"] = self.fp.file(s.path)
+            if cfg.draft.init_from:
+                found["draft.init_from"] = self.fp.tree(cfg.draft.init_from)
+            return found
+
+        def outputs() -> dict[str, Optional[str]]:
+            return {"final": self.fp.tree(Path(cfg.output_dir) / "final")}
+
         self.train_cfg = cfg
-        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left)
+        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left,
+                     inputs=inputs, outputs=outputs)
 
     def _export(self) -> Stage:
         from nemo_dflash.recipes import export
@@ -337,7 +384,10 @@ class Pipeline:
             return [str(self.lay.export)] if needs_overwrite(Output(self.lay.export, "--out", kind="dir")) else []
 
         settings = {"target": self.cfg.target.path, "export": _section(self.cfg.export)}
-        return Stage("export", settings, upstream="train", run=run, left=left)
+        return Stage("export", settings, upstream="train", run=run, left=left,
+                     inputs=lambda: {"train/final": self.fp.tree(self.lay.output_dir / "final"),
+                                     "target": self.target_fp()},
+                     outputs=lambda: {"export": self.fp.tree(self.lay.export)})
 
     def _evaluate(self) -> Stage:
         from nemo_dflash.recipes import evaluate
@@ -357,13 +407,26 @@ class Pipeline:
                 return {"incomplete": True}
             return {k: results[k] for k in ("protocol", "acceptance", "speedup", "complete") if k in results}
 
+        def inputs() -> dict[str, Optional[str]]:
+            found = {"export": self.fp.tree(self.lay.export), "target": self.target_fp()}
+            for name in (self.cfg.evaluate.datasets or "").split(","):
+                if name.strip() and Path(name.strip()).is_file():
+                    found[f"evaluate.datasets:{name.strip()}"] = self.fp.file(name.strip())
+            return found
+
         settings = {"target": self.cfg.target.path, "evaluate": _section(self.cfg.evaluate)}
-        return Stage("evaluate", settings, upstream="export", run=run)
+        return Stage("evaluate", settings, upstream="export", run=run, inputs=inputs,
+                     outputs=lambda: {"eval/results.json": self.fp.file(self.lay.eval / "results.json")})
+
+    def target_fp(self) -> Optional[str]:
+        if self._target_fp is None:
+            self._target_fp = target_fingerprint(self.cfg.target.path, self.cfg.target.random_init)
+        return self._target_fp
 
     # ---- the plan: skip, run, redo or refuse each selected stage ----
 
-    def _read_marker(self, name: str) -> Optional[dict[str, Any]]:
-        path = self.lay.marker(name)
+    def _read_marker(self, name: str, path: Optional[Path] = None) -> Optional[dict[str, Any]]:
+        path = path or self.lay.marker(name)
         if not path.is_file():
             return None
         try:
@@ -371,38 +434,32 @@ class Pipeline:
         except (OSError, ValueError):
             raise UsageError(f"{path} cannot be read: pass redo={name} to run that stage again") from None
 
+    @staticmethod
+    def _own_settings(marker: dict[str, Any]) -> dict[str, Any]:
+        """A marker's settings without the upstream digest older markers held (the inputs' fingerprints now)."""
+        return {k: v for k, v in marker.get("settings", {}).items() if k != "after"}
+
     def _plan(self, redo: set[str]) -> None:
         by_name = {s.name: s for s in self.stages}
         selected = {s.name for s in self.selected}
         for name in redo - selected:
             raise UsageError(f"redo={name} but stages leave {name} out: add it to stages=")
-        redone: set[str] = set()  # stages redone now: the later stages reading their outputs are redone too
+        runs: set[str] = set()  # stages that run now: the later stages reading their outputs are stale
         for stage in self.stages:
-            up = by_name.get(stage.upstream) if stage.upstream else None
-            if up is not None:  # what the outputs it reads were made with: this run's, else the upstream's marker
-                if up.name in selected:
-                    stage.settings["after"] = {up.name: digest(up.settings)}
-                else:
-                    marker = self._read_marker(up.name)
-                    stage.settings["after"] = {up.name: marker["digest"] if marker else None}
             if stage.name not in selected:
                 continue
+            up = by_name.get(stage.upstream) if stage.upstream else None
             marker = self._read_marker(stage.name)
-            if stage.name in redo or (up is not None and up.name in redone):
-                stage.action = "redo"
-            elif marker is None:
-                stage.action = "run"
-            elif marker.get("digest") == digest(stage.settings):
-                stage.action = "skip"
-            else:
-                keys = changed_keys(marker.get("settings", {}), stage.settings)
-                raise UsageError(
-                    f"stage {stage.name} completed with other settings ({', '.join(keys[:4]) or 'its inputs'} "
-                    f"differ from {self.lay.marker(stage.name)}): pass redo={stage.name} to run it again (its outputs "
-                    "are replaced), or restore the settings")
-            if stage.action == "redo":
-                redone.add(stage.name)
-            elif stage.action == "run" and stage.left is not None:
+            started = self._read_marker(stage.name, self.lay.started(stage.name))
+            if stage.name in redo:
+                stage.action, stage.why = "redo", f"redo={stage.name}"
+            elif up is not None and up.name in runs and (marker is not None or started is not None):
+                stage.action, stage.why = "redo", f"stale: {up.name}, whose outputs it reads, runs again"
+            elif marker is not None or started is not None:
+                self._check_recorded(stage, marker, started)
+            if stage.action != "skip":
+                runs.add(stage.name)
+            if stage.action == "run" and stage.left is not None and started is None:
                 found = stage.left()
                 if found:  # the command would refuse them naming --overwrite: here the fix is redo=
                     raise UsageError(
@@ -410,6 +467,29 @@ class Pipeline:
                         f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), left by something else (its "
                         f"command run by hand, or the stage killed after writing them): pass redo={stage.name} to "
                         "replace them, or move them away")
+
+    def _check_recorded(self, stage: Stage, marker: Optional[dict[str, Any]],
+                        started: Optional[dict[str, Any]]) -> None:
+        """Skip, continue, rerun (stale) or refuse a stage from what its markers recorded: the complete one, else
+        the one written when it started (an incomplete stage continues only under the settings it started with)."""
+        record = marker if marker is not None else started
+        assert record is not None
+        path = self.lay.marker(stage.name) if marker is not None else self.lay.started(stage.name)
+        if record.get("stale"):
+            stage.action, stage.why = "redo", f"stale: {record['stale']} ran again after it"
+            return
+        if digest(self._own_settings(record)) != digest(stage.settings):
+            keys = changed_keys(self._own_settings(record), stage.settings)
+            what = "completed" if marker is not None else "was started, and is not complete,"
+            raise UsageError(
+                f"stage {stage.name} {what} with other settings ({', '.join(keys[:4]) or 'its inputs'} differ "
+                f"from {path}): pass redo={stage.name} to run it again (its outputs are replaced), or restore the "
+                "settings")
+        diffs = input_diffs(record["inputs"], stage.inputs()) if "inputs" in record else []
+        if diffs:
+            stage.action, stage.why = "redo", f"stale: {', '.join(diffs[:3])} changed since it ran"
+        else:
+            stage.action = "skip" if marker is not None else "run"
 
     # ---- running ----
 
@@ -433,6 +513,24 @@ class Pipeline:
         finally:
             dist.destroy_process_group()
 
+    def _start(self, stage: Stage, redo: bool) -> dict[str, Optional[str]]:
+        """Before a stage runs (rank 0): its complete marker goes (a killed rerun is not complete), the settings
+        and inputs it starts with are recorded, and every later stage's marker is marked stale (its inputs are
+        about to be rewritten). Returns the inputs' fingerprints, which its marker records."""
+        self.lay.marker(stage.name).unlink(missing_ok=True)
+        inputs = stage.inputs()
+        started = self._read_marker(stage.name, self.lay.started(stage.name))
+        if redo or started is None:
+            _write_json(self.lay.started(stage.name), {"stage": stage.name, "digest": digest(stage.settings),
+                                                       "settings": stage.settings, "inputs": inputs})
+        for later in downstream(self.stages, stage.name):
+            for path in (self.lay.marker(later), self.lay.started(later)):
+                record = self._read_marker(later, path)
+                if record is not None and not record.get("stale"):
+                    _write_json(path, {**record, "stale": stage.name})
+        self.fp.save()
+        return inputs
+
     def execute(self) -> dict[str, Any]:
         main = self.rank == 0
         self._agree(False)  # every rank has planned from the same markers before any is written
@@ -449,9 +547,10 @@ class Pipeline:
                 outcome[stage.name] = "skipped"
                 continue
             redo = stage.action == "redo"
-            if redo and main:
-                self.lay.marker(stage.name).unlink(missing_ok=True)  # a killed redo is not complete
-            logger.info("stage %s: %s", stage.name, "redo" if redo else "run")
+            inputs: dict[str, Optional[str]] = {}
+            if main:
+                inputs = self._start(stage, redo)
+            logger.info("stage %s: %s%s", stage.name, "redo" if redo else "run", f" ({stage.why})" if stage.why else "")
             t0 = time.perf_counter()
             summary: dict[str, Any] = {}
             if main or stage.name not in RANK0_STAGES:
@@ -465,10 +564,13 @@ class Pipeline:
             if main:
                 _write_json(self.lay.marker(stage.name), {
                     "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings,
-                    "summary": summary, "seconds": round(time.perf_counter() - t0, 1),
-                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                    "inputs": inputs, "outputs": stage.outputs(), "summary": summary,
+                    "seconds": round(time.perf_counter() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                self.lay.started(stage.name).unlink(missing_ok=True)
+                self.fp.save()
             outcome[stage.name] = "redone" if redo else "done"
         if main:
+            self.fp.save()
             markers = {s.name: self._read_marker(s.name) for s in self.stages}
             _write_json(self.lay.run / "summary.json", {
                 "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"]}

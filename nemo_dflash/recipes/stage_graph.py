@@ -1,0 +1,126 @@
+"""The pipeline's stages as a build graph: what a stage's outputs were made from, so nothing stale is served.
+
+A stage's identity is its settings (the keys that change its outputs) and the fingerprints of what it reads: the
+upstream stage's output files and the input files the recipe names (size + sha256, cached by size and mtime in
+`stages/fingerprints.json`), and the target's weights fingerprint (`target.identity`). A complete stage whose
+inputs changed is stale and runs again, and so is every stage after it; one whose own settings changed is refused
+unless `redo=STAGE`. A stage writes `stages/STAGE.started.json` before it starts, so an incomplete stage is only
+ever continued under the settings it started with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+logger = logging.getLogger("nemo_dflash.pipeline")
+
+FINGERPRINTS = "fingerprints.json"
+_CHUNK = 16 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Fingerprints:
+    """Content fingerprints of files and folders, `SIZE:SHA256`; a file's hash is reused while its size and
+    mtime stay the same (an edit in place changes its mtime), so a second run hashes nothing again."""
+
+    def __init__(self, cache: Optional[Path] = None) -> None:
+        self.cache_path, self.changed = cache, False
+        self.entries: dict[str, dict[str, Any]] = {}
+        if cache is not None and cache.is_file():
+            try:
+                loaded = json.loads(cache.read_text())
+                self.entries = loaded if isinstance(loaded, dict) else {}
+            except (OSError, ValueError):  # a damaged cache only costs the hashing again
+                self.entries = {}
+
+    def file(self, path: str | Path) -> Optional[str]:
+        """`SIZE:SHA256` of a file, None when there is none."""
+        p = Path(path)
+        try:
+            st = p.stat()
+        except OSError:
+            return None
+        if not p.is_file():
+            return None
+        key = str(p.resolve())
+        entry = self.entries.get(key)
+        if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+            return f"{st.st_size}:{entry['sha256']}"
+        sha = _sha256(p)
+        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+        self.changed = True
+        return f"{st.st_size}:{sha}"
+
+    def tree(self, path: str | Path) -> Optional[str]:
+        """A file's fingerprint, or one of every file under a folder (relative names and contents), or None."""
+        p = Path(path)
+        if p.is_file():
+            return self.file(p)
+        if not p.is_dir():
+            return None
+        parts = [(str(f.relative_to(p)), self.file(f)) for f in sorted(p.rglob("*")) if f.is_file()]
+        return "tree:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    def save(self) -> None:
+        """Atomically, when anything was hashed (written only by the run directory's owner)."""
+        if self.cache_path is None or not self.changed:
+            return
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
+        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, self.cache_path)
+        self.changed = False
+
+
+def entry_path(entry: str) -> Optional[Path]:
+    """The file a `[NAME=]SOURCE[@WEIGHT]` source entry names, None for a built-in source (`sharegpt`, `code:2`)."""
+    value = entry.split("=", 1)[1] if "=" in entry.split("@", 1)[0] else entry
+    head, at, tail = value.rpartition("@")
+    if at:
+        try:
+            float(tail)
+            value = head
+        except ValueError:
+            pass
+    p = Path(value)
+    return p if p.is_file() else None
+
+
+def target_fingerprint(target: str, random_init: bool = False) -> Optional[str]:
+    """The target's weights fingerprint (`target.identity`: cheap on large targets), None when it cannot be read
+    (the stage's own checks name the problem)."""
+    from nemo_dflash.target.identity import weights_fingerprint
+    from nemo_dflash.target.loading import resolve_target_path
+
+    try:
+        return weights_fingerprint(resolve_target_path(target), random_init=random_init)
+    except (OSError, ValueError):
+        return None
+
+
+def input_diffs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The inputs whose fingerprints differ (added, removed or other contents)."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def downstream(stages: Iterable[Any], name: str) -> list[str]:
+    """Every stage that reads, directly or through others, what stage ``name`` writes (in stage order)."""
+    found: set[str] = {name}
+    out = []
+    for s in stages:
+        if s.upstream in found:
+            found.add(s.name)
+            out.append(s.name)
+    return out
