@@ -30,11 +30,13 @@ import json
 import logging
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from nemo_dflash.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from nemo_dflash.config import ConfigError, EvaluateConfig, ExportConfig, PromptJobConfig, RecipeConfig, \
+    RegenerateConfig, load_recipe, output_settings, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
 from nemo_dflash.recipes.stage_graph import FINGERPRINTS, Fingerprints, downstream, entry_path, input_diffs, \
@@ -47,12 +49,9 @@ RANK0_STAGES = ("export", "evaluate")  # single-process commands: the other rank
 # Every rank waits at the end of every stage: rank 0 alone writes some outputs (regenerate's merge of the ranks'
 # shards, the prompt files, the export) that the next stage reads on every rank.
 STAGES_DIR = "stages"
-# Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
-HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "workers")
-# Training keys that never change the trained draft: whole sections, and keys inside one (a job limit: a run it
-# stops is incomplete, and resumes under another limit).
-TRAIN_HOW_NOT_WHAT = ("wandb", "run", "prompts", "regenerate", "export", "evaluate")
-TRAIN_KEYS_HOW_NOT_WHAT = {"train": ("max_minutes",)}
+# A stage's settings are its sections' WHAT fields (`config.what`/`how`: one rule for every command). Training's
+# are the whole recipe's but the other stages' sections.
+NOT_TRAINING = ("prompts", "regenerate", "export", "evaluate")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
@@ -162,6 +161,7 @@ class Stage:
     inputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)
     outputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)  # of what it writes
     why: str = ""  # why it runs again when it does (redo=, stale inputs)
+    schemas: dict[str, Any] = field(default_factory=dict, repr=False)  # its settings' dataclasses (`_projected`)
     action: str = "run"  # run | skip | redo
     run: Optional[Callable[[bool], dict[str, Any]]] = field(default=None, repr=False)  # (overwrite) -> summary
     # the outputs already on disk that its command would refuse to replace without --overwrite
@@ -177,9 +177,34 @@ def _jobs_data(cfg: RecipeConfig, lay: Layout) -> list[str]:
 ADDED_SINCE_MARKERS: dict[str, Any] = {"user_max_new_tokens": None}
 
 
-def _section(obj: Any, drop: Sequence[str] = HOW_NOT_WHAT) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(obj).items()
-            if k not in drop and not (k in ADDED_SINCE_MARKERS and v == ADDED_SINCE_MARKERS[k])}
+def _section(obj: Any) -> dict[str, Any]:
+    """A section's settings: its WHAT fields, less the keys added since markers were first written, at their
+    defaults."""
+    return {k: v for k, v in output_settings(type(obj), obj).items()
+            if not (k in ADDED_SINCE_MARKERS and v == ADDED_SINCE_MARKERS[k])}
+
+
+def _projected(settings: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
+    """A marker's settings as this version compares them: without the upstream digest older markers held (the
+    inputs' fingerprints now) and without the HOW fields older markers recorded (`schemas`: a settings key's
+    dataclass, or a one-item list of it for a list of sections)."""
+    out = {}
+    for k, v in settings.items():
+        if k == "after":
+            continue
+        schema = schemas.get(k)
+        if isinstance(schema, list) and isinstance(v, list):
+            v = [_section_dict(schema[0], x) for x in v]
+        elif schema is not None:
+            v = _section_dict(schema, v)
+        out[k] = v
+    return out
+
+
+def _section_dict(schema: type, values: Any) -> Any:
+    v = output_settings(schema, values)
+    return {k: x for k, x in v.items() if not (k in ADDED_SINCE_MARKERS and x == ADDED_SINCE_MARKERS[k])} \
+        if isinstance(v, dict) else v
 
 
 def _parser_check(name: str, parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -264,7 +289,8 @@ class Pipeline:
             return {f"prompts/{j.name}.jsonl": self.fp.file(self.lay.prompts(j.name)) for j in jobs}
 
         inputs = (lambda: {"target": self.target_fp()}) if magpie else dict
-        return Stage("prompts", settings, run=run, left=left, inputs=inputs, outputs=outputs)
+        return Stage("prompts", settings, run=run, left=left, inputs=inputs, outputs=outputs,
+                     schemas={"jobs": [PromptJobConfig]})
 
     def _regenerate(self) -> Stage:
         from nemo_dflash.recipes import regenerate
@@ -309,7 +335,7 @@ class Pipeline:
                     (self.lay.regen, regenerate.holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
 
         return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run,
-                     left=left, inputs=inputs, outputs=outputs)
+                     left=left, inputs=inputs, outputs=outputs, schemas={"regenerate": RegenerateConfig})
 
     def _train(self) -> Stage:
         from nemo_dflash.data.config import DataSourceConfig
@@ -319,9 +345,7 @@ class Pipeline:
         if not cfg.data.sources:  # the regenerated data, unless the recipe names its own
             cfg.data.sources = [DataSourceConfig(path=str(self.lay.regen))]
         reads_regen = any(Path(s.path).resolve() == regen for s in cfg.data.sources)
-        settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAIN_HOW_NOT_WHAT}
-        for section, keys in TRAIN_KEYS_HOW_NOT_WHAT.items():
-            settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
+        settings = {k: v for k, v in output_settings(RecipeConfig, cfg).items() if k not in NOT_TRAINING}
         if "train" in self.checked:  # the target and the data that exist now (the regenerated data comes later)
             from nemo_dflash.recipes.train import check_paths
 
@@ -366,7 +390,9 @@ class Pipeline:
 
         self.train_cfg = cfg
         return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left,
-                     inputs=inputs, outputs=outputs)
+                     inputs=inputs, outputs=outputs,
+                     schemas={k: t for k, t in typing.get_type_hints(RecipeConfig).items()
+                              if k in settings and dataclasses.is_dataclass(t)})
 
     def _export(self) -> Stage:
         from nemo_dflash.recipes import export
@@ -384,7 +410,7 @@ class Pipeline:
             return [str(self.lay.export)] if needs_overwrite(Output(self.lay.export, "--out", kind="dir")) else []
 
         settings = {"target": self.cfg.target.path, "export": _section(self.cfg.export)}
-        return Stage("export", settings, upstream="train", run=run, left=left,
+        return Stage("export", settings, upstream="train", run=run, left=left, schemas={"export": ExportConfig},
                      inputs=lambda: {"train/final": self.fp.tree(self.lay.output_dir / "final"),
                                      "target": self.target_fp()},
                      outputs=lambda: {"export": self.fp.tree(self.lay.export)})
@@ -415,7 +441,7 @@ class Pipeline:
             return found
 
         settings = {"target": self.cfg.target.path, "evaluate": _section(self.cfg.evaluate)}
-        return Stage("evaluate", settings, upstream="export", run=run, inputs=inputs,
+        return Stage("evaluate", settings, upstream="export", run=run, inputs=inputs, schemas={"evaluate": EvaluateConfig},
                      outputs=lambda: {"eval/results.json": self.fp.file(self.lay.eval / "results.json")})
 
     def target_fp(self) -> Optional[str]:
@@ -433,11 +459,6 @@ class Pipeline:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             raise UsageError(f"{path} cannot be read: pass redo={name} to run that stage again") from None
-
-    @staticmethod
-    def _own_settings(marker: dict[str, Any]) -> dict[str, Any]:
-        """A marker's settings without the upstream digest older markers held (the inputs' fingerprints now)."""
-        return {k: v for k, v in marker.get("settings", {}).items() if k != "after"}
 
     def _plan(self, redo: set[str]) -> None:
         by_name = {s.name: s for s in self.stages}
@@ -478,8 +499,9 @@ class Pipeline:
         if record.get("stale"):
             stage.action, stage.why = "redo", f"stale: {record['stale']} ran again after it"
             return
-        if digest(self._own_settings(record)) != digest(stage.settings):
-            keys = changed_keys(self._own_settings(record), stage.settings)
+        recorded = _projected(record.get("settings", {}), stage.schemas)
+        if digest(recorded) != digest(stage.settings):
+            keys = changed_keys(recorded, stage.settings)
             what = "completed" if marker is not None else "was started, and is not complete,"
             raise UsageError(
                 f"stage {stage.name} {what} with other settings ({', '.join(keys[:4]) or 'its inputs'} differ "
