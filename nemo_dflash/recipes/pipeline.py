@@ -39,8 +39,8 @@ from nemo_dflash.config import ConfigError, EvaluateConfig, ExportConfig, Prompt
     RegenerateConfig, load_recipe, output_settings, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
-from nemo_dflash.recipes.stage_graph import FINGERPRINTS, Fingerprints, downstream, entry_path, input_diffs, \
-    target_fingerprint
+from nemo_dflash.recipes.stage_graph import FINGERPRINTS, LOCK, Fingerprints, check_run_dir, downstream, \
+    entry_path, input_diffs, target_fingerprint
 
 logger = logging.getLogger("nemo_dflash.pipeline")
 
@@ -232,6 +232,7 @@ class Pipeline:
 
     def __init__(self, cfg: RecipeConfig, stages: Sequence[str], redo: Sequence[str]) -> None:
         self.cfg, self.lay = cfg, layout_of(cfg)
+        check_run_dir(self.lay.run, self.lay.output_dir)  # another run's, a model's, a user's folder: refused now
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.checked = set(stages)  # only the stages this run runs are checked (the others give their settings)
         self.fp = Fingerprints(self.lay.run / STAGES_DIR / FINGERPRINTS)  # saved only once the run owns the folder
@@ -370,12 +371,14 @@ class Pipeline:
             return summary
 
         def left() -> list[str]:
-            from nemo_dflash.train.run_dir import blocks_a_fresh_start
+            """Called when this run directory never started its training: a run in output_dir is another's
+            (resumed, it would be adopted as this run's and its config.yaml rewritten)."""
+            from nemo_dflash.train.run_dir import held_run
 
             out = Path(cfg.output_dir).resolve()
             if cfg.checkpoint.resume not in ("auto", "none"):  # another run's checkpoint: train's own checks
                 return []
-            return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
+            return [str(out / e) for e in held_run(out)] if out.is_dir() else []
 
         def inputs() -> dict[str, Optional[str]]:
             found = {"target": self.target_fp()}
@@ -553,11 +556,43 @@ class Pipeline:
         self.fp.save()
         return inputs
 
+    def _claim(self) -> Any:
+        """Rank 0: lock the run directory for the whole run (`stages/pipeline.lock`), before anything else is
+        written; a second pipeline there is refused in one line."""
+        from nemo_dflash.files import FileLock, LockBusyError
+
+        self.lay.run.mkdir(parents=True, exist_ok=True)
+        check_run_dir(self.lay.run, self.lay.output_dir)  # again: something may have come since the plan
+        (self.lay.run / STAGES_DIR).mkdir(exist_ok=True)
+        lock = FileLock(self.lay.run / STAGES_DIR / LOCK)
+        try:
+            lock.acquire()
+        except LockBusyError as e:
+            raise UsageError(f"run.dir {self.lay.run} is in use by another pipeline (pid {e.holder}): wait for it to "
+                             "end, or choose another run.dir") from None
+        except OSError as e:
+            raise UsageError(f"run.dir {self.lay.run} cannot be locked ({e.strerror or e}): choose a run.dir on a "
+                             "local or lock-capable filesystem") from None
+        return lock
+
     def execute(self) -> dict[str, Any]:
-        main = self.rank == 0
-        self._agree(False)  # every rank has planned from the same markers before any is written
+        main, lock, refused = self.rank == 0, None, ""
         if main:
-            self.lay.run.mkdir(parents=True, exist_ok=True)
+            try:
+                lock = self._claim()
+            except UsageError as e:
+                refused = str(e)
+        # every rank has planned from the same markers before any is written, and stops if rank 0 could not claim
+        if self._agree(bool(refused)):
+            fail(refused or f"run.dir {self.lay.run}: rank 0 could not claim it (its message says why)")
+        try:
+            return self._execute(main)
+        finally:
+            if lock is not None:
+                lock.release(remove=True)
+
+    def _execute(self, main: bool) -> dict[str, Any]:
+        if main:
             tmp = self.lay.run / "recipe.yaml.tmp"
             tmp.write_text(to_yaml(self.cfg))
             os.replace(tmp, self.lay.run / "recipe.yaml")

@@ -124,3 +124,43 @@ def downstream(stages: Iterable[Any], name: str) -> list[str]:
             found.add(s.name)
             out.append(s.name)
     return out
+
+
+# ---- One owner per run directory
+
+# The run directory's entries: the stages' outputs (which a command run by hand may have left, each stage's own
+# check names them), and what only the pipeline writes once it owns the folder (stages/ first, then the rest).
+STAGE_OUTPUTS = frozenset({"prompts", "data", "export", "eval"})
+OWNED = frozenset({"stages", "recipe.yaml", "recipe.yaml.tmp", "summary.json", "summary.json.tmp"})
+LOCK = "pipeline.lock"  # stages/pipeline.lock: held by the pipeline running there, for the whole run
+
+
+def foreign_entries(run: Path, output_dir: Path) -> list[str]:
+    """The entries of ``run`` the pipeline did not write (another run's files, a model, a user's files): all but
+    the stages' outputs and the training's output_dir where the pipeline never ran (no stages/), and all but those
+    and its own files where it did."""
+    if not run.exists():
+        return []
+    if not run.is_dir():
+        return [run.name]
+    allowed = set(STAGE_OUTPUTS)
+    try:
+        allowed.add(output_dir.resolve().relative_to(run.resolve()).parts[0])
+    except (ValueError, IndexError):
+        pass
+    names = sorted(p.name for p in run.iterdir())
+    if "stages" in names and (run / "stages").is_dir():
+        allowed |= OWNED
+    return [n for n in names if n not in allowed]
+
+
+def check_run_dir(run: Path, output_dir: Path) -> None:
+    """Refuse (one line, before anything is written) a run directory holding what the pipeline did not write."""
+    from nemo_dflash.recipes._cli import UsageError
+
+    foreign = foreign_entries(run, output_dir)
+    if foreign:
+        raise UsageError(
+            f"run.dir {run} holds {'files' if run.is_dir() else 'a file'} the pipeline did not write "
+            f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}): nothing there is replaced; choose a "
+            "new or empty folder for run.dir")
