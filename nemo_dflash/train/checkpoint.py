@@ -55,6 +55,7 @@ from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir r
     final_draft_dir, fsync_path, verify_complete, write_complete_marker, write_error_reason,
 )
 from nemo_dflash.train.distributed import DistState, all_reduce_sum
+from nemo_dflash.train import safe_dcp
 
 logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -294,7 +295,7 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(ckpt / "state"))
+    safe_dcp.load(sd, ckpt / "state")  # unpickles nothing a file can craft (safe_dcp.py)
     set_state_dict(draft, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     dataloader.load_state_dict(json.loads((ckpt / f"rank_{state.rank}.json").read_text())["dataloader"])
     # StatefulDataLoader applies a loaded state only when its next iterator is made; make it now
