@@ -70,6 +70,12 @@ def test_redo_of_train_makes_export_and_evaluate_stale_downstream(own, tmp_path)
     export.main(["--checkpoint", str(run / "train"), "--out", str(tmp_path / "by_hand"), "--target", str(own["target"])])
     ours, by_hand = load_file(run / "export" / "model.safetensors"), load_file(tmp_path / "by_hand" / "model.safetensors")
     assert ours.keys() == by_hand.keys() and all(ours[k].equal(by_hand[k]) for k in ours)
+    weights = (run / "export" / "model.safetensors").read_bytes()
+    assert weights == (tmp_path / "by_hand" / "model.safetensors").read_bytes()  # deterministic bytes
+    recorded = marker(run, "export")["summary"]["sha256"]
+    assert recorded["model.safetensors"] == hashlib.sha256(weights).hexdigest()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stages"]["export"]["summary"]["sha256"] == recorded
 
 
 def test_an_input_edited_in_place_makes_its_stage_and_every_downstream_stage_stale(own):

@@ -407,7 +407,8 @@ class Pipeline:
 
         def run(overwrite: bool) -> dict[str, Any]:
             export.main([*argv, *(["--overwrite"] if overwrite else [])])
-            return {"out": str(self.lay.export)}
+            files = sorted(f for f in self.lay.export.iterdir() if f.is_file())
+            return {"out": str(self.lay.export), "sha256": {f.name: self.fp.file(f).split(":", 1)[1] for f in files}}
 
         def left() -> list[str]:
             return [str(self.lay.export)] if needs_overwrite(Output(self.lay.export, "--out", kind="dir")) else []
