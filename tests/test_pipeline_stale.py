@@ -148,3 +148,36 @@ def test_a_source_entry_names_its_file_and_not_a_builtin(tmp_path):
     f.write_text("")
     assert entry_path(f"chat={f}@2") == f and entry_path(str(f)) == f and entry_path(f"{f}@0.5") == f
     assert entry_path("sharegpt") is None and entry_path("code:2") is None
+
+
+def test_a_kill_between_regenerates_last_output_and_its_marker_keeps_the_dataset(
+        tiny, tmp_path, monkeypatch):  # noqa: F811
+    """Killed after regenerate wrote its data and summary, before the stage's marker: the next run finds the
+    outputs complete (written since the stage started) and writes the marker, regenerating nothing (before, the
+    complete dataset was refused as left by something else, and redo= threw it away)."""
+    from nemo_dflash.recipes import regenerate
+
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(RECIPE.format(run=run, target=tiny["target"], chat=tiny["chat"]))
+    real = pipeline.Pipeline._complete
+
+    def die_before_the_marker(self, stage, *a, **k):
+        if stage.name == "regenerate":
+            raise KeyboardInterrupt
+        return real(self, stage, *a, **k)
+
+    monkeypatch.setattr(pipeline.Pipeline, "_complete", die_before_the_marker)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.main(["--config", str(config), "stages=prompts,regenerate"])
+    monkeypatch.undo()
+    assert not (run / "stages" / "regenerate.json").exists()
+    data = (run / "data" / "regen.jsonl").read_bytes()
+    written = json.loads((run / "data" / "regen_summary.json").read_text().splitlines()[0])["written"]
+    monkeypatch.setattr(regenerate, "main", lambda *a, **k: pytest.fail("regenerated again"))
+    assert pipeline.main(["--config", str(config), "stages=prompts,regenerate"]) == {
+        "prompts": "skipped", "regenerate": "done"}
+    assert (run / "data" / "regen.jsonl").read_bytes() == data
+    assert marker(run, "regenerate")["summary"]["written"] == written == len(data.splitlines())
+    assert marker(run, "regenerate")["outputs"]["data/regen.jsonl"] == sha(run / "data" / "regen.jsonl")
+    assert not (run / "stages" / "regenerate.started.json").exists()

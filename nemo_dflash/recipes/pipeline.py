@@ -162,6 +162,10 @@ class Stage:
     outputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)  # of what it writes
     why: str = ""  # why it runs again when it does (redo=, stale inputs)
     schemas: dict[str, Any] = field(default_factory=dict, repr=False)  # its settings' dataclasses (`_projected`)
+    # (the time it started) -> its summary when its outputs are complete and written since then: a kill after
+    # its last output and before its marker leaves a complete stage, whose marker the next run writes
+    finished: Optional[Callable[[float], Optional[dict[str, Any]]]] = field(default=None, repr=False)
+    adopted: Optional[dict[str, Any]] = None
     action: str = "run"  # run | skip | redo
     run: Optional[Callable[[bool], dict[str, Any]]] = field(default=None, repr=False)  # (overwrite) -> summary
     # the outputs already on disk that its command would refuse to replace without --overwrite
@@ -335,8 +339,25 @@ class Pipeline:
             return {str(p.relative_to(self.lay.run)): self.fp.file(p) for p in
                     (self.lay.regen, regenerate.holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
 
+        def finished(since: float) -> Optional[dict[str, Any]]:
+            """regenerate writes --summary-json last: there, naming this --out and its line count, and newer
+            than the stage's start, it says the stage completed."""
+            summary_path = self.lay.regen_summary
+            try:
+                if summary_path.stat().st_mtime < since:
+                    return None
+                summary = json.loads(summary_path.read_text().splitlines()[0])
+                with open(self.lay.regen, encoding="utf-8") as f:
+                    lines = sum(1 for _ in f)
+            except (OSError, ValueError, IndexError):
+                return None
+            ok = isinstance(summary, dict) and summary.get("out") == str(self.lay.regen) and summary.get(
+                "written") == lines
+            return summary if ok else None
+
         return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run,
-                     left=left, inputs=inputs, outputs=outputs, schemas={"regenerate": RegenerateConfig})
+                     left=left, inputs=inputs, outputs=outputs, schemas={"regenerate": RegenerateConfig},
+                     finished=finished)
 
     def _train(self) -> Stage:
         from nemo_dflash.data.config import DataSourceConfig
@@ -514,8 +535,11 @@ class Pipeline:
         diffs = input_diffs(record["inputs"], stage.inputs()) if "inputs" in record else []
         if diffs:
             stage.action, stage.why = "redo", f"stale: {', '.join(diffs[:3])} changed since it ran"
+        elif marker is not None:
+            stage.action = "skip"
         else:
-            stage.action = "skip" if marker is not None else "run"
+            done = stage.finished(path.stat().st_mtime) if stage.finished is not None else None
+            stage.action, stage.adopted = ("adopt", done) if done is not None else ("run", None)
 
     # ---- running ----
 
@@ -538,6 +562,16 @@ class Pipeline:
             return bool(t.item())
         finally:
             dist.destroy_process_group()
+
+    def _complete(self, stage: Stage, inputs: dict[str, Optional[str]], summary: dict[str, Any],
+                  seconds: float) -> None:
+        """Rank 0: the stage's marker (its settings, inputs, outputs and summary), then its start record goes."""
+        _write_json(self.lay.marker(stage.name), {
+            "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings, "inputs": inputs,
+            "outputs": stage.outputs(), "summary": summary, "seconds": round(seconds, 1),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.lay.started(stage.name).unlink(missing_ok=True)
+        self.fp.save()
 
     def _start(self, stage: Stage, redo: bool) -> dict[str, Optional[str]]:
         """Before a stage runs (rank 0): its complete marker goes (a killed rerun is not complete), the settings
@@ -604,6 +638,14 @@ class Pipeline:
                             self.lay.marker(stage.name))
                 outcome[stage.name] = "skipped"
                 continue
+            if stage.action == "adopt":  # killed after its last output, before its marker: completed
+                logger.info("stage %s: its outputs were complete (stopped before its marker): marker written",
+                            stage.name)
+                if main:
+                    started = self._read_marker(stage.name, self.lay.started(stage.name)) or {}
+                    self._complete(stage, started.get("inputs", stage.inputs()), stage.adopted or {}, 0.0)
+                outcome[stage.name] = "done"
+                continue
             redo = stage.action == "redo"
             inputs: dict[str, Optional[str]] = {}
             if main:
@@ -620,12 +662,7 @@ class Pipeline:
                 outcome[stage.name] = "incomplete"
                 break
             if main:
-                _write_json(self.lay.marker(stage.name), {
-                    "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings,
-                    "inputs": inputs, "outputs": stage.outputs(), "summary": summary,
-                    "seconds": round(time.perf_counter() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-                self.lay.started(stage.name).unlink(missing_ok=True)
-                self.fp.save()
+                self._complete(stage, inputs, summary, time.perf_counter() - t0)
             outcome[stage.name] = "redone" if redo else "done"
         if main:
             self.fp.save()
