@@ -195,5 +195,6 @@ def validate_data_config(cfg: DataConfig) -> None:
     cpus = available_cpus()
     if not 0 <= cfg.num_workers <= cpus:
         raise DataError(f"data.num_workers must be in [0, {cpus}] (this machine's CPUs; got {cfg.num_workers})")
-    if cfg.tokenize_workers is not None and cfg.tokenize_workers < 1:
-        raise DataError(f"data.tokenize_workers must be >= 1, or null for the CPUs (got {cfg.tokenize_workers})")
+    if cfg.tokenize_workers is not None and not 1 <= cfg.tokenize_workers <= cpus:
+        raise DataError(f"data.tokenize_workers must be in [1, {cpus}] (this machine's CPUs), or null for them "
+                        f"(got {cfg.tokenize_workers})")

@@ -210,7 +210,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be at most {cpus} (this machine's CPUs; got {args.workers})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads})")
-    if args.max_minutes is not None and args.max_minutes <= 0:
+    if args.max_minutes is not None and not args.max_minutes > 0:  # nan too
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.method in ("replay", "batched") and args.workers != 1:
         raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")

@@ -39,8 +39,8 @@ from nemo_dflash.config import ConfigError, EvaluateConfig, ExportConfig, Prompt
     RegenerateConfig, load_recipe, output_settings, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
-from nemo_dflash.recipes.stage_graph import FINGERPRINTS, LOCK, Fingerprints, check_run_dir, downstream, \
-    entry_path, input_diffs, target_fingerprint
+from nemo_dflash.recipes.stage_graph import FINGERPRINTS, LOCK, Fingerprints, check_counts, check_run_dir, \
+    downstream, entry_path, input_diffs, target_fingerprint
 
 logger = logging.getLogger("nemo_dflash.pipeline")
 
@@ -237,6 +237,7 @@ class Pipeline:
     def __init__(self, cfg: RecipeConfig, stages: Sequence[str], redo: Sequence[str]) -> None:
         self.cfg, self.lay = cfg, layout_of(cfg)
         check_run_dir(self.lay.run, self.lay.output_dir)  # another run's, a model's, a user's folder: refused now
+        check_counts(cfg, self.lay.run / "data" / "regen.holdout.jsonl", stages)  # ranges, bounds of its stages
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.checked = set(stages)  # only the stages this run runs are checked (the others give their settings)
         self.fp = Fingerprints(self.lay.run / STAGES_DIR / FINGERPRINTS)  # saved only once the run owns the folder
@@ -371,6 +372,11 @@ class Pipeline:
         if "train" in self.checked:  # the target and the data that exist now (the regenerated data comes later)
             from nemo_dflash.recipes.train import check_paths
 
+            from nemo_dflash.data import DataError
+            from nemo_dflash.data.config import validate_data_config
+
+            with user_errors(DataError):  # every data.* range, the regenerated data counted in (it comes later)
+                validate_data_config(cfg.data)
             now = copy.deepcopy(cfg)
             now.data.sources = [s for s in now.data.sources if Path(s.path).resolve() != regen]
             check_paths(now)

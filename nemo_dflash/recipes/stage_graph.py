@@ -164,3 +164,78 @@ def check_run_dir(run: Path, output_dir: Path) -> None:
             f"run.dir {run} holds {'files' if run.is_dir() else 'a file'} the pipeline did not write "
             f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}): nothing there is replaced; choose a "
             "new or empty folder for run.dir")
+
+
+# ---- Checks the plan makes before any stage runs (none loads a model)
+
+
+def target_context(target: str) -> Optional[int]:
+    """The target's context length (config.json's max_position_embeddings, read as a file: no model), None when
+    it cannot be read here (a .gguf, a packaged target not yet unpacked): the stages' own checks then apply."""
+    from nemo_dflash.target.loading import resolve_target_path
+
+    try:
+        config = json.loads((Path(resolve_target_path(target)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_counts(cfg: Any, holdout: Path, stages: Iterable[str]) -> None:
+    """Every count and time of the ``stages`` this run runs, in range and finite, and the counts that size memory
+    or processes bounded by the model and the machine: one line naming the key, before any stage runs."""
+    import math
+
+    from nemo_dflash.data.config import available_cpus
+    from nemo_dflash.recipes._cli import UsageError
+
+    cpus = available_cpus()
+    context = target_context(cfg.target.path)
+
+    checked = set(stages)
+
+    def bad(key: str, why: str) -> None:
+        if key.split(".")[0] in checked:
+            raise UsageError(f"{key}: {why}")
+
+    for key, value in (("regenerate.max_minutes", cfg.regenerate.max_minutes),
+                       ("evaluate.max_minutes", cfg.evaluate.max_minutes)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            bad(key, f"give a number of minutes > 0, or null for no cap (got {value})")
+    if cfg.regenerate.max_bad_lines < 0:
+        bad("regenerate.max_bad_lines", f"give a count >= 0 (got {cfg.regenerate.max_bad_lines})")
+    if cfg.export.parity_prompts < 0:
+        bad("export.parity_prompts", f"give a count >= 0, 0 for no parity check (got {cfg.export.parity_prompts})")
+    threads = [("regenerate.threads", cfg.regenerate.threads), ("evaluate.threads", cfg.evaluate.threads),
+               *((f"prompts.jobs[{i}].threads", j.threads) for i, j in enumerate(cfg.prompts.jobs))]
+    for key, value in threads:
+        if value is not None and not 1 <= value <= cpus:
+            bad(key, f"give 1 to {cpus} (this machine's CPUs), or null (got {value})")
+    block = cfg.evaluate.block_size
+    if block is not None and not 1 <= block <= cfg.draft.block_size:
+        bad("evaluate.block_size", f"give 1 to draft.block_size ({cfg.draft.block_size}), the block the draft is "
+            f"trained for, or null for it (got {block})")
+    tokens = [("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens),
+              ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens),
+              *((f"prompts.jobs[{i}].max_new_tokens", j.max_new_tokens) for i, j in enumerate(cfg.prompts.jobs))]
+    for key, value in tokens:
+        if value is not None and context is not None and value > context:
+            bad(key, f"{value} new tokens exceed the target's context ({context} positions, its config.json's "
+                "max_position_embeddings): give at most that")
+    if cfg.evaluate.decode == "graphs" and "evaluate" in checked:
+        from nemo_dflash.recipes._cli import resolve_device_dtype
+        from nemo_dflash.recipes.evaluate import check_decode
+
+        try:
+            check_decode("graphs", resolve_device_dtype(cfg.evaluate.device, cfg.evaluate.dtype)[0])
+        except ValueError as e:
+            bad("evaluate.decode", f"{' '.join(str(e).split())} (set evaluate.decode=eager)")
+    known = ("mtbench", "humaneval", "math500", "aime")
+    for name in (cfg.evaluate.datasets or "").split(","):
+        name = name.strip()
+        if name and name.lower().replace("-", "").replace("_", "") not in known and \
+                Path(name).resolve() != holdout.resolve() and not Path(name).is_file():
+            bad("evaluate.datasets", f"{name} is no file and no built-in set (mtbench, humaneval, math500, aime): give "
+                "an existing .jsonl chat file")
