@@ -247,6 +247,7 @@ class ExportConfig:
 
     engine: str = what("any")  # any | vllm | sglang
     parity_prompts: int = how(0)
+    any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 
 
 @dataclass
@@ -281,6 +282,7 @@ class EvaluateConfig:
     dtype: str = what("auto")
     threads: Optional[int] = how(None)
     seed: int = what(0)
+    any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 
 
 @dataclass

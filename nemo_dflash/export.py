@@ -193,7 +193,7 @@ def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None
 
 def export_draft(
     draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False, engine: str = "any",
-    target_vocab: Optional[int] = None,
+    target_vocab: Optional[int] = None, trained_on: Optional[str] = None,
 ) -> Path:
     """Write `draft` (a model, or any path `load_draft` accepts) as a serving checkpoint.
 
@@ -215,7 +215,10 @@ def export_draft(
         p.write_text(json.dumps(cfg, indent=2) + "\n")
 
     def write_weights(p: Path) -> None:
-        save_file(state, str(p), metadata={"format": "pt", EXPORT_MARK[0]: EXPORT_MARK[1]})
+        from nemo_dflash.target.identity import TRAINED_ON
+
+        save_file(state, str(p), metadata={"format": "pt", EXPORT_MARK[0]: EXPORT_MARK[1],
+                                           **({TRAINED_ON: trained_on} if trained_on else {})})
         canonical_header(p)
 
     try:

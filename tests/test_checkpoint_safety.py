@@ -92,3 +92,48 @@ def test_a_genuine_checkpoint_loads_as_dcps_own_loader_loads_it(tmp_path):
         assert ours["model"][k].equal(reference["model"][k]) and ours["model"][k].equal(model.state_dict()[k])
         for s in ("exp_avg", "exp_avg_sq", "step"):
             assert ours["optim"]["state"][k][s].equal(reference["optim"]["state"][k][s])
+
+
+def test_a_draft_is_refused_with_another_target_than_it_was_trained_on_unless_any_target(
+        assets, finished_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """The final draft's header records the fingerprint of the target it was trained with; export and evaluate
+    against another target of the same shape are refused in one line naming --any-target, before any model loads
+    (before, both went ahead without a word); --any-target allows it, and the export keeps the record."""
+    from safetensors import safe_open
+
+    from nemo_dflash.recipes import evaluate, export
+    from nemo_dflash.target.identity import TRAINED_ON, weights_fingerprint
+
+    from _tiny_target import make_tiny_target_dir
+
+    target, _ = assets
+    other = make_tiny_target_dir(tmp_path / "other", seed=1)  # same shapes, other weights
+    assert weights_fingerprint(other) != weights_fingerprint(target)
+
+    def recorded(weights: Path) -> str:
+        with safe_open(str(weights), framework="pt") as f:
+            return f.metadata()[TRAINED_ON]
+
+    assert recorded(finished_run / "final" / "draft" / "model.safetensors") == weights_fingerprint(target)
+
+    def refused(fn, argv):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            fn(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "--any-target" in err[0] and str(other) in err[0], err
+
+    out = tmp_path / "export"
+    refused(export.main, ["--checkpoint", str(finished_run), "--out", str(out), "--target", str(other)])
+    assert not out.exists()
+    assert export.main(["--checkpoint", str(finished_run), "--out", str(out), "--target", str(target)]) == 0
+    assert recorded(out / "model.safetensors") == weights_fingerprint(target)
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    ev = ["--draft", str(out), "--target", str(other), "--out", str(tmp_path / "eval"), "--protocol", "quick",
+          "--num-prompts", "1", "--max-new-tokens", "4", "--temperatures", "0", "--no-speedup", "--device", "cpu"]
+    refused(evaluate.main, ev)
+    monkeypatch.undo()
+    allowed = tmp_path / "export_any"
+    assert export.main(["--checkpoint", str(finished_run), "--out", str(allowed), "--target", str(other),
+                        "--any-target"]) == 0
+    assert recorded(allowed / "model.safetensors") == weights_fingerprint(target)  # the record is kept

@@ -271,7 +271,8 @@ HOW_KEYS = {
     "distributed.backend", "distributed.timeout_minutes", "draft.allow_mask_token_in_data",
     "data.max_bad_lines", "data.num_workers", "data.tokenize_workers", "prompts.jobs[].threads",
     "regenerate.prepare_ahead", "regenerate.schedule", "regenerate.threads", "regenerate.max_bad_lines",
-    "export.parity_prompts", "evaluate.workers", "evaluate.threads", "evaluate.max_minutes",
+    "export.parity_prompts", "evaluate.workers", "evaluate.threads", "evaluate.max_minutes", "export.any_target",
+    "evaluate.any_target",
 }
 
 

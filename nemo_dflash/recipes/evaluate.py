@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / workers)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--any-target", action="store_true",
+                   help="evaluate against a --target other than the one the draft records it was trained on")
     section_defaults(p, EvaluateConfig)  # the recipe's `evaluate` section is the source of the defaults
     return p
 
@@ -325,7 +327,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
                       reasoning=args.reasoning, batch_size=batch_size(args.batch_size),
-                      speedup_only=args.speedup_only, part=part(args))
+                      speedup_only=args.speedup_only, part=part(args), any_target=args.any_target)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -194,14 +194,19 @@ def full_draft_state_dict(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
 
 
-def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState) -> None:
-    """config.json + model.safetensors (fp32) of the whole draft, written by rank 0."""
+def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState,
+                   target_weights: Optional[str] = None) -> None:
+    """config.json + model.safetensors (fp32) of the whole draft, written by rank 0; its header records the
+    fingerprint of the target it was trained with (``target_weights``), which export and evaluate check."""
     sd = full_draft_state_dict(draft)  # collective under FSDP2: every rank calls it
     if state.is_main:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         draft.config.save_pretrained(out_dir)
-        save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        from nemo_dflash.target.identity import TRAINED_ON
+
+        save_file(sd, str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt", **({TRAINED_ON: target_weights} if target_weights else {})})
         apply_umask(out_dir)  # safetensors writes 0600
 
 
@@ -224,7 +229,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier(state)
 
-    save_draft_dir(draft, tmp / DRAFT_DIR, state)
+    save_draft_dir(draft, tmp / DRAFT_DIR, state, meta.get("target_weights"))
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
     (tmp / f"rank_{state.rank}.json").write_text(json.dumps({"dataloader": dataloader.state_dict()}))
@@ -483,7 +488,7 @@ class Checkpointer:
         try:
             if self.state.is_main and tmp.exists():
                 shutil.rmtree(tmp)
-            save_draft_dir(self.draft, tmp / self.final_draft.name, self.state)
+            save_draft_dir(self.draft, tmp / self.final_draft.name, self.state, self.identity.get("target_weights"))
             if self.state.is_main:
                 write_complete_marker(tmp)
         except _WRITE_FAILURES as e:
