@@ -277,9 +277,9 @@ class EvalRun:
                 self.dataset_hashes[display] = source_sha256(name)
         check_paths(str(opts.draft), str(opts.target))
         self.draft_sha256 = check_draft_files(str(opts.draft))
-        check_trained_on_target(str(opts.draft), str(opts.target), opts.any_target)
         check_reasoning_switch(str(opts.target), opts.reasoning)
         check_draft_fits(str(opts.draft), str(opts.target))
+        check_trained_on_target(str(opts.draft), str(opts.target), opts.any_target)
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
         # keyed on the draft's and the target's weights and the dataset files' contents, not their paths: more

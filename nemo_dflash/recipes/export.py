@@ -118,8 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from nemo_dflash.target.identity import check_trained_on, trained_on
 
         weights = Path(src) / "model.safetensors"
-        recorded = (check_trained_on(weights, args.target, flag="--target", allow=args.any_target) if args.target
-                    else trained_on(weights))
+        recorded = trained_on(weights)
         try:
             draft = load_draft(src)
         except SafetensorError as e:
@@ -132,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             target_dir = resolve_model_dir(args.target)
             check_model_dir(target_dir, "--target")
+            check_trained_on(weights, args.target, flag="--target", allow=args.any_target)  # before its weights load
             try:
                 tokenizer = load_tokenizer(target_dir)
             except (OSError, ValueError):
