@@ -50,6 +50,9 @@ def test_redo_of_regenerate_makes_every_downstream_stage_stale(own):
                           "regenerate.num_samples=3"]) == {"regenerate": "redone"}
     assert sha(run / "data" / "regen.jsonl") != old_regen
     assert {s: marker(run, s).get("stale") for s in LATER} == {s: "regenerate" for s in LATER}
+    listed = json.loads((run / "summary.json").read_text())["stages"]  # the summary says so too
+    assert {s: listed[s].get("stale") for s in pipeline.STAGES} == {"prompts": None, "regenerate": None,
+                                                                     **{s: "regenerate" for s in LATER}}
     outcome = pipeline.main(["--config", config, "regenerate.num_samples=3"])
     assert outcome == {"prompts": "skipped", "regenerate": "skipped", **{s: "redone" for s in LATER}}
     regen = str(run / "data" / "regen.jsonl")

@@ -674,7 +674,8 @@ class Pipeline:
             self.fp.save()
             markers = {s.name: self._read_marker(s.name) for s in self.stages}
             _write_json(self.lay.run / "summary.json", {
-                "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"]}
+                "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"],
+                               **({"stale": m["stale"]} if m.get("stale") else {})}  # outdated by that stage's rerun
                            for k, m in markers.items() if m}, "last_invocation": outcome})
             logger.info("pipeline: %s (run directory %s)", ", ".join(f"{k} {v}" for k, v in outcome.items()),
                         self.lay.run)
