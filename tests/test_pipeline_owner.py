@@ -88,3 +88,23 @@ def test_an_output_dir_holding_another_runs_training_is_not_adopted(tiny, tmp_pa
     config = write_recipe(tiny, run_b, RECIPE.replace("output_dir: {run}/train", f"output_dir: {a_train}"))
     refused(capsys, ["--config", config, "stages=train", "optim.lr=1e-4"], "redo=train", str(a_train))
     assert snapshot(tmp_path / "a") == before and not run_b.exists()
+
+
+def test_a_training_whose_config_names_this_run_dir_is_its_own(tiny, tmp_path, no_load):  # noqa: F811
+    """A training started from this run directory before stages recorded their starts (its config.yaml's run.dir
+    is this one) is continued, not refused as another run's."""
+    import yaml
+
+    run = tmp_path / "run"
+    train = run / "train"
+    step = train / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}\n")
+    config = write_recipe(tiny, run)
+    (train / "config.yaml").write_text(yaml.safe_dump({"run": {"dir": str(run)}, "optim": {"lr": 0.003}}))
+    cfg = pipeline.load_recipe(config, [], data_optional=True)
+    plan = pipeline.Pipeline(cfg, ["train"], [])
+    assert [(s.name, s.action) for s in plan.selected] == [("train", "run")]
+    (train / "config.yaml").write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "another")}}))
+    with pytest.raises(pipeline.UsageError, match="redo=train"):
+        pipeline.Pipeline(cfg, ["train"], [])

@@ -223,6 +223,21 @@ def _parser_check(name: str, parser: argparse.ArgumentParser, argv: list[str]) -
     return parser.parse_args(argv)
 
 
+def _training_run_dir(output_dir: Path) -> Optional[Path]:
+    """The run directory a training in ``output_dir`` was started from, as its config.yaml records it (`run.dir`,
+    else the folder holding output_dir); None when it records no pipeline's recipe."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("run"), dict):
+        return None
+    run_dir = saved["run"].get("dir")
+    return (Path(run_dir) if run_dir else output_dir.parent).resolve()
+
+
 def check_source_packages(entries: Sequence[str], key: str) -> None:
     from nemo_dflash.data import DataError
     from nemo_dflash.data.prompts import check_source_packages as check
@@ -398,14 +413,19 @@ class Pipeline:
             return summary
 
         def left() -> list[str]:
-            """Called when this run directory never started its training: a run in output_dir is another's
-            (resumed, it would be adopted as this run's and its config.yaml rewritten)."""
-            from nemo_dflash.train.run_dir import held_run
+            """Called when this run directory has no record of starting its training: a run in output_dir is
+            another's (resumed, it would be adopted as this run's and its config.yaml rewritten) unless its
+            config.yaml names this run directory (a training started before stages recorded their starts)."""
+            from nemo_dflash.train.run_dir import blocks_a_fresh_start, held_run
 
             out = Path(cfg.output_dir).resolve()
             if cfg.checkpoint.resume not in ("auto", "none"):  # another run's checkpoint: train's own checks
                 return []
-            return [str(out / e) for e in held_run(out)] if out.is_dir() else []
+            if not out.is_dir():
+                return []
+            if _training_run_dir(out) == self.lay.run.resolve():
+                return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
+            return [str(out / e) for e in held_run(out)]
 
         def inputs() -> dict[str, Optional[str]]:
             found = {"target": self.target_fp()}
