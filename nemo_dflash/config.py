@@ -30,7 +30,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from nemo_dflash.data.config import DataConfig
+from nemo_dflash.data.config import HOW, WHAT, DataConfig, how, output_settings, what  # noqa: F401
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -52,13 +52,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class TargetConfig:
-    path: str = MISSING  # local HF dir, a .gguf file, or pkg:smollm2 (the bundled SmolLM2-135M-Instruct)
-    dtype: str = "bf16"  # dtype of the frozen target's weights
-    attn_implementation: str = "sdpa"
+    path: str = what(MISSING)  # local HF dir, a .gguf file, or pkg:smollm2 (the bundled SmolLM2-135M-Instruct)
+    dtype: str = what("bf16")  # dtype of the frozen target's weights
+    attn_implementation: str = what("sdpa")
     # packed rows on a GPU: flex (a document-causal BlockMask) or varlen (one flash varlen call over the
     # documents; target/packed_attention.py)
-    packed_attention: str = "flex"
-    random_init: bool = False  # architecture from path/config.json, random weights (benchmarks, scaling runs)
+    packed_attention: str = what("flex")
+    random_init: bool = what(False)  # architecture from path/config.json, random weights (benchmarks, scaling runs)
 
 
 @dataclass
@@ -66,116 +66,116 @@ class DFlash2Options:
     """The DFlash2 modules' sizes (`draft.kind: dflash2`; docs/training.md): the engines' dflash_config fields.
     A 0 kernel size turns the block convolution off, a 0 rank and top-K the candidate selector."""
 
-    conv_kernel_size: int = 2  # taps of the causal block convolution (2 in the published drafts)
-    conv_group_size: int = 16  # channels a group shares a per-token kernel offset (must divide the hidden size)
-    selector_rank: int = 256  # rank of the predecessor / successor codebooks
-    selector_top_k: int = 16  # candidates a slot's walk chooses among
-    output_multiplier: float = 1.0  # unary logits = softcap(multiplier * lm_head(h))
-    final_logit_softcapping: float = 0.0  # c * tanh(x / c) on the unary logits; 0: off
+    conv_kernel_size: int = what(2)  # taps of the causal block convolution (2 in the published drafts)
+    conv_group_size: int = what(16)  # channels a group shares a per-token kernel offset (must divide the hidden size)
+    selector_rank: int = what(256)  # rank of the predecessor / successor codebooks
+    selector_top_k: int = what(16)  # candidates a slot's walk chooses among
+    output_multiplier: float = what(1.0)  # unary logits = softcap(multiplier * lm_head(h))
+    final_logit_softcapping: float = what(0.0)  # c * tanh(x / c) on the unary logits; 0: off
 
 
 @dataclass
 class DraftConfig:
     # dflash: every block slot predicted on its own (DFlash-1); dflash2: a causal conv over the block and a
     # candidate selector that walks the block left to right (coherent samples at T > 0)
-    kind: str = "dflash"
-    dflash2: DFlash2Options = field(default_factory=DFlash2Options)
-    num_layers: int = 5
-    block_size: int = 16
-    target_layer_ids: Optional[list[int]] = None  # default: build_target_layer_ids(L, num_layers)
+    kind: str = what("dflash")
+    dflash2: DFlash2Options = field(default_factory=DFlash2Options, metadata=WHAT)
+    num_layers: int = what(5)
+    block_size: int = what(16)
+    target_layer_ids: Optional[list[int]] = what(None)  # default: build_target_layer_ids(L, num_layers)
     # Mask token: explicit id > the tokenizer's mask token > the family default in the registry
     # > the first embedding row past the tokenizer's vocabulary. Must be < the target's vocab.
-    mask_token_id: Optional[int] = None
+    mask_token_id: Optional[int] = what(None)
     # The target mask_token_id was chosen for, "ARCH" or "ARCH/VOCAB" (e.g. LlamaForCausalLM/49152): another
     # target ignores the id and resolves its own, so a recipe reused for another target cannot carry a wrong id.
-    mask_token_for: Optional[str] = None
+    mask_token_for: Optional[str] = what(None)
     # Training refuses a mask token that occurs in the training data (an ordinary token); true allows it.
-    allow_mask_token_in_data: bool = False
-    intermediate_size: Optional[int] = None  # default: the target's
-    init_from: Optional[str] = None  # a draft directory (training or exported) to start from
+    allow_mask_token_in_data: bool = how(False)
+    intermediate_size: Optional[int] = what(None)  # default: the target's
+    init_from: Optional[str] = what(None)  # a draft directory (training or exported) to start from
 
 
 @dataclass
 class LossConfig:
-    num_anchors: int = 512
-    gamma: Optional[float] = 7.0  # loss decay exp(-(k-1)/gamma); null = no decay
-    attn_backend: str = "auto"  # auto = flex on GPU, sdpa (dense mask) on CPU; or sdpa/eager/flex
-    distill_weight: float = 0.0  # > 0 mixes in soft CE against the target's distribution
+    num_anchors: int = what(512)
+    gamma: Optional[float] = what(7.0)  # loss decay exp(-(k-1)/gamma); null = no decay
+    attn_backend: str = what("auto")  # auto = flex on GPU, sdpa (dense mask) on CPU; or sdpa/eager/flex
+    distill_weight: float = what(0.0)  # > 0 mixes in soft CE against the target's distribution
     # > 0 mixes in a loss on the speculative-sampling accept probability a = sum_x min(p_T, q) (accept_loss.py):
     # loss = (1 - distill_weight - accept_weight) hard CE + distill_weight soft CE + accept_weight term
-    accept_weight: float = 0.0
-    accept_temperature: float = 1.0  # T of the target's p_T in that term (the sampling temperature served)
-    accept_form: str = "log"  # log: -log a (LK's direct acceptance loss) | tv: 1 - a (total variation)
-    ce_chunk_size: int = 4096  # rows of [tokens, vocab] logits alive at once
-    fused_ce: bool = True  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
+    accept_weight: float = what(0.0)
+    accept_temperature: float = what(1.0)  # T of the target's p_T in that term (the sampling temperature served)
+    accept_form: str = what("log")  # log: -log a (LK's direct acceptance loss) | tv: 1 - a (total variation)
+    ce_chunk_size: int = what(4096)  # rows of [tokens, vocab] logits alive at once
+    fused_ce: bool = what(True)  # lm_head gradient formed in the forward pass (no recompute); off = checkpointed chunks
     # training loss kernel: chunked (PyTorch, chunk by chunk; the fastest measured) | cce (cut-cross-entropy)
     # | liger (liger-kernel); cce/liger fall back to chunked, with a warning, where they cannot run
-    impl: str = "chunked"
+    impl: str = what("chunked")
     # DFlash2: loss = unary + selector_weight * the selector's K-way cross-entropy (predecessor teacher-forced).
-    selector_weight: float = 1.0
+    selector_weight: float = what(1.0)
     # a true token outside the slot's top-K: skip the slot (default: higher held-out walk tau and top-K recall at
     # equal tokens, docs/results.md "DFlash2"), or inject it in place of the K-th candidate (loss only)
-    selector_outside: str = "skip"
+    selector_outside: str = what("skip")
     # per-slot weights of both terms: decay (exp(-(k-1)/gamma)) | dpace (D-PACE: survival-weighted, from the CE)
-    position_weights: str = "decay"
-    dpace_alpha: float = 0.5  # D-PACE's floor on the per-slot survival estimate, q~ = (1 - a) exp(-CE) + a
+    position_weights: str = what("decay")
+    dpace_alpha: float = what(0.5)  # D-PACE's floor on the per-slot survival estimate, q~ = (1 - a) exp(-CE) + a
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "cosine"  # cosine | linear | constant (all with warmup; from transformers)
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    fused: Optional[bool] = None  # default: fused AdamW on CUDA
+    lr: float = what(6e-4)
+    weight_decay: float = what(0.0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata=WHAT)
+    eps: float = what(1e-8)
+    scheduler: str = what("cosine")  # cosine | linear | constant (all with warmup; from transformers)
+    warmup_ratio: float = what(0.04)
+    grad_clip: float = what(1.0)
+    fused: Optional[bool] = what(None)  # default: fused AdamW on CUDA
 
 
 @dataclass
 class TrainConfig:
-    epochs: float = 1.0
-    max_steps: Optional[int] = None  # overrides epochs when set
-    max_minutes: Optional[float] = None  # stop (and save) after this much training time
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    seed: int = 0
-    precision: str = "bf16"  # bf16 autocast (GPU, and CPUs with bf16 matmul units) or fp32
-    device: str = "auto"  # auto | cpu | cuda
-    log_every: int = 10
-    eval_every: Optional[int] = None  # held-out simulated acceptance every N steps
-    eval_batches: int = 8
+    epochs: float = what(1.0)
+    max_steps: Optional[int] = what(None)  # overrides epochs when set
+    max_minutes: Optional[float] = how(None)  # stop (and save) after this much training time
+    micro_batch_size: int = what(1)
+    grad_accum: int = what(1)
+    seed: int = what(0)
+    precision: str = what("bf16")  # bf16 autocast (GPU, and CPUs with bf16 matmul units) or fp32
+    device: str = what("auto")  # auto | cpu | cuda
+    log_every: int = how(10)
+    eval_every: Optional[int] = what(None)  # held-out simulated acceptance every N steps
+    eval_batches: int = what(8)
     # the held-out expected acceptance under speculative sampling (eval_sampled_accept_len): the sampling it
     # assumes for both target and draft; eval_temperature 0 turns it off
-    eval_temperature: float = 1.0
-    eval_top_p: float = 1.0
-    eval_top_k: int = 0
-    max_bad_steps: int = 20  # consecutive non-finite steps before training stops
-    compile: bool = False  # torch.compile the draft layers (GPU)
-    compile_target: bool = False  # torch.compile the frozen target's decoder layers (GPU; launch-bound small targets)
+    eval_temperature: float = what(1.0)
+    eval_top_p: float = what(1.0)
+    eval_top_k: int = what(0)
+    max_bad_steps: int = how(20)  # consecutive non-finite steps before training stops
+    compile: bool = what(False)  # torch.compile the draft layers (GPU)
+    compile_target: bool = what(False)  # torch.compile the frozen target's decoder layers (GPU; launch-bound small targets)
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: Optional[int] = None
-    keep_last: int = 3
-    resume: str = "auto"  # auto (newest complete checkpoint in output_dir) | none | a checkpoint path
+    every_steps: Optional[int] = how(None)
+    keep_last: int = how(3)
+    resume: str = what("auto")  # auto (newest complete checkpoint in output_dir) | none | a checkpoint path
 
 
 @dataclass
 class DistributedConfig:
-    strategy: str = "auto"  # auto (ddp when WORLD_SIZE > 1) | none | ddp | fsdp2
-    backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
-    shard_target: bool = False  # fsdp2 only: also shard the frozen target's decoder layers
-    timeout_minutes: int = 30
+    strategy: str = what("auto")  # auto (ddp when WORLD_SIZE > 1) | none | ddp | fsdp2
+    backend: Optional[str] = how(None)  # default: nccl on GPU, gloo on CPU
+    shard_target: bool = what(False)  # fsdp2 only: also shard the frozen target's decoder layers
+    timeout_minutes: int = how(30)
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # online | offline | disabled
-    project: str = "nemo_dflash"
-    name: Optional[str] = None
+    mode: str = how("offline")  # online | offline | disabled
+    project: str = how("nemo_dflash")
+    name: Optional[str] = how(None)
 
 
 # ---- The pipeline's stages (`nemo_dflash.recipes.pipeline`): one section per command. Each field is the
@@ -188,126 +188,128 @@ class WandbConfig:
 class PromptJobConfig:
     """One prompt file: Magpie prompts the target writes (`topics`), or a built-in source's (`source`)."""
 
-    name: str = MISSING  # the file <run>/prompts/<name>.jsonl, and its source name in regenerate.data
-    weight: float = 1.0  # its mixing weight in regenerate (`--data NAME=FILE@WEIGHT`)
-    source: Optional[str] = None  # a built-in source (chitchat, gsm_symbolic:N, code, ...; no model); null: Magpie
-    topics: str = "chat=1000,code=1000,math=1000"  # Magpie: TOPIC=COUNT,...
-    turns: str = "1"  # Magpie: user turns per conversation, N or MIN-MAX
-    seed: int = 0
-    max_new_tokens: int = 256
-    user_max_new_tokens: Optional[int] = None  # Magpie: the user turns' own cap (null: max_new_tokens)
-    batch_size: Any = 64  # a number, or auto (what the GPU's free memory holds)
-    oversample: float = 1.5
-    temperature: float = 1.0
-    top_p: float = 1.0
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Optional[int] = None
+    name: str = what(MISSING)  # the file <run>/prompts/<name>.jsonl, and its source name in regenerate.data
+    weight: float = what(1.0)  # its mixing weight in regenerate (`--data NAME=FILE@WEIGHT`)
+    source: Optional[str] = what(None)  # a built-in source (chitchat, gsm_symbolic:N, code, ...; no model); null: Magpie
+    topics: str = what("chat=1000,code=1000,math=1000")  # Magpie: TOPIC=COUNT,...
+    turns: str = what("1")  # Magpie: user turns per conversation, N or MIN-MAX
+    seed: int = what(0)
+    max_new_tokens: int = what(256)
+    user_max_new_tokens: Optional[int] = what(None)  # Magpie: the user turns' own cap (null: max_new_tokens)
+    batch_size: Any = what(64)  # a number, or auto (what the GPU's free memory holds)
+    oversample: float = what(1.5)
+    temperature: float = what(1.0)
+    top_p: float = what(1.0)
+    device: str = what("auto")
+    dtype: str = what("auto")
+    threads: Optional[int] = how(None)
 
 
 @dataclass
 class PromptsConfig:
-    jobs: list[PromptJobConfig] = field(default_factory=list)
+    jobs: list[PromptJobConfig] = field(default_factory=list, metadata=WHAT)
 
 
 @dataclass
 class RegenerateConfig:
     """`nemo_dflash.recipes.regenerate`: the target answers the prompts; the draft trains on its answers."""
 
-    data: list[str] = field(default_factory=list)  # [NAME=]SOURCE[@WEIGHT]; the prompt jobs' files are added
-    samples_per_prompt: int = 1
-    decontaminate: str = "on"  # on | off
-    eval_file: list[str] = field(default_factory=list)
-    num_samples: Optional[int] = None  # null: every usable conversation
-    seed: int = 0
-    turns: str = "first"  # first | all
-    max_prompt_tokens: Optional[int] = None
-    max_new_tokens: int = 512
-    sampling: str = "target"  # target | given | greedy
-    temperature: float = 0.7
-    top_p: float = 0.95
-    engine: str = "slots"
-    batch_size: Any = 8  # a number, or auto
-    prepare_ahead: int = 64
-    schedule: str = "most_turns_first"
-    loops: str = "cut"  # cut | drop | keep
-    capped: str = "keep"
-    after_cut: str = "end"
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Optional[int] = None
-    reasoning: Optional[str] = None
-    holdout: int = 0  # held-out prompts written beside the data, for `evaluate --datasets`
-    max_bad_lines: int = 100
-    max_minutes: Optional[float] = None
+    data: list[str] = field(default_factory=list, metadata=WHAT)  # [NAME=]SOURCE[@WEIGHT]; the prompt jobs' files are added
+    samples_per_prompt: int = what(1)
+    decontaminate: str = what("on")  # on | off
+    eval_file: list[str] = field(default_factory=list, metadata=WHAT)
+    num_samples: Optional[int] = what(None)  # null: every usable conversation
+    seed: int = what(0)
+    turns: str = what("first")  # first | all
+    max_prompt_tokens: Optional[int] = what(None)
+    max_new_tokens: int = what(512)
+    sampling: str = what("target")  # target | given | greedy
+    temperature: float = what(0.7)
+    top_p: float = what(0.95)
+    engine: str = what("slots")
+    batch_size: Any = what(8)  # a number, or auto
+    prepare_ahead: int = how(64)
+    schedule: str = how("most_turns_first")
+    loops: str = what("cut")  # cut | drop | keep
+    capped: str = what("keep")
+    after_cut: str = what("end")
+    device: str = what("auto")
+    dtype: str = what("auto")
+    threads: Optional[int] = how(None)
+    reasoning: Optional[str] = what(None)
+    holdout: int = what(0)  # held-out prompts written beside the data, for `evaluate --datasets`
+    max_bad_lines: int = how(100)
+    max_minutes: Optional[float] = what(None)
 
 
 @dataclass
 class ExportConfig:
     """`nemo_dflash.recipes.export`: the trained draft in the serving format, checked against the target."""
 
-    engine: str = "any"  # any | vllm | sglang
-    parity_prompts: int = 0
+    engine: str = what("any")  # any | vllm | sglang
+    parity_prompts: int = how(0)
+    any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 
 
 @dataclass
 class EvaluateConfig:
     """`nemo_dflash.recipes.evaluate` on the exported draft."""
 
-    protocol: str = "paper"  # paper | quick; the keys below override it
-    datasets: Optional[str] = None  # comma list: mtbench, humaneval, math500, aime, FILE.jsonl
-    max_new_tokens: Optional[int] = None
-    turns: Optional[int] = None
-    multi_turn: bool = False
-    temperatures: Optional[str] = None  # e.g. "0" or "0,1"
-    top_p: float = 1.0
-    top_k: int = 0
-    draft_proposals: str = "sample"
-    sampling: Optional[str] = None  # target | none
-    block_size: Optional[int] = None
-    num_prompts: Optional[int] = None
-    first_prompt: Optional[int] = None
-    speedup_prompts: Optional[int] = None
-    no_speedup: bool = False
-    speedup_only: bool = False  # time the speedup prompts and stop (no acceptance phase)
-    method: Optional[str] = None  # sequential | replay | batched
-    batch_size: str = "auto"
-    decode: Optional[str] = None  # eager | graphs
-    workers: int = 1
-    gpus: int = 1  # processes (one a GPU) the conversations are dealt over (prompt j to process j % gpus)
-    max_minutes: Optional[float] = None
-    no_chat_template: bool = False
-    reasoning: Optional[str] = None
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Optional[int] = None
-    seed: int = 0
+    protocol: str = what("paper")  # paper | quick; the keys below override it
+    datasets: Optional[str] = what(None)  # comma list: mtbench, humaneval, math500, aime, FILE.jsonl
+    max_new_tokens: Optional[int] = what(None)
+    turns: Optional[int] = what(None)
+    multi_turn: bool = what(False)
+    temperatures: Optional[str] = what(None)  # e.g. "0" or "0,1"
+    top_p: float = what(1.0)
+    top_k: int = what(0)
+    draft_proposals: str = what("sample")
+    sampling: Optional[str] = what(None)  # target | none
+    block_size: Optional[int] = what(None)
+    num_prompts: Optional[int] = what(None)
+    first_prompt: Optional[int] = what(None)
+    speedup_prompts: Optional[int] = what(None)
+    no_speedup: bool = what(False)
+    speedup_only: bool = what(False)  # time the speedup prompts and stop (no acceptance phase)
+    method: Optional[str] = what(None)  # sequential | replay | batched
+    batch_size: str = what("auto")
+    decode: Optional[str] = what(None)  # eager | graphs
+    workers: int = how(1)
+    gpus: int = what(1)  # processes (one a GPU) the conversations are dealt over (prompt j to process j % gpus)
+    max_minutes: Optional[float] = how(None)
+    no_chat_template: bool = what(False)
+    reasoning: Optional[str] = what(None)
+    device: str = what("auto")
+    dtype: str = what("auto")
+    threads: Optional[int] = how(None)
+    seed: int = what(0)
+    any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 
 
 @dataclass
 class RunConfig:
     # the pipeline's run directory: prompts/, data/, export/, eval/, stages/ and the resolved recipe.yaml
     # (null: the folder holding output_dir); training writes to output_dir, as `train` does
-    dir: Optional[str] = None
+    dir: Optional[str] = how(None)
 
 
 @dataclass
 class RecipeConfig:
-    output_dir: str = "outputs/run"
-    target: TargetConfig = field(default_factory=TargetConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    prompts: PromptsConfig = field(default_factory=PromptsConfig)
-    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    output_dir: str = what("outputs/run")
+    target: TargetConfig = field(default_factory=TargetConfig, metadata=WHAT)
+    draft: DraftConfig = field(default_factory=DraftConfig, metadata=WHAT)
+    data: DataConfig = field(default_factory=DataConfig, metadata=WHAT)
+    loss: LossConfig = field(default_factory=LossConfig, metadata=WHAT)
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata=WHAT)
+    train: TrainConfig = field(default_factory=TrainConfig, metadata=WHAT)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata=WHAT)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata=WHAT)
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata=HOW)
+    run: RunConfig = field(default_factory=RunConfig, metadata=HOW)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig, metadata=WHAT)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig, metadata=WHAT)
+    export: ExportConfig = field(default_factory=ExportConfig, metadata=WHAT)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata=WHAT)
 
 
 _CHOICES = {

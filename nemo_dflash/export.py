@@ -142,6 +142,22 @@ def is_export_dir(path: PathLike) -> bool:
     return meta.get(EXPORT_MARK[0]) == EXPORT_MARK[1]
 
 
+def canonical_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted, in place: safetensors writes the header's
+    maps in hash order, which differs from one process to the next, so two exports of one draft would differ in
+    bytes. The header keeps its length (padded with spaces, as safetensors pads it) and every tensor its offsets,
+    so the tensor data is not touched."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:  # never: the same content, written as compactly; left as it is if ever
+            logger.warning("%s: the sorted header is longer than the written one, left as written", path)
+            return
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+
+
 def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None:
     """Write into a temp dir next to `out`, then rename it into place. A non-empty `out` is replaced only
     with `overwrite` and only when it is an export (`is_export_dir`): never a target, a run or data."""
@@ -177,7 +193,7 @@ def _atomic_write_dir(out: Path, files: dict[str, Any], overwrite: bool) -> None
 
 def export_draft(
     draft: Union[DFlashDraftModel, PathLike], out_dir: PathLike, *, overwrite: bool = False, engine: str = "any",
-    target_vocab: Optional[int] = None,
+    target_vocab: Optional[int] = None, trained_on: Optional[str] = None,
 ) -> Path:
     """Write `draft` (a model, or any path `load_draft` accepts) as a serving checkpoint.
 
@@ -199,7 +215,11 @@ def export_draft(
         p.write_text(json.dumps(cfg, indent=2) + "\n")
 
     def write_weights(p: Path) -> None:
-        save_file(state, str(p), metadata={"format": "pt", EXPORT_MARK[0]: EXPORT_MARK[1]})
+        from nemo_dflash.target.identity import TRAINED_ON
+
+        save_file(state, str(p), metadata={"format": "pt", EXPORT_MARK[0]: EXPORT_MARK[1],
+                                           **({TRAINED_ON: trained_on} if trained_on else {})})
+        canonical_header(p)
 
     try:
         _atomic_write_dir(out, {CONFIG_NAME: write_config, WEIGHTS_NAME: write_weights}, overwrite)

@@ -259,3 +259,44 @@ def test_one_item_of_a_list_is_overridden_by_its_index():
         with pytest.raises(ConfigError, match=None) as err:
             load_recipe("smollm2_135m_4gpu.yaml", [override], data_optional=True)
         assert message in str(err.value) and "\n" not in str(err.value), (override, str(err.value))
+
+
+# ---- One rule for identity: every key says whether it changes outputs (config.what / config.how)
+
+# The keys that change how a stage runs, never what it writes: written out by hand, so a key moved from one side to
+# the other is a visible change here.
+HOW_KEYS = {
+    "wandb", "wandb.mode", "wandb.project", "wandb.name", "run", "run.dir",
+    "train.max_minutes", "train.log_every", "train.max_bad_steps", "checkpoint.every_steps", "checkpoint.keep_last",
+    "distributed.backend", "distributed.timeout_minutes", "draft.allow_mask_token_in_data",
+    "data.max_bad_lines", "data.num_workers", "data.tokenize_workers", "prompts.jobs[].threads",
+    "regenerate.prepare_ahead", "regenerate.schedule", "regenerate.threads", "regenerate.max_bad_lines",
+    "export.parity_prompts", "evaluate.workers", "evaluate.threads", "evaluate.max_minutes", "export.any_target",
+    "evaluate.any_target",
+}
+
+
+def test_every_recipe_key_says_whether_it_changes_outputs():
+    from nemo_dflash.data.config import all_fields, changes_outputs
+
+    keys = all_fields(RecipeConfig)
+    assert len(keys) > 150 and "prompts.jobs[].topics" in keys and "data.sources[].path" in keys
+    unclassified = sorted(k for k, f in keys.items() if changes_outputs(f) is None)
+    assert not unclassified, f"mark these fields what(...) or how(...) in config.py: {unclassified}"
+    assert {k for k, f in keys.items() if changes_outputs(f) is False} == HOW_KEYS
+
+
+def test_output_settings_drop_how_keys_at_every_depth_of_a_dataclass_or_its_dict():
+    import dataclasses
+
+    from nemo_dflash.config import PromptJobConfig, output_settings
+
+    cfg = RecipeConfig()
+    cfg.prompts.jobs = [PromptJobConfig(name="a", threads=3)]
+    got = output_settings(RecipeConfig, cfg)
+    assert "wandb" not in got and "run" not in got and "log_every" not in got["train"]
+    assert got["train"]["max_steps"] is None and got["optim"]["lr"] == 6e-4
+    assert "threads" not in got["prompts"]["jobs"][0] and got["prompts"]["jobs"][0]["name"] == "a"
+    as_dict = dataclasses.asdict(cfg)
+    as_dict["train"]["unknown_later_key"] = 1  # a key this version does not know is kept (compared)
+    assert output_settings(RecipeConfig, as_dict)["train"] == {**got["train"], "unknown_later_key": 1}

@@ -318,11 +318,11 @@ def test_item15_disk_full_while_training_is_one_line(assets, tmp_path, monkeypat
             _full_at(path)
         return real_stream(self, path, mode)
 
-    def save_draft_dir(draft, out_dir, state):  # final/'s config.json (transformers' writer) meets ENOSPC
+    def save_draft_dir(draft, out_dir, state, *a, **k):  # final/'s config.json (transformers' writer) meets ENOSPC
         if where == "final draft" and ".tmp-final" in str(out_dir):
             Path(out_dir).mkdir(parents=True)
             _full_at(Path(out_dir) / "config.json")
-        return real_draft_dir(draft, out_dir, state)
+        return real_draft_dir(draft, out_dir, state, *a, **k)
 
     def save_file(tensors, path, *a, **k):  # safetensors' writer (Rust, its own temp file) meets EFBIG
         if where == "draft weights" and f".tmp-{STEP4}" in str(path) and str(path).endswith("model.safetensors"):

@@ -103,6 +103,36 @@ def test_a_second_run_skips_every_stage_and_says_so(done, caplog):
                                                                       if k != "summary.json"}
 
 
+def test_keys_that_change_no_output_leave_a_complete_stage_complete(done):
+    """HOW keys (`config.how`: logging, workers, timeouts, job limits) are not settings: a new log interval or
+    tokenizer worker count does not refuse or retrain the complete training (before, each forced a retrain)."""
+    before = snapshot(done["run"])
+    assert pipeline.main(["--config", str(done["config"]), "stages=regenerate,train", "train.log_every=3",
+                          "data.tokenize_workers=1", "distributed.timeout_minutes=5", "regenerate.max_bad_lines=5",
+                          "checkpoint.keep_last=1", "wandb.mode=offline"]) == {"regenerate": "skipped",
+                                                                             "train": "skipped"}
+    after = snapshot(done["run"])
+    assert {k: v for k, v in after.items() if k not in ("summary.json", "recipe.yaml")} == {
+        k: v for k, v in before.items() if k not in ("summary.json", "recipe.yaml")}
+
+
+def test_a_marker_written_with_how_keys_and_an_upstream_digest_still_matches(done):
+    """A marker of an earlier version recorded HOW keys in its settings and the upstream stage's digest
+    (`after`): compared as this version compares them, it still matches (no forced retrain on upgrade)."""
+    path = done["run"] / "stages" / "train.json"
+    saved = path.read_bytes()
+    old = json.loads(saved)
+    old["settings"]["train"]["log_every"] = 1
+    old["settings"]["data"]["tokenize_workers"] = None
+    old["settings"]["after"] = {"regenerate": "0123456789abcdef"}
+    old["digest"] = pipeline.digest(old["settings"])
+    path.write_text(json.dumps(old))
+    try:
+        assert pipeline.main(["--config", str(done["config"]), "stages=train"]) == {"train": "skipped"}
+    finally:
+        path.write_bytes(saved)
+
+
 @pytest.mark.parametrize("override, stage", [("regenerate.max_new_tokens=5", "regenerate"),
                                              ("optim.lr=1e-3", "train"), ("evaluate.num_prompts=2", "evaluate")])
 def test_changed_settings_are_refused_in_one_line_and_nothing_is_rewritten(done, override, stage, capsys):
@@ -408,7 +438,7 @@ def test_a_null_user_cap_leaves_a_prompt_jobs_settings_as_they_were():
     """prompts.jobs[].user_max_new_tokens null (the default) is not in the stage's settings, so a prompts marker
     written before the key existed still matches; a value set is a setting (changing it is refused or redone)."""
     job = PromptJobConfig(name="m")
-    drop = (*pipeline.HOW_NOT_WHAT, "user_max_new_tokens")
+    drop = ("threads", "user_max_new_tokens")  # threads: how the job runs (config.how), not what it writes
     before = {k: v for k, v in dataclasses.asdict(job).items() if k not in drop}
     assert pipeline._section(job) == before
     assert pipeline._section(PromptJobConfig(name="m", user_max_new_tokens=512)) == {**before,

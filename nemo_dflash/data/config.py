@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,31 +23,105 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# ---- One rule for a run's identity: every field of the recipe's dataclasses says whether it changes what a stage
+# writes (WHAT: the pipeline's stage markers compare it, and a change is refused or makes the later stages stale)
+# or only how it runs (HOW: threads, workers, logging, job limits; a change never makes a result stale).
+IDENTITY = "changes_outputs"  # the field metadata key
+WHAT = {IDENTITY: True}
+HOW = {IDENTITY: False}
+
+
+def what(default: Any) -> Any:
+    """A field whose value changes a stage's outputs."""
+    return field(default=default, metadata=WHAT)
+
+
+def how(default: Any) -> Any:
+    """A field that changes how a stage runs, never what it writes."""
+    return field(default=default, metadata=HOW)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    import sys
+
+    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+
+
+def _schema_of(hint: Any) -> tuple[Optional[type], bool]:
+    """The dataclass a field's type holds, and whether it is a list of them."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]):
+        return args[0], True
+    if typing.get_origin(hint) is typing.Union:
+        hint = next((a for a in args if a is not type(None)), hint)
+    return (hint, False) if isinstance(hint, type) and dataclasses.is_dataclass(hint) else (None, False)
+
+
+def changes_outputs(f: dataclasses.Field) -> Optional[bool]:
+    """What a field says: True (WHAT), False (HOW), None (not classified: a defect tests/test_config.py finds)."""
+    return f.metadata.get(IDENTITY)
+
+
+def output_settings(schema: type, values: Any) -> Any:
+    """``values`` (a dataclass of ``schema``, or its plain dict as a marker or config.yaml holds it) without the
+    HOW fields, at every depth: what a stage's identity compares. A key the schema does not know is kept."""
+    if dataclasses.is_dataclass(values) and not isinstance(values, type):
+        values = dataclasses.asdict(values)
+    if not isinstance(values, dict):
+        return values
+    fields, hints = {f.name: f for f in dataclasses.fields(schema)}, _hints(schema)
+    out = {}
+    for k, v in values.items():
+        f = fields.get(k)
+        if f is not None and changes_outputs(f) is False:
+            continue
+        sub, listed = _schema_of(hints[k]) if f is not None else (None, False)
+        if sub is not None and listed and isinstance(v, list):
+            v = [output_settings(sub, x) for x in v]
+        elif sub is not None:
+            v = output_settings(sub, v)
+        out[k] = v
+    return out
+
+
+def all_fields(schema: type, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every field of ``schema`` and of the dataclasses it holds (list items as ``key[]``), by dotted key."""
+    out: dict[str, dataclasses.Field] = {}
+    hints = _hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        out[key] = f
+        sub, listed = _schema_of(hints[f.name])
+        if sub is not None:
+            out.update(all_fields(sub, f"{key}[]." if listed else f"{key}."))
+    return out
+
+
 @dataclass
 class DataSourceConfig:
     """One local conversation file and how much of it goes into the mix."""
 
-    path: str = MISSING  # .jsonl, .json or .parquet (local file)
-    weight: float = 1.0  # mixing weight: 2.0 = every sample twice, 0.5 = a seeded half
-    max_samples: Optional[int] = None  # read at most this many valid conversations
+    path: str = what(MISSING)  # .jsonl, .json or .parquet (local file)
+    weight: float = what(1.0)  # mixing weight: 2.0 = every sample twice, 0.5 = a seeded half
+    max_samples: Optional[int] = what(None)  # read at most this many valid conversations
 
 
 @dataclass
 class DataConfig:
-    sources: list[DataSourceConfig] = field(default_factory=list)
-    max_length: int = 3072  # truncate tokenised conversations to this many tokens
-    max_bad_lines: int = 100  # more malformed records than this across the run -> error
-    holdout_fraction: float = 0.0  # seeded split of held-out conversations for evaluation
-    batching: str = "length_grouped"  # "random" or "length_grouped" (groups similar lengths to cut padding)
-    pad_to_multiple_of: int = 64
-    num_workers: int = 0
-    tokenize_workers: Optional[int] = None  # processes that tokenise the data; null: the CPUs, shared by the host's ranks
-    seed: int = 0
+    sources: list[DataSourceConfig] = field(default_factory=list, metadata=WHAT)
+    max_length: int = what(3072)  # truncate tokenised conversations to this many tokens
+    max_bad_lines: int = how(100)  # more malformed records than this across the run -> error
+    holdout_fraction: float = what(0.0)  # seeded split of held-out conversations for evaluation
+    batching: str = what("length_grouped")  # "random" or "length_grouped" (groups similar lengths to cut padding)
+    pad_to_multiple_of: int = what(64)
+    num_workers: int = how(0)
+    tokenize_workers: Optional[int] = how(None)  # processes that tokenise the data; null: the CPUs, shared by the host's ranks
+    seed: int = what(0)
     # drop training conversations sharing a 13-gram with the MT-Bench / HumanEval prompts evaluate uses
-    decontaminate: bool = True
+    decontaminate: bool = what(True)
     # > 0: pack whole conversations into rows of this many tokens (fixed shapes; each conversation
     # still attends only to itself); train.micro_batch_size then counts packed rows. 0 = padded rows.
-    pack_length: int = 0
+    pack_length: int = what(0)
 
 
 def as_data_config(config: Any) -> DataConfig:
@@ -119,5 +195,6 @@ def validate_data_config(cfg: DataConfig) -> None:
     cpus = available_cpus()
     if not 0 <= cfg.num_workers <= cpus:
         raise DataError(f"data.num_workers must be in [0, {cpus}] (this machine's CPUs; got {cfg.num_workers})")
-    if cfg.tokenize_workers is not None and cfg.tokenize_workers < 1:
-        raise DataError(f"data.tokenize_workers must be >= 1, or null for the CPUs (got {cfg.tokenize_workers})")
+    if cfg.tokenize_workers is not None and not 1 <= cfg.tokenize_workers <= cpus:
+        raise DataError(f"data.tokenize_workers must be in [1, {cpus}] (this machine's CPUs), or null for them "
+                        f"(got {cfg.tokenize_workers})")

@@ -56,6 +56,7 @@ class RunOptions:
     batch_size: Optional[int] = None  # conversations per batch (--method batched); None: auto (batch_rows)
     speedup_only: bool = False  # time the speedup prompts, skip the acceptance phase (their tau is in the timing)
     part: Optional[tuple[int, int]] = None  # (i, n): this process takes prompt j of each set where j % n == i
+    any_target: bool = False  # allow a target other than the one the draft records it was trained on
 
 
 # rows of the automatic batch on a GPU; on a CPU (memory the OS shares) the fixed default
@@ -92,6 +93,15 @@ def check_draft_files(draft: str) -> str:
     except DamagedFilesError as e:
         raise ValueError(f"--draft {draft}: {e}: evaluate another checkpoint of the run, or copy it again") from None
     return draft_weights_sha256(draft)
+
+
+def check_trained_on_target(draft: str, target: str, allow: bool) -> None:
+    """A draft whose weights record another target's fingerprint than --target's is refused (`--any-target`
+    allows it), before either model loads."""
+    from nemo_dflash.draft.build import resolve_draft_dir
+    from nemo_dflash.target.identity import check_trained_on
+
+    check_trained_on(Path(resolve_draft_dir(draft)) / "model.safetensors", target, flag="--target", allow=allow)
 
 
 def check_draft_fits(draft: str, target: str) -> None:
@@ -269,6 +279,7 @@ class EvalRun:
         self.draft_sha256 = check_draft_files(str(opts.draft))
         check_reasoning_switch(str(opts.target), opts.reasoning)
         check_draft_fits(str(opts.draft), str(opts.target))
+        check_trained_on_target(str(opts.draft), str(opts.target), opts.any_target)
         self.model_spec = ModelSpec(str(opts.draft), str(opts.target), opts.device, opts.dtype, opts.threads,
                                     opts.reasoning)
         # keyed on the draft's and the target's weights and the dataset files' contents, not their paths: more

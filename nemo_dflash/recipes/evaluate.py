@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / workers)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--any-target", action="store_true",
+                   help="evaluate against a --target other than the one the draft records it was trained on")
     section_defaults(p, EvaluateConfig)  # the recipe's `evaluate` section is the source of the defaults
     return p
 
@@ -210,7 +212,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be at most {cpus} (this machine's CPUs; got {args.workers})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads})")
-    if args.max_minutes is not None and args.max_minutes <= 0:
+    if args.max_minutes is not None and not args.max_minutes > 0:  # nan too
         raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
     if args.method in ("replay", "batched") and args.workers != 1:
         raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")
@@ -325,7 +327,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
                       reasoning=args.reasoning, batch_size=batch_size(args.batch_size),
-                      speedup_only=args.speedup_only, part=part(args))
+                      speedup_only=args.speedup_only, part=part(args), any_target=args.any_target)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

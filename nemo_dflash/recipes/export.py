@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-prompts", type=int, default=0, metavar="N",
                    help="with --target: before writing, decode N built-in prompts (at most 3) with our decoder and "
                         "with the DFlash rules applied to the exported config and weights; refuse on disagreement")
+    p.add_argument("--any-target", action="store_true",
+                   help="export against a --target other than the one the draft records it was trained on")
     section_defaults(p, ExportConfig)  # the recipe's `export` section is the source of the defaults
     return p
 
@@ -113,6 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         src = resolve_draft_dir(args.checkpoint)
         check_out(Path(args.out), args.checkpoint, Path(src), args.target, args.overwrite)
         verify_draft_files(Path(src))
+        from nemo_dflash.target.identity import check_trained_on, trained_on
+
+        weights = Path(src) / "model.safetensors"
+        recorded = trained_on(weights)
         try:
             draft = load_draft(src)
         except SafetensorError as e:
@@ -125,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             target_dir = resolve_model_dir(args.target)
             check_model_dir(target_dir, "--target")
+            check_trained_on(weights, args.target, flag="--target", allow=args.any_target)  # before its weights load
             try:
                 tokenizer = load_tokenizer(target_dir)
             except (OSError, ValueError):
@@ -135,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target_vocab = int(target_config.get_text_config().vocab_size)
         if args.parity_prompts:
             run_parity_check(draft, args.target, args.parity_prompts, args.engine, target_vocab)
-        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab)
+        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab,
+                           trained_on=recorded)
     logger.info("exported %s -> %s", src, out)
     return 0
 

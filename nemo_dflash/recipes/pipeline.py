@@ -9,11 +9,14 @@ name (`prompts.jobs`, `regenerate`, the training sections, `export`, `evaluate`)
 run directory (`run.dir`, default: the folder holding `output_dir`; training writes to `output_dir`):
     prompts/NAME.jsonl    data/regen.jsonl (+ .holdout.jsonl, regen_summary.json)    export/    eval/
     recipe.yaml (the resolved recipe)    stages/STAGE.json (completion markers)    summary.json
-A stage's marker is written when it ends and holds its resolved settings and its summary. A stage whose
-marker holds the settings asked for is skipped; one whose settings changed is refused in one line (exit 2)
-unless `redo=STAGE` asks for it again (its outputs replaced, and the later stages that read them redone).
-A stage killed before its marker resumes on the next run: regenerate continues its journal, train its
-last checkpoint, evaluate its answers. Under torchrun, regenerate, train and the Magpie prompt jobs run on
+A stage's marker is written when it ends and holds its resolved settings, the fingerprints of what it read
+(`stage_graph`: the upstream stage's outputs, the input files, the target) and its summary. A stage whose
+marker holds the settings and inputs asked for is skipped; one whose inputs changed (a file edited in place, an
+upstream stage run again) is stale and runs again, with every stage after it; one whose settings changed is
+refused in one line (exit 2) unless `redo=STAGE` asks for it again (its outputs replaced, the later stages
+stale). A stage killed before its marker resumes on the next run under the settings it started with
+(`stages/STAGE.started.json`; other settings are refused naming redo=STAGE): regenerate continues its journal,
+train its last checkpoint, evaluate its answers. Under torchrun, regenerate, train and the Magpie prompt jobs run on
 every rank; file-source prompt jobs, export and evaluate run on rank 0 while the other ranks wait.
 """
 
@@ -27,13 +30,17 @@ import json
 import logging
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from nemo_dflash.config import ConfigError, RecipeConfig, load_recipe, to_yaml
+from nemo_dflash.config import ConfigError, EvaluateConfig, ExportConfig, PromptJobConfig, RecipeConfig, \
+    RegenerateConfig, load_recipe, output_settings, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
 from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
+from nemo_dflash.recipes.stage_graph import FINGERPRINTS, LOCK, Fingerprints, check_counts, check_run_dir, \
+    downstream, entry_path, input_diffs, target_fingerprint
 
 logger = logging.getLogger("nemo_dflash.pipeline")
 
@@ -42,12 +49,9 @@ RANK0_STAGES = ("export", "evaluate")  # single-process commands: the other rank
 # Every rank waits at the end of every stage: rank 0 alone writes some outputs (regenerate's merge of the ranks'
 # shards, the prompt files, the export) that the next stage reads on every rank.
 STAGES_DIR = "stages"
-# Keys that change how a stage runs, never what it writes (the commands' help says so): not settings.
-HOW_NOT_WHAT = ("threads", "prepare_ahead", "schedule", "workers")
-# Training keys that never change the trained draft: whole sections, and keys inside one (a job limit: a run it
-# stops is incomplete, and resumes under another limit).
-TRAIN_HOW_NOT_WHAT = ("wandb", "run", "prompts", "regenerate", "export", "evaluate")
-TRAIN_KEYS_HOW_NOT_WHAT = {"train": ("max_minutes",)}
+# A stage's settings are its sections' WHAT fields (`config.what`/`how`: one rule for every command). Training's
+# are the whole recipe's but the other stages' sections.
+NOT_TRAINING = ("prompts", "regenerate", "export", "evaluate")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
@@ -132,6 +136,10 @@ class Layout:
     def marker(self, stage: str) -> Path:
         return self.run / STAGES_DIR / f"{stage}.json"
 
+    def started(self, stage: str) -> Path:
+        """Written when a stage starts: the settings an incomplete stage may only be continued under."""
+        return self.run / STAGES_DIR / f"{stage}.started.json"
+
 
 def layout_of(cfg: RecipeConfig) -> Layout:
     out = Path(cfg.output_dir)
@@ -149,6 +157,15 @@ class Stage:
     name: str
     settings: dict[str, Any]
     upstream: Optional[str] = None  # the stage whose outputs this one reads
+    # the fingerprints of what it reads (the upstream's outputs, the recipe's input files, the target)
+    inputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)
+    outputs: Callable[[], dict[str, Optional[str]]] = field(default=dict, repr=False)  # of what it writes
+    why: str = ""  # why it runs again when it does (redo=, stale inputs)
+    schemas: dict[str, Any] = field(default_factory=dict, repr=False)  # its settings' dataclasses (`_projected`)
+    # (the time it started) -> its summary when its outputs are complete and written since then: a kill after
+    # its last output and before its marker leaves a complete stage, whose marker the next run writes
+    finished: Optional[Callable[[float], Optional[dict[str, Any]]]] = field(default=None, repr=False)
+    adopted: Optional[dict[str, Any]] = None
     action: str = "run"  # run | skip | redo
     run: Optional[Callable[[bool], dict[str, Any]]] = field(default=None, repr=False)  # (overwrite) -> summary
     # the outputs already on disk that its command would refuse to replace without --overwrite
@@ -164,9 +181,34 @@ def _jobs_data(cfg: RecipeConfig, lay: Layout) -> list[str]:
 ADDED_SINCE_MARKERS: dict[str, Any] = {"user_max_new_tokens": None}
 
 
-def _section(obj: Any, drop: Sequence[str] = HOW_NOT_WHAT) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(obj).items()
-            if k not in drop and not (k in ADDED_SINCE_MARKERS and v == ADDED_SINCE_MARKERS[k])}
+def _section(obj: Any) -> dict[str, Any]:
+    """A section's settings: its WHAT fields, less the keys added since markers were first written, at their
+    defaults."""
+    return {k: v for k, v in output_settings(type(obj), obj).items()
+            if not (k in ADDED_SINCE_MARKERS and v == ADDED_SINCE_MARKERS[k])}
+
+
+def _projected(settings: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
+    """A marker's settings as this version compares them: without the upstream digest older markers held (the
+    inputs' fingerprints now) and without the HOW fields older markers recorded (`schemas`: a settings key's
+    dataclass, or a one-item list of it for a list of sections)."""
+    out = {}
+    for k, v in settings.items():
+        if k == "after":
+            continue
+        schema = schemas.get(k)
+        if isinstance(schema, list) and isinstance(v, list):
+            v = [_section_dict(schema[0], x) for x in v]
+        elif schema is not None:
+            v = _section_dict(schema, v)
+        out[k] = v
+    return out
+
+
+def _section_dict(schema: type, values: Any) -> Any:
+    v = output_settings(schema, values)
+    return {k: x for k, x in v.items() if not (k in ADDED_SINCE_MARKERS and x == ADDED_SINCE_MARKERS[k])} \
+        if isinstance(v, dict) else v
 
 
 def _parser_check(name: str, parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -179,6 +221,21 @@ def _parser_check(name: str, parser: argparse.ArgumentParser, argv: list[str]) -
 
     parser.error = error  # type: ignore[method-assign]
     return parser.parse_args(argv)
+
+
+def _training_run_dir(output_dir: Path) -> Optional[Path]:
+    """The run directory a training in ``output_dir`` was started from, as its config.yaml records it (`run.dir`,
+    else the folder holding output_dir); None when it records no pipeline's recipe."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("run"), dict):
+        return None
+    run_dir = saved["run"].get("dir")
+    return (Path(run_dir) if run_dir else output_dir.parent).resolve()
 
 
 def check_source_packages(entries: Sequence[str], key: str) -> None:
@@ -194,8 +251,12 @@ class Pipeline:
 
     def __init__(self, cfg: RecipeConfig, stages: Sequence[str], redo: Sequence[str]) -> None:
         self.cfg, self.lay = cfg, layout_of(cfg)
+        check_run_dir(self.lay.run, self.lay.output_dir)  # another run's, a model's, a user's folder: refused now
+        check_counts(cfg, self.lay.run / "data" / "regen.holdout.jsonl", stages)  # ranges, bounds of its stages
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.checked = set(stages)  # only the stages this run runs are checked (the others give their settings)
+        self.fp = Fingerprints(self.lay.run / STAGES_DIR / FINGERPRINTS)  # saved only once the run owns the folder
+        self._target_fp: Optional[str] = None
         built = {"prompts": self._prompts, "regenerate": self._regenerate, "train": self._train,
                  "export": self._export, "evaluate": self._evaluate}
         self.stages: list[Stage] = []
@@ -245,7 +306,12 @@ class Pipeline:
         def left() -> list[str]:
             return [str(p) for p in (self.lay.prompts(j.name) for j in jobs) if needs_overwrite(Output(p, "--out"))]
 
-        return Stage("prompts", settings, run=run, left=left)
+        def outputs() -> dict[str, Optional[str]]:
+            return {f"prompts/{j.name}.jsonl": self.fp.file(self.lay.prompts(j.name)) for j in jobs}
+
+        inputs = (lambda: {"target": self.target_fp()}) if magpie else dict
+        return Stage("prompts", settings, run=run, left=left, inputs=inputs, outputs=outputs,
+                     schemas={"jobs": [PromptJobConfig]})
 
     def _regenerate(self) -> Stage:
         from nemo_dflash.recipes import regenerate
@@ -273,8 +339,41 @@ class Pipeline:
                                               regenerate.holdout_path(out) if args.holdout else None, self.world)
             return [str(o.path) for o in places if needs_overwrite(o)]
 
+        def inputs() -> dict[str, Optional[str]]:
+            found: dict[str, Optional[str]] = {"target": self.target_fp()}
+            for j in self.cfg.prompts.jobs:  # the prompts stage's outputs, there or not yet
+                found[f"prompts/{j.name}.jsonl"] = self.fp.file(self.lay.prompts(j.name))
+            for key, entries in (("regenerate.data", self.cfg.regenerate.data),
+                                 ("regenerate.eval_file", self.cfg.regenerate.eval_file)):
+                for entry in entries:
+                    path = entry_path(entry)
+                    if path is not None:
+                        found[f"{key}:{entry}"] = self.fp.file(path)
+            return found
+
+        def outputs() -> dict[str, Optional[str]]:
+            return {str(p.relative_to(self.lay.run)): self.fp.file(p) for p in
+                    (self.lay.regen, regenerate.holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
+
+        def finished(since: float) -> Optional[dict[str, Any]]:
+            """regenerate writes --summary-json last: there, naming this --out and its line count, and newer
+            than the stage's start, it says the stage completed."""
+            summary_path = self.lay.regen_summary
+            try:
+                if summary_path.stat().st_mtime < since:
+                    return None
+                summary = json.loads(summary_path.read_text().splitlines()[0])
+                with open(self.lay.regen, encoding="utf-8") as f:
+                    lines = sum(1 for _ in f)
+            except (OSError, ValueError, IndexError):
+                return None
+            ok = isinstance(summary, dict) and summary.get("out") == str(self.lay.regen) and summary.get(
+                "written") == lines
+            return summary if ok else None
+
         return Stage("regenerate", settings, upstream="prompts" if self.cfg.prompts.jobs else None, run=run,
-                     left=left)
+                     left=left, inputs=inputs, outputs=outputs, schemas={"regenerate": RegenerateConfig},
+                     finished=finished)
 
     def _train(self) -> Stage:
         from nemo_dflash.data.config import DataSourceConfig
@@ -284,12 +383,15 @@ class Pipeline:
         if not cfg.data.sources:  # the regenerated data, unless the recipe names its own
             cfg.data.sources = [DataSourceConfig(path=str(self.lay.regen))]
         reads_regen = any(Path(s.path).resolve() == regen for s in cfg.data.sources)
-        settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAIN_HOW_NOT_WHAT}
-        for section, keys in TRAIN_KEYS_HOW_NOT_WHAT.items():
-            settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
+        settings = {k: v for k, v in output_settings(RecipeConfig, cfg).items() if k not in NOT_TRAINING}
         if "train" in self.checked:  # the target and the data that exist now (the regenerated data comes later)
             from nemo_dflash.recipes.train import check_paths
 
+            from nemo_dflash.data import DataError
+            from nemo_dflash.data.config import validate_data_config
+
+            with user_errors(DataError):  # every data.* range, the regenerated data counted in (it comes later)
+                validate_data_config(cfg.data)
             now = copy.deepcopy(cfg)
             now.data.sources = [s for s in now.data.sources if Path(s.path).resolve() != regen]
             check_paths(now)
@@ -311,15 +413,36 @@ class Pipeline:
             return summary
 
         def left() -> list[str]:
-            from nemo_dflash.train.run_dir import blocks_a_fresh_start
+            """Called when this run directory has no record of starting its training: a run in output_dir is
+            another's (resumed, it would be adopted as this run's and its config.yaml rewritten) unless its
+            config.yaml names this run directory (a training started before stages recorded their starts)."""
+            from nemo_dflash.train.run_dir import blocks_a_fresh_start, held_run
 
             out = Path(cfg.output_dir).resolve()
             if cfg.checkpoint.resume not in ("auto", "none"):  # another run's checkpoint: train's own checks
                 return []
-            return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
+            if not out.is_dir():
+                return []
+            if _training_run_dir(out) == self.lay.run.resolve():
+                return [str(out / e) for e in blocks_a_fresh_start(out, cfg.checkpoint.resume)]
+            return [str(out / e) for e in held_run(out)]
+
+        def inputs() -> dict[str, Optional[str]]:
+            found = {"target": self.target_fp()}
+            for i, s in enumerate(cfg.data.sources):  # the regenerated data among them, there or not yet
+                found[f"data.sources[{i}]:{s.path}"] = self.fp.file(s.path)
+            if cfg.draft.init_from:
+                found["draft.init_from"] = self.fp.tree(cfg.draft.init_from)
+            return found
+
+        def outputs() -> dict[str, Optional[str]]:
+            return {"final": self.fp.tree(Path(cfg.output_dir) / "final")}
 
         self.train_cfg = cfg
-        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left)
+        return Stage("train", settings, upstream="regenerate" if reads_regen else None, run=run, left=left,
+                     inputs=inputs, outputs=outputs,
+                     schemas={k: t for k, t in typing.get_type_hints(RecipeConfig).items()
+                              if k in settings and dataclasses.is_dataclass(t)})
 
     def _export(self) -> Stage:
         from nemo_dflash.recipes import export
@@ -331,13 +454,17 @@ class Pipeline:
 
         def run(overwrite: bool) -> dict[str, Any]:
             export.main([*argv, *(["--overwrite"] if overwrite else [])])
-            return {"out": str(self.lay.export)}
+            files = sorted(f for f in self.lay.export.iterdir() if f.is_file())
+            return {"out": str(self.lay.export), "sha256": {f.name: self.fp.file(f).split(":", 1)[1] for f in files}}
 
         def left() -> list[str]:
             return [str(self.lay.export)] if needs_overwrite(Output(self.lay.export, "--out", kind="dir")) else []
 
         settings = {"target": self.cfg.target.path, "export": _section(self.cfg.export)}
-        return Stage("export", settings, upstream="train", run=run, left=left)
+        return Stage("export", settings, upstream="train", run=run, left=left, schemas={"export": ExportConfig},
+                     inputs=lambda: {"train/final": self.fp.tree(self.lay.output_dir / "final"),
+                                     "target": self.target_fp()},
+                     outputs=lambda: {"export": self.fp.tree(self.lay.export)})
 
     def _evaluate(self) -> Stage:
         from nemo_dflash.recipes import evaluate
@@ -357,13 +484,26 @@ class Pipeline:
                 return {"incomplete": True}
             return {k: results[k] for k in ("protocol", "acceptance", "speedup", "complete") if k in results}
 
+        def inputs() -> dict[str, Optional[str]]:
+            found = {"export": self.fp.tree(self.lay.export), "target": self.target_fp()}
+            for name in (self.cfg.evaluate.datasets or "").split(","):
+                if name.strip() and Path(name.strip()).is_file():
+                    found[f"evaluate.datasets:{name.strip()}"] = self.fp.file(name.strip())
+            return found
+
         settings = {"target": self.cfg.target.path, "evaluate": _section(self.cfg.evaluate)}
-        return Stage("evaluate", settings, upstream="export", run=run)
+        return Stage("evaluate", settings, upstream="export", run=run, inputs=inputs, schemas={"evaluate": EvaluateConfig},
+                     outputs=lambda: {"eval/results.json": self.fp.file(self.lay.eval / "results.json")})
+
+    def target_fp(self) -> Optional[str]:
+        if self._target_fp is None:
+            self._target_fp = target_fingerprint(self.cfg.target.path, self.cfg.target.random_init)
+        return self._target_fp
 
     # ---- the plan: skip, run, redo or refuse each selected stage ----
 
-    def _read_marker(self, name: str) -> Optional[dict[str, Any]]:
-        path = self.lay.marker(name)
+    def _read_marker(self, name: str, path: Optional[Path] = None) -> Optional[dict[str, Any]]:
+        path = path or self.lay.marker(name)
         if not path.is_file():
             return None
         try:
@@ -376,33 +516,22 @@ class Pipeline:
         selected = {s.name for s in self.selected}
         for name in redo - selected:
             raise UsageError(f"redo={name} but stages leave {name} out: add it to stages=")
-        redone: set[str] = set()  # stages redone now: the later stages reading their outputs are redone too
+        runs: set[str] = set()  # stages that run now: the later stages reading their outputs are stale
         for stage in self.stages:
-            up = by_name.get(stage.upstream) if stage.upstream else None
-            if up is not None:  # what the outputs it reads were made with: this run's, else the upstream's marker
-                if up.name in selected:
-                    stage.settings["after"] = {up.name: digest(up.settings)}
-                else:
-                    marker = self._read_marker(up.name)
-                    stage.settings["after"] = {up.name: marker["digest"] if marker else None}
             if stage.name not in selected:
                 continue
+            up = by_name.get(stage.upstream) if stage.upstream else None
             marker = self._read_marker(stage.name)
-            if stage.name in redo or (up is not None and up.name in redone):
-                stage.action = "redo"
-            elif marker is None:
-                stage.action = "run"
-            elif marker.get("digest") == digest(stage.settings):
-                stage.action = "skip"
-            else:
-                keys = changed_keys(marker.get("settings", {}), stage.settings)
-                raise UsageError(
-                    f"stage {stage.name} completed with other settings ({', '.join(keys[:4]) or 'its inputs'} "
-                    f"differ from {self.lay.marker(stage.name)}): pass redo={stage.name} to run it again (its outputs "
-                    "are replaced), or restore the settings")
-            if stage.action == "redo":
-                redone.add(stage.name)
-            elif stage.action == "run" and stage.left is not None:
+            started = self._read_marker(stage.name, self.lay.started(stage.name))
+            if stage.name in redo:
+                stage.action, stage.why = "redo", f"redo={stage.name}"
+            elif up is not None and up.name in runs and (marker is not None or started is not None):
+                stage.action, stage.why = "redo", f"stale: {up.name}, whose outputs it reads, runs again"
+            elif marker is not None or started is not None:
+                self._check_recorded(stage, marker, started)
+            if stage.action != "skip":
+                runs.add(stage.name)
+            if stage.action == "run" and stage.left is not None and started is None:
                 found = stage.left()
                 if found:  # the command would refuse them naming --overwrite: here the fix is redo=
                     raise UsageError(
@@ -410,6 +539,33 @@ class Pipeline:
                         f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), left by something else (its "
                         f"command run by hand, or the stage killed after writing them): pass redo={stage.name} to "
                         "replace them, or move them away")
+
+    def _check_recorded(self, stage: Stage, marker: Optional[dict[str, Any]],
+                        started: Optional[dict[str, Any]]) -> None:
+        """Skip, continue, rerun (stale) or refuse a stage from what its markers recorded: the complete one, else
+        the one written when it started (an incomplete stage continues only under the settings it started with)."""
+        record = marker if marker is not None else started
+        assert record is not None
+        path = self.lay.marker(stage.name) if marker is not None else self.lay.started(stage.name)
+        if record.get("stale"):
+            stage.action, stage.why = "redo", f"stale: {record['stale']} ran again after it"
+            return
+        recorded = _projected(record.get("settings", {}), stage.schemas)
+        if digest(recorded) != digest(stage.settings):
+            keys = changed_keys(recorded, stage.settings)
+            what = "completed" if marker is not None else "was started, and is not complete,"
+            raise UsageError(
+                f"stage {stage.name} {what} with other settings ({', '.join(keys[:4]) or 'its inputs'} differ "
+                f"from {path}): pass redo={stage.name} to run it again (its outputs are replaced), or restore the "
+                "settings")
+        diffs = input_diffs(record["inputs"], stage.inputs()) if "inputs" in record else []
+        if diffs:
+            stage.action, stage.why = "redo", f"stale: {', '.join(diffs[:3])} changed since it ran"
+        elif marker is not None:
+            stage.action = "skip"
+        else:
+            done = stage.finished(path.stat().st_mtime) if stage.finished is not None else None
+            stage.action, stage.adopted = ("adopt", done) if done is not None else ("run", None)
 
     # ---- running ----
 
@@ -433,11 +589,71 @@ class Pipeline:
         finally:
             dist.destroy_process_group()
 
+    def _complete(self, stage: Stage, inputs: dict[str, Optional[str]], summary: dict[str, Any],
+                  seconds: float) -> None:
+        """Rank 0: the stage's marker (its settings, inputs, outputs and summary), then its start record goes."""
+        _write_json(self.lay.marker(stage.name), {
+            "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings, "inputs": inputs,
+            "outputs": stage.outputs(), "summary": summary, "seconds": round(seconds, 1),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.lay.started(stage.name).unlink(missing_ok=True)
+        self.fp.save()
+
+    def _start(self, stage: Stage, redo: bool) -> dict[str, Optional[str]]:
+        """Before a stage runs (rank 0): its complete marker goes (a killed rerun is not complete), the settings
+        and inputs it starts with are recorded, and every later stage's marker is marked stale (its inputs are
+        about to be rewritten). Returns the inputs' fingerprints, which its marker records."""
+        self.lay.marker(stage.name).unlink(missing_ok=True)
+        inputs = stage.inputs()
+        started = self._read_marker(stage.name, self.lay.started(stage.name))
+        if redo or started is None:
+            _write_json(self.lay.started(stage.name), {"stage": stage.name, "digest": digest(stage.settings),
+                                                       "settings": stage.settings, "inputs": inputs})
+        for later in downstream(self.stages, stage.name):
+            for path in (self.lay.marker(later), self.lay.started(later)):
+                record = self._read_marker(later, path)
+                if record is not None and not record.get("stale"):
+                    _write_json(path, {**record, "stale": stage.name})
+        self.fp.save()
+        return inputs
+
+    def _claim(self) -> Any:
+        """Rank 0: lock the run directory for the whole run (`stages/pipeline.lock`), before anything else is
+        written; a second pipeline there is refused in one line."""
+        from nemo_dflash.files import FileLock, LockBusyError
+
+        self.lay.run.mkdir(parents=True, exist_ok=True)
+        check_run_dir(self.lay.run, self.lay.output_dir)  # again: something may have come since the plan
+        (self.lay.run / STAGES_DIR).mkdir(exist_ok=True)
+        lock = FileLock(self.lay.run / STAGES_DIR / LOCK)
+        try:
+            lock.acquire()
+        except LockBusyError as e:
+            raise UsageError(f"run.dir {self.lay.run} is in use by another pipeline (pid {e.holder}): wait for it to "
+                             "end, or choose another run.dir") from None
+        except OSError as e:
+            raise UsageError(f"run.dir {self.lay.run} cannot be locked ({e.strerror or e}): choose a run.dir on a "
+                             "local or lock-capable filesystem") from None
+        return lock
+
     def execute(self) -> dict[str, Any]:
-        main = self.rank == 0
-        self._agree(False)  # every rank has planned from the same markers before any is written
+        main, lock, refused = self.rank == 0, None, ""
         if main:
-            self.lay.run.mkdir(parents=True, exist_ok=True)
+            try:
+                lock = self._claim()
+            except UsageError as e:
+                refused = str(e)
+        # every rank has planned from the same markers before any is written, and stops if rank 0 could not claim
+        if self._agree(bool(refused)):
+            fail(refused or f"run.dir {self.lay.run}: rank 0 could not claim it (its message says why)")
+        try:
+            return self._execute(main)
+        finally:
+            if lock is not None:
+                lock.release(remove=True)
+
+    def _execute(self, main: bool) -> dict[str, Any]:
+        if main:
             tmp = self.lay.run / "recipe.yaml.tmp"
             tmp.write_text(to_yaml(self.cfg))
             os.replace(tmp, self.lay.run / "recipe.yaml")
@@ -448,10 +664,19 @@ class Pipeline:
                             self.lay.marker(stage.name))
                 outcome[stage.name] = "skipped"
                 continue
+            if stage.action == "adopt":  # killed after its last output, before its marker: completed
+                logger.info("stage %s: its outputs were complete (stopped before its marker): marker written",
+                            stage.name)
+                if main:
+                    started = self._read_marker(stage.name, self.lay.started(stage.name)) or {}
+                    self._complete(stage, started.get("inputs", stage.inputs()), stage.adopted or {}, 0.0)
+                outcome[stage.name] = "done"
+                continue
             redo = stage.action == "redo"
-            if redo and main:
-                self.lay.marker(stage.name).unlink(missing_ok=True)  # a killed redo is not complete
-            logger.info("stage %s: %s", stage.name, "redo" if redo else "run")
+            inputs: dict[str, Optional[str]] = {}
+            if main:
+                inputs = self._start(stage, redo)
+            logger.info("stage %s: %s%s", stage.name, "redo" if redo else "run", f" ({stage.why})" if stage.why else "")
             t0 = time.perf_counter()
             summary: dict[str, Any] = {}
             if main or stage.name not in RANK0_STAGES:
@@ -463,15 +688,14 @@ class Pipeline:
                 outcome[stage.name] = "incomplete"
                 break
             if main:
-                _write_json(self.lay.marker(stage.name), {
-                    "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings,
-                    "summary": summary, "seconds": round(time.perf_counter() - t0, 1),
-                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                self._complete(stage, inputs, summary, time.perf_counter() - t0)
             outcome[stage.name] = "redone" if redo else "done"
         if main:
+            self.fp.save()
             markers = {s.name: self._read_marker(s.name) for s in self.stages}
             _write_json(self.lay.run / "summary.json", {
-                "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"]}
+                "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"],
+                               **({"stale": m["stale"]} if m.get("stale") else {})}  # outdated by that stage's rerun
                            for k, m in markers.items() if m}, "last_invocation": outcome})
             logger.info("pipeline: %s (run directory %s)", ", ".join(f"{k} {v}" for k, v in outcome.items()),
                         self.lay.run)

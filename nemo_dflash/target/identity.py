@@ -48,4 +48,35 @@ def weights_fingerprint(target: str | Path, *, random_init: bool = False) -> str
     return h.hexdigest()
 
 
-__all__ = ["weights_fingerprint"]
+TRAINED_ON = "target_weights"  # a draft's safetensors header key: the fingerprint of the target it was trained with
+
+
+def trained_on(weights_file: str | Path) -> str | None:
+    """The target fingerprint a draft's weights file records (`TRAINED_ON`), None when it records none (a draft
+    written before drafts recorded it, or by other tools)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            return (f.metadata() or {}).get(TRAINED_ON)
+    except (OSError, SafetensorError):
+        return None
+
+
+def check_trained_on(weights_file: str | Path, target: str, *, flag: str, allow: bool) -> str | None:
+    """Refuse (``ValueError``, one line) a draft recorded as trained on other target weights than ``target``'s,
+    unless ``allow`` (the user's ``--any-target``); returns the recorded fingerprint."""
+    from nemo_dflash.target.loading import resolve_target_path
+
+    recorded = trained_on(weights_file)
+    if recorded is None or allow:
+        return recorded
+    path = resolve_target_path(target)
+    if Path(path).exists() and recorded not in (weights_fingerprint(path), weights_fingerprint(path, random_init=True)):
+        raise ValueError(f"the draft ({weights_file}) was trained on other target weights than {flag} {target} "
+                         f"holds (their fingerprints differ): give the target it was trained on, or pass "
+                         f"--any-target to use it with this one")
+    return recorded
+
+
+__all__ = ["TRAINED_ON", "check_trained_on", "trained_on", "weights_fingerprint"]

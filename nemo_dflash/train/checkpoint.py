@@ -55,6 +55,7 @@ from nemo_dflash.files import (  # the on-disk layout (build.resolve_draft_dir r
     final_draft_dir, fsync_path, verify_complete, write_complete_marker, write_error_reason,
 )
 from nemo_dflash.train.distributed import DistState, all_reduce_sum
+from nemo_dflash.train import safe_dcp
 
 logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -193,14 +194,19 @@ def full_draft_state_dict(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
 
 
-def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState) -> None:
-    """config.json + model.safetensors (fp32) of the whole draft, written by rank 0."""
+def save_draft_dir(draft: torch.nn.Module, out_dir: str | Path, state: DistState,
+                   target_weights: Optional[str] = None) -> None:
+    """config.json + model.safetensors (fp32) of the whole draft, written by rank 0; its header records the
+    fingerprint of the target it was trained with (``target_weights``), which export and evaluate check."""
     sd = full_draft_state_dict(draft)  # collective under FSDP2: every rank calls it
     if state.is_main:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         draft.config.save_pretrained(out_dir)
-        save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        from nemo_dflash.target.identity import TRAINED_ON
+
+        save_file(sd, str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt", **({TRAINED_ON: target_weights} if target_weights else {})})
         apply_umask(out_dir)  # safetensors writes 0600
 
 
@@ -223,7 +229,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier(state)
 
-    save_draft_dir(draft, tmp / DRAFT_DIR, state)
+    save_draft_dir(draft, tmp / DRAFT_DIR, state, meta.get("target_weights"))
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
     (tmp / f"rank_{state.rank}.json").write_text(json.dumps({"dataloader": dataloader.state_dict()}))
@@ -294,7 +300,7 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(draft, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(ckpt / "state"))
+    safe_dcp.load(sd, ckpt / "state")  # unpickles nothing a file can craft (safe_dcp.py)
     set_state_dict(draft, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     dataloader.load_state_dict(json.loads((ckpt / f"rank_{state.rank}.json").read_text())["dataloader"])
     # StatefulDataLoader applies a loaded state only when its next iterator is made; make it now
@@ -482,7 +488,7 @@ class Checkpointer:
         try:
             if self.state.is_main and tmp.exists():
                 shutil.rmtree(tmp)
-            save_draft_dir(self.draft, tmp / self.final_draft.name, self.state)
+            save_draft_dir(self.draft, tmp / self.final_draft.name, self.state, self.identity.get("target_weights"))
             if self.state.is_main:
                 write_complete_marker(tmp)
         except _WRITE_FAILURES as e:
