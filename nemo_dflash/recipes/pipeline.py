@@ -204,6 +204,8 @@ class Pipeline:
             if stage is not None:
                 self.stages.append(stage)
         self.selected = [s for s in self.stages if s.name in stages]
+        self.incomplete: dict[str, dict[str, Any]] = {}  # stages stopped early this run -> what they measured
+        self.capped_draft: dict[str, Any] = {}  # the training a time cap stopped, when later stages go on
         self._plan(set(redo))
 
     # ---- each stage: its settings (what its outputs depend on), its checks, how it runs ----
@@ -353,9 +355,11 @@ class Pipeline:
         def run(overwrite: bool) -> dict[str, Any]:
             evaluate.main([*argv, *(["--overwrite"] if overwrite else [])])
             results = json.loads((self.lay.eval / "results.json").read_text())
-            if not results.get("complete", True):
-                return {"incomplete": True}
-            return {k: results[k] for k in ("protocol", "acceptance", "speedup", "complete") if k in results}
+            measured = {k: results[k] for k in ("protocol", "acceptance", "results", "speedup", "complete",
+                                                "not_measured") if k in results}
+            if not results.get("complete", True):  # its cap: what it measured, and what it did not
+                return {**measured, "incomplete": True, "stopped_by": "evaluate.max_minutes"}
+            return measured
 
         settings = {"target": self.cfg.target.path, "evaluate": _section(self.cfg.evaluate)}
         return Stage("evaluate", settings, upstream="export", run=run)
@@ -393,7 +397,7 @@ class Pipeline:
             elif marker is None:
                 stage.action = "run"
             elif marker.get("digest") == digest(stage.settings):
-                stage.action = "skip"
+                stage.action = "redo" if redo_capped_draft(marker, stage, selected) else "skip"
             else:
                 keys = changed_keys(marker.get("settings", {}), stage.settings)
                 raise UsageError(
@@ -410,6 +414,24 @@ class Pipeline:
                         f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), left by something else (its "
                         f"command run by hand, or the stage killed after writing them): pass redo={stage.name} to "
                         "replace them, or move them away")
+
+    # ---- a budget ends with a draft ----
+
+    def _capped_draft(self, stage: Stage, summary: dict[str, Any]) -> bool:
+        """Whether a stage stopped early goes on to the later stages: a training stopped by `train.max_minutes`
+        is exported and evaluated as a time-capped draft (its export and evaluate markers say so, and the same
+        command continues the training, then exports and evaluates again). Anything else stops the run."""
+        later = [s.name for s in self.selected if STAGES.index(s.name) > STAGES.index(stage.name)]
+        if stage.name != "train" or summary.get("stopped_by") != TIME_CAP or not later:
+            return False
+        self.capped_draft = {"steps": summary.get("steps"), "total_steps": summary.get("total_steps"),
+                             "tokens_seen": summary.get("tokens_seen"), "stopped_by": TIME_CAP,
+                             "continue": "run the same command again: training continues, then export and "
+                                         "evaluate run again"}
+        logger.warning("stage train stopped by train.max_minutes at step %s of %s: exporting and evaluating that "
+                       "draft (time-capped); run the same command again to continue training", summary.get("steps"),
+                       summary.get("total_steps"))
+        return True
 
     # ---- running ----
 
@@ -458,6 +480,10 @@ class Pipeline:
                 summary = stage.run(redo) or {}  # type: ignore[misc]
             # every rank waits for rank 0's outputs; a stage stopped early on one rank stops the run on all
             if self._agree(bool(summary.get("incomplete"))):
+                self.incomplete[stage.name] = summary  # no marker; summary.json keeps what it measured
+                if self._capped_draft(stage, summary):  # the same command continues the training
+                    outcome[stage.name] = "time-capped"
+                    continue
                 logger.warning("stage %s stopped before the end (%s): run the same command again to continue it",
                                stage.name, summary.get("stopped_by", "its time cap"))
                 outcome[stage.name] = "incomplete"
@@ -466,16 +492,28 @@ class Pipeline:
                 _write_json(self.lay.marker(stage.name), {
                     "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings,
                     "summary": summary, "seconds": round(time.perf_counter() - t0, 1),
-                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    **({"time_capped_draft": self.capped_draft} if self.capped_draft else {})})
             outcome[stage.name] = "redone" if redo else "done"
         if main:
             markers = {s.name: self._read_marker(s.name) for s in self.stages}
             _write_json(self.lay.run / "summary.json", {
                 "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"]}
-                           for k, m in markers.items() if m}, "last_invocation": outcome})
+                           for k, m in markers.items() if m}, "last_invocation": outcome,
+                **({"incomplete": self.incomplete} if self.incomplete else {}),
+                **({"time_capped_draft": self.capped_draft} if self.capped_draft else {})})
             logger.info("pipeline: %s (run directory %s)", ", ".join(f"{k} {v}" for k, v in outcome.items()),
                         self.lay.run)
         return outcome
+
+
+TIME_CAP = "train.max_minutes reached"  # the trainer's StopReason.TIME_LIMIT
+
+
+def redo_capped_draft(marker: dict[str, Any], stage: Stage, selected: set[str]) -> bool:
+    """An export or evaluation of a time-capped draft is redone when this run trains again (it continues the
+    training, so the draft those outputs describe is replaced)."""
+    return bool(marker.get("time_capped_draft")) and stage.name in ("export", "evaluate") and "train" in selected
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, str]:
