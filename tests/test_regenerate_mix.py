@@ -167,3 +167,17 @@ def test_cli_reports_the_achieved_mix(tmp_path, monkeypatch, target, caplog):
     assert json.loads(summary_json.read_text())["mix"] == summary["mix"]
     lines = [r.getMessage() for r in caplog.records if "data mix" in r.getMessage()]
     assert len(lines) == 1 and "code" in lines[0] and "chat" not in lines[0].split(":")[1].split("(")[0]
+
+
+def test_order_without_answers_interleaves_by_turns():
+    """No answer credited (the ranks' shared queue is made ahead): the mix interleaves by user turns over weight,
+    ties to the first source. Hand-computed: a has 2 turns a conversation, b one, weights 1:1."""
+    a = [Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
+                       {"role": "user", "content": "q2"}], f"a:{i}") for i in range(3)]
+    b = [Conversation([{"role": "user", "content": "q"}], f"b:{i}") for i in range(4)]
+    mix = SourceMix({"a": 1.0, "b": 1.0}, {c.location: c.location[0] for c in a + b}, prior_tokens=1.0)
+    order = [c.location for _, c in mix.order(a + b, "all")]
+    assert order == ["a:0", "b:0", "b:1", "a:1", "b:2", "b:3", "a:2"]
+    # with turns="first" every conversation is one turn: plain alternation
+    mix = SourceMix({"a": 1.0, "b": 1.0}, {c.location: c.location[0] for c in a + b}, prior_tokens=1.0)
+    assert [c.location for _, c in mix.order(a + b, "first")] == ["a:0", "b:0", "a:1", "b:1", "a:2", "b:2", "b:3"]

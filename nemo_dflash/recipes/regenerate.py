@@ -929,8 +929,14 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         block = queue_block(int(fills.item()), chunk)
         for mode in modes:
             left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
-            queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", start_order(left, args.schedule, args.turns),
-                                       chunk, block, rank, world)
+            if args.max_minutes is not None and len(report) > 1:  # a static interleave: see the warning below
+                from nemo_dflash.data.regenerate import SourceMix
+
+                fresh = SourceMix({r["name"]: r["weight"] for r in report}, dataset, prior_tokens=1.0)
+                ordered = [c for _, c in fresh.order(left, args.turns)]
+            else:
+                ordered = start_order(left, args.schedule, args.turns)
+            queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", ordered, chunk, block, rank, world)
         todo: Any = lambda mode: queues[mode]  # noqa: E731
         schedule = "given"
         logger.info("%d ranks share a queue of %d conversations (%d taken at a time, cross-sections of blocks of "
@@ -963,8 +969,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     mix = None
     if args.max_minutes is not None and len(report) > 1:  # a time cap keeps the asked mix (SourceMix)
         if queues:
-            logger.warning("--max-minutes with %d ranks sharing a queue: the sources are not interleaved by weight "
-                           "(one process interleaves them); the achieved mix is reported", world)
+            logger.warning("--max-minutes with %d ranks sharing a queue: the sources are interleaved by weight in user "
+                           "turns, not in supervised tokens (answer lengths are not known when the queue is made; one "
+                           "process interleaves by tokens); the achieved mix is reported", world)
         else:
             from nemo_dflash.data.regenerate import SourceMix
 
