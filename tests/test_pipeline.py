@@ -216,6 +216,9 @@ def test_a_time_capped_training_alone_stops_the_run(tiny):
     assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
     assert not (run / "export").exists()
     assert json.loads((run / "summary.json").read_text())["incomplete"]["train"]["stopped_by"] == pipeline.TIME_CAP
+    from nemo_dflash.train.trainer import StopReason
+
+    assert pipeline.TIME_CAP == StopReason.TIME_LIMIT.value  # the pipeline names the trainer's reason without importing it
 
 
 def test_a_time_capped_evaluation_reports_what_it_measured(tiny):
