@@ -196,29 +196,78 @@ def test_a_killed_training_resumes_from_its_checkpoint(tiny, monkeypatch):
     assert json.loads((run / "stages" / "train.json").read_text())["summary"]["steps"] == 4
 
 
-def test_a_time_capped_training_is_incomplete_and_the_next_run_resumes_it(tiny, monkeypatch):
-    """train.max_minutes stops the run mid-schedule: no marker, no export of the unfinished draft; the same
-    command with another cap (a job limit, not a setting) continues from the checkpoint the cap wrote."""
+def test_a_time_capped_training_ends_with_a_draft_and_the_next_run_continues_it(tiny, monkeypatch):
+    """train.max_minutes stops training mid-schedule: no train marker, but the last checkpoint is exported and
+    evaluated, marked as a time-capped draft; the same command with another cap (a job limit, not a setting)
+    continues from the checkpoint the cap wrote, then exports and evaluates again."""
+    from nemo_dflash.draft.build import draft_weights_sha256
+
     run = tiny["root"] / "capped"
     config = recipe(tiny, run)
-    outcome = pipeline.main(["--config", str(config), "train.max_minutes=0"])  # 0: stop after the first step
-    assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
+    # 0: stop after the first step; no periodic checkpoints: the cap saves the one the next run continues from
+    outcome = pipeline.main(["--config", str(config), "train.max_minutes=0", "checkpoint.every_steps=null"])
+    assert outcome == {"prompts": "done", "regenerate": "done", "train": "time-capped", "export": "done",
+                       "evaluate": "done"}
     assert not (run / "stages" / "train.json").exists()
-    assert not (run / "export").exists()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["last_invocation"]["train"] == "incomplete"
+    steps = summary["incomplete"]["train"]["steps"]
+    assert 1 <= steps < 4 and summary["time_capped_draft"]["steps"] == steps
+    assert summary["time_capped_draft"]["total_steps"] == 4
+    for stage in ("export", "evaluate"):
+        assert json.loads((run / "stages" / f"{stage}.json").read_text())["time_capped_draft"]["steps"] == steps
+    weights = (run / "export" / "model.safetensors").read_bytes()
+    results = json.loads((run / "eval" / "results.json").read_text())
+    # the evaluation is of the export just written, and complete
+    assert results["complete"] and results["draft_sha256"] == draft_weights_sha256(str(run / "export"))
 
     resumed = spy_resume(monkeypatch)
-    outcome = pipeline.main(["--config", str(config), "train.max_minutes=30"])
-    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done", "export": "done",
-                       "evaluate": "done"}
-    assert resumed and 1 <= resumed[0] < 4  # the capped run's last step, not a fresh start
+    outcome = pipeline.main(["--config", str(config), "train.max_minutes=30", "checkpoint.every_steps=null"])
+    assert outcome == {"prompts": "skipped", "regenerate": "skipped", "train": "done", "export": "redone",
+                       "evaluate": "redone"}
+    assert resumed == [steps]  # the capped run's last step, not a fresh start
     marker = json.loads((run / "stages" / "train.json").read_text())
     assert marker["summary"]["steps"] == 4 and marker["summary"]["stopped_early"] is None
     assert "max_minutes" not in marker["settings"]["train"]
-    # a later run under yet another cap skips the complete stage
-    again = pipeline.main(["--config", str(config), "stages=train", "train.max_minutes=5"])
-    assert again == {"train": "skipped"}
+    assert (run / "export" / "model.safetensors").read_bytes() != weights  # the trained-on draft, re-exported
+    summary = json.loads((run / "summary.json").read_text())
+    assert "time_capped_draft" not in summary and "incomplete" not in summary
+    assert not any("time_capped_draft" in json.loads((run / "stages" / f"{s}.json").read_text())
+                   for s in ("export", "evaluate"))
+    # a later run under yet another cap skips the complete stages
+    again = pipeline.main(["--config", str(config), "train.max_minutes=5", "checkpoint.every_steps=null"])
+    assert set(again.values()) == {"skipped"}
+
+
+def test_a_time_capped_training_alone_stops_the_run(tiny):
+    """stages=train: nothing after it to run, the capped training is incomplete (the same command continues)."""
+    run = tiny["root"] / "capped_alone"
+    config = recipe(tiny, run)
+    outcome = pipeline.main(["--config", str(config), "stages=prompts,regenerate,train", "train.max_minutes=0"])
+    assert outcome == {"prompts": "done", "regenerate": "done", "train": "incomplete"}
+    assert not (run / "export").exists()
+    assert json.loads((run / "summary.json").read_text())["incomplete"]["train"]["stopped_by"] == pipeline.TIME_CAP
+    from nemo_dflash.train.trainer import StopReason
+
+    assert pipeline.TIME_CAP == StopReason.TIME_LIMIT.value  # the pipeline names the trainer's reason without importing it
+
+
+def test_a_time_capped_evaluation_reports_what_it_measured(tiny):
+    """evaluate.max_minutes: the summary keeps what the evaluation measured and names what it did not; the same
+    command continues it from its answers."""
+    run = tiny["root"] / "eval_capped"
+    config = recipe(tiny, run)
+    outcome = pipeline.main(["--config", str(config), "evaluate.max_minutes=1e-6"])
+    assert outcome["evaluate"] == "incomplete" and not (run / "stages" / "evaluate.json").exists()
+    stopped = json.loads((run / "summary.json").read_text())["incomplete"]["evaluate"]
+    assert stopped["complete"] is False and stopped["stopped_by"] == "evaluate.max_minutes"
+    # quick protocol, 1 prompt a set, T=0, no speedup: each set's one prompt is either measured or named missing
+    measured = {name for name in stopped.get("results", {}).get("0", {})}
+    missing = {m["dataset"] for m in stopped["not_measured"] if m["acceptance_prompts_missing"]}
+    assert missing and not measured & missing and all(m["acceptance_prompts"] == 1 for m in stopped["not_measured"])
+    outcome = pipeline.main(["--config", str(config)])
+    assert outcome["evaluate"] == "done"
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["complete"] and "not_measured" not in results and set(results["results"]["0"]) >= missing
 
 
 LEFT_BY_HAND = {  # stage -> an output of it a command run by hand left behind (no marker)

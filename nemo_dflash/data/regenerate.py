@@ -265,6 +265,75 @@ def _scheduled(conversations: Iterable[ConversationLike], schedule: str,
     return iter(sorted(indexed, key=lambda item: -user_turns(item)))
 
 
+class SourceMix:
+    """Interleave the conversations of several sources so that, stopped at any moment (a time cap),
+    the answers written follow the sources' weights by supervised tokens.
+
+    Why interleave rather than give each source a slice of the budget: slices run one after
+    another, so each hand-over drains the engine's rows (a tail per source), and a source that
+    finishes early leaves its slice unused; interleaving keeps every row busy and holds the mix at
+    every moment, so any cap finds it. The next conversation to start is taken from the source
+    whose estimated supervised tokens, over its weight, are the fewest: the tokens of its answers
+    that ended, plus its turns in flight at its mean answer length so far (``prior_tokens`` before
+    any answer of it ended). Inside a source the order is as given (the seeded shuffle), so what a
+    capped run answers is a random sample of each source, not its longest conversations.
+    Thread-safe: the prepare-ahead thread takes conversations while the caller's thread credits
+    answers."""
+
+    def __init__(self, weights: dict[str, float], source_of: dict[str, str], prior_tokens: float) -> None:
+        if not weights or any(not w > 0 for w in weights.values()):
+            raise ValueError(f"SourceMix needs positive weights, got {weights}")
+        self.weights, self.source_of, self.prior = dict(weights), source_of, float(prior_tokens)
+        self.tokens: Counter = Counter()  # supervised tokens of the answers that ended, by source
+        self.answers: Counter = Counter()  # answers that ended, by source
+        self.open_turns: Counter = Counter()  # turns of started conversations not yet answered, by source
+        self._lock = threading.Lock()
+
+    def _estimate(self, name: str) -> float:
+        mean = self.tokens[name] / self.answers[name] if self.answers[name] else self.prior
+        return (self.tokens[name] + self.open_turns[name] * mean) / self.weights[name]
+
+    def order(self, conversations: Iterable[ConversationLike], turns: str) -> Iterator[tuple[int, ConversationLike]]:
+        """(index, conversation) in the interleaved start order, chosen as they are taken."""
+        queues: dict[str, collections.deque] = {name: collections.deque() for name in self.weights}
+        for index, conv in enumerate(conversations):
+            if not isinstance(conv, Conversation) or self.source_of.get(conv.location) not in queues:
+                raise ValueError("SourceMix orders Conversation objects of its sources only")
+            queues[self.source_of[conv.location]].append((index, conv))
+        while True:
+            with self._lock:
+                left = [name for name in self.weights if queues[name]]
+                if not left:
+                    return
+                name = min(left, key=self._estimate)  # ties: the first source given
+                index, conv = queues[name].popleft()
+                self.open_turns[name] += _user_turns(conv, turns)
+            yield index, conv
+
+    def answered(self, location: Optional[str], tokens: int) -> None:
+        """An answer of ``location``'s conversation ended with ``tokens`` supervised tokens kept (0: dropped)."""
+        name = self.source_of.get(location or "")
+        if name is not None:
+            with self._lock:
+                self.tokens[name] += tokens
+                self.answers[name] += 1
+                self.open_turns[name] -= 1
+
+    def closed(self, location: Optional[str], unasked: int) -> None:
+        """A conversation ended (or was skipped) with ``unasked`` of its turns never asked."""
+        name = self.source_of.get(location or "")
+        if name is not None and unasked > 0:
+            with self._lock:
+                self.open_turns[name] -= unasked
+
+
+def _user_turns(conv: ConversationLike, turns: str) -> int:
+    try:
+        return len(split_prompt(conv.messages if isinstance(conv, Conversation) else list(conv), turns)[1])
+    except Exception:  # noqa: BLE001 - a malformed conversation fails where it starts
+        return 0
+
+
 def start_order(conversations: Iterable[ConversationLike], schedule: str, turns: str) -> list[ConversationLike]:
     """The conversations in the order :func:`regenerate_conversations` starts them under ``schedule``:
     ranks sharing one queue hand it out in this order (and run it with ``schedule="given"``), so
@@ -403,6 +472,7 @@ def regenerate_conversations(
     should_stop: Optional[Callable[[], bool]] = None,
     prepare_ahead: int = 0,
     schedule: str = "most_turns_first",
+    mix: Optional[SourceMix] = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -425,8 +495,8 @@ def regenerate_conversations(
     ``reused_tokens``; ``prefix_mismatch`` counts the turns whose prompt rewrote earlier tokens:
     they reuse only the common prefix; ``reuse_slots=False`` prefills every prompt whole, for
     comparison). ``progress(conversations_done, new_tokens)`` is called as answers end.
-    Once ``should_stop()`` is true no new conversation or turn starts, and conversations left
-    unfinished are not yielded (a resumed run redoes them).
+    Once ``should_stop()`` is true no new conversation or turn starts; a conversation with turns
+    still to ask ends at its last answer (``stats.shortened["halted"]``), one not started is left out.
 
     ``prepare_ahead > 0`` takes the conversations, builds their first prompts (chat template and
     tokenisation) on a background thread (``"regen-prepare"``, with its own copy of ``tokenizer``)
@@ -439,6 +509,8 @@ def regenerate_conversations(
 
     ``schedule`` (:data:`SCHEDULES`) is the order conversations start in: ``"most_turns_first"``
     (with ``turns="all"``; it reads every conversation before the first starts) or as given.
+    ``mix`` (a :class:`SourceMix`) replaces it: the sources are interleaved by their weights in
+    supervised tokens, so a run stopped by ``should_stop`` keeps the mix asked for.
 
 """
     if turns not in TURNS:
@@ -476,7 +548,7 @@ def regenerate_conversations(
     run = _Regeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,
                         max_prompt_tokens=max_prompt_tokens, loops=loops, drop_capped=capped == "drop",
                         after_cut=after_cut, prepare_ahead=prepare_ahead, stats=stats, progress=progress,
-                        should_stop=should_stop)
+                        should_stop=should_stop, mix=mix)
     return run.records()
 
 
@@ -487,12 +559,13 @@ class _Regeneration:
     def __init__(self, gen: Any, tokenizer: Any, conversations: Iterable[ConversationLike], *, turns: str,
                  schedule: str, batch_size: int, max_prompt_tokens: int, loops: str, drop_capped: bool,
                  after_cut: str, prepare_ahead: int, stats: RegenStats,
-                 progress: Optional[Callable[[int, int], None]], should_stop: Optional[Callable[[], bool]]) -> None:
+                 progress: Optional[Callable[[int, int], None]], should_stop: Optional[Callable[[], bool]],
+                 mix: Optional[SourceMix] = None) -> None:
         self.gen, self.tokenizer, self.conversations = gen, tokenizer, conversations
         self.turns, self.schedule, self.batch_size = turns, schedule, batch_size
         self.max_prompt_tokens, self.prepare_ahead = max_prompt_tokens, prepare_ahead
         self.loops, self.drop_capped, self.after_cut = loops, drop_capped, after_cut
-        self.stats, self.progress, self.should_stop = stats, progress, should_stop
+        self.stats, self.progress, self.should_stop, self.mix = stats, progress, should_stop, mix
         self.specials = special_token_strings(tokenizer)
         self.pending: collections.deque[Request] = collections.deque()
         self.producer: Optional[_FirstTurnProducer] = None
@@ -502,14 +575,16 @@ class _Regeneration:
     def records(self) -> Iterator[dict[str, Any]]:
         """Yield each conversation's record as it ends (the public generator)."""
         try:
+            order = (self.mix.order(self.conversations, self.turns) if self.mix is not None
+                     else _scheduled(self.conversations, self.schedule, self.turns))
             if self.prepare_ahead > 0:
                 self.producer = _FirstTurnProducer(
-                    _scheduled(self.conversations, self.schedule, self.turns), ahead=self.prepare_ahead,
+                    order, ahead=self.prepare_ahead,
                     turns=self.turns, tokenizer=copy.deepcopy(self.tokenizer),
                     max_prompt_tokens=self.max_prompt_tokens, specials=self.specials,
                 )
             else:
-                self.source = _scheduled(self.conversations, self.schedule, self.turns)
+                self.source = iter(order)
             yield from self._regenerate()
         finally:
             if self.producer is not None:
@@ -522,6 +597,8 @@ class _Regeneration:
     def _end(self, job: _Job, reason: Optional[str]) -> Optional[dict[str, Any]]:
         """The record of a finished conversation (None if no turn survived); counts why it ended."""
         stats = self.stats
+        if self.mix is not None:
+            self.mix.closed(job.source, len(job.users) - job.next_user)
         if reason is not None:
             (stats.shortened if job.answered else stats.skipped)[reason] += 1
         if self.progress is not None:
@@ -570,6 +647,8 @@ class _Regeneration:
             job, reason = taken
             if reason is not None:
                 self.stats.skipped[reason] += 1
+                if self.mix is not None:
+                    self.mix.closed(job.source, len(job.users) - job.next_user)
                 if self.progress is not None:
                     self.progress(1, 0)
                 continue
@@ -608,6 +687,8 @@ class _Regeneration:
             problem = "empty_answer"
         elif any(s in text for s in self.specials):
             problem = "special_tokens_in_answer"  # decoded pieces spelling a template marker
+        if self.mix is not None:  # an answer's supervised tokens: its tokens and its end-of-turn token
+            self.mix.answered(job.source, 0 if problem is not None else len(ids) + 1)
         if problem is not None:
             job.messages.pop()
             return self._end(job, problem)
@@ -618,8 +699,8 @@ class _Regeneration:
             return self._end(job, None)
         if job.finish_reason != "stop" and self.after_cut == "end":
             return self._end(job, job.finish_reason)  # a cut answer is a poor context for the next turn
-        if stats.halted:  # once halted, an unfinished conversation is left for a resume
-            return None
+        if stats.halted:  # once halted no turn starts: the conversation ends at its last answer
+            return self._end(job, "halted")
         history = job.prompt_ids + ids  # what the slot holds, as far as this answer was kept
         reason = self._ask(job)
         if reason is not None:
@@ -628,6 +709,21 @@ class _Regeneration:
         job.last = done
         self.pending.append(self._request(job))
         return None
+
+    def _halt_pending(self) -> Iterator[dict[str, Any]]:
+        """Empty the queue at a halt: a conversation whose next turn waited there ends at its last answer
+        (its record, counted shortened by ``halted``); one not started yet is left out. Its answered turns
+        are kept so a capped run keeps the work it did and every source its share (a multi-turn source
+        has the most conversations in flight)."""
+        waiting = list(self.pending)
+        self.pending.clear()
+        for req in waiting:
+            job = req.tag
+            if job.answered:
+                job.messages.pop()  # the user turn asked, never answered
+                record = self._end(job, "halted")
+                if record is not None:
+                    yield record
 
     def _regenerate(self) -> Iterator[dict[str, Any]]:
         gen, stats = self.gen, self.stats
@@ -654,7 +750,7 @@ class _Regeneration:
                 yield record
             if not stats.halted and self.should_stop is not None and self.should_stop():
                 stats.halted = True
-                self.pending.clear()
+                yield from self._halt_pending()
                 if self.producer is not None:
                     self.producer.halt()  # nothing more is taken from it (joined when the run ends)
             self._admit()

@@ -457,6 +457,7 @@ class EvalRun:
         results: dict[str, dict[str, Any]] = {}
         speedup: dict[str, dict[str, Any]] = {}
         complete = True
+        not_measured: list[dict[str, Any]] = []  # what a capped run left: per temperature and set, what is missing
         for t in p.temperatures:
             tkey = f"{t:g}"
             for name, prompts in self.sets:
@@ -470,6 +471,12 @@ class EvalRun:
                 timed = [k for k, _ in self._keys(t, name, prompts[: p.speedup_prompts])]
                 tk = [k for k in timed if k in self.timed.rows]
                 complete &= len(tk) == len(timed)
+                missing = {"acceptance": len(keys) - len(done) if not self.opts.speedup_only else 0,
+                           "speedup": len(timed) - len(tk)}
+                if any(missing.values()):
+                    not_measured.append({"temperature": tkey, "dataset": name, **{
+                        f"{k}_prompts_missing": v for k, v in missing.items()},
+                        "acceptance_prompts": len(keys), "speedup_prompts": len(timed)})
                 if tk:
                     speedup.setdefault(tkey, {})[name] = {
                         "num_prompts": len(tk), **speedup_metrics([a for k in tk for a in self.timed.answers(k)], t)}
@@ -482,6 +489,7 @@ class EvalRun:
                          "workers": self.opts.workers, "chat_template": self.opts.chat_template,
                          "reasoning": self.opts.reasoning or "template default"},
             "complete": complete, "results": results, "speedup": speedup,
+            **({"not_measured": not_measured} if not_measured else {}),
         }
         (self.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
         if results:
@@ -496,7 +504,12 @@ class EvalRun:
                 f"up to {pr['max_new_tokens']} new tokens, stop at end of turn, up to {pr['turns']} turn(s), "
                 f"{'; '.join(pr['sampling'].values()) if pr.get('sampling') else 'T = ' + ','.join(f'{t:g}' for t in pr['temperatures'])}, block {pr['block_size']}, "
                 f"decode {pr['decode']}, method {pr.get('method', 'sequential')}, reasoning {res['settings'].get('reasoning', 'template default')}; {sets}")
-        return head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
+        text = head + "\n" + format_table(res["results"], self.protocol, pr["block_size"] or 0, res["speedup"])
+        for m in res.get("not_measured", ()):  # a capped run says what its figures leave out
+            text += (f"\nnot measured (T={m['temperature']}, {m['dataset']}): acceptance on "
+                     f"{m['acceptance_prompts_missing']} of {m['acceptance_prompts']} prompts, speedup on "
+                     f"{m['speedup_prompts_missing']} of {m['speedup_prompts']}")
+        return text
 
 
 __all__ = ["EvalRun", "Journal", "ModelSpec", "RunOptions", "check_draft_files", "check_draft_fits", "check_paths",

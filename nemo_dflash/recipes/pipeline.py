@@ -265,6 +265,8 @@ class Pipeline:
             if stage is not None:
                 self.stages.append(stage)
         self.selected = [s for s in self.stages if s.name in stages]
+        self.incomplete: dict[str, dict[str, Any]] = {}  # stages stopped early this run -> what they measured
+        self.capped_draft: dict[str, Any] = {}  # the training a time cap stopped, when later stages go on
         self._plan(set(redo))
 
     # ---- each stage: its settings (what its outputs depend on), its checks, how it runs ----
@@ -480,9 +482,11 @@ class Pipeline:
         def run(overwrite: bool) -> dict[str, Any]:
             evaluate.main([*argv, *(["--overwrite"] if overwrite else [])])
             results = json.loads((self.lay.eval / "results.json").read_text())
-            if not results.get("complete", True):
-                return {"incomplete": True}
-            return {k: results[k] for k in ("protocol", "acceptance", "speedup", "complete") if k in results}
+            measured = {k: results[k] for k in ("protocol", "acceptance", "results", "speedup", "complete",
+                                                "not_measured") if k in results}
+            if not results.get("complete", True):  # its cap: what it measured, and what it did not
+                return {**measured, "incomplete": True, "stopped_by": "evaluate.max_minutes"}
+            return measured
 
         def inputs() -> dict[str, Optional[str]]:
             found = {"export": self.fp.tree(self.lay.export), "target": self.target_fp()}
@@ -528,7 +532,7 @@ class Pipeline:
             elif up is not None and up.name in runs and (marker is not None or started is not None):
                 stage.action, stage.why = "redo", f"stale: {up.name}, whose outputs it reads, runs again"
             elif marker is not None or started is not None:
-                self._check_recorded(stage, marker, started)
+                self._check_recorded(stage, marker, started, selected)
             if stage.action != "skip":
                 runs.add(stage.name)
             if stage.action == "run" and stage.left is not None and started is None:
@@ -541,7 +545,7 @@ class Pipeline:
                         "replace them, or move them away")
 
     def _check_recorded(self, stage: Stage, marker: Optional[dict[str, Any]],
-                        started: Optional[dict[str, Any]]) -> None:
+                        started: Optional[dict[str, Any]], selected: set[str]) -> None:
         """Skip, continue, rerun (stale) or refuse a stage from what its markers recorded: the complete one, else
         the one written when it started (an incomplete stage continues only under the settings it started with)."""
         record = marker if marker is not None else started
@@ -561,11 +565,31 @@ class Pipeline:
         diffs = input_diffs(record["inputs"], stage.inputs()) if "inputs" in record else []
         if diffs:
             stage.action, stage.why = "redo", f"stale: {', '.join(diffs[:3])} changed since it ran"
+        elif marker is not None and redo_capped_draft(marker, stage, selected):
+            stage.action, stage.why = "redo", "it measured a time-capped draft, and training continues now"
         elif marker is not None:
             stage.action = "skip"
         else:
             done = stage.finished(path.stat().st_mtime) if stage.finished is not None else None
             stage.action, stage.adopted = ("adopt", done) if done is not None else ("run", None)
+
+    # ---- a budget ends with a draft ----
+
+    def _capped_draft(self, stage: Stage, summary: dict[str, Any]) -> bool:
+        """Whether a stage stopped early goes on to the later stages: a training stopped by `train.max_minutes`
+        is exported and evaluated as a time-capped draft (its export and evaluate markers say so, and the same
+        command continues the training, then exports and evaluates again). Anything else stops the run."""
+        later = [s.name for s in self.selected if STAGES.index(s.name) > STAGES.index(stage.name)]
+        if stage.name != "train" or summary.get("stopped_by") != TIME_CAP or not later:
+            return False
+        self.capped_draft = {"steps": summary.get("steps"), "total_steps": summary.get("total_steps"),
+                             "tokens_seen": summary.get("tokens_seen"), "stopped_by": TIME_CAP,
+                             "continue": "run the same command again: training continues, then export and "
+                                         "evaluate run again"}
+        logger.warning("stage train stopped by train.max_minutes at step %s of %s: exporting and evaluating that "
+                       "draft (time-capped); run the same command again to continue training", summary.get("steps"),
+                       summary.get("total_steps"))
+        return True
 
     # ---- running ----
 
@@ -595,7 +619,8 @@ class Pipeline:
         _write_json(self.lay.marker(stage.name), {
             "stage": stage.name, "digest": digest(stage.settings), "settings": stage.settings, "inputs": inputs,
             "outputs": stage.outputs(), "summary": summary, "seconds": round(seconds, 1),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"time_capped_draft": self.capped_draft} if self.capped_draft else {})})
         self.lay.started(stage.name).unlink(missing_ok=True)
         self.fp.save()
 
@@ -683,6 +708,10 @@ class Pipeline:
                 summary = stage.run(redo) or {}  # type: ignore[misc]
             # every rank waits for rank 0's outputs; a stage stopped early on one rank stops the run on all
             if self._agree(bool(summary.get("incomplete"))):
+                self.incomplete[stage.name] = summary  # no marker; summary.json keeps what it measured
+                if self._capped_draft(stage, summary):  # the same command continues the training
+                    outcome[stage.name] = "time-capped"
+                    continue
                 logger.warning("stage %s stopped before the end (%s): run the same command again to continue it",
                                stage.name, summary.get("stopped_by", "its time cap"))
                 outcome[stage.name] = "incomplete"
@@ -696,10 +725,21 @@ class Pipeline:
             _write_json(self.lay.run / "summary.json", {
                 "stages": {k: {"seconds": m["seconds"], "finished": m["finished"], "summary": m["summary"],
                                **({"stale": m["stale"]} if m.get("stale") else {})}  # outdated by that stage's rerun
-                           for k, m in markers.items() if m}, "last_invocation": outcome})
+                           for k, m in markers.items() if m}, "last_invocation": outcome,
+                **({"incomplete": self.incomplete} if self.incomplete else {}),
+                **({"time_capped_draft": self.capped_draft} if self.capped_draft else {})})
             logger.info("pipeline: %s (run directory %s)", ", ".join(f"{k} {v}" for k, v in outcome.items()),
                         self.lay.run)
         return outcome
+
+
+TIME_CAP = "train.max_minutes reached"  # the trainer's StopReason.TIME_LIMIT
+
+
+def redo_capped_draft(marker: dict[str, Any], stage: Stage, selected: set[str]) -> bool:
+    """An export or evaluation of a time-capped draft is redone when this run trains again (it continues the
+    training, so the draft those outputs describe is replaced)."""
+    return bool(marker.get("time_capped_draft")) and stage.name in ("export", "evaluate") and "train" in selected
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, str]:

@@ -696,6 +696,39 @@ def per_source_counts(report: dict[str, Any], names: Sequence[str]) -> list[dict
             for n in names]
 
 
+def check_shares(report: Sequence[dict[str, Any]], batch_size: int, *, capped: bool) -> None:
+    """Refuse a time-capped mix one of whose sources cannot fill its share (exit 2, before any answer): a
+    source with fewer conversations than half its weight's share of the answers in flight runs out in the
+    engine's first fill, and the rest of the budget goes to the others. Uncapped runs answer every
+    selected prompt: their mix is the pool's (the weights repeat or subsample each source)."""
+    if not capped or len(report) < 2:
+        return
+    total = sum(r["weight"] for r in report)
+    for r in report:
+        need = 0.5 * r["weight"] / total * batch_size
+        if r["pool"] < need:
+            fail(f"--data {r['name']}: {r['pool']} conversations cannot fill its share ({r['weight']:g} of "
+                 f"{total:g}) of the {batch_size} answers in flight under --max-minutes (half of it is "
+                 f"{need:.0f}): add prompts to it, lower its weight, or lower --batch-size")
+
+
+def achieved_mix(counts: Sequence[dict[str, Any]], report: Sequence[dict[str, Any]], *,
+                 interleaved: bool) -> dict[str, Any]:
+    """The mix written against the one asked, by supervised tokens: per source its weight's share, its share
+    of the supervised tokens and whether that is under half the asked share (the run warns)."""
+    total_w = sum(r["weight"] for r in report)
+    tokens = {c["name"]: c["supervised_tokens"] for c in counts}
+    total_t = sum(tokens.values())
+    rows = []
+    for r in report:
+        asked = r["weight"] / total_w
+        achieved = tokens.get(r["name"], 0) / total_t if total_t else 0.0
+        rows.append({"name": r["name"], "weight": r["weight"], "asked": round(asked, 4),
+                     "achieved": round(achieved, 4), "supervised_tokens": tokens.get(r["name"], 0),
+                     "under_half": len(report) > 1 and achieved < 0.5 * asked})
+    return {"by": "supervised_tokens", "interleaved": interleaved, "sources": rows}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -777,6 +810,8 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         pool, dataset, report = read_sources(args.data, args.max_bad_lines, decontaminate=args.decontaminate == "on",
                                              seed=args.seed, eval_files=args.eval_file,
                                              workers=default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if args.batch_size != "auto":  # before the target loads (auto is known once it has)
+        check_shares(report, args.batch_size, capped=args.max_minutes is not None)
     modes = reasoning_modes(args.reasoning, args.target)
     group = world > 1 and "MASTER_ADDR" in os.environ
     if group:  # only for the barrier before rank 0 merges: ranks exchange files, not tensors
@@ -829,6 +864,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             fail(f"--batch-size {args.batch_size}: the KV cache of only {fit} answers fits in the GPU's free memory; "
                  "lower it, or pass --batch-size auto")
 
+    check_shares(report, args.batch_size, capped=args.max_minutes is not None)
     want = (args.num_samples if args.num_samples is not None else len(pool)) + args.holdout
     from nemo_dflash.data.workers import default_workers
 
@@ -893,8 +929,14 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         block = queue_block(int(fills.item()), chunk)
         for mode in modes:
             left = [c for c in train if c.location not in done and getattr(c, "reasoning", None) == mode]
-            queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", start_order(left, args.schedule, args.turns),
-                                       chunk, block, rank, world)
+            if args.max_minutes is not None and len(report) > 1:  # a static interleave: see the warning below
+                from nemo_dflash.data.regenerate import SourceMix
+
+                fresh = SourceMix({r["name"]: r["weight"] for r in report}, dataset, prior_tokens=1.0)
+                ordered = [c for _, c in fresh.order(left, args.turns)]
+            else:
+                ordered = start_order(left, args.schedule, args.turns)
+            queues[mode] = SharedQueue(store, f"{prefix}next/{mode}", ordered, chunk, block, rank, world)
         todo: Any = lambda mode: queues[mode]  # noqa: E731
         schedule = "given"
         logger.info("%d ranks share a queue of %d conversations (%d taken at a time, cross-sections of blocks of "
@@ -924,6 +966,18 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
         the conversations that are complete are written."""
         return budget_s is not None and time.perf_counter() - wall0 >= budget_s
 
+    mix = None
+    if args.max_minutes is not None and len(report) > 1:  # a time cap keeps the asked mix (SourceMix)
+        if queues:
+            logger.warning("--max-minutes with %d ranks sharing a queue: the sources are interleaved by weight in user "
+                           "turns, not in supervised tokens (answer lengths are not known when the queue is made; one "
+                           "process interleaves by tokens); the achieved mix is reported", world)
+        else:
+            from nemo_dflash.data.regenerate import SourceMix
+
+            mix = SourceMix({r["name"]: r["weight"] for r in report}, dataset, prior_tokens=args.max_new_tokens / 2)
+            logger.info("--max-minutes: the sources are interleaved by weight in supervised tokens (%s)",
+                        ", ".join(f"{r['name']} {r['weight']:g}" for r in report))
     with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
         records = regenerate_in_modes(
             regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens,
@@ -931,7 +985,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
             prepare_ahead=args.prepare_ahead, schedule=schedule,
-            stats=stats, progress=progress, should_stop=out_of_time,
+            stats=stats, progress=progress, should_stop=out_of_time, **({"mix": mix} if mix is not None else {}),
         )
     try:
         with open(partial, "a", encoding="utf-8") as f:
@@ -1038,9 +1092,15 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     from nemo_dflash.data.report import report_dir, write_report
 
     summary["report"] = write_report(out, report_dir(out), tokenizer=tokenizer)
-    if args.summary_json:  # the report tokenised every answer once already
-        made = json.loads(Path(summary["report"]["json"]).read_text(encoding="utf-8"))
-        summary["sources"] = per_source_counts(made, [r["name"] for r in report])
+    made = json.loads(Path(summary["report"]["json"]).read_text(encoding="utf-8"))  # tokenised every answer once
+    summary["sources"] = per_source_counts(made, [r["name"] for r in report])
+    summary["mix"] = achieved_mix(summary["sources"], report, interleaved=mix is not None)
+    short = [m for m in summary["mix"]["sources"] if m["under_half"]]
+    if short:
+        logger.warning("data mix: %s got under half of its share of the supervised tokens (%s): add prompts to "
+                       "it, or lower its weight", ", ".join(m["name"] for m in short),
+                       "; ".join(f"{m['name']} {m['achieved']:.1%} of {m['asked']:.1%} asked" for m in short))
+    if args.summary_json:
         write_jsonl_atomic(Path(args.summary_json), [summary])
     logger.info("%s", stats.summary())
     logger.info("wrote %d conversations to %s%s in %.1fs (regeneration %.1fs: %.2f conv/s, %.1f tokens/s; "

@@ -708,7 +708,9 @@ class Trainer:
     ) -> dict[str, Any]:
         """The last checkpoint, the final draft and eval, summary.json and the curves."""
         if reason is None or reason.saves:
-            self.checkpointer.save_last(self.step, self.tokens_seen, always=reason is StopReason.SIGTERM)
+            # a stop the same command continues (preemption, the time cap) saves whatever the schedule
+            self.checkpointer.save_last(self.step, self.tokens_seen,
+                                        always=reason in (StopReason.SIGTERM, StopReason.TIME_LIMIT))
         final_eval = self._log_eval(metrics) if self.holdout_ds is not None else {}
         try:
             final_draft = self.checkpointer.save_final(self.step)  # refused for NaN/inf weights (a diverged run)
