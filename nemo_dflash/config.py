@@ -239,6 +239,17 @@ class RegenerateConfig:
     holdout: int = 0  # held-out prompts written beside the data, for `evaluate --datasets`
     max_bad_lines: int = 100
     max_minutes: Optional[float] = None
+    # Where the answers come from: engine (the target loaded here) | openai (an OpenAI-compatible server
+    # serving the target; `target` then gives the tokenizer). The keys below serve only openai (docs/data.md).
+    backend: str = "engine"
+    endpoint: Optional[str] = None  # the server's OpenAI base URL, http://HOST:PORT/v1
+    model: Optional[str] = None  # the name the server serves the target under (null: its only model)
+    api_key_env: Optional[str] = None  # the NAME of the environment variable holding the key, never the key
+    concurrency: int = 32  # requests in flight
+    request_timeout: float = 600.0  # seconds for one answer
+    retries: int = 5  # attempts after the first (timeouts, 429/5xx, dropped connections), with back-off
+    retry_backoff: float = 1.0  # seconds before the first retry, doubled each retry
+    server_extensions: str = "on"  # on: top_k/min_p/penalties off and token ids asked | off: OpenAI's fields only
 
 
 @dataclass
