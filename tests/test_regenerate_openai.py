@@ -378,3 +378,41 @@ def test_llama_server_serving_smollm2(tmp_path, chat_file):
     assert len(records) == summary["written"] == 4
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
     assert summary["server"]["server_token_ids"] + summary["server"]["retokenized"] == summary["answers"]
+
+
+PIPELINE_RECIPE = """
+run: {{dir: {run}}}
+output_dir: {run}/train
+target: {{path: {target}, dtype: fp32}}
+draft: {{num_layers: 2, block_size: 4}}
+data: {{max_length: 64, holdout_fraction: 0.2}}
+loss: {{num_anchors: 8}}
+optim: {{lr: 3.0e-3}}
+train: {{micro_batch_size: 2, log_every: 1, max_steps: 2}}
+distributed: {{strategy: none}}
+wandb: {{mode: disabled}}
+regenerate:
+  data: [{chat}]
+  max_new_tokens: 8
+  turns: all
+  backend: openai
+  endpoint: {url}
+  concurrency: 4
+  retry_backoff: 0.05
+"""
+
+
+def test_a_pipeline_on_a_server_regenerates_and_trains(tmp_path, target_dir, multi_turn_file, tokenizer):
+    """One recipe key switches the backend: the pipeline's regenerate stage asks the server and the
+    train stage reads its file unchanged."""
+    from nemo_dflash.recipes import pipeline
+
+    run = tmp_path / "run"
+    with OpenAIServer(echo_responder(tokenizer)) as server:
+        config = tmp_path / "recipe.yaml"
+        config.write_text(PIPELINE_RECIPE.format(run=run, target=target_dir, chat=multi_turn_file, url=server.url))
+        outcome = pipeline.main(["--config", str(config), "stages=regenerate,train"])
+    assert outcome == {"regenerate": "done", "train": "done"}
+    regen = next(run.rglob("regen.jsonl"))
+    records = _read(regen)
+    assert len(records) == 6 and len(server.bodies) - 1 == sum((len(r["messages"]) - 1) // 2 for r in records)
