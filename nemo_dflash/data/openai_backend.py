@@ -182,7 +182,7 @@ def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tok
     return body
 
 
-def probe_chat(endpoint: Endpoint, timeout: float = 60.0) -> dict[str, Any]:
+def probe_chat(endpoint: Endpoint, timeout: Optional[float] = None) -> dict[str, Any]:
     """A one-token chat completion: the server has chat completions and takes the recipe's fields."""
     body = chat_body(endpoint, [{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0.0, top_p=1.0,
                      seed=0, reasoning=None)

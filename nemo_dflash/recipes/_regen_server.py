@@ -87,7 +87,8 @@ def connect_server(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def server_target(args: argparse.Namespace, endpoint: Any, entry: dict[str, Any]) -> tuple[Any, Any]:
     """(the target as a server, the target's tokenizer): no weights are loaded. The context is the
-    smaller of the server's ``max_model_len`` (vLLM reports it) and the target config's."""
+    smallest of the target config's, the server's ``max_model_len`` (vLLM) and its slot's ``meta.n_ctx``
+    (llama.cpp): a longer prompt is skipped at selection rather than refused by the server."""
     from nemo_dflash.data.chat_template import stop_token_ids
     from nemo_dflash.data.openai_backend import ServerTarget
     from nemo_dflash.target.loading import load_target_config, load_tokenizer, resolve_model_dir
@@ -103,8 +104,9 @@ def server_target(args: argparse.Namespace, endpoint: Any, entry: dict[str, Any]
         stops = stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
     except ValueError as e:
         fail(f"--target {args.target}: {e}")
-    contexts = [c for c in (getattr(config, "max_position_embeddings", None), entry.get("max_model_len"))
-                if isinstance(c, int) and c > 0]
+    meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+    contexts = [c for c in (getattr(config, "max_position_embeddings", None), entry.get("max_model_len"),
+                            meta.get("n_ctx")) if isinstance(c, int) and c > 0]
     server = ServerTarget(endpoint, stops, min(contexts) if contexts else None, generation)
     return server, tokenizer
 
