@@ -78,6 +78,7 @@ class Faults:
         self.drop: int = 0  # the next N requests: connection closed without an answer
         self.truncate: int = 0  # the next N requests: half a body, then the connection closed
         self.wrong_model: int = 0  # the next N answers name another model
+        self.empty: int = 0  # the next N answers are empty (the stop token alone)
         self.die_after: Optional[int] = None  # stop serving after this many answers
         self.after = 1  # the first N requests pass untouched (the run's one-token check of the endpoint)
         self.requests = 0
@@ -92,7 +93,7 @@ class Faults:
             if self.status:
                 self.seen["status"] += 1
                 return f"status:{self.status.pop(0)}"
-            for name in ("slow", "drop", "truncate", "wrong_model"):
+            for name in ("slow", "drop", "truncate", "wrong_model", "empty"):
                 if getattr(self, name) > 0:
                     setattr(self, name, getattr(self, name) - 1)
                     self.seen[name] += 1
@@ -166,6 +167,9 @@ class OpenAIServer:
                 if fault == "slow":
                     time.sleep(outer.faults.slow_s)
                 answer = outer.responder(body)
+                if fault == "empty":
+                    answer = {"choice": {"index": 0, "message": {"role": "assistant", "content": ""},
+                                         "finish_reason": "stop"}, "completion_tokens": 1}
                 payload = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0,
                            "model": "another-model" if fault == "wrong_model" else outer.model,
                            "choices": [answer["choice"]],

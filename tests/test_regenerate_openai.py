@@ -126,13 +126,39 @@ def test_planted_faults_are_retried_and_change_nothing(tmp_path, target_dir, cha
     assert out.read_text() == reference.read_text()
 
 
-def test_an_answer_for_another_model_is_skipped_with_its_reason(tmp_path, target_dir, chat_file, tokenizer):
+@pytest.mark.parametrize("fault, reason", [("wrong_model", "wrong_model"), ("status", "server_refused_400"),
+                                           ("empty", "empty_answer")])
+def test_a_bad_answer_is_skipped_with_its_reason(tmp_path, target_dir, chat_file, tokenizer, fault, reason):
+    """An answer for another model (asked again, then skipped), a turn the server refuses (400: not
+    asked again) and an empty answer: the conversation is skipped, counted by its reason."""
     faults = Faults()
-    faults.wrong_model = 3  # the first conversation's first attempt and both retries
+    if fault == "wrong_model":
+        faults.wrong_model = 3  # the first conversation's first attempt and both retries
+    elif fault == "status":
+        faults.status = [400]
+    else:
+        faults.empty = 1
     with OpenAIServer(echo_responder(tokenizer), faults=faults) as server:
         summary = cli.main(_args(target_dir, chat_file, tmp_path / "r.jsonl", server.url, "--num-samples", "5",
                                  "--concurrency", "1"))
-    assert summary["skipped_generation"] == {"wrong_model": 1} and summary["written"] == 4
+    assert summary["skipped_generation"] == {reason: 1} and summary["written"] == 4
+    assert faults.requests == 1 + 5 + (2 if fault == "wrong_model" else 0)  # the check, the answers, the retries
+
+
+def test_capped_answers_follow_the_engines_cap_policy(tmp_path, target_dir, chat_file, tokenizer):
+    """finish_reason length is the engine's token cap: kept (the record says length) or, with --capped
+    drop, the conversation skipped; the two runs split the same conversations."""
+    with OpenAIServer(echo_responder(tokenizer)) as server:
+        keep = cli.main(_args(target_dir, chat_file, tmp_path / "keep.jsonl", server.url, "--max-new-tokens", "4"))
+        drop = cli.main(_args(target_dir, chat_file, tmp_path / "drop.jsonl", server.url, "--max-new-tokens", "4",
+                              "--capped", "drop"))
+    kept = _read(tmp_path / "keep.jsonl")
+    capped = [r["source"] for r in kept if r["finish_reason"] == "length"]
+    assert 0 < len(capped) < len(kept) == 10 and keep["capped_after"] == len(capped)
+    assert drop["skipped_generation"] == {"length": len(capped)}
+    assert [r for r in kept if r["source"] not in capped] == _read(tmp_path / "drop.jsonl")
+    assert all(len(tokenizer.encode(r["messages"][-1]["content"], add_special_tokens=False)) == 4
+               for r in kept if r["finish_reason"] == "length")
 
 
 def test_server_killed_mid_run_then_restarted_loses_and_repeats_nothing(tmp_path, target_dir, multi_turn_file,
