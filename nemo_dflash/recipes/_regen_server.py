@@ -120,5 +120,6 @@ def _generation_config(model_dir: str) -> Optional[Any]:
     try:
         return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
-        logger.warning("cannot read %s/generation_config.json (%s): --sampling target uses the command line's", model_dir, e)
+        logger.warning("cannot read %s/generation_config.json (%s): --sampling target uses the command line's",
+                       model_dir, e)
         return None
