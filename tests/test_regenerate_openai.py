@@ -442,3 +442,19 @@ def test_a_pipeline_on_a_server_regenerates_and_trains(tmp_path, target_dir, mul
     regen = next(run.rglob("regen.jsonl"))
     records = _read(regen)
     assert len(records) == 6 and len(server.bodies) - 1 == sum((len(r["messages"]) - 1) // 2 for r in records)
+
+
+def test_the_recipe_keys_are_the_flags():
+    """`regenerate.backend: openai` and its keys in a recipe reach the command as the same values."""
+    import dataclasses
+
+    from nemo_dflash.config import RegenerateConfig
+    from nemo_dflash.recipes._cli import section_argv
+
+    section = RegenerateConfig(data=["chitchat"], backend="openai", endpoint="http://h:8000/v1", model="m",
+                               api_key_env="KEY_VAR", concurrency=7, request_timeout=3.5, retries=1, retry_backoff=0.1,
+                               server_extensions="off")
+    argv = ["--target", "t", "--out", "o.jsonl", *section_argv(cli.build_parser(), section)]
+    assert argv[argv.index("--backend") + 1] == "openai" and argv[argv.index("--model") + 1] == "m"
+    args = vars(cli.build_parser().parse_args(argv))
+    assert {f.name: args[f.name] for f in dataclasses.fields(section)} == dataclasses.asdict(section)
