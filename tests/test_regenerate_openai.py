@@ -458,3 +458,25 @@ def test_the_recipe_keys_are_the_flags():
     assert argv[argv.index("--backend") + 1] == "openai" and argv[argv.index("--model") + 1] == "m"
     args = vars(cli.build_parser().parse_args(argv))
     assert {f.name: args[f.name] for f in dataclasses.fields(section)} == dataclasses.asdict(section)
+
+
+def test_the_targets_sampling_and_thinking_mode_reach_the_server(tmp_path, target_dir, chat_file, tokenizer):
+    """--sampling target sends the target's generation_config (temperature, top_p) with top-k off;
+    --reasoning both asks each conversation in both modes through chat_template_kwargs, each record
+    tagged with its mode as the engine tags it."""
+    import shutil as sh
+
+    target = tmp_path / "target"
+    sh.copytree(target_dir, target)
+    (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.8}))
+    with OpenAIServer(echo_responder(tokenizer)) as server:
+        summary = cli.main(_args(target, chat_file, tmp_path / "r.jsonl", server.url, "--num-samples", "3",
+                                 "--reasoning", "both"))
+    asked = server.bodies[1:]
+    assert summary["sampling"] == {"temperature": 0.6, "top_p": 0.8, "from": "target generation_config"}
+    assert len(asked) == 6 and all((b["temperature"], b["top_p"], b["top_k"]) == (0.6, 0.8, -1) for b in asked)
+    modes = sorted(b["chat_template_kwargs"]["enable_thinking"] for b in asked)
+    assert modes == [False] * 3 + [True] * 3
+    records = _read(tmp_path / "r.jsonl")
+    assert sorted(r["reasoning"] for r in records) == ["off"] * 3 + ["on"] * 3
+    assert len({b["seed"] for b in asked}) == 6  # each answer its own key
