@@ -240,6 +240,17 @@ class RegenerateConfig:
     holdout: int = what(0)  # held-out prompts written beside the data, for `evaluate --datasets`
     max_bad_lines: int = how(100)
     max_minutes: Optional[float] = what(None)
+    # Where the answers come from: engine (the target loaded here) | openai (an OpenAI-compatible server
+    # serving the target; `target` then gives the tokenizer). The keys below serve only openai (docs/data.md).
+    backend: str = what("engine")
+    endpoint: Optional[str] = how(None)  # the server's OpenAI base URL, http://HOST:PORT/v1
+    model: Optional[str] = what(None)  # the name the server serves the target under (null: its only model)
+    api_key_env: Optional[str] = how(None)  # the NAME of the environment variable holding the key, never the key
+    concurrency: int = how(32)  # requests in flight
+    request_timeout: float = how(600.0)  # seconds for one answer
+    retries: int = how(5)  # attempts after the first (timeouts, 429/5xx, dropped connections), with back-off
+    retry_backoff: float = how(1.0)  # seconds before the first retry, doubled each retry
+    server_extensions: str = what("on")  # on: top_k/min_p/penalties off and token ids asked | off: OpenAI's only
 
 
 @dataclass

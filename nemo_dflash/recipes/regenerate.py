@@ -43,6 +43,7 @@ from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
     user_errors,
 )
+from nemo_dflash.recipes._regen_server import add_server_args, validate_server_args
 from nemo_dflash.sampling import check_sampling as check_sampling_values
 
 logger = logging.getLogger("nemo_dflash.regenerate")
@@ -51,9 +52,10 @@ logger = logging.getLogger("nemo_dflash.regenerate")
 # may only be continued with the same values.
 _RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tokens", "max_new_tokens",
                 "temperature", "top_p", "holdout", "engine", "loops", "capped", "after_cut", "samples_per_prompt",
-                "decontaminate")
+                "decontaminate", "backend", "model")
 # Keys added later, with the value a partial output written before them was made with.
-_RESUME_DEFAULTS = {"after_cut": "end", "samples_per_prompt": 1, "decontaminate": "off"}
+_RESUME_DEFAULTS = {"after_cut": "end", "samples_per_prompt": 1, "decontaminate": "off", "backend": "engine",
+                    "model": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop generating after this long and finish OUT with the conversations done so far "
                         "(default: no limit)")
+    add_server_args(p)  # --backend openai: regeneration on an OpenAI-compatible server
     section_defaults(p, RegenerateConfig)  # the recipe's `regenerate` section is the source of the defaults
     return p
 
@@ -155,6 +158,7 @@ def _validate(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not args.out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
+    validate_server_args(args)
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
@@ -735,6 +739,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     _validate(args)
     set_threads(args.threads)
     rank, world, local_rank = dist_env()
+    if args.backend == "openai" and world > 1:
+        fail("--backend openai runs in one process (the server spreads the work): drop torchrun and raise "
+             "--concurrency instead")
     with user_errors():  # --device cuda without a GPU: refused before any file is read
         device, dtype = resolve_device_dtype(args.device, args.dtype)
     from nemo_dflash.data import DataError
@@ -800,6 +807,11 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
 
     partial, meta = files["partial"], files["meta"]
     check_world(out, world, rank, args.overwrite)
+    server = None
+    if args.backend == "openai":  # the endpoint checked before anything is read, removed or sent
+        from nemo_dflash.recipes._regen_server import connect_server
+
+        server = connect_server(args)
     if args.overwrite:
         for key in ("partial", "meta", "stats") if world == 1 else ("partial", "meta", "stats", "done"):
             files[key].unlink(missing_ok=True)
@@ -827,11 +839,16 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
 
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
-    logger.info("loading target %s (%s, %s)", args.target, device, dtype)
-    try:
-        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    except (FileNotFoundError, OSError, ValueError) as e:
-        fail(f"cannot load --target {args.target}: {e}")
+    if server is not None:  # the answers come from the server: the target's tokenizer and config only
+        from nemo_dflash.recipes._regen_server import server_target
+
+        model, tokenizer = server_target(args, *server)
+    else:
+        logger.info("loading target %s (%s, %s)", args.target, device, dtype)
+        try:
+            model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            fail(f"cannot load --target {args.target}: {e}")
     if not getattr(tokenizer, "chat_template", None):
         fail(f"the tokenizer of {args.target} has no chat template; regeneration prompts the target with its own "
              "template: point --target at the instruct model")
@@ -848,7 +865,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             fail(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                  f"context of {context} tokens; lower one of them")
 
-    if args.batch_size == "auto":
+    if server is not None:
+        args.batch_size = args.concurrency  # answers in flight: the server's requests
+    elif args.batch_size == "auto":
         from nemo_dflash.engine.plain import auto_rows, max_rows
 
         fit = (max_rows(model, max_prompt, args.max_new_tokens)
@@ -894,6 +913,8 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     settings.update(data=[[r["name"], os.path.realpath(r["source"]) if os.path.exists(r["source"]) else r["source"],
                            r["weight"]] for r in report],
                     max_prompt_tokens=max_prompt, temperature=temperature, top_p=top_p)
+    if server is not None:
+        settings["model"] = model.endpoint.model  # the served name, also when --model left it to the server
     order = {c.location: i for i, c in enumerate(train)}
     done: set[str] = set()
     queues: dict[Optional[str], Any] = {}
@@ -978,9 +999,12 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             mix = SourceMix({r["name"]: r["weight"] for r in report}, dataset, prior_tokens=args.max_new_tokens / 2)
             logger.info("--max-minutes: the sources are interleaved by weight in supervised tokens (%s)",
                         ", ".join(f"{r['name']} {r['weight']:g}" for r in report))
+    generate: Callable[..., Any] = regenerate_conversations
+    if server is not None:  # the same arguments, the answers from the server
+        from nemo_dflash.data.openai_backend import regenerate_on_server as generate
     with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
         records = regenerate_in_modes(
-            regenerate_conversations, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens,
+            generate, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens,
             temperature=temperature, top_p=top_p,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
@@ -996,6 +1020,11 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
             os.fsync(f.fileno())
     except BaseException as e:
         bar.close()
+        from nemo_dflash.data.openai_backend import ServerUnavailable
+
+        if isinstance(e, ServerUnavailable):  # every conversation finished is in the journal
+            fail(f"the server stopped answering: {e}; {partial} keeps the conversations finished: restart the "
+                 "server and run the same command to continue")
         reason = write_error_reason(e)
         if reason is not None:  # a full disk: the whole lines written are kept, a torn last one is cut on resume
             fail(f"cannot write {partial} ({reason}): free space or fix the permissions, then run the same "
@@ -1068,6 +1097,8 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
                                  "capped_before", "capped_after")},
         "sampling": {"temperature": temperature, "top_p": top_p, "from": sampling_from},
         "engine": args.engine,
+        "backend": args.backend,
+        **({"server": model.summary()} if server is not None else {}),
         "loops": args.loops,
         "capped": args.capped,
         "after_cut": args.after_cut,
