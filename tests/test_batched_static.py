@@ -809,7 +809,7 @@ def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, cap
     unfused = [run(s) for s in settings]
     init = static_decode.SampledStepState.__init__
     monkeypatch.setattr(static_decode.SampledStepState, "__init__",
-                        lambda self, rows, device, fused=None: init(self, rows, device, fused=True))
+                        lambda self, rows, device, fused=None, **kw: init(self, rows, device, fused=True, **kw))
     graphs = dutils.counters["stats"]["unique_graphs"]
     with caplog.at_level("WARNING"):
         fused = [run(s) for s in settings]

@@ -305,7 +305,7 @@ def test_resume_with_other_world_size_is_refused():
 
 def test_forked_tokenisation_builds_the_one_process_dataset(tmp_path, qwen3_tok, monkeypatch):
     """build_datasets decontaminates and tokenises in blocks on forked workers (data.tokenize_workers).
-    With blocks of 3 conversations, 1 and 3 workers give the same arrays, holdout and counts, and each
+    With blocks of 3 conversations, 1 and 2 workers (this machine's CPUs at least) give the same arrays, holdout and counts, and each
     kept sample equals tokenize_conversation of that conversation alone (the independent reference), over
     two sources holding contaminated, malformed, unsupervised and truncated conversations."""
     from nemo_dflash.data import dataset as dataset_mod
@@ -334,7 +334,7 @@ def test_forked_tokenisation_builds_the_one_process_dataset(tmp_path, qwen3_tok,
                          holdout_fraction=0.2, tokenize_workers=workers)
         return build_datasets(cfg, qwen3_tok)
 
-    (tr1, ho1), (tr3, ho3) = build(1), build(3)
+    (tr1, ho1), (tr3, ho3) = build(1), build(2)
     s1, s3 = tr1._store, tr3._store
     for x, y in ((s1.ids, s3.ids), (s1.mask, s3.mask), (s1.offsets, s3.offsets), (tr1.indices, tr3.indices),
                  (ho1.indices, ho3.indices)):
@@ -348,7 +348,7 @@ def test_forked_tokenisation_builds_the_one_process_dataset(tmp_path, qwen3_tok,
         ref = tokenize_conversation(qwen3_tok, c["messages"], 96)
         ids, mask = s1.get(k)
         assert ids.tolist() == ref.input_ids and mask.tolist() == ref.loss_mask
-    with pytest.raises(DataError, match="data.tokenize_workers must be >= 1"):
+    with pytest.raises(DataError, match=r"data.tokenize_workers must be in \[1, "):
         build(0)
 
 
