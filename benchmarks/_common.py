@@ -18,6 +18,8 @@ DIR holds the tokenizer files (tokenizer.json, tokenizer_config.json, chat templ
 The Qwen3-8B shape (`QWEN3_8B_CONFIG`, Qwen3-8B's config.json): what `decode.py speed` and
 `drafter.py scaling` build random-weight targets from (no checkpoint download);
 `python benchmarks/_common.py qwen3-8b-config OUT_DIR` writes it as OUT_DIR/config.json.
+
+`python benchmarks/_common.py dedupe FILE` drops the rows of a measurement file that repeat an earlier row exactly.
 """
 
 from __future__ import annotations
@@ -113,13 +115,16 @@ HEAD_KEYS = ("date", "commit", "device", "command")
 def fold_rows(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
     """One row per key: a later row of a key already seen is merged into it (its measured values win, a value it
     left null keeps the earlier one) and the merged row takes the later row's place, so dates still never go back.
-    The earlier rows' provenance is kept under `merged_rows`. Rows whose key is None are never merged."""
+    The earlier rows' provenance is kept under `merged_rows`; a later row that only repeats the earlier one is
+    dropped. Rows whose key is None are never merged."""
     out: list[Optional[dict[str, Any]]] = []
     at: dict[Any, int] = {}
     for row in rows:
         k = key(row)
         if k is not None and k in at:
             old = out[at[k]]
+            if all(old.get(f) == v for f, v in row.items() if v is not None):
+                continue  # it repeats the earlier row: nothing to merge, the earlier row stays where it is
             out[at[k]] = None
             earlier = [*old.get("merged_rows", []), {h: old.get(h) for h in HEAD_KEYS}]
             row = {**{f: v for f, v in old.items() if f != "merged_rows"},
@@ -128,6 +133,11 @@ def fold_rows(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], An
             at[k] = len(out)
         out.append(row)
     return [r for r in out if r is not None]
+
+
+def same_row(row: dict[str, Any]) -> str:
+    """The key under which two rows are one: every key and value (a row repeated exactly folds into one)."""
+    return json.dumps(row, sort_keys=True, default=str)
 
 
 def upsert_rows(path: Path, rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
@@ -251,9 +261,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     t.add_argument("--hidden", type=int, default=128)
     q = sub.add_parser("qwen3-8b-config", help="write Qwen3-8B's config.json into a directory")
     q.add_argument("out")
+    d = sub.add_parser("dedupe", help="drop the rows of a measurement file that repeat an earlier row exactly")
+    d.add_argument("path")
     args = p.parse_args(argv)
     if args.cmd == "tiny-target":
         make_tiny_target(Path(args.out), Path(args.tokenizer), args.layers, args.hidden)
+    elif args.cmd == "dedupe":
+        rows = read_rows(Path(args.path))
+        kept = fold_rows(rows, same_row)
+        if len(kept) != len(rows):
+            write_rows(Path(args.path), kept)
+        print(f"{args.path}: {len(rows)} rows -> {len(kept)}")
     else:
         write_qwen3_8b_config(Path(args.out))
 
