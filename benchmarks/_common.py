@@ -4,6 +4,8 @@ Rows. The measurement files under docs/bench/ hold one JSON list of rows per mea
 Every row is {"date", "commit", "device", "command", ...figures}; a tool appends its rows, so the
 last row is the current figure and older rows stay as they were measured. The file is replaced
 atomically (temp file, then os.replace): a failed run never leaves half a file or loses old rows.
+A file whose rows are keyed (drafter_summary.json: one row per draft and protocol) is written with
+`upsert_rows`: a second measurement of the same thing updates its row instead of adding a duplicate.
 
 A tiny target. A random-weight Llama with a real tokenizer: a stand-in target to rehearse GPU
 commands in seconds. The model is SmolLM2's architecture at toy size; its answers are noise, which
@@ -16,6 +18,8 @@ DIR holds the tokenizer files (tokenizer.json, tokenizer_config.json, chat templ
 The Qwen3-8B shape (`QWEN3_8B_CONFIG`, Qwen3-8B's config.json): what `decode.py speed` and
 `drafter.py scaling` build random-weight targets from (no checkpoint download);
 `python benchmarks/_common.py qwen3-8b-config OUT_DIR` writes it as OUT_DIR/config.json.
+
+`python benchmarks/_common.py dedupe FILE` drops the rows of a measurement file that repeat an earlier row exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,25 +80,72 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Append `rows` to the list in `path`; returns the whole list as written."""
-    path = Path(path)
-    new = list(rows)
-    for r in new:
+def _check_heads(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
         missing = [k for k in ("date", "commit", "device", "command") if k not in r]
         if missing:
             raise ValueError(f"row without {missing}")
-    allrows = read_rows(path) + new
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Replace `path` with `rows`, atomically (temp file, then os.replace); returns `rows`."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(allrows, indent=1, default=str) + "\n")
+            f.write(json.dumps(rows, indent=1, default=str) + "\n")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return allrows
+    return rows
+
+
+def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Append `rows` to the list in `path`; returns the whole list as written."""
+    new = list(rows)
+    _check_heads(new)
+    return write_rows(path, read_rows(Path(path)) + new)
+
+
+HEAD_KEYS = ("date", "commit", "device", "command")
+
+
+def fold_rows(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """One row per key: a later row of a key already seen is merged into it (its measured values win, a value it
+    left null keeps the earlier one) and the merged row takes the later row's place, so dates still never go back.
+    The earlier rows' provenance is kept under `merged_rows`; a later row that only repeats the earlier one is
+    dropped. Rows whose key is None are never merged."""
+    out: list[Optional[dict[str, Any]]] = []
+    at: dict[Any, int] = {}
+    for row in rows:
+        k = key(row)
+        if k is not None and k in at:
+            old = out[at[k]]
+            if all(old.get(f) == v for f, v in row.items() if v is not None):
+                continue  # it repeats the earlier row: nothing to merge, the earlier row stays where it is
+            out[at[k]] = None
+            earlier = [*old.get("merged_rows", []), {h: old.get(h) for h in HEAD_KEYS}]
+            row = {**{f: v for f, v in old.items() if f != "merged_rows"},
+                   **{f: v for f, v in row.items() if v is not None}, "merged_rows": earlier}
+        if k is not None:
+            at[k] = len(out)
+        out.append(row)
+    return [r for r in out if r is not None]
+
+
+def same_row(row: dict[str, Any]) -> str:
+    """The key under which two rows are one: every key and value (a row repeated exactly folds into one)."""
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def upsert_rows(path: Path, rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """Append `rows` to `path`, a row of a key already there merged into that row (`fold_rows`): a second
+    measurement of one thing updates its row instead of adding a duplicate."""
+    new = list(rows)
+    _check_heads(new)
+    return write_rows(path, fold_rows(read_rows(Path(path)) + new, key))
 
 
 # Qwen3-8B's config.json (random-weight targets of its shape need no checkpoint).
@@ -210,9 +261,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     t.add_argument("--hidden", type=int, default=128)
     q = sub.add_parser("qwen3-8b-config", help="write Qwen3-8B's config.json into a directory")
     q.add_argument("out")
+    d = sub.add_parser("dedupe", help="drop the rows of a measurement file that repeat an earlier row exactly")
+    d.add_argument("path")
     args = p.parse_args(argv)
     if args.cmd == "tiny-target":
         make_tiny_target(Path(args.out), Path(args.tokenizer), args.layers, args.hidden)
+    elif args.cmd == "dedupe":
+        rows = read_rows(Path(args.path))
+        kept = fold_rows(rows, same_row)
+        if len(kept) != len(rows):
+            write_rows(Path(args.path), kept)
+        print(f"{args.path}: {len(rows)} rows -> {len(kept)}")
     else:
         write_qwen3_8b_config(Path(args.out))
 

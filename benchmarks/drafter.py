@@ -7,6 +7,7 @@ scaling run of a large-target recipe, and tau against training tokens over the d
     python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR
     python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run --png docs/bench/smollm2_scaling.png
     python benchmarks/drafter.py accept --target pkg:smollm2 --draft EXPORT --dataset humaneval --temperature 1
+    python benchmarks/drafter.py dedupe docs/bench/drafter_summary.json
 
 Every training here is the trainer's own (`nemo_dflash.recipes.train` or the pipeline), timed or read from
 the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, besid
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from _common import append_rows, provenance, read_rows, write_qwen3_8b_config  # noqa: E402
+from _common import append_rows, fold_rows, provenance, read_rows, upsert_rows, write_qwen3_8b_config  # noqa: E402
 from nemo_dflash.core import draft_block_hidden  # noqa: E402
 from nemo_dflash.engine.acceptance import expected_block_length  # noqa: E402
 from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa: E402
@@ -59,7 +60,7 @@ from nemo_dflash.train.metrics import read_metrics  # noqa: E402
 
 DOC_SUMMARIES = """The rows of a SmolLM2 drafter run directory, read from its files.
 
-OUT_DIR is a pipeline run directory (`recipes.pipeline ... run.dir=OUT_DIR`, docs/pipeline.md): data/regen.jsonl and
+OUT_DIR is a pipeline run directory (`recipes.pipeline ... run.dir=OUT_DIR`, docs/train.md): data/regen.jsonl and
 data/regen_summary.json, run/summary.json (training), eval/results.json. Run directories of the older drafter script
 (logs/regenerate.log, runs/main/, eval/main/) are read too.
 
@@ -68,7 +69,9 @@ data/regen_summary.json, run/summary.json (training), eval/results.json. Run dir
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
 Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
-this script appends to it, so its last row is the current figure. Regeneration rows: the regenerated
+this script appends to it, so its last row is the current figure. The drafter rows are keyed by the draft's
+weights hash and the protocol (`drafter_key`): a second summary of a draft already there (e.g. one more evaluate
+run merged in) updates that row instead of adding a duplicate. Regeneration rows: the regenerated
 set (counted in the data file), the loop/cap counts and the throughput of the regeneration (from its
 log), then one row per row of any `regen.py throughput --json` file given. Drafter row: training
 tokens and held-out simulated tau (the run's summary), tau per dataset and temperature, first-256 tau,
@@ -395,8 +398,41 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
             continue
         if path is None:
             print(json.dumps(rows, indent=1))
+        elif path == args.drafter_json:
+            upsert_rows(path, rows, drafter_key)
         else:
             append_rows(path, rows)
+
+
+def drafter_key(row: dict[str, Any]) -> Optional[tuple[Any, ...]]:
+    """What makes two drafter rows one measurement: the same weights (their hash) at the same protocol (name, answer
+    cap, block, prompts; its temperatures may grow). A row without a weights hash is never merged."""
+    if not row.get("draft_sha256"):
+        return None
+    protocol = row.get("protocol") or {}
+    return (row["draft_sha256"], row.get("draft"), *(protocol.get(k) for k in ("name", "max_new_tokens", "block_size",
+                                                                              "num_prompts")))
+
+
+DOC_DEDUPE = """Rewrite a drafter_summary.json with one row per draft and protocol (`drafter_key`), the way
+`summaries` writes it: a later row of a key merges into the earlier one (its values win, its nulls keep the earlier
+values, `merged_rows` keeps the earlier provenance).
+
+    python benchmarks/drafter.py dedupe docs/bench/drafter_summary.json
+"""
+
+
+def main_dedupe(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="drafter.py dedupe", description=DOC_DEDUPE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = read_rows(args.path)
+    kept = fold_rows(rows, drafter_key)
+    if len(kept) != len(rows):
+        upsert_rows(args.path, [], drafter_key)
+    logging.getLogger("dedupe").info("%s: %d rows -> %d", args.path, len(rows), len(kept))
 
 
 # ====================================================================================================
@@ -1394,7 +1430,8 @@ def main_curve(argv: Optional[Sequence[str]] = None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
-    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE), "accept": (main_accept, DOC_ACCEPT)}, argv)
+    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE), "accept": (main_accept, DOC_ACCEPT),
+                                               "dedupe": (main_dedupe, DOC_DEDUPE)}, argv)
 
 
 if __name__ == "__main__":

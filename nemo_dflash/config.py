@@ -63,7 +63,7 @@ class TargetConfig:
 
 @dataclass
 class DFlash2Options:
-    """The DFlash2 modules' sizes (`draft.kind: dflash2`; docs/training.md): the engines' dflash_config fields.
+    """The DFlash2 modules' sizes (`draft.kind: dflash2`; docs/train.md): the engines' dflash_config fields.
     A 0 kernel size turns the block convolution off, a 0 rank and top-K the candidate selector."""
 
     conv_kernel_size: int = what(2)  # taps of the causal block convolution (2 in the published drafts)
@@ -114,7 +114,7 @@ class LossConfig:
     # DFlash2: loss = unary + selector_weight * the selector's K-way cross-entropy (predecessor teacher-forced).
     selector_weight: float = what(1.0)
     # a true token outside the slot's top-K: skip the slot (default: higher held-out walk tau and top-K recall at
-    # equal tokens, docs/results.md "DFlash2"), or inject it in place of the K-th candidate (loss only)
+    # equal tokens, docs/train.md "DFlash2"), or inject it in place of the K-th candidate (loss only)
     selector_outside: str = what("skip")
     # per-slot weights of both terms: decay (exp(-(k-1)/gamma)) | dpace (D-PACE: survival-weighted, from the CE)
     position_weights: str = what("decay")

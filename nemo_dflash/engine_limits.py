@@ -4,7 +4,7 @@ A draft that breaks one of these either fails to load in the engine or, worse, l
 tau ~1 with no error. Each finding is one line that names the fix; `check_engine_limits` raises the
 ones that break every engine (or the engine the user named) and returns the others as warnings.
 
-Sources (docs/serving.md, "Pitfalls"): SGLang captures target layers up to N-2 only; ModelOpt's
+Sources (docs/serve.md, "Pitfalls"): SGLang captures target layers up to N-2 only; ModelOpt's
 DFlash notes list head_dim 160 and M-RoPE as unsupported by vLLM; the engines' attention kernels take
 head dims that are multiples of 8 up to 256; their RoPE factory knows a fixed set of scaling types.
 """

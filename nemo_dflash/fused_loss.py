@@ -27,7 +27,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 # chunked stays the default: on an H200 at SmolLM2's shape liger's step is 25% slower and cce's 80% slower, and
-# cce's gradient of the draft's states is 2.4-4.8% from fp32 (bf16 accumulation; docs/training.md)
+# cce's gradient of the draft's states is 2.4-4.8% from fp32 (bf16 accumulation; docs/train.md)
 LOSS_IMPLS = ("chunked", "cce", "liger")
 FUSED_IMPLS = ("liger", "cce")
 

@@ -390,9 +390,9 @@ def test_per_prompt_speedup_spread(capsys):
     assert slow["speedup"] == pytest.approx(3.5 / 6.5)
     text = format_table({}, PROTOCOLS["quick"], 4, {"1": {"humaneval": slow}})
     assert ("humaneval T=1: speculative decoding with this draft is slower than plain decoding; do not serve it at "
-            "these sampling settings (a draft for sampling: docs/training.md, \"Which loss, and which data\")") in text
+            "these sampling settings (a draft for sampling: docs/train.md, \"Which loss, and which data\")") in text
     text = format_table({}, PROTOCOLS["quick"], 4, {"0": {"humaneval": slow}})  # greedy: no training hint
-    assert text.count("do not serve it at these sampling settings") == 1 and "docs/training.md" not in text
+    assert text.count("do not serve it at these sampling settings") == 1 and "docs/train.md" not in text
 
 
 def test_speedup_without_looping_answers():

@@ -226,7 +226,7 @@ def _kernels():
 # cut-cross-entropy adds its per-vocab-block contributions to dL/dh in bf16 (H200: ~2.4% from fp32 at
 # 576 x 49152), liger-kernel and the chunked path in fp32 (~0.2%).
 # relative error of the gradient of the draft's states; cce accumulates it in bf16: 2.4% (hard CE) and 4.8% (distillation
-# 0.5) measured on an H200 (docs/training.md)
+# 0.5) measured on an H200 (docs/train.md)
 GRAD_H_TOL = {"cce": 6e-2, "liger": 1e-2}
 
 

@@ -354,7 +354,7 @@ def test_two_ranks_regenerate_and_train_end_to_end(tiny, two_ranks):
 def test_two_ranks_killed_mid_training_continue_where_they_stopped(tiny, two_ranks):
     """Rank 0 is SIGKILLed right after the step-2 checkpoint; the same command then skips regenerate (complete)
     and resumes training: the losses and the final draft of the uninterrupted run, bit for bit on CPU
-    (docs/training.md)."""
+    (docs/train.md)."""
     run = tiny["root"] / "ranks_killed"
     config = recipe(tiny, run)
     proc = torchrun(config, str(REPO / "tests" / "_pipeline_killed_rank.py"), PIPELINE_KILL_RANK="0",

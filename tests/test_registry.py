@@ -56,7 +56,7 @@ def test_per_family_mask_defaults():
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
 ])
 def test_qwen3_5_mask_default_is_the_published_drafts_id(arch):
-    # z-lab's Qwen3.5 drafts carry dflash_config.mask_token_id 248070 (docs/registry.md gives sources).
+    # z-lab's Qwen3.5 drafts carry dflash_config.mask_token_id 248070 (docs/families.md gives sources).
     assert resolve_dflash_draft_spec(arch).default_mask_token_id == 248070
 
 

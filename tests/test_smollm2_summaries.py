@@ -64,7 +64,7 @@ def test_a_missing_results_file_is_refused_in_one_line(tmp_path):
 
 
 def test_a_pipeline_run_directory_is_read(tmp_path):
-    """`recipes.pipeline ... run.dir=OUT` (docs/pipeline.md): data/regen_summary.json, run/summary.json, eval/results.json."""
+    """`recipes.pipeline ... run.dir=OUT` (docs/train.md): data/regen_summary.json, run/summary.json, eval/results.json."""
     out = tmp_path / "out"
     (out / "data").mkdir(parents=True)
     (out / "data" / "regen.jsonl").write_text(json.dumps({"messages": [
@@ -223,3 +223,53 @@ def test_the_scaling_curve_joins_each_run_summary_to_its_drafter_row(tmp_path):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:5] == ["9.0", "3.0", "3.00", "2.50"] and cells[6] == "2.25" and cells[-1] == "1.50"
     assert png.stat().st_size > 0
+
+
+def test_a_second_summary_of_one_draft_updates_its_row_instead_of_adding_one(tmp_path):
+    """`summaries --drafter-json` twice for one draft at one protocol (the second time without the training files
+    and with one more evaluate run) leaves one row: the second run's measured values, the first run's
+    training tokens where the second had none, and the first row's provenance under `merged_rows`."""
+    out = tmp_path / "out"
+    (out / "run").mkdir(parents=True)
+    (out / "run" / "summary.json").write_text(json.dumps({"tokens_seen": 777, "steps": 3, "data": {"tokens": 5}}))
+    t0 = _results(tmp_path / "t0.json", "replay", True, {"0": {"mtbench": _figures(4.0), "humaneval": _figures(3.0)}},
+                  {}, [0.0])
+    t0.write_text(json.dumps({**json.loads(t0.read_text()), "draft_sha256": "a" * 64}))
+    rec = _results(tmp_path / "rec.json", "batched", True, {}, {"0.2,p0.9": {"mtbench": {"answers": 2, "speedup": 1.8}}},
+                   ["0.2,p0.9"])
+    rec.write_text(json.dumps({**json.loads(rec.read_text()), "draft_sha256": "a" * 64}))
+    rows = tmp_path / "drafter_summary.json"
+    rows.write_text(json.dumps([{"date": "2026-01-01", "commit": "c0", "device": "GPU", "command": "older",
+                                 "draft_sha256": None, "humaneval_t0_tau": 1.0}]))
+    for commit, evals in (("c1", [t0]), ("c2", [t0, rec])):
+        res = run_command([sys.executable, str(SCRIPT), "summaries", str(out), "--device", "GPU", "--commit", commit,
+                           "--eval", *map(str, evals), "--drafter-json", str(rows)], 120)
+        assert res.returncode == 0, res.stderr
+        (out / "run" / "summary.json").unlink(missing_ok=True)
+    older, row = json.loads(rows.read_text())
+    assert older["command"] == "older"  # a row without a weights hash is never merged
+    assert row["commit"] == "c2" and row["train_tokens"] == 777 and row["mtbench_recommended_speedup"] == 1.8
+    assert row["mtbench_t0_tau"] == 4.0 and [m["commit"] for m in row["merged_rows"]] == ["c1"]
+
+
+def test_dedupe_folds_the_rows_of_one_draft_and_protocol(tmp_path):
+    """`drafter.py dedupe FILE`: rows of one weights hash and protocol fold into the later one's place (dates never
+    go back); another protocol, another lever name or a row without a hash stays a row of its own."""
+    head = {"device": "GPU", "command": "x"}
+    paper, quick = {"name": "paper", "max_new_tokens": 2048}, {"name": "quick", "max_new_tokens": 64}
+    given = [{**head, "date": "2026-01-01", "commit": "a", "draft_sha256": "h1", "protocol": paper, "train_tokens": 5, "tau": 2.0},
+             {**head, "date": "2026-01-02", "commit": "b", "draft_sha256": "h1", "protocol": quick, "tau": 1.5},
+             {**head, "date": "2026-01-02", "commit": "c", "draft_sha256": None, "tau": 9.0},
+             {**head, "date": "2026-01-03", "commit": "d", "draft_sha256": "h1", "protocol": paper, "train_tokens": None,
+              "tau": 2.5, "rec": 3.0},
+             {**head, "date": "2026-01-03", "commit": "e", "draft_sha256": "h1", "draft": "lever b", "protocol": paper, "tau": 7.0}]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(given))
+    res = run_command([sys.executable, str(SCRIPT), "dedupe", str(path)], 120)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(path.read_text())
+    assert [r["commit"] for r in rows] == ["b", "c", "d", "e"]
+    merged = rows[2]
+    assert (merged["train_tokens"], merged["tau"], merged["rec"]) == (5, 2.5, 3.0)
+    assert merged["merged_rows"] == [{"date": "2026-01-01", "commit": "a", "device": "GPU", "command": "x"}]
+    assert [r["date"] for r in rows] == sorted(r["date"] for r in rows)

@@ -417,7 +417,7 @@ def draft_config_from_dict(
                               ("hidden_size", d.get("hidden_size")), ("num_hidden_layers", d.get("num_hidden_layers")))
                if v is None]
     if missing:
-        raise DraftError(f"{source} lacks {missing}: a DFlash draft config needs them (see docs/serving.md).")
+        raise DraftError(f"{source} lacks {missing}: a DFlash draft config needs them (see docs/serve.md).")
     if target_hidden is not None and int(target_hidden) != int(d["hidden_size"]):
         raise DraftError(
             f"{source}: target_hidden_size {target_hidden} != hidden_size {d['hidden_size']}; this draft "

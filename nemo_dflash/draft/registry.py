@@ -1,7 +1,7 @@
 """Which draft class serves which target family, keyed by the HF `architectures` string, and which
 variants of the draft exist (`DRAFT_VARIANTS`, keyed by the recipe's `draft.kind`).
 
-Adding a family is a one-line append to `DFLASH_DRAFT_REGISTRY` (see docs/registry.md):
+Adding a family is a one-line append to `DFLASH_DRAFT_REGISTRY` (see docs/families.md):
 
     DFLASH_DRAFT_REGISTRY["MistralForCausalLM"] = DraftSpec(draft_cls=DFlashDraftModel)
 
@@ -46,7 +46,7 @@ class DraftSpec:
 
 
 # Qwen3.5's mask id is the one z-lab's published Qwen3.5 drafts carry in `dflash_config`
-# (docs/registry.md cites where). Qwen3-Next uses the Qwen3 tokenizer and has no published id we
+# (docs/families.md cites where). Qwen3-Next uses the Qwen3 tokenizer and has no published id we
 # could confirm: the resolver's rule (first row past the tokenizer) applies.
 QWEN3_5_MASK_TOKEN_ID = 248070
 
@@ -133,7 +133,7 @@ def resolve_dflash_draft_spec(architectures: Sequence[str] | str | None) -> Draf
         f"No DFlash draft is registered for target architectures {list(architectures or [])}. "
         f"Supported: {supported}. To add a family whose decoder is Qwen3/Llama-like, append one line: "
         f"`DFLASH_DRAFT_REGISTRY['<YourArch>ForCausalLM'] = DraftSpec()` "
-        "(nemo_dflash.draft.registry; see docs/registry.md)."
+        "(nemo_dflash.draft.registry; see docs/families.md)."
     )
 
 

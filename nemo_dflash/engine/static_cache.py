@@ -42,7 +42,7 @@ FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionIn
 # False: SDPA over the step's bucketed view (the furthest row's), under a mask; None: True on a GPU (flex is
 # compiled there; eager flex on a CPU is slow). `--filled-blocks 0|1` of `benchmarks/decode.py` and
 # `benchmarks/regen.py` time both: on an H200, SmolLM2, regeneration on the engine 22.0k -> 33.3k tokens/s
-# (docs/data.md), and both sides of the concurrency table faster (docs/evaluation.md).
+# (docs/data.md), and both sides of the concurrency table faster (docs/evaluate.md).
 FILLED_BLOCKS: Optional[bool] = None
 FILLED_NAME = "nemo_dflash_filled_blocks"  # its name in transformers' AttentionInterface
 

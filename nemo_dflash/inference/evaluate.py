@@ -3,7 +3,7 @@
 What a figure means depends on how it was taken (answer length, turns, temperature, block),
 so every result carries its `EvalProtocol`. tau grows with answer length and loops are trivially
 easy to draft, so next to tau this reports tau over the first 256 tokens of each answer, the share
-of answers that loop and tau over the answers that do not. Definitions: docs/evaluation.md.
+of answers that loop and tau over the answers that do not. Definitions: docs/evaluate.md.
 The command around it is `python -m nemo_dflash.recipes.evaluate`.
 """
 
@@ -682,7 +682,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], protocol: EvalPr
                              f"({spread['prompts']} prompts){no_loop}")
                 if sp["speedup"] < 1.0:  # the one figure a user acts on: say it plainly
                     hint = ("" if SamplingParams.from_key(tkey).greedy else
-                            " (a draft for sampling: docs/training.md, \"Which loss, and which data\")")
+                            " (a draft for sampling: docs/train.md, \"Which loss, and which data\")")
                     lines.append(f"  {name} {setting}: speculative decoding with this draft is slower than "
                                  f"plain decoding; do not serve it at these sampling settings{hint}")
     lines.append("acceptance histogram (share of steps producing 1..B tokens):")

@@ -1,7 +1,7 @@
 """Serving parity: does our decoder accept what the DFlash decoding rules, applied to the exported
 checkpoint as the engines read it, accept?
 
-The reference here is written from the rules alone (docs/serving.md, "Serving parity"), with no
+The reference here is written from the rules alone (docs/serve.md, "Serving parity"), with no
 cache and nothing shared with `spec_decode` or the draft module:
 
 - the draft is rebuilt from the serving `config.json` dict and its weights the way the engines
@@ -260,7 +260,7 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
                              "(the draft module and the served config rotate or normalise differently)")
     if mismatches:
         raise ServingParityError(f"{report.line()}: {'; '.join(mismatches[:3])}: the engines would not serve this "
-                                 "draft as it was measured; see docs/serving.md, 'Serving parity'")
+                                 "draft as it was measured; see docs/serve.md, 'Serving parity'")
     logger.info("%s", report.line())
     return report
 

@@ -73,7 +73,7 @@ SIZES = {
     "cpu": dict(out="outputs/smollm2_demo", num_conversations=512, max_new_tokens=64, max_prompt_tokens=128,
                 batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=2.0, train_minutes=None,
                 budget_minutes=11.5, recipe="smollm2_135m.yaml"),
-    # Training tokens are what moves acceptance (docs/results.md): 4 epochs of 14,200 ShareGPT answers
+    # Training tokens are what moves acceptance (docs/train.md): 4 epochs of 14,200 ShareGPT answers
     # (11 M tokens) gave tau 1.34 and 0.87x at 64 new tokens, 6 epochs (17 M) 1.45 and 0.94-1.05x.
     # So the GPU demo takes every ShareGPT prompt up to 384 tokens plus the code prompts, and 8 epochs.
     "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=25000, max_new_tokens=512, max_prompt_tokens=384,

@@ -28,7 +28,7 @@ are the --workers processes started for the acceptance runs (their clocks are no
 Answers are appended to OUT/answers.jsonl (speedup runs: OUT/speedup.jsonl) as they finish; the
 same command run again continues from them. Writes OUT/results.json and
 OUT/acceptance_histogram.png and prints a table with the protocol beside every figure.
-Metric definitions: docs/evaluation.md. The library: nemo_dflash.inference.evaluate (measuring) and
+Metric definitions: docs/evaluate.md. The library: nemo_dflash.inference.evaluate (measuring) and
 nemo_dflash.inference.eval_run (journals, workers, results.json).
 """
 
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder), "
                         "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
                         "the same figures, in minutes) or batched (the speculative decoder on --batch-size "
-                        "conversations at once, any temperature; docs/evaluation.md)")
+                        "conversations at once, any temperature; docs/evaluate.md)")
     p.add_argument("--batch-size", default="auto",
                    help="conversations decoded together (--method batched): a number, or auto (the default: on a GPU "
                         "every conversation of a temperature at once, up to 256, halved if it runs out of memory; "
