@@ -173,7 +173,7 @@ def _regenerate(target, data, out, *extra) -> list[str]:
     (["--threads", "100000"], "--threads"),
     (["--max-new-tokens", "1000000000"], "--max-new-tokens"),  # the tiny target's context is 2048
     (["--max-new-tokens", "2048"], "give at most 2047"),
-], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+], ids=lambda x: "=".join(x) if isinstance(x, list) else None)
 def test_standalone_regenerate_refuses_nan_minutes_negative_counts_and_unbounded_sizes_before_any_load(
         assets, tmp_path, monkeypatch, capsys, extra, needle):
     from nemo_dflash.recipes import regenerate
@@ -216,7 +216,7 @@ def test_regenerate_batch_times_new_tokens_is_bounded_by_free_memory_before_the_
     (["--block-size", "5"], "trained for: give 1 to 4"),
     (["--threads", str(CPUS + 1)], "--threads must be 1 to"),
     (["--threads", "100000"], "--threads must be 1 to"),
-], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+], ids=lambda x: "=".join(x) if isinstance(x, list) else None)
 def test_standalone_evaluate_refuses_nan_minutes_and_counts_past_the_models_and_the_machine(
         export, tmp_path, monkeypatch, capsys, extra, needle):
     """The tiny target's context is 1024 positions and the draft's block 4: a decode past the one or a block past
@@ -287,6 +287,7 @@ def test_a_standalone_resume_follows_the_what_how_rule(assets, tmp_path, monkeyp
     main(tiny_train_args(*assets, out, *base, "train.max_minutes=0.0", "checkpoint.every_steps=100"))
     ckpt = list_checkpoints(out)[-1]
     config = (out / "config.yaml").read_text()
+    capsys.readouterr()
     real_load = trainer.load_target
     monkeypatch.setattr(trainer, "load_target", _no_load)
     line = _one_line(lambda: main(tiny_train_args(*assets, out, *base, "optim.lr=2.5e-5")), capsys,
