@@ -704,9 +704,10 @@ def to_yaml(cfg: RecipeConfig) -> str:
 
 
 # What a training's resume does not compare: the other stages' sections, where the run lives and what it resumes
-# from, and the paths of the target and the data (their contents are compared, so a moved copy resumes).
+# from, the paths of the target and the data (their contents are compared, so a moved copy resumes), and the run's
+# length (a resume may extend a run: its schedule follows the new length from the step it resumes at).
 NOT_RESUME_SETTINGS = ("prompts", "regenerate", "export", "evaluate", "output_dir", "checkpoint.resume",
-                       "target.path", "data.sources[].path")
+                       "target.path", "data.sources[].path", "train.max_steps", "train.epochs")
 
 
 def resume_settings(cfg: RecipeConfig) -> dict[str, Any]:
@@ -736,6 +737,6 @@ def resume_settings(cfg: RecipeConfig) -> dict[str, Any]:
 __all__ = [
     "CheckpointConfig", "ConfigError", "DFlash2Options", "DistributedConfig", "DraftConfig", "EvaluateConfig", "ExportConfig",
     "LossConfig", "OptimConfig", "PromptJobConfig", "PromptsConfig", "RecipeConfig", "RegenerateConfig", "RunConfig",
-    "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "resume_settings", "shipped_dir",
-    "to_yaml",
+    "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "resume_settings",
+    "shipped_dir", "to_yaml",
 ]

@@ -610,7 +610,8 @@ def load_draft_for_target(
 
 __all__ = [
     "CONFIG_NAME", "DraftError", "MaskTokenError", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "build_draft_for_target",
-    "check_draft_fits_target", "check_draft_weights", "check_draft_kind", "check_variant_fits", "stored_draft_kind", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
+    "check_draft_weights",
+    "check_draft_fits_target", "check_draft_kind", "check_variant_fits", "stored_draft_kind", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
     "draft_for_recipe", "draft_weights_sha256", "load_draft", "load_draft_config", "load_draft_for_target", "placeholder_token_id", "resolve_draft_dir",
     "resolve_mask_token_id", "serving_weight_shapes", "target_vocab_size", "validate_serving_weights",
 ]

@@ -56,7 +56,7 @@ def check_paths(cfg) -> None:
 
         with user_errors(DraftError):
             check_draft_kind(cfg.draft.init_from, cfg.draft.kind, "draft.init_from")
-    if Path(target).is_dir():  # a variant's sizes and the draft's shape against the target's config.json, before it loads
+    if Path(target).is_dir():  # the variant's sizes, the draft's shape: against config.json, before the target loads
         check_variant_sizes(cfg, Path(target) / "config.json")
         check_draft_shape(cfg, Path(target) / "config.json")
     if cfg.data.decontaminate:  # the evaluation packages it reads: missing, refused now, not after the target loads
