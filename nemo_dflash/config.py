@@ -295,6 +295,7 @@ class EvaluateConfig:
     threads: Optional[int] = how(None)
     seed: int = what(0)
     any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
+    allow_nonfinite: bool = how(False)  # measure a draft whose weights hold NaN or inf (refused by default)
 
 
 @dataclass
@@ -702,8 +703,40 @@ def to_yaml(cfg: RecipeConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+# What a training's resume does not compare: the other stages' sections, where the run lives and what it resumes
+# from, the paths of the target and the data (their contents are compared, so a moved copy resumes), and the run's
+# length (a resume may extend a run: its schedule follows the new length from the step it resumes at).
+NOT_RESUME_SETTINGS = ("prompts", "regenerate", "export", "evaluate", "output_dir", "checkpoint.resume",
+                       "target.path", "data.sources[].path", "train.max_steps", "train.epochs")
+
+
+def resume_settings(cfg: RecipeConfig) -> dict[str, Any]:
+    """A training's settings as a checkpoint records them, by dotted key: its WHAT fields (`what`/`how`, the rule
+    the pipeline's markers follow) but `NOT_RESUME_SETTINGS`. A resume under other values is refused."""
+    import json
+
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if key in NOT_RESUME_SETTINGS:
+                continue
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+                flat[key] = [{i: x for i, x in item.items() if f"{key}[].{i}" not in NOT_RESUME_SETTINGS}
+                             for item in v]
+            else:
+                flat[key] = v
+
+    walk(output_settings(RecipeConfig, cfg), "")
+    return json.loads(json.dumps(flat))  # as meta.json gives it back (tuples as lists)
+
+
 __all__ = [
     "CheckpointConfig", "ConfigError", "DFlash2Options", "DistributedConfig", "DraftConfig", "EvaluateConfig", "ExportConfig",
     "LossConfig", "OptimConfig", "PromptJobConfig", "PromptsConfig", "RecipeConfig", "RegenerateConfig", "RunConfig",
-    "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "shipped_dir", "to_yaml",
+    "TargetConfig", "TrainConfig", "WandbConfig", "load_recipe", "resolve_recipe_path", "resume_settings",
+    "shipped_dir", "to_yaml",
 ]

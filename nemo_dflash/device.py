@@ -37,4 +37,25 @@ def limit_host_threads(device: torch.device) -> int | None:
     return 1
 
 
-__all__ = ["limit_host_threads", "release_device_memory"]
+def free_memory_bytes(device: str) -> int | None:
+    """Memory a new allocation can take on ``device`` ("cpu", "cuda", "cuda:N"), read before any model loads: the
+    GPU's free memory by the driver, or the host's available memory (/proc/meminfo's MemAvailable); None when it
+    cannot be read (the checks that use it then leave the bound to the allocation)."""
+    if str(device).startswith("cuda"):
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+__all__ = ["free_memory_bytes", "limit_host_threads", "release_device_memory"]

@@ -272,7 +272,8 @@ HOW_KEYS = {
     "data.max_bad_lines", "data.num_workers", "data.tokenize_workers", "prompts.jobs[].threads",
     "regenerate.prepare_ahead", "regenerate.schedule", "regenerate.threads", "regenerate.max_bad_lines",
     "export.parity_prompts", "evaluate.workers", "evaluate.threads", "evaluate.max_minutes", "export.any_target",
-    "evaluate.any_target", "regenerate.endpoint", "regenerate.api_key_env", "regenerate.concurrency",
+    "evaluate.any_target", "evaluate.allow_nonfinite", "regenerate.endpoint", "regenerate.api_key_env",
+    "regenerate.concurrency",
     "regenerate.request_timeout", "regenerate.retries", "regenerate.retry_backoff",
 }
 

@@ -166,13 +166,11 @@ def test_the_checkpoint_saved_after_a_fallback_is_never_pruned(assets, finished_
 
     run = _copy(finished_run, tmp_path)
     _flip_byte(run / "checkpoints" / STEP4 / "draft" / "model.safetensors")
-    main(_args(*assets, run, "train.max_steps=3", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
-               "train.eval_every=0"))
+    main(_args(*assets, run, "train.max_steps=3", "checkpoint.every_steps=2", "checkpoint.keep_last=1"))
     assert (run / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        main(_args(*assets, run, "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
-                   "train.eval_every=0"))
+        main(_args(*assets, run, "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1"))
     assert f"Resumed from {run / 'checkpoints' / 'step_00000003'} (step 3)" in caplog.messages
 
 

@@ -250,23 +250,32 @@ def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets,
     assert _losses(part) == _losses(lag)[:8]
 
 
-def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, tmp_path, capsys, caplog):
+def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, tmp_path, capsys, caplog,
+                                                                  monkeypatch):
     """Another loader batch size on resume: one line, exit 2, no "Resumed from" in the log and the
-    run's config.yaml untouched (StatefulDataLoader restores lazily, so the refusal came after both)."""
+    run's config.yaml untouched. The checkpoint's recorded settings refuse it before the target loads; a
+    checkpoint recording none (an older version's) is refused by the loader's state (StatefulDataLoader restores
+    lazily, so that refusal came after both)."""
     import logging
 
+    import nemo_dflash.train.checkpoint as checkpoint
     from nemo_dflash.recipes.train import main
 
     target, data = tiny_assets
     out = tmp_path / "run"
     main(_args(target, data, out, "train.max_steps=2", "checkpoint.every_steps=2"))
     config = (out / "config.yaml").read_text()
-    caplog.clear()
-    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exc:
-        main(_args(target, data, out, "train.max_steps=4", "train.micro_batch_size=3"))
-    assert exc.value.code == 2 and "data loader state was saved with" in capsys.readouterr().err
-    assert not [r for r in caplog.records if "Resumed from" in r.getMessage()]
-    assert (out / "config.yaml").read_text() == config
+    for recorded, message in ((True, "train.micro_batch_size: checkpoint 2 vs this run 3"),
+                              (False, "data loader state was saved with")):
+        if not recorded:
+            monkeypatch.setattr(checkpoint, "settings_diffs", lambda saved, inputs: [])
+        capsys.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exc:
+            main(_args(target, data, out, "train.max_steps=4", "train.micro_batch_size=3"))
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+        assert not [r for r in caplog.records if "Resumed from" in r.getMessage()]
+        assert (out / "config.yaml").read_text() == config
 
 
 @pytest.mark.parametrize("bad,message", [

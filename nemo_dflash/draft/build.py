@@ -230,7 +230,12 @@ def build_draft_for_target(
     if target_layer_ids:
         ids = check_target_layer_ids(target_layer_ids, n_target, key="draft.target_layer_ids")
     else:
-        ids = build_target_layer_ids(n_target, num_layers)
+        try:
+            ids = build_target_layer_ids(n_target, num_layers)
+        except ValueError:  # a target read only now (a .gguf): one line naming the key
+            raise LayerIdsError(f"draft.num_layers={num_layers}: the draft fuses that many distinct layers of the "
+                                f"target, which has {n_target}: give draft.num_layers <= {n_target}, or set "
+                                "draft.target_layer_ids") from None
     overrides = {"intermediate_size": intermediate_size} if intermediate_size else {}
     try:
         cfg: DFlashConfig = config_cls.from_target_config(
@@ -520,6 +525,27 @@ def draft_weights_sha256(path: PathLike) -> str:
     return h.hexdigest()
 
 
+def check_draft_weights(path: PathLike, allow_nonfinite: bool = False, flag: str = "--draft") -> None:
+    """Every weight of a stored draft read once, before any target loads: a file cut short (a partial copy, a
+    full disk) is one line instead of a `SafetensorError` after the target has loaded, and NaN or inf weights
+    (a diverged training) are refused unless ``allow_nonfinite``: measuring them yields figures of nothing."""
+    from safetensors import SafetensorError, safe_open
+
+    d = resolve_draft_dir(path)
+    for f in _weight_files(d):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    if not allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise DraftError(f"{flag} {path}: weight {name} in {f} holds NaN or inf (a diverged "
+                                         "training): evaluate an earlier checkpoint, or pass --allow-nonfinite to "
+                                         "measure it anyway")
+        except SafetensorError as e:
+            raise DraftError(f"{flag} {path}: {f} cannot be read ({e}): it is cut short or damaged; export or copy "
+                             "the draft again") from None
+
+
 def load_draft_config(path: PathLike, config_cls: type[DFlashConfig] = DFlashConfig) -> DFlashConfig:
     """A stored draft's config alone (no weights read): enough to check it against a target first."""
     d = resolve_draft_dir(path)
@@ -584,6 +610,7 @@ def load_draft_for_target(
 
 __all__ = [
     "CONFIG_NAME", "DraftError", "MaskTokenError", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "build_draft_for_target",
+    "check_draft_weights",
     "check_draft_fits_target", "check_draft_kind", "check_variant_fits", "stored_draft_kind", "check_mask_token_id", "check_target_layer_ids", "draft_config_from_dict",
     "draft_for_recipe", "draft_weights_sha256", "load_draft", "load_draft_config", "load_draft_for_target", "placeholder_token_id", "resolve_draft_dir",
     "resolve_mask_token_id", "serving_weight_shapes", "target_vocab_size", "validate_serving_weights",

@@ -57,6 +57,7 @@ class RunOptions:
     speedup_only: bool = False  # time the speedup prompts, skip the acceptance phase (their tau is in the timing)
     part: Optional[tuple[int, int]] = None  # (i, n): this process takes prompt j of each set where j % n == i
     any_target: bool = False  # allow a target other than the one the draft records it was trained on
+    allow_nonfinite: bool = False  # measure a draft whose weights hold NaN or inf
 
 
 # rows of the automatic batch on a GPU; on a CPU (memory the OS shares) the fixed default
@@ -93,6 +94,13 @@ def check_draft_files(draft: str) -> str:
     except DamagedFilesError as e:
         raise ValueError(f"--draft {draft}: {e}: evaluate another checkpoint of the run, or copy it again") from None
     return draft_weights_sha256(draft)
+
+
+def check_draft_weights(draft: str, allow_nonfinite: bool) -> None:
+    """Weights cut short or NaN (`draft.build.check_draft_weights`), refused before either model loads."""
+    from nemo_dflash.draft.build import check_draft_weights as check
+
+    check(draft, allow_nonfinite)
 
 
 def check_trained_on_target(draft: str, target: str, allow: bool) -> None:
@@ -277,6 +285,7 @@ class EvalRun:
                 self.dataset_hashes[display] = source_sha256(name)
         check_paths(str(opts.draft), str(opts.target))
         self.draft_sha256 = check_draft_files(str(opts.draft))
+        check_draft_weights(str(opts.draft), allow_nonfinite=opts.allow_nonfinite)  # cut short, NaN: refused now
         check_reasoning_switch(str(opts.target), opts.reasoning)
         check_draft_fits(str(opts.draft), str(opts.target))
         check_trained_on_target(str(opts.draft), str(opts.target), opts.any_target)

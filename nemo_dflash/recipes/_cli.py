@@ -142,8 +142,11 @@ def set_threads(threads: int | None) -> None:
     (`device.limit_host_threads`) and the processes this one starts keep the choice."""
     if threads is None:
         return
-    if threads < 1:
-        fail(f"--threads must be >= 1 (got {threads})")
+    from nemo_dflash.data.config import available_cpus
+
+    cpus = available_cpus()
+    if not 1 <= threads <= cpus:  # each thread a stack: 100,000 of them exhaust the machine
+        fail(f"--threads must be 1 to {cpus} (this machine's CPUs; got {threads})")
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -7,7 +7,7 @@ the share of looping answers, and speedup over plain decoding.
         [--sampling target|none] [--block-size B] [--num-prompts K] [--first-prompt I]
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
         [--method sequential|replay|batched] [--batch-size N|auto]
-        [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N]
+        [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N] [--any-target] [--allow-nonfinite]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
@@ -39,7 +39,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from nemo_dflash.inference.eval_run import EvalRun, Journal, RunOptions
 from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path of the library names)
@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--any-target", action="store_true",
                    help="evaluate against a --target other than the one the draft records it was trained on")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="measure a draft whose weights hold NaN or inf (refused by default: a diverged training)")
     section_defaults(p, EvaluateConfig)  # the recipe's `evaluate` section is the source of the defaults
     return p
 
@@ -210,10 +212,11 @@ def check_args(args: argparse.Namespace) -> None:
     cpus = available_cpus()
     if args.workers > cpus:  # each worker loads its own target: more than the CPUs only thrash
         raise ValueError(f"--workers must be at most {cpus} (this machine's CPUs; got {args.workers})")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1 (got {args.threads})")
-    if args.max_minutes is not None and not args.max_minutes > 0:  # nan too
-        raise ValueError(f"--max-minutes must be > 0 (got {args.max_minutes})")
+    if args.threads is not None and not 1 <= args.threads <= cpus:
+        raise ValueError(f"--threads must be 1 to {cpus} (this machine's CPUs; got {args.threads})")
+    if args.max_minutes is not None and not (math.isfinite(args.max_minutes) and args.max_minutes > 0):  # nan too
+        raise ValueError(f"--max-minutes must be a number of minutes > 0 (got {args.max_minutes})")
+    check_fits_models(args)
     if args.method in ("replay", "batched") and args.workers != 1:
         raise ValueError(f"--method {args.method} batches answers in one process: drop --workers")
     batch_size(args.batch_size)
@@ -229,6 +232,37 @@ def check_args(args: argparse.Namespace) -> None:
     elif args.gpus > cpus:
         raise ValueError(f"--gpus {args.gpus} on the CPU: at most {cpus} processes (this machine's CPUs)")
     part(args)
+
+
+def check_fits_models(args: argparse.Namespace) -> None:
+    """The counts that size a decode, against the two models' config.json files (read as files, no model):
+    --max-new-tokens within the target's context (a decode past it runs for months), --block-size within the
+    draft's trained block (each position a row of every attention: 100,000 of them take tens of GB)."""
+    from nemo_dflash.target.loading import target_context
+
+    context = target_context(str(args.target))
+    if args.max_new_tokens is not None and context is not None and args.max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} exceeds the target's context ({context} positions, "
+                         "its config.json's max_position_embeddings): give at most that")
+    if args.block_size is not None:
+        trained = draft_block_size(str(args.draft))
+        if trained is not None and args.block_size > trained:
+            raise ValueError(f"--block-size {args.block_size} is larger than the {trained} the draft was trained "
+                             f"for: give 1 to {trained}, or leave it out for {trained}")
+
+
+def draft_block_size(draft: str) -> Optional[int]:
+    """The block size the draft's config.json records, None when it cannot be read here (the load checks)."""
+    import json
+
+    from nemo_dflash.draft.build import DraftError, resolve_draft_dir
+
+    try:
+        raw = json.loads((resolve_draft_dir(draft) / "config.json").read_text())
+    except (OSError, ValueError, DraftError):
+        return None
+    value = raw.get("block_size", (raw.get("dflash_config") or {}).get("block_size")) if isinstance(raw, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def part(args: argparse.Namespace) -> Optional[tuple[int, int]]:
@@ -267,30 +301,75 @@ def start_process(argv: Sequence[str], gpu: int, device: str, log: Path) -> "sub
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent(os.getpid()))
 
 
-def spread(argv: Sequence[str], protocol: EvalProtocol, options: RunOptions, gpus: int) -> EvalRun:
+def die_with_parent(parent: int) -> Optional[Callable[[], None]]:
+    """What a child runs between fork and exec so that it is sent SIGTERM when its parent dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG): no `--gpus` process outlives the evaluate that started it. A parent already gone
+    by then ends the child at once. None where prctl is unavailable (the parent's own cleanup then applies)."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: nothing is loaded in the forked child
+    except (OSError, AttributeError):
+        return None
+
+    def child() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
+
+
+def spread(argv: Sequence[str], run: EvalRun, gpus: int) -> EvalRun:
     """Deal the conversations over ``gpus`` processes (process i on GPU i, or on the CPU; prompt j of each set to
     process j % gpus, at every temperature, so each holds an equal share of every figure's work), each an evaluate
-    of its share into --out/partI, side by side; then the run on --out with their answers merged in (what is left,
-    e.g. after a process's --max-minutes, this process decodes)."""
-    n = gpus
-    procs = [start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part", f"{i}/{n}"], i,
-                           options.device, options.out / f"part{i}.log") for i in range(n)]
-    logger.info("%d processes evaluate every %d-th conversation of each set at T %s: logs %s/part*.log", n, n,
-                ",".join(format(t, "g") for t in protocol.temperatures), options.out)
-    failed = [(i, rc) for i, rc in enumerate(p.wait() for p in procs) if rc != 0]
+    of its share into --out/partI, side by side; then ``run`` (on --out, its lock held throughout, so no other
+    evaluate writes there meanwhile) with their answers merged in (what is left, e.g. after a process's
+    --max-minutes, this process decodes). The processes end with this one: killed, or on any error here."""
+    import time
+
+    n, options, protocol = gpus, run.opts, run.protocol
+    procs: list[Any] = []
+    try:
+        for i in range(n):
+            procs.append(start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part",
+                                        f"{i}/{n}"], i, options.device, options.out / f"part{i}.log"))
+        logger.info("%d processes evaluate every %d-th conversation of each set at T %s: logs %s/part*.log", n, n,
+                    ",".join(format(t, "g") for t in protocol.temperatures), options.out)
+        codes = [p.wait() for p in procs]
+    finally:
+        stop_processes(procs)
+    failed = [(i, rc) for i, rc in enumerate(codes) if rc != 0]
     if failed:
         i, rc = failed[0]
         raise ValueError(f"evaluate process {i} of --gpus {n} exited {rc}: see {options.out / f'part{i}.log'}")
-    run = EvalRun(options, protocol)
+    if options.max_minutes is not None:  # what the parts left gets this process's own --max-minutes
+        run.deadline = time.monotonic() + 60 * options.max_minutes
     for i in range(n):  # each part's journals, opened as the run's own (a part of another evaluation is refused)
         for journal, name in ((run.journal, "answers.jsonl"), (run.timed, "speedup.jsonl")):
             for key, row in Journal(options.out / f"part{i}" / name, journal.header, overwrite=False).rows.items():
                 if key not in journal.rows:
                     journal.add(key, {k: v for k, v in row.items() if k not in ("temperature", "dataset", "id")})
     return run
+
+
+def stop_processes(procs: Sequence[Any]) -> None:
+    """SIGTERM every process still running, then SIGKILL what has not ended within 10 s (an error or a signal in
+    the parent: no part is left running without it)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    for p in live:
+        try:
+            p.wait(10)
+        except Exception:  # subprocess.TimeoutExpired
+            p.kill()
+            p.wait()
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -327,7 +406,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       seed=args.seed, chat_template=not args.no_chat_template, workers=args.workers,
                       threads=args.threads, max_minutes=args.max_minutes, overwrite=args.overwrite,
                       reasoning=args.reasoning, batch_size=batch_size(args.batch_size),
-                      speedup_only=args.speedup_only, part=part(args), any_target=args.any_target)
+                      speedup_only=args.speedup_only, part=part(args), any_target=args.any_target,
+                      allow_nonfinite=args.allow_nonfinite)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -340,11 +420,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options = run_options(args)
         check_decode(protocol.decode, options.device)
         check_out(args)
+        run = EvalRun(options, protocol)  # its checks (draft, target, journals), and --out locked until it ends
         if args.gpus > 1:
-            EvalRun(options, protocol).lock.release()  # the run's own checks (draft, target, journals) first
-            run = spread(argv, protocol, options, args.gpus)
-        else:
-            run = EvalRun(options, protocol)
+            try:
+                run = spread(argv, run, args.gpus)
+            except BaseException:
+                run.lock.release()
+                raise
     with user_errors(FileNotFoundError, ValueError):  # a draft that does not fit the target, a bad checkpoint
         results = run.execute()
     print(run.table(results))  # the command's report, on stdout by design

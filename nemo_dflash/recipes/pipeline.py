@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from nemo_dflash.config import ConfigError, EvaluateConfig, ExportConfig, PromptJobConfig, RecipeConfig, \
     RegenerateConfig, load_recipe, output_settings, to_yaml
 from nemo_dflash.files import Output, needs_overwrite
-from nemo_dflash.recipes._cli import UsageError, fail, section_argv, setup_logging, user_errors
+from nemo_dflash.recipes._cli import UsageError, fail, resolve_device_dtype, section_argv, setup_logging, user_errors
 from nemo_dflash.recipes.stage_graph import FINGERPRINTS, LOCK, Fingerprints, check_counts, check_run_dir, \
     downstream, entry_path, input_diffs, target_fingerprint
 
@@ -328,6 +328,10 @@ class Pipeline:
         if "regenerate" in self.checked:
             args = _parser_check("regenerate", regenerate.build_parser(), argv)
             regenerate._validate(args)
+            try:  # new tokens within the target's context, the KV cache within free memory
+                regenerate.check_fits_target(args, *resolve_device_dtype(args.device, args.dtype))
+            except ValueError as e:
+                raise UsageError(f"regenerate: {e}: fix the recipe's regenerate section") from None
             check_source_packages(self.cfg.regenerate.data, "regenerate.data")
         settings = {"target": self.cfg.target.path, "regenerate": _section(section)}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -151,14 +152,52 @@ def _validate(args: argparse.Namespace) -> None:
              "held in memory); for more data add prompts (--num-samples, more --data)")
     if args.prepare_ahead < 0:
         fail(f"--prepare-ahead must be >= 0 (got {args.prepare_ahead})")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        fail(f"--max-minutes must be > 0 (got {args.max_minutes})")
+    if args.max_minutes is not None and not (math.isfinite(args.max_minutes) and args.max_minutes > 0):  # nan too
+        fail(f"--max-minutes must be a number of minutes > 0 (got {args.max_minutes})")
+    if args.max_bad_lines < 0:
+        fail(f"--max-bad-lines must be >= 0 (got {args.max_bad_lines})")
     if args.holdout < 0:
         fail(f"--holdout must be >= 0 (got {args.holdout})")
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not args.out.endswith(".jsonl"):
         fail(f"--out must be a .jsonl file (got {args.out!r}); the data reader picks the format by extension")
     validate_server_args(args)
+
+
+def check_fits_target(args: argparse.Namespace, device: str, dtype: str) -> None:
+    """What the target's config.json (read as a file) and this machine bound, before the target loads: new tokens
+    within its context, and the answers in flight's KV cache (at least --batch-size rows x --max-new-tokens
+    positions) within the device's free memory: a one-line ValueError. A target whose config cannot be read here
+    (a .gguf) is checked once it has loaded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nemo_dflash.device import free_memory_bytes
+    from nemo_dflash.engine.batched_static import plain_cache_length
+    from nemo_dflash.engine.plain import check_rows_fit, row_bytes, window_for
+    from nemo_dflash.target.loading import target_text_config
+
+    config = target_text_config(args.target)
+    if config is None:
+        return
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and args.max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens: give at most {context - 1}")
+    if args.backend == "openai" or args.batch_size == "auto":  # the server's memory; auto fits what is free
+        return
+    try:
+        per_row = row_bytes(SimpleNamespace(**config), 1, getattr(torch, TORCH_DTYPES[dtype]))
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return  # a config without the attention sizes: the engine's own check after the load
+    length = plain_cache_length(1, args.max_new_tokens, window_for(torch.device(device)))
+    free = free_memory_bytes(device)
+    if free is not None:
+        check_rows_fit(args.batch_size, length, per_row * length, free)
+
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
@@ -744,6 +783,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
              "--concurrency instead")
     with user_errors():  # --device cuda without a GPU: refused before any file is read
         device, dtype = resolve_device_dtype(args.device, args.dtype)
+    # new tokens within the target's context, the KV cache within this rank's device's free memory
+    with user_errors(ValueError):
+        check_fits_target(args, f"cuda:{local_rank}" if device == "cuda" and world > 1 else device, dtype)
     from nemo_dflash.data import DataError
 
     wall0 = time.perf_counter()

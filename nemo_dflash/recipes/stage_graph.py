@@ -169,20 +169,6 @@ def check_run_dir(run: Path, output_dir: Path) -> None:
 # ---- Checks the plan makes before any stage runs (none loads a model)
 
 
-def target_context(target: str) -> Optional[int]:
-    """The target's context length (config.json's max_position_embeddings, read as a file: no model), None when
-    it cannot be read here (a .gguf, a packaged target not yet unpacked): the stages' own checks then apply."""
-    from nemo_dflash.target.loading import resolve_target_path
-
-    try:
-        config = json.loads((Path(resolve_target_path(target)) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    value = text.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def check_counts(cfg: Any, holdout: Path, stages: Iterable[str]) -> None:
     """Every count and time of the ``stages`` this run runs, in range and finite, and the counts that size memory
     or processes bounded by the model and the machine: one line naming the key, before any stage runs."""
@@ -190,6 +176,7 @@ def check_counts(cfg: Any, holdout: Path, stages: Iterable[str]) -> None:
 
     from nemo_dflash.data.config import available_cpus
     from nemo_dflash.recipes._cli import UsageError
+    from nemo_dflash.target.loading import target_context
 
     cpus = available_cpus()
     context = target_context(cfg.target.path)

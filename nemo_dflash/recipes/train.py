@@ -56,8 +56,9 @@ def check_paths(cfg) -> None:
 
         with user_errors(DraftError):
             check_draft_kind(cfg.draft.init_from, cfg.draft.kind, "draft.init_from")
-    if Path(target).is_dir():  # a variant's sizes against the target's config.json, before the target loads
+    if Path(target).is_dir():  # the variant's sizes, the draft's shape: against config.json, before the target loads
         check_variant_sizes(cfg, Path(target) / "config.json")
+        check_draft_shape(cfg, Path(target) / "config.json")
     if cfg.data.decontaminate:  # the evaluation packages it reads: missing, refused now, not after the target loads
         from nemo_dflash.data import DataError
         from nemo_dflash.data.decontaminate import training_index
@@ -89,6 +90,61 @@ def check_variant_sizes(cfg, config_json) -> None:
     with user_errors(DraftError):
         check_variant_fits(cfg.draft.kind, dataclasses.asdict(getattr(cfg.draft, variant.options)),
                            int(raw["hidden_size"]), int(raw["vocab_size"]), cfg.draft.block_size)
+
+
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weights, their gradients and Adam's two moments
+
+
+def draft_layer_params(hidden: int, intermediate: int) -> int:
+    """A lower bound on a draft layer's parameters: its MLP's three h x I matrices (attention and norms come on top)."""
+    return 3 * hidden * intermediate
+
+
+def check_draft_shape(cfg, config_json) -> None:
+    """The draft's depth and size against the target's config.json (read as a file), before the target loads:
+    more draft layers than the target has (each default layer id is a distinct target layer), layer ids past its
+    depth, and a draft whose training state cannot fit this machine's free memory (a traceback, or the machine
+    swapping, once the target has loaded)."""
+    import json
+    import os
+
+    from nemo_dflash.device import free_memory_bytes
+    from nemo_dflash.target import LayerIdsError, check_target_layer_ids
+
+    d = cfg.draft
+    if d.init_from:  # the draft's shape is init_from's, checked against the target when it loads
+        return
+    raw = json.loads(config_json.read_text())
+    raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 0:
+        if d.target_layer_ids is None and d.num_layers > layers:
+            fail(f"draft.num_layers={d.num_layers}: the draft fuses that many distinct layers of the target, which "
+                 f"has {layers}: give draft.num_layers <= {layers}, or set draft.target_layer_ids")
+        if d.target_layer_ids is not None:
+            with user_errors(LayerIdsError):
+                check_target_layer_ids(d.target_layer_ids, layers, key="draft.target_layer_ids")
+    hidden = raw.get("hidden_size")
+    intermediate = d.intermediate_size or raw.get("intermediate_size")
+    if not (isinstance(hidden, int) and isinstance(intermediate, int)):
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_available())
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu"
+    need = TRAINING_BYTES_PER_PARAM * d.num_layers * draft_layer_params(hidden, intermediate)
+    need = need // world if cuda else need  # a GPU holds at least its share; the host holds every rank's
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        key = "draft.intermediate_size" if d.intermediate_size else "draft.num_layers"
+        fail(f"{key}: a draft of {d.num_layers} layers of {hidden} x {intermediate} needs at least "
+             f"{need / 1e9:.1f} GB to train (weights, gradients, Adam's moments) and {device} has "
+             f"{free / 1e9:.1f} GB free: lower {key}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_init_from(init_from: str) -> None:

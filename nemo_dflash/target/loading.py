@@ -256,6 +256,24 @@ def resolve_model_dir(path: str) -> str:
     return path
 
 
+def target_text_config(target: str) -> Optional[dict[str, Any]]:
+    """The target's config.json (its text model's part), read as a file: no model, no transformers. None when
+    it cannot be read here (a .gguf, a packaged target not yet unpacked): the checks after the load then apply."""
+    try:
+        config = json.loads((Path(resolve_target_path(target)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def target_context(target: str) -> Optional[int]:
+    """The target's context length (config.json's max_position_embeddings), None when it cannot be read here."""
+    value = (target_text_config(target) or {}).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def load_target_config(path: str) -> Any:
     """The target's transformers config alone (no weights): checks that need no model."""
     from transformers import AutoConfig

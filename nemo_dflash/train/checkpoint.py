@@ -148,12 +148,29 @@ def check_inputs(ckpt: Path, inputs: dict[str, Any], draft_kind: Optional[str] =
         raise ResumeMismatchError(
             f"Refusing to resume from {ckpt}: it holds a {saved['draft_kind']} draft and draft.kind={draft_kind}: "
             f"set draft.kind={saved['draft_kind']}, or start a fresh run with a new output_dir")
+    settings = settings_diffs(saved, inputs)
+    if settings:
+        raise ResumeMismatchError(
+            f"Refusing to resume from {ckpt}: its run was trained with other settings ({'; '.join(settings)}), and a "
+            "resume under these would mix two recipes in one draft: set them back to continue it, or start afresh "
+            "with checkpoint.resume=none --overwrite (or another output_dir)")
     diffs = _input_diffs(saved, inputs)
     if diffs:
         raise ResumeMismatchError(
             f"Refusing to resume from {ckpt}: {'; '.join(diffs)}. Restore the target and data the run used, or "
             "start a fresh run with a new output_dir (or checkpoint.resume=none --overwrite)."
         )
+
+
+def settings_diffs(saved: dict[str, Any], inputs: dict[str, Any], shown: int = 4) -> list[str]:
+    """The settings (`config.resume_settings`: the keys that change outputs) whose values differ between a
+    checkpoint and this run, as `key: checkpoint A vs this run B`; [] for a checkpoint that recorded none."""
+    old, new = saved.get("settings"), inputs.get("settings")
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return []
+    keys = sorted(k for k in {*old, *new} if k in old and k in new and old[k] != new[k])
+    found = [f"{k}: checkpoint {old[k]!r} vs this run {new[k]!r}" for k in keys[:shown]]
+    return found + ([f"{len(keys) - shown} more"] if len(keys) > shown else [])
 
 
 def nonfinite_weights(module: torch.nn.Module, state: DistState) -> list[str]:
@@ -274,7 +291,7 @@ def check_identity(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
         f"{k}: checkpoint {saved.get(k)!r} vs this run {meta.get(k)!r}"
         for k in IDENTITY_KEYS
         if k in saved and saved.get(k) != meta.get(k)
-    ] + _input_diffs(saved, meta)
+    ] + settings_diffs(saved, meta) + _input_diffs(saved, meta)
     if diffs:
         raise ResumeMismatchError(
             f"Refusing to resume from {ckpt}: the run differs from the checkpoint ({'; '.join(diffs)}). "
@@ -561,6 +578,7 @@ class Checkpointer:
 __all__ = [
     "CHECKPOINTS_DIR", "COMPLETE", "CheckpointError", "Checkpointer", "DRAFT_DIR", "FINAL_DIR", "IDENTITY_KEYS",
     "INPUT_KEYS", "NonFiniteWeightsError", "STEP_PREFIX", "ResumeMismatchError", "check_identity", "check_inputs",
+    "settings_diffs",
     "nonfinite_weights", "run_inputs", "checkpoint_root", "final_draft_dir",
     "find_latest_checkpoint", "full_draft_state_dict", "list_checkpoints", "load_checkpoint", "plan_resume",
     "run_identity", "save_checkpoint", "save_draft_dir", "step_dir_name",

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import OmegaConf
 
-from nemo_dflash.config import ConfigError, RecipeConfig, to_yaml
+from nemo_dflash.config import ConfigError, RecipeConfig, resume_settings, to_yaml
 from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
 from nemo_dflash.device import limit_host_threads
 from nemo_dflash.fused_loss import resolve_loss_impl
@@ -412,6 +412,7 @@ class Trainer:
         # What the run trains on (target weights, data contents): recorded in every checkpoint, and a resume
         # with other weights or data at the same paths is refused here, before the target loads.
         self.inputs = run_inputs(cfg.target.path, [s.path for s in cfg.data.sources], random_init=cfg.target.random_init)
+        self.inputs["settings"] = resume_settings(cfg)  # the keys that change outputs: a resume under others refused
         if resume_plan:
             check_inputs(resume_plan[0], self.inputs, cfg.draft.kind)
 
