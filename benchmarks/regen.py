@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the package
 import torch  # noqa: E402
 
 from _common import (  # noqa: E402
-    REPO, add_engine_attention_flags, append_rows, apply_engine_attention_flags, git_commit, provenance,
+    REPO, add_engine_attention_flags, append_rows, engine_attention_options, git_commit, provenance,
 )
 from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
 from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
@@ -160,13 +160,14 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
 
-    attention_settings = apply_engine_attention_flags(args, model.device)
+    options, attention_settings = engine_attention_options(args, model.device)
     rows = min(args.batch_size, len(prompts))
     engine = PlainEngine(model, rows=rows, max_prompt_tokens=args.max_prompt_tokens,
                          max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
                          top_p=args.top_p, seed=0, loop_detector=LoopDetector() if args.stop_loops else None,
                          stop_on_loop=args.stop_loops, window=args.decode_window,
-                         refill_rows=max(1, rows // args.refill_fraction) if args.refill_fraction else None)
+                         refill_rows=max(1, rows // args.refill_fraction) if args.refill_fraction else None,
+                         options=options)
 
     def run(batch: list) -> collections.Counter:
         finish = collections.Counter()
