@@ -704,8 +704,9 @@ def check(args: argparse.Namespace) -> list[int]:
     """Every user error, before any model loads."""
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
-    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
-        raise ValueError(f"--temperature {args.temperature} / --top-p {args.top_p}: give T >= 0 and 0 < top-p <= 1")
+    from nemo_dflash.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_p, names=("--temperature", "--top-p", "top-k"))
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
@@ -785,7 +786,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                for p in prompt_set]
     from nemo_dflash.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else 0.0
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
     from nemo_dflash.engine.options import EngineOptions
