@@ -181,28 +181,31 @@ QWEN3_8B_CONFIG: dict[str, Any] = {
 
 
 def add_engine_attention_flags(p: argparse.ArgumentParser, scope: str = "") -> None:
-    """--fold-gqa and --filled-blocks: the decoding engine's target attention (nemo_dflash.engine.static_cache),
-    for A/B runs; `scope` prefixes their help (which modes they affect)."""
+    """--fold-gqa and --filled-blocks: the decoding engine's target attention (`EngineOptions.fold_gqa`,
+    `EngineOptions.filled_blocks`), for A/B runs; `scope` prefixes their help (which modes they affect)."""
     p.add_argument("--fold-gqa", type=int, default=None, choices=[0, 1],
                    help=f"{scope}the engine's target attention with grouped-query heads folded (1) or HF's SDPA (0); "
-                        "default: static_cache.FOLD_GQA")
+                        "default: EngineOptions.fold_gqa (1)")
     p.add_argument("--filled-blocks", type=int, default=None, choices=[0, 1],
                    help=f"{scope}the engine's captured target steps read each row's filled KV blocks only (1: flex) or "
-                        "attend over the bucketed view (0: SDPA); default: static_cache.FILLED_BLOCKS (on a GPU)")
+                        "attend over the bucketed view (0: SDPA); default: EngineOptions.filled_blocks (on a GPU)")
 
 
-def apply_engine_attention_flags(args: argparse.Namespace, device: Any) -> dict[str, bool]:
-    """Set what --fold-gqa / --filled-blocks give (read by the runners this process makes); the settings in force on
-    `device`, for the rows."""
-    from nemo_dflash.engine import static_cache
-
-    if args.fold_gqa is not None:
-        static_cache.FOLD_GQA = bool(args.fold_gqa)
-    if args.filled_blocks is not None:
-        static_cache.FILLED_BLOCKS = bool(args.filled_blocks)
+def engine_attention_options(args: argparse.Namespace, device: Any, base: Any = None) -> tuple[Any, dict[str, bool]]:
+    """The engine options --fold-gqa / --filled-blocks give (over `base`, default `EngineOptions()`), and the
+    settings in force on `device`, for the rows."""
     import torch
 
-    return {"fold_gqa": static_cache.FOLD_GQA, "filled_blocks": static_cache.filled_blocks_on(torch.device(device))}
+    from nemo_dflash.engine.options import EngineOptions
+    from nemo_dflash.engine.static_cache import filled_blocks_on
+
+    options = base if base is not None else EngineOptions()
+    if args.fold_gqa is not None:
+        options = options.but(fold_gqa=bool(args.fold_gqa))
+    if args.filled_blocks is not None:
+        options = options.but(filled_blocks=bool(args.filled_blocks))
+    return options, {"fold_gqa": options.fold_gqa,
+                     "filled_blocks": filled_blocks_on(torch.device(device), setting=options.filled_blocks)}
 
 
 def write_qwen3_8b_config(out: Path) -> Path:

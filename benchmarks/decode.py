@@ -48,9 +48,8 @@ in fp32 where near-ties do not flip argmaxes (bf16 outputs are compared and repo
 Cache length (graphs mode): `--cache-len N` builds the static caches with N positions (what
 `evaluate --protocol paper` allocates for 2,048 new tokens: up to 4,352) instead of what the
 prompt and --new-tokens need; `--positions` times the captured steps alone at those positions
-(the view length each picks is reported); `--buckets` adds a "graphs (buckets)" row whose steps
-attend over length-bucketed views (`static_decode.USE_BUCKETS = True`, off by default until
-measured); the "graphs" row attends over the whole cache, as shipped.
+(the view length each picks is reported); `--buckets` adds a row with the other attention-view setting
+(`EngineOptions.use_buckets`: length-bucketed views by default, so a "graphs (whole cache)" row).
 """
 
 
@@ -70,8 +69,8 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
-from nemo_dflash import attention  # noqa: E402
 from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions  # noqa: E402
 from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
@@ -185,12 +184,12 @@ def eager_parts(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reps: int) -> 
 
 
 def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: int, reps: int,
-                positions: tuple[int, ...] = ()) -> dict[str, Any]:
+                positions: tuple[int, ...] = (), options: EngineOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
     """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone at
     the prompt's position, and at each of `positions` that the caches hold (`by_position`)."""
     device = dec.device
-    runner = batched_static.spec_runner(dec, 0.0, 1, 0, True)  # the runners the generations made (one row)
-    plain = batched_static.plain_runner(target, 0.0, 1, 0, True)
+    runner = batched_static.spec_runner(dec, 0.0, 1, 0, True, options)  # the runners the generations made (one row)
+    plain = batched_static.plain_runner(target, 0.0, 1, 0, True, options)
 
     def at(pos: int) -> dict[str, Any]:
         view = runner.verify_steps.view(pos + runner.B)
@@ -299,28 +298,25 @@ def load_baseline(path: str):
 
 
 class Variant:
-    """One way of decoding, timed on the same models: a mode plus the library switches it sets."""
+    """One way of decoding, timed on the same models: a mode plus the engine options it runs with."""
 
     def __init__(self, label: str, mode: str, dec, target, baseline=None, cudnn: bool = False,
                  unfused: bool = False, buckets: Optional[bool] = None) -> None:
         self.label, self.mode, self.baseline, self.cudnn, self.unfused = label, mode, baseline, cudnn, unfused
-        self.buckets = static_decode.USE_BUCKETS if buckets is None else buckets
+        self.buckets = DEFAULT_OPTIONS.use_buckets if buckets is None else buckets
+        # the runners these options make are their own (cached by options): the other variants' are not reused
+        self.options = DEFAULT_OPTIONS.but(avoid_cudnn_attention=not cudnn, fuse_elementwise=not unfused,
+                                           use_buckets=self.buckets)
         self.target = target
         self.dec = baseline.DFlashSpeculativeDecoder(target, dec.draft, dec.block_size) if baseline else dec
-        self._saved: tuple = ()
 
     def __enter__(self) -> "Variant":
-        self._saved = (attention.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS)
-        attention.AVOID_CUDNN_ATTENTION = not self.cudnn
-        static_decode.USE_BUCKETS = self.buckets  # runners made under the other setting are rebuilt
-        if self.unfused:  # re-capture without the fused kernels
-            static_decode.FUSE_ELEMENTWISE = False
+        if self.options != DEFAULT_OPTIONS:  # one variant's graphs in memory at a time
             self._drop_graphs()
         return self
 
     def __exit__(self, *exc) -> None:
-        attention.AVOID_CUDNN_ATTENTION, static_decode.FUSE_ELEMENTWISE, static_decode.USE_BUCKETS = self._saved
-        if self.unfused or not self.buckets:
+        if self.options != DEFAULT_OPTIONS:  # free this variant's graphs before the next one captures its own
             self._drop_graphs()
 
     def prebuild(self, cache_len: int) -> tuple[float, float]:
@@ -335,8 +331,8 @@ class Variant:
         torch.cuda.empty_cache() if on_cuda else None
         reserved = torch.cuda.memory_reserved(self.dec.device) if on_cuda else 0
         t0 = time.perf_counter()
-        batched_static.spec_runner(self.dec, 0.0, 1, cache_len, True)
-        batched_static.plain_runner(self.target, 0.0, 1, cache_len, True)
+        batched_static.spec_runner(self.dec, 0.0, 1, cache_len, True, self.options)
+        batched_static.plain_runner(self.target, 0.0, 1, cache_len, True, self.options)
         sync(self.dec.device)
         took = time.perf_counter() - t0
         return took, ((torch.cuda.memory_reserved(self.dec.device) - reserved) / 2**30 if on_cuda else 0.0)
@@ -348,19 +344,19 @@ class Variant:
     def plain(self, ids, n: int):
         if self.baseline:
             return self.baseline.autoregressive_generate(self.target, ids, max_new_tokens=n)
-        return autoregressive_generate(self.target, ids, max_new_tokens=n, decode=self.mode)
+        return autoregressive_generate(self.target, ids, max_new_tokens=n, decode=self.mode, options=self.options)
 
     def spec(self, ids, n: int):
         if self.baseline:
             return self.dec.generate(ids, max_new_tokens=n)
-        return self.dec.generate(ids, max_new_tokens=n, decode=self.mode)
+        return self.dec.generate(ids, max_new_tokens=n, decode=self.mode, options=self.options)
 
     def parts(self, ids, reps: int, positions: tuple[int, ...] = ()) -> dict[str, Any]:
         if self.baseline:
             return {}
         if self.mode == "graphs":
-            return graph_parts(self.dec, self.target, ids.shape[1], reps, positions)
-        with graphs.eager_attention_backends(self.dec.device):
+            return graph_parts(self.dec, self.target, ids.shape[1], reps, positions, self.options)
+        with graphs.eager_attention_backends(self.dec.device, self.options.avoid_cudnn_attention):
             return eager_parts(self.dec, ids, reps)
 
 
@@ -380,7 +376,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     if args.unfused and "graphs" in modes:
         variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
     if args.buckets and "graphs" in modes:  # the other view setting beside the default
-        other = not static_decode.USE_BUCKETS
+        other = not DEFAULT_OPTIONS.use_buckets
         variants.append(Variant("graphs (buckets)" if other else "graphs (whole cache)", "graphs", dec, target,
                                 buckets=other))
     positions = tuple(int(p) for p in args.positions.split(",") if p)
@@ -579,7 +575,7 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--unfused", action="store_true", help="also a graphs row without the fused norms/RoPE/SiLU (and sampling)")
     p.add_argument("--cudnn", action="store_true", help="also an eager row with cuDNN attention allowed")
     p.add_argument("--buckets", action="store_true",
-                   help="also a graphs row with the other attention-view setting (static_decode.USE_BUCKETS: "
+                   help="also a graphs row with the other attention-view setting (EngineOptions.use_buckets: "
                         "length-bucketed views by default, the whole cache in the extra row)")
     p.add_argument("--cache-len", type=int, default=0,
                    help="graphs mode: static cache positions (default: what prompt + new tokens need, "
@@ -664,7 +660,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import add_engine_attention_flags, append_rows, apply_engine_attention_flags, provenance  # noqa: E402
+from _common import add_engine_attention_flags, append_rows, engine_attention_options, provenance  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "concurrency.json"
 
@@ -695,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as soon as its answer ends (what a serving engine does)")
     p.add_argument("--fuse-sampling", type=int, default=1, choices=[0, 1],
                    help="1: a sampled step's softmaxes, hashes and draws run compiled on a GPU "
-                        "(static_decode.FUSE_SAMPLING, the default); 0: op by op, for comparison")
+                        "(EngineOptions.fuse_sampling, the default); 0: op by op, for comparison")
     add_engine_attention_flags(p)
     p.add_argument("--cudnn", action="store_true",
                    help="let the engine's eager prefills and first draft blocks use cuDNN attention (per-shape plan "
@@ -708,8 +704,9 @@ def check(args: argparse.Namespace) -> list[int]:
     """Every user error, before any model loads."""
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
-    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
-        raise ValueError(f"--temperature {args.temperature} / --top-p {args.top_p}: give T >= 0 and 0 < top-p <= 1")
+    from nemo_dflash.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_p, names=("--temperature", "--top-p", "top-k"))
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
@@ -789,14 +786,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                for p in prompt_set]
     from nemo_dflash.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else 0.0
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
-    from nemo_dflash.engine import static_decode
+    from nemo_dflash.engine.options import EngineOptions
 
-    static_decode.FUSE_SAMPLING = bool(args.fuse_sampling)  # read by the runners this process makes
-    attention_settings = apply_engine_attention_flags(args, device)
-    attention.AVOID_CUDNN_ATTENTION = not args.cudnn
+    options, attention_settings = engine_attention_options(
+        args, device, EngineOptions(fuse_sampling=bool(args.fuse_sampling), avoid_cudnn_attention=not args.cudnn))
+    kw["options"] = options  # every decode call below: the runners it makes are these options'
     rows = []
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     graphs = decode == "graphs"  # bsz rows on fixed shapes; a last, smaller batch keeps them (padding rows)
@@ -895,7 +892,7 @@ DOC_ROWS = """The engine's steps against their row count: what one captured step
     python benchmarks/decode.py rows --shape tiny --rows 1,3 --view 256 --device cpu     # a smoke test, eager
 
 On random weights of --shape (bf16 on a GPU, fp32 on a CPU), for each row count R and each --fold-gqa setting
-(`static_cache.FOLD_GQA`: 0, HF's SDPA, which copies every K/V head per query head under a mask; 1, the query
+(`EngineOptions.fold_gqa`: 0, HF's SDPA, which copies every K/V head per query head under a mask; 1, the query
 heads folded into their K/V head's query rows): the plain 1-token step of `BatchedStaticPlainRunner` and the
 speculative runner's B-token verify and draft block (a random 5-layer draft), every row at the last position a
 --view-position attention view holds, the caches filled with random K/V; the median of --reps replays (CUDA
@@ -913,7 +910,7 @@ def build_rows_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="1,16,64,256", help="comma list of row counts")
     p.add_argument("--view", type=int, default=768, help="attention view (a multiple of 256): the rows' caches")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--fold-gqa", default="0,1", help="comma list of static_cache.FOLD_GQA settings (0, 1)")
+    p.add_argument("--fold-gqa", default="0,1", help="comma list of EngineOptions.fold_gqa settings (0, 1)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile-rows", type=int, default=None,
                    help="at this row count, also print the top CUDA kernels of one eager plain step (torch.profiler)")
@@ -925,7 +922,6 @@ def build_rows_parser() -> argparse.ArgumentParser:
 def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row a (row count, fold setting); see DOC_ROWS."""
     from _common import provenance
-    from nemo_dflash.engine import static_cache
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -933,15 +929,15 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     target = build_target(args.shape, device, dtype)
     decoder = DFlashSpeculativeDecoder(target, build_draft(target, 5, args.block_size, dtype, None),
                                        block_size=args.block_size)
-    B, view, fold_before = args.block_size, args.view, static_cache.FOLD_GQA
+    B, view = args.block_size, args.view
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     out = []
     for R in [int(r) for r in args.rows.split(",")]:
         logits = {}
         for fold in [bool(int(f)) for f in args.fold_gqa.split(",")]:
-            static_cache.FOLD_GQA = fold  # read at each forward, captures included
-            plain = batched_static.BatchedStaticPlainRunner(target, R, view, graphs_on)
-            spec = batched_static.BatchedStaticSpecRunner(decoder, R, view, graphs_on)
+            options = DEFAULT_OPTIONS.but(fold_gqa=fold)  # the runners' steps, captures included
+            plain = batched_static.BatchedStaticPlainRunner(target, R, view, graphs_on, options=options)
+            spec = batched_static.BatchedStaticSpecRunner(decoder, R, view, graphs_on, options=options)
             for kv in (plain.kv, spec.kv):
                 g = torch.Generator(device=device).manual_seed(0)
                 for layer in kv.cache.layers:
@@ -960,7 +956,7 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             plain_at()
             logits[fold] = plain_step.replay().float().clone()
             row = {"shape": args.shape, "rows": R, "fold_gqa": fold,
-                   "filled_blocks": static_cache.filled_blocks_on(device), "view": view, "block_size": B,
+                   "filled_blocks": plain.filled_blocks, "view": view, "block_size": B,
                    "dtype": str(dtype).replace("torch.", ""), "decode": "graphs" if graphs_on else "eager",
                    "plain_step_ms": timed(plain_step.replay, device, args.reps, plain_at)}
             row["plain_tokens_per_s"] = R / row["plain_step_ms"] * 1e3
@@ -987,7 +983,6 @@ def measure_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             same = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
             for r in out[-2:]:
                 r.update(max_abs_logit_diff=diff, same_argmax=same)
-    static_cache.FOLD_GQA = fold_before
     return out
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the package
 import torch  # noqa: E402
 
 from _common import (  # noqa: E402
-    REPO, add_engine_attention_flags, append_rows, apply_engine_attention_flags, git_commit, provenance,
+    REPO, add_engine_attention_flags, append_rows, engine_attention_options, git_commit, provenance,
 )
 from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
 from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
@@ -123,6 +123,13 @@ def load_conversations(args) -> list:
     return convs
 
 
+def sampling_of(args) -> Any:
+    """--temperature / --top-p as the one sampling value the library takes."""
+    from nemo_dflash.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, top_p=args.top_p)
+
+
 def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = True) -> dict:
     """Every turn of ``convs`` through regenerate_conversations (what `regenerate --turns all` runs)."""
     from nemo_dflash.data.regenerate import RegenStats, regenerate_conversations
@@ -132,8 +139,8 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
         _sync()
         t0 = time.perf_counter()
         for _ in regenerate_conversations(
-            model, tokenizer, sample, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, batch_size=args.batch_size, turns="all", seed=0,
+            model, tokenizer, sample, max_new_tokens=args.max_new_tokens, sampling=sampling_of(args),
+            batch_size=args.batch_size, turns="all", seed=0,
             max_prompt_tokens=args.max_prompt_tokens, engine=engine, loops="cut" if args.stop_loops else "keep",
             after_cut=args.after_cut, reuse_slots=reuse, stats=stats, prepare_ahead=args.prepare_ahead,
             schedule=args.schedule,
@@ -160,13 +167,14 @@ def run_slots(model, prompts, args, stop_ids) -> dict:
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
 
-    attention_settings = apply_engine_attention_flags(args, model.device)
+    options, attention_settings = engine_attention_options(args, model.device)
     rows = min(args.batch_size, len(prompts))
     engine = PlainEngine(model, rows=rows, max_prompt_tokens=args.max_prompt_tokens,
-                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
-                         top_p=args.top_p, seed=0, loop_detector=LoopDetector() if args.stop_loops else None,
+                         max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, sampling=sampling_of(args),
+                         seed=0, loop_detector=LoopDetector() if args.stop_loops else None,
                          stop_on_loop=args.stop_loops, window=args.decode_window,
-                         refill_rows=max(1, rows // args.refill_fraction) if args.refill_fraction else None)
+                         refill_rows=max(1, rows // args.refill_fraction) if args.refill_fraction else None,
+                         options=options)
 
     def run(batch: list) -> collections.Counter:
         finish = collections.Counter()
@@ -223,8 +231,8 @@ def engine_phases(prof) -> dict[str, dict[str, float]]:
 def run_generate(model, prompts, args, stop_ids, pad_id) -> dict:
     from nemo_dflash.data.regenerate import _generation_kwargs, generate_batch
 
-    kwargs = _generation_kwargs(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, stop_ids=stop_ids, pad_id=pad_id)
+    kwargs = _generation_kwargs(max_new_tokens=args.max_new_tokens, sampling=sampling_of(args), stop_ids=stop_ids,
+                                pad_id=pad_id)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # less padding
     generate_batch(model, [prompts[i] for i in order[:8]], pad_id=pad_id, stop_ids=stop_ids,
                    **{**kwargs, "max_new_tokens": 8})
@@ -246,8 +254,8 @@ def run_hf_cb(model, prompts, args, stop_ids, pad_id) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gc = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
-                          do_sample=args.temperature > 0, temperature=args.temperature or None,
-                          top_p=args.top_p if args.temperature > 0 else None, top_k=0 if args.temperature > 0 else None)
+                          **{"temperature": None, "top_p": None, "top_k": None,
+                             **sampling_of(args).hf_generate_kwargs()})
     cb = ContinuousBatchingConfig(max_requests_per_batch=args.batch_size, seed=0)
     _sync()
     t0 = time.perf_counter()

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 
 from nemo_dflash.compiled import compiled
 
-AVOID_CUDNN_ATTENTION = True  # benchmarks set False to time PyTorch's own choice
 KV_BLOCK = 128  # flex's KV block: a decode step reads a row's blocks up to the one holding its furthest query
 
 
-def eager_attention_backends(device: torch.device) -> ContextManager[Any]:
-    """The SDPA backends for calls of ever-changing shapes on `device` (all but cuDNN on CUDA)."""
-    if device.type != "cuda" or not AVOID_CUDNN_ATTENTION:
+def eager_attention_backends(device: torch.device, avoid_cudnn: bool = True) -> ContextManager[Any]:
+    """The SDPA backends for calls of ever-changing shapes on `device` (all but cuDNN on CUDA); `avoid_cudnn=False`
+    (`EngineOptions.avoid_cudnn_attention`): PyTorch's own choice, for comparison."""
+    if device.type != "cuda" or not avoid_cudnn:
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -91,6 +91,13 @@ class SamplingParams:
         """``f"{s:g}"`` is `key`, as ``f"{t:g}"`` of a bare temperature: reports and journals key either alike."""
         return self.key
 
+    def hf_generate_kwargs(self) -> dict:
+        """`model.generate`'s sampling arguments for this setting, given whole (top-k off unless set) so that a
+        checkpoint's generation_config does not reshape the distribution."""
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
     def record(self) -> dict:
         """For JSON files: the temperature, and the filters and draft proposals where they are not the defaults."""
         out: dict = {"temperature": self.temperature}
@@ -134,6 +141,7 @@ def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, draft
 
 
 Sampling = Union[float, int, SamplingParams]
+GREEDY = SamplingParams()  # T=0: the argmax
 
 
 def as_sampling(x: Sampling) -> SamplingParams:

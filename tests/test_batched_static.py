@@ -13,12 +13,18 @@ from nemo_dflash.engine.batched_static import (
     prefill_batches,
 )
 from nemo_dflash.engine import batched_static
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.sampling import SamplingParams
 
 
 def _prompts(n: int) -> list[list[int]]:
     return random_prompts(n, seed=11, max_len=40)
+
+
+# Each engine option set away from its default (`filled_blocks`: on, as off a GPU).
+FLIPPED = {"fold_gqa": False, "use_buckets": False, "capture_all_buckets": False, "fuse_elementwise": False,
+           "fuse_sampling": False, "avoid_cudnn_attention": False, "filled_blocks": True}
 
 
 def test_long_accepted_blocks_and_a_reused_runner():
@@ -174,7 +180,7 @@ def test_refills_wait_for_rows_and_batch_their_prefills_without_changing_an_answ
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_target, monkeypatch):
-    """`static_cache.FILLED_BLOCKS`: the plain step and the verify attend with flex over each row's filled KV blocks
+    """`EngineOptions.filled_blocks`: the plain step and the verify attend with flex over each row's filled KV blocks
     (eager flex on CPU) instead of SDPA over the bucketed view. Prompts enter rows mid-run, rows drift apart and
     cross a 128-position block: each answer is the one-prompt decoder's, and every step's target attention took the
     flex path (its calls counted: one a layer a step)."""
@@ -182,7 +188,7 @@ def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_targe
 
     from _spec_fixtures import trained_like_decoder
 
-    monkeypatch.setattr(static_cache, "FILLED_BLOCKS", True)
+    filled = EngineOptions(filled_blocks=True)
     prompts = _prompts(5) + [list(range(3, 123))]  # the last one's answer crosses position 128
     decoder = trained_like_decoder(make_target(), prompts, block_size=4)  # long accepted blocks: every query counts
     target = decoder.target.model
@@ -198,12 +204,12 @@ def test_steps_reading_filled_blocks_only_give_the_one_prompt_answers(make_targe
 
     monkeypatch.setattr(static_cache.FilledBlocks, "__init__", counting)
     got = batched_static_autoregressive_generate(target, prompts, max_new_tokens=20, stop_token_ids=[stop], rows=3,
-                                                 use_graphs=False)
+                                                 use_graphs=False, options=filled)
     assert [g.output_ids for g in got] == [w.output_ids for w in want_plain]
     layers = target.config.num_hidden_layers
     assert len(calls) >= layers * max(len(w.output_ids) for w in want_plain) and len(calls) % layers == 0
     got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, stop_token_ids=[stop], rows=3,
-                                              use_graphs=False)
+                                              use_graphs=False, options=filled)
     assert [g.output_ids for g in got] == [w.output_ids for w in want_spec]
     assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want_spec]
     assert max(a for w in want_spec for a in w.acceptance_lengths) >= 3
@@ -434,52 +440,116 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("setting", ["FOLD_GQA", "FILLED_BLOCKS"])
-def test_gpu_folded_attention_graphs_are_the_unfolded_runs(monkeypatch, setting):
-    """On a GPU, in fp32: captured plain and speculative rows with the grouped-query fold (`FOLD_GQA`), or reading
-    filled KV blocks only with compiled flex (`FILLED_BLOCKS`), give the tokens and acceptance lengths of the eager
-    runs through HF's own SDPA, at T=0 and T=1, prompts entering rows between replays (one of them long enough to
-    cross a 128-position block; the captured plain rows 4 steps a read-back); the runners made before the switch
-    are rebuilt, not reused."""
+@pytest.mark.parametrize("setting", sorted(FLIPPED))
+def test_gpu_captured_rows_under_each_option_are_the_eager_unfolded_runs(setting):
+    """On a GPU, in fp32: captured plain and speculative rows with each engine option at either value (the grouped-
+    query fold, filled KV blocks on compiled flex, buckets, capture up front, the fused elementwise and sampling
+    kernels, cuDNN in the eager prefills) give the tokens and acceptance lengths of the eager runs through HF's own
+    SDPA, at T=0 and T=1, prompts entering rows between replays (one of them long enough to cross a 128-position
+    block; the captured plain rows 4 steps a read-back)."""
     import copy
 
     from _spec_fixtures import trained_like_decoder
-    from nemo_dflash.engine import static_cache
 
     prompts = _prompts(5) + [list(range(3, 123))]
-    monkeypatch.setattr(static_cache, "FOLD_GQA", False)
-    monkeypatch.setattr(static_cache, "FILLED_BLOCKS", False)
+    unfolded = EngineOptions(fold_gqa=False, filled_blocks=False)
     cpu = trained_like_decoder(tiny_qwen3(), prompts)
     target = copy.deepcopy(cpu.target.model).cuda()
     decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
     for temperature in (0.0, SamplingParams(1.0)):
         kw = dict(rows=2, max_new_tokens=30, temperature=temperature)
-        runs = {}
-        for fold, graphs in ((False, False), (True, True)):
-            monkeypatch.setattr(static_cache, setting, fold)
-            runs[fold] = (
+        runs = []
+        for value, graphs in ((None, False), (False, True), (True, True)):
+            options = unfolded if value is None else unfolded.but(**{setting: value})
+            runs.append((
                 batched_static_autoregressive_generate(target, prompts, use_graphs=graphs, window=4 if graphs else 1,
-                                                       generator=torch.Generator("cuda").manual_seed(5), **kw),
+                                                       generator=torch.Generator("cuda").manual_seed(5),
+                                                       options=options, **kw),
                 batched_static_speculative_generate(decoder, prompts, use_graphs=graphs,
-                                                    generator=torch.Generator("cuda").manual_seed(5), **kw))
-        for a, b in zip(runs[True], runs[False]):
-            assert [o.output_ids for o in a] == [o.output_ids for o in b]
-            assert [o.acceptance_lengths for o in a] == [o.acceptance_lengths for o in b]
+                                                    generator=torch.Generator("cuda").manual_seed(5),
+                                                    options=options, **kw)))
+        for run in runs[1:]:
+            for a, b in zip(run, runs[0]):
+                assert [o.output_ids for o in a] == [o.output_ids for o in b]
+                assert [o.acceptance_lengths for o in a] == [o.acceptance_lengths for o in b]
 
 
-def test_a_runner_is_rebuilt_when_the_fold_setting_changes(monkeypatch):
-    """A runner's captured steps hold the fold setting they were made under: a call after the switch gets a new
-    runner (`static_decode.step_key`), a call under the same setting the kept one."""
-    from nemo_dflash.engine import static_cache
-
+def test_runners_with_different_options_are_distinct_cache_entries():
+    """A runner's captured steps hold the options they were made under: a call under other options gets a runner of
+    its own (its own cache entry, keyed by the options), a call under the same options (equal, not the same object)
+    the kept one, and the first runner is still there for the first options."""
     target = tiny_qwen3()
     prompts = _prompts(2)
     made = []
-    for fold in (False, False, True):
-        monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
-        batched_static_autoregressive_generate(target, prompts, max_new_tokens=4, use_graphs=False)
-        made.append(batched_static.plain_runner(target, 0.0, 2, 0, False))
-    assert made[0] is made[1] and made[2] is not made[1] and made[2].step_key[1] is True
+    for options in (EngineOptions(fold_gqa=False), EngineOptions(fold_gqa=False), DEFAULT_OPTIONS,
+                    EngineOptions(fold_gqa=False)):
+        batched_static_autoregressive_generate(target, prompts, max_new_tokens=4, use_graphs=False, options=options)
+        made.append(batched_static.plain_runner(target, 0.0, 2, 0, False, options))
+    assert made[0] is made[1] is made[3] and made[2] is not made[0]
+    assert made[0].options == EngineOptions(fold_gqa=False) and made[2].options == DEFAULT_OPTIONS
+    assert made[0].step_key != made[2].step_key
+    assert set(batched_static._RUNNERS[target]) == {batched_static.runner_key("plain", 2, False, EngineOptions(fold_gqa=False)),
+                                                    batched_static.runner_key("plain", 2, False)}
+
+
+def _options_run(decoder, prompts, options):
+    """Speculative rows at T=0 and plain rows at T=1 (top-k 20) under `options`: prompts entering 3 rows mid-run,
+    one of them long enough to cross a 128-position view and KV block. (answers, acceptance lengths) of both."""
+    kw = dict(max_new_tokens=20, rows=3, use_graphs=False, options=options)
+    spec = batched_static_speculative_generate(decoder, prompts, **kw)
+    plain = batched_static_autoregressive_generate(decoder.target.model, prompts, temperature=SamplingParams(1.0, top_k=20),
+                                                   generator=torch.Generator().manual_seed(4), **kw)
+    return [(o.output_ids, o.acceptance_lengths) for o in spec + plain]
+
+
+@pytest.mark.parametrize("field", sorted(FLIPPED))
+def test_each_engine_option_gives_the_answers_of_the_option_off(field, monkeypatch):
+    """Every `EngineOptions` field set away from its default: the speculative (T=0) and plain sampled (T=1) rows'
+    answers and acceptance lengths are those of the default options, from runners of their own made under those
+    options, and (where a CPU shows it) the option took effect: no folded attention, one view over the whole cache,
+    no step made up front, eager forwards free to pick cuDNN, the target steps on flex over filled blocks, no compiled
+    sampling on a GPU. The fused kernels run on a GPU only (their answers: the GPU test below and
+    `test_fused_sampling_*`)."""
+    import dataclasses
+
+    from _spec_fixtures import trained_like_decoder
+    from nemo_dflash.engine import static_cache, static_decode
+
+    assert set(FLIPPED) == {f.name for f in dataclasses.fields(EngineOptions)}  # a new option is tested here too
+    monkeypatch.setattr(static_decode, "LENGTH_BUCKET", 128)  # two views (128, 256), and whole KV blocks
+    prompts = _prompts(4) + [list(range(3, 123))]
+    decoder = trained_like_decoder(tiny_qwen3(), prompts, block_size=4)
+    folded, backends, made_up_front = [], [], []
+    real_fold, real_backends, real_steps = (static_cache.folded_gqa_sdpa, batched_static.eager_attention_backends,
+                                            static_decode.BucketedSteps.__init__)
+    monkeypatch.setattr(static_cache, "folded_gqa_sdpa", lambda *a, **k: folded.append(1) or real_fold(*a, **k))
+    monkeypatch.setattr(batched_static, "eager_attention_backends",
+                        lambda device, avoid=True: backends.append(avoid) or real_backends(device, avoid))
+
+    def steps_init(self, *a, **k):
+        real_steps(self, *a, **k)
+        made_up_front.append(len(self.steps))
+
+    monkeypatch.setattr(static_decode.BucketedSteps, "__init__", steps_init)
+    want = _options_run(decoder, prompts, DEFAULT_OPTIONS)
+    assert folded and all(backends) and made_up_front == [2, 2, 2]  # the defaults: both views of 3 steps
+    folded.clear(), backends.clear(), made_up_front.clear()
+    options = DEFAULT_OPTIONS.but(**{field: FLIPPED[field]})
+    got = _options_run(decoder, prompts, options)
+    assert got == want
+    assert max(max(a) for _, a in want[:5]) >= 3  # long blocks accepted
+    fused_on, cuda = static_decode.fused_sampling_on, torch.device("cuda")
+    key = batched_static.runner_key("spec", 3, False, options)
+    runner, default = batched_static._RUNNERS[decoder][key], batched_static._RUNNERS[decoder][key[:3] + (DEFAULT_OPTIONS,)]
+    assert runner is not default and runner.options == options and default.options == DEFAULT_OPTIONS
+    effect = {"fold_gqa": not folded, "use_buckets": list(runner.verify_steps.steps) == [runner.max_len] == [256],
+              "capture_all_buckets": made_up_front and not any(made_up_front),
+              "avoid_cudnn_attention": backends and not any(backends),
+              "filled_blocks": runner.filled is not None and default.filled is None,
+              # on a GPU only: the sampled steps' math compiled (its runs: the GPU tests)
+              "fuse_elementwise": fused_on(cuda, runner.options) is False and fused_on(cuda, default.options),
+              "fuse_sampling": fused_on(cuda, runner.options) is False and fused_on(cuda, default.options)}
+    assert effect[field]
 
 
 def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatch):
@@ -492,7 +562,8 @@ def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatc
     inside = []
 
     @contextlib.contextmanager
-    def recording(device):
+    def recording(device, avoid_cudnn=True):
+        assert avoid_cudnn  # the default options
         inside.append(True)
         try:
             yield
@@ -677,7 +748,8 @@ def test_folded_gqa_attention_equals_attention_written_out(q_len, mask_rows):
 
 def test_the_engine_attends_with_folded_heads_and_restores_the_target(monkeypatch):
     """Every target forward of both runners (prefills, steps, verifies) goes through the folded attention,
-    the answers are those of HF's own SDPA (FOLD_GQA off), and the target is left on "sdpa" afterwards."""
+    the answers are those of HF's own SDPA (`EngineOptions.fold_gqa` off), and the target is left on "sdpa"
+    afterwards."""
     from nemo_dflash.engine import static_cache
 
     calls = []
@@ -688,17 +760,15 @@ def test_the_engine_attends_with_folded_heads_and_restores_the_target(monkeypatc
     prompts = _prompts(3)
     runs = {}
     for fold in (True, False):
-        monkeypatch.setattr(static_cache, "FOLD_GQA", fold)
-        batched_static.drop_runners(target)
-        batched_static.drop_runners(decoder)
-        runs[fold] = (batched_static_autoregressive_generate(target, prompts, max_new_tokens=12, rows=2, use_graphs=False),
-                      batched_static_speculative_generate(decoder, prompts, max_new_tokens=12, rows=2, use_graphs=False))
+        kw = dict(max_new_tokens=12, rows=2, use_graphs=False, options=EngineOptions(fold_gqa=fold))
+        runs[fold] = (batched_static_autoregressive_generate(target, prompts, **kw),
+                      batched_static_speculative_generate(decoder, prompts, **kw))
         assert target.config._attn_implementation == "sdpa"
         if fold:
             q_lens = {shape[2] for shape in calls}
             assert 1 in q_lens and 4 in q_lens and max(q_lens) > 4  # plain steps, verifies, prefills
             calls.clear()
-    assert not calls  # FOLD_GQA off: HF's SDPA alone
+    assert not calls  # the fold off: HF's SDPA alone
     for a, b in zip(runs[True], runs[False]):
         assert [o.output_ids for o in a] == [o.output_ids for o in b]
 
@@ -782,7 +852,7 @@ def test_follow_ups_from_on_done_are_decoded_as_more_prompts(kind):
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, caplog):
-    """The sampled steps' math compiled (what a GPU runs, `static_decode.FUSE_SAMPLING`; inductor on the CPU
+    """The sampled steps' math compiled (what a GPU runs, `EngineOptions.fuse_sampling`; inductor on the CPU
     here) draws the same tokens as the same functions run op by op, with and without top-p / top-k, and
     keeps every row's own key: 12 prompts through 5 rows at T=1, block 4."""
     import torch._dynamo.utils as dutils
@@ -822,7 +892,7 @@ def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, cap
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_fused_sampling_keeps_the_joint_distribution():
-    """On a GPU, captured steps with the sampling math compiled (`static_decode.FUSE_SAMPLING`): the exact
+    """On a GPU, captured steps with the sampling math compiled (`EngineOptions.fuse_sampling`): the exact
     three-token law of the target, 6,000 prompts through 500 rows (entering rows included)."""
     from _spec_fixtures import three_token_law
 

@@ -29,17 +29,13 @@ def test_row_per_gpu_rates_and_report_figures():
     assert row(summary, "4x GPU", "cmd")["sources"] == summary["sources"]
 
 
-def test_throughput_engine_and_generate_rows(tmp_path, monkeypatch):
+def test_throughput_engine_and_generate_rows(tmp_path):
     """regen.py throughput on random SmolLM2-shaped weights, CPU, T=0: the decoding engine (what `regenerate --engine
     slots` runs) and batched model.generate answer the same prompts (the same new tokens), and each row says where
     it was measured."""
     import json
 
     import regen
-    from nemo_dflash.engine import static_cache
-
-    monkeypatch.setattr(static_cache, "FOLD_GQA", static_cache.FOLD_GQA)  # --fold-gqa sets it: restored after
-    monkeypatch.setattr(static_cache, "FILLED_BLOCKS", static_cache.FILLED_BLOCKS)  # --filled-blocks too
     out = tmp_path / "t.json"
     regen.main_throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "24", "--temperature", "0",

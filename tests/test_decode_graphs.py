@@ -25,6 +25,7 @@ from nemo_dflash.engine.batched_static import (
     batched_static_speculative_generate,
     spec_cache_length,
 )
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.static_decode import (
     LENGTH_BUCKET,
     cache_length_for,
@@ -59,20 +60,22 @@ def target(request):
     return model
 
 
-def spec_static(decoder, ids, n, temperature=0.0, stop=(), generator=None):
+def spec_static(decoder, ids, n, temperature=0.0, stop=(), generator=None, options=DEFAULT_OPTIONS):
     """The one-row graphs loop, its steps run eagerly."""
     return batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
-                                               stop_token_ids=stop, rows=1, use_graphs=False, generator=generator)[0]
+                                               stop_token_ids=stop, rows=1, use_graphs=False, generator=generator,
+                                               options=options)[0]
 
 
-def plain_static(target, ids, n, temperature=0.0, stop=(), generator=None):
+def plain_static(target, ids, n, temperature=0.0, stop=(), generator=None, options=DEFAULT_OPTIONS):
     return batched_static_autoregressive_generate(target, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
                                                   stop_token_ids=stop, rows=1, use_graphs=False,
-                                                  generator=generator)[0]
+                                                  generator=generator, options=options)[0]
 
 
-def runner_of(decoder, greedy=True):
-    return batched_static._RUNNERS[decoder][("spec" if greedy else "spec sampled", 1, False)]
+def runner_of(decoder, greedy=True, options=DEFAULT_OPTIONS):
+    return batched_static._RUNNERS[decoder][batched_static.runner_key("spec" if greedy else "spec sampled", 1, False,
+                                                                      options)]
 
 
 # ----------------------------------------------------------------------------- modes and bad input
@@ -156,7 +159,6 @@ def test_static_draft_matches_the_eager_draft(target, bucket, monkeypatch):
     """Padded context, preallocated cache, masks and (small) length buckets must not change the
     draft's logits."""
     if bucket:
-        monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
         monkeypatch.setattr(static_decode, "LENGTH_BUCKET", bucket)
     draft = make_draft(target, block_size=6)
     ids = prompt(4)
@@ -279,21 +281,20 @@ SMALL_BUCKET = 16  # a 9-token prompt + 50 new tokens then crosses 4 views: 16, 
 
 @pytest.fixture
 def small_buckets(monkeypatch):
-    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)  # opt-in until measured on a GPU
     monkeypatch.setattr(static_decode, "LENGTH_BUCKET", SMALL_BUCKET)
     return SMALL_BUCKET
 
 
-def new_plain_runner(target, max_len):
-    """A fresh one-row greedy runner where the generate functions will find (and reuse) it."""
-    runner = BatchedStaticPlainRunner(target, 1, max_len, use_graphs=False)
-    batched_static._RUNNERS.setdefault(target, {})[("plain", 1, False)] = runner
+def new_plain_runner(target, max_len, options=DEFAULT_OPTIONS):
+    """A fresh one-row greedy runner where the generate functions with these options will find (and reuse) it."""
+    runner = BatchedStaticPlainRunner(target, 1, max_len, use_graphs=False, options=options)
+    batched_static._RUNNERS.setdefault(target, {})[batched_static.runner_key("plain", 1, False, options)] = runner
     return runner
 
 
-def new_spec_runner(decoder, max_len):
-    runner = BatchedStaticSpecRunner(decoder, 1, max_len, use_graphs=False)
-    batched_static._RUNNERS.setdefault(decoder, {})[("spec", 1, False)] = runner
+def new_spec_runner(decoder, max_len, options=DEFAULT_OPTIONS):
+    runner = BatchedStaticSpecRunner(decoder, 1, max_len, use_graphs=False, options=options)
+    batched_static._RUNNERS.setdefault(decoder, {})[batched_static.runner_key("spec", 1, False, options)] = runner
     return runner
 
 
@@ -330,11 +331,10 @@ def _logits_match_hf(target, ids, output_ids, views, logits, accept_lens=None) -
     return True
 
 
-def test_view_lengths(small_buckets, monkeypatch):
+def test_view_lengths(small_buckets):
     assert [view_length(n, 64) for n in (1, 16, 17, 48, 49, 64, 90)] == [16, 16, 32, 48, 64, 64, 64]
     assert view_lengths(64) == [16, 32, 48, 64] and view_lengths(40) == [16, 32, 40]
-    monkeypatch.setattr(static_decode, "USE_BUCKETS", False)
-    assert view_length(3, 64) == 64 and view_lengths(64) == [64]
+    assert view_length(3, 64, buckets=False) == 64 and view_lengths(64, buckets=False) == [64]
 
 
 def test_plain_across_buckets_matches_hf_greedy(target, small_buckets):
@@ -386,7 +386,6 @@ def test_oracle_across_buckets_whole_blocks(small_buckets):
 def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
     """At T > 0 the noise is keyed by position and token, not by the view: the same seed gives the
     same tokens with small buckets as with one view over the whole cache."""
-    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
     ids = prompt(6)
@@ -404,23 +403,24 @@ def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
     assert bucketed == whole and len(whole[0]) == len(whole[1]) == 50
 
 
-def test_no_buckets_and_lazy_capture_switches(target, small_buckets, monkeypatch):
+def test_no_buckets_and_lazy_capture_switches(target, small_buckets):
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=8))
     ids = prompt(3)
     ref = hf_greedy(target, ids, 40)
-    monkeypatch.setattr(static_decode, "USE_BUCKETS", False)
-    assert spec_static(decoder, ids, 40).output_ids == ref
-    assert list(runner_of(decoder).verify_steps.steps) == [runner_of(decoder).max_len]  # one view, the whole cache
-    monkeypatch.setattr(static_decode, "USE_BUCKETS", True)
-    monkeypatch.setattr(static_decode, "CAPTURE_ALL_BUCKETS", False)
-    runner = new_spec_runner(decoder, 128)  # bucketed, nothing made up front: views up to 128 on first use
+    whole = EngineOptions(use_buckets=False)
+    assert spec_static(decoder, ids, 40, options=whole).output_ids == ref
+    one = runner_of(decoder, options=whole)
+    assert list(one.verify_steps.steps) == [one.max_len]  # one view, the whole cache
+    lazy = EngineOptions(capture_all_buckets=False)
+    runner = new_spec_runner(decoder, 128, lazy)  # bucketed, nothing made up front: views up to 128 on first use
     assert runner.verify_steps.steps == {}
     views = _record_views(runner, "_verify")
-    assert spec_static(decoder, ids, 40).output_ids == ref and runner_of(decoder) is runner
+    assert spec_static(decoder, ids, 40, options=lazy).output_ids == ref and runner_of(decoder, options=lazy) is runner
     assert sorted(runner.verify_steps.steps) == sorted({n for _, n in views})
     assert 3 <= len(runner.verify_steps.steps) < len(static_decode.view_lengths(128))
-    plain_runner = new_plain_runner(target, 128)
-    plain = plain_static(target, ids, 40)
+    assert runner_of(decoder, options=whole) is one  # each option's runner its own cache entry
+    plain_runner = new_plain_runner(target, 128, lazy)
+    plain = plain_static(target, ids, 40, options=lazy)
     assert plain.output_ids == ref and sorted(plain_runner.steps.steps) == [16, 32, 48]
 
 

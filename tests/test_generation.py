@@ -88,7 +88,7 @@ def test_sampled_answers_are_a_function_of_their_key():
 
     def run(rows: int, order: list[int], seed: int = 5) -> dict[int, list[int]]:
         engine = PlainEngine(model, rows=rows, max_prompt_tokens=64, max_new_tokens=12, stop_ids=[STOP],
-                             temperature=1.0, top_p=0.9, seed=seed)
+                             sampling=SamplingParams(1.0, top_p=0.9), seed=seed)
         return {k: c.token_ids for k, c in _answers(engine, [Request(i, prompts[i]) for i in order]).items()}
 
     base = run(3, list(range(8)))
@@ -106,8 +106,7 @@ def test_sampled_first_tokens_follow_the_filtered_softmax():
     with torch.no_grad():
         want = s.probs(model(torch.tensor([ids])).logits[0, -1])
     n = 2000
-    engine = PlainEngine(model, rows=500, max_prompt_tokens=8, max_new_tokens=1, stop_ids=[STOP], temperature=0.7,
-                         top_p=0.8, seed=1)
+    engine = PlainEngine(model, rows=500, max_prompt_tokens=8, max_new_tokens=1, stop_ids=[STOP], sampling=s, seed=1)
     got = _answers(engine, [Request(i, ids) for i in range(n)])
     tokens = torch.tensor([c.output.output_ids[0] for c in got.values()])
     freq = torch.bincount(tokens, minlength=want.numel()).float() / n
@@ -266,7 +265,7 @@ def test_windows_change_no_output(temperature):
 
     def run(window: int) -> dict:
         engine = PlainEngine(model, rows=3, max_prompt_tokens=64, max_new_tokens=20, stop_ids=[STOP],
-                             temperature=temperature, top_p=0.9, seed=3, window=window)
+                             sampling=SamplingParams(temperature, top_p=0.9), seed=3, window=window)
         return {k: (c.token_ids, c.finish) for k, c in _answers(engine, [Request(i, p) for i, p in
                                                                           enumerate(prompts)]).items()}
 
@@ -278,7 +277,7 @@ def test_each_request_is_capped_at_its_own_max_new_tokens(window):
     """Requests of different caps share the rows; each answer is the one an engine of its own cap gives."""
     model, prompts = _llama(), _prompts(6)
     caps = [3, None, 1, 7, 12, 5]
-    kw = dict(max_prompt_tokens=64, stop_ids=[STOP], temperature=1.0, top_p=0.9, seed=3, window=window)
+    kw = dict(max_prompt_tokens=64, stop_ids=[STOP], sampling=SamplingParams(1.0, top_p=0.9), seed=3, window=window)
     got = _answers(PlainEngine(model, rows=2, max_new_tokens=12, **kw),
                    [Request(i, p, max_new_tokens=c) for i, (p, c) in enumerate(zip(prompts, caps))])
     for i, (p, c) in enumerate(zip(prompts, caps)):

@@ -17,6 +17,7 @@ from nemo_dflash.data import read_conversations
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.recipes import regenerate as cli
 from nemo_dflash.data.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
+from nemo_dflash.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -317,8 +318,8 @@ def test_sampling_is_seeded(target, chat_file):
     convs = list(read_conversations(str(chat_file), max_samples=4))
 
     def run(seed: int) -> list[dict]:
-        return list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=5, temperature=1.0, top_p=0.9,
-                                             batch_size=2, seed=seed))
+        return list(regenerate_conversations(model, tokenizer, convs, max_new_tokens=5,
+                                             sampling=SamplingParams(1.0, top_p=0.9), batch_size=2, seed=seed))
 
     assert run(0) == run(0) != run(1)
 
@@ -333,8 +334,8 @@ def test_sampling_does_not_depend_on_the_batch(target_dir, chat_file):
     convs = list(read_conversations(str(chat_file), max_samples=5))
 
     def run(bs: int) -> list[dict]:
-        records = regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, temperature=0.8, top_p=0.95,
-                                           batch_size=bs, seed=4)
+        records = regenerate_conversations(model, tokenizer, convs, max_new_tokens=6,
+                                           sampling=SamplingParams(0.8, top_p=0.95), batch_size=bs, seed=4)
         return sorted(records, key=lambda r: r["source"])
 
     one = run(1)
@@ -390,11 +391,12 @@ def test_sampling_settings_come_from_the_target(capsys):
 
     args = cli.build_parser().parse_args(["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"])
     sampling = SimpleNamespace(do_sample=True, temperature=0.6, top_p=0.9)
-    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (0.6, 0.9, "target generation_config")
+    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (
+        SamplingParams(0.6, top_p=0.9), "target generation_config")
     plain = SimpleNamespace(generation_config=SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0))
-    assert cli.resolve_sampling(args, plain) == (0.7, 0.95, "command line")
+    assert cli.resolve_sampling(args, plain) == (SamplingParams(0.7, top_p=0.95), "command line")
     args.sampling = "greedy"
-    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling))[:2] == (0.0, 1.0)
+    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (SamplingParams(), "greedy")
     args.sampling = "target"
     bad = SimpleNamespace(generation_config=SimpleNamespace(do_sample=True, temperature=0.7, top_p=0.0))
     with pytest.raises(SystemExit) as exc:

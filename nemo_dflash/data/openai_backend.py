@@ -40,6 +40,7 @@ from nemo_dflash.data.regenerate import (
     AFTER_CUT, CAPPED_POLICIES, LOOP_POLICIES, SCHEDULES, TURNS, RegenStats, SourceMix, _Regeneration,
 )
 from nemo_dflash.engine.plain import Completion, Request
+from nemo_dflash.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +164,15 @@ def pick_model(models: Sequence[dict[str, Any]], wanted: Optional[str], base_url
                         "set --model to the served name (vLLM: --served-model-name)")
 
 
-def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tokens: int, temperature: float,
-              top_p: float, seed: Optional[int], reasoning: Optional[str]) -> dict[str, Any]:
+def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tokens: int, sampling: SamplingParams,
+              seed: Optional[int], reasoning: Optional[str]) -> dict[str, Any]:
     """The chat-completions request of one turn. Sampling is sent whole (top-k off, no penalties) so
     the server's defaults (a checkpoint's generation_config) do not reshape the distribution the
     draft trains on, as the engine's explicit settings do; with ``extensions`` the server is also
     asked for the answer's token ids."""
     body: dict[str, Any] = {"model": endpoint.model, "messages": list(messages), "max_tokens": max_tokens,
-                            "temperature": temperature, "top_p": top_p if temperature > 0 else 1.0, "n": 1,
+                            "temperature": sampling.temperature, "top_p": 1.0 if sampling.greedy else sampling.top_p,
+                            "n": 1,
                             "stream": False}
     if seed is not None:
         body["seed"] = seed
@@ -184,7 +186,7 @@ def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tok
 
 def probe_chat(endpoint: Endpoint, timeout: Optional[float] = None) -> dict[str, Any]:
     """A one-token chat completion: the server has chat completions and takes the recipe's fields."""
-    body = chat_body(endpoint, [{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0.0, top_p=1.0,
+    body = chat_body(endpoint, [{"role": "user", "content": "Hi"}], max_tokens=1, sampling=GREEDY,
                      seed=0, reasoning=None)
     for attempt in range(endpoint.retries + 1):  # a server still warming up answers 503 for a while
         try:
@@ -298,11 +300,11 @@ class ServerEngine:
     (``Request.tag.messages``: system, users, the target's own earlier answers)."""
 
     def __init__(self, endpoint: Endpoint, tokenizer: Any, *, concurrency: int, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int, stop_ids: Sequence[int],
+                 sampling: SamplingParams, seed: int, stop_ids: Sequence[int],
                  loop_detector: Optional[LoopDetector], stop_on_loop: bool, fidelity: Fidelity,
                  reasoning: Optional[str] = None, sleep: Callable[[float], None] = time.sleep) -> None:
         self.endpoint, self.tokenizer, self.concurrency = endpoint, tokenizer, concurrency
-        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.max_new_tokens, self.sampling, self.seed = max_new_tokens, sampling, seed
         self.stop_ids, self.loop_detector, self.stop_on_loop = list(stop_ids), loop_detector, stop_on_loop
         self.fidelity, self.reasoning, self.sleep = fidelity, reasoning, sleep
         self.generated_tokens = 0
@@ -317,8 +319,8 @@ class ServerEngine:
         """One turn's answer, retried: ("ok", choice, usage) or ("skip", reason)."""
         from nemo_dflash.engine.batched_static import noise_key
 
-        body = chat_body(self.endpoint, messages, max_tokens=self.max_new_tokens, temperature=self.temperature,
-                         top_p=self.top_p, seed=noise_key(self.seed, request.key) & 0x7FFFFFFF,
+        body = chat_body(self.endpoint, messages, max_tokens=self.max_new_tokens, sampling=self.sampling,
+                         seed=noise_key(self.seed, request.key) & 0x7FFFFFFF,
                          reasoning=self.reasoning)
         last = ""
         for attempt in range(self.endpoint.retries + 1):
@@ -414,8 +416,7 @@ def regenerate_on_server(
     conversations: Iterable[Any],
     *,
     max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: SamplingParams = GREEDY,
     batch_size: int = 8,
     turns: str = "first",
     seed: int = 0,
@@ -444,7 +445,7 @@ def regenerate_on_server(
     stats = stats if stats is not None else RegenStats()
     detector = loop_detector or LoopDetector()
     gen = ServerEngine(server.endpoint, tokenizer, concurrency=batch_size, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, seed=seed, stop_ids=server.stop_ids,
+                       sampling=sampling, seed=seed, stop_ids=server.stop_ids,
                        loop_detector=detector, stop_on_loop=loops != "keep", fidelity=server.fidelity,
                        reasoning=getattr(tokenizer, "reasoning", None))
     if max_prompt_tokens is None:

@@ -829,6 +829,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
+    from nemo_dflash.sampling import SamplingParams
 
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")
@@ -852,7 +853,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
                 prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1, max_new_tokens=user_cap) for c in convs)
     engine = PlainEngine(model, rows=batch_size, max_prompt_tokens=max_prompt,
                          max_new_tokens=max(user_cap, max_new_tokens),
-                         stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed,
+                         stop_ids=stop_ids, sampling=SamplingParams(temperature, top_p=top_p), seed=seed,
                          loop_detector=LoopDetector(), stop_on_loop=True)
     for done in engine.generate(pending):
         conv: _MagpieConversation = done.request.tag

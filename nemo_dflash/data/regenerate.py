@@ -33,6 +33,7 @@ from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.engine.plain import Completion, PlainEngine, Request
 from nemo_dflash.data.sources import Conversation
+from nemo_dflash.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def _pad_id(tokenizer: Any, stop_ids: Sequence[int]) -> int:
 
 
 def _generation_kwargs(
-    *, max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], pad_id: int
+    *, max_new_tokens: int, sampling: SamplingParams, stop_ids: list[int], pad_id: int
 ) -> dict[str, Any]:
     """Explicit settings, so defaults in the checkpoint's generation_config (top_k=20, a repetition
     penalty, ...) do not silently reshape the distribution the draft is trained on."""
@@ -176,10 +177,7 @@ def _generation_kwargs(
         max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id, num_beams=1,
         repetition_penalty=1.0, min_new_tokens=0,
     )
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        kwargs.update(do_sample=False)
+    kwargs.update(sampling.hf_generate_kwargs())
     return kwargs
 
 
@@ -215,13 +213,13 @@ class BatchedGenerateEngine:
     depend on the batch composition (the engine's do not)."""
 
     def __init__(self, model: Any, *, batch_size: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
-                 temperature: float, top_p: float, seed: int, loop_detector: Optional[LoopDetector]) -> None:
+                 sampling: SamplingParams, seed: int, loop_detector: Optional[LoopDetector]) -> None:
         self.model, self.batch_size, self.stop_ids, self.pad_id = model, batch_size, stop_ids, pad_id
-        self.gen_kwargs = _generation_kwargs(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                             stop_ids=stop_ids, pad_id=pad_id)
+        self.gen_kwargs = _generation_kwargs(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                                             pad_id=pad_id)
         self.loop_detector = loop_detector
         self.generated_tokens = 0
-        if temperature > 0:
+        if not sampling.greedy:
             torch.manual_seed(seed)
 
     def generate(self, pending: collections.deque) -> Iterator[Completion]:
@@ -455,8 +453,7 @@ def regenerate_conversations(
     conversations: Iterable[ConversationLike],
     *,
     max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: SamplingParams = GREEDY,
     batch_size: int = 8,
     turns: str = "first",
     seed: int = 0,
@@ -477,8 +474,8 @@ def regenerate_conversations(
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
     ``conversations`` are :class:`Conversation` objects or plain ``[{"role", "content"}]`` lists;
-    their assistant turns are replaced by the target's answers (greedy for ``temperature=0``,
-    else sampled with ``temperature``/``top_p``, keyed by ``seed``, the conversation and the turn).
+    their assistant turns are replaced by the target's answers (``sampling``: greedy, or sampled with its
+    temperature and top-p, keyed by ``seed``, the conversation and the turn).
     ``turns="first"`` answers the first user turn only (``[system?, user, assistant]``);
     ``turns="all"`` answers every user turn, with the target's own earlier answers as context.
 
@@ -521,8 +518,8 @@ def regenerate_conversations(
                          f"after_cut in {AFTER_CUT}")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+    if not isinstance(sampling, SamplingParams):  # its own checks ran when it was made
+        raise ValueError(f"sampling must be a SamplingParams (got {sampling!r}): build one from the temperature")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if prepare_ahead < 0:
@@ -536,13 +533,13 @@ def regenerate_conversations(
     if engine == "slots":
         gen: Any = PlainEngine(
             model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, temperature=temperature, top_p=top_p, seed=seed, loop_detector=detector,
+            stop_ids=stop_ids, sampling=sampling, seed=seed, loop_detector=detector,
             stop_on_loop=loops != "keep", reuse_rows=reuse_slots,
         )
     else:
         gen = BatchedGenerateEngine(
             model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-            pad_id=_pad_id(tokenizer, stop_ids), temperature=temperature, top_p=top_p, seed=seed,
+            pad_id=_pad_id(tokenizer, stop_ids), sampling=sampling, seed=seed,
             loop_detector=detector,
         )
     run = _Regeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,

@@ -45,7 +45,10 @@ draw from norm(max(p - q, 0)); the bonus from p) with keyed noise (`sampling.key
 other rows, a step is still one replay and one read-back, and the eager and captured steps give the same
 answers. A position's noise only ever decides one kept token: a later step samples only positions past
 the last kept one. On a GPU that sampling math (softmaxes over the vocabulary, hashes, the draws' scans) runs
-compiled, a few fused kernels instead of ~40 (`static_decode.FUSE_SAMPLING`), eager and captured steps alike.
+compiled, a few fused kernels instead of ~40 (`EngineOptions.fuse_sampling`), eager and captured steps alike.
+
+A runner is made under one `EngineOptions` (the engine's speed settings, answers unchanged) and cached by it with
+its kind, rows and mode (`_runner`): a call with other options gets its own runner.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from torch.profiler import record_function
 
 from nemo_dflash.attention import eager_attention_backends
 from nemo_dflash.engine.acceptance import greedy_accepted
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
 from nemo_dflash.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
 from nemo_dflash.engine.static_cache import (
@@ -184,9 +188,11 @@ class _Rows:
 
     reuses_prefix = False  # a follow-up may keep the K/V its row holds (the plain runner)
 
-    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool) -> None:
+    def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool,
+                 options: EngineOptions = DEFAULT_OPTIONS) -> None:
         check_static_target(model)
         self.model = model
+        self.options = options
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
@@ -198,7 +204,8 @@ class _Rows:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.alive = torch.ones(self.rows, dtype=torch.long, device=self.device)  # 1: still decoding
         self.sampling: Optional[SamplingParams] = None  # the call's setting (T > 0), set by `serve`
-        self.filled_blocks = filled_blocks_on(self.device, model)  # the captured target steps read filled KV blocks
+        # the captured target steps read filled KV blocks
+        self.filled_blocks = filled_blocks_on(self.device, model, options.filled_blocks)
         self.row_requests: list[Optional[Request]] = [None] * self.rows  # the request each row holds (`serve`)
         # what a call did: tokens generated, prompt tokens prefilled and kept from a held row, follow-ups that
         # continued in their row (of them, rows whose tokens were not all a prefix of the new prompt), wall time
@@ -236,7 +243,8 @@ class _Rows:
         self.kv.write_positions, self.kv.view_len, self.kv.fresh = positions, view_len, fresh
         self.kv.rows = torch.tensor(rows, device=self.device)
         try:  # an eager forward of a new shape: attention kernels without cuDNN's per-shape plans
-            with engine_attention(self.model), eager_attention_backends(self.device):
+            with engine_attention(self.model, fold_gqa=self.options.fold_gqa), \
+                    eager_attention_backends(self.device, self.options.avoid_cudnn_attention):
                 mask = self.causal(positions, width if fresh else view_len)
                 hidden = self.decoder(input_ids=ids, position_ids=positions, past_key_values=self.kv.cache,
                                       use_cache=True, attention_mask=mask).last_hidden_state
@@ -254,7 +262,8 @@ class _Rows:
         for batch in prefill_batches([len(p) - s for p, s in zip(prompts, starts)]):
             batch_rows = [rows[i] for i in batch]
             logits = self.prefill_rows(batch_rows, [prompts[i] for i in batch], [starts[i] for i in batch],
-                                       view_length(max(len(prompts[i]) for i in batch), self.max_len))
+                                       view_length(max(len(prompts[i]) for i in batch), self.max_len,
+                                                   self.options.use_buckets))
             if keep is not None:
                 keep(batch_rows)
             for j, i in enumerate(batch):
@@ -532,23 +541,24 @@ class BatchedStaticPlainRunner(_Rows):
     reuses_prefix = True
 
     def __init__(self, model: nn.Module, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
-                 filtered: bool = False, k_cap: int = 0) -> None:
-        super().__init__(model, rows, max_len, use_graphs)
+                 filtered: bool = False, k_cap: int = 0, options: EngineOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(model, rows, max_len, use_graphs, options)
         self.sampled, self.filtered = sampled, sampled and filtered
-        self.state = SampledStepState(self.rows, self.device, k_cap=k_cap if self.filtered else 0) if sampled else None
+        self.state = (SampledStepState(self.rows, self.device, k_cap=k_cap if self.filtered else 0, options=options)
+                      if sampled else None)
         self.tok = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.window = 1  # steps a host read-back (set per call by `batched_static_autoregressive_generate`)
         self.outs = torch.zeros(WINDOW_MAX, self.rows, dtype=torch.long, device=self.device)  # a window's tokens
         self.out_i = torch.zeros((), dtype=torch.long, device=self.device)  # the next step's row in `outs`
         self.filled = self.filled_mask(1)
-        self.steps = BucketedSteps(lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model),
-                                    self.max_len, "the batched 1-token step", use_graphs,
-                                    buckets=not self.filled_blocks)
+        fuse = options.fuse_elementwise
+        self.steps = BucketedSteps(
+            lambda n: make_step(lambda: self._step(n), self.device, use_graphs, model, fuse=fuse), self.max_len,
+            "the batched 1-token step", use_graphs, buckets=not self.filled_blocks, options=options)
 
     @property
     def step_key(self) -> tuple:
-        """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
-        rebuilt)."""
+        """The settings its steps were made under (`static_decode.step_key`: the bucket and the options)."""
         return self.steps.step_key
 
     def _step(self, view_len: int) -> torch.Tensor:
@@ -557,7 +567,7 @@ class BatchedStaticPlainRunner(_Rows):
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         if self.filled is not None:
             self.filled.set(q_pos)
-        with engine_attention(self.model, self.filled):
+        with engine_attention(self.model, self.filled, self.options.fold_gqa):
             out = self.model(input_ids=self.tok, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         logits = out.logits[:, -1]
@@ -591,8 +601,9 @@ class BatchedStaticSpecRunner(_Rows):
     one_token_steps = False
 
     def __init__(self, decoder: Any, rows: int, max_len: int, use_graphs: bool, sampled: bool = False,
-                 filtered: bool = False, draft_greedy: bool = False, k_cap: int = 0) -> None:
-        super().__init__(decoder.target.model, rows, max_len, use_graphs)
+                 filtered: bool = False, draft_greedy: bool = False, k_cap: int = 0,
+                 options: EngineOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(decoder.target.model, rows, max_len, use_graphs, options)
         self.dec = decoder
         self.sampled = sampled  # the captured steps sample (T > 0), or accept greedily
         # baked into the captured steps: top-p / top-k filter (values in
@@ -612,23 +623,23 @@ class BatchedStaticSpecRunner(_Rows):
         self.feats = torch.zeros(R, B, n_feat, dtype=self.dtype, device=dev)  # each row's verified features
         self.result = torch.zeros(R, B + 1, dtype=torch.long, device=dev)  # [n_accepted, block tokens...] a row
         # each row's noise key, 1/T, the filters
-        self.state = SampledStepState(R, dev, k_cap=k_cap if self.filtered else 0) if sampled else None
+        self.state = SampledStepState(R, dev, k_cap=k_cap if self.filtered else 0, options=options) if sampled else None
         if sampled:  # the draft's distributions, for the accept test
             self.q = torch.zeros(R, B - 1, decoder.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.after_draft: Optional[Callable[[], None]] = None  # test hook: overwrite the proposals in self.blk
         # Each lambda looks self._draft / self._verify up when it runs (tests wrap them).
+        fuse = options.fuse_elementwise
         self.draft_steps = BucketedSteps(
-            lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft), self.max_len,
-            "the batched draft block", use_graphs) if B > 1 else None
+            lambda n: make_step(lambda: self._draft(n), dev, use_graphs, decoder.draft, fuse=fuse), self.max_len,
+            "the batched draft block", use_graphs, options=options) if B > 1 else None
         self.filled = self.filled_mask(B)
         self.verify_steps = BucketedSteps(
-            lambda n: make_step(lambda: self._verify(n), dev, use_graphs, self.model), self.max_len,
-            f"the batched {B}-token verify", use_graphs, buckets=not self.filled_blocks)
+            lambda n: make_step(lambda: self._verify(n), dev, use_graphs, self.model, fuse=fuse), self.max_len,
+            f"the batched {B}-token verify", use_graphs, buckets=not self.filled_blocks, options=options)
 
     @property
     def step_key(self) -> tuple:
-        """The settings its steps were made under (`static_decode.step_key`; a runner made under others is
-        rebuilt)."""
+        """The settings its steps were made under (`static_decode.step_key`: the bucket and the options)."""
         return self.verify_steps.step_key
 
     def _draft_forward(self, noise_ids: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
@@ -702,7 +713,8 @@ class BatchedStaticSpecRunner(_Rows):
         try:
             noise = torch.cat([self.blk[idx, :1], self.mask_ids[:k]], 1)
             ctx_pos = torch.arange(prompt_feats.shape[1], device=self.device)
-            with eager_attention_backends(self.device):  # a context of the prompt's length: a new shape
+            # a context of the prompt's length: a new shape
+            with eager_attention_backends(self.device, self.options.avoid_cudnn_attention):
                 return self._draft_forward(noise, prompt_feats, ctx_pos, self.pos[idx], view_len)
         finally:
             self.dcache.rows = None
@@ -715,7 +727,8 @@ class BatchedStaticSpecRunner(_Rows):
         self.kv.write_positions, self.kv.view_len = q_pos, view_len
         if self.filled is not None:
             self.filled.set(q_pos)
-        with self.dec.target.capture(stop_early=False) as captured, engine_attention(self.model, self.filled):
+        with self.dec.target.capture(stop_early=False) as captured, \
+                engine_attention(self.model, self.filled, self.options.fold_gqa):
             out = self.model(input_ids=self.blk, position_ids=q_pos, past_key_values=self.kv.cache, use_cache=True,
                              attention_mask=self.causal(q_pos, view_len))
         self.feats.copy_(self.dec.target.concat(captured))
@@ -796,30 +809,39 @@ class BatchedStaticSpecRunner(_Rows):
         return [row[1 : row[0] + 2] for row in res]  # the kept proposals and the target's next token
 
 
-# Runners are kept per (model or decoder) and (kind, rows, use_graphs), as long as their owner lives:
-# capture costs far more than a step.
-_RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int, bool], Any]]" = weakref.WeakKeyDictionary()
+# Runners are kept per (model or decoder) and (kind, rows, use_graphs, options), as long as their owner lives:
+# capture costs far more than a step, and a runner's captured steps hold the options they were made under.
+RunnerKey = tuple[str, int, bool, EngineOptions]
+_RUNNERS: "weakref.WeakKeyDictionary[Any, dict[RunnerKey, Any]]" = weakref.WeakKeyDictionary()
 
 
-def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: int, use_graphs: bool) -> Any:
+def runner_key(kind: str, rows: int, use_graphs: bool, options: EngineOptions = DEFAULT_OPTIONS) -> RunnerKey:
+    """The key a runner is cached by (`_RUNNERS[owner]`)."""
+    return (kind, int(rows), bool(use_graphs), options)
+
+
+def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: int, use_graphs: bool,
+            options: EngineOptions) -> Any:
     runners = _RUNNERS.setdefault(owner, {})
-    runner = runners.get((kind, rows, use_graphs))
-    if runner is None or runner.max_len < need or runner.step_key != step_key():
-        runners.pop((kind, rows, use_graphs), None)  # free the old graphs and caches first
-        runner = runners[(kind, rows, use_graphs)] = make(need)
+    key = runner_key(kind, rows, use_graphs, options)
+    runner = runners.get(key)
+    if runner is None or runner.max_len < need or runner.step_key != step_key(options):
+        runners.pop(key, None)  # free the old graphs and caches first
+        runner = runners[key] = make(need)
     return runner
 
 
-def plain_runner(target_model: nn.Module, temperature: Sampling, rows: int, need: int,
-                 use_graphs: bool) -> BatchedStaticPlainRunner:
+def plain_runner(target_model: nn.Module, temperature: Sampling, rows: int, need: int, use_graphs: bool,
+                 options: EngineOptions = DEFAULT_OPTIONS) -> BatchedStaticPlainRunner:
     """The target's plain runner for this kind of step (greedy, sampled, sampled and filtered) with `rows`
-    rows and at least `need` cache positions: the one an earlier call made when it fits, else a new one."""
+    rows, at least `need` cache positions and these options: the one an earlier call made when it fits, else a
+    new one."""
     s = as_sampling(temperature)
     filtered, cap = (not s.greedy and s.filtered), top_k_cap(s)
     kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
     return _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
-                                                                          not s.greedy, filtered, cap),
-                   rows, need, use_graphs)
+                                                                          not s.greedy, filtered, cap, options),
+                   rows, need, use_graphs, options)
 
 
 def top_k_cap(s: SamplingParams) -> int:
@@ -828,7 +850,8 @@ def top_k_cap(s: SamplingParams) -> int:
     return s.top_k if not s.greedy and s.top_k > 0 else 0
 
 
-def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_graphs: bool) -> BatchedStaticSpecRunner:
+def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_graphs: bool,
+                options: EngineOptions = DEFAULT_OPTIONS) -> BatchedStaticSpecRunner:
     """The decoder's speculative runner for this kind of step (its filters and proposals are baked into the
     graphs; T, top-p and top-k are buffers), as `plain_runner`."""
     s = as_sampling(temperature)
@@ -837,7 +860,8 @@ def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_g
     kind = "spec" if s.greedy else (f"spec sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
                                     f"{'+greedy draft' * draft_greedy}")
     return _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
-                                                                    filtered, draft_greedy, cap), rows, need, use_graphs)
+                                                                    filtered, draft_greedy, cap, options),
+                   rows, need, use_graphs, options)
 
 
 def drop_runners(owner: Any) -> None:
@@ -866,19 +890,21 @@ def batched_static_autoregressive_generate(
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
     max_prompt_tokens: Optional[int] = None, refill_rows: int = 1, window: int = 1,
+    options: EngineOptions = DEFAULT_OPTIONS,
 ) -> list[GenerationOutput]:
     """Plain decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
     continuous batching), at any temperature: at T > 0 a prompt's tokens are keyed draws (a key per prompt
     from `generator`). `on_done(i, output)` may return a follow-up prompt (decoded as one more; the caches
     hold prompts up to `max_prompt_tokens`). Freed rows take new prompts once `refill_rows` are free (their
     prefills batched: more rows a refill, fewer forwards, more idle rows). `window` steps run per host read-back
-    (answers unchanged; a row whose answer ends inside a window idles to its end)."""
+    (answers unchanged; a row whose answer ends inside a window idles to its end). `options`: the engine's speed
+    settings (answers unchanged)."""
     rows = _rows(prompts, max_new_tokens, rows)
     if not 1 <= window <= WINDOW_MAX:
         raise ValueError(f"window must be in [1, {WINDOW_MAX}], got {window}")
     s = as_sampling(temperature)
     runner = plain_runner(target_model, s, rows, plain_cache_length(_longest(prompts, max_prompt_tokens),
-                                                                     max_new_tokens, window), use_graphs)
+                                                                     max_new_tokens, window), use_graphs, options)
     runner.window = window
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
                            on_done, refill_rows)
@@ -888,16 +914,16 @@ def batched_static_speculative_generate(
     decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
-    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1,
+    max_prompt_tokens: Optional[int] = None, refill_rows: int = 1, options: EngineOptions = DEFAULT_OPTIONS,
 ) -> list[GenerationOutput]:
     """Speculative decoding of all prompts through `rows` fixed-shape rows (default: one per prompt; fewer:
     continuous batching). At T=0 each answer and its acceptance lengths are the eager reference decoder's for
     that prompt; at T > 0 they are samples of the target's distribution, all drawn from one `generator`.
-    `on_done`, `max_prompt_tokens` and `refill_rows` as in `batched_static_autoregressive_generate`."""
+    `on_done`, `max_prompt_tokens`, `refill_rows` and `options` as in `batched_static_autoregressive_generate`."""
     rows = _rows(prompts, max_new_tokens, rows)
     s = as_sampling(temperature)
     need = spec_cache_length(_longest(prompts, max_prompt_tokens), max_new_tokens, decoder.block_size)
-    runner = spec_runner(decoder, s, rows, need, use_graphs)
+    runner = spec_runner(decoder, s, rows, need, use_graphs, options)
     return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
                            on_done, refill_rows)
 
@@ -911,6 +937,7 @@ __all__ = [
     "plain_cache_length",
     "plain_runner",
     "prefill_batches",
+    "runner_key",
     "spec_cache_length",
     "spec_runner",
     "batched_static_speculative_generate",

@@ -21,8 +21,9 @@ from torch import nn
 from nemo_dflash.engine.batched_static import (
     BatchedStaticPlainRunner, Completion, Request, plain_cache_length, top_k_cap,
 )
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.static_cache import check_static_target
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +82,21 @@ class PlainEngine:
     """`generate(pending)` answers a queue of `Request`s with `rows` rows, yielding `Completion`s as they end
     (the caller may append a conversation's next turn meanwhile; it continues in its row). `loop_detector`
     fills each completion's `loop_start`; with `stop_on_loop` a looping answer ends at a loop check, cut.
-    `reuse_rows=False`: a conversation's next turn is prefilled whole, for comparison."""
+    `sampling`: how its tokens are chosen (greedy, or keyed draws of the request's key and `seed`).
+    `reuse_rows=False`: a conversation's next turn is prefilled whole, for comparison. `options`: the engine's
+    speed settings (answers unchanged)."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt_tokens: int, max_new_tokens: int,
-                 stop_ids: Iterable[int], temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 stop_ids: Iterable[int], sampling: SamplingParams = GREEDY, seed: int = 0,
                  loop_detector: Any = None, stop_on_loop: bool = False, loop_check_every: int = 128,
                  refill_rows: Optional[int] = None, window: Optional[int] = None,
-                 use_graphs: Optional[bool] = None, reuse_rows: bool = True) -> None:
+                 use_graphs: Optional[bool] = None, reuse_rows: bool = True,
+                 options: EngineOptions = DEFAULT_OPTIONS) -> None:
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("rows, max_prompt_tokens and max_new_tokens must be >= 1")
         check_static_target(model)
         device = next(model.parameters()).device
-        self.sampling = SamplingParams(temperature, top_p=top_p)
+        self.sampling = sampling
         self.window = window or window_for(device)
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and device.type != "cuda":
@@ -103,7 +107,7 @@ class PlainEngine:
                            free_device_bytes(device))
         # its own runner (not the cached ones evaluation reuses): its KV cache goes with this engine
         self.runner = BatchedStaticPlainRunner(model, rows, length, self.use_graphs, not self.sampling.greedy,
-                                               self.sampling.filtered, top_k_cap(self.sampling))
+                                               self.sampling.filtered, top_k_cap(self.sampling), options)
         self.runner.window = self.window
         self.rows, self.max_new_tokens, self.seed = rows, max_new_tokens, seed
         self.stop_ids = {int(t) for t in stop_ids}

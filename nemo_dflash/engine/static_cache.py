@@ -30,20 +30,15 @@ from nemo_dflash.attention import FilledBlocks
 # Target attention implementations whose masks we can build: SDPA takes a boolean mask
 # (True = visible), HF's eager attention adds a float mask.
 SUPPORTED_ATTN = ("sdpa", "eager")
-# True: the engine's target forwards run SDPA with grouped-query heads folded (`folded_gqa_sdpa`) instead
-# of HF's copy of every K/V head per query head. Profiled on an H200, SmolLM2 shape (9 query heads on 3 K/V
-# heads), 768-position view: those copies were 70% of the plain step's GPU time at 256 rows; folded, the
-# captured plain step takes 4.3 ms instead of 20.7 and the verify 8.3 instead of 26.7 (docs/performance.md,
-# `benchmarks/decode.py rows`). False: HF's SDPA, for A/B runs (`--fold-gqa 0` of the benchmarks).
-FOLD_GQA = True
+# The grouped-query fold (`EngineOptions.fold_gqa`, on by default): profiled on an H200, SmolLM2 shape (9 query heads
+# on 3 K/V heads), 768-position view, HF's copies of every K/V head per query head were 70% of the plain step's GPU
+# time at 256 rows; folded, the captured plain step takes 4.3 ms instead of 20.7 and the verify 8.3 instead of 26.7
+# (docs/performance.md, `benchmarks/decode.py rows`).
 FOLDED_SDPA = "nemo_dflash_folded_sdpa"  # its name in transformers' AttentionInterface
-# True: the engine's captured target steps (the plain step, the verify) attend with flex_attention over each row's
-# filled KV blocks only (`FilledBlocks`), query heads folded per K/V head, one graph a step over the whole cache;
-# False: SDPA over the step's bucketed view (the furthest row's), under a mask; None: True on a GPU (flex is
-# compiled there; eager flex on a CPU is slow). `--filled-blocks 0|1` of `benchmarks/decode.py` and
-# `benchmarks/regen.py` time both: on an H200, SmolLM2, regeneration on the engine 22.0k -> 33.3k tokens/s
-# (docs/data.md), and both sides of the concurrency table faster (docs/evaluate.md).
-FILLED_BLOCKS: Optional[bool] = None
+# Filled blocks (`EngineOptions.filled_blocks`, on by default on a GPU, where flex is compiled; eager flex on a CPU
+# is slow): on an H200, SmolLM2, regeneration on the engine 22.0k -> 33.3k tokens/s (docs/data.md), and both sides
+# of the concurrency table faster (docs/evaluate.md); `--filled-blocks 0|1` of `benchmarks/decode.py` and
+# `benchmarks/regen.py` time both.
 FILLED_NAME = "nemo_dflash_filled_blocks"  # its name in transformers' AttentionInterface
 
 
@@ -99,11 +94,11 @@ def folded_gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 FLEX_MIN_HEAD_DIM = 16  # compiled flex_attention's smallest head dimension (inductor refuses less)
 
 
-def filled_blocks_on(device: torch.device, model: Optional[nn.Module] = None) -> bool:
-    """Whether the engine's captured target steps on `device` read filled blocks only (FILLED_BLOCKS resolved): by
-    default on a GPU, for a target (`model`) whose head dimension compiled flex takes."""
-    if FILLED_BLOCKS is not None:
-        return bool(FILLED_BLOCKS)
+def filled_blocks_on(device: torch.device, model: Optional[nn.Module] = None, setting: Optional[bool] = None) -> bool:
+    """Whether the engine's captured target steps on `device` read filled blocks only (`EngineOptions.filled_blocks`,
+    `setting`, resolved): by default on a GPU, for a target (`model`) whose head dimension compiled flex takes."""
+    if setting is not None:
+        return bool(setting)
     return device.type == "cuda" and (model is None or _kv_shape(model)[1] >= FLEX_MIN_HEAD_DIM)
 
 
@@ -150,11 +145,12 @@ def query_groups(model: nn.Module) -> int:
 
 
 @contextmanager
-def engine_attention(model: nn.Module, filled: Optional[FilledBlocks] = None) -> Iterator[None]:
+def engine_attention(model: nn.Module, filled: Optional[FilledBlocks] = None, fold_gqa: bool = True
+                     ) -> Iterator[None]:
     """Within: the target's SDPA attention layers run `filled_blocks_attention` over `filled` (a captured step's),
-    or else, with FOLD_GQA, those with grouped-query heads run `folded_gqa_sdpa` (configs switched, then
-    restored). A no-op for other attention implementations."""
-    if filled is None and not FOLD_GQA:
+    or else, with `fold_gqa` (`EngineOptions.fold_gqa`), those with grouped-query heads run `folded_gqa_sdpa`
+    (configs switched, then restored). A no-op for other attention implementations."""
+    if filled is None and not fold_gqa:
         yield
         return
     name = FILLED_NAME if filled is not None else FOLDED_SDPA

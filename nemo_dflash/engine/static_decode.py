@@ -20,28 +20,16 @@ import torch
 from torch import nn
 
 from nemo_dflash.compiled import compiled
-from nemo_dflash.engine import static_cache
 from nemo_dflash.engine.graphs import CapturedStep, EagerStep, fused_elementwise
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
 
 logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 256  # cache lengths and attention views are rounded up to this (one graph per view length)
-# True: each step attends over the smallest multiple of LENGTH_BUCKET covering its positions (one
-# graph per step and view length). False: one graph per step over the whole cache. Measured on an
-# H200, SmolLM2 shape, 4,352-position cache (docs/performance.md): the speculative step 4.93 -> 3.19
-# ms at position 256, 2.98 + 0.71 ms at 2,048, equal at 4,096; benchmarks/decode.py speed --buckets
-# times both.
-USE_BUCKETS = True
-# True: a runner captures the graphs of all its view lengths when it is made, before any generation's
-# clock starts (each capture is ~3 forwards; a 4,352-position cache has 17 lengths). False: each length
-# is captured the first time a step needs it, inside the decode loop, where it would be timed.
-CAPTURE_ALL_BUCKETS = True
-FUSE_ELEMENTWISE = True  # captured steps fuse RMSNorm, RoPE and SiLU*up (graphs.fused_elementwise)
-# On a GPU, and while FUSE_ELEMENTWISE holds: a sampled step's softmaxes, keyed hashes and draws run as compiled
-# functions (`sampling.sampled_*`), eager or captured alike (so the eager and captured steps keep drawing the same
-# tokens). A runner reads it when it is made.
-FUSE_SAMPLING = True
+# Buckets (`EngineOptions.use_buckets`, on by default) against one graph per step over the whole cache, measured on
+# an H200, SmolLM2 shape, 4,352-position cache (docs/performance.md): the speculative step 4.93 -> 3.19 ms at
+# position 256, 2.98 + 0.71 ms at 2,048, equal at 4,096; benchmarks/decode.py speed --buckets times both.
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -50,38 +38,39 @@ def cache_length_for(prompt_len: int, max_new_tokens: int, block_size: int) -> i
     return -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
-def view_length(need: int, max_len: int) -> int:
-    """Attention view for a step that must see positions [0, need): rounded up to a bucket, capped."""
-    if not USE_BUCKETS:
+def view_length(need: int, max_len: int, buckets: bool = True) -> int:
+    """Attention view for a step that must see positions [0, need): rounded up to a bucket, capped (without
+    `buckets`, `EngineOptions.use_buckets`: the whole cache)."""
+    if not buckets:
         return max_len
     return min(-(-need // LENGTH_BUCKET) * LENGTH_BUCKET, max_len)
 
 
-def view_lengths(max_len: int) -> list[int]:
+def view_lengths(max_len: int, buckets: bool = True) -> list[int]:
     """Every view length a runner of cache length `max_len` can pick."""
-    if not USE_BUCKETS:
+    if not buckets:
         return [max_len]
     return sorted({min(b, max_len) for b in range(LENGTH_BUCKET, max_len + LENGTH_BUCKET, LENGTH_BUCKET)})
 
 
-def step_key() -> tuple[int, bool, bool]:
-    """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets), whether
-    the target's attention folds grouped-query heads (`static_cache.FOLD_GQA`) and whether its steps read filled
-    blocks only (`static_cache.FILLED_BLOCKS`). A runner made under another key is rebuilt."""
-    return (LENGTH_BUCKET if USE_BUCKETS else 0, static_cache.FOLD_GQA, static_cache.FILLED_BLOCKS)
+def step_key(options: EngineOptions = DEFAULT_OPTIONS) -> tuple[int, EngineOptions]:
+    """What a runner's captured steps depend on besides its cache length: the bucket (0 = no buckets) and the
+    options they were made under. A cached runner made under another key is rebuilt."""
+    return (LENGTH_BUCKET if options.use_buckets else 0, options)
 
 
 class BucketedSteps:
     """One step (EagerStep or CapturedStep) per view length, made up front or on first use."""
 
     def __init__(self, make: Callable[[int], Any], max_len: int, name: str, use_graphs: bool,
-                 buckets: bool = True) -> None:
+                 buckets: bool = True, options: EngineOptions = DEFAULT_OPTIONS) -> None:
         self.make, self.max_len, self.name, self.use_graphs = make, max_len, name, use_graphs
-        self.buckets = buckets  # False: one step over the whole cache (it reads only what it needs)
-        self.step_key = step_key()
+        # False: one step over the whole cache (a step that reads only what it needs, or `use_buckets` off)
+        self.buckets = buckets and options.use_buckets
+        self.step_key = step_key(options)
         self.steps: dict[int, Any] = {}
-        if CAPTURE_ALL_BUCKETS:  # the eager path follows the same choice, so CPU tests cover both
-            for n in (view_lengths(max_len) if buckets else [max_len]):
+        if options.capture_all_buckets:  # the eager path follows the same choice, so CPU tests cover both
+            for n in view_lengths(max_len, self.buckets):
                 self.steps[n] = make(n)
 
     def view(self, need: int) -> int:
@@ -101,29 +90,39 @@ class BucketedSteps:
         return step
 
 
-def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module) -> Any:
-    """`fn` as a step: captured as a CUDA graph (its models' elementwise work fused), or run eagerly."""
+def make_step(fn: Callable[[], Any], device: torch.device, use_graphs: bool, *models: nn.Module,
+              fuse: bool = True) -> Any:
+    """`fn` as a step: captured as a CUDA graph (its models' elementwise work fused, `fuse`:
+    `EngineOptions.fuse_elementwise`), or run eagerly."""
     if not use_graphs:
         return EagerStep(fn)
-    if not FUSE_ELEMENTWISE:
+    if not fuse:
         return CapturedStep(fn, device)
     with fused_elementwise(*models):
         return CapturedStep(fn, device)
 
 
+def fused_sampling_on(device: torch.device, options: EngineOptions = DEFAULT_OPTIONS) -> bool:
+    """Whether a sampled step's math runs compiled on `device`: on a GPU, while `options.fuse_sampling` and
+    `options.fuse_elementwise` hold."""
+    return device.type == "cuda" and options.fuse_sampling and options.fuse_elementwise
+
+
 class SampledStepState:
     """What a sampled captured step reads from buffers, set per generation: each row's noise key (drawn from
-    the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`).
+    the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`; by
+    default while `options.fuse_sampling` and `options.fuse_elementwise` hold).
     ``k_cap`` > 0: the steps rank only that many scores for the filters (`sampling.filter_scores`), so every call's
     top-k must be in [1, k_cap] (the runners are made per top-k)."""
 
-    def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None, k_cap: int = 0) -> None:
+    def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None, k_cap: int = 0,
+                 options: EngineOptions = DEFAULT_OPTIONS) -> None:
         self.k_cap = int(k_cap)
         self.key = torch.zeros(rows, dtype=torch.long, device=device)
         self.inv_temp = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
-        self.fused = (device.type == "cuda" and FUSE_SAMPLING and FUSE_ELEMENTWISE) if fused is None else fused
+        self.fused = fused_sampling_on(device, options) if fused is None else fused
 
     def configure(self, sampling: SamplingParams) -> None:
         """A call's setting into the buffers (each row's key is set as its prompt enters)."""
@@ -172,13 +171,11 @@ class SampledStepState:
 
 __all__ = [
     "BucketedSteps",
-    "CAPTURE_ALL_BUCKETS",
-    "FUSE_SAMPLING",
     "LENGTH_BUCKET",
     "SampledStepState",
-    "USE_BUCKETS",
     "step_key",
     "cache_length_for",
+    "fused_sampling_on",
     "make_step",
     "view_length",
     "view_lengths",

@@ -41,6 +41,7 @@ from nemo_dflash.engine import graphs
 from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.inference import recurrent_cache
 from nemo_dflash.engine.graphs import check_decode_mode
+from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
 from nemo_dflash.engine.static_cache import SUPPORTED_ATTN, attn_implementation, causal_mask
 from nemo_dflash.engine.batched_static import (
@@ -231,13 +232,15 @@ class DFlashSpeculativeDecoder:
         past_key_values: Optional[DynamicCache] = None,
         draft_cache: Optional[DFlashContextCache] = None,
         decode: str = "eager",
+        options: EngineOptions = DEFAULT_OPTIONS,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` after `input_ids`.
 
         `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards
         (eager mode only). `decode`: "eager" (HF DynamicCache) or "graphs" (static cache + CUDA
         graphs, CUDA only); both give the target's greedy output at T=0. `temperature` is a
-        temperature or a `SamplingParams` (top-p, top-k, how the draft proposes).
+        temperature or a `SamplingParams` (top-p, top-k, how the draft proposes). `options`: the engine's speed
+        settings (answers unchanged; the eager loop reads `avoid_cudnn_attention` only).
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -251,8 +254,9 @@ class DFlashSpeculativeDecoder:
                 raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
             return batched_static_speculative_generate(  # the engine's loop with one row
                 self, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
-                stop_token_ids=stop_ids, rows=1, generator=generator)[0]
-        return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache)
+                stop_token_ids=stop_ids, rows=1, generator=generator, options=options)[0]
+        return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache,
+                                    options)
 
     def _verify_mask(self, q_pos: torch.Tensor, kv_len: int) -> dict:
         """The verify forward's causal mask, built directly when we know the attention's mask
@@ -285,6 +289,7 @@ class DFlashSpeculativeDecoder:
         generator: Optional[torch.Generator],
         past_key_values: Optional[DynamicCache],
         draft_cache: Optional[DFlashContextCache],
+        options: EngineOptions = DEFAULT_OPTIONS,
     ) -> GenerationOutput:
         device, model = self.device, self.target.model
         blk = self.block_size
@@ -302,7 +307,8 @@ class DFlashSpeculativeDecoder:
 
         # One set of feature hooks for the whole generation (not registered per forward); SDPA
         # backends without a per-shape cost (graphs.eager_attention_backends).
-        with self.target.capture(stop_early=False) as captured, graphs.eager_attention_backends(device):
+        with self.target.capture(stop_early=False) as captured, \
+                graphs.eager_attention_backends(device, options.avoid_cudnn_attention):
             sync(device)
             t0 = time.perf_counter()
             prompt_len = ids.shape[1]
@@ -380,9 +386,10 @@ def autoregressive_generate(
     generator: Optional[torch.Generator] = None,
     past_key_values: Optional[DynamicCache] = None,
     decode: str = "eager",
+    options: EngineOptions = DEFAULT_OPTIONS,
 ) -> GenerationOutput:
     """Plain one-token-per-forward decoding with the same target: the speedup baseline (timed
-    the same way, prefill excluded). `decode` as in `DFlashSpeculativeDecoder.generate`, so that
+    the same way, prefill excluded). `decode` and `options` as in `DFlashSpeculativeDecoder.generate`, so that
     both sides of a speedup run in the same mode."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -397,10 +404,10 @@ def autoregressive_generate(
             raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")
         return batched_static_autoregressive_generate(  # the engine's loop with one row
             target_model, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
-            stop_token_ids=stop_ids, rows=1, generator=generator)[0]
+            stop_token_ids=stop_ids, rows=1, generator=generator, options=options)[0]
     cache = past_key_values if past_key_values is not None else _new_cache(target_model, recurrent)
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
-    with graphs.eager_attention_backends(device):
+    with graphs.eager_attention_backends(device, options.avoid_cudnn_attention):
         return _autoregressive_eager(target_model, ids, max_new_tokens, temperature, stop_ids, generator, cache, extra)
 
 

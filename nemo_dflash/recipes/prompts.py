@@ -129,6 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     from nemo_dflash.recipes.regenerate import check_sampling, dist_env
+    from nemo_dflash.sampling import SamplingParams
 
     out = Path(args.out)
     if not out.name.endswith(".jsonl") or out.is_dir():
@@ -163,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not 1 <= args.oversample <= 100:
         fail(f"--oversample must be in [1, 100] (got {args.oversample})")
-    if args.temperature == 0:
+    if SamplingParams(args.temperature, top_p=args.top_p).greedy:
         fail("--temperature 0 writes one prompt per topic: Magpie samples, use e.g. 1.0")
     with user_errors(OSError):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from nemo_dflash.recipes._cli import (
     user_errors,
 )
 from nemo_dflash.recipes._regen_server import add_server_args, validate_server_args
+from nemo_dflash.sampling import GREEDY, SamplingParams
 from nemo_dflash.sampling import check_sampling as check_sampling_values
 
 logger = logging.getLogger("nemo_dflash.regenerate")
@@ -206,11 +207,11 @@ def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> No
         check_sampling_values(temperature, top_p, names=(t_name, p_name, "top-k"))
 
 
-def resolve_sampling(args: argparse.Namespace, model: Any) -> tuple[float, float, str]:
-    """(temperature, top_p, where they came from): the target's recommended sampling when it has
+def resolve_sampling(args: argparse.Namespace, model: Any) -> tuple[SamplingParams, str]:
+    """(the sampling, where it came from): the target's recommended sampling when it has
     one (``generation_config`` with ``do_sample``), else the command line's."""
     if args.sampling == "greedy":
-        return 0.0, 1.0, "greedy"
+        return GREEDY, "greedy"
     gen = getattr(model, "generation_config", None)
     if args.sampling == "target" and gen is not None and getattr(gen, "do_sample", False):
         temperature = getattr(gen, "temperature", None)
@@ -219,8 +220,9 @@ def resolve_sampling(args: argparse.Namespace, model: Any) -> tuple[float, float
         top_p = 1.0 if top_p is None else top_p
         check_sampling(temperature, top_p, "the target's generation_config temperature",
                        "the target's generation_config top_p")
-        return float(temperature), float(top_p), "target generation_config"
-    return args.temperature, args.top_p, "command line"
+        return SamplingParams(float(temperature), top_p=float(top_p)), "target generation_config"
+    check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
+    return SamplingParams(float(args.temperature), top_p=float(args.top_p)), "command line"
 
 
 def holdout_path(out: Path) -> Path:
@@ -949,8 +951,9 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     for i, conv in enumerate(train):  # the copies of --samples-per-prompt belong to their original's source
         dataset[conv.location] = dataset[train[i - i % args.samples_per_prompt].location]
 
-    temperature, top_p, sampling_from = resolve_sampling(args, model)
-    logger.info("sampling: temperature %s, top_p %s (%s)", temperature, top_p, sampling_from)
+    sampling, sampling_from = resolve_sampling(args, model)
+    temperature, top_p = sampling.temperature, sampling.top_p
+    logger.info("sampling: %s (%s)", sampling.label, sampling_from)
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
     settings.update(data=[[r["name"], os.path.realpath(r["source"]) if os.path.exists(r["source"]) else r["source"],
                            r["weight"]] for r in report],
@@ -1047,7 +1050,7 @@ def _run(args: argparse.Namespace, out: Path, files: dict[str, Path], held: Opti
     with user_errors(ValueError):  # the engine cannot run this target (checked at the call)
         records = regenerate_in_modes(
             generate, modes, model, tokenizer, todo, max_new_tokens=args.max_new_tokens,
-            temperature=temperature, top_p=top_p,
+            sampling=sampling,
             batch_size=args.batch_size, turns=args.turns, seed=args.seed, max_prompt_tokens=max_prompt,
             engine=args.engine, loops=args.loops, capped=args.capped, after_cut=args.after_cut,
             prepare_ahead=args.prepare_ahead, schedule=schedule,

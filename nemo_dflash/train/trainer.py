@@ -453,6 +453,7 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch = max(1, len(self.loader))
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
 
+        eval_sampling = SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
         self.module = DFlashTrainerModule(
             self.draft, self.target.get_input_embeddings(), self.target.get_output_embeddings(),
             num_anchors=cfg.loss.num_anchors, loss_decay_gamma=cfg.loss.gamma, attn_backend=self.settings.attn_backend,
@@ -462,8 +463,7 @@ class Trainer:
             accept_form=cfg.loss.accept_form,
             selector_weight=cfg.loss.selector_weight, selector_outside=cfg.loss.selector_outside,
             position_weights=cfg.loss.position_weights, dpace_alpha=cfg.loss.dpace_alpha,
-            accept_sampling=(SamplingParams(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k)
-                             if cfg.train.eval_temperature > 0 else None),
+            accept_sampling=eval_sampling if not eval_sampling.greedy else None,
         )
         # bf16 autocast on GPU, and on CPUs too when asked (AVX512-BF16/AMX make it ~4x faster than fp32)
         self.use_bf16 = cfg.train.precision == "bf16"
