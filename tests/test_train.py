@@ -599,7 +599,7 @@ def test_missing_evaluation_packages_are_refused_before_the_target_loads(tiny_as
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"run: {{dir: {tmp_path / 'p'}}}\ntarget: {{path: {target}}}\ndata: {{sources: [{{path: {data}}}]}}\n"
-                      "distributed: {strategy: none}\nwandb: {mode: disabled}\n")
+                      "draft: {num_layers: 2}\ndistributed: {strategy: none}\nwandb: {mode: disabled}\n")
     with pytest.raises(SystemExit) as e:
         pipeline.main(["--config", str(recipe), "stages=train"])
     err = capsys.readouterr().err.strip()
