@@ -382,7 +382,8 @@ def _llama_server() -> str:
 
 class LlamaServer:
     """llama.cpp's server on 127.0.0.1 serving the SmolLM2 GGUF on CPU, started (and waited for:
-    /health 200) and stopped or killed by the test; ``port`` keeps the address across a restart."""
+    /health 200) and stopped or killed by the test; ``port`` keeps the address across a restart.
+    One thread: on a CPU shared with the test's own process, two spinning threads ran 10x slower."""
 
     def __init__(self, binary: str, log: Path, port: int = 0, *, slots: int = 2, context: int = 2048) -> None:
         self.binary, self.log, self.slots, self.context = binary, log, slots, context
@@ -401,7 +402,7 @@ class LlamaServer:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "-m", str(smollm2_gguf_path()), "--host", "127.0.0.1", "--port", str(self.port),
-                 "-c", str(self.context), "-np", str(self.slots), "-t", "2", "--alias", "smollm2"],
+                 "-c", str(self.context), "-np", str(self.slots), "-t", "1", "--alias", "smollm2"],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -513,11 +514,13 @@ def test_llama_server_killed_then_client_killed_loses_and_repeats_nothing(tmp_pa
         ref_sources = [r["source"] for r in _read(reference)]
         out = tmp_path / "run.jsonl"
         partial = tmp_path / "run.jsonl.partial"
-        real, calls = openai_backend.ServerEngine._completion, []
+        real = openai_backend.ServerEngine._completion
+
+        def journalled() -> int:
+            return len(partial.read_text().splitlines()) if partial.exists() else 0
 
         def server_dies(self, *a, **k):
-            calls.append(1)
-            if len(calls) == 6:  # a few conversations in: answers in flight die with the server
+            if journalled() >= 2:  # two conversations in: the answers in flight die with the server
                 server.kill()
             return real(self, *a, **k)
 
@@ -527,15 +530,13 @@ def test_llama_server_killed_then_client_killed_loses_and_repeats_nothing(tmp_pa
         assert exc.value.code == 2
         monkeypatch.setattr(openai_backend.ServerEngine, "_completion", real)
         first = partial.read_text().splitlines()
-        assert not out.exists() and 0 < len(first) < 8
+        assert not out.exists() and 2 <= len(first) < 8
         assert len({json.loads(line)["source"] for line in first}) == len(first)
 
         server = LlamaServer(binary, log, port=server.port).start()  # the same address, a new process
-        calls.clear()
 
         def client_dies(self, *a, **k):
-            calls.append(1)
-            if len(calls) == 3:
+            if journalled() > len(first):  # one more conversation journalled: the client dies
                 raise KeyboardInterrupt
             return real(self, *a, **k)
 
@@ -544,7 +545,7 @@ def test_llama_server_killed_then_client_killed_loses_and_repeats_nothing(tmp_pa
             cli.main(_llama_args(llama_chats, out, server.url))
         monkeypatch.setattr(openai_backend.ServerEngine, "_completion", real)
         second = partial.read_text().splitlines()
-        assert second[: len(first)] == first and len(first) <= len(second) < 8
+        assert second[: len(first)] == first and len(first) < len(second) < 8
         with open(partial, "a") as f:
             f.write('{"messages": [{"ro')  # killed mid-write
         summary = cli.main(_llama_args(llama_chats, out, server.url))
