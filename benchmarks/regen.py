@@ -74,9 +74,9 @@ settings: an OpenAI-compatible server (``--endpoint URL``, one already serving t
 slots and --server-threads threads, stopped after) answers, --batch-size requests in flight;
 tokens/s counts the server's ``usage.completion_tokens`` over wall time. Side by side on a CPU:
 
-    python benchmarks/regen.py throughput --target pkg:smollm2 --turns all --num-prompts 32 \
-        --max-new-tokens 64 --max-prompt-tokens 512 --batch-size 8 --temperature 0 --stop-loops \
-        --threads 2 --llama-server /work/llama-build/bin/llama-server --server-threads 2 --modes slots,openai
+    python benchmarks/regen.py throughput --target pkg:smollm2 --turns all --num-prompts 16 \
+        --max-new-tokens 48 --max-prompt-tokens 512 --batch-size 4 --temperature 0 --stop-loops \
+        --threads 1 --llama-server llama-build/bin/llama-server --server-threads 1 --modes openai,slots
 
 Prints a table; --json writes the rows.
 """
@@ -174,7 +174,9 @@ def start_llama_server(args, gguf: str, context: int) -> tuple[subprocess.Popen,
     cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.batch_size),
            "-c", str(args.batch_size * context), "-t", str(args.server_threads), "-tb", str(args.server_threads),
            "--alias", "target"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"llama-server-{port}.log"), "w")
+    import tempfile
+
+    log = open(os.path.join(tempfile.gettempdir(), f"llama-server-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
