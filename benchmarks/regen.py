@@ -67,6 +67,17 @@ runs). ``slots`` keeps a conversation in its row between turns and prefills only
 tokens; ``slots_full`` is the same engine prefilling every turn's whole history; ``generate`` is
 ``--engine generate``. The ``prefill/gen`` column is the prompt tokens run through a prefill per
 generated token (``reused``: prompt tokens found in the row instead).
+
+``openai`` (``--turns all``) is `regenerate --backend openai` on the same conversations with the same
+settings: an OpenAI-compatible server (``--endpoint URL``, one already serving the target, or
+``--llama-server BIN``, llama.cpp's server started here on the target's GGUF with --batch-size
+slots and --server-threads threads, stopped after) answers, --batch-size requests in flight;
+tokens/s counts the server's ``usage.completion_tokens`` over wall time. Side by side on a CPU:
+
+    python benchmarks/regen.py throughput --target pkg:smollm2 --turns all --num-prompts 16 \
+        --max-new-tokens 48 --max-prompt-tokens 512 --batch-size 4 --temperature 0 --stop-loops \
+        --threads 1 --llama-server llama-build/bin/llama-server --server-threads 1 --modes openai,slots
+
 Prints a table; --json writes the rows.
 """
 
@@ -159,6 +170,100 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
                        "capped": stats.capped_before, "prefix_mismatch": stats.prefix_mismatch,
                        "shortened": dict(stats.shortened),
                        "phase_seconds": {k: round(v, 1) for k, v in sorted(stats.phase_seconds.items())}}}
+
+
+def start_llama_server(args, gguf: str, context: int) -> tuple[subprocess.Popen, str, list[str]]:
+    """llama.cpp's server on 127.0.0.1 serving ``gguf`` (--batch-size slots of ``context`` tokens each,
+    --server-threads threads), once it answers /health: (the process, its OpenAI base URL, its command)."""
+    import urllib.request
+
+    port = free_port()
+    cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.batch_size),
+           "-c", str(args.batch_size * context), "-t", str(args.server_threads), "-tb", str(args.server_threads),
+           "--alias", "target"]
+    import tempfile
+
+    log = open(os.path.join(tempfile.gettempdir(), f"llama-server-{port}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            fail(f"llama-server exited with {proc.returncode} before answering (log: {log.name})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, f"http://127.0.0.1:{port}/v1", cmd
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    fail(f"llama-server did not answer /health in 300 s (log: {log.name})")
+
+
+def server_props(base_url: str) -> dict:
+    """What a llama.cpp server says of itself (``GET /props``: its build, slots and context); {} elsewhere."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/").removesuffix("/v1") + "/props", timeout=5) as r:
+            props = json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+    keep = {k: props.get(k) for k in ("build_info", "total_slots", "model_path") if k in props}
+    settings = props.get("default_generation_settings") or {}
+    if "n_ctx" in settings:
+        keep["slot_n_ctx"] = settings["n_ctx"]
+    return keep
+
+
+def run_server(tokenizer, convs, spare, args, stop_ids) -> dict:
+    """Every turn of ``convs`` through `regenerate --backend openai`'s loop (regenerate_on_server), the
+    answers from the server at --endpoint or a llama-server started here; ``spare`` (conversations not
+    timed) warm the server up, so that no timed prompt finds itself in the server's prompt cache."""
+    from nemo_dflash.data.openai_backend import ServerTarget, connect, regenerate_on_server
+    from nemo_dflash.data.regenerate import RegenStats
+
+    proc, cmd = None, None
+    url = args.endpoint
+    if args.llama_server:
+        from nemo_dflash.target.loading import PACKAGED_TARGETS
+
+        target = args.target or "pkg:smollm2"
+        gguf = str(PACKAGED_TARGETS[target]()) if target in PACKAGED_TARGETS else target
+        if not gguf.endswith(".gguf"):
+            raise ValueError("--llama-server serves a GGUF: give --target pkg:smollm2 or a .gguf file")
+        proc, url, cmd = start_llama_server(args, gguf, args.max_prompt_tokens + args.max_new_tokens)
+    try:
+        endpoint, entry = connect(url, None, None, timeout_s=600.0, retries=2, extensions=True)
+        server = ServerTarget(endpoint, list(stop_ids))
+
+        def run(sample: list, max_new: int) -> tuple[RegenStats, float]:
+            stats = RegenStats()
+            t0 = time.perf_counter()
+            for _ in regenerate_on_server(
+                server, tokenizer, sample, max_new_tokens=max_new, temperature=args.temperature, top_p=args.top_p,
+                batch_size=args.batch_size, turns="all", seed=0, max_prompt_tokens=args.max_prompt_tokens,
+                loops="cut" if args.stop_loops else "keep", after_cut=args.after_cut, stats=stats,
+                prepare_ahead=args.prepare_ahead, schedule=args.schedule,
+            ):
+                pass
+            return stats, time.perf_counter() - t0
+
+        run(spare, min(8, args.max_new_tokens))
+        server.fidelity = type(server.fidelity)()  # the timed run's counts only
+        stats, dt = run(convs, args.max_new_tokens)
+        props = server_props(url)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    return {"tokens": stats.generated_tokens, "seconds": dt, "prefill_tokens": None, "reused_tokens": None,
+            "turns": stats.answers, "conversations": stats.written,
+            "server": {"endpoint": "llama-server started here" if cmd else url, "model": entry["id"],
+                       "command": None if cmd is None else " ".join(shlex.quote(c) for c in cmd),
+                       "threads": args.server_threads if cmd else None, **props, **server.fidelity.as_dict()},
+            "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
+                       "capped": stats.capped_before, "shortened": dict(stats.shortened),
+                       "skipped": dict(stats.skipped)}}
 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
@@ -303,10 +408,27 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--prepare-ahead", type=int, default=64,
                    help="--turns all: first turns templated and tokenised this many conversations ahead on a "
                         "background thread (regenerate_conversations(prepare_ahead=), as `regenerate` does; 0: inline)")
+    g = p.add_argument_group("--modes openai: the answers from an OpenAI-compatible server")
+    g.add_argument("--endpoint", default=None, metavar="URL", help="a server already serving --target (its /v1 URL)")
+    g.add_argument("--llama-server", default=None, metavar="BIN",
+                   help="llama.cpp's llama-server binary: started here on --target's GGUF, --batch-size slots")
+    g.add_argument("--server-threads", type=int, default=None,
+                   help="--llama-server: its -t/-tb threads (default: --threads, else torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch's CPU threads for the engine modes")
     p.add_argument("--json", default=None)
     p.add_argument("--append", default=None, type=Path,
                    help="also append the rows to this JSON list of rows (e.g. docs/bench/regen_summary.json)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.server_threads is None:
+        args.server_threads = torch.get_num_threads()
+    modes = args.modes.split(",")
+    if "openai" in modes:
+        if args.turns != "all":
+            p.error("--modes openai runs --turns all (whole conversations through regenerate's loop)")
+        if bool(args.endpoint) == bool(args.llama_server):
+            p.error("--modes openai needs one of --endpoint URL and --llama-server BIN")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.random_shape:
@@ -320,11 +442,15 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                                        device=device)
         stop_ids = stop_token_ids(model, tokenizer)
         pad_id = _pad_id(tokenizer, stop_ids)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{len(os.sched_getaffinity(0))}-core CPU"
     if args.turns == "all":
         if tokenizer is None:
             p.error("--turns all needs --target (a chat template to build the later turns)")
+        spare_n = 4 if "openai" in modes else 0
+        args.num_prompts += spare_n
         convs = load_conversations(args)
+        args.num_prompts -= spare_n
+        convs, spare = convs[: len(convs) - spare_n], convs[len(convs) - spare_n:]
         print(f"# {len(convs)} conversations, every turn, <= {args.max_new_tokens} new, T={args.temperature} "
               f"top_p={args.top_p}, batch {args.batch_size}, loops {'cut' if args.stop_loops else 'kept'}, "
               f"after a cut: {args.after_cut}, {name}", flush=True)
@@ -336,9 +462,11 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     rows = []
     print(f"{'mode':<10} {'new tokens':>11} {'seconds':>8} {'tokens/s':>10} {'prefill/gen':>11} {'reused':>10}  finish",
           flush=True)
-    for mode in args.modes.split(","):
+    for mode in modes:
         try:
-            if args.turns == "all":
+            if args.turns == "all" and mode == "openai":
+                r = run_server(tokenizer, convs, spare, args, stop_ids)
+            elif args.turns == "all":
                 if mode not in ("slots", "slots_full", "generate"):
                     raise ValueError(f"mode {mode} does not run --turns all")
                 r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "slots",
@@ -360,13 +488,14 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                  top_p=args.top_p, target=args.target or args.random_shape,
+                 threads=None if mode == "openai" else torch.get_num_threads(),
                  engine={"refill_fraction": args.refill_fraction, "decode_window": args.decode_window,
                          "prepare_ahead": args.prepare_ahead, "schedule": args.schedule})
         rows.append(r)
         ratio = r["prefill_tokens"] / r["tokens"] if r.get("prefill_tokens") is not None and r["tokens"] else None
         r["prefill_per_generated"] = None if ratio is None else round(ratio, 3)
         print(f"{mode:<10} {r['tokens']:>11} {r['seconds']:>8.1f} {r['tokens_per_s']:>10.0f} "
-              f"{'-' if ratio is None else f'{ratio:.3f}':>11} {r.get('reused_tokens', '-'):>10}  {r['finish']}",
+              f"{'-' if ratio is None else f'{ratio:.3f}':>11} {r.get('reused_tokens') if r.get('reused_tokens') is not None else '-':>10}  {r['finish']}",
               flush=True)
     rows = [{**provenance(name), "what": f"regen.py throughput {r['mode']}",
              **{k: v for k, v in r.items() if k != "device"}} for r in rows]  # each row says where it was measured

@@ -53,3 +53,42 @@ def test_throughput_engine_and_generate_rows(tmp_path):
     for r in rows:
         assert {"date", "commit", "device", "command"} <= set(r) and r["what"] == f"regen.py throughput {r['mode']}"
         assert r["tokens_per_s"] == r["tokens"] / r["seconds"] and r["world"] == 1  # one process, one device
+
+
+def test_throughput_openai_mode_times_the_servers_answers(tmp_path):
+    """regen.py throughput --modes openai: whole conversations answered by a real HTTP server on 127.0.0.1
+    (tests/_openai_server.py); the warm-up asks conversations the timed run never asks, and the row's tokens are
+    the server's usage.completion_tokens of the timed answers (each recomputed from its request)."""
+    import json
+
+    import regen
+    from _openai_server import OpenAIServer, echo_responder
+    from _tiny_target import make_tiny_target_dir
+
+    from nemo_dflash.target.loading import load_tokenizer
+
+    target = make_tiny_target_dir(tmp_path / "target")
+    chats = tmp_path / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(7):
+            turns = [m for t in range(1 + i % 2) for m in ({"role": "user", "content": f"question {i}.{t}"},
+                                                           {"role": "assistant", "content": "old"})]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    respond = echo_responder(load_tokenizer(str(target)))
+    out = tmp_path / "t.json"
+    with OpenAIServer(respond) as server:
+        regen.main_throughput(["--target", str(target), "--prompts", str(chats), "--turns", "all", "--num-prompts",
+                               "3", "--batch-size", "2", "--max-new-tokens", "12", "--max-prompt-tokens", "64",
+                               "--temperature", "0", "--threads", "1", "--endpoint", server.url, "--modes", "openai",
+                               "--json", str(out)])
+    (r,) = json.loads(out.read_text())["rows"]
+    _, *asked = server.bodies  # the one-token check, then the warm-up's and the timed run's answers
+    warm = [b for b in asked if b["max_tokens"] == 8]
+    timed = [b for b in asked if b["max_tokens"] == 12]
+    assert len(warm) + len(timed) == len(asked) and warm and timed
+    first_user = lambda b: next(m["content"] for m in b["messages"] if m["role"] == "user")  # noqa: E731
+    assert {first_user(b) for b in timed} == {"question 0.0", "question 1.0", "question 2.0"}
+    assert not {first_user(b) for b in warm} & {first_user(b) for b in timed}
+    assert r["mode"] == "openai" and r["turns"] == len(timed) == 1 + 2 + 1 and r["conversations"] == 3
+    assert r["tokens"] == sum(respond(b)["completion_tokens"] for b in timed)
+    assert r["server"]["server_token_ids"] == len(timed) and r["device"].endswith("CPU")

@@ -85,6 +85,8 @@ def test_answers_equal_the_engines_on_the_same_target(tmp_path, target_dir, chat
     probe, *asked = server.bodies  # the one-token check before the run, then the run's requests
     assert probe["max_tokens"] == 1 and len(asked) == 6
     assert all(b["temperature"] == 0 and b["top_k"] == -1 and b["max_tokens"] == 6 for b in asked)
+    # the ids asked for: llama.cpp returns no logprobs (no ids) when top_logprobs is 0
+    assert all(b["logprobs"] is True and b["top_logprobs"] == 1 for b in asked)
 
 
 def test_all_turns_send_the_targets_own_answers_as_history(tmp_path, target_dir, multi_turn_file):
@@ -332,6 +334,14 @@ def test_retokenized_answers_are_checked_against_the_servers_count(tokenizer):
     other = [i + 1 for i in ids]  # another vocabulary's ids
     assert answer_tokens(tokenizer, {**stop, "token_ids": other}, None, [eos], fid, lock) == ids
     assert (fid.server_ids, fid.mismatch, fid.retokenized) == (1, 2, 4)
+    assert fid.retokenize_differs == 0
+    # ids a model may sample that spell the same text another way ("al" + "pha" for "alpha"): kept, and
+    # counted as what re-tokenising the text would have changed
+    split = tokenizer.encode("al", add_special_tokens=False) + tokenizer.encode("pha beta gamma",
+                                                                                add_special_tokens=False)
+    assert split != ids and tokenizer.decode(split) == text
+    assert answer_tokens(tokenizer, {**stop, "token_ids": split + [eos]}, None, [eos], fid, lock) == split
+    assert (fid.server_ids, fid.retokenize_differs, fid.mismatch) == (2, 1, 2)
 
 
 def test_retokenized_run_reports_the_mismatches(tmp_path, target_dir, chat_file, tokenizer):
@@ -370,40 +380,182 @@ def _llama_server() -> str:
     return found
 
 
-def test_llama_server_serving_smollm2(tmp_path, chat_file):
-    """The SmolLM2 GGUF served by llama-server on CPU: a multi-turn regeneration of the engine's schema,
-    each answer's tokens taken from the server (logprobs ids) and decoding to its text."""
-    from nemo_dflash.target.loading import smollm2_gguf_path
+class LlamaServer:
+    """llama.cpp's server on 127.0.0.1 serving the SmolLM2 GGUF on CPU, started (and waited for:
+    /health 200) and stopped or killed by the test; ``port`` keeps the address across a restart.
+    One thread: on a CPU shared with the test's own process, two spinning threads ran 10x slower."""
 
-    binary = _llama_server()
-    port = _closed_port()
-    proc = subprocess.Popen([binary, "-m", str(smollm2_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
-                             "-c", "2048", "-np", "2", "-t", "2", "--alias", "smollm2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        for _ in range(600):
+    def __init__(self, binary: str, log: Path, port: int = 0, *, slots: int = 2, context: int = 2048) -> None:
+        self.binary, self.log, self.slots, self.context = binary, log, slots, context
+        self.port = port or _closed_port()
+        self.proc: "subprocess.Popen | None" = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> "LlamaServer":
+        import urllib.request
+
+        from nemo_dflash.target.loading import smollm2_gguf_path
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "-m", str(smollm2_gguf_path()), "--host", "127.0.0.1", "--port", str(self.port),
+                 "-c", str(self.context), "-np", str(self.slots), "-t", "1", "--alias", "smollm2"],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"llama-server exited: {self.log.read_text()[-2000:]}"
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    pass
-                import urllib.request
-
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return self
             except OSError:
                 time.sleep(0.1)
-        out = tmp_path / "regen.jsonl"
-        summary = cli.main(["--target", "pkg:smollm2", "--data", str(chat_file), "--out", str(out), "--backend",
-                            "openai", "--endpoint", url, "--num-samples", "4", "--max-new-tokens", "24",
-                            "--sampling", "greedy", "--decontaminate", "off", "--concurrency", "2"])
+        self.kill()
+        raise AssertionError(f"llama-server did not answer /health: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies as a crashed or preempted one does, mid-answer."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_chats(tmp_path_factory) -> Path:
+    """Conversations of 1 to 3 user turns with a system turn: prompts a 135M model answers briefly."""
+    path = tmp_path_factory.mktemp("llama") / "chats.jsonl"
+    topics = ["the moon", "bread", "rivers", "chess", "rain", "cats", "maps", "tea"]
+    with open(path, "w") as f:
+        for i, topic in enumerate(topics):
+            turns = []
+            for t, ask in enumerate(["What is {}?", "Name one fact about {}.", "Why does {} matter?"][: 1 + i % 3]):
+                turns += [{"role": "user", "content": ask.format(topic)},
+                          {"role": "assistant", "content": "an old answer"}]
+            f.write(json.dumps({"messages": [{"role": "system", "content": "Answer in one sentence."}, *turns]})
+                    + "\n")
+    return path
+
+
+def _llama_args(data: Path, out: Path, url: str, *extra: str) -> list[str]:
+    return ["--target", "pkg:smollm2", "--data", str(data), "--out", str(out), "--backend", "openai", "--endpoint",
+            url, "--turns", "all", "--after-cut", "continue", "--max-new-tokens", "32", "--sampling", "greedy",
+            "--decontaminate", "off", "--concurrency", "2", "--retries", "1", "--retry-backoff", "0.05",
+            "--request-timeout", "60", *extra]
+
+
+def test_llama_server_serving_smollm2(tmp_path, llama_chats):
+    """The SmolLM2 GGUF served by llama-server on CPU, every turn: the engine's schema and turns (the
+    engine run on the same target and flags), the server's own answers as the history, each answer's
+    tokens taken from the server (logprobs ids) decoding to its text with the target's tokenizer, the
+    stop token dropped as the engine drops it, and the prompt cap taken from the slot's context."""
+    from nemo_dflash.target.loading import load_tokenizer
+
+    binary = _llama_server()
+    out, engine_out = tmp_path / "regen.jsonl", tmp_path / "engine.jsonl"
+    with LlamaServer(binary, tmp_path / "server.log", slots=2, context=2048) as server:
+        summary = cli.main(_llama_args(llama_chats, out, server.url))
+    engine = cli.main(["--target", "pkg:smollm2", "--data", str(llama_chats), "--out", str(engine_out), "--turns",
+                       "all", "--after-cut", "continue", "--max-new-tokens", "32", "--sampling", "greedy",
+                       "--decontaminate", "off", "--batch-size", "2"])
+    records, engine_records = _read(out), _read(engine_out)
+    assert len(records) == summary["written"] == engine["written"] == 8
+    assert summary["turns"] == engine["turns"] == 1 + 2 + 3 + 1 + 2 + 3 + 1 + 2
+    for r, e in zip(records, engine_records):
+        assert set(r) == set(e) and r["source"] == e["source"]
+        assert [m["role"] for m in r["messages"]] == [m["role"] for m in e["messages"]]
+        assert [m for m in r["messages"] if m["role"] != "assistant"] == \
+            [m for m in e["messages"] if m["role"] != "assistant"]
+        assert all(set(m) == {"role", "content"} for m in r["messages"])
+        assert all(m["content"].strip() and "an old answer" != m["content"] and "<|im_end|>" not in m["content"]
+                   for m in r["messages"] if m["role"] == "assistant")
+    assert [c.messages for c in read_conversations(str(out))] == [r["messages"] for r in records]
+    told = summary["server"]
+    assert told["model"] == "smollm2" and told["server_token_ids"] == summary["answers"] == summary["turns"]
+    assert told["retokenized"] == 0 and told["token_mismatch"] == 0 and told["retries"] == 0
+    assert told["context"] == 1024  # 2048 over 2 slots: the slot's n_ctx, not the model's 8192
+    tok = load_tokenizer("pkg:smollm2")
+    stops = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    for r in records:  # the answers the draft trains on: tokens of the text, no stop token inside
+        for m in r["messages"]:
+            if m["role"] == "assistant":
+                assert not stops & set(tok.encode(m["content"], add_special_tokens=False))
+
+
+def test_llama_server_killed_then_client_killed_loses_and_repeats_nothing(tmp_path, monkeypatch, llama_chats):
+    """llama-server SIGKILLed mid-run: the run stops with one line, its journal whole conversations
+    only; the server restarted on the same port and the same command continue; the client killed
+    mid-run (the journal torn mid-write) and the same command again finish the file: every
+    conversation exactly once, in the uninterrupted run's order, those journalled kept verbatim."""
+    from nemo_dflash.data import openai_backend
+
+    binary = _llama_server()
+    reference = tmp_path / "ref.jsonl"
+    log = tmp_path / "server.log"
+    server = LlamaServer(binary, log).start()
+    try:
+        cli.main(_llama_args(llama_chats, reference, server.url))
+        ref_sources = [r["source"] for r in _read(reference)]
+        out = tmp_path / "run.jsonl"
+        partial = tmp_path / "run.jsonl.partial"
+        real = openai_backend.ServerEngine._completion
+
+        def journalled() -> int:
+            return len(partial.read_text().splitlines()) if partial.exists() else 0
+
+        def server_dies(self, *a, **k):
+            if journalled() >= 2:  # two conversations in: the answers in flight die with the server
+                server.kill()
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(openai_backend.ServerEngine, "_completion", server_dies)
+        with pytest.raises(SystemExit) as exc:
+            cli.main(_llama_args(llama_chats, out, server.url))
+        assert exc.value.code == 2
+        monkeypatch.setattr(openai_backend.ServerEngine, "_completion", real)
+        first = partial.read_text().splitlines()
+        assert not out.exists() and 2 <= len(first) < 8
+        assert len({json.loads(line)["source"] for line in first}) == len(first)
+
+        server = LlamaServer(binary, log, port=server.port).start()  # the same address, a new process
+
+        def client_dies(self, *a, **k):
+            if journalled() > len(first):  # one more conversation journalled: the client dies
+                raise KeyboardInterrupt
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(openai_backend.ServerEngine, "_completion", client_dies)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(_llama_args(llama_chats, out, server.url))
+        monkeypatch.setattr(openai_backend.ServerEngine, "_completion", real)
+        second = partial.read_text().splitlines()
+        assert second[: len(first)] == first and len(first) < len(second) < 8
+        with open(partial, "a") as f:
+            f.write('{"messages": [{"ro')  # killed mid-write
+        summary = cli.main(_llama_args(llama_chats, out, server.url))
     finally:
-        proc.terminate()
-        proc.wait(30)
-    records = _read(out)
-    assert len(records) == summary["written"] == 4
-    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
-    assert summary["server"]["server_token_ids"] + summary["server"]["retokenized"] == summary["answers"]
+        server.stop()
+    records = out.read_text().splitlines()
+    assert summary["resumed_done"] == len(second) and summary["written"] == 8
+    assert [json.loads(line)["source"] for line in records] == ref_sources  # none lost, none twice, in order
+    assert set(second) <= set(records)  # the journalled conversations, verbatim
+    assert not partial.exists()
 
 
 PIPELINE_RECIPE = """

@@ -169,7 +169,8 @@ def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tok
     """The chat-completions request of one turn. Sampling is sent whole (top-k off, no penalties) so
     the server's defaults (a checkpoint's generation_config) do not reshape the distribution the
     draft trains on, as the engine's explicit settings do; with ``extensions`` the server is also
-    asked for the answer's token ids."""
+    asked for the answer's token ids (``top_logprobs`` 1, not 0: llama.cpp returns no logprobs, so no
+    ids, for 0)."""
     body: dict[str, Any] = {"model": endpoint.model, "messages": list(messages), "max_tokens": max_tokens,
                             "temperature": sampling.temperature, "top_p": 1.0 if sampling.greedy else sampling.top_p,
                             "n": 1,
@@ -177,7 +178,7 @@ def chat_body(endpoint: Endpoint, messages: Sequence[dict[str, str]], *, max_tok
     if seed is not None:
         body["seed"] = seed
     if endpoint.extensions:
-        body.update(top_k=-1, min_p=0.0, repetition_penalty=1.0, logprobs=True, top_logprobs=0,
+        body.update(top_k=-1, min_p=0.0, repetition_penalty=1.0, logprobs=True, top_logprobs=1,
                     return_token_ids=True, return_tokens_as_token_ids=True, skip_special_tokens=True)
         if reasoning is not None:
             body["chat_template_kwargs"] = {"enable_thinking": reasoning == "on"}
@@ -252,17 +253,21 @@ def server_token_ids(choice: dict[str, Any]) -> Optional[list[int]]:
 class Fidelity:
     """How the answers' tokens were had: ``server_ids`` taken from the server (decoding to its text),
     ``retokenized`` from the text; ``mismatch`` the answers whose server ids did not decode to the
-    server's text, or whose re-tokenised length differs from ``usage.completion_tokens``."""
+    server's text, or whose re-tokenised length differs from ``usage.completion_tokens``;
+    ``retokenize_differs`` the answers with server ids whose text re-tokenised gives other ids (what a
+    server without token ids would have cost: the same text, other tokens)."""
 
     server_ids: int = 0
     retokenized: int = 0
     mismatch: int = 0
+    retokenize_differs: int = 0
     retries: int = 0  # attempts repeated (timeouts, 429/5xx, dropped connections)
     retry_reasons: collections.Counter = field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {"server_token_ids": self.server_ids, "retokenized": self.retokenized,
-                "token_mismatch": self.mismatch, "retries": self.retries, "retry_reasons": dict(self.retry_reasons)}
+                "token_mismatch": self.mismatch, "retokenize_differs": self.retokenize_differs,
+                "retries": self.retries, "retry_reasons": dict(self.retry_reasons)}
 
 
 def answer_tokens(tokenizer: Any, choice: dict[str, Any], usage: Optional[dict[str, Any]], stop_ids: Sequence[int],
@@ -276,8 +281,10 @@ def answer_tokens(tokenizer: Any, choice: dict[str, Any], usage: Optional[dict[s
         while ids and ids[-1] in stop_ids:  # the engine's answer excludes its stop token
             ids.pop()
         if tokenizer.decode(ids, skip_special_tokens=True) == text:
+            differs = (tokenizer.encode(text, add_special_tokens=False) if text else []) != ids
             with lock:
                 fidelity.server_ids += 1
+                fidelity.retokenize_differs += differs
             return ids
         with lock:
             fidelity.mismatch += 1
@@ -477,5 +484,6 @@ class ServerTarget:
         return SimpleNamespace(max_position_embeddings=self.context)
 
     def summary(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint.base_url, "model": self.endpoint.model, **self.fidelity.as_dict()}
+        return {"endpoint": self.endpoint.base_url, "model": self.endpoint.model, "context": self.context,
+                **self.fidelity.as_dict()}
 
