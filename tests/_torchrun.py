@@ -43,6 +43,21 @@ def scaled(seconds: float) -> float:
     return seconds * timeout_scale()
 
 
+def communicate_all(procs: Mapping[object, subprocess.Popen], seconds: float) -> dict[object, tuple[int, str, str]]:
+    """Wait for processes started together (their imports overlap on the cores), each up to ``scaled(seconds)``:
+    key -> (exit status, stdout, stderr); one past its time is killed and says so at the end of its stderr."""
+    out = {}
+    for key, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=scaled(seconds))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += f"\n(timed out after {scaled(seconds):.0f} s: {SCALE_ENV} stretches the tests' timeouts)"
+        out[key] = (proc.returncode, stdout, stderr)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

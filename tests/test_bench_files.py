@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import SCALE_ENV, run_command, scaled
+from _torchrun import communicate_all, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "docs" / "bench"
@@ -114,16 +114,7 @@ def helps(request) -> dict[str, tuple[int, str, str]]:
                                       stderr=subprocess.PIPE, text=True,
                                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
              for p in _py_scripts() if p.name in selected}
-    out = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=scaled(240))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-            stderr += f"\n(timed out after {scaled(240):.0f} s: {SCALE_ENV} stretches the tests' timeouts)"
-        out[name] = (proc.returncode, stdout, stderr)
-    return out
+    return communicate_all(procs, 240)
 
 
 @pytest.mark.parametrize("script", _py_scripts(), ids=lambda p: p.name)

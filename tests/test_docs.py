@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import SCALE_ENV, scaled
+from _torchrun import communicate_all
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -77,16 +77,8 @@ def test_every_readme_command_runs_with_help():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = {a: subprocess.Popen(list(a), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for a in sorted(runs)}
-    failed = {}
-    for argv, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=scaled(300))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            err += f"\n(timed out after {scaled(300):.0f} s: {SCALE_ENV} stretches the tests' timeouts)"
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[" ".join(argv[1:])] = (proc.returncode, err[-1500:])
+    failed = {" ".join(argv[1:]): (rc, err[-1500:]) for argv, (rc, out, err) in communicate_all(procs, 300).items()
+              if rc != 0 or "usage:" not in out}
     assert not failed, failed
 
 
