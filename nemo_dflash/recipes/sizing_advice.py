@@ -36,6 +36,11 @@ def load_rows(path: Path = SIZING_FILE) -> list[dict[str, Any]]:
             and r.get("num_hidden_layers")]
 
 
+def tokens_text(n: float) -> str:
+    """A token count as the warning prints it: millions, or the count itself below 0.1 M."""
+    return f"{n / 1e6:.1f} M" if n >= 1e5 else f"{int(n):,}"
+
+
 def tokens_per_step(cfg: RecipeConfig, world: int) -> int:
     """Token slots one optimizer step trains on: micro batch x row length x grad accumulation x ranks. A row
     is data.pack_length tokens when packed, at most data.max_length when not (padding fills the rest)."""
@@ -126,9 +131,9 @@ def sizing_warning(cfg: RecipeConfig, world: int, rows: Optional[list[dict[str, 
         return None
     tokens, how = planned
     minutes = row.get("minutes_per_gpu_to_speedup_1")
-    return (f"this run trains on at most {tokens / 1e6:.1f} M tokens ({how}); the closest measured target, "
+    return (f"this run trains on at most {tokens_text(tokens)} tokens ({how}); the closest measured target, "
             f"{row['target']} ({row['num_hidden_layers']} layers x {row['hidden_size']}), first had a draft that pays "
-            f"(T=0 speedup >= 1.0 at batch 1) at {need / 1e6:.1f} M training tokens"
+            f"(T=0 speedup >= 1.0 at batch 1) at {tokens_text(need)} training tokens"
             + (f", about {minutes:.0f} minutes of one GPU to regenerate and train" if minutes else "")
             + f" ({DOCS}): a smaller budget gives a draft that may slow its target down")
 
