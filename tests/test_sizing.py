@@ -35,7 +35,8 @@ DRAFTS = [  # tokens -> speedups (MT-Bench, HumanEval): 10 M pays on one set onl
     {**HEAD, "target": "T", "train_tokens": 20_000_000, "mtbench_t0_tau": 2.0, "humaneval_t0_tau": 2.1,
      "mtbench_t0_speedup": 1.1, "humaneval_t0_speedup": 1.3},
     {**HEAD, "target": "T", "train_tokens": 40_000_000, "mtbench_t0_tau": 3.0, "humaneval_t0_tau": 3.2,
-     "mtbench_t0_speedup": 1.6, "humaneval_t0_speedup": 2.0},
+     "mtbench_t0_speedup": 1.6, "humaneval_t0_speedup": 2.0, "mtbench_t0_speedup_no_loop": 1.2,
+     "humaneval_t0_speedup_no_loop": 1.4},
     {**HEAD, "target": "T", "train_tokens": 5_000_000, "variant": "dflash2", "mtbench_t0_speedup": 5.0,
      "humaneval_t0_speedup": 5.0},  # another architecture: not this table's
     {**HEAD, "target": "other", "train_tokens": 1_000_000, "mtbench_t0_speedup": 9.0, "humaneval_t0_speedup": 9.0},
@@ -60,8 +61,11 @@ def test_the_scripts_row_is_the_hand_computed_one():
     assert row["minutes_per_gpu_to_speedup_1"] == pytest.approx(7.5)
     assert row["minutes_per_gpu_to_speedup_1_5"] == pytest.approx(15.0)
     lines = script.table([row])
-    assert "| T | 1,000 | 3 x 64 | 20.0 M | 7.5 | 40.0 M | 15.0 | 100.0k / 80.0k |" in lines
+    assert row["tokens_to_speedup_1_no_loop"] == 40_000_000 and row["tokens_to_speedup_1_5_no_loop"] is None
+    assert "| T | 1,000 | 3 x 64 | 20.0 M | 7.5 | 40.0 M | 15.0 | 40.0 M / > 40.0 M (no measured run pays) | " \
+           "100.0k / 80.0k |" in lines
     assert "| T | main | 20.0 M | 2.00 / 2.10 | 1.10 / 1.30 | - | 2026-01-01, abc, NVIDIA H200 |" in lines
+    assert "| T | main | 40.0 M | 3.00 / 3.20 | 1.60 / 2.00 | 1.20 / 1.40 | 2026-01-01, abc, NVIDIA H200 |" in lines
 
 
 def test_a_target_no_measured_draft_pays_for_says_so():
