@@ -123,3 +123,16 @@ def test_the_closest_measured_target_is_the_nearest_in_size():
     half_b = {"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 151936}  # a 0.5B-class shape
     assert sizing_advice.closest([small, big], half_b)["target"] == "small"
     assert sizing_advice.closest([small, big], {"num_hidden_layers": 32, "hidden_size": 4096})["target"] == "big"
+
+
+def test_the_warning_says_how_far_the_closest_measured_target_is():
+    cfg = load_recipe("smollm2_135m_gpu.yaml", ["train.max_steps=10", "train.max_minutes=null"],
+                      data_optional=True)
+    far = {**ROW, "tokens_to_speedup_1": 10**9}  # above the recipe's 10 x 32,768 tokens
+    same = sizing_advice.sizing_warning(cfg, 1, [far], dims={"num_hidden_layers": 4, "hidden_size": 32,
+                                                             "vocab_size": 151936})
+    assert "at most 0.3 M tokens (train.max_steps 10 x 32,768 tokens a step)" in same and "Measured (4 layers x 32)," in same  # its own size: not named
+    bigger = sizing_advice.sizing_warning(cfg, 1, [far], dims={"num_hidden_layers": 4, "hidden_size": 128,
+                                                               "vocab_size": 151936})
+    # 12 x 4 x 128^2 + 151936 x 128 = 20,234,240 parameters against 12 x 4 x 32^2 + 151936 x 32 = 4,911,104: 4.1x
+    assert "Measured (4 layers x 32; this target is about 4.1x its size)," in bigger

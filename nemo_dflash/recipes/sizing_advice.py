@@ -41,6 +41,10 @@ def tokens_text(n: float) -> str:
     return f"{n / 1e6:.1f} M" if n >= 1e5 else f"{int(n):,}"
 
 
+def rate_text(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e3 else f"{tokens_per_s:g}"
+
+
 def tokens_per_step(cfg: RecipeConfig, world: int) -> int:
     """Token slots one optimizer step trains on: micro batch x row length x grad accumulation x ranks. A row
     is data.pack_length tokens when packed, at most data.max_length when not (padding fills the rest)."""
@@ -57,7 +61,7 @@ def planned_tokens(cfg: RecipeConfig, world: int, tokens_per_s: Optional[float])
         found.append((cfg.train.max_steps * per, f"train.max_steps {cfg.train.max_steps} x {per:,} tokens a step"))
     if cfg.train.max_minutes is not None and tokens_per_s:
         n = int(cfg.train.max_minutes * 60 * tokens_per_s * max(world, 1))
-        found.append((n, f"train.max_minutes {cfg.train.max_minutes:g} x {tokens_per_s / 1e3:.1f}k tokens/s a GPU "
+        found.append((n, f"train.max_minutes {cfg.train.max_minutes:g} x {rate_text(tokens_per_s)} tokens/s a GPU "
                          f"x {max(world, 1)} GPU(s)"))
     return min(found) if found else None
 
@@ -131,8 +135,10 @@ def sizing_warning(cfg: RecipeConfig, world: int, rows: Optional[list[dict[str, 
         return None
     tokens, how = planned
     minutes = row.get("minutes_per_gpu_to_speedup_1")
+    ratio = approx_params(dims) / approx_params(row) if dims is not None else 1.0
+    size = f"; this target is about {ratio:.1f}x its size" if not 0.5 <= ratio <= 2 else ""
     return (f"this run trains on at most {tokens_text(tokens)} tokens ({how}); the closest measured target, "
-            f"{row['target']} ({row['num_hidden_layers']} layers x {row['hidden_size']}), first had a draft that pays "
+            f"{row['target']} ({row['num_hidden_layers']} layers x {row['hidden_size']}{size}), first had a draft that pays "
             f"(T=0 speedup >= 1.0 at batch 1) at {tokens_text(need)} training tokens"
             + (f", about {minutes:.0f} minutes of one GPU to regenerate and train" if minutes else "")
             + f" ({DOCS}): a smaller budget gives a draft that may slow its target down")
