@@ -96,6 +96,7 @@ ROW = {"target": "Measured", "target_path": "pkg:none", "num_hidden_layers": 4, 
     (["train.max_steps=4", "train.grad_accum=2", "data.pack_length=100"], 1600, False),  # 4 x 2 x 100 x 2
     (["train.max_steps=100"], 12800, False),
     (["train.max_steps=100", "train.max_minutes=1"], 600, True),  # 1 minute x 60 s x 10 tokens/s x 1 GPU
+    (["train.max_steps=100", "train.max_minutes=0"], 128, True),  # a cap of 0 stops after the first step
 ])
 def test_the_plan_warns_a_budget_below_a_paying_draft(tiny, tmp_path, monkeypatch, caplog, overrides,  # noqa: F811
                                                       tokens, warns):

@@ -56,11 +56,11 @@ def planned_tokens(cfg: RecipeConfig, world: int, tokens_per_s: Optional[float])
     """The most tokens the recipe's caps let training see, and how that was counted; None when only
     train.epochs bounds it (the data's size is known only after regeneration)."""
     found: list[tuple[int, str]] = []
+    per = tokens_per_step(cfg, world)
     if cfg.train.max_steps:
-        per = tokens_per_step(cfg, world)
         found.append((cfg.train.max_steps * per, f"train.max_steps {cfg.train.max_steps} x {per:,} tokens a step"))
-    if cfg.train.max_minutes is not None and tokens_per_s:
-        n = int(cfg.train.max_minutes * 60 * tokens_per_s * max(world, 1))
+    if cfg.train.max_minutes is not None and tokens_per_s:  # the cap is checked after a step: one at least
+        n = max(int(cfg.train.max_minutes * 60 * tokens_per_s * max(world, 1)), per)
         found.append((n, f"train.max_minutes {cfg.train.max_minutes:g} x {rate_text(tokens_per_s)} tokens/s a GPU "
                          f"x {max(world, 1)} GPU(s)"))
     return min(found) if found else None
