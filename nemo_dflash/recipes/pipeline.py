@@ -268,6 +268,10 @@ class Pipeline:
         self.incomplete: dict[str, dict[str, Any]] = {}  # stages stopped early this run -> what they measured
         self.capped_draft: dict[str, Any] = {}  # the training a time cap stopped, when later stages go on
         self._plan(set(redo))
+        if self.rank == 0 and any(s.name == "train" and s.action != "skip" for s in self.selected):
+            from nemo_dflash.recipes.sizing_advice import warn_small_budget
+
+            warn_small_budget(cfg, self.world)  # a budget below a paying draft's: one warning, never a refusal
 
     # ---- each stage: its settings (what its outputs depend on), its checks, how it runs ----
 
