@@ -1,28 +1,6 @@
-"""Speculative decoding with a DFlash draft (one prompt at a time) and its AR baseline.
-
-Two decode modes: "eager" (HF DynamicCache) and "graphs" (static cache + CUDA graphs, as
-serving engines run); `check_decode_mode` validates one before any model is loaded.
+"""Evaluation: what a figure of a trained draft means and how it is taken. The protocol (`protocol`: prompt
+sets, conversations decoded turn by turn, tau and the loop-aware metrics, each result carrying its
+`EvalProtocol`), one run of it with its journals and the speedup phase (`run`), the acceptance measured by
+replaying answers through the training forward (`replay`), and the check that the eager decoder and a
+serving engine agree token for token (`parity`). It decodes on `engine/` and never imports `serving/`.
 """
-
-from nemo_dflash.engine.graphs import DECODE_MODES, check_decode_mode
-from nemo_dflash.inference.spec_decode import (
-    DFlashSpeculativeDecoder,
-    GenerationOutput,
-    autoregressive_generate,
-    crop_dynamic_cache,
-    select_tokens,
-    speculative_generate,
-    verify_block,
-)
-
-__all__ = [
-    "DECODE_MODES",
-    "DFlashSpeculativeDecoder",
-    "GenerationOutput",
-    "autoregressive_generate",
-    "check_decode_mode",
-    "crop_dynamic_cache",
-    "select_tokens",
-    "speculative_generate",
-    "verify_block",
-]
