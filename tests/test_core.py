@@ -267,7 +267,8 @@ def test_distillation_from_final_hidden_equals_per_slot_teacher_logits(weight, m
     import nemo_dflash.objective.trainer_module as trainer_module
 
     calls, real = [], trainer_module.teacher_expected_embedding
-    monkeypatch.setattr(trainer_module, "teacher_expected_embedding", lambda h, *a: calls.append(h.shape) or real(h, *a))
+    monkeypatch.setattr(trainer_module, "teacher_expected_embedding",
+                        lambda h, *a: calls.append(h.shape) or real(h, *a))
     results = []
     for kw in ({"return_final_hidden": True}, {"return_logits": True}):
         batch = wrapper.generate_batch(ids, attn, lm, **kw)

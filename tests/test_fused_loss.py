@@ -140,7 +140,8 @@ def test_trainer_module_routes_the_loss_through_the_kernel(d, monkeypatch):
     monkeypatch.setattr(fl, "per_token_ce", lambda impl, h, w, y: calls.append(impl) or fake_kernel(h, w, y))
     results = []
     for impl in ("chunked", "cce"):
-        monkeypatch.setattr(trainer_module, "resolve_loss_impl", lambda name, device: name)  # as on a GPU with the package
+        # as on a GPU with the package
+        monkeypatch.setattr(trainer_module, "resolve_loss_impl", lambda name, device: name)
         module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                      loss_decay_gamma=7.0, distill_weight=d, loss_impl=impl)
         draft.zero_grad(set_to_none=True)

@@ -47,7 +47,9 @@ from nemo_dflash.engine.static_cache import SUPPORTED_ATTN, attn_implementation,
 from nemo_dflash.engine.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
-from nemo_dflash.engine.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block
+from nemo_dflash.engine.sampling import (
+    Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block,
+)
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)

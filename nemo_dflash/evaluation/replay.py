@@ -38,7 +38,9 @@ from nemo_dflash.data.chat_template import stop_token_ids
 from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.train.device import release_device_memory
 from nemo_dflash.draft.model import DFlashDraftModel
-from nemo_dflash.evaluation.protocol import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
+from nemo_dflash.evaluation.protocol import (
+    Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat,
+)
 from nemo_dflash.engine.acceptance import greedy_accepted_list
 from nemo_dflash.engine.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel

@@ -202,7 +202,7 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
-    """Refuse a sampling configuration that makes no sense: `nemo_dflash.engine.sampling.check_sampling`'s line, exit 2."""
+    """Refuse a sampling configuration that makes no sense: `engine.sampling.check_sampling`'s line, exit 2."""
     with user_errors(ValueError):
         check_sampling_values(temperature, top_p, names=(t_name, p_name, "top-k"))
 
