@@ -68,10 +68,10 @@ import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
 from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions  # noqa: E402
-from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
+from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
 TAUS = (2.0, 4.24, 6.5)  # 4.24 / 6.5: the paper's Qwen3-8B MT-Bench / HumanEval tau (T=0)
@@ -110,7 +110,7 @@ def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.d
 
     device = next(target.parameters()).device
     if draft_dir:
-        from nemo_dflash.export import check_draft_fits_target, load_draft
+        from nemo_dflash.serving.export import check_draft_fits_target, load_draft
 
         draft = load_draft(draft_dir, device=device, dtype=dtype)
         check_draft_fits_target(draft.config, target.config)
@@ -288,7 +288,7 @@ def exactness(shape: str, modes: list[str], device: torch.device, args) -> list[
 
 
 def load_baseline(path: str):
-    """A spec_decode.py from another revision (`git show REV:nemo_dflash/inference/spec_decode.py`),
+    """A spec_decode.py from another revision (`git show REV:nemo_dflash/engine/spec_decode.py`),
     timed as an extra eager row on the same machine."""
     spec = importlib.util.spec_from_file_location("baseline_spec_decode", path)
     module = importlib.util.module_from_spec(spec)
@@ -477,7 +477,7 @@ def profile_eager(dec, ids, path: str, shape: str) -> None:
 
 def measure_real(args, device: torch.device, modes: list[str]) -> list[dict[str, Any]]:
     """Real tau and real speedup: `--target` + its `--draft`, MT-Bench first turns."""
-    from nemo_dflash.inference.evaluate import encode_chat, load_mtbench
+    from nemo_dflash.evaluation.protocol import encode_chat, load_mtbench
     from nemo_dflash.target.loading import load_target
     from nemo_dflash.data.regenerate import stop_token_ids
 
@@ -695,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_attention_flags(p)
     p.add_argument("--cudnn", action="store_true",
                    help="let the engine's eager prefills and first draft blocks use cuDNN attention (per-shape plan "
-                        "builds), for comparison; default: flash / memory-efficient (nemo_dflash.attention)")
+                        "builds), for comparison; default: flash / memory-efficient (nemo_dflash.engine.attention)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="append the rows here")
     return p
 
@@ -704,7 +704,7 @@ def check(args: argparse.Namespace) -> list[int]:
     """Every user error, before any model loads."""
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
-    from nemo_dflash.sampling import check_sampling
+    from nemo_dflash.engine.sampling import check_sampling
 
     check_sampling(args.temperature, args.top_p, names=("--temperature", "--top-p", "top-k"))
     try:
@@ -769,9 +769,9 @@ def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.data.chat_template import stop_token_ids
     from nemo_dflash.engine import batched_static
-    from nemo_dflash.inference.eval_run import ModelSpec, check_draft_files, load_models
-    from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+    from nemo_dflash.evaluation.run import ModelSpec, check_draft_files, load_models
+    from nemo_dflash.evaluation.protocol import encode_chat, load_prompt_set
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
     from nemo_dflash.recipes._cli import resolve_device_dtype
 
     batches = check(args)
@@ -784,7 +784,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts = [encode_chat(tokenizer, p.history() + ([] if p.messages is not None else
                                                     [{"role": "user", "content": p.turns[0]}]))
                for p in prompt_set]
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)

@@ -43,13 +43,13 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from _common import append_rows, fold_rows, provenance, read_rows, upsert_rows, write_qwen3_8b_config  # noqa: E402
-from nemo_dflash.core import draft_block_hidden  # noqa: E402
+from nemo_dflash.objective.trainer_module import draft_block_hidden  # noqa: E402
 from nemo_dflash.engine.acceptance import expected_block_length  # noqa: E402
-from nemo_dflash.inference.evaluate import encode_chat, load_prompt_set  # noqa: E402
-from nemo_dflash.inference.replay import DRAFT_ATTENTION  # noqa: E402
-from nemo_dflash.inference.spec_decode import crop_dynamic_cache  # noqa: E402
+from nemo_dflash.evaluation.protocol import encode_chat, load_prompt_set  # noqa: E402
+from nemo_dflash.evaluation.replay import DRAFT_ATTENTION  # noqa: E402
+from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
-from nemo_dflash.sampling import SamplingParams, as_sampling  # noqa: E402
+from nemo_dflash.engine.sampling import SamplingParams, as_sampling  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
 from nemo_dflash.train.metrics import read_metrics  # noqa: E402
@@ -1243,7 +1243,7 @@ accept_log = logging.getLogger("accept")
 @contextlib.contextmanager
 def recorded_verify(records: list[dict[str, float]]):
     """Every `verify_block` call of the reference decoder, with the figures of its accept test appended to `records`."""
-    import nemo_dflash.inference.spec_decode as spec_decode
+    import nemo_dflash.engine.spec_decode as spec_decode
 
     original = spec_decode.verify_block
 
@@ -1269,7 +1269,7 @@ def recorded_verify(records: list[dict[str, float]]):
 def decoder_acceptance(target, draft, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int,
                        seed: int = 0) -> dict[str, Any]:
     """Means over every step of the reference decoder on `prompts`: kept tokens, their expectation, slot 1's figures."""
-    from nemo_dflash.inference.spec_decode import speculative_generate
+    from nemo_dflash.engine.spec_decode import speculative_generate
 
     g = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
     with recorded_verify([]) as rec:

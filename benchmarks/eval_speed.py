@@ -8,7 +8,7 @@ decoder's figures; with the speedup timed over 20 prompts per set and its spread
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp32] [--out DIR] [--overwrite] [--max-minutes M]
         [--json docs/bench/eval_speed.json]
 
-Three phases, each an `evaluate` run (`nemo_dflash.inference.eval_run.EvalRun`) into its own
+Three phases, each an `evaluate` run (`nemo_dflash.evaluation.run.EvalRun`) into its own
 directory under --out. The same command again continues them from their journals (under a
 command time limit, with --max-minutes), each phase's seconds summed over the runs; --overwrite
 starts afresh. The row is appended once every phase is complete:
@@ -134,7 +134,7 @@ def _check(ns: argparse.Namespace):
 
 def _run(ns: argparse.Namespace):
     """(EvalRun, its protocol), every flag checked before any model loads."""
-    from nemo_dflash.inference.eval_run import EvalRun
+    from nemo_dflash.evaluation.run import EvalRun
 
     options, protocol = _check(ns)
     return EvalRun(options, protocol), protocol
@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.sequential_prompts < 1:
         raise ValueError(f"--sequential-prompts must be >= 1 (got {args.sequential_prompts})")
     if args.draft_attention is not None:
-        from nemo_dflash.inference import replay as replay_mod
+        from nemo_dflash.evaluation import replay as replay_mod
 
         replay_mod.DRAFT_ATTENTION["cuda"] = replay_mod.DRAFT_ATTENTION["cpu"] = args.draft_attention
     out = Path(args.out)

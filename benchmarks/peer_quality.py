@@ -222,7 +222,7 @@ class SharedEvaluator:
 
 def peer_draft_config_dict(our_draft_config, attn: str) -> dict[str, Any]:
     """A draft config in SpecForge's configs/*-dflash.json layout with our draft's exact shape."""
-    from nemo_dflash.export import serving_config_dict
+    from nemo_dflash.serving.export import serving_config_dict
 
     s = serving_config_dict(our_draft_config)
     n = int(s["num_hidden_layers"])
@@ -583,7 +583,7 @@ def train_stage(args, out: Path, t_script: float) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     from nemo_dflash.config import load_recipe
-    from nemo_dflash.export import load_draft
+    from nemo_dflash.serving.export import load_draft
 
     n_steps, every = int(args.steps), max(1, int(args.eval_every))
     deadline = t_script + args.minutes * 60.0
@@ -888,7 +888,7 @@ def _export_peer(peer: PeerTrainer, state: dict, ev: SharedEvaluator, hf_dir: Pa
     # fallback: our serving config (identical shape, mask, layers) beside SpecForge's weights
     from safetensors.torch import save_file
 
-    from nemo_dflash.export import export_draft, serving_config_dict
+    from nemo_dflash.serving.export import export_draft, serving_config_dict
 
     alt = hf_dir.parent / "hf_draft_our_config"
     alt.mkdir(parents=True, exist_ok=True)
@@ -896,7 +896,7 @@ def _export_peer(peer: PeerTrainer, state: dict, ev: SharedEvaluator, hf_dir: Pa
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(alt / "model.safetensors"))
     export_draft(alt, export_dir, overwrite=True)
     info["method"] = ("fallback: our loader refused SpecForge's config.json (see logs/export_peer.log); our serving "
-                      "config.json written beside SpecForge's unprefixed weights, then nemo_dflash.export.export_draft")
+                      "config.json written beside SpecForge's unprefixed weights, then nemo_dflash.serving.export.export_draft")
     return info
 
 

@@ -136,7 +136,7 @@ def load_conversations(args) -> list:
 
 def sampling_of(args) -> Any:
     """--temperature / --top-p as the one sampling value the library takes."""
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.sampling import SamplingParams
 
     return SamplingParams(args.temperature, top_p=args.top_p)
 

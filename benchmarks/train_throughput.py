@@ -44,10 +44,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
 
-from nemo_dflash.device import limit_host_threads  # noqa: E402
+from nemo_dflash.train.device import limit_host_threads  # noqa: E402
 from nemo_dflash.draft.registry import DRAFT_VARIANTS  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
-from nemo_dflash.fused_loss import resolve_loss_impl  # noqa: E402
+from nemo_dflash.objective.fused_loss import resolve_loss_impl  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import random_weight_model  # noqa: E402
 
@@ -76,7 +76,7 @@ def step_flops(shape: dict, draft_layers: int, block: int, seq: int, anchors_pos
     """Model FLOPs of one document's step (`nemo_dflash.train.flops`, the formula the trainer logs MFU with)."""
     from types import SimpleNamespace
 
-    from nemo_dflash.core import LossSums
+    from nemo_dflash.objective.metrics import LossSums
     from nemo_dflash.train.flops import Shape, StepShapes
 
     shapes = StepShapes(target=Shape.of(SimpleNamespace(**shape)), target_layers_run=last_target_layer + 1,
@@ -201,7 +201,7 @@ def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tenso
                        seeds: list[int]) -> float:
     """Model FLOPs of one packed batch, counted as `batch_flops` counts them: per document, with
     the document's own length, anchors and labels (what the same documents cost unpacked)."""
-    from nemo_dflash.core import document_bounds, plan_blocks
+    from nemo_dflash.objective.anchors import document_bounds, plan_blocks
 
     block = draft.config.block_size
     plan = plan_blocks(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], block, anchors,
@@ -242,7 +242,7 @@ def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, comp
 
 def batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int, seeds: list[int]) -> float:
     """Model FLOPs of one loader batch: `step_flops` per row, with the row's own length and anchors."""
-    from nemo_dflash.core import build_labels, sample_anchors
+    from nemo_dflash.objective.anchors import build_labels, sample_anchors
 
     block = draft.config.block_size
     total = 0.0
@@ -360,7 +360,7 @@ def run_trainer_case(shape, wrapper, draft, case: StepCase, steps: int, warmup: 
     with --fsdp2), each rank steps its own batches, and the row gives the world's tokens a step over the
     slowest rank's step time (`tokens_s`; `bench_row` divides by the world)."""
     from nemo_dflash.config import OptimConfig
-    from nemo_dflash.core import DFlashTrainerModule
+    from nemo_dflash.objective.trainer_module import DFlashTrainerModule
     from nemo_dflash.train.distributed import DistState, wrap_draft
     from nemo_dflash.train.optim import build_optimizer
     from nemo_dflash.train.trainer import TrainStep, apply_compile, row_seeds
@@ -538,7 +538,8 @@ def probe(args, device) -> None:
     and host vs GPU time of the target forward and of the draft's forward + backward."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from nemo_dflash.core import DFlashTrainerModule, build_flex_block_mask
+    from nemo_dflash.objective.block_mask import build_flex_block_mask
+    from nemo_dflash.objective.trainer_module import DFlashTrainerModule
     from nemo_dflash.train.trainer import _right_padded, row_seeds
 
     shape, target, wrapper, draft = build_llama_target(args.shape, args.draft_layers, args.block, device)
@@ -629,7 +630,8 @@ def probe_flex_tiles(args, device) -> None:
     its real block mask), forward and forward + backward, with the backward's tiles varied."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from nemo_dflash.core import DFlashTrainerModule, build_flex_block_mask
+    from nemo_dflash.objective.block_mask import build_flex_block_mask
+    from nemo_dflash.objective.trainer_module import DFlashTrainerModule
     from nemo_dflash.draft.model.modeling import flex_kernel_options
     from nemo_dflash.train.trainer import row_seeds
 

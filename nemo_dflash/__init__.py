@@ -1,8 +1,8 @@
 """nemo_dflash: train DFlash block-diffusion draft models and ship them to vLLM/SGLang.
 
-Data flows through the folders: `data/` (chat files, regeneration) -> `target/` (load, hook) ->
-`DFlashTargetBatch` -> `draft/` (registry, build, model) and the trainer module (`core`: anchors,
-block mask, draft, loss) -> `train/` (loop, checkpoints) -> `export` / `inference/`.
+Data flows through the folders: `data/` (chat files, regeneration, on `engine/`) -> `target/` (load,
+hook) -> `DFlashTargetBatch` -> `draft/` (registry, build, model) and `objective/` (anchors, block mask,
+losses, the trainer module) -> `train/` (loop, checkpoints) -> `serving/` (export) / `evaluation/`.
 """
 
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel

@@ -676,7 +676,7 @@ def validate(cfg: RecipeConfig, data_optional: bool = False) -> None:
     for ok, msg in _ranges(cfg):
         if not ok:
             raise ConfigError(msg)
-    from nemo_dflash.sampling import check_sampling
+    from nemo_dflash.engine.sampling import check_sampling
 
     try:
         check_sampling(cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.eval_top_k,

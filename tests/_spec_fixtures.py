@@ -135,7 +135,7 @@ def three_token_law(target: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def export_round_trip(draft: DFlashDraftModel, tmp_path: Path) -> DFlashDraftModel:
     """Export in the serving format and load it back: the same config, the bf16-rounded weights."""
-    from nemo_dflash.export import export_draft, load_draft
+    from nemo_dflash.serving.export import export_draft, load_draft
 
     loaded = load_draft(export_draft(draft, tmp_path / "export"), dtype="fp32")
     assert loaded.config.target_layer_ids == draft.config.target_layer_ids
@@ -149,7 +149,8 @@ def train_on_greedy_answer(target: torch.nn.Module, draft: DFlashDraftModel, ids
                            new_tokens: int = 40, steps: int = 200) -> tuple[list[int], float]:
     """Train ``draft`` (block 4) on ``target``'s own greedy continuation of ``ids``; (that
     continuation, the trainer's simulated tau at the last step). The draft is left in eval mode."""
-    from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+    from nemo_dflash.objective.anchors import sample_anchors
+    from nemo_dflash.objective.trainer_module import DFlashTrainerModule
     from nemo_dflash.target import HFDFlashTargetModel
 
     ref = hf_greedy(target, ids, new_tokens)
@@ -177,7 +178,7 @@ def plain_answers_with_a_stop(target: torch.nn.Module, prompts: list[list[int]],
                               row: int, k: int):
     """(one-prompt greedy answers, stop id): the stop is token k of row's free answer, so some
     answers end at it and others run to the cap."""
-    from nemo_dflash.inference.spec_decode import autoregressive_generate
+    from nemo_dflash.engine.spec_decode import autoregressive_generate
 
     stop = autoregressive_generate(target, torch.tensor([prompts[row]]), max_new_tokens=max_new_tokens).output_ids[k]
     want = [autoregressive_generate(target, torch.tensor([p]), max_new_tokens=max_new_tokens, stop_token_ids=[stop])
@@ -188,7 +189,7 @@ def plain_answers_with_a_stop(target: torch.nn.Module, prompts: list[list[int]],
 def trained_like_decoder(target: torch.nn.Module, prompts: list[list[int]], block_size: int = 8):
     """A speculative decoder whose draft was trained on the target's greedy answer to prompts[0]:
     it accepts long prefixes there (rows of a batch drift far apart), short ones elsewhere."""
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     draft = make_draft(target, block_size=block_size)
     train_on_greedy_answer(target, draft, torch.tensor([prompts[0]]))

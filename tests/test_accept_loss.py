@@ -1,4 +1,4 @@
-"""The acceptance loss term (`loss.accept_weight`, nemo_dflash/accept_loss.py) against brute force.
+"""The acceptance loss term (`loss.accept_weight`, nemo_dflash/objective/accept_loss.py) against brute force.
 
 The chunked term and its gradient against full softmaxes, a naive sum of min(p, q) and torch autograd (fp64
 in); the trainer module's whole loss, (1 - d - w) hard CE + d soft CE + w term with the decay weights, against
@@ -18,21 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nemo_dflash.core as core
-import nemo_dflash.fused_loss as fl
+import nemo_dflash.objective.trainer_module as trainer_module
+import nemo_dflash.objective.fused_loss as fl
 from _torchrun import run_command
 from conftest import VOCAB, make_draft, random_batch, tiny_qwen3
-from nemo_dflash.accept_loss import accept_lm_loss
+from nemo_dflash.objective.accept_loss import accept_lm_loss
 from nemo_dflash.config import ConfigError, load_recipe
-from nemo_dflash.core import (
-    DFlashTrainerModule,
-    LossSums,
-    block_positions,
-    draft_block_hidden,
-    loss_decay_weights,
-    plan_blocks,
-    sample_anchors,
-)
+from nemo_dflash.objective.anchors import block_positions, loss_decay_weights, plan_blocks, sample_anchors
+from nemo_dflash.objective.metrics import LossSums
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule, draft_block_hidden
 from nemo_dflash.data.packing import PackedCollator
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -254,7 +248,7 @@ def test_the_fused_kernel_path_adds_the_same_term(monkeypatch):
     calls = []
     monkeypatch.setattr(fl, "per_token_ce", lambda impl, h, w, y: calls.append(impl) or (
         F.cross_entropy(h @ w.T, y, reduction="none").float(), None))
-    monkeypatch.setattr(core, "resolve_loss_impl", lambda name, device: name)
+    monkeypatch.setattr(trainer_module, "resolve_loss_impl", lambda name, device: name)
     results = []
     for impl in ("chunked", "liger"):
         draft.zero_grad(set_to_none=True)

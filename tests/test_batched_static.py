@@ -14,8 +14,8 @@ from nemo_dflash.engine.batched_static import (
 )
 from nemo_dflash.engine import batched_static
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.engine.sampling import SamplingParams
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -278,7 +278,7 @@ def test_one_sampled_plain_row_is_what_autoregressive_generate_gives(setting, mo
     """Plain decoding at T > 0: `autoregressive_generate(decode="graphs")` is this loop with one row (its steps
     run eagerly here), the same answer from the same generator, a stop included; rows of a larger batch are
     valid answers of their own keys."""
-    from nemo_dflash.inference import spec_decode
+    from nemo_dflash.engine import spec_decode
 
     monkeypatch.setattr(spec_decode, "check_decode_mode", lambda decode, device: None)  # graphs mode on a CPU
     real = batched_static.batched_static_autoregressive_generate
@@ -781,7 +781,7 @@ def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):
     of sampled step; proposals are kept, not only rejected."""
     from _spec_fixtures import trained_like_decoder
 
-    from nemo_dflash.inference import spec_decode
+    from nemo_dflash.engine import spec_decode
 
     monkeypatch.setattr(spec_decode, "check_decode_mode", lambda decode, device: None)  # graphs mode on a CPU
     real = batched_static.batched_static_speculative_generate

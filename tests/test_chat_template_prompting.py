@@ -14,7 +14,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
     from _data_fixtures import qwen3_tok, smol_tok  # noqa: F401
 
-import nemo_dflash.inference.evaluate as evaluate
+import nemo_dflash.evaluation.protocol as evaluate
 import nemo_dflash.data.regenerate as regenerate
 from nemo_dflash.data import chat_template
 from nemo_dflash.data.sources import MalformedRecord, normalize_record

@@ -122,7 +122,7 @@ def threads_restored(monkeypatch):
 def test_gpu_training_takes_one_host_thread_unless_told_otherwise(threads_restored, monkeypatch):
     """`device.limit_host_threads`: one torch thread on a GPU device (torchrun's setting), torch's own on a
     CPU device, and ``--threads N`` (which records OMP_NUM_THREADS) is kept on a GPU too."""
-    from nemo_dflash.device import limit_host_threads
+    from nemo_dflash.train.device import limit_host_threads
     from nemo_dflash.recipes._cli import set_threads
 
     torch.set_num_threads(2)

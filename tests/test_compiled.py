@@ -1,8 +1,8 @@
-"""nemo_dflash.compiled: one torch.compile wrapper per (function, options), shared by every caller."""
+"""nemo_dflash.engine.compiled: one torch.compile wrapper per (function, options), shared by every caller."""
 
 import torch
 
-from nemo_dflash.compiled import compiled
+from nemo_dflash.engine.compiled import compiled
 
 
 def _double(x: torch.Tensor) -> torch.Tensor:

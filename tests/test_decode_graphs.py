@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode
 from nemo_dflash.engine.static_cache import (
     StaticDraftContextCache,
     TargetStaticCache,

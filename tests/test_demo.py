@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from nemo_dflash.inference.evaluate import evaluate_acceptance
-from nemo_dflash.inference.replay import ReplayEvaluator
+from nemo_dflash.evaluation.protocol import evaluate_acceptance
+from nemo_dflash.evaluation.replay import ReplayEvaluator
 from nemo_dflash.recipes import demo
 
 from _spec_fixtures import make_draft, qwen_tokenizer_files
@@ -208,7 +208,7 @@ def test_timed_speedup_runs_evaluate_on_the_run_and_reads_its_results(tmp_path, 
 def test_replay_hands_the_cuda_graph_choice_to_its_engine(tokenizer):
     """The GPU demo replays with eager modules, whose uncompiled flex_attention a CUDA graph cannot
     capture: it asks for no graph rather than a failed capture and a warning."""
-    from nemo_dflash.inference.evaluate import EvalSettings
+    from nemo_dflash.evaluation.protocol import EvalSettings
 
     target = make_target("llama", tokenizer)
     draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])

@@ -14,11 +14,13 @@ from _spec_fixtures import second_token_case, single_thread, three_token_law  # 
 from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
 
 from nemo_dflash import HFDFlashTargetModel
-from nemo_dflash.core import DFlashTrainerModule, LossSums, sample_anchors
+from nemo_dflash.objective.anchors import sample_anchors
+from nemo_dflash.objective.metrics import LossSums
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.draft.build import DraftError, build_draft_for_target, check_variant_fits
 from nemo_dflash.draft.model import DFlash2Config, DFlash2DraftModel
 from nemo_dflash.draft.model.dflash2 import BlockConv, selector_walk
-from nemo_dflash.selector_loss import dpace_weights
+from nemo_dflash.objective.selector_loss import dpace_weights
 
 
 def dflash2_like(draft, *, rank: int = 8, top_k: int = 4, conv: int = 2, group: int = 16, seed: int = 5,
@@ -218,7 +220,7 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
 def test_blockwise_topk_is_the_topk(vocab):
     """`topk_ids` (k blocks by their maxima, then the top-k of their values) against `torch.topk`: the same ids in
     the same order on continuous values; on a row of ties the same multiset of values (ties broken otherwise)."""
-    from nemo_dflash.sampling import topk_ids
+    from nemo_dflash.engine.sampling import topk_ids
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(64, vocab, generator=g)
@@ -283,7 +285,7 @@ def test_dflash2_greedy_decoding_is_the_targets_greedy_output(block_size):
     from _spec_fixtures import hf_greedy
 
     from nemo_dflash.engine.batched_static import batched_static_speculative_generate
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     target, d2, ids, _ = _dflash2_second_token_case()
     dec = DFlashSpeculativeDecoder(target, d2, block_size=block_size)
@@ -298,14 +300,14 @@ def test_dflash2_greedy_decoding_is_the_targets_greedy_output(block_size):
 
 def test_dflash2_replay_equals_sequential_decoding():
     """Replay's walk at every answer position gives the eager decoder's acceptance lengths (T=0)."""
-    from nemo_dflash.inference.replay import walk
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.evaluation.replay import walk
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     target, d2, ids, _ = _dflash2_second_token_case()
     dec = DFlashSpeculativeDecoder(target, d2)
     out = dec.generate(ids, max_new_tokens=24)
     # the draft's walk from each position of the greedy answer, as replay forms it (one block at a time here)
-    from nemo_dflash.core import draft_block_hidden
+    from nemo_dflash.objective.trainer_module import draft_block_hidden
 
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     seq = torch.tensor([ids[0].tolist() + out.output_ids[:-1]])
@@ -331,7 +333,7 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
     drawn token would be no sabotage: it is exact for any proposal)."""
     from nemo_dflash.draft.model import dflash2
     from nemo_dflash.engine.batched_static import batched_static_speculative_generate
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     target, d2, ids, _ = _dflash2_second_token_case(top_k=4)
     joint = three_token_law(target, ids)
@@ -365,8 +367,8 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
 def test_dflash2_eager_t1_second_token_marginal(proposals):
     """The eager decoder at T=1 with the walk's q (or, `--draft-proposals greedy`, its argmax path with a one-hot
     q): the second token's marginal is the target's."""
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.sampling import SamplingParams
 
     target, d2, ids, p2 = _dflash2_second_token_case()
     dec = DFlashSpeculativeDecoder(target, d2)
@@ -382,7 +384,7 @@ def test_dflash2_eager_t1_second_token_marginal(proposals):
 
 
 def test_export_round_trip_writes_the_engines_dflash2_format(tmp_path):
-    from nemo_dflash.export import export_draft, load_draft
+    from nemo_dflash.serving.export import export_draft, load_draft
 
     target = tiny_qwen3()
     d2 = dflash2_like(make_draft(target))
@@ -417,7 +419,7 @@ def test_bad_sizes_and_kind_mismatches_are_one_line(tmp_path):
         build_draft_for_target(target, None, num_layers=2, block_size=4, mask_token_id=MASK_ID, kind="dflash2",
                                variant_options={"selector_top_k": 300, "selector_rank": 8})
     from nemo_dflash.draft.build import check_draft_kind
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
 
     out = export_draft(make_draft(target), tmp_path / "d1")
     with pytest.raises(DraftError, match="is a dflash draft but draft.kind=dflash2: set draft.kind=dflash"):
@@ -436,7 +438,7 @@ def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
     walk inside them: T=0 answers and acceptance lengths equal the eager decoder's; T=1 keeps the target's
     three-token law (6,000 conversations through 500 rows)."""
     from nemo_dflash.engine.batched_static import batched_static_speculative_generate
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     target, d2, ids, _ = _dflash2_second_token_case()
     joint = three_token_law(target, ids)
@@ -477,7 +479,7 @@ def test_the_train_command_refuses_bad_dflash2_input_before_loading(tmp_path, mo
     kind: exit 2 and one line naming the key, before the target loads."""
     from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
     from nemo_dflash.recipes import train as recipe
 
     target_dir = make_tiny_target_dir(tmp_path)  # hidden 32

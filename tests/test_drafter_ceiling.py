@@ -13,8 +13,8 @@ import torch
 
 from _spec_fixtures import make_draft, single_thread, tiny_qwen3  # noqa: F401  (single_thread: autouse)
 from nemo_dflash.draft.model import DFlashContextCache
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash.target import HFDFlashTargetModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_accept_records_what_the_decoder_kept_and_what_its_accept_test_expected(
     assert abs(res["kept_per_step"] - res["expected_per_step"]) < 4 * res["kept_per_step_stderr"] + 0.02
     assert 0.0 < res["slot1_overlap"] <= 1.0 and 0.0 <= res["slot1_accept_rate"] <= 1.0
 
-    import nemo_dflash.inference.spec_decode as spec_decode
+    import nemo_dflash.engine.spec_decode as spec_decode
 
     original = spec_decode.verify_block
     spec_decode.verify_block = functools.partial(_keep_all, original)

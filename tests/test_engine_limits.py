@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.engine_limits import EngineLimitError
-from nemo_dflash.export import export_draft
+from nemo_dflash.serving.engine_limits import EngineLimitError
+from nemo_dflash.serving.export import export_draft
 from nemo_dflash.recipes.export import main as export_main
 
 from _spec_fixtures import make_draft, tiny_qwen3
@@ -28,7 +28,7 @@ def _draft(layer_ids=(1, 2), mask=255, head_dim=16, heads=4, rope=None, depth=4)
 
 
 def test_a_draft_within_every_limit_exports_silently(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="nemo_dflash.engine_limits"):
+    with caplog.at_level(logging.WARNING, logger="nemo_dflash.serving.engine_limits"):
         export_draft(_draft(), tmp_path / "ok", engine="sglang")
     assert not caplog.records
 
@@ -38,7 +38,7 @@ def test_layer_above_n_minus_2_refused_for_sglang_and_warned_otherwise(tmp_path,
     with pytest.raises(EngineLimitError, match=r"above N-2 = 2.*serve with vLLM"):
         export_draft(draft, tmp_path / "sg", engine="sglang")
     assert not (tmp_path / "sg").exists()
-    with caplog.at_level(logging.WARNING, logger="nemo_dflash.engine_limits"):
+    with caplog.at_level(logging.WARNING, logger="nemo_dflash.serving.engine_limits"):
         export_draft(draft, tmp_path / "any")  # vLLM can capture it: a warning, written
         export_draft(draft, tmp_path / "vllm", engine="vllm")
     assert (tmp_path / "any" / "config.json").exists() and (tmp_path / "vllm" / "config.json").exists()
@@ -57,7 +57,7 @@ def test_mask_token_outside_the_embedding_table_refused(tmp_path):
 def test_head_dims_the_engines_reject(tmp_path, caplog):
     with pytest.raises(EngineLimitError, match="head_dim 160 is rejected by vLLM"):
         export_draft(_draft(head_dim=160, heads=2), tmp_path / "h", engine="vllm")
-    with caplog.at_level(logging.WARNING, logger="nemo_dflash.engine_limits"):
+    with caplog.at_level(logging.WARNING, logger="nemo_dflash.serving.engine_limits"):
         export_draft(_draft(head_dim=160, heads=2), tmp_path / "h")  # SGLang serves it: a warning
     assert any("vllm: head_dim 160" in r.getMessage() for r in caplog.records)
     with pytest.raises(EngineLimitError, match="head_dim 12 is not a multiple of 8"):
@@ -69,8 +69,8 @@ def test_rope_types_the_engines_reject(tmp_path):
         export_draft(_draft(rope={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
                                   "mrope_section": [2, 3, 3]}), tmp_path / "r")
     with pytest.raises(EngineLimitError, match="rope type 'proportional'"):
-        from nemo_dflash.export import serving_config_dict
-        from nemo_dflash.engine_limits import check_engine_limits
+        from nemo_dflash.serving.export import serving_config_dict
+        from nemo_dflash.serving.engine_limits import check_engine_limits
 
         cfg = serving_config_dict(_draft().config)
         cfg["rope_scaling"] = {"rope_type": "proportional", "factor": 1.0}

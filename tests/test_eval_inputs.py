@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from nemo_dflash.export import export_draft
+from nemo_dflash.serving.export import export_draft
 from nemo_dflash.files import write_complete_marker
-from nemo_dflash.inference import eval_run
+from nemo_dflash.evaluation import run as eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 
 from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_llama, tiny_qwen3

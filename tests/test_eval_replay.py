@@ -16,10 +16,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from nemo_dflash.core import draft_block_hidden, sample_anchors
-from nemo_dflash.inference import replay
-from nemo_dflash.inference.evaluate import ConversationDecoder, EvalPrompt, EvalSettings, load_mtbench
-from nemo_dflash.inference.replay import ReplayEvaluator, walk
+from nemo_dflash.objective.anchors import sample_anchors
+from nemo_dflash.objective.trainer_module import draft_block_hidden
+from nemo_dflash.evaluation import replay
+from nemo_dflash.evaluation.protocol import ConversationDecoder, EvalPrompt, EvalSettings, load_mtbench
+from nemo_dflash.evaluation.replay import ReplayEvaluator, walk
 from nemo_dflash.target import HFDFlashTargetModel
 
 from _spec_fixtures import QWEN3_MASK_ID, make_draft, qwen_tokenizer_files, tiny_llama, tiny_qwen3
@@ -62,7 +63,7 @@ def make_target(kind: str, tokenizer) -> torch.nn.Module:
 
 def train_draft(target, draft, sequences: list[tuple[list[int], list[int]]], steps: int = 120) -> float:
     """A few seconds of DFlash training on (prompt, answer) pairs: the training forward
-    (`core.draft_block_hidden`), the CE restricted to the tokens that occur (the 151936-row head
+    (`objective.trainer_module.draft_block_hidden`), the CE restricted to the tokens that occur (the 151936-row head
     would cost seconds per step). Returns the last step's accuracy."""
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     width = max(len(p) + len(a) for p, a in sequences)
@@ -237,7 +238,7 @@ def test_walk_hand_computed():
 @pytest.fixture(scope="module")
 def saved(tokenizer_dir, tokenizer, tmp_path_factory):
     """The trained Qwen3-shaped case on disk: (target dir, exported draft dir)."""
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
 
     target, draft, _ = build_case("qwen3", tokenizer)
     out = tmp_path_factory.mktemp("saved")
@@ -307,7 +308,7 @@ def test_cli_batched_equals_sequential_at_t0_and_samples_at_t1(saved, tmp_path, 
     (["--temperatures", "0", "--workers", "2"], "drop --workers"),
 ])
 def test_replay_refusals_are_one_line_before_any_model(extra, message, tmp_path, capsys, monkeypatch):
-    from nemo_dflash.inference import eval_run
+    from nemo_dflash.evaluation import run as eval_run
 
     monkeypatch.setattr(eval_run, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as e:
@@ -322,7 +323,7 @@ def test_automatic_batch_halves_on_out_of_memory(saved, tmp_path, monkeypatch, c
     With a fixed --batch-size the error is not swallowed."""
     import torch
 
-    from nemo_dflash.inference import eval_run
+    from nemo_dflash.evaluation import run as eval_run
 
     real = eval_run.ConversationDecoder.run_batch
     sizes = []
@@ -352,7 +353,7 @@ def test_automatic_batch_halves_on_out_of_memory(saved, tmp_path, monkeypatch, c
 
 
 def test_batch_rows_default():
-    from nemo_dflash.inference.eval_run import batch_rows
+    from nemo_dflash.evaluation.run import batch_rows
 
     assert (batch_rows(244, "cuda"), batch_rows(300, "cuda:1"), batch_rows(244, "cpu"), batch_rows(5, "cpu")) == (
         244, 256, 32, 5)
@@ -370,7 +371,7 @@ def test_bad_batch_size_is_one_line(saved, tmp_path, capsys, value):
 def test_per_prompt_speedup_spread(capsys):
     """Three prompts timed at 2x (two turns), 1x and 3x: min 1, median 2, max 3, and the mean over
     all tokens; the printed table shows the spread."""
-    from nemo_dflash.inference.evaluate import PROTOCOLS, Answer, format_table, speedup_metrics
+    from nemo_dflash.evaluation.protocol import PROTOCOLS, Answer, format_table, speedup_metrics
 
     def ans(pid, turn, spec_s, ar_s, n=11):
         return Answer(id=pid, turn=turn, output_ids=[1] * n, acceptance_lengths=[2] * 5, stopped=False,
@@ -398,7 +399,7 @@ def test_per_prompt_speedup_spread(capsys):
 def test_speedup_without_looping_answers():
     """A looping answer timed at 8x beside two plain ones at 1.5x: the mean over all tokens is
     carried by the long loop; the no-loop figure is the other two's, computed by hand."""
-    from nemo_dflash.inference.evaluate import Answer, speedup_metrics
+    from nemo_dflash.evaluation.protocol import Answer, speedup_metrics
 
     def ans(pid, n, spec_s, ar_s, loop_start=None):
         return Answer(id=pid, turn=1, output_ids=[1] * (n + 1), acceptance_lengths=[2], stopped=False,

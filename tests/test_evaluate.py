@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from nemo_dflash.data.loops import find_loop_start
-from nemo_dflash.export import export_draft
-from nemo_dflash.inference.evaluate import (
+from nemo_dflash.serving.export import export_draft
+from nemo_dflash.evaluation.protocol import (
     PROTOCOLS,
     Answer,
     ConversationDecoder,
@@ -28,7 +28,7 @@ from nemo_dflash.inference.evaluate import (
     summarize,
 )
 from nemo_dflash.target.loading import load_target
-from nemo_dflash.inference import eval_run
+from nemo_dflash.evaluation import run as eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
 from nemo_dflash.data.regenerate import stop_token_ids
 
@@ -332,7 +332,7 @@ def test_gpus_deal_the_conversations_over_processes_and_merge_one_run(tiny_targe
     def no_load(*a, **k):
         raise AssertionError("the merging process decoded")
 
-    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", no_load)
+    monkeypatch.setattr("nemo_dflash.evaluation.run.load_models", no_load)
     assert _cli(tiny_target_dir, exported_draft, tmp_path / "two", *args, "--gpus", "2") == 0
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert one["results"] == two["results"] and two["complete"] is True

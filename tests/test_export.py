@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nemo_dflash.export import (
+from nemo_dflash.serving.export import (
     SERVING_CONFIG_KEYS,
     check_draft_fits_target,
     export_draft,
@@ -33,7 +33,7 @@ LAYER_NAMES = (
 
 
 def contract_names(num_layers: int) -> set[str]:
-    """The serving contract, written out independently of nemo_dflash.export."""
+    """The serving contract, written out independently of nemo_dflash.serving.export."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     names |= {f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_NAMES}
     return names

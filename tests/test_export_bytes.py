@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nemo_dflash.export import EXPORT_MARK, canonical_header
+from nemo_dflash.serving.export import EXPORT_MARK, canonical_header
 
 
 def header(path: Path) -> bytes:

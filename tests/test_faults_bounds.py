@@ -43,7 +43,7 @@ def assets(tmp_path_factory) -> tuple[Path, Path]:
 def export(tmp_path_factory) -> dict[str, Path]:
     """A 2-layer tiny target, an exported 1-layer draft of block 4 trained for it, and a prompt file."""
     from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_qwen3
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
 
     root = tmp_path_factory.mktemp("export")
     target = save_tiny_qwen3_target(root / "target", seed=4)
@@ -65,7 +65,7 @@ def _one_line(call, capsys, *needles: str) -> str:
 
 
 def _free(monkeypatch, value: float) -> None:
-    monkeypatch.setattr("nemo_dflash.device.free_memory_bytes", lambda device: int(value))
+    monkeypatch.setattr("nemo_dflash.train.device.free_memory_bytes", lambda device: int(value))
 
 
 # ---- a draft deeper than its target
@@ -118,7 +118,7 @@ def test_a_truncated_export_is_refused_before_the_target_loads(export, tmp_path,
 
     from nemo_dflash.recipes import evaluate
 
-    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", _no_load)
+    monkeypatch.setattr("nemo_dflash.evaluation.run.load_models", _no_load)
     cut = tmp_path / "cut"
     shutil.copytree(export["draft"], cut)
     weights = cut / "model.safetensors"
@@ -141,7 +141,7 @@ def test_an_export_with_nan_weights_is_refused_unless_allow_nonfinite(export, tm
 
     from nemo_dflash.recipes import evaluate
 
-    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", _no_load)
+    monkeypatch.setattr("nemo_dflash.evaluation.run.load_models", _no_load)
     nan = tmp_path / "nan"
     shutil.copytree(export["draft"], nan)
     weights = nan / "model.safetensors"
@@ -223,7 +223,7 @@ def test_standalone_evaluate_refuses_nan_minutes_and_counts_past_the_models_and_
     the other is refused before any model loads (before: decoded for months, or 60.8 GB allocated)."""
     from nemo_dflash.recipes import evaluate
 
-    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", _no_load)
+    monkeypatch.setattr("nemo_dflash.evaluation.run.load_models", _no_load)
     argv = _evaluate(export, tmp_path / "out")
     argv = [a for i, a in enumerate(argv) if not (a == "--threads" or argv[i - 1] == "--threads")]
     _one_line(lambda: evaluate.main([*argv, *extra]), capsys, needle)
@@ -232,7 +232,7 @@ def test_standalone_evaluate_refuses_nan_minutes_and_counts_past_the_models_and_
 def test_the_standalone_bounds_admit_the_values_at_them(export, tmp_path, monkeypatch):
     from nemo_dflash.recipes import evaluate
 
-    monkeypatch.setattr("nemo_dflash.inference.eval_run.load_models", _no_load)
+    monkeypatch.setattr("nemo_dflash.evaluation.run.load_models", _no_load)
     with pytest.raises(Loaded):
         evaluate.main([*_evaluate(export, tmp_path / "out"), "--max-new-tokens", "1024", "--block-size", "4"])
 
@@ -308,7 +308,7 @@ def test_evaluate_gpus_holds_its_out_lock_while_its_parts_run(export, tmp_path, 
     """While the --gpus parts run, --out's lock is held (before: released, so a second `evaluate --out O` ran whole
     beside the first). Each part here is a stand-in interpreter that tries the lock: it exits 3 if it got it. After
     the run the lock is free."""
-    from nemo_dflash.inference.eval_run import lock_out
+    from nemo_dflash.evaluation.run import lock_out
     from nemo_dflash.recipes import evaluate
 
     fake = tmp_path / "python"

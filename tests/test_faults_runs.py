@@ -113,8 +113,8 @@ def test_item07_resume_refuses_other_target_weights_data_or_run(assets, finished
 
 def test_item08_evaluate_journal_is_keyed_on_target_and_data_and_out_is_locked(tmp_path, capsys):
     from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target, tiny_qwen3
-    from nemo_dflash.export import export_draft
-    from nemo_dflash.inference.eval_run import lock_out
+    from nemo_dflash.serving.export import export_draft
+    from nemo_dflash.evaluation.run import lock_out
     from nemo_dflash.recipes import evaluate as evaluate_cmd
 
     target = save_tiny_qwen3_target(tmp_path / "target", seed=4)
@@ -276,7 +276,7 @@ def test_item17_unresolved_interpolation_and_yaml_syntax_errors_are_one_line(tmp
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_item18_a_lone_surrogate_record_is_skipped_by_train_and_evaluate(tmp_path, suffix):
     from nemo_dflash.data.sources import BadRecordCounter, read_conversations
-    from nemo_dflash.inference.evaluate import load_chat_file
+    from nemo_dflash.evaluation.protocol import load_chat_file
 
     def rec(text: str) -> str:  # the JSON text of one record, the escape written as a file holds it
         return '{"conversations": [{"from": "human", "value": "%s"}, {"from": "gpt", "value": "ok"}]}' % text

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nemo_dflash.core import LossSums, _flop_counts, build_dense_block_mask, plan_blocks
+from nemo_dflash.objective.anchors import plan_blocks
+from nemo_dflash.objective.block_mask import build_dense_block_mask
+from nemo_dflash.objective.metrics import LossSums
+from nemo_dflash.objective.trainer_module import _flop_counts
 from nemo_dflash.train.flops import Shape, StepShapes
 
 

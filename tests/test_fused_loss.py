@@ -15,11 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nemo_dflash.core as core
-import nemo_dflash.fused_loss as fl
+import nemo_dflash.objective.trainer_module as trainer_module
+import nemo_dflash.objective.fused_loss as fl
 from _torchrun import run_command
 from conftest import make_draft, random_batch, tiny_qwen3
-from nemo_dflash.core import DFlashTrainerModule, chunked_lm_loss, sample_anchors, teacher_expected_embedding
+from nemo_dflash.objective.anchors import sample_anchors
+from nemo_dflash.objective.cross_entropy import chunked_lm_loss, teacher_expected_embedding
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.target import HFDFlashTargetModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,7 +140,8 @@ def test_trainer_module_routes_the_loss_through_the_kernel(d, monkeypatch):
     monkeypatch.setattr(fl, "per_token_ce", lambda impl, h, w, y: calls.append(impl) or fake_kernel(h, w, y))
     results = []
     for impl in ("chunked", "cce"):
-        monkeypatch.setattr(core, "resolve_loss_impl", lambda name, device: name)  # as on a GPU with the package
+        # as on a GPU with the package
+        monkeypatch.setattr(trainer_module, "resolve_loss_impl", lambda name, device: name)
         module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                      loss_decay_gamma=7.0, distill_weight=d, loss_impl=impl)
         draft.zero_grad(set_to_none=True)
@@ -160,7 +163,7 @@ def test_trainer_module_routes_the_loss_through_the_kernel(d, monkeypatch):
 def test_named_kernel_on_cpu_falls_back_with_one_warning(caplog, monkeypatch):
     monkeypatch.setattr(fl, "_WARNED", set())
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.WARNING, logger="nemo_dflash.fused_loss"):
+    with caplog.at_level(logging.WARNING, logger="nemo_dflash.objective.fused_loss"):
         assert fl.resolve_loss_impl("cce", cpu) == "chunked"
         assert fl.resolve_loss_impl("cce", cpu) == "chunked"
         assert fl.resolve_loss_impl("liger", cpu) == "chunked"

@@ -13,7 +13,7 @@ from _spec_fixtures import force_answers, sabotage_slot_reuse
 
 from nemo_dflash.engine import batched_static
 from nemo_dflash.engine.plain import PlainEngine, Request, auto_rows, check_rows_fit
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.engine.sampling import SamplingParams
 
 STOP = 2
 

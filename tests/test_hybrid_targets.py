@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_dflash.inference import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.inference.recurrent_cache import make_target_cache
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.engine.recurrent_cache import make_target_cache
 from nemo_dflash.draft.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
 
 from _spec_fixtures import export_round_trip, hf_greedy, make_draft, prompt, three_token_law, train_on_greedy_answer

@@ -124,7 +124,7 @@ def test_config_roundtrip(tmp_path):
 def test_flex_attention_runs_in_the_autocast_dtype(monkeypatch):
     """Under autocast the fp32 norm weights leave q/k in fp32; flex_attention (not on autocast's
     list) must get the autocast dtype, as SDPA would, and the same output as SDPA under autocast."""
-    from nemo_dflash.core import build_flex_block_mask, build_dense_block_mask
+    from nemo_dflash.objective.block_mask import build_flex_block_mask, build_dense_block_mask
     from nemo_dflash.draft.model import modeling
 
     draft = make_draft(tiny_qwen3(), num_layers=1, block_size=4)

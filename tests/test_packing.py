@@ -8,14 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, make_draft, tiny_llama, tiny_qwen3
-from nemo_dflash.core import (
-    DFlashTrainerModule,
-    anchor_quotas,
-    chunked_lm_loss,
-    document_bounds,
-    plan_blocks,
-    sample_packed_anchors,
-)
+from nemo_dflash.objective.anchors import anchor_quotas, document_bounds, plan_blocks, sample_packed_anchors
+from nemo_dflash.objective.cross_entropy import chunked_lm_loss
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.data.packing import PackedBatchSampler, PackedCollator, first_fit
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -505,7 +500,7 @@ def test_pack_length_refusals_name_the_fix():
 def test_packed_flex_tile_lists_cover_every_visible_entry(seed):
     """The packed path's BlockMask (tile lists from the anchors, no per-element pass) against the
     dense mask: its mask_mod gives the dense mask, and no tile holding a visible entry is left out."""
-    from nemo_dflash.core import FLEX_TILE, build_dense_block_mask, build_flex_block_mask
+    from nemo_dflash.objective.block_mask import FLEX_TILE, build_dense_block_mask, build_flex_block_mask
 
     block, pack = 16, 384
     lengths = torch.randint(20, 140, (12,), generator=torch.Generator().manual_seed(seed)).tolist()

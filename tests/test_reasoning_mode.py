@@ -136,8 +136,8 @@ def test_regenerate_refuses_reasoning_without_a_switch(tmp_path, capsys):
 
 
 def test_evaluate_prompts_in_the_mode_and_says_which(tmp_path, target_dir, monkeypatch, capsys):
-    import nemo_dflash.inference.evaluate as ev
-    from nemo_dflash.export import export_draft
+    import nemo_dflash.evaluation.protocol as ev
+    from nemo_dflash.serving.export import export_draft
     from nemo_dflash.recipes import evaluate as evaluate_cmd
     from nemo_dflash.target.loading import load_target
 

@@ -17,7 +17,7 @@ from nemo_dflash.data import read_conversations
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.recipes import regenerate as cli
 from nemo_dflash.data.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ def test_plain_append_families_train_and_decode(arch, tmp_path):
     continuation is accepted (tau > 1.5 at block 4), and decoding equals HF greedy, also past the
     sliding / chunked window (the verify must use the target's per-layer masks there)."""
     from _spec_fixtures import export_round_trip, prompt, train_on_greedy_answer
-    from nemo_dflash.inference import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
     from nemo_dflash.draft.model import DFlashConfig
 
     assert arch in DFLASH_DRAFT_REGISTRY

@@ -152,7 +152,7 @@ def _engine_rope(config_json: dict, head_dim: int, pos: torch.Tensor) -> tuple[t
 @pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
                                   "Phi3ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"])
 def test_exported_config_gives_the_engines_the_same_rope(arch, tmp_path):
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
     from nemo_dflash.draft.build import load_draft
 
     cfg = CONFIGS[arch]()
@@ -170,7 +170,7 @@ def test_exported_config_gives_the_engines_the_same_rope(arch, tmp_path):
 
 def test_scaled_rope_round_trips_through_export(tmp_path):
     """Llama-3.1's scaled RoPE: written to config.json, read back, the same rotation."""
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
     from nemo_dflash.draft.build import load_draft
 
     draft = _draft("LlamaForCausalLM", CONFIGS["LlamaForCausalLM"]())

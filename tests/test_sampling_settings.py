@@ -11,12 +11,14 @@ import torch
 import conftest
 from _spec_fixtures import sampled_runner, sampled_step, second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
 from conftest import MASK_ID, random_batch
-from nemo_dflash.core import DFlashTrainerModule, LossSums, sample_anchors
+from nemo_dflash.objective.anchors import sample_anchors
+from nemo_dflash.objective.metrics import LossSums
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.engine.acceptance import expected_block_length
-from nemo_dflash.inference import DFlashSpeculativeDecoder
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 from nemo_dflash.engine.batched_static import batched_static_speculative_generate
-from nemo_dflash.inference.spec_decode import DFlashContextCache
-from nemo_dflash.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
+from nemo_dflash.engine.spec_decode import DFlashContextCache
+from nemo_dflash.engine.sampling import SamplingParams, as_sampling, filter_scores, propose_tokens, verify_block
 from nemo_dflash.target import HFDFlashTargetModel
 
 
@@ -279,7 +281,7 @@ def test_keyed_uniform_over_the_vocabulary_is_the_murmur_formula_row_by_row():
     """The whole-vocabulary path (column hashes read from a cache, so a compiled step never folds the
     hash constant into int32 index arithmetic) gives, bit for bit, the murmur3-mixed formula written out
     here, and the per-row candidate path on the same ids."""
-    from nemo_dflash.sampling import keyed_uniform
+    from nemo_dflash.engine.sampling import keyed_uniform
 
     def fmix(h):
         h ^= h >> 16
@@ -303,7 +305,7 @@ def test_keyed_draw_is_the_inverse_cdf_of_one_keyed_uniform_and_follows_the_weig
     """`keyed_draw` against a hand-written inverse CDF of the row's keyed uniform (token 0's hash), row by
     row; unnormalised weights and zero-weight tokens (never drawn); over 20,000 keys its frequencies match
     the normalised weights within 0.012."""
-    from nemo_dflash.sampling import keyed_draw, keyed_uniform
+    from nemo_dflash.engine.sampling import keyed_draw, keyed_uniform
 
     w = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
     keys, positions = torch.tensor([5, 9, 123456789]), torch.tensor([0, 7, 4000])
@@ -327,7 +329,7 @@ def test_compiled_sampling_steps_leave_every_scan_to_eager_cumsum():
     the compiled functions draw what the eager ones draw."""
     import torch._dynamo
 
-    from nemo_dflash import sampling
+    from nemo_dflash.engine import sampling
 
     torch.manual_seed(0)
     R, K, V = 3, 4, 50
@@ -358,7 +360,7 @@ def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from nemo_dflash import sampling
+    from nemo_dflash.engine import sampling
 
     torch._dynamo.reset()
     K, V = 4, 50

@@ -8,11 +8,11 @@ import torch
 import pytest
 
 from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.export import serving_config_dict
-from nemo_dflash.inference.parity import (
+from nemo_dflash.serving.export import serving_config_dict
+from nemo_dflash.evaluation.parity import (
     ServingParityError, check_serving_parity, reference_acceptance, reference_draft_hidden, serving_weights,
 )
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, GenerationOutput
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, GenerationOutput
 
 from _spec_fixtures import make_draft, tiny_qwen3, train_on_greedy_answer
 
@@ -55,7 +55,7 @@ def _hf_greedy(target, prompt, n):
 
 def _reference_by_forwards(target, weights, cfg, prompt, max_new_tokens, blk):
     """The rules decoded step by step, a full target forward to verify each block (what the walk replaces)."""
-    from nemo_dflash.inference.parity import _features
+    from nemo_dflash.evaluation.parity import _features
 
     layer_ids, mask_id = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -152,7 +152,7 @@ def test_export_cli_runs_the_check_before_writing(tmp_path, monkeypatch):
     a disagreement is one line, exit 2, nothing written."""
     from _tiny_target import make_tiny_target_dir
 
-    import nemo_dflash.inference.parity as parity
+    import nemo_dflash.evaluation.parity as parity
     from nemo_dflash.recipes import export as cli
     from nemo_dflash.target.loading import load_target
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from nemo_dflash.inference import (
+from nemo_dflash.engine.spec_decode import (
     DFlashSpeculativeDecoder,
     autoregressive_generate,
     crop_dynamic_cache,

@@ -14,7 +14,8 @@ from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_c
 from _torchrun import run_command
 from conftest import make_draft, random_batch, tiny_qwen3
 from nemo_dflash.config import ConfigError, load_recipe
-from nemo_dflash.core import DFlashTrainerModule, sample_anchors
+from nemo_dflash.objective.anchors import sample_anchors
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.target import HFDFlashTargetModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -413,7 +414,7 @@ def test_train_step_matches_a_hand_written_step():
     assert res.status == "ok" and norm > 0.05  # the clip was active
     assert res.grad_norm == pytest.approx(norm, rel=1e-5)
     assert res.loss == pytest.approx(l_sum / w_sum, rel=1e-6)
-    from nemo_dflash.core import LossSums
+    from nemo_dflash.objective.metrics import LossSums
 
     assert res.tokens == tokens and int(res.totals[LossSums.size()]) == tokens
     for a, b in zip(got, params):
@@ -536,7 +537,7 @@ def test_auto_settings_are_resolved_in_one_place():
 
 def test_loss_sums_add_and_read_back_by_name():
     """`sums()` of two micro-batches added == the sums of the whole batch, read back by field name."""
-    from nemo_dflash.core import LossSums
+    from nemo_dflash.objective.metrics import LossSums
 
     target = tiny_qwen3()
     draft = make_draft(target, num_layers=1, block_size=4)
@@ -562,7 +563,7 @@ def test_stop_reasons():
 
 
 def test_checkpointer_layout_is_what_export_reads(tmp_path):
-    from nemo_dflash.export import resolve_draft_dir
+    from nemo_dflash.serving.export import resolve_draft_dir
     from nemo_dflash.train.checkpoint import COMPLETE, DRAFT_DIR, checkpoint_root, final_draft_dir, step_dir_name
 
     run = tmp_path / "run"

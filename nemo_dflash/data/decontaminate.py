@@ -116,7 +116,7 @@ def humaneval_entry_points() -> set[str]:
         return {json.loads(line)["entry_point"] for line in f if line.strip()}
 
 
-# The layouts of a prompt file ``evaluate --datasets FILE`` reads (inference.evaluate.load_chat_file):
+# The layouts of a prompt file ``evaluate --datasets FILE`` reads (evaluation.protocol.load_chat_file):
 # chat rows (``messages``/``conversations``: their system and user turns), ``turns`` lists, or one
 # bare prompt under one of these keys.
 _PROMPT_KEYS = ("prompt", "instruction", "question", "text")

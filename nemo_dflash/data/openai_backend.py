@@ -40,7 +40,7 @@ from nemo_dflash.data.regenerate import (
     AFTER_CUT, CAPPED_POLICIES, LOOP_POLICIES, SCHEDULES, TURNS, RegenStats, SourceMix, _Regeneration,
 )
 from nemo_dflash.engine.plain import Completion, Request
-from nemo_dflash.sampling import GREEDY, SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ the step's conversations, so the sampler's plan and the rows agree.
 
 Each packed row carries `doc_ids` (the conversation's index within the row, -1 on the padding
 at the row's end) and `position_ids` (restarting at 0 for every conversation): the target's
-document-causal mask and the draft's block mask are built from them (nemo_dflash.core), so a
+document-causal mask and the draft's block mask are built from them (nemo_dflash.objective.block_mask), so a
 conversation trains exactly as it would alone.
 
 The sampler is resumable like `ChatBatchSampler` (state: epoch, steps yielded) and every rank

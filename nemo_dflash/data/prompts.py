@@ -94,7 +94,7 @@ CODE_MODULES = (
     "jinja2.utils", "pyarrow.parquet",
 )
 
-# The instruction HumanEval prompts are asked with (nemo_dflash.inference.evaluate), so code
+# The instruction HumanEval prompts are asked with (nemo_dflash.evaluation.protocol), so code
 # prompts look like the evaluation's and a draft sees that format in training.
 CODE_INSTRUCTION = "Complete the following Python code. Reply with the completed code only.\n\n```python\n{prompt}```"
 
@@ -829,7 +829,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.sampling import SamplingParams
 
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")

@@ -33,7 +33,7 @@ from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
 from nemo_dflash.data.loops import LoopDetector
 from nemo_dflash.engine.plain import Completion, PlainEngine, Request
 from nemo_dflash.data.sources import Conversation
-from nemo_dflash.sampling import GREEDY, SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ a `DFlashDraftModel`, so training, evaluation, export and inference all get draf
   the only checks of the draft/target contract, called by every path above.
 
 The weight names and shapes of the serving contract live here too, since loading reads them;
-`nemo_dflash.export` only writes that format (and re-exports these names for old imports).
+`nemo_dflash.serving.export` only writes that format (and re-exports these names for old imports).
 """
 
 from __future__ import annotations

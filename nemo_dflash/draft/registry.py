@@ -56,7 +56,7 @@ DFLASH_DRAFT_REGISTRY: dict[str, DraftSpec] = {
     "Qwen2ForCausalLM": DraftSpec(),
     "LlamaForCausalLM": DraftSpec(default_mask_token_id=128002),
     # Hybrid Gated-DeltaNet + full attention: decoded with the recurrent-state rollback
-    # (nemo_dflash.inference.recurrent_cache); decode="graphs" refuses them.
+    # (nemo_dflash.engine.recurrent_cache); decode="graphs" refuses them.
     "Qwen3_5ForCausalLM": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),
     "Qwen3_5MoeForCausalLM": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),
     "Qwen3_5ForConditionalGeneration": DraftSpec(default_mask_token_id=QWEN3_5_MASK_TOKEN_ID),  # text path

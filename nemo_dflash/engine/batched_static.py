@@ -20,7 +20,7 @@ position p of its last verified token):
   the row's mask until the row's own steps overwrite it), and the first draft block of each row is
   drafted eagerly against its whole prompt, as the eager reference does. These eager forwards have a new
   shape each time, so they run SDPA without cuDNN, whose per-shape plan builds they would pay
-  (`nemo_dflash.attention`); the captured steps keep PyTorch's choice.
+  (`nemo_dflash.engine.attention`); the captured steps keep PyTorch's choice.
 - Every later step has the same shapes: R rows, and an attention view of the smallest multiple of
   `static_decode.LENGTH_BUCKET` positions covering every live row's furthest query. One graph per
   (step, view length), captured up front.
@@ -63,11 +63,11 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from nemo_dflash.attention import eager_attention_backends
+from nemo_dflash.engine.attention import eager_attention_backends
 from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
+from nemo_dflash.engine.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
 from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,

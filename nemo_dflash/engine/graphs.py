@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Union
 import torch
 from torch import nn
 
-from nemo_dflash.compiled import compiled
-from nemo_dflash.attention import eager_attention_backends
+from nemo_dflash.engine.compiled import compiled
+from nemo_dflash.engine.attention import eager_attention_backends
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ class EngineOptions:
     - ``fuse_sampling``: on a GPU, with ``fuse_elementwise``, a sampled step's softmaxes, keyed hashes and draws run
       compiled (`sampling.sampled_*`), eager and captured steps alike.
     - ``avoid_cudnn_attention``: the eager forwards (prefills, first draft blocks, the eager loops) run SDPA without
-      cuDNN, whose per-shape plan builds they would pay (`nemo_dflash.attention.eager_attention_backends`).
+      cuDNN, whose per-shape plan builds they would pay (`nemo_dflash.engine.attention.eager_attention_backends`).
     - ``filled_blocks``: the captured target steps attend with flex over each row's filled KV blocks only
       (`static_cache.FilledBlocks`); False: SDPA over the bucketed view; None: on a GPU, for a target whose head
       dimension compiled flex takes (`static_cache.filled_blocks_on`).

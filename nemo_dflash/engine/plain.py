@@ -23,7 +23,7 @@ from nemo_dflash.engine.batched_static import (
 )
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.static_cache import check_static_target
-from nemo_dflash.sampling import GREEDY, SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 

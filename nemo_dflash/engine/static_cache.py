@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import StaticCache
 
-from nemo_dflash.attention import FilledBlocks
+from nemo_dflash.engine.attention import FilledBlocks
 
 # Target attention implementations whose masks we can build: SDPA takes a boolean mask
 # (True = visible), HF's eager attention adds a float mask.

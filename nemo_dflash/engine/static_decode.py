@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.compiled import compiled
+from nemo_dflash.engine.compiled import compiled
 from nemo_dflash.engine.graphs import CapturedStep, EagerStep, fused_elementwise
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
-from nemo_dflash.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
+from nemo_dflash.engine.sampling import SamplingParams, sampled_next_tokens, sampled_proposals, sampled_verify
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ are the --workers processes started for the acceptance runs (their clocks are no
 Answers are appended to OUT/answers.jsonl (speedup runs: OUT/speedup.jsonl) as they finish; the
 same command run again continues from them. Writes OUT/results.json and
 OUT/acceptance_histogram.png and prints a table with the protocol beside every figure.
-Metric definitions: docs/evaluate.md. The library: nemo_dflash.inference.evaluate (measuring) and
-nemo_dflash.inference.eval_run (journals, workers, results.json).
+Metric definitions: docs/evaluate.md. The library: nemo_dflash.evaluation.protocol (measuring) and
+nemo_dflash.evaluation.run (journals, workers, results.json).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from nemo_dflash.inference.eval_run import EvalRun, Journal, RunOptions
-from nemo_dflash.inference.evaluate import (  # noqa: F401  (the old import path of the library names)
+from nemo_dflash.evaluation.run import EvalRun, Journal, RunOptions
+from nemo_dflash.evaluation.protocol import (  # noqa: F401  (the old import path of the library names)
     METHODS, Answer, ConversationDecoder, EvalPrompt, EvalProtocol, EvalSettings, PROTOCOLS, dataset_result, encode_chat,
     evaluate_acceptance, format_table, load_chat_file, load_humaneval, load_mtbench, load_prompt_set,
     plot_histograms, protocol_record, speedup_metrics,
@@ -51,7 +51,7 @@ from nemo_dflash.config import EvaluateConfig
 from nemo_dflash.recipes._cli import (
     add_device_args, resolve_device_dtype, section_defaults, setup_logging, user_errors,
 )
-from nemo_dflash.sampling import SamplingParams, as_sampling, check_sampling
+from nemo_dflash.engine.sampling import SamplingParams, as_sampling, check_sampling
 
 logger = logging.getLogger("nemo_dflash.evaluate")
 
@@ -391,7 +391,7 @@ def check_decode(decode: str, device: str) -> None:
     """The decoder's own check of a decode mode on this device, before any model loads."""
     import torch
 
-    import nemo_dflash.inference as inference
+    import nemo_dflash.engine.spec_decode as inference
 
     check = getattr(inference, "check_decode_mode", None)
     if check is not None:

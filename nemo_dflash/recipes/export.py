@@ -26,7 +26,7 @@ from nemo_dflash.files import CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, Out
 from nemo_dflash.config import ExportConfig
 from nemo_dflash.recipes._cli import section_defaults, setup_logging, user_errors
 
-logger = logging.getLogger("nemo_dflash.export")
+logger = logging.getLogger("nemo_dflash.serving.export")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def check_out(out: Path, checkpoint: str, src: Path, target: Optional[str] = Non
     """The output guard (`guard_outputs`): `OutputError` for an --out that overlaps the input (the draft, its
     run, a local --target) or that --overwrite may not replace (not an export this product wrote); `OSError`
     (one line) for one that cannot be written."""
-    from nemo_dflash.export import is_export_dir
+    from nemo_dflash.serving.export import is_export_dir
 
     inputs = [("--checkpoint", p) for p in protected_inputs(checkpoint, src)]
     if target and Path(target).exists():
@@ -78,12 +78,12 @@ def verify_draft_files(src: Path) -> None:
 
 def run_parity_check(draft: object, target: Optional[str], n_prompts: int, engine: str = "any",
                      target_vocab: Optional[int] = None) -> None:
-    """The serving-parity check (`nemo_dflash.inference.parity`) on ``n_prompts`` prompts; ValueError on
+    """The serving-parity check (`nemo_dflash.evaluation.parity`) on ``n_prompts`` prompts; ValueError on
     disagreement. The engines' limits are checked first: the check loads the target."""
     from nemo_dflash.data.chat_template import stop_token_ids
-    from nemo_dflash.engine_limits import check_engine_limits
-    from nemo_dflash.export import serving_config_dict
-    from nemo_dflash.inference.parity import PARITY_PROMPTS, check_serving_parity, encode_parity_prompts
+    from nemo_dflash.serving.engine_limits import check_engine_limits
+    from nemo_dflash.serving.export import serving_config_dict
+    from nemo_dflash.evaluation.parity import PARITY_PROMPTS, check_serving_parity, encode_parity_prompts
 
     if not target:
         raise ValueError("--parity-prompts needs --target: the check decodes with the target")
@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     from nemo_dflash.draft.build import check_draft_fits_target, load_draft, resolve_draft_dir
-    from nemo_dflash.export import export_draft
+    from nemo_dflash.serving.export import export_draft
 
     from safetensors import SafetensorError
 

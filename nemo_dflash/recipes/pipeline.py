@@ -407,7 +407,7 @@ class Pipeline:
             check_paths(now)
 
         def run(overwrite: bool) -> dict[str, Any]:
-            from nemo_dflash.device import release_device_memory
+            from nemo_dflash.train.device import release_device_memory
             from nemo_dflash.recipes.train import check_paths, user_error_types
             from nemo_dflash.train.trainer import train
 

@@ -129,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
     from nemo_dflash.recipes.regenerate import check_sampling, dist_env
-    from nemo_dflash.sampling import SamplingParams
+    from nemo_dflash.engine.sampling import SamplingParams
 
     out = Path(args.out)
     if not out.name.endswith(".jsonl") or out.is_dir():

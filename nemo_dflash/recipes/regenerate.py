@@ -45,8 +45,8 @@ from nemo_dflash.recipes._cli import (
     user_errors,
 )
 from nemo_dflash.recipes._regen_server import add_server_args, validate_server_args
-from nemo_dflash.sampling import GREEDY, SamplingParams
-from nemo_dflash.sampling import check_sampling as check_sampling_values
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
+from nemo_dflash.engine.sampling import check_sampling as check_sampling_values
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
@@ -174,7 +174,7 @@ def check_fits_target(args: argparse.Namespace, device: str, dtype: str) -> None
 
     import torch
 
-    from nemo_dflash.device import free_memory_bytes
+    from nemo_dflash.train.device import free_memory_bytes
     from nemo_dflash.engine.batched_static import plain_cache_length
     from nemo_dflash.engine.plain import check_rows_fit, row_bytes, window_for
     from nemo_dflash.target.loading import target_text_config
@@ -202,7 +202,7 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def check_sampling(temperature: Any, top_p: Any, t_name: str, p_name: str) -> None:
-    """Refuse a sampling configuration that makes no sense: `nemo_dflash.sampling.check_sampling`'s line, exit 2."""
+    """Refuse a sampling configuration that makes no sense: `engine.sampling.check_sampling`'s line, exit 2."""
     with user_errors(ValueError):
         check_sampling_values(temperature, top_p, names=(t_name, p_name, "top-k"))
 

@@ -108,7 +108,7 @@ def check_draft_shape(cfg, config_json) -> None:
     import json
     import os
 
-    from nemo_dflash.device import free_memory_bytes
+    from nemo_dflash.train.device import free_memory_bytes
     from nemo_dflash.target import LayerIdsError, check_target_layer_ids
 
     d = cfg.draft

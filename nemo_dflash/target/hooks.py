@@ -158,7 +158,7 @@ def dense_document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 class _DocMaskBuffers:
-    """The document ids a flex mask_mod reads, at one address per shape (see core._MaskBuffers)."""
+    """The document ids a flex mask_mod reads, at one address per shape (see objective.block_mask._MaskBuffers)."""
 
     def __init__(self, bsz: int, seq: int, device: torch.device) -> None:
         self.doc = torch.zeros(bsz, seq, dtype=torch.long, device=device)

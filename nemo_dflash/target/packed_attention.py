@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from nemo_dflash.attention import varlen_attention
+from nemo_dflash.engine.attention import varlen_attention
 
 ATTN_NAME = "nemo_packed_documents"  # no "flash" in it: transformers would look for a flash kernel
 

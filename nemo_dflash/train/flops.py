@@ -3,7 +3,7 @@
 Counted as 2 FLOPs per multiply-add, the backward as twice the forward for the trained draft; the frozen
 target runs forward only, up to its last captured layer; the shared lm_head runs forward and backward (the
 draft's gradient flows through it). A step's FLOPs follow from a few counts the loss reduces with its other
-sums (`core.LossSums`: blocks, the keys their queries see, context tokens and causal pairs), so packed and
+sums (`objective.metrics.LossSums`: blocks, the keys their queries see, context tokens and causal pairs), so packed and
 padded batches are counted alike: what their documents would cost one by one.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nemo_dflash.core import LossSums
+from nemo_dflash.objective.metrics import LossSums
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,14 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_dflash.config import ConfigError, RecipeConfig, resume_settings, to_yaml
-from nemo_dflash.core import DFlashLossOutput, DFlashTrainerModule, LossSums
-from nemo_dflash.device import limit_host_threads
-from nemo_dflash.fused_loss import resolve_loss_impl
+from nemo_dflash.objective.metrics import DFlashLossOutput, LossSums
+from nemo_dflash.objective.trainer_module import DFlashTrainerModule
+from nemo_dflash.train.device import limit_host_threads
+from nemo_dflash.objective.fused_loss import resolve_loss_impl
 from nemo_dflash.data import build_dataloader, build_datasets
 from nemo_dflash.draft.build import MaskTokenError, draft_for_recipe
 from nemo_dflash.target import HFDFlashTargetModel
-from nemo_dflash.sampling import SamplingParams
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.train.checkpoint import Checkpointer, check_inputs, plan_resume, run_identity, run_inputs
 from nemo_dflash.train.distributed import (
@@ -536,7 +537,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> dict[str, float]:
         """Simulated acceptance length on held-out data, with a fixed anchor seed; with `train.eval_temperature`
-        > 0 also the expected acceptance under speculative sampling there (`core.slot_acceptance`)."""
+        > 0 also the expected acceptance under speculative sampling there (`objective.metrics.slot_acceptance`)."""
         if self.holdout_ds is None:
             return {}
         loader = build_dataloader(

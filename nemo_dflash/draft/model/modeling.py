@@ -4,7 +4,7 @@ The draft predicts a whole block in one non-causal forward. Queries come from th
 tokens only; keys/values are `[ctx ; block]` where `ctx` is the fused target context
 (`hidden_norm(fc(concat(target layers)))`), projected by the SAME k/v projections as the
 block in every layer. The block/anchor structure lives entirely in the attention mask,
-which the trainer module (`nemo_dflash.core`) builds. The draft has no embedding and no
+which the trainer module (`nemo_dflash.objective.trainer_module`) builds. The draft has no embedding and no
 lm_head: both are the frozen target's.
 """
 
@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from nemo_dflash.draft.model.configuration import DFlashConfig, rotary_dim
-from nemo_dflash.compiled import compiled
+from nemo_dflash.engine.compiled import compiled
 
 try:  # flex_attention is optional at import time (needs torch >= 2.5)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

@@ -11,7 +11,7 @@ The contract (what `vllm --speculative-config '{"method": "dflash", ...}'` and S
 
 Reading drafts back (`load_draft`, `resolve_draft_dir`), the contract's names and shapes and the
 draft/target checks live in `nemo_dflash.draft.build`, the one place that makes a draft for a target;
-they are re-exported here so `from nemo_dflash.export import load_draft` keeps working.
+they are re-exported here so `from nemo_dflash.serving.export import load_draft` keeps working.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from nemo_dflash.draft.build import (  # noqa: F401  (re-exported: the names' ol
 )
 from nemo_dflash.draft.model import DFlash2Config, DFlashConfig, DFlashDraftModel
 from nemo_dflash.draft.registry import DRAFT_VARIANTS, draft_kind
-from nemo_dflash.engine_limits import check_engine_limits
+from nemo_dflash.serving.engine_limits import check_engine_limits
 from nemo_dflash.files import apply_umask, write_error_reason
 from nemo_dflash.target import check_target_layer_ids
 
@@ -200,7 +200,7 @@ def export_draft(
     The output holds exactly `config.json` and a bf16 `model.safetensors` whose key set has
     been checked against the contract. Nothing is written on a validation error, and an
     existing non-empty `out_dir` is only replaced with `overwrite=True`. The engines' known limits
-    (`nemo_dflash.engine_limits`) refuse what breaks `engine` (every engine for "any") and warn of the rest.
+    (`nemo_dflash.serving.engine_limits`) refuse what breaks `engine` (every engine for "any") and warn of the rest.
     """
     if not isinstance(draft, DFlashDraftModel):
         draft = load_draft(draft)

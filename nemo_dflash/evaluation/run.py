@@ -3,7 +3,7 @@ directory (a re-run continues from them), the speedup phase alone on the device,
 acceptance phase in one process or several workers, and results.json with its histogram.
 
 The command only parses flags into `RunOptions` and an `EvalProtocol`; the measuring itself
-(conversations, metrics, plots) is `nemo_dflash.inference.evaluate`.
+(conversations, metrics, plots) is `nemo_dflash.evaluation.protocol`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_dflash.device import release_device_memory
-from nemo_dflash.sampling import Sampling, as_sampling
-from nemo_dflash.inference.evaluate import (
+from nemo_dflash.train.device import release_device_memory
+from nemo_dflash.engine.sampling import Sampling, as_sampling
+from nemo_dflash.evaluation.protocol import (
     Answer,
     ConversationDecoder,
     EvalPrompt,
@@ -396,8 +396,8 @@ class EvalRun:
 
     def _replay(self, models: tuple[Any, Any, Any], items: list[tuple[Key, EvalSettings, EvalPrompt]]) -> None:
         """T=0 acceptance of every conversation not yet in the journal, in one batched replay
-        (`inference.replay`); each conversation is journalled as its walk ends."""
-        from nemo_dflash.inference.replay import ReplayEvaluator
+        (`evaluation.replay`); each conversation is journalled as its walk ends."""
+        from nemo_dflash.evaluation.replay import ReplayEvaluator
 
         target, tokenizer, draft = models
         settings = items[0][1]

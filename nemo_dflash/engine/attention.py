@@ -19,7 +19,7 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_dflash.compiled import compiled
+from nemo_dflash.engine.compiled import compiled
 
 KV_BLOCK = 128  # flex's KV block: a decode step reads a row's blocks up to the one holding its furthest query
 

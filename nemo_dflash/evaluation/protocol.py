@@ -27,8 +27,8 @@ from nemo_dflash.data.chat_template import encode_prompt, split_prompt, stop_tok
 from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.data.sources import BadRecordCounter, MalformedRecord, iter_records, normalize_record
 from nemo_dflash.draft.model import DFlashDraftModel
-from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling
+from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
+from nemo_dflash.engine.sampling import Sampling, SamplingParams, as_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class EvalProtocol:
         return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
 
 
-# replay: T=0 acceptance from batched greedy answers (inference.replay); batched: the speculative decoder
+# replay: T=0 acceptance from batched greedy answers (evaluation.replay); batched: the speculative decoder
 # on many conversations at once (engine.batched_static), any temperature
 METHODS = ("sequential", "replay", "batched")
 

@@ -13,7 +13,7 @@ that follow. So instead of decoding one prompt at a time:
 2. one teacher-forced target forward per (prompt + answer) captures the draft's context
    features, as training does (`target.hooks`);
 3. one draft forward per chunk of anchors predicts the draft's greedy block at EVERY answer
-   position (the training forward `core.draft_block_hidden`: context strictly before the anchor);
+   position (the training forward `objective.trainer_module.draft_block_hidden`: context strictly before the anchor);
 4. a walk from the first anchor reads off the steps the sequential decoder takes, with its
    handling of the prefill's first token, stop tokens and the token cap (`spec_decode`).
 
@@ -33,16 +33,18 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from nemo_dflash.core import draft_block_hidden
+from nemo_dflash.objective.trainer_module import draft_block_hidden
 from nemo_dflash.data.chat_template import stop_token_ids
 from nemo_dflash.data.loops import find_loop_start
-from nemo_dflash.device import release_device_memory
+from nemo_dflash.train.device import release_device_memory
 from nemo_dflash.draft.model import DFlashDraftModel
-from nemo_dflash.inference.evaluate import Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat
+from nemo_dflash.evaluation.protocol import (
+    Answer, EvalPrompt, EvalSettings, answer_text, conversation_turns, encode_chat,
+)
 from nemo_dflash.engine.acceptance import greedy_accepted_list
 from nemo_dflash.engine.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel
-from nemo_dflash.sampling import as_sampling
+from nemo_dflash.engine.sampling import as_sampling
 
 logger = logging.getLogger(__name__)
 

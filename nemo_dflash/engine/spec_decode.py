@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicLayer
 from nemo_dflash.draft.model import DFlashContextCache, DFlashDraftModel
 from nemo_dflash.engine import graphs
 from nemo_dflash.engine.acceptance import greedy_accepted
-from nemo_dflash.inference import recurrent_cache
+from nemo_dflash.engine import recurrent_cache
 from nemo_dflash.engine.graphs import check_decode_mode
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, TokenIds, stop_set, sync, truncate
@@ -47,7 +47,9 @@ from nemo_dflash.engine.static_cache import SUPPORTED_ATTN, attn_implementation,
 from nemo_dflash.engine.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
-from nemo_dflash.sampling import Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block
+from nemo_dflash.engine.sampling import (
+    Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block,
+)
 from nemo_dflash.target import HFDFlashTargetModel
 
 logger = logging.getLogger(__name__)

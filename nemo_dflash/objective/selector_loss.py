@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nemo_dflash.sampling import topk_ids
+from nemo_dflash.engine.sampling import topk_ids
 
 SELECTOR_OUTSIDE = ("inject", "skip")
 
@@ -83,7 +83,7 @@ def selector_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Mo
     """The selector term over loss rows: hidden [N, H] (the draft's final states), labels [N] (the true tokens),
     prev [N] (the true token of the slot before; the anchor for the first slot). Chunks of ``chunk_size`` rows,
     each checkpointed under grad: the gathered [n, K, H] lm_head rows never outlive their chunk. ``candidates``
-    [N, K]: the unary top-K when the caller's cross-entropy already formed them (`core.chunked_lm_loss`'s
+    [N, K]: the unary top-K when the caller's cross-entropy already formed them (`cross_entropy.chunked_lm_loss`'s
     ``top_k``), else they are computed here."""
     if outside not in SELECTOR_OUTSIDE:
         raise ValueError(f"loss.selector_outside must be one of {SELECTOR_OUTSIDE}, got {outside!r}")

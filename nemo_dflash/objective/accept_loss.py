@@ -13,7 +13,7 @@ Both have the gradient of a, dz_j a = q_j (m_j - S) with m_j = [q_j < p_j] and S
 draft's logits); `log` divides it by a, so a slot the draft gets badly wrong (a small) still pulls hard,
 where pure TV's gradient vanishes, and every logit's gradient stays within [-1, 1] as with CE. With a
 one-hot p (T -> 0) `log` is exactly the hard CE of the target's token. Rows are formed `chunk_size` at a
-time, the gradient in the forward pass (like `core._FusedLinearCE`): no [rows, vocab] tensor outlives its
+time, the gradient in the forward pass (like `cross_entropy._FusedLinearCE`): no [rows, vocab] tensor outlives its
 chunk, and the target's rows enter as its final hidden states (through the same frozen lm_head) or logits,
 gathered by index per chunk, so no [rows, hidden] copy of the target's states is made either.
 """

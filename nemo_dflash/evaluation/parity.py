@@ -216,14 +216,14 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
                          min_agreement: float = 0.98) -> ParityReport:
     """Compare our decoder (and draft module) with the reference rules on ``prompts`` (token ids).
 
-    ``cfg``: the serving config.json dict (`nemo_dflash.export.serving_config_dict`, or an exported
+    ``cfg``: the serving config.json dict (`nemo_dflash.serving.export.serving_config_dict`, or an exported
     file); ``weights``: the serving weights (default: ``draft``'s, in bf16 as export writes them). Our draft runs with the serving weights (bf16-rounded, in fp32) so only
     arithmetic order differs. Raises `ServingParityError` when drafted tokens agree less than
     ``min_agreement`` or any prompt's output or per-step acceptance differs.
     """
     import copy
 
-    from nemo_dflash.inference.spec_decode import DFlashSpeculativeDecoder
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     cfg = dict(cfg)
     weights = dict(weights if weights is not None else serving_weights(draft))

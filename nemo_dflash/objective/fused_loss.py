@@ -1,13 +1,13 @@
 """Fused linear cross-entropy kernels for the draft's training loss (`loss.impl`).
 
-The chunked path (`core.chunked_lm_loss`) forms every chunk's [rows, vocab] logits in PyTorch; on a
+The chunked path (`objective.cross_entropy.chunked_lm_loss`) forms every chunk's [rows, vocab] logits in PyTorch; on a
 GPU over a 49k-151k vocabulary that loss is a large share of the step. Two Triton packages fuse the
 lm_head matmul with the cross-entropy instead: Apple's cut-cross-entropy (`cce`) and liger-kernel's
 fused linear cross-entropy (`liger`). Both give the per-token hard CE `lse - h . W_y`
 (reduction "none"); that alone serves distillation too, because
 
     lse = ce_y + h . W_y                                  (a gather of the label's lm_head row)
-    soft CE against the target = lse - h . E_t            (E_t: `core.teacher_expected_embedding`)
+    soft CE against the target = lse - h . E_t            (E_t: `objective.cross_entropy.teacher_expected_embedding`)
     (1 - d) * hard + d * soft = ce_y + d * (h . W_y - h . E_t)
 
 so one fused call per step, plus two dot products a row, gives the mixed loss, and gradients reach
@@ -138,7 +138,7 @@ def fused_lm_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss [N] fp32 and argmax [N] of `hidden @ weight.T` against `labels` with the fused kernel
     `impl` (cce | liger), mixed with the soft CE against `teacher_embedding` (the target's expected
-    embeddings per row, [N, H]) at `distill_weight`: what `core.chunked_lm_loss` returns, without
+    embeddings per row, [N, H]) at `distill_weight`: what `objective.cross_entropy.chunked_lm_loss` returns, without
     [rows, vocab] logits in PyTorch. The matmuls run in the autocast dtype when autocast is on (as
     `lm_head(h)` would), else in the weight's dtype. `weight` gets a gradient when it requires one
     (hard CE only: with distillation the head must be frozen, as the target's is in training)."""
