@@ -161,7 +161,7 @@ def pay_cell(row: dict[str, Any], key: str) -> str:
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The markdown tables docs/train.md shows: every measured draft, then one line per target."""
     out = ["| target | draft | training tokens | tau MT-Bench / HumanEval (T=0) | speedup MT-Bench / HumanEval "
-           "(T=0, batch 1) | without loops | measured |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+           "(T=0, batch 1) | without loops | current figure measured |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
 
     def pair(a: Optional[float], b: Optional[float], fmt: str) -> str:
         return "-" if a is None and b is None else " / ".join("-" if v is None else format(v, fmt) for v in (a, b))
