@@ -516,3 +516,51 @@ def test_a_resume_of_the_other_kind_is_refused_before_loading(tmp_path):
     with pytest.raises(ResumeMismatchError, match="holds a dflash2 draft and draft.kind=dflash: set draft.kind=dflash2"):
         check_inputs(tmp_path, {}, "dflash")
     check_inputs(tmp_path, {}, "dflash2")  # the same kind resumes
+
+
+@pytest.mark.parametrize("outside", ["inject", "skip"])
+def test_candidate_logits_from_the_fused_ce_give_the_gathered_heads_gradients(outside):
+    """With the fused cross-entropy the selector's unary scores are its logits (their gradient added in its
+    backward); without it they are gathered from the head's rows in the selector's own checkpointed chunks. Same
+    loss and the same gradient on every draft parameter, the soft-capped scores included."""
+    target = tiny_qwen3()
+    d2 = dflash2_like(make_draft(target), top_k=4)
+    wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
+    ids, attn, lm = random_batch(bsz=2, seq=40)
+    batch = wrapper.generate_batch(ids, attn, lm)
+    anchors, valid = sample_anchors(lm, attn, 4, 6, torch.Generator().manual_seed(5))
+    grads, losses = [], []
+    for fused in (True, False):
+        d2.zero_grad(set_to_none=True)
+        out = _trainer(wrapper, d2, num_anchors=6, selector_outside=outside, fused_ce=fused)(
+            batch, anchors=anchors, valid=valid)
+        out.loss_sum.backward()
+        losses.append(float(out.loss_sum))
+        grads.append({n: p.grad.clone() for n, p in d2.named_parameters() if p.grad is not None})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 4
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_fused_ce_candidate_logits_are_the_logits_and_carry_their_gradient():
+    """`chunked_lm_loss(top_k=...)`: the returned candidate logits equal ``h @ W.T`` at the top-k ids and the label,
+    and a loss on them back-propagates to h as autograd through the plain matmul does (hand reference)."""
+    from nemo_dflash.objective.cross_entropy import chunked_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    h = torch.randn(13, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (13,), generator=g)
+    loss, _, cand, cl = chunked_lm_loss(h, y, head, 4, top_k=3)
+    full = h.detach() @ head.weight.T
+    torch.testing.assert_close(cl, torch.cat([full.gather(1, cand), full.gather(1, y[:, None])], 1))
+    assert torch.equal(cand, full.topk(3, dim=-1).indices)
+    wts = torch.randn(13, 4, generator=g)
+    (loss.sum() + (cl * wts).sum()).backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    logits = h2 @ head.weight.T
+    ref = F.cross_entropy(logits, y, reduction="sum") + (torch.cat(
+        [logits.gather(1, cand), logits.gather(1, y[:, None])], 1) * wts).sum()
+    ref.backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)

@@ -74,9 +74,10 @@ def _ce_chunk(
     te: Optional[torch.Tensor] = None,
     soft_weight: float = 0.0,
     top_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One chunk of `_FusedLinearCE`: per-row loss, argmax, dL/dh = (softmax - target) @ W in fp32, and with
-    `top_k` the ids of each row's top-k logits (a candidate selector's candidates, from the same logits).
+    `top_k` the ids of each row's top-k logits (a candidate selector's candidates, from the same logits) and the
+    logits [n, top_k + 1] of those candidates and of the label.
 
     Hard CE has target = onehot(y). With the teacher's expected embeddings `te`
     (`teacher_expected_embedding`), the soft cross-entropy is mixed in:
@@ -102,13 +103,14 @@ def _ce_chunk(
         hard = 1.0
     pred = logits.argmax(-1)
     cand = topk_ids(logits, top_k) if top_k else None
+    cand_logits = torch.cat([logits.gather(1, cand), logit_y.unsqueeze(1)], dim=1) if top_k else None
     if not need_grad:
-        return loss, pred, None, cand
+        return loss, pred, None, cand, cand_logits
     probs = torch.exp(logits - lse.unsqueeze(1))
     onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == y.unsqueeze(1)
     probs = torch.where(onehot, probs - hard, probs)
     grad = torch.matmul(probs.to(mm_dtype), w_mm).float()
-    return loss, pred, grad - soft_weight * te if te is not None else grad, cand
+    return loss, pred, grad - soft_weight * te if te is not None else grad, cand, cand_logits
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -121,7 +123,9 @@ class _FusedLinearCE(torch.autograd.Function):
     With `teacher` (the target's expected embeddings for the same rows, `teacher_expected_embedding`),
     the soft CE against the target's distribution is mixed in with weight `soft_weight`.
     With `top_k`, the third output holds each row's top-k token ids from the same logits (DFlash2's
-    candidates: no second pass over the vocabulary); else it is [N, 0].
+    candidates: no second pass over the vocabulary) and the fourth the logits [N, top_k + 1] of those candidates
+    and of the label, differentiable: their gradient sum_k g_k W[id_k] is added in backward from the gathered
+    head rows, so the selector's unary scores cost no lm_head pass and no recomputed chunk; else [N, 0] each.
     """
 
     @staticmethod
@@ -131,22 +135,24 @@ class _FusedLinearCE(torch.autograd.Function):
         losses = hidden.new_empty(n, dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         cands = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+        cand_logits = hidden.new_empty(n, top_k + 1 if top_k else 0, dtype=torch.float32)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
         chunk_fn = _compiled_on_cuda(_ce_chunk, hidden.device)
         dev = hidden.device.type
+        mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
         if chunk_fn is not None or teacher is not None:
             run = chunk_fn or _ce_chunk
-            mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
             with torch.autocast(dev, enabled=False):
                 for s in range(0, n, chunk_size):
                     th = teacher[s : s + chunk_size] if teacher is not None else None
-                    loss, pred, g, cand = run(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size], mm_dtype,
-                                              need_grad, th, soft_weight, top_k)
+                    loss, pred, g, cand, cl = run(hidden[s : s + chunk_size], weight, labels[s : s + chunk_size],
+                                                  mm_dtype, need_grad, th, soft_weight, top_k)
                     losses[s : s + chunk_size] = loss
                     preds[s : s + chunk_size] = pred
                     if top_k:
                         cands[s : s + chunk_size] = cand
+                        cand_logits[s : s + chunk_size] = cl
                     if need_grad:
                         grad[s : s + chunk_size] = g
         else:
@@ -158,23 +164,33 @@ class _FusedLinearCE(torch.autograd.Function):
                 losses[s : s + chunk_size] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
                 preds[s : s + chunk_size] = logits.argmax(-1)
                 if top_k:
-                    cands[s : s + chunk_size] = topk_ids(logits, top_k)
+                    cand = topk_ids(logits, top_k)
+                    cands[s : s + chunk_size] = cand
+                    cand_logits[s : s + chunk_size] = torch.cat([logits.gather(1, cand), logits.gather(1, y.unsqueeze(1))], 1)
                 if need_grad:
                     probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                     probs.scatter_add_(1, y.unsqueeze(1), probs.new_full((y.shape[0], 1), -1.0))
                     # bf16 under autocast, like the gradient the checkpointed path feeds back through lm_head
                     grad[s : s + chunk_size] = torch.matmul(probs.to(weight.dtype), weight).float()
-        ctx.save_for_backward(grad)
-        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad, weight, cands, labels)
+        ctx.hidden_dtype, ctx.mm_dtype, ctx.chunk_size = hidden.dtype, mm_dtype, chunk_size
         ctx.mark_non_differentiable(preds, cands)
-        return losses, preds, cands
+        return losses, preds, cands, cand_logits
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor], grad_cands: Optional[torch.Tensor]):
-        (grad,) = ctx.saved_tensors
+    def backward(ctx, grad_loss: torch.Tensor, grad_preds: Optional[torch.Tensor], grad_cands: Optional[torch.Tensor],
+                 grad_cand_logits: Optional[torch.Tensor]):
+        grad, weight, cands, labels = ctx.saved_tensors
         if grad is None:
             return None, None, None, None, None, None, None
-        return (grad * grad_loss.unsqueeze(1)).to(ctx.hidden_dtype), None, None, None, None, None, None
+        out = grad * grad_loss.unsqueeze(1)
+        if grad_cand_logits is not None and cands.shape[1]:
+            ids = torch.cat([cands, labels.unsqueeze(1)], dim=1)
+            w = weight.to(ctx.mm_dtype)
+            for s in range(0, ids.shape[0], ctx.chunk_size):  # d(h . W[id]) / dh = W[id], head rows a chunk at a time
+                g = grad_cand_logits[s : s + ctx.chunk_size].to(w.dtype).unsqueeze(1)
+                out[s : s + ctx.chunk_size] += torch.bmm(g, w[ids[s : s + ctx.chunk_size]]).squeeze(1).float()
+        return out.to(ctx.hidden_dtype), None, None, None, None, None, None
 
 
 def _fusable(lm_head: nn.Module, teacher_logits: Optional[torch.Tensor], distill_weight: float) -> bool:
@@ -206,16 +222,18 @@ def chunked_lm_loss(
     `teacher_expected_embedding`) or `teacher_hidden` (its final hidden states, [N, H], from which
     they are formed here); otherwise each chunk is checkpointed and recomputed in backward
     (distillation then against `teacher_logits` [N, vocab]).
-    With `top_k` > 0 a third value is returned: each row's top-k token ids [N, top_k] when the fused path
-    formed them from its logits, else None (the caller then runs `selector_loss.topk_rows`).
+    With `top_k` > 0 two more values are returned: each row's top-k token ids [N, top_k] and the logits
+    [N, top_k + 1] of those ids and of the label (differentiable) when the fused path formed them from its logits,
+    else None and None (the caller then runs `selector_loss.topk_rows`).
     """
     weight = getattr(lm_head, "weight", None)
     if (isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype
             and not torch.is_autocast_enabled(hidden.device.type)):
         hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target without autocast
 
-    def done(loss: torch.Tensor, pred: torch.Tensor, cand: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        return (loss, pred, cand) if top_k else (loss, pred)
+    def done(loss: torch.Tensor, pred: torch.Tensor, cand: Optional[torch.Tensor] = None,
+             cand_logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+        return (loss, pred, cand, cand_logits) if top_k else (loss, pred)
 
     n = hidden.shape[0]
     if teacher_embedding is not None and distill_weight > 0:

@@ -49,11 +49,17 @@ def _unary_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, mul
 
 
 def _selector_chunk(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Module, cand: torch.Tensor,
-                    labels: torch.Tensor, prev: torch.Tensor, multiplier: float, softcap: float, inject: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: (selector CE per row [n], the pair scores of the true candidates plus the label [n, K + 1])."""
+                    labels: torch.Tensor, prev: torch.Tensor, multiplier: float, softcap: float, inject: bool,
+                    cand_logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (selector CE per row [n], the pair scores of the true candidates plus the label [n, K + 1]).
+    ``cand_logits`` [n, K + 1]: the multiplied unary logits of the candidates and the label, when the caller's
+    cross-entropy formed them (then no lm_head row is gathered here); the soft-cap is applied here."""
     ids = torch.cat([cand, labels.unsqueeze(1)], dim=1)  # the K candidates, then the true token
-    scores = selector.pair_scores(hidden, _unary_at(hidden, weight, ids, multiplier, softcap), ids, prev)
+    if cand_logits is None:
+        u = _unary_at(hidden, weight, ids, multiplier, softcap)
+    else:
+        u = softcap * torch.tanh(cand_logits.float() / softcap) if softcap > 0 else cand_logits.float()
+    scores = selector.pair_scores(hidden, u, ids, prev)
     k = cand.shape[1]
     hit = cand == labels.unsqueeze(1)
     inside = hit.any(dim=1)
@@ -79,12 +85,15 @@ class SelectorTerm:
 
 def selector_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Module, labels: torch.Tensor,
                      prev: torch.Tensor, chunk_size: int, *, multiplier: float = 1.0, softcap: float = 0.0,
-                     outside: str = "inject", candidates: Optional[torch.Tensor] = None) -> SelectorTerm:
+                     outside: str = "inject", candidates: Optional[torch.Tensor] = None,
+                     candidate_logits: Optional[torch.Tensor] = None) -> SelectorTerm:
     """The selector term over loss rows: hidden [N, H] (the draft's final states), labels [N] (the true tokens),
     prev [N] (the true token of the slot before; the anchor for the first slot). Chunks of ``chunk_size`` rows,
     each checkpointed under grad: the gathered [n, K, H] lm_head rows never outlive their chunk. ``candidates``
     [N, K]: the unary top-K when the caller's cross-entropy already formed them (`cross_entropy.chunked_lm_loss`'s
-    ``top_k``), else they are computed here."""
+    ``top_k``), else they are computed here; ``candidate_logits`` [N, K + 1] their multiplied unary logits and the
+    label's (its fourth value, differentiable), else gathered here from the head's rows. Without the head's rows a
+    row costs only its codebook rows, so those chunks are larger (fewer launches)."""
     if outside not in SELECTOR_OUTSIDE:
         raise ValueError(f"loss.selector_outside must be one of {SELECTOR_OUTSIDE}, got {outside!r}")
     cand = candidates if candidates is not None else topk_rows(hidden.detach(), weight, selector.top_k, chunk_size)
@@ -94,9 +103,12 @@ def selector_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Mo
         def run(*args):  # noqa: E306  (checkpointed: recomputed in backward)
             return checkpoint(_selector_chunk, *args, use_reentrant=False)
     losses, scores = [], []
+    if candidate_logits is not None:  # [n, K + 1, rank] codebook rows a chunk: about 2^27 of them at a time
+        chunk_size = max(chunk_size, (1 << 27) // ((selector.top_k + 1) * selector.hidden_projection.out_features))
     for s in range(0, hidden.shape[0], chunk_size):
         sl = slice(s, s + chunk_size)
-        loss, sc = run(hidden[sl], weight, selector, cand[sl], labels[sl], prev[sl], multiplier, softcap, inject)
+        cl = candidate_logits[sl] if candidate_logits is not None else None
+        loss, sc = run(hidden[sl], weight, selector, cand[sl], labels[sl], prev[sl], multiplier, softcap, inject, cl)
         losses.append(loss)
         scores.append(sc.detach())
     k = selector.top_k

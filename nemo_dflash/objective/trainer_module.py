@@ -272,14 +272,15 @@ class DFlashTrainerModule(nn.Module):
         h_ce = h_sel if self.output_multiplier == 1.0 else h_sel * self.output_multiplier
         kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
         selector = self.draft.candidate_selector if getattr(self.draft, "has_selector", False) else None
-        candidates = None  # the selector's top-K unary candidates, from the CE's own logits where it forms them
+        # the selector's top-K unary candidates and their logits, from the CE's own logits where it forms them
+        candidates = candidate_logits = None
         if kernel is not None:
             tok_loss, pred = fused_lm_loss(
                 kernel, h_ce, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
                 compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
             )
         elif selector is not None:
-            tok_loss, pred, candidates = chunked_lm_loss(
+            tok_loss, pred, candidates, candidate_logits = chunked_lm_loss(
                 h_ce, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
                 teacher_hidden=teacher_h, teacher_embedding=teacher_e, top_k=selector.top_k,
             )
@@ -305,7 +306,7 @@ class DFlashTrainerModule(nn.Module):
                 h_sel, self.lm_head.weight, selector, plan.labels,
                 _rows_at(input_ids.unsqueeze(-1), _predecessor_positions(anchors, blk, seq, sel), sel).squeeze(-1),
                 self.ce_chunk_size, multiplier=self.output_multiplier, outside=self.selector_outside,
-                candidates=candidates,
+                candidates=candidates, candidate_logits=candidate_logits,
             )
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()

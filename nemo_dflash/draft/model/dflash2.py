@@ -139,8 +139,9 @@ class BlockConv(nn.Module):
         out = None
         for t in range(self.kernel_size):
             shifted = xb if t == 0 else F.pad(xb[:, :, : block - t], (0, 0, t, 0))  # z[i - t], 0 before the block
-            kernel = self.base_kernel[side, t].to(x.dtype) + d[..., t, :].repeat_interleave(self.group_size, dim=-1)
-            term = kernel * shifted
+            # (base + d per group) * z, the group offsets broadcast over their channels (no [.., H] kernel formed)
+            grouped = (d[..., t, :].unsqueeze(-1) * shifted.view(*shifted.shape[:-1], self.groups, self.group_size))
+            term = self.base_kernel[side, t].to(x.dtype) * shifted + grouped.view_as(shifted)
             out = term if out is None else out + term
         return out.view(b, q, h)
 
