@@ -105,7 +105,10 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
     return random_weight_model(cfg, device, dtype, seed=0).eval().requires_grad_(False)
 
 
-def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str]):
+def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str],
+                kind: str = "dflash"):
+    """A random draft of `kind` (dflash | dflash2: what a decoding step costs with each), or the export at
+    `draft_dir`."""
     from nemo_dflash.draft.build import build_draft_for_target
 
     device = next(target.parameters()).device
@@ -117,7 +120,8 @@ def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.d
         return draft.eval()
     mask_id = target.config.vocab_size - 1
     with torch.device(device):  # initialised where it runs (a 1B-parameter draft for the 8B shape)
-        draft = build_draft_for_target(target, None, num_layers=layers, block_size=block, mask_token_id=mask_id)
+        draft = build_draft_for_target(target, None, num_layers=layers, block_size=block, mask_token_id=mask_id,
+                                       kind=kind)
     return draft.to(dtype=dtype).eval()
 
 
@@ -364,7 +368,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     target = build_target(shape, device, dtype)
-    draft = build_draft(target, args.draft_layers, args.block_size, dtype, args.draft)
+    draft = build_draft(target, args.draft_layers, args.block_size, dtype, args.draft, args.draft_kind)
     dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
     print(f"[{shape}] built in {time.perf_counter() - t0:.1f}s; draft {len(draft.layers)} layers, "
           f"block {dec.block_size}", flush=True)
@@ -400,7 +404,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                     "device": dev_name, "shape": shape, "mode": v.mode, "variant": v.label, "dtype": "bf16", "date": time.strftime("%Y-%m-%d"),
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
-                    "draft_layers": len(draft.layers), "draft": args.draft or "random",
+                    "draft_layers": len(draft.layers), "draft": args.draft or "random", "draft_kind": getattr(draft.config, "architectures", ["?"])[0],
                     "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
                     "verify_ms": parts.get("verify_ms"), "draft_ms": parts.get("draft_ms"),
                     "plain_step_alone_ms": parts.get("plain_step_ms"),
@@ -563,6 +567,8 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--draft-kind", default="dflash", choices=("dflash", "dflash2"),
+                   help="the random draft's variant (dflash2: the convolutions and the selector's walk in each step)")
     p.add_argument("--draft", default=None, help="an exported draft (its architecture on the random shapes; "
                                                  "with --target, real tau and speedup)")
     p.add_argument("--target", default=None, help="a real target for --draft (HF dir or pkg:smollm2)")

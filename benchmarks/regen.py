@@ -82,6 +82,21 @@ Prints a table; --json writes the rows.
 """
 
 
+def qwen3_0_6b_shape(device: str, dtype: torch.dtype):
+    """Random weights of Qwen3-0.6B's shape: a 151,936-token vocabulary (the large-vocabulary case) on 28 layers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                      tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+RANDOM_SHAPES = ("qwen3_0.6b", "smollm2")  # --random-shape choices
+
+
 def smollm2_shape(device: str, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +112,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         lens = torch.randint(16, min(400, args.max_prompt_tokens) + 1, (args.num_prompts,), generator=g)
-        return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lens]
+        vocab = 151643 if getattr(args, "random_shape", None) == "qwen3_0.6b" else 49152
+        return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lens]
     from nemo_dflash.data import SHAREGPT_FILE, read_conversations
     from nemo_dflash.target.loading import package_file
     from nemo_dflash.data.regenerate import prompt_problem, special_token_strings, split_prompt
@@ -379,7 +395,8 @@ def _sync() -> None:
 def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="regen.py throughput", description=DOC_THROUGHPUT, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="pkg:smollm2, a .gguf or an HF dir (real weights, real stops)")
-    p.add_argument("--random-shape", choices=("smollm2",), default=None, help="random weights instead of --target")
+    p.add_argument("--random-shape", choices=RANDOM_SHAPES, default=None,
+                   help="random weights instead of --target (qwen3_0.6b: a 151,936-token vocabulary)")
     p.add_argument("--prompts", default="sharegpt", help="sharegpt or a chat file (with --target)")
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="first: first user turns as independent prompts; all: whole conversations, every turn "
@@ -431,7 +448,10 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
             p.error("--modes openai needs one of --endpoint URL and --llama-server BIN")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if args.random_shape:
+    if args.random_shape == "qwen3_0.6b":
+        model, tokenizer = qwen3_0_6b_shape(device, dtype), None
+        stop_ids, pad_id = [151645], 151643
+    elif args.random_shape:
         model, tokenizer = smollm2_shape(device, dtype), None
         stop_ids, pad_id = [2], 2
     else:
