@@ -196,8 +196,10 @@ class CandidateSelector(nn.Module):
         """s(a -> b) = u(b) + <A[a] * (P h), B[b]> for each row's candidates b: hidden [..., H], candidate_logits
         and candidate_ids [..., K], predecessors [...] (the token chosen, or true, at the slot before)."""
         ph = self.hidden_projection(hidden)
-        ctx = self.predecessor_codebook[predecessors].to(ph.dtype) * ph  # [..., r]
-        succ = self.successor_codebook[candidate_ids].to(ph.dtype)  # [..., K, r]
+        # F.embedding, not indexing: its backward reduces the rows' gradients by token (indexing's accumulates
+        # through a generic scatter, several times slower on GPUs for millions of rows)
+        ctx = F.embedding(predecessors, self.predecessor_codebook).to(ph.dtype) * ph  # [..., r]
+        succ = F.embedding(candidate_ids, self.successor_codebook).to(ph.dtype)  # [..., K, r]
         return candidate_logits.float() + (succ @ ctx.unsqueeze(-1)).squeeze(-1).float()
 
     def lattice(self, hidden: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
