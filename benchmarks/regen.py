@@ -91,7 +91,7 @@ def qwen3_0_6b_shape(device: str, dtype: torch.dtype):
                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # frozen, as load_target's (the engine's compiled steps need it)
 
 
 RANDOM_SHAPES = ("qwen3_0.6b", "smollm2")  # --random-shape choices
@@ -105,7 +105,7 @@ def smollm2_shape(device: str, dtype: torch.dtype):
                       rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # frozen, as load_target's (the engine's compiled steps need it)
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
