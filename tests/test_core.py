@@ -413,8 +413,8 @@ def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
         loss_loop, pred_loop = chunked_lm_loss(hidden, labels, head, 16, fused=True)
     loss_loop.sum().backward()
     mm = torch.bfloat16 if autocast else torch.float32
-    loss_c, pred_c, grad_c, no_cand = _ce_chunk(hidden.detach(), head.weight, labels, mm, True)
-    assert no_cand is None
+    loss_c, pred_c, grad_c, no_cand, no_cand_logits = _ce_chunk(hidden.detach(), head.weight, labels, mm, True)
+    assert no_cand is None and no_cand_logits is None
     torch.testing.assert_close(loss_c, loss_loop.detach(), rtol=1e-6, atol=1e-6)
     assert torch.equal(pred_c, pred_loop)
     torch.testing.assert_close(grad_c, hidden.grad, rtol=1e-6, atol=1e-6)
@@ -424,7 +424,7 @@ def test_compiled_loss_chunk_function_matches_the_eager_loop(autocast):
         ref.sum().backward()
         torch.testing.assert_close(loss_c.double(), ref.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad_c.double(), h64.grad, rtol=1e-4, atol=1e-5)
-    _, _, no_grad, _ = _ce_chunk(hidden.detach(), head.weight, labels, mm, False)
+    _, _, no_grad, _, _ = _ce_chunk(hidden.detach(), head.weight, labels, mm, False)
     assert no_grad is None
 
 
