@@ -49,7 +49,7 @@ from nemo_dflash.evaluation.protocol import encode_chat, load_prompt_set  # noqa
 from nemo_dflash.evaluation.replay import DRAFT_ATTENTION  # noqa: E402
 from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
-from nemo_dflash.engine.sampling import SamplingParams, as_sampling  # noqa: E402
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
 from nemo_dflash.train.metrics import read_metrics  # noqa: E402
@@ -1247,9 +1247,9 @@ def recorded_verify(records: list[dict[str, float]]):
 
     original = spec_decode.verify_block
 
-    def verify(draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
-        n_acc, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
-        s = as_sampling(temperature)
+    def verify(draft_tokens, target_logits, sampling=GREEDY, draft_probs=None, generator=None):
+        n_acc, nxt = original(draft_tokens, target_logits, sampling, draft_probs, generator)
+        s = sampling
         if not s.greedy and draft_tokens.shape[0]:
             p, q = s.probs(target_logits).float(), draft_probs.float()
             idx = draft_tokens.unsqueeze(-1)
@@ -1274,7 +1274,7 @@ def decoder_acceptance(target, draft, prompts: list[list[int]], sampling: Sampli
     g = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
     with recorded_verify([]) as rec:
         for ids in prompts:
-            speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, temperature=sampling, generator=g)
+            speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
     n = len(rec)
     mean = {k: sum(r[k] for r in rec) / n for k in rec[0]} if n else {}
     var = sum((r["kept"] - mean["kept"]) ** 2 for r in rec) / max(n - 1, 1) if n else 0.0

@@ -240,7 +240,7 @@ def run_server(tokenizer, convs, spare, args, stop_ids) -> dict:
             stats = RegenStats()
             t0 = time.perf_counter()
             for _ in regenerate_on_server(
-                server, tokenizer, sample, max_new_tokens=max_new, temperature=args.temperature, top_p=args.top_p,
+                server, tokenizer, sample, max_new_tokens=max_new, sampling=sampling_of(args),
                 batch_size=args.batch_size, turns="all", seed=0, max_prompt_tokens=args.max_prompt_tokens,
                 loops="cut" if args.stop_loops else "keep", after_cut=args.after_cut, stats=stats,
                 prepare_ahead=args.prepare_ahead, schedule=args.schedule,

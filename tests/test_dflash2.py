@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from _spec_fixtures import second_token_case, single_thread, three_token_law  # noqa: F401  (fixture)
 from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
 
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash import HFDFlashTargetModel
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.metrics import LossSums
@@ -341,7 +342,7 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
 
     def law_tv() -> float:
         dec = DFlashSpeculativeDecoder(target, d2)
-        outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+        outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                    use_graphs=False, generator=torch.Generator().manual_seed(2))
         assert any(o.acceptance_lengths[0] >= 2 for o in outs)
         codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
@@ -376,7 +377,7 @@ def test_dflash2_eager_t1_second_token_marginal(proposals):
     counts = torch.zeros(8)
     s = SamplingParams(1.0, draft=proposals)
     for _ in range(800):
-        counts[dec.generate(ids, max_new_tokens=2, temperature=s, generator=g).output_ids[1]] += 1
+        counts[dec.generate(ids, max_new_tokens=2, sampling=s, generator=g).output_ids[1]] += 1
     assert (counts / 800 - p2).abs().max() < 0.06
 
 
@@ -450,7 +451,7 @@ def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
     assert [r.output_ids for r in rows] == [e.output_ids for e in eager]
     assert [r.acceptance_lengths for r in rows] == [e.acceptance_lengths for e in eager]
     n = 6000
-    outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+    outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                rows=500, use_graphs=True,
                                                generator=torch.Generator(device=dev).manual_seed(3))
     codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])

@@ -14,7 +14,7 @@ import torch
 from _spec_fixtures import make_draft, single_thread, tiny_qwen3  # noqa: F401  (single_thread: autouse)
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
-from nemo_dflash.engine.sampling import SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.target import HFDFlashTargetModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,7 +138,7 @@ def test_accept_records_what_the_decoder_kept_and_what_its_accept_test_expected(
     assert broken["kept_per_step"] - broken["expected_per_step"] > 4 * broken["kept_per_step_stderr"]
 
 
-def _keep_all(original, draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
+def _keep_all(original, draft_tokens, target_logits, sampling=GREEDY, draft_probs=None, generator=None):
     """A broken accept test: keeps the whole block whatever p says (the next token as the real one picks it)."""
-    _, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
+    _, nxt = original(draft_tokens, target_logits, sampling, draft_probs, generator)
     return draft_tokens.shape[0], nxt

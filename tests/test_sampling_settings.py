@@ -125,7 +125,7 @@ def test_batched_decoder_keeps_the_filtered_target_distribution(draft_mode):
     assert (want - unfiltered).abs().max() > 0.05  # the filter matters here
     decoder = DFlashSpeculativeDecoder(target, draft)
     n, tol = 8000, 0.02
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=s,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, sampling=s,
                                                use_graphs=False, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
     assert (counts / n - want).abs().max() < tol
@@ -143,9 +143,9 @@ def test_one_prompt_decoders_keep_the_filtered_target_distribution(decode):
     n, counts = 700, torch.zeros(8)
     for _ in range(n):
         if decode == "eager":
-            out = decoder.generate(ids, max_new_tokens=2, temperature=s, generator=g)
+            out = decoder.generate(ids, max_new_tokens=2, sampling=s, generator=g)
         else:
-            out = batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=2, temperature=s,
+            out = batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=2, sampling=s,
                                                       rows=1, use_graphs=False, generator=g)[0]
         counts[out.output_ids[1]] += 1
     assert (counts / n - want).abs().max() < 0.065
