@@ -444,8 +444,7 @@ BENCHMARK_IMPORTERS = {
     "test_regenerate.py",  # regen.py first-turns
     "test_regenerate_sources.py",  # regen.py's scaling rows
     "test_sampling_levers.py",  # drafter.py levers
-    "test_sizing.py",  # sizing.py's table
-    "test_smollm2_summaries.py",  # drafter.py summaries' epoch gaps
+
 }
 
 
