@@ -441,7 +441,6 @@ BENCHMARK_IMPORTERS = {
     "test_bench_files.py",  # benchmarks/_common.py's rows, train_throughput.py's batches
     "test_data_summary_row.py",  # regen.py's summary row and throughput modes
     "test_eval_replay.py",  # eval_speed.py and decode.py end to end
-    "test_regenerate.py",  # regen.py first-turns
     "test_regenerate_sources.py",  # regen.py's scaling rows
     "test_sampling_levers.py",  # drafter.py levers
 
