@@ -125,7 +125,7 @@ def recorded_verify(records: list[dict[str, float]]) -> Iterator[list[dict[str, 
             p, q = s.probs(target_logits).float(), draft_probs.float()
             idx = draft_tokens.unsqueeze(-1)
             ratio = (p[:-1].gather(-1, idx) / q.gather(-1, idx)).squeeze(-1).clamp(max=1.0)
-            records.append({"kept": n_acc + 1, "expected": float(1 + ratio.cumprod(0).sum()),
+            records.append({"kept": n_acc + 1, "expected": float(expected_block_length(ratio)),
                             "slot1_accepted": float(n_acc >= 1),
                             "slot1_overlap": float(torch.minimum(p[0], q[0]).sum()),
                             "slot1_entropy": float(-(p[0] * p[0].clamp(min=1e-30).log()).sum())})
