@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
 from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions  # noqa: E402
+from nemo_dflash.engine.sampling import GREEDY  # noqa: E402
 from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
@@ -192,8 +193,8 @@ def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: in
     """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone at
     the prompt's position, and at each of `positions` that the caches hold (`by_position`)."""
     device = dec.device
-    runner = batched_static.spec_runner(dec, 0.0, 1, 0, True, options)  # the runners the generations made (one row)
-    plain = batched_static.plain_runner(target, 0.0, 1, 0, True, options)
+    runner = batched_static.spec_runner(dec, GREEDY, 1, 0, True, options)  # the runners the generations made (one row)
+    plain = batched_static.plain_runner(target, GREEDY, 1, 0, True, options)
 
     def at(pos: int) -> dict[str, Any]:
         view = runner.verify_steps.view(pos + runner.B)
@@ -241,7 +242,7 @@ def oracle_spec(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reference: lis
     full = torch.tensor(ids[0].tolist() + reference + [0] * (blk + 1), device=device)
     if mode == "graphs":
         dec.generate(ids, max_new_tokens=2, decode="graphs")  # build the runner, then hook it
-        runner = batched_static.spec_runner(dec, 0.0, 1, 0, True)
+        runner = batched_static.spec_runner(dec, GREEDY, 1, 0, True)
         offsets = torch.arange(1, blk, device=device)
         runner.after_draft = lambda: runner.blk[0, 1:].copy_(full[runner.pos[0] + offsets])
         try:
@@ -335,8 +336,8 @@ class Variant:
         torch.cuda.empty_cache() if on_cuda else None
         reserved = torch.cuda.memory_reserved(self.dec.device) if on_cuda else 0
         t0 = time.perf_counter()
-        batched_static.spec_runner(self.dec, 0.0, 1, cache_len, True, self.options)
-        batched_static.plain_runner(self.target, 0.0, 1, cache_len, True, self.options)
+        batched_static.spec_runner(self.dec, GREEDY, 1, cache_len, True, self.options)
+        batched_static.plain_runner(self.target, GREEDY, 1, cache_len, True, self.options)
         sync(self.dec.device)
         took = time.perf_counter() - t0
         return took, ((torch.cuda.memory_reserved(self.dec.device) - reserved) / 2**30 if on_cuda else 0.0)
@@ -793,7 +794,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nemo_dflash.engine.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=sampling, stop_token_ids=stops)
+    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_token_ids=stops)
     decode = args.decode or ("graphs" if device == "cuda" else "eager")
     from nemo_dflash.engine.options import EngineOptions
 

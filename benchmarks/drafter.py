@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import copy
 import gzip
 import hashlib
@@ -43,16 +42,16 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from _common import append_rows, fold_rows, provenance, read_rows, upsert_rows, write_qwen3_8b_config  # noqa: E402
-from nemo_dflash.objective.trainer_module import draft_block_hidden  # noqa: E402
-from nemo_dflash.engine.acceptance import expected_block_length  # noqa: E402
 from nemo_dflash.evaluation.protocol import encode_chat, load_prompt_set  # noqa: E402
-from nemo_dflash.evaluation.replay import DRAFT_ATTENTION  # noqa: E402
+from nemo_dflash.evaluation.ceiling import (  # noqa: E402
+    CEILINGS, DRAFT_FIGURES, PER_SLOT, anchor_figures, decoder_acceptance, draft_block_logits,
+)
 from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
-from nemo_dflash.engine.sampling import SamplingParams, as_sampling  # noqa: E402
+from nemo_dflash.engine.sampling import SamplingParams  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
-from nemo_dflash.train.metrics import read_metrics  # noqa: E402
+from nemo_dflash.train.metrics import epoch_gaps as heldout_gaps, read_metrics  # noqa: E402
 
 
 # ====================================================================================================
@@ -199,41 +198,9 @@ def _metrics(out: Path) -> Optional[list[dict[str, Any]]]:
 
 
 def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
-    """Held-out loss against training loss at each epoch's end, from RUN/run/metrics.jsonl: the training loss
-    is the mean of the steps logged in the epoch's last `tail` fraction, the held-out loss the evaluation
-    nearest the epoch's end (and the run's end, for a last partial epoch). The epoch length is the run's
-    summary's `steps_per_epoch`; for runs whose summary predates it, the train split's tokens over the tokens a
-    step (`estimated`: the train split's share of the tokens taken as its share of the samples)."""
-    summary = _train_summary(out) or {}
+    """`train.metrics.epoch_gaps` of the run in `out` (RUN/run/metrics.jsonl and its summary)."""
     rows = _metrics(out)
-    if rows is None or not summary.get("steps"):
-        return None
-    train = [r for r in rows if "loss" in r and "eval_loss" not in r]
-    evals = [r for r in rows if "eval_loss" in r]
-    steps = summary["steps"]
-    spe, estimated = summary.get("steps_per_epoch"), False
-    if not spe:
-        data = summary.get("data") or {}
-        if not data.get("samples") or not summary.get("tokens_seen"):
-            return None
-        train_tokens = data["tokens"] * data["train_samples"] / data["samples"]
-        spe, estimated = train_tokens / (summary["tokens_seen"] / steps), True
-    if not train or not evals or not spe:
-        return None
-    ends = [e * spe for e in range(1, int(steps // spe) + 1)]
-    if not ends or steps - ends[-1] > tail * spe:
-        ends.append(float(steps))
-    points = []
-    for end in ends:
-        window = [r["loss"] for r in train if end - tail * spe < r["step"] <= end]
-        near = min(evals, key=lambda r: abs(r["step"] - end))
-        if not window or abs(near["step"] - end) > tail * spe:
-            continue
-        mean = sum(window) / len(window)
-        points.append({"epoch": round(end / spe, 2), "step": round(end), "train_loss": round(mean, 4),
-                       "train_loss_steps": len(window), "eval_step": near["step"], "eval_loss": round(near["eval_loss"], 4),
-                       "gap": round(near["eval_loss"] - mean, 4)})
-    return {"steps_per_epoch": round(spe, 1), "estimated": estimated, "points": points}
+    return None if rows is None else heldout_gaps(rows, _train_summary(out) or {}, tail)
 
 
 def _loss_and_data(out: Path) -> dict[str, Any]:
@@ -940,86 +907,6 @@ Prints tables; not a test. Minutes on a CPU for 40 answers.
 
 
 log = logging.getLogger("t1_ceiling")
-CEILINGS = ("greedy", "marginal", "marginal_argmax")  # JSON keys ceiling_<name>
-DRAFT_FIGURES = ("draft_sampled", "draft_argmax", "slot1_overlap")
-PER_SLOT = ("marginal_slot_accept", "draft_slot_accept", "draft_argmax_slot_accept", "marginal_overlap")
-
-
-def repeated(cache, n: int):
-    c = copy.deepcopy(cache)
-    c.batch_repeat_interleave(n)
-    return c
-
-
-def draft_block_logits(target: HFDFlashTargetModel, draft, seq: torch.Tensor, feats: torch.Tensor,
-                       anchors: list[int], block: int) -> torch.Tensor:
-    """[A, block - 1, V] fp32: the draft's logits at slots 1.. of its block at each anchor position of `seq` [1, S],
-    from one forward as training and replay run it (`feats` [1, S, n*H]: the target's features, seen strictly
-    before each anchor)."""
-    end = max(anchors) + 1
-    ids, a = seq[:, :end], torch.tensor([anchors], device=seq.device)
-    hidden = draft_block_hidden(draft, target.get_input_embeddings(), ids, feats[:, :end], torch.ones_like(ids), a,
-                                torch.ones_like(a, dtype=torch.bool), block, int(draft.mask_token_id),
-                                backend=DRAFT_ATTENTION.get(seq.device.type, "sdpa"))
-    head = target.get_output_embeddings()
-    return head(hidden.view(len(anchors), block, -1)[:, 1:].to(head.weight.dtype)).float()
-
-
-@torch.inference_mode()
-def anchor_figures(model, cache, anchor_tok: int, pos: int, k: int, s: SamplingParams, rollouts: int, sims: int,
-                   g: torch.Generator, draft_logits: Optional[torch.Tensor] = None,
-                   g_draft: Optional[torch.Generator] = None) -> dict[str, Any]:
-    """The three ceilings at one anchor: `cache` holds the context before the anchor token (at `pos`); with
-    `draft_logits` [k, V] (the real draft's block there), the draft's figures too. Per-slot figures are lists."""
-    dev = next(model.parameters()).device
-    anchor = torch.tensor([[anchor_tok]], device=dev)
-
-    def step(c, toks: torch.Tensor, at: int) -> torch.Tensor:  # [N, L] tokens from position `at` -> [N, L, V]
-        ids = torch.arange(at, at + toks.shape[1], device=dev).expand(toks.shape[0], -1)
-        return model(input_ids=toks, past_key_values=c, use_cache=True, position_ids=ids).logits.float()
-
-    def sampled(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """[S, K] accept probs of a draft sampling slot k from q[k] on its own, verified against p along its proposals."""
-        x = torch.stack([torch.multinomial(q[i], sims, replacement=True, generator=gen) for i in range(k)], 1)
-        p = s.probs(step(repeated(cache, sims), torch.cat([anchor.expand(sims, 1), x[:, :-1]], 1), pos))  # row k judges slot k + 1
-        return (p.gather(-1, x.unsqueeze(-1)).squeeze(-1) / q.gather(-1, x.T).T).clamp(max=1.0)
-
-    def argmax_accept(q: torch.Tensor) -> torch.Tensor:
-        """[K] p of each proposal of a draft proposing the argmax of each q[k]."""
-        xa = q.argmax(-1).view(1, -1)
-        pa = s.probs(step(copy.deepcopy(cache), torch.cat([anchor, xa[:, :-1]], 1), pos))
-        return pa.gather(-1, xa.unsqueeze(-1)).squeeze(-1)[0]
-
-    # perfect greedy draft: the target's own greedy continuation, each kept with p of it
-    c, tok, acc = copy.deepcopy(cache), anchor, []
-    for i in range(k):
-        logits = step(c, tok, pos + i)[:, -1]
-        probs = s.probs(logits)
-        if i == 0:
-            p1 = probs[0]  # the target's next-token distribution after the anchor
-        tok = logits.argmax(-1, keepdim=True)
-        acc.append(probs.gather(-1, tok))
-    greedy = float(expected_block_length(torch.cat(acc, -1))[0])
-    # the marginals q_k: p at slot k averaged over the target's own sampled continuations
-    c, tok, q = repeated(cache, rollouts), anchor.expand(rollouts, 1), []
-    for i in range(k):
-        p = s.probs(step(c, tok, pos + i)[:, -1])
-        q.append(p.mean(0))
-        tok = torch.multinomial(p, 1, generator=g)
-    q = torch.stack(q)  # [K, V]
-    ratio = sampled(q, g)
-    out: dict[str, Any] = {"greedy": greedy, "marginal": float(expected_block_length(ratio).mean()),
-                           "marginal_argmax": float(expected_block_length(argmax_accept(q))),
-                           "marginal_slot_accept": ratio.mean(0).tolist()}
-    if draft_logits is not None:
-        qd = s.probs(draft_logits)
-        ratio_d, acc_d = sampled(qd, g_draft if g_draft is not None else g), argmax_accept(qd)
-        out.update(draft_sampled=float(expected_block_length(ratio_d).mean()),
-                   draft_argmax=float(expected_block_length(acc_d)),
-                   slot1_overlap=float(torch.minimum(p1, qd[0]).sum()),
-                   draft_slot_accept=ratio_d.mean(0).tolist(), draft_argmax_slot_accept=acc_d.tolist(),
-                   marginal_overlap=torch.minimum(q, qd).sum(-1).tolist())
-    return out
 
 
 def main_ceiling(argv: Optional[Sequence[str]] = None) -> None:
@@ -1239,48 +1126,6 @@ drafts from are.
 
 accept_log = logging.getLogger("accept")
 
-
-@contextlib.contextmanager
-def recorded_verify(records: list[dict[str, float]]):
-    """Every `verify_block` call of the reference decoder, with the figures of its accept test appended to `records`."""
-    import nemo_dflash.engine.spec_decode as spec_decode
-
-    original = spec_decode.verify_block
-
-    def verify(draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
-        n_acc, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
-        s = as_sampling(temperature)
-        if not s.greedy and draft_tokens.shape[0]:
-            p, q = s.probs(target_logits).float(), draft_probs.float()
-            idx = draft_tokens.unsqueeze(-1)
-            ratio = (p[:-1].gather(-1, idx) / q.gather(-1, idx)).squeeze(-1).clamp(max=1.0)
-            records.append({"kept": n_acc + 1, "expected": float(1 + ratio.cumprod(0).sum()),
-                            "slot1_accepted": float(n_acc >= 1), "slot1_overlap": float(torch.minimum(p[0], q[0]).sum()),
-                            "slot1_entropy": float(-(p[0] * p[0].clamp(min=1e-30).log()).sum())})
-        return n_acc, nxt
-
-    spec_decode.verify_block = verify
-    try:
-        yield records
-    finally:
-        spec_decode.verify_block = original
-
-
-def decoder_acceptance(target, draft, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int,
-                       seed: int = 0) -> dict[str, Any]:
-    """Means over every step of the reference decoder on `prompts`: kept tokens, their expectation, slot 1's figures."""
-    from nemo_dflash.engine.spec_decode import speculative_generate
-
-    g = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
-    with recorded_verify([]) as rec:
-        for ids in prompts:
-            speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, temperature=sampling, generator=g)
-    n = len(rec)
-    mean = {k: sum(r[k] for r in rec) / n for k in rec[0]} if n else {}
-    var = sum((r["kept"] - mean["kept"]) ** 2 for r in rec) / max(n - 1, 1) if n else 0.0
-    return {"steps": n, "kept_per_step": mean.get("kept"), "kept_per_step_stderr": (var / n) ** 0.5 if n else None,
-            "expected_per_step": mean.get("expected"), "slot1_accept_rate": mean.get("slot1_accepted"),
-            "slot1_overlap": mean.get("slot1_overlap"), "slot1_target_entropy": mean.get("slot1_entropy")}
 
 
 def main_accept(argv: Optional[Sequence[str]] = None) -> None:

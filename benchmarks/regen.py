@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from _common import (  # noqa: E402
     REPO, add_engine_attention_flags, append_rows, engine_attention_options, git_commit, provenance,
 )
-from nemo_dflash.data import SHAREGPT_FILE, read_conversations  # noqa: E402
-from nemo_dflash.data.chat_template import split_prompt  # noqa: E402
+from nemo_dflash.data import SHAREGPT_FILE  # noqa: E402
+from nemo_dflash.data.chat_template import write_first_turns  # noqa: E402
 from nemo_dflash.target.loading import package_file  # noqa: E402
 
 
@@ -256,7 +256,7 @@ def run_server(tokenizer, convs, spare, args, stop_ids) -> dict:
             stats = RegenStats()
             t0 = time.perf_counter()
             for _ in regenerate_on_server(
-                server, tokenizer, sample, max_new_tokens=max_new, temperature=args.temperature, top_p=args.top_p,
+                server, tokenizer, sample, max_new_tokens=max_new, sampling=sampling_of(args),
                 batch_size=args.batch_size, turns="all", seed=0, max_prompt_tokens=args.max_prompt_tokens,
                 loops="cut" if args.stop_loops else "keep", after_cut=args.after_cut, stats=stats,
                 prepare_ahead=args.prepare_ahead, schedule=args.schedule,
@@ -820,23 +820,6 @@ gives it exactly the same pool, shuffle and selection as `--data sharegpt`: it i
 ShareGPT prompts travel to a GPU machine that cannot install the wheel
 (tests/test_regenerate.py checks the equivalence).
 """
-
-
-def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
-    """One line per conversation of `src` (same order, so the same seeded shuffle): its system
-    prompt and its first (or every) user turn, each followed by a placeholder answer.
-    Conversations with no user turn are kept whole so that the pool, and therefore the shuffle,
-    does not change."""
-    n = 0
-    with open(dst, "w", encoding="utf-8") as f:
-        for conv in read_conversations(src):
-            system, users = split_prompt(conv.messages, turns)
-            msgs = conv.messages if not users else system + [
-                m for u in users for m in ({"role": "user", "content": u},
-                                           {"role": "assistant", "content": "(regenerated)"})]
-            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
-            n += 1
-    return n
 
 
 def main_first_turns(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,5 +1,5 @@
-"""Tiny random-weight targets, drafts and a saved tiny target dir for the inference, export
-and evaluation tests (kept apart from the shared conftest)."""
+"""Helpers of the inference, export and evaluation tests: a saved tiny target dir, HF's greedy reference, exact
+sampling laws, trained-like decoders, engine sabotage. The targets and drafts come from tests/_tiny_models.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ from typing import Optional
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+from nemo_dflash.draft.model import DFlashDraftModel
 
-VOCAB = 256
-MASK_ID = VOCAB - 1
-QWEN3_MASK_ID = 151669  # a spare row of the real Qwen3 vocabulary (151936 rows)
+# the one set of builders: re-exported, so `from _spec_fixtures import tiny_qwen3, make_draft` keeps working
+from _tiny_models import MASK_ID, QWEN3_MASK_ID, VOCAB, make_draft, tiny_llama, tiny_qwen3  # noqa: F401
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,43 +25,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_qwen3(num_layers: int = 4, vocab: int = VOCAB, hidden: int = 64, seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(cfg).float().eval()
-
-
-def tiny_llama(num_layers: int = 4, vocab: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).float().eval()
-
-
-def make_draft(
-    target: torch.nn.Module,
-    num_layers: int = 2,
-    block_size: int = 8,
-    mask_token_id: Optional[int] = None,
-    layer_ids: Optional[list[int]] = None,
-    seed: int = 1,
-) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    tc = target.config
-    cfg = DFlashConfig.from_target_config(
-        tc, num_hidden_layers=num_layers, block_size=block_size,
-        mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=layer_ids or [1, tc.num_hidden_layers - 2],
-    )
-    return DFlashDraftModel(cfg).float().eval()
 
 
 def qwen_tokenizer_files() -> Path:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import nemo_dflash.objective.trainer_module as trainer_module
 import nemo_dflash.objective.fused_loss as fl
 from _torchrun import run_command
-from conftest import VOCAB, make_draft, random_batch, tiny_qwen3
+from _tiny_models import VOCAB, random_batch, train_draft, train_qwen3
 from nemo_dflash.objective.accept_loss import accept_lm_loss
 from nemo_dflash.config import ConfigError, load_recipe
 from nemo_dflash.objective.anchors import block_positions, loss_decay_weights, plan_blocks, sample_anchors
@@ -106,9 +106,9 @@ def test_bad_arguments_are_refused():
 
 
 def _tiny(block=4):
-    target = tiny_qwen3()
+    target = train_qwen3()
     target.config._attn_implementation = "sdpa"
-    draft = make_draft(target, block_size=block)
+    draft = train_draft(target, block_size=block)
     return HFDFlashTargetModel(target, draft.config.target_layer_ids), draft
 
 

@@ -15,7 +15,7 @@ from nemo_dflash.engine.batched_static import (
 from nemo_dflash.engine import batched_static
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.engine.sampling import SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -159,10 +159,10 @@ def test_refills_wait_for_rows_and_batch_their_prefills_without_changing_an_answ
     want, stop = plain_answers_with_a_stop(target, prompts, 12, row=1, k=3)  # answers of different lengths
     monkeypatch.setattr(type(target.model), "forward", forward)
 
-    def run(temperature: float, refill: int) -> list:
+    def run(sampling: SamplingParams, refill: int) -> list:
         prefills.clear()
         gen = torch.Generator().manual_seed(3)
-        kw = dict(max_new_tokens=12, temperature=temperature, rows=3, use_graphs=False, generator=gen,
+        kw = dict(max_new_tokens=12, sampling=sampling, rows=3, use_graphs=False, generator=gen,
                   refill_rows=refill, stop_token_ids=[stop])
         outs = (batched_static_autoregressive_generate(target, prompts, **kw) if kind == "plain" else
                 batched_static_speculative_generate(decoder, prompts, **kw))
@@ -170,12 +170,12 @@ def test_refills_wait_for_rows_and_batch_their_prefills_without_changing_an_answ
 
     ref = [w.output_ids for w in want] if kind == "plain" else [
         decoder.generate(torch.tensor([p]), max_new_tokens=12, stop_token_ids=[stop]).output_ids for p in prompts]
-    at_once, forwards_at_once = run(0.0, 1)
-    batched, forwards_batched = run(0.0, 3)
+    at_once, forwards_at_once = run(GREEDY, 1)
+    batched, forwards_batched = run(GREEDY, 3)
     assert at_once == ref and batched == ref
     assert sum(forwards_batched) == sum(forwards_at_once) == 9  # every prompt prefilled once
     assert forwards_batched == [3, 3, 3] and len(forwards_at_once) > 3  # rows entering alone or in twos
-    assert run(1.0, 3)[0] == run(1.0, 1)[0] != at_once  # sampled, and the same samples
+    assert run(SamplingParams(1.0), 3)[0] == run(SamplingParams(1.0), 1)[0] != at_once  # sampled, and the same samples
 
 
 @pytest.mark.parametrize("make_target", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
@@ -226,8 +226,8 @@ def test_filled_blocks_read_each_rows_blocks_up_to_its_furthest_query():
     assert dense.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_plain_windows_of_steps_give_the_same_answers(temperature):
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(1.0)], ids=["0.0", "1.0"])
+def test_plain_windows_of_steps_give_the_same_answers(sampling):
     """`window` plain steps a host read-back: answers ending (stop token, cap) inside a window are cut where they
     end, prompts enter rows between windows, and every answer is the one-step loop's (T=0: plain decoding's), its
     acceptance lengths one forward a token."""
@@ -238,17 +238,17 @@ def test_plain_windows_of_steps_give_the_same_answers(temperature):
     def run(window: int) -> list:
         return batched_static_autoregressive_generate(
             target, prompts, max_new_tokens=13, stop_token_ids=[stop], rows=3, use_graphs=False, window=window,
-            temperature=temperature, generator=torch.Generator().manual_seed(2))
+            sampling=sampling, generator=torch.Generator().manual_seed(2))
 
     one = run(1)
-    if temperature == 0:
+    if sampling.greedy:
         assert [o.output_ids for o in one] == [w.output_ids for w in want]
     for window in (4, 13, 20):
         got = run(window)
         assert [g.output_ids for g in got] == [o.output_ids for o in one], window
         assert [g.stopped for g in got] == [o.stopped for o in one]
         assert [g.acceptance_lengths for g in got] == [[1] * (len(g.output_ids) - 1) for g in got]
-    assert any(len(o.output_ids) == 13 for o in one) and (temperature > 0 or any(o.stopped for o in one))
+    assert any(len(o.output_ids) == 13 for o in one) and (not sampling.greedy or any(o.stopped for o in one))
     with pytest.raises(ValueError, match="window must be in"):
         run(0)
 
@@ -261,19 +261,19 @@ def test_continuous_sampled_rows_with_a_one_token_nucleus_are_the_greedy_answers
     prompts = _prompts(7)
     setting = SamplingParams(1.0, top_k=1)
     want = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, use_graphs=False)
-    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, temperature=setting, rows=3,
+    got = batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, sampling=setting, rows=3,
                                               use_graphs=False, generator=torch.Generator().manual_seed(0))
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
-    plain = batched_static_autoregressive_generate(target, prompts, max_new_tokens=20, temperature=setting, rows=3,
+    plain = batched_static_autoregressive_generate(target, prompts, max_new_tokens=20, sampling=setting, rows=3,
                                                    use_graphs=False, generator=torch.Generator().manual_seed(0))
     assert [g.output_ids for g in plain] == [w.output_ids for w in want]
-    runs = [batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, temperature=1.0, rows=3,
+    runs = [batched_static_speculative_generate(decoder, prompts, max_new_tokens=20, sampling=SamplingParams(1.0), rows=3,
                                                 use_graphs=False, generator=torch.Generator().manual_seed(5))
             for _ in range(2)]
     assert [o.output_ids for o in runs[0]] == [o.output_ids for o in runs[1]]
 
 
-@pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9)], ids=["t1", "top_p"])
+@pytest.mark.parametrize("setting", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "top_p"])
 def test_one_sampled_plain_row_is_what_autoregressive_generate_gives(setting, monkeypatch):
     """Plain decoding at T > 0: `autoregressive_generate(decode="graphs")` is this loop with one row (its steps
     run eagerly here), the same answer from the same generator, a stop included; rows of a larger batch are
@@ -287,12 +287,12 @@ def test_one_sampled_plain_row_is_what_autoregressive_generate_gives(setting, mo
     target = tiny_qwen3()
     prompts = _prompts(4)
     for i, p in enumerate(prompts):
-        want = real(target, [p], max_new_tokens=25, temperature=setting, stop_token_ids=[7], rows=1,
+        want = real(target, [p], max_new_tokens=25, sampling=setting, stop_token_ids=[7], rows=1,
                     use_graphs=False, generator=torch.Generator().manual_seed(i))[0]
-        got = autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, temperature=setting,
+        got = autoregressive_generate(target, torch.tensor([p]), max_new_tokens=25, sampling=setting,
                                       stop_token_ids=[7], generator=torch.Generator().manual_seed(i), decode="graphs")
         assert got.output_ids == want.output_ids
-    outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, temperature=setting,
+    outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=25, sampling=setting,
                                                   use_graphs=False, generator=torch.Generator().manual_seed(0))
     assert [len(o.output_ids) for o in outs] == [25] * 4 and len({tuple(o.output_ids) for o in outs}) == 4
 
@@ -302,7 +302,7 @@ def test_sampled_plain_rows_follow_the_target():
     its frequencies match the target's exact marginal within 0.03."""
     target, _, ids, p2 = second_token_case()
     n = 3000
-    outs = batched_static_autoregressive_generate(target, [ids[0].tolist()] * n, max_new_tokens=2, temperature=1.0,
+    outs = batched_static_autoregressive_generate(target, [ids[0].tolist()] * n, max_new_tokens=2, sampling=SamplingParams(1.0),
                                                   use_graphs=False, generator=torch.Generator().manual_seed(1))
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=p2.numel()).float()
     assert (counts / n - p2).abs().max() < 0.03
@@ -364,7 +364,7 @@ def test_sampled_rows_past_the_prompts_leave_the_answers_samples():
     with torch.no_grad():
         want = s.probs(target(torch.tensor([ids])).logits[0, -1])
     n = 3000
-    got = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, temperature=s, rows=n + 3,
+    got = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, sampling=s, rows=n + 3,
                                               use_graphs=False, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(torch.tensor([g.output_ids[0] for g in got]), minlength=want.numel()).float()
     assert (counts / n - want).abs().max() < 0.03
@@ -384,7 +384,7 @@ def test_gpu_sampled_plain_and_one_row_graphs_are_the_eager_runs():
     target = copy.deepcopy(cpu.target.model).cuda()
     decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
     s = SamplingParams(1.0, top_p=0.95)
-    kw = dict(max_new_tokens=30, temperature=s)
+    kw = dict(max_new_tokens=30, sampling=s)
     want = batched_static_autoregressive_generate(target, prompts, use_graphs=False,
                                                   generator=torch.Generator("cuda").manual_seed(0), **kw)
     got = batched_static_autoregressive_generate(target, prompts, generator=torch.Generator("cuda").manual_seed(0),
@@ -415,25 +415,25 @@ def test_gpu_sampled_rows_with_graphs_are_the_eager_runs():
     decoder = DFlashSpeculativeDecoder(copy.deepcopy(cpu.target.model).cuda(), copy.deepcopy(cpu.draft).cuda(),
                                        block_size=cpu.block_size)
     s = SamplingParams(1.0)
-    kw = dict(max_new_tokens=30, temperature=s)
+    kw = dict(max_new_tokens=30, sampling=s)
     want = batched_static_speculative_generate(decoder, prompts, generator=torch.Generator("cuda").manual_seed(0),
                                                use_graphs=False, **kw)
     got = batched_static_speculative_generate(decoder, prompts, generator=torch.Generator("cuda").manual_seed(0),
                                               **kw)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
-    for temperature in (0.0, s):  # continuous batching: prompts entering rows between graph replays
+    for sampling in (GREEDY, s):  # continuous batching: prompts entering rows between graph replays
         order = prompts[1:] + [prompts[0]]
         want = batched_static_speculative_generate(decoder, order, generator=torch.Generator("cuda").manual_seed(2),
-                                                   rows=2, use_graphs=False, max_new_tokens=30, temperature=temperature)
+                                                   rows=2, use_graphs=False, max_new_tokens=30, sampling=sampling)
         got = batched_static_speculative_generate(decoder, order, generator=torch.Generator("cuda").manual_seed(2),
-                                                  rows=2, max_new_tokens=30, temperature=temperature)
+                                                  rows=2, max_new_tokens=30, sampling=sampling)
         assert [g.output_ids for g in got] == [w.output_ids for w in want]
         assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
     ids, n = prompts[0], 4000
     with torch.no_grad():
         p = s.probs(decoder.target.model(torch.tensor([ids], device="cuda")).logits[0, -1]).cpu()
-    outs = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, temperature=s,
+    outs = batched_static_speculative_generate(decoder, [ids] * n, max_new_tokens=2, sampling=s,
                                                generator=torch.Generator("cuda").manual_seed(1))
     counts = torch.bincount(torch.tensor([o.output_ids[0] for o in outs]), minlength=p.numel()).float()
     assert (counts / n - p).abs().max() < 0.03
@@ -456,8 +456,8 @@ def test_gpu_captured_rows_under_each_option_are_the_eager_unfolded_runs(setting
     cpu = trained_like_decoder(tiny_qwen3(), prompts)
     target = copy.deepcopy(cpu.target.model).cuda()
     decoder = DFlashSpeculativeDecoder(target, copy.deepcopy(cpu.draft).cuda(), block_size=cpu.block_size)
-    for temperature in (0.0, SamplingParams(1.0)):
-        kw = dict(rows=2, max_new_tokens=30, temperature=temperature)
+    for sampling in (GREEDY, SamplingParams(1.0)):
+        kw = dict(rows=2, max_new_tokens=30, sampling=sampling)
         runs = []
         for value, graphs in ((None, False), (False, True), (True, True)):
             options = unfolded if value is None else unfolded.but(**{setting: value})
@@ -484,7 +484,7 @@ def test_runners_with_different_options_are_distinct_cache_entries():
     for options in (EngineOptions(fold_gqa=False), EngineOptions(fold_gqa=False), DEFAULT_OPTIONS,
                     EngineOptions(fold_gqa=False)):
         batched_static_autoregressive_generate(target, prompts, max_new_tokens=4, use_graphs=False, options=options)
-        made.append(batched_static.plain_runner(target, 0.0, 2, 0, False, options))
+        made.append(batched_static.plain_runner(target, GREEDY, 2, 0, False, options))
     assert made[0] is made[1] is made[3] and made[2] is not made[0]
     assert made[0].options == EngineOptions(fold_gqa=False) and made[2].options == DEFAULT_OPTIONS
     assert made[0].step_key != made[2].step_key
@@ -497,7 +497,7 @@ def _options_run(decoder, prompts, options):
     one of them long enough to cross a 128-position view and KV block. (answers, acceptance lengths) of both."""
     kw = dict(max_new_tokens=20, rows=3, use_graphs=False, options=options)
     spec = batched_static_speculative_generate(decoder, prompts, **kw)
-    plain = batched_static_autoregressive_generate(decoder.target.model, prompts, temperature=SamplingParams(1.0, top_k=20),
+    plain = batched_static_autoregressive_generate(decoder.target.model, prompts, sampling=SamplingParams(1.0, top_k=20),
                                                    generator=torch.Generator().manual_seed(4), **kw)
     return [(o.output_ids, o.acceptance_lengths) for o in spec + plain]
 
@@ -573,7 +573,7 @@ def test_the_engines_eager_forwards_avoid_per_shape_attention_kernels(monkeypatc
     monkeypatch.setattr(batched_static, "eager_attention_backends", recording)
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4), block_size=4)
-    runner = batched_static.spec_runner(decoder, 0.0, 2, 256, False)
+    runner = batched_static.spec_runner(decoder, GREEDY, 2, 256, False)
     target_calls, draft_calls = [], []  # (tokens a row, inside the backends)
     real_forward, real_draft = type(target.model).forward, runner._draft_forward  # the decoder: prefills run it alone
 
@@ -608,16 +608,16 @@ def test_one_runner_serves_every_setting_of_its_kind():
     fresh = trained_like_decoder(tiny_qwen3(), prompts)
     second = SamplingParams(0.5, top_p=0.9)
     kw = dict(max_new_tokens=20, use_graphs=False)
-    batched_static_speculative_generate(decoder, prompts, temperature=SamplingParams(1.0, top_p=0.95),
+    batched_static_speculative_generate(decoder, prompts, sampling=SamplingParams(1.0, top_p=0.95),
                                         generator=torch.Generator().manual_seed(5), **kw)
-    got = batched_static_speculative_generate(decoder, prompts, temperature=second,
+    got = batched_static_speculative_generate(decoder, prompts, sampling=second,
                                               generator=torch.Generator().manual_seed(6), **kw)
     assert len(batched_static._RUNNERS[decoder]) == 1  # the sampled runner, reused
-    want = batched_static_speculative_generate(fresh, prompts, temperature=second,
+    want = batched_static_speculative_generate(fresh, prompts, sampling=second,
                                                generator=torch.Generator().manual_seed(6), **kw)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
-    batched_static_speculative_generate(decoder, prompts, temperature=1.0, generator=torch.Generator(), **kw)
+    batched_static_speculative_generate(decoder, prompts, sampling=SamplingParams(1.0), generator=torch.Generator(), **kw)
     assert len(batched_static._RUNNERS[decoder]) == 2
 
 
@@ -639,7 +639,7 @@ def test_t1_keeps_the_target_distribution():
     target, draft, ids, p2 = second_token_case()
     decoder = DFlashSpeculativeDecoder(target, draft)
     n, tol = 8000, 0.02
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=1.0,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, sampling=SamplingParams(1.0),
                                                use_graphs=False, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
     assert (counts / n - p2).abs().max() < tol
@@ -664,7 +664,7 @@ def test_t1_over_several_steps_keeps_the_joint_distribution():
     decoder = DFlashSpeculativeDecoder(target, draft)
     joint = three_token_law(target, ids)
     n = 6000
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                use_graphs=False, generator=torch.Generator().manual_seed(2))
     _assert_three_token_law(outs, joint, n)
 
@@ -677,7 +677,7 @@ def test_t1_with_continuous_batching_keeps_the_joint_distribution():
     target, draft, ids, _ = second_token_case()
     decoder = DFlashSpeculativeDecoder(target, draft)
     n = 6000
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                rows=500, use_graphs=False, generator=torch.Generator().manual_seed(3))
     _assert_three_token_law(outs, three_token_law(target, ids), n)
 
@@ -773,7 +773,7 @@ def test_the_engine_attends_with_folded_heads_and_restores_the_target(monkeypatc
         assert [o.output_ids for o in a] == [o.output_ids for o in b]
 
 
-@pytest.mark.parametrize("setting", [1.0, SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20),
+@pytest.mark.parametrize("setting", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20),
                                      SamplingParams(1.0, draft="greedy")], ids=["t1", "top_p", "top_k", "greedy_draft"])
 def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):
     """At T > 0 `DFlashSpeculativeDecoder.generate(decode="graphs")` is this loop with one row (its steps run
@@ -791,10 +791,10 @@ def test_one_sampled_row_is_what_generate_gives_on_graphs(setting, monkeypatch):
     decoder = trained_like_decoder(tiny_qwen3(), prompts)
     kept = 0
     for i, p in enumerate(prompts):
-        want = real(decoder, [p], max_new_tokens=30, temperature=setting, stop_token_ids=[7], rows=1,
+        want = real(decoder, [p], max_new_tokens=30, sampling=setting, stop_token_ids=[7], rows=1,
                     use_graphs=False, generator=torch.Generator().manual_seed(i))[0]
         kept += sum(a > 1 for a in want.acceptance_lengths)
-        got = decoder.generate(torch.tensor([p]), max_new_tokens=30, temperature=setting, stop_token_ids=[7],
+        got = decoder.generate(torch.tensor([p]), max_new_tokens=30, sampling=setting, stop_token_ids=[7],
                                generator=torch.Generator().manual_seed(i), decode="graphs")
         assert got.output_ids == want.output_ids and got.acceptance_lengths == want.acceptance_lengths
     assert kept > 0  # proposals were kept, not only rejected
@@ -806,9 +806,9 @@ def test_each_prompt_entering_a_row_draws_with_its_own_key():
     target = tiny_qwen3()
     decoder = DFlashSpeculativeDecoder(target, make_draft(target, block_size=4))
     prompt = _prompts(1)[0]
-    for outs in (batched_static_speculative_generate(decoder, [prompt] * 40, max_new_tokens=8, temperature=1.0,
+    for outs in (batched_static_speculative_generate(decoder, [prompt] * 40, max_new_tokens=8, sampling=SamplingParams(1.0),
                                                      rows=2, use_graphs=False, generator=torch.Generator().manual_seed(1)),
-                 batched_static_autoregressive_generate(target, [prompt] * 40, max_new_tokens=8, temperature=1.0,
+                 batched_static_autoregressive_generate(target, [prompt] * 40, max_new_tokens=8, sampling=SamplingParams(1.0),
                                                         rows=2, use_graphs=False,
                                                         generator=torch.Generator().manual_seed(1))):
         assert len({tuple(o.output_ids) for o in outs}) == 40
@@ -868,10 +868,10 @@ def test_fused_sampling_draws_what_the_unfused_step_draws(kind, monkeypatch, cap
         batched_static.drop_runners(target)
         gen = torch.Generator().manual_seed(5)
         if kind == "spec":
-            outs = batched_static_speculative_generate(decoder, prompts, max_new_tokens=12, temperature=setting,
+            outs = batched_static_speculative_generate(decoder, prompts, max_new_tokens=12, sampling=setting,
                                                        rows=5, use_graphs=False, generator=gen)
         else:
-            outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=12, temperature=setting,
+            outs = batched_static_autoregressive_generate(target, prompts, max_new_tokens=12, sampling=setting,
                                                           rows=5, use_graphs=False, generator=gen)
         return [(o.output_ids, o.acceptance_lengths) for o in outs]
 
@@ -901,7 +901,7 @@ def test_gpu_fused_sampling_keeps_the_joint_distribution():
     dev = torch.device("cuda")
     decoder = DFlashSpeculativeDecoder(target.to(dev), draft.to(dev))
     n = 6000
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                rows=500, use_graphs=True,
                                                generator=torch.Generator(device=dev).manual_seed(3))
     runners = list(batched_static._RUNNERS[decoder].values())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
-from conftest import MASK_ID, make_draft, tiny_qwen3
+from _tiny_models import MASK_ID, train_draft, train_qwen3
 from nemo_dflash.draft.build import (
     DraftError,
     MaskTokenError,
@@ -39,7 +39,7 @@ def family(monkeypatch):
 
 
 def test_build_and_load_both_use_the_registry_classes(family, tmp_path):
-    target = tiny_qwen3()
+    target = train_qwen3()
     target.config.architectures = ["Qwen3ForCausalLM"]
     built = build_draft_for_target(target, None, num_layers=1, block_size=4, mask_token_id=MASK_ID)
     assert type(built) is _FamilyDraft and type(built.config) is _FamilyConfig
@@ -62,7 +62,7 @@ def test_a_spec_outside_the_serving_contract_is_refused():
 def test_layer_ids_are_checked_by_one_function_on_every_path(ids, problem):
     """The recipe (no target yet, so no depth), the builder, the fit check and the target wrapper all
     report the same problem through `check_target_layer_ids`."""
-    target = tiny_qwen3()  # 6 layers
+    target = train_qwen3()  # 6 layers
     with pytest.raises(LayerIdsError, match="draft.target_layer_ids") as e:
         if ids:  # an empty list means "the default" to the builder
             build_draft_for_target(target, None, num_layers=2, block_size=4, target_layer_ids=ids, mask_token_id=MASK_ID)
@@ -71,7 +71,7 @@ def test_layer_ids_are_checked_by_one_function_on_every_path(ids, problem):
     assert problem in str(e.value)
     with pytest.raises(LayerIdsError, match="target_layer_ids"):
         HFDFlashTargetModel(target, ids)
-    cfg = make_draft(target).config
+    cfg = train_draft(target).config
     cfg.dflash_config["target_layer_ids"] = ids
     with pytest.raises(DraftError, match=r"target_layer_ids"):
         check_draft_fits_target(cfg, target.config)
@@ -85,10 +85,10 @@ def test_mask_token_is_checked_by_one_function():
     for bad in (None, -1, 256):
         with pytest.raises(MaskTokenError):
             check_mask_token_id(bad, 256)
-    target = tiny_qwen3()
+    target = train_qwen3()
     with pytest.raises(MaskTokenError, match="mask_token_id 999"):
         build_draft_for_target(target, None, num_layers=1, block_size=4, mask_token_id=999)
-    cfg = make_draft(target).config
+    cfg = train_draft(target).config
     cfg.dflash_config["mask_token_id"] = 999
     with pytest.raises(DraftError, match="mask_token_id 999"):
         check_draft_fits_target(cfg, target.config)
@@ -119,8 +119,8 @@ def test_train_command_reports_draft_errors_in_one_line(tiny_assets, tmp_path, c
 
     target, data = tiny_assets
     if "RUN" in bad:
-        other = tiny_qwen3()  # hidden size 64, the tiny target's is 32
-        make_draft(other).save_pretrained(tmp_path / "other")
+        other = train_qwen3()  # hidden size 64, the tiny target's is 32
+        train_draft(other).save_pretrained(tmp_path / "other")
         bad = bad.replace("RUN", str(tmp_path / "other"))
     with pytest.raises(SystemExit) as exc:
         main(_train_args(target, data, tmp_path / "run", bad))

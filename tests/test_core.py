@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
+from _tiny_models import MASK_ID, random_batch, train_draft, train_qwen3
 from nemo_dflash.objective.anchors import build_block_input_ids, build_labels, loss_decay_weights, sample_anchors
 from nemo_dflash.objective.block_mask import build_dense_block_mask, build_flex_block_mask
 from nemo_dflash.objective.cross_entropy import chunked_lm_loss, teacher_expected_embedding
@@ -177,8 +177,8 @@ def test_shifted_labels_would_be_caught(target_and_draft):
 
 
 def test_gradients_reach_only_the_draft():
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     trainer = _trainer(wrapper, draft, num_anchors=8)
@@ -197,8 +197,8 @@ def test_gradients_reach_only_the_draft():
 
 
 def test_no_valid_anchor_gives_zero_loss_that_touches_every_parameter():
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, _ = random_batch()
     lm = torch.zeros_like(attn)  # nothing supervised
@@ -237,8 +237,8 @@ def test_flex_forward_matches_dense_on_cpu(target_and_draft):
 
 
 def test_distillation_loss_against_target_distribution():
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=1, pad_last=0)
     batch = wrapper.generate_batch(ids, attn, lm, return_logits=True)
@@ -259,8 +259,8 @@ def test_distillation_from_final_hidden_equals_per_slot_teacher_logits(weight, m
     """The trainer's expected-embedding path (final hidden states -> one E_t per position) against the
     per-slot path that forms the teacher's full logits for every block slot: loss, weights and draft
     gradients agree (fp32, same anchors)."""
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=48)
     anchors, valid = sample_anchors(lm, attn, draft.block_size, 6, torch.Generator().manual_seed(2))
@@ -303,8 +303,8 @@ def test_teacher_expected_embedding_matches_float64_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
 def test_flex_loss_and_grads_match_dense_on_gpu():
-    target = tiny_qwen3().cuda()
-    draft = make_draft(target).cuda()
+    target = train_qwen3().cuda()
+    draft = train_draft(target).cuda()
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = (t.cuda() for t in random_batch(seq=256))
     batch = wrapper.generate_batch(ids, attn, lm)

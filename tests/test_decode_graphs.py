@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode
 from nemo_dflash.engine.static_cache import (
     StaticDraftContextCache,
@@ -60,15 +61,15 @@ def target(request):
     return model
 
 
-def spec_static(decoder, ids, n, temperature=0.0, stop=(), generator=None, options=DEFAULT_OPTIONS):
+def spec_static(decoder, ids, n, sampling=GREEDY, stop=(), generator=None, options=DEFAULT_OPTIONS):
     """The one-row graphs loop, its steps run eagerly."""
-    return batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
+    return batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=n, sampling=sampling,
                                                stop_token_ids=stop, rows=1, use_graphs=False, generator=generator,
                                                options=options)[0]
 
 
-def plain_static(target, ids, n, temperature=0.0, stop=(), generator=None, options=DEFAULT_OPTIONS):
-    return batched_static_autoregressive_generate(target, [ids[0].tolist()], max_new_tokens=n, temperature=temperature,
+def plain_static(target, ids, n, sampling=GREEDY, stop=(), generator=None, options=DEFAULT_OPTIONS):
+    return batched_static_autoregressive_generate(target, [ids[0].tolist()], max_new_tokens=n, sampling=sampling,
                                                   stop_token_ids=stop, rows=1, use_graphs=False,
                                                   generator=generator, options=options)[0]
 
@@ -391,8 +392,8 @@ def test_sampling_across_buckets_equals_unbucketed(monkeypatch):
     ids = prompt(6)
 
     def both():
-        spec = spec_static(decoder, ids, 50, temperature=0.8, generator=torch.Generator().manual_seed(3)).output_ids
-        plain = plain_static(target, ids, 50, 0.8, generator=torch.Generator().manual_seed(3)).output_ids
+        spec = spec_static(decoder, ids, 50, sampling=SamplingParams(0.8), generator=torch.Generator().manual_seed(3)).output_ids
+        plain = plain_static(target, ids, 50, SamplingParams(0.8), generator=torch.Generator().manual_seed(3)).output_ids
         return spec, plain
 
     whole = both()
@@ -504,13 +505,13 @@ def test_static_sampling_end_to_end_distribution():
     g = torch.Generator().manual_seed(0)
     n, counts = 600, torch.zeros(8)
     for _ in range(n):
-        out = spec_static(decoder, ids, 2, temperature=1.0, generator=g)
+        out = spec_static(decoder, ids, 2, sampling=SamplingParams(1.0), generator=g)
         counts[out.output_ids[1]] += 1
     assert (counts / n - p2).abs().max() < 0.07
-    a = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
-    b = spec_static(decoder, ids, 12, temperature=0.7, generator=torch.Generator().manual_seed(5))
+    a = spec_static(decoder, ids, 12, sampling=SamplingParams(0.7), generator=torch.Generator().manual_seed(5))
+    b = spec_static(decoder, ids, 12, sampling=SamplingParams(0.7), generator=torch.Generator().manual_seed(5))
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
-    plain = plain_static(target, ids, 12, 0.7, generator=g)
+    plain = plain_static(target, ids, 12, SamplingParams(0.7), generator=g)
     assert len(plain.output_ids) == 12
 
 

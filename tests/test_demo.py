@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from nemo_dflash.engine.sampling import GREEDY
 from nemo_dflash.evaluation.protocol import evaluate_acceptance
 from nemo_dflash.evaluation.replay import ReplayEvaluator
 from nemo_dflash.recipes import demo
@@ -212,7 +213,7 @@ def test_replay_hands_the_cuda_graph_choice_to_its_engine(tokenizer):
 
     target = make_target("llama", tokenizer)
     draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
-    settings = EvalSettings(max_new_tokens=8, temperature=0.0, turns=1, warmup=False)
+    settings = EvalSettings(max_new_tokens=8, sampling=GREEDY, turns=1, warmup=False)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # asked for, on a CPU: refused
         ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=True).greedy_answers(prompts()[:1])
     assert ReplayEvaluator(target, tokenizer, draft, settings, cuda_graph=False).greedy_answers(prompts()[:1])

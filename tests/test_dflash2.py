@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from _spec_fixtures import second_token_case, single_thread, three_token_law  # noqa: F401  (fixture)
-from conftest import MASK_ID, make_draft, random_batch, tiny_qwen3
+from _tiny_models import MASK_ID, random_batch, train_draft, train_qwen3
 
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash import HFDFlashTargetModel
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.metrics import LossSums
@@ -60,8 +61,8 @@ def _trainer(target, draft, **kw):
 def test_identity_init_without_selector_computes_exactly_dflash():
     """Identity convs and no selector: the same hidden states, loss and metrics as the DFlash-1 draft, bit for bit;
     a fresh DFlash2 draft's convs are the identity."""
-    target = tiny_qwen3()
-    d1 = make_draft(target)
+    target = train_qwen3()
+    d1 = train_draft(target)
     d2 = dflash2_like(d1, rank=0, top_k=0, random_modules=False)
     assert not d2.has_selector
     for layer in d2.layers:
@@ -110,8 +111,8 @@ def test_block_conv_matches_a_naive_loop():
 def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
     """The greedy walk against a loop over slots and candidates (pair scores written out); sampled, each slot's
     q is the softmax of the pair scores at T over C_k given the token drawn before, 0 elsewhere."""
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target), top_k=5)
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target), top_k=5)
     sel = d2.candidate_selector
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(3, 4, 64, generator=g)
@@ -155,8 +156,8 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
     """The trainer's selector term and the walk's simulated acceptance against each block run alone (as decoding
     runs it), the pair scores written out, the predecessor the true token (the anchor for slot 1). Under grad the
     candidates come from the fused cross-entropy's logits, without it from a pass of their own: both checked."""
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target), top_k=4)
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target), top_k=4)
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     batch = wrapper.generate_batch(ids, attn, lm)
@@ -238,8 +239,8 @@ def test_blockwise_topk_is_the_topk(vocab):
 
 def test_selector_loss_trains_the_selector_and_the_backbone():
     """One backward: gradients reach the codebooks, the projection, the convs and the backbone."""
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target))
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target))
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch()
     out = _trainer(wrapper, d2, num_anchors=8, gamma=None, selector_weight=1.0)(wrapper.generate_batch(ids, attn, lm))
@@ -259,8 +260,8 @@ def test_dpace_weights_hand_computed():
 
 
 def test_dpace_normalises_by_valid_slots_and_weighs_the_selector_alike():
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target))
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target))
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch()
     batch = wrapper.generate_batch(ids, attn, lm)
@@ -341,7 +342,7 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
 
     def law_tv() -> float:
         dec = DFlashSpeculativeDecoder(target, d2)
-        outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+        outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                    use_graphs=False, generator=torch.Generator().manual_seed(2))
         assert any(o.acceptance_lengths[0] >= 2 for o in outs)
         codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
@@ -376,7 +377,7 @@ def test_dflash2_eager_t1_second_token_marginal(proposals):
     counts = torch.zeros(8)
     s = SamplingParams(1.0, draft=proposals)
     for _ in range(800):
-        counts[dec.generate(ids, max_new_tokens=2, temperature=s, generator=g).output_ids[1]] += 1
+        counts[dec.generate(ids, max_new_tokens=2, sampling=s, generator=g).output_ids[1]] += 1
     assert (counts / 800 - p2).abs().max() < 0.06
 
 
@@ -386,8 +387,8 @@ def test_dflash2_eager_t1_second_token_marginal(proposals):
 def test_export_round_trip_writes_the_engines_dflash2_format(tmp_path):
     from nemo_dflash.serving.export import export_draft, load_draft
 
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target))
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target))
     out = export_draft(d2, tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False
@@ -412,7 +413,7 @@ def test_export_round_trip_writes_the_engines_dflash2_format(tmp_path):
 
 
 def test_bad_sizes_and_kind_mismatches_are_one_line(tmp_path):
-    target = tiny_qwen3()  # hidden 64, vocab 256
+    target = train_qwen3()  # hidden 64, vocab 256
     with pytest.raises(DraftError, match="conv_group_size=24 must divide the hidden size 64"):
         check_variant_fits("dflash2", {"conv_group_size": 24}, 64, 256, 4)
     with pytest.raises(DraftError, match="selector_top_k=300 is above the vocabulary"):
@@ -421,7 +422,7 @@ def test_bad_sizes_and_kind_mismatches_are_one_line(tmp_path):
     from nemo_dflash.draft.build import check_draft_kind
     from nemo_dflash.serving.export import export_draft
 
-    out = export_draft(make_draft(target), tmp_path / "d1")
+    out = export_draft(train_draft(target), tmp_path / "d1")
     with pytest.raises(DraftError, match="is a dflash draft but draft.kind=dflash2: set draft.kind=dflash"):
         check_draft_kind(out, "dflash2", "draft.init_from")
     d2 = build_draft_for_target(target, None, num_layers=2, block_size=4, mask_token_id=MASK_ID, kind="dflash2",
@@ -450,7 +451,7 @@ def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
     assert [r.output_ids for r in rows] == [e.output_ids for e in eager]
     assert [r.acceptance_lengths for r in rows] == [e.acceptance_lengths for e in eager]
     n = 6000
-    outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, temperature=1.0,
+    outs = batched_static_speculative_generate(dec, [ids[0].tolist()] * n, max_new_tokens=3, sampling=SamplingParams(1.0),
                                                rows=500, use_graphs=True,
                                                generator=torch.Generator(device=dev).manual_seed(3))
     codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
@@ -463,8 +464,8 @@ def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
 def test_gpu_flex_training_loss_equals_the_dense_one():
     """The DFlash2 trainer module on a GPU with flex attention (the training path) against dense SDPA: the same
     loss, selector term and walk metrics."""
-    target = tiny_qwen3().cuda()
-    d2 = dflash2_like(make_draft(target)).cuda()
+    target = train_qwen3().cuda()
+    d2 = dflash2_like(train_draft(target)).cuda()
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = (t.cuda() for t in random_batch())
     batch = wrapper.generate_batch(ids, attn, lm)
@@ -492,7 +493,7 @@ def test_the_train_command_refuses_bad_dflash2_input_before_loading(tmp_path, mo
     monkeypatch.setattr("nemo_dflash.train.trainer.load_target", no_load)
     base = ["--config", "qwen3_8b.yaml", f"target.path={target_dir}", f"data.sources=[{{path: {data}}}]",
             f"output_dir={tmp_path / 'run'}", "distributed.strategy=none", "wandb.mode=disabled"]
-    d2 = build_draft_for_target(tiny_qwen3(), None, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+    d2 = build_draft_for_target(train_qwen3(), None, num_layers=2, block_size=4, mask_token_id=MASK_ID,
                                 kind="dflash2", variant_options={"selector_top_k": 4, "selector_rank": 8})
     export = export_draft(d2, tmp_path / "d2")
     capsys.readouterr()  # the export's own output

@@ -1,12 +1,10 @@
-"""benchmarks/drafter.py ceiling --draft: the real draft's block distributions and its simulated acceptance at one
-anchor, against the spec decoder's own draft step and an exact enumeration of every drafted block (tiny models)."""
+"""evaluation.ceiling (what `benchmarks/drafter.py ceiling --draft` reports): the real draft's block distributions
+and its simulated acceptance at one anchor, against the spec decoder's own draft step and an exact enumeration of every drafted block (tiny models)."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +12,12 @@ import torch
 from _spec_fixtures import make_draft, single_thread, tiny_qwen3  # noqa: F401  (single_thread: autouse)
 from nemo_dflash.draft.model import DFlashContextCache
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
-from nemo_dflash.engine.sampling import SamplingParams
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
+from nemo_dflash.evaluation import ceiling
 from nemo_dflash.target import HFDFlashTargetModel
 
-REPO = Path(__file__).resolve().parent.parent
 SEQ = [1, 5, 2, 3, 6, 0, 4, 2, 1, 6, 3]  # vocab 8, the mask token (7) left out
 BLOCK, K = 4, 3
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("drafter", REPO / "benchmarks" / "drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +60,12 @@ def exact_figures(target, a: int, qd: torch.Tensor, s: SamplingParams, late: int
 
 def test_draft_block_logits_match_the_decoder_step(models):
     """One draft forward over three anchors gives, at each, the block the spec decoder's own draft step drafts."""
-    drafter = _script()
     target, draft = models
     anchors, seq = [3, 6, 7], torch.tensor([SEQ])
     hooks = HFDFlashTargetModel(target, draft.target_layer_ids)
     with torch.no_grad():
         feats, _ = hooks.forward_features(seq, need_logits=True)
-        got = drafter.draft_block_logits(hooks, draft, seq, feats, anchors, BLOCK)
+        got = ceiling.draft_block_logits(hooks, draft, seq, feats, anchors, BLOCK)
         refs = [reference_draft_logits(target, draft, a) for a in anchors]
     assert got.shape == (len(anchors), K, 8)
     for g, r in zip(got, refs):
@@ -87,7 +77,6 @@ def test_draft_simulation_matches_an_exact_enumeration(models, temperature, top_
     """draft_sampled / draft_argmax / slot1_overlap / draft_slot_accept at one anchor against every block enumerated.
     q^d: the draft's block there, sharpened by noise (a random draft's is nearly flat, which would hide a
     misaligned verification); the ceilings do not move with the draft's figures (own generator)."""
-    drafter = _script()
     target, draft = models
     s, a, seq = SamplingParams(temperature, top_p), 6, torch.tensor([SEQ])
     with torch.no_grad():
@@ -95,7 +84,7 @@ def test_draft_simulation_matches_an_exact_enumeration(models, temperature, top_
 
         def figures(draft_logits):
             cache = target(input_ids=seq[:, :a], use_cache=True).past_key_values
-            return drafter.anchor_figures(target, cache, SEQ[a], a, K, s, rollouts=64, sims=40000,
+            return ceiling.anchor_figures(target, cache, SEQ[a], a, K, s, rollouts=64, sims=40000,
                                           g=torch.Generator().manual_seed(0), draft_logits=draft_logits,
                                           g_draft=torch.Generator().manual_seed(1))
 
@@ -120,9 +109,8 @@ def test_accept_records_what_the_decoder_kept_and_what_its_accept_test_expected(
     more or less than min(1, p/q)); the steps' kept tokens add up to the tokens generated; slot 1's overlap is a
     probability."""
     target, draft = models
-    mod = _script()
     prompts = [[1, 5, 2], [3, 6, 0, 4], [2, 1], [6, 3, 5, 1, 0]] * 6
-    res = mod.decoder_acceptance(target, draft, prompts, SamplingParams(1.0), max_new_tokens=40)
+    res = ceiling.decoder_acceptance(target, draft, prompts, SamplingParams(1.0), max_new_tokens=40)
     assert res["steps"] > 200
     assert abs(res["kept_per_step"] - res["expected_per_step"]) < 4 * res["kept_per_step_stderr"] + 0.02
     assert 0.0 < res["slot1_overlap"] <= 1.0 and 0.0 <= res["slot1_accept_rate"] <= 1.0
@@ -132,13 +120,13 @@ def test_accept_records_what_the_decoder_kept_and_what_its_accept_test_expected(
     original = spec_decode.verify_block
     spec_decode.verify_block = functools.partial(_keep_all, original)
     try:
-        broken = mod.decoder_acceptance(target, draft, prompts[:8], SamplingParams(1.0), max_new_tokens=40)
+        broken = ceiling.decoder_acceptance(target, draft, prompts[:8], SamplingParams(1.0), max_new_tokens=40)
     finally:
         spec_decode.verify_block = original
     assert broken["kept_per_step"] - broken["expected_per_step"] > 4 * broken["kept_per_step_stderr"]
 
 
-def _keep_all(original, draft_tokens, target_logits, temperature=0.0, draft_probs=None, generator=None):
+def _keep_all(original, draft_tokens, target_logits, sampling=GREEDY, draft_probs=None, generator=None):
     """A broken accept test: keeps the whole block whatever p says (the next token as the real one picks it)."""
-    _, nxt = original(draft_tokens, target_logits, temperature, draft_probs, generator)
+    _, nxt = original(draft_tokens, target_logits, sampling, draft_probs, generator)
     return draft_tokens.shape[0], nxt

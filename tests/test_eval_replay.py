@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.trainer_module import draft_block_hidden
 from nemo_dflash.evaluation import replay
@@ -118,7 +119,7 @@ def build_case(kind: str, tokenizer):
     stop token that occurs inside answers (so some end mid-block)."""
     target = make_target(kind, tokenizer)
     draft = make_draft(target, num_layers=1, block_size=BLOCK, mask_token_id=QWEN3_MASK_ID, layer_ids=[0, 1])
-    settings = EvalSettings(max_new_tokens=MAX_NEW, temperature=0.0, turns=2, warmup=False)
+    settings = EvalSettings(max_new_tokens=MAX_NEW, sampling=GREEDY, turns=2, warmup=False)
     greedy = ReplayEvaluator(target, tokenizer, draft, settings).greedy_answers(prompts())
     train_draft(target, draft, [(g.prompt_ids, g.output_ids + g.beyond) for g in greedy.values()])
     # a token that several answers hold mid-way becomes a stop token: those answers end early
@@ -164,7 +165,7 @@ def test_replay_equals_sequential(case, tokenizer):
 def test_smaller_block_than_trained(case, tokenizer):
     """--block-size below the draft's trained block: both decoders draft B-1 = 2 tokens."""
     target, draft, settings = case
-    s = EvalSettings(max_new_tokens=17, temperature=0.0, turns=1, warmup=False, block_size=3)
+    s = EvalSettings(max_new_tokens=17, sampling=GREEDY, turns=1, warmup=False, block_size=3)
     items = prompts()[:3]
     got = replayed(target, tokenizer, draft, s, items)
     assert [[_fields(a) for a in c] for c in got] == [[_fields(a) for a in c]
@@ -378,7 +379,7 @@ def test_per_prompt_speedup_spread(capsys):
                       decode_time_s=spec_s, ar_decode_time_s=ar_s, ar_new_tokens=n, ar_match=True)
 
     answers = [ans("a", 1, 1.0, 1.5), ans("a", 2, 1.0, 2.5), ans("b", 1, 1.0, 1.0), ans("c", 1, 0.5, 1.5)]
-    m = speedup_metrics(answers, 0.0)
+    m = speedup_metrics(answers, GREEDY)
     assert m["per_prompt_speedup"] == {"prompts": 3, "min": 1.0, "median": 2.0, "max": 3.0}
     assert m["speedup"] == pytest.approx(6.5 / 3.5)  # total plain time / total speculative time, same tokens
     assert m["speedup_no_loop"] == pytest.approx(6.5 / 3.5) and m["answers_no_loop"] == 4
@@ -387,7 +388,7 @@ def test_per_prompt_speedup_spread(capsys):
             "answers without loops 1.86x (4 of 4)") in text
     assert "slower than plain decoding" not in text
     # the same answers with the two sides' times swapped: 3.5 / 6.5 = 0.54x, said in words
-    slow = speedup_metrics([ans(a.id, a.turn, a.ar_decode_time_s, a.decode_time_s) for a in answers], 1.0)
+    slow = speedup_metrics([ans(a.id, a.turn, a.ar_decode_time_s, a.decode_time_s) for a in answers], SamplingParams(1.0))
     assert slow["speedup"] == pytest.approx(3.5 / 6.5)
     text = format_table({}, PROTOCOLS["quick"], 4, {"1": {"humaneval": slow}})
     assert ("humaneval T=1: speculative decoding with this draft is slower than plain decoding; do not serve it at "
@@ -407,10 +408,10 @@ def test_speedup_without_looping_answers():
                       ar_match=True)
 
     answers = [ans("a", 100, 1.0, 1.5), ans("b", 300, 2.0, 3.0), ans("c", 2000, 1.0, 8.0, loop_start=50)]
-    m = speedup_metrics(answers, 0.0)
+    m = speedup_metrics(answers, GREEDY)
     assert m["speedup"] == pytest.approx((1.5 + 3.0 + 8.0) / (1.0 + 2.0 + 1.0))  # 3.125x, same tokens both sides
     assert m["speedup_no_loop"] == pytest.approx((1.5 + 3.0) / (1.0 + 2.0)) and m["answers_no_loop"] == 2
-    assert speedup_metrics(answers[2:], 0.0)["speedup_no_loop"] is None
+    assert speedup_metrics(answers[2:], GREEDY)["speedup_no_loop"] is None
 
 
 def _benchmark(name: str):
@@ -584,9 +585,9 @@ def test_replay_refuses_a_target_the_engine_cannot_run(tokenizer):
     target.config.sliding_window, target.config.use_sliding_window = 4, True
     draft = make_draft(target, block_size=BLOCK, layer_ids=[0, 1])
     with pytest.raises(ValueError, match="sliding_window.*use --method sequential"):
-        ReplayEvaluator(target, tokenizer, draft, EvalSettings(temperature=0.0))
+        ReplayEvaluator(target, tokenizer, draft, EvalSettings(sampling=GREEDY))
     with pytest.raises(ValueError, match="T=0 only"):
-        ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(temperature=1.0))
+        ReplayEvaluator(tiny_qwen3(num_layers=2), tokenizer, draft, EvalSettings(sampling=SamplingParams(1.0)))
 
 
 def test_concurrency_no_loop_figures_by_hand():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.serving.export import export_draft
 from nemo_dflash.evaluation.protocol import (
@@ -17,6 +18,7 @@ from nemo_dflash.evaluation.protocol import (
     ConversationDecoder,
     EvalPrompt,
     EvalSettings,
+    answer_seed,
     dataset_result,
     encode_chat,
     evaluate_acceptance,
@@ -24,6 +26,7 @@ from nemo_dflash.evaluation.protocol import (
     load_humaneval,
     load_mtbench,
     load_prompt_set,
+    protocol_record,
     steps_within,
     summarize,
 )
@@ -187,7 +190,7 @@ def test_evaluate_acceptance(target_and_tokenizer, draft):
     assert draft.training  # mode restored
     draft.eval()
     # Sampling and a smaller block run too.
-    res = evaluate_acceptance(target, tok, draft, ["hello"], max_new_tokens=6, temperature=1.0, block_size=2,
+    res = evaluate_acceptance(target, tok, draft, ["hello"], max_new_tokens=6, sampling=SamplingParams(1.0), block_size=2,
                               warmup=False)
     assert list(res["acceptance_histogram"]) == ["1", "2"] and "speedup" not in res
 
@@ -237,7 +240,7 @@ def test_loop_share_on_hand_built_answers():
     assert s["mean_acceptance_length"] == pytest.approx((13 / 4 + 5 / 3 + 10 / 3) / 3)
     # tokens inside loops, stop tokens not counted: 116 + 116 of 140 + 150 + 140
     assert s["loop_token_share"] == pytest.approx(232 / 430)
-    r = dataset_result(answers, block_size=4, temperature=0.0, max_new_tokens=140, num_prompts=2)
+    r = dataset_result(answers, block_size=4, sampling=GREEDY, max_new_tokens=140, num_prompts=2)
     assert r["per_turn"]["1"]["loop_share"] == 0.5 and r["per_turn"]["2"]["loop_share"] == 1.0
     assert [p["loop_start"] for p in r["per_answer"]] == [24, None, 24]
     assert Answer.from_record(json.loads(json.dumps(answers[0].record()))).record() == answers[0].record()
@@ -384,12 +387,30 @@ def test_user_errors_are_one_line_before_any_model(extra, message, tmp_path, cap
 
 def test_protocols():
     paper = PROTOCOLS["paper"]
-    assert (paper.max_new_tokens, paper.turns, paper.temperatures, paper.num_prompts) == (2048, 2, (0.0, 1.0), None)
+    assert (paper.max_new_tokens, paper.turns, paper.samplings, paper.num_prompts) == (
+        2048, 2, (SamplingParams(0.0), SamplingParams(1.0)), None)
     assert paper.datasets == ("mtbench", "humaneval")
     quick = PROTOCOLS["quick"]
-    assert quick.turns == 1 and quick.temperatures == (0.0,) and quick.num_prompts and quick.max_new_tokens <= 128
-    changed = paper.with_overrides(max_new_tokens=256, turns=2, temperatures=None)
+    assert quick.turns == 1 and quick.samplings == (SamplingParams(0.0),) and quick.num_prompts and quick.max_new_tokens <= 128
+    changed = paper.with_overrides(max_new_tokens=256, turns=2, samplings=None)
     assert changed.max_new_tokens == 256 and changed.turns == 2 and changed.overrides == ("max_new_tokens",)
+
+
+def test_sampling_settings_keep_the_seeds_and_records_bare_temperatures_had():
+    """`SamplingParams` everywhere, the same files: the per-conversation seed hashes what `f"{t:g}"` of a bare
+    temperature gave, and results.json's protocol keeps its keys (a plain temperature as its number)."""
+    import zlib
+
+    assert answer_seed(3, SamplingParams(1.0), "p7") == zlib.crc32(b"3|1|p7")
+    assert answer_seed(3, GREEDY, "p7") == zlib.crc32(b"3|0|p7")
+    assert answer_seed(0, SamplingParams(0.25), "x") == zlib.crc32(f"0|{0.25:g}|x".encode())
+    assert answer_seed(3, SamplingParams(0.7, top_p=0.9), "p7") == zlib.crc32(b"3|0.7,p0.9|p7")
+    changed = PROTOCOLS["paper"].with_overrides(samplings=(GREEDY, SamplingParams(0.6, top_p=0.95, top_k=20)))
+    rec = protocol_record(changed, 16, 16, {})
+    assert rec["temperatures"] == [0.0, "0.6,p0.95,k20"] and "samplings" not in rec
+    assert rec["overrides"] == ["temperatures"]
+    assert rec["sampling"] == {"0": "T=0", "0.6,p0.95,k20": "T=0.6, top-p 0.95, top-k 20"}
+    assert protocol_record(PROTOCOLS["paper"], 16, 16, {})["temperatures"] == [0.0, 1.0]
 
 
 def test_tokenizer_without_template(tiny_target_dir):

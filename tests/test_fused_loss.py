@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import nemo_dflash.objective.trainer_module as trainer_module
 import nemo_dflash.objective.fused_loss as fl
 from _torchrun import run_command
-from conftest import make_draft, random_batch, tiny_qwen3
+from _tiny_models import random_batch, train_draft, train_qwen3
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.cross_entropy import chunked_lm_loss, teacher_expected_embedding
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
@@ -130,8 +130,8 @@ def test_fused_lm_loss_with_a_fake_kernel_matches_chunked(monkeypatch):
 def test_trainer_module_routes_the_loss_through_the_kernel(d, monkeypatch):
     """With a kernel chosen, the training step's loss goes through `fused_lm_loss` (a naive per-token
     CE standing in for the kernel) and equals the chunked step: loss, accuracy and draft gradients."""
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     anchors, valid = sample_anchors(lm, attn, draft.block_size, 5, torch.Generator().manual_seed(3))
@@ -184,8 +184,8 @@ def test_missing_package_is_named(monkeypatch):
 def test_cpu_step_with_a_kernel_named_is_the_chunked_step(monkeypatch):
     """On CPU `loss.impl=liger` runs the chunked path itself: the same loss, bit for bit."""
     monkeypatch.setattr(fl, "_WARNED", set())
-    target = tiny_qwen3()
-    draft = make_draft(target)
+    target = train_qwen3()
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=32)
     anchors, valid = sample_anchors(lm, attn, draft.block_size, 4, torch.Generator().manual_seed(0))
@@ -303,8 +303,8 @@ def test_kernel_grads_of_h_and_w_match_fp32_full_logits_on_gpu(impl, d):
 def test_trainer_step_with_kernel_matches_chunked_on_gpu(impl):
     """The trainer module's step on a tiny target: loss and draft gradients with the kernel against
     the chunked path (bf16 autocast, same anchors)."""
-    target = tiny_qwen3().cuda()
-    draft = make_draft(target).cuda()
+    target = train_qwen3().cuda()
+    draft = train_draft(target).cuda()
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = (t.cuda() for t in random_batch(bsz=2, seq=48))
     anchors, valid = sample_anchors(lm.cpu(), attn.cpu(), draft.block_size, 6, torch.Generator().manual_seed(2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
 from nemo_dflash.engine.recurrent_cache import make_target_cache
 from nemo_dflash.draft.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
@@ -198,7 +199,7 @@ def test_sampling_keeps_target_distribution_across_rollbacks():
     g = torch.Generator().manual_seed(0)
     n, counts, rejected = 800, torch.zeros(8), 0
     for _ in range(n):
-        out = decoder.generate(ids, max_new_tokens=3, temperature=1.0, generator=g)
+        out = decoder.generate(ids, max_new_tokens=3, sampling=SamplingParams(1.0), generator=g)
         counts[out.output_ids[2]] += 1
         rejected += out.acceptance_lengths[0] == 1
     assert rejected > n // 5  # the rollback path is actually taken

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -424,3 +425,81 @@ def test_a_reexport_only_module_is_found(tmp_path):
         "shim/__init__.py": "from nemo_dflash.inner.real import *  # noqa\n",
     })
     assert reexport_only_modules(pkg) == ["alias.py", "old.py", "shim/"]
+
+
+# ---- Benchmarks measure; tests test the library: no test imports a benchmark module
+
+REPO = PACKAGE.parent
+TESTS = REPO / "tests"
+BENCHMARKS = REPO / "benchmarks"
+# calls that load a file as a module or put a folder on the import path
+_LOADERS = {"spec_from_file_location", "run_path", "SourceFileLoader", "import_module", "syspath_prepend"}
+
+# Test files that still import a benchmark module (issue 74 step 6), their code to be moved into the library.
+# An entry that no longer imports one fails the test, so the list only shrinks.
+BENCHMARK_IMPORTERS = {
+    "test_bench_files.py",  # benchmarks/_common.py's rows, train_throughput.py's batches
+    "test_data_summary_row.py",  # regen.py's summary row and throughput modes
+    "test_eval_replay.py",  # eval_speed.py and decode.py end to end
+    "test_regenerate_sources.py",  # regen.py's scaling rows
+    "test_sampling_levers.py",  # drafter.py levers
+
+}
+
+
+def benchmark_imports(path: Path, benchmarks: Path = BENCHMARKS) -> list[str]:
+    """How `path` imports a module of `benchmarks/` (running one as a command is not importing it): an import of a
+    benchmark's name, a loader call (`spec_from_file_location`, `runpy.run_path`, ...) or a `sys.path` /
+    `syspath_prepend` entry naming the folder or a benchmark file, directly or through a variable that does."""
+    names = {p.stem for p in benchmarks.glob("*.py")} | {benchmarks.name}
+    text = path.read_text()
+    if benchmarks.name not in text and not re.search(rf"\b(?:import|from)\s+(?:{'|'.join(map(re.escape, names))})\b",
+                                                     text):
+        return []  # neither names the folder nor imports a benchmark's name: nothing to parse
+    tree = ast.parse(text, filename=str(path))
+    tainted = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and benchmarks.name in ast.unparse(
+        node.value) for t in node.targets if isinstance(t, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] in names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in names:
+                found.append(f"{node.lineno}: from {node.module} import")
+        elif isinstance(node, ast.Call):
+            text = ast.unparse(node)
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            loads = func in _LOADERS or text.startswith(("sys.path.insert(", "sys.path.append("))
+            used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if loads and (benchmarks.name in text or used & tainted):
+                found.append(f"{node.lineno}: {text[:100]}")
+    return found
+
+
+def test_no_test_imports_a_benchmark_module():
+    found = {p.name: benchmark_imports(p) for p in sorted(TESTS.glob("*.py"))}
+    found = {k: v for k, v in found.items() if v}
+    assert set(found) <= BENCHMARK_IMPORTERS, {k: v for k, v in found.items() if k not in BENCHMARK_IMPORTERS}
+    assert BENCHMARK_IMPORTERS <= set(found), f"no benchmark import now: drop from BENCHMARK_IMPORTERS: " \
+                                              f"{sorted(BENCHMARK_IMPORTERS - set(found))}"
+
+
+@pytest.mark.parametrize("source", [
+    "import regen\n",
+    "from regen import row\n",
+    "import sys, os\nsys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))\n",
+    "import importlib.util\nSCRIPT = REPO / 'benchmarks' / 'regen.py'\n"
+    "spec = importlib.util.spec_from_file_location('regen', SCRIPT)\n",
+    "def test(monkeypatch):\n    monkeypatch.syspath_prepend(str(REPO / 'benchmarks'))\n",
+    "import runpy\nrunpy.run_path('benchmarks/regen.py')\n",
+])
+def test_the_benchmark_import_check_sees_every_form(tmp_path, source):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "regen.py").write_text("")
+    test = tmp_path / "test_x.py"
+    test.write_text(source)
+    assert benchmark_imports(test, bench)
+    test.write_text("import subprocess, sys\nsubprocess.run([sys.executable, 'benchmarks/regen.py', '--help'])\n"
+                    "from nemo_dflash.recipes import regenerate\n")
+    assert benchmark_imports(test, bench) == []

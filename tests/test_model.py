@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_draft, tiny_llama, tiny_qwen3
+from _tiny_models import train_draft, train_llama, train_qwen3
 from nemo_dflash import DFlashConfig, DFlashDraftModel
 
 
@@ -60,12 +60,12 @@ def naive_draft(draft, noise, target_hidden, positions, mask):
     return rms(h, sd["norm.weight"], eps)
 
 
-@pytest.mark.parametrize("factory", [tiny_qwen3, tiny_llama])
+@pytest.mark.parametrize("factory", [train_qwen3, train_llama])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_draft_matches_naive_attention(factory, backend, masked):
     target = factory()
-    draft = make_draft(target, num_layers=2, block_size=4)
+    draft = train_draft(target, num_layers=2, block_size=4)
     torch.manual_seed(0)
     c_len, q_len, hidden = 9, 8, target.config.hidden_size
     noise = torch.randn(1, q_len, hidden)
@@ -86,7 +86,7 @@ def test_draft_matches_naive_attention(factory, backend, masked):
 
 
 def test_draft_has_no_embedding_or_head_and_contract_names():
-    draft = make_draft(tiny_qwen3(), num_layers=2)
+    draft = train_draft(train_qwen3(), num_layers=2)
     names = set(draft.state_dict())
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
@@ -95,8 +95,8 @@ def test_draft_has_no_embedding_or_head_and_contract_names():
 
 
 def test_rotary_is_lazy_fp32_and_survives_meta_init():
-    target = tiny_qwen3()
-    cfg = make_draft(target).config
+    target = train_qwen3()
+    cfg = train_draft(target).config
     with torch.device("meta"):
         draft = DFlashDraftModel(cfg)
     assert draft.rotary_emb._inv_freq is None  # nothing built on the meta device
@@ -111,7 +111,7 @@ def test_rotary_is_lazy_fp32_and_survives_meta_init():
 
 
 def test_config_roundtrip(tmp_path):
-    draft = make_draft(tiny_qwen3(), num_layers=2, block_size=8)
+    draft = train_draft(train_qwen3(), num_layers=2, block_size=8)
     draft.save_pretrained(tmp_path)
     cfg = DFlashConfig.from_pretrained(tmp_path)
     assert cfg.block_size == 8 and cfg.mask_token_id == draft.mask_token_id
@@ -127,7 +127,7 @@ def test_flex_attention_runs_in_the_autocast_dtype(monkeypatch):
     from nemo_dflash.objective.block_mask import build_flex_block_mask, build_dense_block_mask
     from nemo_dflash.draft.model import modeling
 
-    draft = make_draft(tiny_qwen3(), num_layers=1, block_size=4)
+    draft = train_draft(train_qwen3(), num_layers=1, block_size=4)
     seen = []
     real_flex = modeling._flex
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import VOCAB, make_draft, tiny_llama, tiny_qwen3
+from _tiny_models import VOCAB, train_draft, train_llama, train_qwen3
 from nemo_dflash.objective.anchors import anchor_quotas, document_bounds, plan_blocks, sample_packed_anchors
 from nemo_dflash.objective.cross_entropy import chunked_lm_loss
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
@@ -44,9 +44,9 @@ def _unpacked(docs):
 
 @pytest.fixture(params=["qwen3", "llama"])
 def wrapper_draft(request):
-    target = tiny_qwen3() if request.param == "qwen3" else tiny_llama()
+    target = train_qwen3() if request.param == "qwen3" else train_llama()
     target.config._attn_implementation = "sdpa"
-    draft = make_draft(target, block_size=BLOCK)
+    draft = train_draft(target, block_size=BLOCK)
     return HFDFlashTargetModel(target, draft.config.target_layer_ids), draft
 
 
@@ -131,8 +131,8 @@ def test_varlen_target_attention_equals_per_document_forwards(wrapper_draft):
 def test_gpu_varlen_target_attention_equals_the_flex_document_mask():
     """bf16 on a GPU: the packed target's features through the flash varlen kernel equal those through the flex
     document-causal BlockMask at every real position, within bf16 rounding."""
-    target = tiny_qwen3().cuda().to(torch.bfloat16)
-    wrapper = HFDFlashTargetModel(target, make_draft(target, block_size=BLOCK).config.target_layer_ids)
+    target = train_qwen3().cuda().to(torch.bfloat16)
+    wrapper = HFDFlashTargetModel(target, train_draft(target, block_size=BLOCK).config.target_layer_ids)
     docs = _docs([40, 90, 17, 60, 33, 7], seed=7)
     batch = {k: v.cuda() for k, v in PackedCollator(pad_token_id=0, rows=2, pack_length=128)(docs).items()}
 
@@ -366,8 +366,8 @@ def _compiled_gpu_step(compile_mode: str, packed: bool, compile_target: bool = F
     from nemo_dflash.train.trainer import TrainStep, apply_compile
 
     dev = torch.device("cuda")
-    target = tiny_qwen3().to(dev)
-    draft = make_draft(target, block_size=16).to(dev)
+    target = train_qwen3().to(dev)
+    draft = train_draft(target, block_size=16).to(dev)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     if packed:
         wrapper.use_flex_attention()

@@ -405,14 +405,11 @@ def test_sampling_settings_come_from_the_target(capsys):
 
 
 def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
-    """benchmarks/regen.py first-turns: the cut file gives regenerate the same pool and picks."""
-    import importlib.util
+    """`write_first_turns` (benchmarks/regen.py first-turns): the cut file gives regenerate the same pool and
+    picks."""
     import random
 
-    spec = importlib.util.spec_from_file_location(
-        "regen", Path(__file__).parent.parent / "benchmarks" / "regen.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from nemo_dflash.data.chat_template import write_first_turns
 
     rnd = random.Random(1)
     words = "alpha beta gamma delta epsilon zeta".split()
@@ -436,7 +433,7 @@ def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cut = tmp_path / "cut.jsonl"
-    assert mod.write_first_turns(str(src), str(cut)) == len(list(read_conversations(str(src))))
+    assert write_first_turns(str(src), str(cut)) == len(list(read_conversations(str(src))))
 
     _, tok = target
     picks = []

@@ -8,9 +8,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-import conftest
 from _spec_fixtures import sampled_runner, sampled_step, second_token_case, single_thread  # noqa: F401  (autouse: one thread in this module)
-from conftest import MASK_ID, random_batch
+from _tiny_models import MASK_ID, random_batch, train_draft, train_qwen3
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.metrics import LossSums
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
@@ -125,7 +124,7 @@ def test_batched_decoder_keeps_the_filtered_target_distribution(draft_mode):
     assert (want - unfiltered).abs().max() > 0.05  # the filter matters here
     decoder = DFlashSpeculativeDecoder(target, draft)
     n, tol = 8000, 0.02
-    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, temperature=s,
+    outs = batched_static_speculative_generate(decoder, [ids[0].tolist()] * n, max_new_tokens=2, sampling=s,
                                                use_graphs=False, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=8).float()
     assert (counts / n - want).abs().max() < tol
@@ -143,9 +142,9 @@ def test_one_prompt_decoders_keep_the_filtered_target_distribution(decode):
     n, counts = 700, torch.zeros(8)
     for _ in range(n):
         if decode == "eager":
-            out = decoder.generate(ids, max_new_tokens=2, temperature=s, generator=g)
+            out = decoder.generate(ids, max_new_tokens=2, sampling=s, generator=g)
         else:
-            out = batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=2, temperature=s,
+            out = batched_static_speculative_generate(decoder, [ids[0].tolist()], max_new_tokens=2, sampling=s,
                                                       rows=1, use_graphs=False, generator=g)[0]
         counts[out.output_ids[1]] += 1
     assert (counts / n - want).abs().max() < 0.065
@@ -189,8 +188,8 @@ def test_expected_acceptance_against_brute_force_and_the_accept_rule():
     """eval's sampled acceptance per block: each block run alone as inference runs it, the target's p from
     its own logits, the filtered overlap computed token by token; and a Monte Carlo of the decoder's accept
     rule (`verify_block`, draft tokens drawn from q) along the same answer agrees within its error."""
-    target = conftest.tiny_qwen3(num_layers=2)
-    draft = conftest.make_draft(target)
+    target = train_qwen3(num_layers=2)
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=30, pad_last=0)
     batch = wrapper.generate_batch(ids, attn, lm, return_final_hidden=True)
@@ -259,8 +258,8 @@ def test_expected_acceptance_against_brute_force_and_the_accept_rule():
 
 def test_training_steps_do_not_pay_for_the_metric():
     """With grad enabled (a training step) the metric is not computed, even with final hidden states."""
-    target = conftest.tiny_qwen3(num_layers=2)
-    draft = conftest.make_draft(target)
+    target = train_qwen3(num_layers=2)
+    draft = train_draft(target)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=1, seq=30, pad_last=0)
     batch = wrapper.generate_batch(ids, attn, lm, return_final_hidden=True)

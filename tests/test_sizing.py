@@ -1,13 +1,11 @@
-"""Sizing advice: benchmarks/sizing.py's row against one computed by hand from a small fixture, the packaged
-copy of its rows equal to docs/bench's, and the pipeline's plan-time warning for a budget below a paying
-draft's (and none above it), with the token estimate computed by hand."""
+"""Sizing advice: the row `benchmarks/sizing.py` writes (`sizing_advice.target_row`) against one computed by hand
+from a small fixture, the packaged copy of its rows equal to docs/bench's, and the pipeline's plan-time warning
+for a budget below a paying draft's (and none above it), with the token estimate computed by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +16,6 @@ from nemo_dflash.recipes import pipeline, sizing_advice
 from test_pipeline import RECIPE, tiny  # noqa: F401 (tiny: the module's tiny target)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def load_script():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("sizing_script", REPO / "benchmarks" / "sizing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 HEAD = {"date": "2026-01-01", "commit": "abc", "device": "NVIDIA H200", "command": "x"}
@@ -51,8 +41,7 @@ PATHS = {"drafter": "d.json", "train": "t.json", "regen": "r.json"}
 
 
 def test_the_scripts_row_is_the_hand_computed_one():
-    script = load_script()
-    row = script.target_row(SPEC, DRAFTS, TRAIN, REGEN, {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 1000},
+    row = sizing_advice.target_row(SPEC, DRAFTS, TRAIN, REGEN, {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 1000},
                             3, PATHS)
     assert [p["train_tokens"] for p in row["points"]] == [10_000_000, 20_000_000, 40_000_000]
     assert row["tokens_to_speedup_1"] == 20_000_000 and row["tokens_to_speedup_1_5"] == 40_000_000
@@ -60,7 +49,7 @@ def test_the_scripts_row_is_the_hand_computed_one():
     # 20 M tokens: 200 s of training + 250 s of regeneration = 7.5 minutes; 40 M: 15 minutes
     assert row["minutes_per_gpu_to_speedup_1"] == pytest.approx(7.5)
     assert row["minutes_per_gpu_to_speedup_1_5"] == pytest.approx(15.0)
-    lines = script.table([row])
+    lines = sizing_advice.table([row])
     assert row["tokens_to_speedup_1_no_loop"] == 40_000_000 and row["tokens_to_speedup_1_5_no_loop"] is None
     assert "| T | 1,000 | 3 x 64 | 20.0 M | 7.5 | 40.0 M | 15.0 | 40.0 M / > 40.0 M (no measured run pays) | " \
            "100.0k / 80.0k |" in lines
@@ -69,13 +58,12 @@ def test_the_scripts_row_is_the_hand_computed_one():
 
 
 def test_a_target_no_measured_draft_pays_for_says_so():
-    script = load_script()
     slow = [{**r, "mtbench_t0_speedup": 0.7} for r in DRAFTS[:3]]
-    row = script.target_row(SPEC, slow, TRAIN, REGEN, None, None, PATHS)
+    row = sizing_advice.target_row(SPEC, slow, TRAIN, REGEN, None, None, PATHS)
     assert row["tokens_to_speedup_1"] is None and row["minutes_per_gpu_to_speedup_1"] is None
-    assert script.pay_cell(row, "1") == "> 40.0 M (no measured run pays)"
-    none = script.target_row({**SPEC, "names": ()}, DRAFTS, TRAIN, REGEN, None, None, PATHS)
-    assert script.pay_cell(none, "1") == "no run recorded"
+    assert sizing_advice.pay_cell(row, "1") == "> 40.0 M (no measured run pays)"
+    none = sizing_advice.target_row({**SPEC, "names": ()}, DRAFTS, TRAIN, REGEN, None, None, PATHS)
+    assert sizing_advice.pay_cell(none, "1") == "no run recorded"
 
 
 def test_the_packaged_rows_are_docs_bench_rows():

@@ -130,32 +130,21 @@ def test_train_json_without_training_files_is_refused_in_one_line(tmp_path):
     assert res.returncode != 0 and "--train-json" in res.stderr and json.loads(rows.read_text()) == []
 
 
-def _load_drafter():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("drafter_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_gap_per_epoch_is_held_out_minus_training_loss_at_each_epochs_end(tmp_path):
+def test_the_gap_per_epoch_is_held_out_minus_training_loss_at_each_epochs_end():
     """Epochs of 100 steps, 250 steps run: training loss 2.0 / 1.5 / 1.2 over each end's last 10 steps (noise
     before them left out), held-out 1.9 / 1.6 / 1.4 there: gaps -0.1, +0.1 and +0.2 at epochs 1, 2 and 2.5.
     Without `steps_per_epoch` in the summary the epoch is the train split's tokens (1000 x 8/10) over the
     tokens a step (2000/250): 100 steps again, marked estimated."""
-    drafter = _load_drafter()
+    from nemo_dflash.train.metrics import epoch_gaps
+
     train = [{"step": s, "loss": 9.0} for s in range(5, 90, 5)]
     train += [{"step": s, "loss": 2.0} for s in range(91, 101)] + [{"step": s, "loss": 1.5} for s in range(191, 201)]
     train += [{"step": s, "loss": 1.2} for s in range(241, 251)]
     evals = [{"step": 100, "eval_loss": 1.9}, {"step": 200, "eval_loss": 1.6}, {"step": 250, "eval_loss": 1.4}]
     for name, extra in (("exact", {"steps_per_epoch": 100}), ("estimated", {})):
-        out = tmp_path / name
-        (out / "run").mkdir(parents=True)
-        (out / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train + evals))
-        (out / "run" / "summary.json").write_text(json.dumps(
-            {"steps": 250, "tokens_seen": 2000, "data": {"tokens": 1000, "samples": 10, "train_samples": 8}, **extra}))
-        gaps = drafter.epoch_gaps(out)
+        summary = {"steps": 250, "tokens_seen": 2000, "data": {"tokens": 1000, "samples": 10, "train_samples": 8},
+                   **extra}
+        gaps = epoch_gaps(train + evals, summary)
         assert gaps["estimated"] is (name == "estimated") and gaps["steps_per_epoch"] == 100
         got = [(p["epoch"], p["train_loss"], p["eval_loss"], p["gap"]) for p in gaps["points"]]
         assert got == [(1.0, 2.0, 1.9, -0.1), (2.0, 1.5, 1.6, 0.1), (2.5, 1.2, 1.4, 0.2)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash.engine.spec_decode import (
     DFlashSpeculativeDecoder,
     autoregressive_generate,
@@ -231,13 +232,13 @@ def test_verify_block_sampling_preserves_target_distribution():
     with single_thread():
         for _ in range(n):
             d = torch.multinomial(q[0], 1, generator=g)
-            n_acc, nxt = verify_block(d, p_logits, temperature=1.0, draft_probs=q, generator=g)
+            n_acc, nxt = verify_block(d, p_logits, sampling=SamplingParams(1.0), draft_probs=q, generator=g)
             counts[int(d) if n_acc == 1 else nxt] += 1
     p = torch.softmax(p_logits[0], -1)
     assert (counts / n - p).abs().max() < 0.03
     # q == p: everything is accepted and the bonus comes from row 1.
     d = torch.tensor([2])
-    n_acc, _ = verify_block(d, p_logits[:1].expand(2, -1), 1.0, torch.softmax(p_logits[:1], -1), g)
+    n_acc, _ = verify_block(d, p_logits[:1].expand(2, -1), SamplingParams(1.0), torch.softmax(p_logits[:1], -1), g)
     assert n_acc == 1
 
 
@@ -249,16 +250,16 @@ def test_sampling_end_to_end_distribution():
     n, counts = 800, torch.zeros(8)
     with single_thread():
         for _ in range(n):
-            out = decoder.generate(ids, max_new_tokens=2, temperature=1.0, generator=g)
+            out = decoder.generate(ids, max_new_tokens=2, sampling=SamplingParams(1.0), generator=g)
             counts[out.output_ids[1]] += 1
     assert (counts / n - p2).abs().max() < 0.06
     # Same seed, same output; the AR baseline samples too.
-    a = speculative_generate(target, draft, ids, max_new_tokens=12, temperature=0.7,
+    a = speculative_generate(target, draft, ids, max_new_tokens=12, sampling=SamplingParams(0.7),
                              generator=torch.Generator().manual_seed(5))
-    b = speculative_generate(target, draft, ids, max_new_tokens=12, temperature=0.7,
+    b = speculative_generate(target, draft, ids, max_new_tokens=12, sampling=SamplingParams(0.7),
                              generator=torch.Generator().manual_seed(5))
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
-    ar = autoregressive_generate(target, ids, max_new_tokens=12, temperature=0.7, generator=g)
+    ar = autoregressive_generate(target, ids, max_new_tokens=12, sampling=SamplingParams(0.7), generator=g)
     assert len(ar.output_ids) == 12
 
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from conftest import random_batch, tiny_llama, tiny_qwen3
+from _tiny_models import random_batch, train_llama, train_qwen3
 from nemo_dflash.target import HFDFlashTargetModel, find_decoder_layers
 
 
-@pytest.mark.parametrize("factory", [tiny_qwen3, tiny_llama])
+@pytest.mark.parametrize("factory", [train_qwen3, train_llama])
 @pytest.mark.parametrize("ids", [[0, 2], [1, 3], [2]])
 def test_capture_equals_output_hidden_states(factory, ids):
     model = factory()
@@ -24,7 +24,7 @@ def test_capture_equals_output_hidden_states(factory, ids):
 
 
 def test_early_stop_skips_later_layers():
-    model = tiny_qwen3(num_layers=6)
+    model = train_qwen3(num_layers=6)
     calls = []
     layers = find_decoder_layers(model)
     handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
@@ -39,7 +39,7 @@ def test_early_stop_skips_later_layers():
 @pytest.mark.parametrize("ids", [[], [6], [-1], [1, 1]])
 def test_bad_layer_ids_are_rejected(ids):
     with pytest.raises(ValueError, match="target_layer_ids"):
-        HFDFlashTargetModel(tiny_qwen3(num_layers=6), ids)
+        HFDFlashTargetModel(train_qwen3(num_layers=6), ids)
 
 
 def _num_hooks(model):
@@ -47,7 +47,7 @@ def _num_hooks(model):
 
 
 def test_raising_forward_leaves_no_hook():
-    model = tiny_qwen3()
+    model = train_qwen3()
     wrapper = HFDFlashTargetModel(model, [1, 3])
     assert _num_hooks(model) == 0
 
@@ -65,7 +65,7 @@ def test_raising_forward_leaves_no_hook():
 
 
 def test_layer_discovery_layouts():
-    model = tiny_qwen3()
+    model = train_qwen3()
 
     class Wrapped(torch.nn.Module):  # e.g. a VLM holding the text model under language_model
         def __init__(self):
@@ -79,7 +79,7 @@ def test_layer_discovery_layouts():
 
 
 def test_target_is_frozen_and_exposes_embeddings():
-    model = tiny_llama()
+    model = train_llama()
     wrapper = HFDFlashTargetModel(model, [1])
     assert not any(p.requires_grad for p in model.parameters())
     assert wrapper.get_input_embeddings() is model.get_input_embeddings()
@@ -103,7 +103,7 @@ def test_unknown_packaged_target_names_the_known_ones(tmp_path, capsys):
     assert exc.value.code == 2 and "packaged targets are: pkg:smollm2" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("factory", [tiny_qwen3, tiny_llama])
+@pytest.mark.parametrize("factory", [train_qwen3, train_llama])
 def test_random_weight_targets_have_their_rotary_tables(factory):
     """`random_weight_model` (`target.random_init`, the benchmarks' targets) builds on the meta device and
     allocates with ``to_empty``, which leaves buffers as whatever memory held: the rotary tables must equal HF's

@@ -12,7 +12,7 @@ import torch
 
 from _tiny_target import make_tiny_target_dir, tiny_train_args as _args, write_chat_jsonl
 from _torchrun import run_command
-from conftest import make_draft, random_batch, tiny_qwen3
+from _tiny_models import random_batch, train_draft, train_qwen3
 from nemo_dflash.config import ConfigError, load_recipe
 from nemo_dflash.objective.anchors import sample_anchors
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
@@ -80,8 +80,8 @@ def test_recipe_found_in_working_dir_first(tmp_path, monkeypatch):
 
 
 def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
-    target = tiny_qwen3()
-    draft = make_draft(target, num_layers=1, block_size=4)
+    target = train_qwen3()
+    draft = train_draft(target, num_layers=1, block_size=4)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     batch = wrapper.generate_batch(ids, attn, lm)
@@ -372,8 +372,8 @@ def _step_pieces(seed: int = 0, fused: bool = False):
     from nemo_dflash.train.distributed import DistState
     from nemo_dflash.train.optim import build_optimizer
 
-    target = tiny_qwen3()
-    draft = make_draft(target, num_layers=1, block_size=4, seed=seed)
+    target = train_qwen3()
+    draft = train_draft(target, num_layers=1, block_size=4, seed=seed)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(),
                                  num_anchors=6, loss_decay_gamma=4.0)
@@ -539,8 +539,8 @@ def test_loss_sums_add_and_read_back_by_name():
     """`sums()` of two micro-batches added == the sums of the whole batch, read back by field name."""
     from nemo_dflash.objective.metrics import LossSums
 
-    target = tiny_qwen3()
-    draft = make_draft(target, num_layers=1, block_size=4)
+    target = train_qwen3()
+    draft = train_draft(target, num_layers=1, block_size=4)
     wrapper = HFDFlashTargetModel(target, draft.config.target_layer_ids)
     module = DFlashTrainerModule(draft, wrapper.get_input_embeddings(), wrapper.get_output_embeddings(), num_anchors=4)
     ids, attn, lm = random_batch(bsz=2, seq=30)
@@ -567,7 +567,7 @@ def test_checkpointer_layout_is_what_export_reads(tmp_path):
     from nemo_dflash.train.checkpoint import COMPLETE, DRAFT_DIR, checkpoint_root, final_draft_dir, step_dir_name
 
     run = tmp_path / "run"
-    draft = make_draft(tiny_qwen3(), num_layers=1, block_size=4)
+    draft = train_draft(train_qwen3(), num_layers=1, block_size=4)
     ckpt = checkpoint_root(run) / step_dir_name(12)
     draft.save_pretrained(ckpt / DRAFT_DIR)
     (ckpt / COMPLETE).write_text("ok\n")

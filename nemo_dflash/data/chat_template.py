@@ -22,13 +22,14 @@ template markers) and :func:`stop_token_ids` (what ends an answer).
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from nemo_dflash.data.sources import DataError
+from nemo_dflash.data.sources import DataError, read_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -438,3 +439,20 @@ def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
             "never stop; use the target's instruct tokenizer (with eos_token set)"
         )
     return ids
+
+
+def write_first_turns(src: str, dst: str, turns: str = "first") -> int:
+    """One line per conversation of `src` (same order, so the same seeded shuffle): its system
+    prompt and its first (or every) user turn, each followed by a placeholder answer: the prompts `regenerate`
+    reads, without the source's answers. Conversations with no user turn are kept whole so that the pool, and
+    therefore the shuffle, does not change. Returns the lines written."""
+    n = 0
+    with open(dst, "w", encoding="utf-8") as f:
+        for conv in read_conversations(src):
+            system, users = split_prompt(conv.messages, turns)
+            msgs = conv.messages if not users else system + [
+                m for u in users for m in ({"role": "user", "content": u},
+                                           {"role": "assistant", "content": "(regenerated)"})]
+            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+            n += 1
+    return n

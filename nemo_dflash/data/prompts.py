@@ -40,9 +40,12 @@ import textwrap
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from nemo_dflash.data.sources import Conversation, DataError
+
+if TYPE_CHECKING:
+    from nemo_dflash.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -743,8 +746,9 @@ def _turn_problem(text: str, finish: str, role: str, specials: Sequence[str]) ->
 
 
 def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
-                   user_max_new_tokens: Optional[int] = None, batch_size: int = 64, temperature: float = 1.0,
-                   top_p: float = 1.0, name: str = "magpie", oversample: float = 1.3, turns: tuple[int, int] = (1, 1),
+                   user_max_new_tokens: Optional[int] = None, batch_size: int = 64,
+                   sampling: Optional[SamplingParams] = None, name: str = "magpie", oversample: float = 1.3,
+                   turns: tuple[int, int] = (1, 1),
                    report: Optional[dict[str, dict[str, Any]]] = None) -> list[Conversation]:
     """``counts[topic]`` conversations the target writes itself per topic of :data:`MAGPIE_TOPICS`.
 
@@ -765,8 +769,8 @@ def magpie_prompts(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: 
     answers can stay short while user turns run long.
     """
     convs = magpie_generate(model, tokenizer, counts, seed=seed, max_new_tokens=max_new_tokens,
-                            user_max_new_tokens=user_max_new_tokens, batch_size=batch_size, temperature=temperature,
-                            top_p=top_p, oversample=oversample, turns=turns)
+                            user_max_new_tokens=user_max_new_tokens, batch_size=batch_size, sampling=sampling,
+                            oversample=oversample, turns=turns)
     return magpie_select(convs, counts, name=name, report=report)
 
 
@@ -814,23 +818,22 @@ def magpie_shares(wants: Sequence[int], world: int) -> list[int]:
 
 
 def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed: int = 0, max_new_tokens: int = 256,
-                    user_max_new_tokens: Optional[int] = None, batch_size: int = 64, temperature: float = 1.0,
-                    top_p: float = 1.0, oversample: float = 1.3, turns: tuple[int, int] = (1, 1), rank: int = 0,
+                    user_max_new_tokens: Optional[int] = None, batch_size: int = 64,
+                    sampling: Optional[SamplingParams] = None, oversample: float = 1.3, turns: tuple[int, int] = (1, 1),
+                    rank: int = 0,
                     world: int = 1) -> list[_MagpieConversation]:
     """The conversations of :func:`magpie_plan` that rank ``rank`` of ``world`` generates
     (:func:`magpie_shares`), in global order; every one of them, whatever its outcome (:func:`magpie_select`
     filters them over all ranks). Each request's sampling is keyed by (seed, topic, index, step), so a
     conversation comes out the same whichever rank or batch generates it. User turns are capped at
     ``user_max_new_tokens`` (None: ``max_new_tokens``), answers at ``max_new_tokens``: each request
-    carries its cap, the engine's is the larger."""
+    carries its cap, the engine's is the larger. ``sampling`` None: T=1, as Magpie samples."""
     import collections
     import zlib
 
     from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
-    from nemo_dflash.engine.sampling import SamplingParams
-
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")
     user_cap = max_new_tokens if user_max_new_tokens is None else user_max_new_tokens
@@ -853,7 +856,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
                 prompt_ids=prefixes[c.topic], tag=c, hold=c.turns > 1, max_new_tokens=user_cap) for c in convs)
     engine = PlainEngine(model, rows=batch_size, max_prompt_tokens=max_prompt,
                          max_new_tokens=max(user_cap, max_new_tokens),
-                         stop_ids=stop_ids, sampling=SamplingParams(temperature, top_p=top_p), seed=seed,
+                         stop_ids=stop_ids, sampling=sampling or SamplingParams(1.0), seed=seed,
                          loop_detector=LoopDetector(), stop_on_loop=True)
     for done in engine.generate(pending):
         conv: _MagpieConversation = done.request.tag

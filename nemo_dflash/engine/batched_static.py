@@ -67,7 +67,7 @@ from nemo_dflash.engine.attention import eager_attention_backends
 from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
-from nemo_dflash.engine.sampling import DRAFT_STREAM, Sampling, SamplingParams, as_sampling, keyed_draw
+from nemo_dflash.engine.sampling import DRAFT_STREAM, GREEDY, SamplingParams, keyed_draw
 from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,
@@ -831,16 +831,16 @@ def _runner(kind: str, owner: Any, make: Callable[[int], Any], rows: int, need: 
     return runner
 
 
-def plain_runner(target_model: nn.Module, temperature: Sampling, rows: int, need: int, use_graphs: bool,
+def plain_runner(target_model: nn.Module, sampling: SamplingParams, rows: int, need: int, use_graphs: bool,
                  options: EngineOptions = DEFAULT_OPTIONS) -> BatchedStaticPlainRunner:
     """The target's plain runner for this kind of step (greedy, sampled, sampled and filtered) with `rows`
     rows, at least `need` cache positions and these options: the one an earlier call made when it fits, else a
     new one."""
-    s = as_sampling(temperature)
-    filtered, cap = (not s.greedy and s.filtered), top_k_cap(s)
-    kind = "plain" if s.greedy else f"plain sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
-    return _runner(kind, target_model, lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs,
-                                                                          not s.greedy, filtered, cap, options),
+    filtered, cap = (not sampling.greedy and sampling.filtered), top_k_cap(sampling)
+    kind = "plain" if sampling.greedy else f"plain sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
+    return _runner(kind, target_model,
+                   lambda n: BatchedStaticPlainRunner(target_model, rows, n, use_graphs, not sampling.greedy,
+                                                      filtered, cap, options),
                    rows, need, use_graphs, options)
 
 
@@ -850,17 +850,18 @@ def top_k_cap(s: SamplingParams) -> int:
     return s.top_k if not s.greedy and s.top_k > 0 else 0
 
 
-def spec_runner(decoder: Any, temperature: Sampling, rows: int, need: int, use_graphs: bool,
+def spec_runner(decoder: Any, sampling: SamplingParams, rows: int, need: int, use_graphs: bool,
                 options: EngineOptions = DEFAULT_OPTIONS) -> BatchedStaticSpecRunner:
     """The decoder's speculative runner for this kind of step (its filters and proposals are baked into the
     graphs; T, top-p and top-k are buffers), as `plain_runner`."""
-    s = as_sampling(temperature)
-    filtered, draft_greedy = (not s.greedy and s.filtered), (not s.greedy and s.draft == "greedy")
-    cap = top_k_cap(s)
-    kind = "spec" if s.greedy else (f"spec sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
-                                    f"{'+greedy draft' * draft_greedy}")
-    return _runner(kind, decoder, lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not s.greedy,
-                                                                    filtered, draft_greedy, cap, options),
+    filtered = not sampling.greedy and sampling.filtered
+    draft_greedy = not sampling.greedy and sampling.draft == "greedy"
+    cap = top_k_cap(sampling)
+    kind = "spec" if sampling.greedy else (f"spec sampled{'+filtered' * filtered}{f'+top{cap}' * bool(cap)}"
+                                           f"{'+greedy draft' * draft_greedy}")
+    return _runner(kind, decoder,
+                   lambda n: BatchedStaticSpecRunner(decoder, rows, n, use_graphs, not sampling.greedy, filtered,
+                                                     draft_greedy, cap, options),
                    rows, need, use_graphs, options)
 
 
@@ -887,7 +888,7 @@ def _longest(prompts: Sequence[Sequence[int]], max_prompt_tokens: Optional[int])
 
 def batched_static_autoregressive_generate(
     target_model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
+    sampling: SamplingParams = GREEDY, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
     max_prompt_tokens: Optional[int] = None, refill_rows: int = 1, window: int = 1,
     options: EngineOptions = DEFAULT_OPTIONS,
@@ -902,17 +903,16 @@ def batched_static_autoregressive_generate(
     rows = _rows(prompts, max_new_tokens, rows)
     if not 1 <= window <= WINDOW_MAX:
         raise ValueError(f"window must be in [1, {WINDOW_MAX}], got {window}")
-    s = as_sampling(temperature)
-    runner = plain_runner(target_model, s, rows, plain_cache_length(_longest(prompts, max_prompt_tokens),
+    runner = plain_runner(target_model, sampling, rows, plain_cache_length(_longest(prompts, max_prompt_tokens),
                                                                      max_new_tokens, window), use_graphs, options)
     runner.window = window
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
-                           on_done, refill_rows)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids),
+                           None if sampling.greedy else sampling, generator, on_done, refill_rows)
 
 
 def batched_static_speculative_generate(
     decoder: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    temperature: Sampling = 0.0, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
+    sampling: SamplingParams = GREEDY, stop_token_ids: Optional[Iterable[int]] = None, rows: Optional[int] = None,
     use_graphs: bool = True, generator: Optional[torch.Generator] = None, on_done: Optional[OnDone] = None,
     max_prompt_tokens: Optional[int] = None, refill_rows: int = 1, options: EngineOptions = DEFAULT_OPTIONS,
 ) -> list[GenerationOutput]:
@@ -921,11 +921,10 @@ def batched_static_speculative_generate(
     that prompt; at T > 0 they are samples of the target's distribution, all drawn from one `generator`.
     `on_done`, `max_prompt_tokens`, `refill_rows` and `options` as in `batched_static_autoregressive_generate`."""
     rows = _rows(prompts, max_new_tokens, rows)
-    s = as_sampling(temperature)
     need = spec_cache_length(_longest(prompts, max_prompt_tokens), max_new_tokens, decoder.block_size)
-    runner = spec_runner(decoder, s, rows, need, use_graphs, options)
-    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids), None if s.greedy else s, generator,
-                           on_done, refill_rows)
+    runner = spec_runner(decoder, sampling, rows, need, use_graphs, options)
+    return runner.generate(prompts, max_new_tokens, stop_set(stop_token_ids),
+                           None if sampling.greedy else sampling, generator, on_done, refill_rows)
 
 
 __all__ = [

@@ -6,10 +6,10 @@ Bottom layer: imports torch only, so every decoder takes its noise and acceptanc
   does not depend on batch composition or launch order, and a sampling step is one CUDA graph.
 - `select_tokens` / `verify_block`: the one-prompt decoder's token choice (generator-driven) and the
   speculative acceptance rule (accept slot k with probability min(1, p/q), else sample the residual).
-- `SamplingParams`: temperature, top-p, top-k and how the draft proposes, one value every decoder takes
-  (a bare float still means a temperature). With top-p / top-k both the target's and the draft's
-  distributions are filtered and renormalised before the accept test, so the output follows the
-  target's filtered distribution exactly.
+- `SamplingParams`: temperature, top-p, top-k and how the draft proposes, the one value every decoder takes
+  (a command, a recipe or a benchmark turns its bare temperature into one once: `as_sampling`). With top-p /
+  top-k both the target's and the draft's distributions are filtered and renormalised before the accept test,
+  so the output follows the target's filtered distribution exactly.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0
+
+    @property
+    def plain(self) -> bool:
+        """A temperature alone (no filter, the draft samples): what result files record as a bare number."""
+        return not self.filtered and self.draft == "sample"
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits / T with the tokens outside top-k, then top-p, at -inf."""
@@ -140,12 +145,12 @@ def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, draft
         raise ValueError(f"draft proposals {draft!r}: give one of {', '.join(DRAFT_PROPOSALS)}")
 
 
-Sampling = Union[float, int, SamplingParams]
 GREEDY = SamplingParams()  # T=0: the argmax
 
 
-def as_sampling(x: Sampling) -> SamplingParams:
-    """A `SamplingParams` from itself or a bare temperature."""
+def as_sampling(x: Union[float, int, SamplingParams]) -> SamplingParams:
+    """A `SamplingParams` from itself or a bare temperature: for the boundaries (a command's flag, a recipe key, a
+    benchmark's argument), so that every decoder below takes one type."""
     return x if isinstance(x, SamplingParams) else SamplingParams(temperature=float(x))
 
 
@@ -355,38 +360,36 @@ def sample_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> to
 
 
 def select_tokens(
-    logits: torch.Tensor, temperature: Sampling, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, sampling: SamplingParams, generator: Optional[torch.Generator] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[N, V] logits -> (tokens [N], the filtered probs [N, V] or None at T=0): the target's own choice."""
-    s = as_sampling(temperature)
-    if s.greedy:
+    if sampling.greedy:
         return logits.argmax(dim=-1), None
-    probs = s.probs(logits)
+    probs = sampling.probs(logits)
     return sample_from(probs, generator), probs
 
 
 def propose_tokens(
-    logits: torch.Tensor, temperature: Sampling, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, sampling: SamplingParams, generator: Optional[torch.Generator] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The draft's proposals for [N, V] logits: (tokens [N], q [N, V] or None at T=0).
 
     q is what the accept test divides by: the filtered distribution the tokens were drawn from, or,
     with ``draft="greedy"``, the one-hot of the argmax proposed.
     """
-    s = as_sampling(temperature)
-    if s.greedy:
+    if sampling.greedy:
         return logits.argmax(dim=-1), None
-    if s.draft == "greedy":
+    if sampling.draft == "greedy":
         tokens = logits.argmax(dim=-1)
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return tokens, q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
-    return select_tokens(logits, s, generator)
+    return select_tokens(logits, sampling, generator)
 
 
 def verify_block(
     draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    temperature: Sampling = 0.0,
+    sampling: SamplingParams = GREEDY,
     draft_probs: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[int, int]:
@@ -400,14 +403,13 @@ def verify_block(
     top-k, p is the target's filtered distribution and q the draft's (`propose_tokens`).
     """
     k_len = draft_tokens.shape[0]
-    s = as_sampling(temperature)
-    if s.greedy:
+    if sampling.greedy:
         target_tokens = target_logits.argmax(dim=-1)
         n_acc = int(greedy_accepted(draft_tokens, target_tokens)) if k_len else 0
         return n_acc, int(target_tokens[n_acc])
     if draft_probs is None and k_len:
         raise ValueError("Speculative sampling (temperature > 0) needs the draft's probabilities")
-    p = s.probs(target_logits)  # [K + 1, V]
+    p = sampling.probs(target_logits)  # [K + 1, V]
     if k_len:
         idx = draft_tokens.unsqueeze(-1)
         p_tok = p[:-1].gather(-1, idx).squeeze(-1)

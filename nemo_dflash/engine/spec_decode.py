@@ -48,7 +48,7 @@ from nemo_dflash.engine.batched_static import (
     batched_static_autoregressive_generate, batched_static_speculative_generate,
 )
 from nemo_dflash.engine.sampling import (
-    Sampling, SamplingParams, as_sampling, propose_tokens, select_tokens, verify_block,
+    GREEDY, SamplingParams, propose_tokens, select_tokens, verify_block,
 )
 from nemo_dflash.target import HFDFlashTargetModel
 
@@ -228,7 +228,7 @@ class DFlashSpeculativeDecoder:
         input_ids: TokenIds,
         *,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: Sampling = 0.0,
+        sampling: SamplingParams = GREEDY,
         stop_token_ids: Optional[Iterable[int]] = None,
         generator: Optional[torch.Generator] = None,
         past_key_values: Optional[DynamicCache] = None,
@@ -240,8 +240,8 @@ class DFlashSpeculativeDecoder:
 
         `past_key_values` / `draft_cache` may be passed (empty) to inspect the caches afterwards
         (eager mode only). `decode`: "eager" (HF DynamicCache) or "graphs" (static cache + CUDA
-        graphs, CUDA only); both give the target's greedy output at T=0. `temperature` is a
-        temperature or a `SamplingParams` (top-p, top-k, how the draft proposes). `options`: the engine's speed
+        graphs, CUDA only); both give the target's greedy output at T=0. `sampling`: temperature,
+        top-p, top-k and how the draft proposes. `options`: the engine's speed
         settings (answers unchanged; the eager loop reads `avoid_cudnn_attention` only).
         """
         if max_new_tokens < 1:
@@ -255,9 +255,9 @@ class DFlashSpeculativeDecoder:
             if past_key_values is not None or draft_cache is not None:
                 raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
             return batched_static_speculative_generate(  # the engine's loop with one row
-                self, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
+                self, [ids[0].tolist()], max_new_tokens=max_new_tokens, sampling=sampling,
                 stop_token_ids=stop_ids, rows=1, generator=generator, options=options)[0]
-        return self._generate_eager(ids, max_new_tokens, temperature, stop_ids, generator, past_key_values, draft_cache,
+        return self._generate_eager(ids, max_new_tokens, sampling, stop_ids, generator, past_key_values, draft_cache,
                                     options)
 
     def _verify_mask(self, q_pos: torch.Tensor, kv_len: int) -> dict:
@@ -286,7 +286,7 @@ class DFlashSpeculativeDecoder:
         self,
         ids: torch.Tensor,
         max_new_tokens: int,
-        temperature: Sampling,
+        sampling: SamplingParams,
         stop_ids: set[int],
         generator: Optional[torch.Generator],
         past_key_values: Optional[DynamicCache],
@@ -295,8 +295,7 @@ class DFlashSpeculativeDecoder:
     ) -> GenerationOutput:
         device, model = self.device, self.target.model
         blk = self.block_size
-        temperature = as_sampling(temperature)
-        greedy = temperature.greedy
+        greedy = sampling.greedy
         cache = past_key_values if past_key_values is not None else _new_cache(model, self._recurrent)
         recurrent = recurrent_cache.has_recurrent_state(cache)
         if self._recurrent and not recurrent:
@@ -319,7 +318,7 @@ class DFlashSpeculativeDecoder:
                 position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **self._prefill_kwargs,
             )
             pending = self.target.concat(captured)  # features the draft has not seen: [prompt_len - C, position)
-            last, _ = select_tokens(out.logits[0, -1:], temperature, generator)  # [1], on the device
+            last, _ = select_tokens(out.logits[0, -1:], sampling, generator)  # [1], on the device
             output = [int(last[0])]
             sync(device)
             t1 = time.perf_counter()
@@ -329,11 +328,11 @@ class DFlashSpeculativeDecoder:
             while not stopped and len(output) < max_new_tokens:
                 position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
                 if blk > 1 and self.draft.has_selector:
-                    d_tokens, d_probs = self.walk_proposals(last, position, pending, dcache, blk, temperature,
+                    d_tokens, d_probs = self.walk_proposals(last, position, pending, dcache, blk, sampling,
                                                             generator)
                 elif blk > 1:
                     d_logits = self.draft_logits(last, position, pending, dcache, blk)
-                    d_tokens, d_probs = propose_tokens(d_logits, temperature, generator)
+                    d_tokens, d_probs = propose_tokens(d_logits, sampling, generator)
                 else:
                     d_tokens, d_probs = no_draft, None
                 q_pos = torch.arange(position, position + blk, device=device)
@@ -352,7 +351,7 @@ class DFlashSpeculativeDecoder:
                     new = res[1: n_acc + 2]  # accepted proposals equal the target's own tokens
                     last = tgt[n_acc: n_acc + 1]
                 else:
-                    n_acc, nxt = verify_block(d_tokens, out.logits[0], temperature, d_probs, generator)
+                    n_acc, nxt = verify_block(d_tokens, out.logits[0], sampling, d_probs, generator)
                     new = d_tokens[:n_acc].tolist() + [nxt]
                     last = torch.full((1,), nxt, dtype=torch.long, device=device)
                 accept_lens.append(len(new))
@@ -383,7 +382,7 @@ def autoregressive_generate(
     input_ids: TokenIds,
     *,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    temperature: Sampling = 0.0,
+    sampling: SamplingParams = GREEDY,
     stop_token_ids: Optional[Iterable[int]] = None,
     generator: Optional[torch.Generator] = None,
     past_key_values: Optional[DynamicCache] = None,
@@ -405,16 +404,16 @@ def autoregressive_generate(
         if past_key_values is not None:
             raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")
         return batched_static_autoregressive_generate(  # the engine's loop with one row
-            target_model, [ids[0].tolist()], max_new_tokens=max_new_tokens, temperature=temperature,
+            target_model, [ids[0].tolist()], max_new_tokens=max_new_tokens, sampling=sampling,
             stop_token_ids=stop_ids, rows=1, generator=generator, options=options)[0]
     cache = past_key_values if past_key_values is not None else _new_cache(target_model, recurrent)
     extra = {"logits_to_keep": 1} if _accepts_kwarg(target_model, "logits_to_keep") else {}
     with graphs.eager_attention_backends(device, options.avoid_cudnn_attention):
-        return _autoregressive_eager(target_model, ids, max_new_tokens, temperature, stop_ids, generator, cache, extra)
+        return _autoregressive_eager(target_model, ids, max_new_tokens, sampling, stop_ids, generator, cache, extra)
 
 
 def _autoregressive_eager(
-    target_model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: Sampling, stop_ids: set[int],
+    target_model: nn.Module, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams, stop_ids: set[int],
     generator: Optional[torch.Generator], cache: DynamicCache, extra: dict,
 ) -> GenerationOutput:
     device = ids.device
@@ -425,7 +424,7 @@ def _autoregressive_eager(
         input_ids=ids, past_key_values=cache, use_cache=True,
         position_ids=torch.arange(prompt_len, device=device).unsqueeze(0), **extra,
     )
-    tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
+    tok, _ = select_tokens(out.logits[0, -1:], sampling, generator)
     output = [int(tok[0])]
     sync(device)
     t1 = time.perf_counter()
@@ -437,7 +436,7 @@ def _autoregressive_eager(
             input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True,
             position_ids=torch.arange(position, position + 1, device=device).unsqueeze(0),  # no host->device copy
         )
-        tok, _ = select_tokens(out.logits[0, -1:], temperature, generator)
+        tok, _ = select_tokens(out.logits[0, -1:], sampling, generator)
         output.append(int(tok[0]))  # the step's one host sync
         steps += 1
         stopped = output[-1] in stop_ids

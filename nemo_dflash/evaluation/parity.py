@@ -223,6 +223,7 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
     """
     import copy
 
+    from nemo_dflash.engine.sampling import GREEDY
     from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
 
     cfg = dict(cfg)
@@ -236,9 +237,9 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
     agree = total = steps = 0
     ours_taus, ref_taus = [], []
     for n, ids in enumerate(prompts):
-        ours = decoder.generate(list(ids), max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+        ours = decoder.generate(list(ids), max_new_tokens=max_new_tokens, sampling=GREEDY, stop_token_ids=stops)
         greedy = decoder.generate(list(ids), max_new_tokens=len(ours.output_ids) + decoder.block_size,
-                                  temperature=0.0, stop_token_ids=[]).output_ids  # stops ignored: the last steps' tokens
+                                  sampling=GREEDY, stop_token_ids=[]).output_ids  # stops ignored: the last steps' tokens
         ref = reference_acceptance(target, weights, cfg, ids, greedy, max_new_tokens, decoder.block_size, stops,
                                    ours_draft)
         if ref.not_greedy_at is not None:

@@ -28,7 +28,7 @@ from nemo_dflash.data.loops import find_loop_start
 from nemo_dflash.data.sources import BadRecordCounter, MalformedRecord, iter_records, normalize_record
 from nemo_dflash.draft.model import DFlashDraftModel
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate
-from nemo_dflash.engine.sampling import Sampling, SamplingParams, as_sampling
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class EvalProtocol:
     name: str
     max_new_tokens: int
     turns: int
-    temperatures: tuple[Sampling, ...]  # a bare temperature, or `SamplingParams` (top-p, top-k, draft proposals)
+    samplings: tuple[SamplingParams, ...]  # each a figure's sampling setting (results.json: "temperatures")
     datasets: tuple[str, ...]
     num_prompts: Optional[int]
     speedup_prompts: int
@@ -67,19 +67,24 @@ class EvalProtocol:
     method: str = "sequential"  # how acceptance is measured: "sequential", "replay" (T=0 only) or "batched"
     overrides: tuple[str, ...] = ()  # the fields changed from the named protocol
 
-    def label(self, temperature: Sampling, block_size: int, turns: Optional[int] = None) -> str:
+    def label(self, sampling: SamplingParams, block_size: int, turns: Optional[int] = None) -> str:
         """The short protocol tag printed next to a figure (`turns`: those of its dataset, if fewer)."""
         n = self.turns if turns is None else min(turns, self.turns)
         return (f"{self.name}: {self.max_new_tokens} tok, {n} turn{'s' if n > 1 else ''}, "
-                f"{as_sampling(temperature).label}, "
+                f"{sampling.label}, "
                 f"B={block_size}, {self.decode}{'' if self.method == 'sequential' else ', ' + self.method}")
 
     def with_overrides(self, **changes: Any) -> "EvalProtocol":
-        """This protocol with explicit values replacing its own; the changed fields are recorded."""
-        changed = tuple(k for k, v in changes.items() if v is not None and v != getattr(self, k))
+        """This protocol with explicit values replacing its own; the changed fields are recorded (by the names
+        results.json gives them: `RECORD_NAMES`)."""
+        changed = tuple(RECORD_NAMES.get(k, k) for k, v in changes.items()
+                        if v is not None and v != getattr(self, k))
         kept = {k: v for k, v in changes.items() if v is not None}
         return replace(self, **kept, overrides=tuple(dict.fromkeys(self.overrides + changed)))
 
+
+# fields that results.json's "protocol" names otherwise (the name its readers know)
+RECORD_NAMES = {"samplings": "temperatures"}
 
 # replay: T=0 acceptance from batched greedy answers (evaluation.replay); batched: the speculative decoder
 # on many conversations at once (engine.batched_static), any temperature
@@ -87,10 +92,10 @@ METHODS = ("sequential", "replay", "batched")
 
 PROTOCOLS: dict[str, EvalProtocol] = {
     # The DFlash paper's Tables 1-2: up to 2048 new tokens, MT-Bench on both turns, T=0 and T=1.
-    "paper": EvalProtocol("paper", max_new_tokens=2048, turns=2, temperatures=(0.0, 1.0),
+    "paper": EvalProtocol("paper", max_new_tokens=2048, turns=2, samplings=(GREEDY, SamplingParams(1.0)),
                           datasets=("mtbench", "humaneval"), num_prompts=None, speedup_prompts=20),
     # CI and the demo: minutes on a CPU. Its figures are not comparable with the paper's.
-    "quick": EvalProtocol("quick", max_new_tokens=64, turns=1, temperatures=(0.0,),
+    "quick": EvalProtocol("quick", max_new_tokens=64, turns=1, samplings=(GREEDY,),
                           datasets=("mtbench", "humaneval"), num_prompts=8, speedup_prompts=8),
 }
 
@@ -100,7 +105,7 @@ class EvalSettings:
     """How one set of prompts is decoded (the keyword arguments of `evaluate_acceptance`)."""
 
     max_new_tokens: int = 128
-    temperature: Sampling = 0.0  # a bare temperature or `SamplingParams`
+    sampling: SamplingParams = GREEDY
     block_size: Optional[int] = None
     turns: int = 1
     decode: str = "eager"
@@ -296,9 +301,10 @@ class Answer:
         return cls(**{k: v for k, v in row.items() if k != "prompt_ids"})
 
 
-def answer_seed(seed: int, temperature: Sampling, prompt_id: str) -> int:
-    """A sampling seed per conversation: results do not depend on which worker or order decoded it."""
-    return zlib.crc32(f"{seed}|{temperature:g}|{prompt_id}".encode())
+def answer_seed(seed: int, sampling: SamplingParams, prompt_id: str) -> int:
+    """A sampling seed per conversation: results do not depend on which worker or order decoded it. Keyed by
+    `SamplingParams.key` ("1" at a plain T=1, as a bare temperature always keyed it)."""
+    return zlib.crc32(f"{seed}|{sampling.key}|{prompt_id}".encode())
 
 
 def conversation_turns(prompt: EvalPrompt, turns: int) -> int:
@@ -360,7 +366,7 @@ class ConversationDecoder:
 
     def _kw(self, max_new_tokens: Optional[int] = None) -> dict[str, Any]:
         s = self.settings
-        return dict(max_new_tokens=max_new_tokens or s.max_new_tokens, temperature=s.temperature,
+        return dict(max_new_tokens=max_new_tokens or s.max_new_tokens, sampling=s.sampling,
                     stop_token_ids=self.stops)
 
     def warmup(self, prompt: EvalPrompt) -> None:
@@ -388,7 +394,7 @@ class ConversationDecoder:
         from nemo_dflash.engine.batched_static import batched_static_speculative_generate
 
         s = self.settings
-        g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.temperature, prompts[0].id))
+        g = torch.Generator(device=self.gen_device).manual_seed(answer_seed(s.seed, s.sampling, prompts[0].id))
         histories = [p.history() for p in prompts]
         turns = [conversation_turns(p, s.turns) for p in prompts]
         answers: list[list[Answer]] = [[] for _ in prompts]
@@ -430,7 +436,7 @@ class ConversationDecoder:
     def run(self, prompt: EvalPrompt) -> list[Answer]:
         """The answers to up to `settings.turns` user turns of `prompt` (message lists: one answer)."""
         s = self.settings
-        seed = answer_seed(s.seed, s.temperature, prompt.id)
+        seed = answer_seed(s.seed, s.sampling, prompt.id)
         g_spec = torch.Generator(device=self.gen_device).manual_seed(seed)
         g_ar = torch.Generator(device=self.gen_device).manual_seed(seed)
         history = prompt.history()
@@ -546,7 +552,7 @@ def _speedup_of(answers: Sequence[Answer]) -> tuple[dict[str, Any], dict[str, An
     return spec, ar, ratio
 
 
-def speedup_metrics(answers: Sequence[Answer], temperature: Sampling) -> dict[str, Any]:
+def speedup_metrics(answers: Sequence[Answer], sampling: SamplingParams) -> dict[str, Any]:
     """Speculative vs plain decoding of the same prompts: time per output token, prefill excluded
     (the prefill yields the first token, so each answer counts its new tokens minus one).
 
@@ -561,7 +567,7 @@ def speedup_metrics(answers: Sequence[Answer], temperature: Sampling) -> dict[st
                            "spec": spec, "ar": ar, "speedup": ratio, "per_prompt_speedup": per_prompt_speedup(timed),
                            "speedup_no_loop": _speedup_of(no_loop)[2] if no_loop else None,
                            "answers_no_loop": len(no_loop)}
-    if as_sampling(temperature).greedy:
+    if sampling.greedy:
         matches = sum(bool(a.ar_match) for a in timed)
         res["greedy_match"] = matches / len(timed) if timed else None
         if matches != len(timed):
@@ -570,14 +576,14 @@ def speedup_metrics(answers: Sequence[Answer], temperature: Sampling) -> dict[st
     return res
 
 
-def dataset_result(answers: Sequence[Answer], *, block_size: int, temperature: Sampling, max_new_tokens: int,
+def dataset_result(answers: Sequence[Answer], *, block_size: int, sampling: SamplingParams, max_new_tokens: int,
                    num_prompts: int) -> dict[str, Any]:
     """One dataset at one sampling setting: the figures over all answers, per turn, and per answer."""
     turns = sorted({a.turn for a in answers})
     return {
         "num_prompts": num_prompts,
         "turns": max(turns, default=0),
-        **as_sampling(temperature).record(),
+        **sampling.record(),
         "max_new_tokens": max_new_tokens,
         "block_size": block_size,
         **summarize(answers, block_size),
@@ -619,10 +625,10 @@ def evaluate_acceptance(
         answers = [a for item in items for a in dec.run(item)]
     finally:
         draft.train(was_training)
-    res = dataset_result(answers, block_size=dec.block_size, temperature=s.temperature,
+    res = dataset_result(answers, block_size=dec.block_size, sampling=s.sampling,
                          max_new_tokens=s.max_new_tokens, num_prompts=len(items))
     if s.measure_speedup:
-        sp = speedup_metrics(answers, s.temperature)
+        sp = speedup_metrics(answers, s.sampling)
         res.update({k: sp[k] for k in ("spec", "ar", "speedup", "greedy_match") if k in sp})
     return res
 
@@ -723,8 +729,10 @@ def protocol_record(protocol: EvalProtocol, block_size: int, trained_block_size:
                     prompt_counts: dict[str, dict[str, int]]) -> dict[str, Any]:
     """The "protocol" object of results.json."""
     rec = asdict(protocol)
-    rec.update(temperatures=[format(t, "g") if isinstance(t, SamplingParams) else t for t in protocol.temperatures],
-               sampling={format(t, "g"): as_sampling(t).label for t in protocol.temperatures}, datasets=prompt_counts, block_size=block_size,
+    rec.pop("samplings")
+    # a plain temperature as the number, any other setting as its key ("0.6,p0.95,k20"), as ever
+    rec.update(temperatures=[t.temperature if t.plain else t.key for t in protocol.samplings],
+               sampling={t.key: t.label for t in protocol.samplings}, datasets=prompt_counts, block_size=block_size,
                trained_block_size=trained_block_size, overrides=list(protocol.overrides), stop=STOP_RULE,
                first_tokens=FIRST_TOKENS)
     return rec

@@ -44,7 +44,6 @@ from nemo_dflash.evaluation.protocol import (
 from nemo_dflash.engine.acceptance import greedy_accepted_list
 from nemo_dflash.engine.output import truncate
 from nemo_dflash.target import HFDFlashTargetModel
-from nemo_dflash.engine.sampling import as_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +104,8 @@ class ReplayEvaluator:
                  cuda_graph: Optional[bool] = None) -> None:
         from nemo_dflash.draft.build import check_draft_fits_target
 
-        if not as_sampling(settings.temperature).greedy:
-            raise ValueError(f"replay measures T=0 only (got {as_sampling(settings.temperature).label}): "
+        if not settings.sampling.greedy:
+            raise ValueError(f"replay measures T=0 only (got {settings.sampling.label}): "
                              "use the sequential decoder for T > 0")
         check_draft_fits_target(draft.config, target_model.config)
         from nemo_dflash.engine.static_cache import check_static_target

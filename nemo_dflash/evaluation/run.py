@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from nemo_dflash.train.device import release_device_memory
-from nemo_dflash.engine.sampling import Sampling, as_sampling
+from nemo_dflash.engine.sampling import SamplingParams
 from nemo_dflash.evaluation.protocol import (
     Answer,
     ConversationDecoder,
@@ -316,9 +316,9 @@ class EvalRun:
         self._loaded: Optional[tuple[Any, Any, Any]] = None  # (target, tokenizer, draft), loaded on first use
         self._decoders: dict = {}
 
-    def settings(self, temperature: Sampling, timed: bool) -> EvalSettings:
+    def settings(self, sampling: SamplingParams, timed: bool) -> EvalSettings:
         p = self.protocol
-        return EvalSettings(max_new_tokens=p.max_new_tokens, temperature=temperature, block_size=p.block_size,
+        return EvalSettings(max_new_tokens=p.max_new_tokens, sampling=sampling, block_size=p.block_size,
                             turns=p.turns, decode=p.decode, measure_speedup=timed, warmup=False,
                             use_chat_template=self.opts.chat_template, seed=self.opts.seed)
 
@@ -327,12 +327,12 @@ class EvalRun:
         n-th, so each part holds its share of every temperature and set, the speedup prompts included)."""
         return self.opts.part is None or j % self.opts.part[1] == self.opts.part[0]
 
-    def _keys(self, t: Any, name: str, prompts: Sequence[EvalPrompt]) -> list[tuple[Key, EvalPrompt]]:
-        return [((f"{t:g}", name, p.id), p) for j, p in enumerate(prompts) if self._mine(j)]
+    def _keys(self, t: SamplingParams, name: str, prompts: Sequence[EvalPrompt]) -> list[tuple[Key, EvalPrompt]]:
+        return [((t.key, name, p.id), p) for j, p in enumerate(prompts) if self._mine(j)]
 
     def _items(self, journal: Journal, timed: bool) -> list[tuple[Key, EvalSettings, EvalPrompt]]:
         k = self.protocol.speedup_prompts if timed else None
-        return [(key, self.settings(t, timed), p) for t in self.protocol.temperatures
+        return [(key, self.settings(t, timed), p) for t in self.protocol.samplings
                 for name, prompts in self.sets for key, p in self._keys(t, name, prompts[:k]) if key not in journal.rows]
 
     def _expired(self) -> bool:
@@ -401,7 +401,7 @@ class EvalRun:
 
         target, tokenizer, draft = models
         settings = items[0][1]
-        if any(not as_sampling(s.temperature).greedy for _, s, _ in items):  # the command refuses this first
+        if any(not s.sampling.greedy for _, s, _ in items):  # the command refuses this first
             raise ValueError("--method replay measures T=0 only: pass --temperatures 0")
         logger.info("Replaying %d conversations (T=0): batched greedy answers, then the draft at every position",
                     len(items))
@@ -423,7 +423,7 @@ class EvalRun:
             trained = int(dec.spec.draft.config.block_size)
             n = self.opts.batch_size or batch_rows(len(group), self.model_spec.device)
             logger.info("Decoding %d conversations at %s in batches of %d", len(group),
-                        as_sampling(settings.temperature).label, n)
+                        settings.sampling.label, n)
             start = 0
             while start < len(group):
                 if self._expired():
@@ -467,15 +467,15 @@ class EvalRun:
         speedup: dict[str, dict[str, Any]] = {}
         complete = True
         not_measured: list[dict[str, Any]] = []  # what a capped run left: per temperature and set, what is missing
-        for t in p.temperatures:
-            tkey = f"{t:g}"
+        for t in p.samplings:
+            tkey = t.key
             for name, prompts in self.sets:
                 keys = [k for k, _ in self._keys(t, name, prompts)]
                 done = [k for k in keys if k in self.journal.rows]
                 complete &= self.opts.speedup_only or len(done) == len(keys)
                 if done:
                     results.setdefault(tkey, {})[name] = dataset_result(
-                        [a for k in done for a in self.journal.answers(k)], block_size=block, temperature=t,
+                        [a for k in done for a in self.journal.answers(k)], block_size=block, sampling=t,
                         max_new_tokens=p.max_new_tokens, num_prompts=len(done))
                 timed = [k for k, _ in self._keys(t, name, prompts[: p.speedup_prompts])]
                 tk = [k for k in timed if k in self.timed.rows]

@@ -169,7 +169,7 @@ class HeldOutAcceptance:
         self.prompt_sets = prompt_sets
         # under `eager_modules` flex_attention runs uncompiled, which a CUDA graph cannot capture
         self.cuda_graph = False if eager else None
-        self.settings = EvalSettings(max_new_tokens=max_new_tokens, temperature=0.0, turns=1, warmup=False)
+        self.settings = EvalSettings(max_new_tokens=max_new_tokens, turns=1, warmup=False)  # T=0: replay
         self.greedy: Optional[dict[str, list]] = None
         self.greedy_s = 0.0  # seconds the greedy answers took (the first call only)
 
@@ -194,7 +194,7 @@ class HeldOutAcceptance:
                        for name, prompts in self.prompt_sets.items()}
         finally:
             draft.train(was_training)
-        return {name: dataset_result(a, block_size=evaluator.block_size, temperature=0.0,
+        return {name: dataset_result(a, block_size=evaluator.block_size, sampling=self.settings.sampling,
                                      max_new_tokens=self.settings.max_new_tokens,
                                      num_prompts=len(a))["mean_acceptance_length"]
                 for name, a in answers.items()}

@@ -51,7 +51,7 @@ from nemo_dflash.config import EvaluateConfig
 from nemo_dflash.recipes._cli import (
     add_device_args, resolve_device_dtype, section_defaults, setup_logging, user_errors,
 )
-from nemo_dflash.engine.sampling import SamplingParams, as_sampling, check_sampling
+from nemo_dflash.engine.sampling import SamplingParams, check_sampling
 
 logger = logging.getLogger("nemo_dflash.evaluate")
 
@@ -159,31 +159,33 @@ def resolve_protocol(args: argparse.Namespace) -> EvalProtocol:
         if v is not None and v < lo:
             raise ValueError(f"{flag} must be >= {lo} (got {v})")
     protocol = PROTOCOLS[args.protocol].with_overrides(
-        max_new_tokens=args.max_new_tokens, turns=turns, temperatures=settings, datasets=datasets,
+        max_new_tokens=args.max_new_tokens, turns=turns, samplings=settings, datasets=datasets,
         num_prompts=args.num_prompts, speedup_prompts=speedup, block_size=args.block_size, decode=args.decode,
         first_prompt=args.first_prompt, method=args.method)
     if protocol.method != "replay" and (args.sampling == "target" or (args.sampling is None and temps is None)):
         rec = recommended(args)
-        if rec is not None and rec not in protocol.temperatures:
-            protocol = protocol.with_overrides(temperatures=tuple(sorted(
-                (*protocol.temperatures, rec), key=lambda t: (as_sampling(t).temperature, format(t, "g")))))
-    if protocol.method == "replay" and any(not as_sampling(t).greedy for t in protocol.temperatures):
+        if rec is not None and rec not in protocol.samplings:
+            protocol = protocol.with_overrides(samplings=tuple(sorted(
+                (*protocol.samplings, rec), key=lambda t: (t.temperature, t.key))))
+    if protocol.method == "replay" and any(not t.greedy for t in protocol.samplings):
         raise ValueError(f"--method replay measures T=0 only (temperatures "
-                         f"{','.join(f'{t:g}' for t in protocol.temperatures)}): pass --temperatures 0, "
+                         f"{','.join(t.key for t in protocol.samplings)}): pass --temperatures 0, "
                          "or --method sequential for T > 0")
     return protocol
 
 
-def sampling_settings(args: argparse.Namespace, temps: Optional[tuple[float, ...]]):
-    """--temperatures with --top-p / --top-k / --draft-proposals applied to those above 0 (a bare float where
-    none is given, so plain temperatures key journals as they always did); None: the protocol's own."""
+def sampling_settings(args: argparse.Namespace, temps: Optional[tuple[float, ...]]
+                      ) -> Optional[tuple[SamplingParams, ...]]:
+    """--temperatures (the command's boundary: bare numbers become `SamplingParams` here) with --top-p / --top-k /
+    --draft-proposals applied to those above 0; None: the protocol's own."""
     check_sampling(1.0, args.top_p, args.top_k, args.draft_proposals,  # one line each: --top-p 0, --top-k -1
                    names=("--temperatures", "--top-p", "--top-k"))
     plain = args.top_p >= 1.0 and args.top_k == 0 and args.draft_proposals == "sample"
     if plain:
-        return temps
-    base = temps if temps is not None else PROTOCOLS[args.protocol].temperatures
-    return tuple(t if t <= 0 else SamplingParams(t, args.top_p, args.top_k, args.draft_proposals) for t in base)
+        return None if temps is None else tuple(SamplingParams(t) for t in temps)
+    base = temps if temps is not None else tuple(t.temperature for t in PROTOCOLS[args.protocol].samplings)
+    return tuple(SamplingParams(t) if SamplingParams(t).greedy else
+                 SamplingParams(t, args.top_p, args.top_k, args.draft_proposals) for t in base)
 
 
 def recommended(args: argparse.Namespace) -> Optional[SamplingParams]:
@@ -200,7 +202,8 @@ def recommended(args: argparse.Namespace) -> Optional[SamplingParams]:
         return None
     (t, top_p, top_k), source = found
     logger.info("the target's recommended sampling (%s): T=%g, top-p %g, top-k %d", source, t, top_p, top_k)
-    return SamplingParams(t, top_p, top_k, args.draft_proposals) if t > 0 else None
+    s = SamplingParams(t, top_p, top_k, args.draft_proposals)
+    return None if s.greedy else s
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -340,7 +343,7 @@ def spread(argv: Sequence[str], run: EvalRun, gpus: int) -> EvalRun:
             procs.append(start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part",
                                         f"{i}/{n}"], i, options.device, options.out / f"part{i}.log"))
         logger.info("%d processes evaluate every %d-th conversation of each set at T %s: logs %s/part*.log", n, n,
-                    ",".join(format(t, "g") for t in protocol.temperatures), options.out)
+                    ",".join(t.key for t in protocol.samplings), options.out)
         codes = [p.wait() for p in procs]
     finally:
         stop_processes(procs)

@@ -40,7 +40,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from nemo_dflash.files import Output, OutputError, guard_outputs
 from nemo_dflash.config import PromptJobConfig
@@ -48,6 +48,9 @@ from nemo_dflash.recipes._cli import (
     add_device_args, count_or_auto, fail, resolve_device_dtype, section_defaults, set_threads, setup_logging,
     user_errors,
 )
+
+if TYPE_CHECKING:
+    from nemo_dflash.engine.sampling import SamplingParams
 
 logger = logging.getLogger("nemo_dflash.prompts")
 
@@ -164,7 +167,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if not 1 <= args.oversample <= 100:
         fail(f"--oversample must be in [1, 100] (got {args.oversample})")
-    if SamplingParams(args.temperature, top_p=args.top_p).greedy:
+    sampling = SamplingParams(args.temperature, top_p=args.top_p)  # the flags' one SamplingParams
+    if sampling.greedy:
         fail("--temperature 0 writes one prompt per topic: Magpie samples, use e.g. 1.0")
     with user_errors(OSError):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     with user_errors():
         device, dtype = resolve_device_dtype(args.device, args.dtype)
     if world == 1:
-        return _magpie(args, out, counts, turns, device, dtype)
+        return _magpie(args, out, counts, turns, sampling, device, dtype)
     import datetime
 
     import torch.distributed as dist
@@ -188,14 +192,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     try:
-        return _magpie(args, out, counts, turns, device, dtype, rank=rank, world=world)
+        return _magpie(args, out, counts, turns, sampling, device, dtype, rank=rank, world=world)
     finally:
         if own_group:
             dist.destroy_process_group()
 
 
-def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: tuple[int, int], device: str,
-            dtype: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
+def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: tuple[int, int],
+            sampling: SamplingParams, device: str, dtype: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """Load the target and write the Magpie prompts: in one process, or this rank's share (rank 0 merging)."""
     from nemo_dflash.data import DataError
     from nemo_dflash.data.prompts import magpie_generate, magpie_prompts, write_magpie_shard
@@ -218,18 +222,18 @@ def _magpie(args: argparse.Namespace, out: Path, counts: dict[str, int], turns: 
         cap = max(args.max_new_tokens, args.user_max_new_tokens or args.max_new_tokens)
         args.batch_size = auto_rows(max_rows(model, longest, cap))
         logger.info("--batch-size auto: %d prompts in flight", args.batch_size)
-    sampling = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, user_max_new_tokens=args.user_max_new_tokens,
-                    batch_size=args.batch_size,
-                    temperature=args.temperature, top_p=args.top_p, oversample=args.oversample, turns=turns)
+    kw = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, user_max_new_tokens=args.user_max_new_tokens,
+              batch_size=args.batch_size, sampling=sampling,
+              oversample=args.oversample, turns=turns)
     topic_report: dict[str, dict[str, Any]] = {}
     if world == 1:
         with user_errors(DataError, ValueError):
-            convs = magpie_prompts(model, tokenizer, counts, report=topic_report, **sampling)
+            convs = magpie_prompts(model, tokenizer, counts, report=topic_report, **kw)
         return _write_magpie(out, convs, counts, topic_report)
     import torch.distributed as dist
 
     with user_errors(DataError, ValueError):
-        mine = magpie_generate(model, tokenizer, counts, rank=rank, world=world, **sampling)
+        mine = magpie_generate(model, tokenizer, counts, rank=rank, world=world, **kw)
     with user_errors(OSError):  # a full disk: one line; the shards are written again on the rerun
         write_magpie_shard(shard_path(out, rank, world), mine)
     logger.info("rank %d of %d: %d conversations (%d user turns wanted) in %s", rank, world, len(mine),

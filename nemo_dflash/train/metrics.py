@@ -1,4 +1,5 @@
-"""Where training metrics go: a tqdm bar on rank 0, metrics.jsonl, wandb, and a PNG curve."""
+"""Where training metrics go: a tqdm bar on rank 0, metrics.jsonl, wandb, and a PNG curve; what a run's rows say
+at each epoch's end (`epoch_gaps`: held-out minus training loss)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,42 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Optional[Path]:
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def epoch_gaps(rows: list[dict[str, Any]], summary: dict[str, Any], tail: float = 0.1
+               ) -> Optional[dict[str, Any]]:
+    """Held-out loss against training loss at each epoch's end, from a run's metrics.jsonl `rows` and its
+    summary.json (`summary`; None without the steps, a training or a held-out row): the training loss
+    is the mean of the steps logged in the epoch's last `tail` fraction, the held-out loss the evaluation
+    nearest the epoch's end (and the run's end, for a last partial epoch). The epoch length is the run's
+    summary's `steps_per_epoch`; for runs whose summary predates it, the train split's tokens over the tokens a
+    step (`estimated`: the train split's share of the tokens taken as its share of the samples)."""
+    if not summary.get("steps"):
+        return None
+    train = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    steps = summary["steps"]
+    spe, estimated = summary.get("steps_per_epoch"), False
+    if not spe:
+        data = summary.get("data") or {}
+        if not data.get("samples") or not summary.get("tokens_seen"):
+            return None
+        train_tokens = data["tokens"] * data["train_samples"] / data["samples"]
+        spe, estimated = train_tokens / (summary["tokens_seen"] / steps), True
+    if not train or not evals or not spe:
+        return None
+    ends = [e * spe for e in range(1, int(steps // spe) + 1)]
+    if not ends or steps - ends[-1] > tail * spe:
+        ends.append(float(steps))
+    points = []
+    for end in ends:
+        window = [r["loss"] for r in train if end - tail * spe < r["step"] <= end]
+        near = min(evals, key=lambda r: abs(r["step"] - end))
+        if not window or abs(near["step"] - end) > tail * spe:
+            continue
+        mean = sum(window) / len(window)
+        points.append({"epoch": round(end / spe, 2), "step": round(end), "train_loss": round(mean, 4),
+                       "train_loss_steps": len(window), "eval_step": near["step"],
+                       "eval_loss": round(near["eval_loss"], 4),
+                       "gap": round(near["eval_loss"] - mean, 4)})
+    return {"steps_per_epoch": round(spe, 1), "estimated": estimated, "points": points}
