@@ -226,7 +226,7 @@ class RegenerateConfig:
     sampling: str = what("target")  # target | given | greedy
     temperature: float = what(0.7)
     top_p: float = what(0.95)
-    engine: str = what("slots")
+    engine: str = what("continuous")  # continuous: the decoding engine | generate: model.generate
     batch_size: Any = what(8)  # a number, or auto
     prepare_ahead: int = how(64)
     schedule: str = how("most_turns_first")
@@ -257,7 +257,7 @@ class RegenerateConfig:
 class ExportConfig:
     """`nemo_dflash.recipes.export`: the trained draft in the serving format, checked against the target."""
 
-    engine: str = what("any")  # any | vllm | sglang
+    serving_engine: str = what("any")  # any | vllm | sglang: the engine served with (its limits refuse)
     parity_prompts: int = how(0)
     any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 

@@ -473,7 +473,7 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
     changed.update({k: v for k, v in {"seed": 7, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 9,
                                       "user_max_new_tokens": 15,
                                       "turns": {regenerate: "all", prompts: "2-3"}.get(module, 2), "batch_size": 12,
-                                      "engine": "vllm" if module is export else None}.items()
+                                      "serving_engine": "vllm" if module is export else None}.items()
                     if k in {f.name for f in dataclasses.fields(section)} and v is not None})
     if module is evaluate:
         changed["batch_size"] = "12"

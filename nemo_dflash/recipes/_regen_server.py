@@ -23,28 +23,28 @@ MAX_CONCURRENCY = 4096
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The flags of the server backend (their defaults come from `RegenerateConfig`, like every flag's)."""
-    p.add_argument("--backend", choices=BACKENDS, default="engine",
+    p.add_argument("--backend", choices=BACKENDS,
                    help="engine: load --target here and generate with the decoding engine; openai: ask an "
                         "OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama-server) serving the target for "
                         "the answers; --target then gives the tokenizer (templates, prompt lengths, tokens)")
-    p.add_argument("--endpoint", default=None, metavar="URL",
+    p.add_argument("--endpoint", metavar="URL",
                    help="--backend openai: the server's OpenAI base URL, e.g. http://HOST:8000/v1")
-    p.add_argument("--model", default=None, metavar="NAME",
+    p.add_argument("--model", metavar="NAME",
                    help="--backend openai: the name the server serves the target under (default: its only model)")
-    p.add_argument("--api-key-env", default=None, metavar="VAR",
+    p.add_argument("--api-key-env", metavar="VAR",
                    help="--backend openai: the environment variable holding the API key (the key is never in "
                         "the recipe); default: no key")
-    p.add_argument("--concurrency", type=int, default=32,
+    p.add_argument("--concurrency", type=int,
                    help="--backend openai: requests in flight (the server batches them)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float,
                    help="--backend openai: seconds one answer may take before it is asked again")
-    p.add_argument("--retries", type=int, default=5,
+    p.add_argument("--retries", type=int,
                    help="--backend openai: attempts after the first for a timeout, a 429/5xx or a dropped "
                         "connection, with exponential back-off; then the run stops, its journal kept")
-    p.add_argument("--retry-backoff", type=float, default=1.0,
+    p.add_argument("--retry-backoff", type=float,
                    help="--backend openai: seconds before the first retry, doubled each retry (at most 30 s, "
                         "jittered; a server's Retry-After is honoured)")
-    p.add_argument("--server-extensions", choices=("on", "off"), default="on",
+    p.add_argument("--server-extensions", choices=("on", "off"),
                    help="--backend openai: on: also send top_k/min_p/repetition_penalty (the server's defaults "
                         "off) and ask for token ids (vLLM, SGLang, llama.cpp take them); off: OpenAI's fields only")
 

@@ -320,7 +320,9 @@ class Pipeline:
                      schemas={"jobs": [PromptJobConfig]})
 
     def _regenerate(self) -> Stage:
-        from nemo_dflash.recipes import regenerate
+        from nemo_dflash.data.journals import rank_files
+        from nemo_dflash.data.selection import holdout_path
+        from nemo_dflash.recipes import _regen_args, regenerate
 
         section = copy.deepcopy(self.cfg.regenerate)
         section.data = [*section.data, *_jobs_data(self.cfg, self.lay)]
@@ -331,9 +333,9 @@ class Pipeline:
                 str(self.lay.regen_summary), *section_argv(regenerate.build_parser(), section)]
         if "regenerate" in self.checked:
             args = _parser_check("regenerate", regenerate.build_parser(), argv)
-            regenerate._validate(args)
+            _regen_args.validate(args)
             try:  # new tokens within the target's context, the KV cache within free memory
-                regenerate.check_fits_target(args, *resolve_device_dtype(args.device, args.dtype))
+                _regen_args.check_fits_target(args, *resolve_device_dtype(args.device, args.dtype))
             except ValueError as e:
                 raise UsageError(f"regenerate: {e}: fix the recipe's regenerate section") from None
             check_source_packages(self.cfg.regenerate.data, "regenerate.data")
@@ -345,8 +347,8 @@ class Pipeline:
         def left() -> list[str]:
             args = regenerate.build_parser().parse_args(argv)
             out = Path(args.out)
-            places = regenerate.output_places(args, regenerate.rank_files(out, self.rank, self.world),
-                                              regenerate.holdout_path(out) if args.holdout else None, self.world)
+            places = _regen_args.output_places(args, rank_files(out, self.rank, self.world),
+                                               holdout_path(out) if args.holdout else None, self.world)
             return [str(o.path) for o in places if needs_overwrite(o)]
 
         def inputs() -> dict[str, Optional[str]]:
@@ -363,7 +365,7 @@ class Pipeline:
 
         def outputs() -> dict[str, Optional[str]]:
             return {str(p.relative_to(self.lay.run)): self.fp.file(p) for p in
-                    (self.lay.regen, regenerate.holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
+                    (self.lay.regen, holdout_path(self.lay.regen), self.lay.regen_summary) if p.is_file()}
 
         def finished(since: float) -> Optional[dict[str, Any]]:
             """regenerate writes --summary-json last: there, naming this --out and its line count, and newer
