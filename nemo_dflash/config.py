@@ -240,9 +240,10 @@ class RegenerateConfig:
     holdout: int = what(0)  # held-out prompts written beside the data, for `evaluate --datasets`
     max_bad_lines: int = how(100)
     max_minutes: Optional[float] = what(None)
-    # Where the answers come from: engine (the target loaded here) | openai (an OpenAI-compatible server
-    # serving the target; `target` then gives the tokenizer). The keys below serve only openai (docs/data.md).
-    backend: str = what("engine")
+    # Where the answers come from: local (the target loaded here; `engine` picks its decoder) | openai (an
+    # OpenAI-compatible server serving the target; `target` then gives the tokenizer). The keys below serve
+    # only openai (docs/data.md).
+    backend: str = what("local")
     endpoint: Optional[str] = how(None)  # the server's OpenAI base URL, http://HOST:PORT/v1
     model: Optional[str] = what(None)  # the name the server serves the target under (null: its only model)
     api_key_env: Optional[str] = how(None)  # the NAME of the environment variable holding the key, never the key

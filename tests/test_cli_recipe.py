@@ -143,3 +143,30 @@ def test_export_engine_is_a_deprecated_alias_of_serving_engine(caplog):
     assert args.serving_engine == "vllm"
     assert [r.getMessage() for r in caplog.records] == ["--engine is deprecated: pass --serving-engine"]
     assert "--engine " not in export.build_parser().format_help().replace("--serving-engine", "")
+
+
+def test_regenerate_backend_engine_is_a_deprecated_name_of_local(caplog):
+    args = regenerate.build_parser().parse_args(["--target", "t", "--data", "d", "--out", "o.jsonl",
+                                                 "--backend", "engine"])
+    with caplog.at_level(logging.WARNING):
+        _regen_server.validate_server_args(args)
+    assert args.backend == "local"
+    assert [r.getMessage() for r in caplog.records] == ["--backend engine is deprecated: pass --backend local"]
+    assert regenerate.build_parser().get_default("backend") == "local"
+
+
+def test_a_journal_written_under_the_old_names_continues(tmp_path):
+    """A partial output started with `--engine slots --backend engine` continues under their new names; another
+    setting still refuses it."""
+    import json
+
+    from nemo_dflash.data.journals import RESUME_KEYS, JournalError, check_settings
+
+    now = {k: None for k in RESUME_KEYS} | {"engine": "continuous", "backend": "local", "seed": 0}
+    meta = tmp_path / "o.jsonl.partial.json"
+    meta.write_text(json.dumps(now | {"engine": "slots", "backend": "engine"}))
+    check_settings(tmp_path / "o.jsonl.partial", meta, now)
+    with pytest.raises(JournalError, match=r"seed: 0 -> 1"):
+        check_settings(tmp_path / "o.jsonl.partial", meta, now | {"seed": 1})
+    with pytest.raises(JournalError, match=r"engine: 'continuous' -> 'generate'"):
+        check_settings(tmp_path / "o.jsonl.partial", meta, now | {"engine": "generate"})

@@ -25,10 +25,10 @@ RESUME_KEYS = ("target", "data", "num_samples", "seed", "turns", "max_prompt_tok
                "temperature", "top_p", "holdout", "engine", "loops", "capped", "after_cut", "samples_per_prompt",
                "decontaminate", "backend", "model")
 # Keys added later, with the value a partial output written before them was made with.
-RESUME_DEFAULTS = {"after_cut": "end", "samples_per_prompt": 1, "decontaminate": "off", "backend": "engine",
+RESUME_DEFAULTS = {"after_cut": "end", "samples_per_prompt": 1, "decontaminate": "off", "backend": "local",
                    "model": None}
 # Values renamed since a journal may have been written: the old value means the new one.
-RESUME_RENAMED = {"engine": {"slots": "continuous"}}
+RESUME_RENAMED = {"engine": {"slots": "continuous"}, "backend": {"engine": "local"}}
 
 # A rank's files: OUT.rank{R}-of-{W}.partial / .partial.json / .jsonl / .stats.json (locks excluded).
 _RANK_FILE = r"\.rank(\d+)-of-(\d+)\.(?:partial|partial\.json|jsonl|stats\.json)$"

@@ -1,6 +1,6 @@
 """`regenerate --backend openai`: the checks and the target stand-in of a regeneration on a server.
 
-Kept apart from `recipes/regenerate.py`, which only dispatches on `--backend`: the endpoint is
+Kept apart from `recipes/regenerate.py`, which only dispatches on `--backend` (`local` or `openai`): the endpoint is
 checked (reachable, the model served, chat completions answered, the API key exported) before
 any data is read or any prompt is sent, each problem one line naming its fix (exit 2).
 """
@@ -17,14 +17,15 @@ from nemo_dflash.recipes._cli import fail
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
-BACKENDS = ("engine", "openai")
+BACKENDS = ("local", "openai")
+RENAMED_BACKENDS = {"engine": "local"}  # old name -> new: accepted, with one warning
 MAX_CONCURRENCY = 4096
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The flags of the server backend (their defaults come from `RegenerateConfig`, like every flag's)."""
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="engine: load --target here and generate with the decoding engine; openai: ask an "
+    p.add_argument("--backend", choices=(*BACKENDS, *RENAMED_BACKENDS), metavar="{" + ",".join(BACKENDS) + "}",
+                   help="local: load --target here and answer with it (--engine picks the decoder); openai: ask an "
                         "OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama-server) serving the target for "
                         "the answers; --target then gives the tokenizer (templates, prompt lengths, tokens)")
     p.add_argument("--endpoint", metavar="URL",
@@ -51,6 +52,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def validate_server_args(args: argparse.Namespace) -> None:
     """The server flags' checks that need no network (the API key's variable included)."""
+    if args.backend in RENAMED_BACKENDS:  # a recipe or a command line written before the rename
+        logger.warning("--backend %s is deprecated: pass --backend %s", args.backend, RENAMED_BACKENDS[args.backend])
+        args.backend = RENAMED_BACKENDS[args.backend]
     if args.backend != "openai":
         return
     if not args.endpoint:
