@@ -167,7 +167,7 @@ def add_recipe_args(parser: argparse.ArgumentParser, section: str) -> None:
     parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help=f"with --config, after the flags: recipe keys overridden in Hydra's grammar, e.g. "
                              f"{section}.seed=1")
-    parser.set_defaults(_recipe_section=section)
+    parser.recipe_section = section  # type: ignore[attr-defined]  # read by parse_with_recipe
 
 
 def _given(argv: Sequence[str], action: argparse.Action) -> bool:
@@ -193,8 +193,9 @@ def parse_with_recipe(parser: argparse.ArgumentParser, argv: Optional[Sequence[s
             with user_errors(ConfigError):
                 cfg = load_recipe(args.config, args.overrides, data_optional=True)
             actions = _actions(parser)
-            recipe = section_argv(parser, getattr(cfg, args._recipe_section), pipeline_only=[
-                f.name for f in fields(getattr(cfg, args._recipe_section))
+            section = getattr(cfg, parser.recipe_section)  # type: ignore[attr-defined]
+            recipe = section_argv(parser, section, pipeline_only=[
+                f.name for f in fields(section)
                 if f.name not in actions or (isinstance(actions[f.name], argparse._AppendAction)
                                              and _given(argv, actions[f.name]))])
             if "target" in actions and not _given(argv, actions["target"]):
