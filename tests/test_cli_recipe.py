@@ -170,3 +170,17 @@ def test_a_journal_written_under_the_old_names_continues(tmp_path):
         check_settings(tmp_path / "o.jsonl.partial", meta, now | {"seed": 1})
     with pytest.raises(JournalError, match=r"engine: 'continuous' -> 'generate'"):
         check_settings(tmp_path / "o.jsonl.partial", meta, now | {"engine": "generate"})
+
+
+def test_a_pipeline_marker_written_under_the_old_names_reads_as_the_new_ones():
+    """A stage completed before the renames (export.engine, regenerate.engine: slots, backend: engine) compares
+    equal to the same settings under the new names, so a finished run is not refused."""
+    from nemo_dflash.recipes._pipeline_stages import _projected, _section
+
+    old = {"export": {**_section(ExportConfig()), "engine": "vllm"},
+           "regenerate": {**_section(RegenerateConfig()), "engine": "slots", "backend": "engine"}}
+    del old["export"]["serving_engine"]
+    new = {"export": _section(ExportConfig(serving_engine="vllm")), "regenerate": _section(RegenerateConfig())}
+    assert _projected(old, {"export": ExportConfig, "regenerate": RegenerateConfig}) == new
+    other = {"regenerate": {**_section(RegenerateConfig()), "engine": "generate"}}
+    assert _projected(other, {"regenerate": RegenerateConfig}) != {"regenerate": _section(RegenerateConfig())}

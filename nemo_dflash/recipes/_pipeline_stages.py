@@ -161,8 +161,27 @@ def _projected(settings: dict[str, Any], schemas: dict[str, Any]) -> dict[str, A
     return out
 
 
+# Keys and values renamed since markers were first written, per section: an old marker's name means the new one.
+RENAMED_SINCE_MARKERS: dict[type, tuple[dict[str, str], dict[str, dict[str, str]]]] = {
+    ExportConfig: ({"engine": "serving_engine"}, {}),
+    RegenerateConfig: ({}, {"engine": {"slots": "continuous"}, "backend": {"engine": "local"}}),
+}
+
+
+def _renamed(schema: type, values: Any) -> Any:
+    """``values`` (a marker's section) under this version's names (`RENAMED_SINCE_MARKERS`)."""
+    keys, named = RENAMED_SINCE_MARKERS.get(schema, ({}, {}))
+    if not isinstance(values, dict) or not (keys or named):
+        return values
+    out = {keys.get(k, k): v for k, v in values.items()}
+    for k, renamed in named.items():
+        if isinstance(out.get(k), str):
+            out[k] = renamed.get(out[k], out[k])
+    return out
+
+
 def _section_dict(schema: type, values: Any) -> Any:
-    v = output_settings(schema, values)
+    v = output_settings(schema, _renamed(schema, values))
     return {k: x for k, x in v.items() if not (k in ADDED_SINCE_MARKERS and x == ADDED_SINCE_MARKERS[k])} \
         if isinstance(v, dict) else v
 
