@@ -152,6 +152,7 @@ def _fmt(x: Optional[float], spec: str = ".3f") -> str:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from nemo_dflash.evaluation.processes import start_process
     from nemo_dflash.recipes import evaluate
     from nemo_dflash.recipes._cli import resolve_device_dtype
 
@@ -184,7 +185,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if side:  # the child checks and runs the phase; this process reads its journal once it has ended
         _check(t1_ns)
         child_log = out / "t1_child.log"
-        child, child_t = evaluate.start_process(t1_argv, args.t1_gpu, device, child_log), time.perf_counter()
+        child, child_t = start_process(t1_argv, args.t1_gpu, device, child_log), time.perf_counter()
     t1_run = _run(t1_ns)[0] if t1_ns is not None and not side else None
     times_path = out / TIMES
     times = {} if args.overwrite or not times_path.is_file() else json.loads(times_path.read_text())

@@ -56,7 +56,7 @@ Both sides answer the same prompts (ShareGPT first user turns through the target
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
 ``slots`` (the decoding engine's plain rows, nemo_dflash.engine.plain.PlainEngine, what `regenerate --engine
-slots` runs, with --batch-size rows), ``generate``
+continuous` runs, with --batch-size rows), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
@@ -179,7 +179,7 @@ def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = 
     run(convs[: min(len(convs), 64)])  # compile / warm up
     gc.collect()  # the warm-up engine's KV cache goes back before the timed run allocates its own
     stats, dt = run(convs)
-    prefill = stats.prefill_tokens if engine == "slots" else stats.prompt_tokens
+    prefill = stats.prefill_tokens if engine == "continuous" else stats.prompt_tokens
     return {"tokens": stats.generated_tokens, "seconds": dt, "prefill_tokens": prefill,
             "reused_tokens": stats.reused_tokens, "turns": stats.answers, "conversations": stats.written,
             "finish": {"turns": stats.answers, "written": stats.written, "loops": stats.looping_before,
@@ -283,7 +283,7 @@ def run_server(tokenizer, convs, spare, args, stop_ids) -> dict:
 
 
 def run_slots(model, prompts, args, stop_ids) -> dict:
-    """The decoding engine on the prompts as `regenerate --engine slots` runs it (`engine.plain.PlainEngine`):
+    """The decoding engine on the prompts as `regenerate --engine continuous` runs it (`engine.plain.PlainEngine`):
     --batch-size rows, a prompt entering a row as an answer ends, each step a captured CUDA graph on a GPU."""
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
@@ -411,7 +411,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
     p.add_argument("--modes", default="slots,generate", help="comma list of slots (the decoding engine, what "
-                   "`regenerate --engine slots` runs), generate, hf_cb")
+                   "`regenerate --engine continuous` runs), generate, hf_cb")
     g = p.add_argument_group("engine settings (nemo_dflash.engine.plain; default: the device's)")
     g.add_argument("--refill-fraction", type=int, default=None,
                    help="refill once 1/N of the rows are free, their prompts prefilled together")
@@ -489,7 +489,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
             elif args.turns == "all":
                 if mode not in ("slots", "slots_full", "generate"):
                     raise ValueError(f"mode {mode} does not run --turns all")
-                r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "slots",
+                r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "continuous",
                                       reuse=mode != "slots_full")
             elif mode == "slots":
                 r = run_slots(model, prompts, args, stop_ids)

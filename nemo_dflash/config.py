@@ -226,7 +226,7 @@ class RegenerateConfig:
     sampling: str = what("target")  # target | given | greedy
     temperature: float = what(0.7)
     top_p: float = what(0.95)
-    engine: str = what("slots")
+    engine: str = what("continuous")  # continuous: the decoding engine | generate: model.generate
     batch_size: Any = what(8)  # a number, or auto
     prepare_ahead: int = how(64)
     schedule: str = how("most_turns_first")
@@ -240,9 +240,10 @@ class RegenerateConfig:
     holdout: int = what(0)  # held-out prompts written beside the data, for `evaluate --datasets`
     max_bad_lines: int = how(100)
     max_minutes: Optional[float] = what(None)
-    # Where the answers come from: engine (the target loaded here) | openai (an OpenAI-compatible server
-    # serving the target; `target` then gives the tokenizer). The keys below serve only openai (docs/data.md).
-    backend: str = what("engine")
+    # Where the answers come from: local (the target loaded here; `engine` picks its decoder) | openai (an
+    # OpenAI-compatible server serving the target; `target` then gives the tokenizer). The keys below serve
+    # only openai (docs/data.md).
+    backend: str = what("local")
     endpoint: Optional[str] = how(None)  # the server's OpenAI base URL, http://HOST:PORT/v1
     model: Optional[str] = what(None)  # the name the server serves the target under (null: its only model)
     api_key_env: Optional[str] = how(None)  # the NAME of the environment variable holding the key, never the key
@@ -257,7 +258,7 @@ class RegenerateConfig:
 class ExportConfig:
     """`nemo_dflash.recipes.export`: the trained draft in the serving format, checked against the target."""
 
-    engine: str = what("any")  # any | vllm | sglang
+    serving_engine: str = what("any")  # any | vllm | sglang: the engine served with (its limits refuse)
     parity_prompts: int = how(0)
     any_target: bool = how(False)  # a --target other than the one the draft records it was trained on
 

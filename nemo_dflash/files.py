@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 # A run directory: <output_dir>/checkpoints/step_00000100/{draft,COMPLETE,...} and <output_dir>/final/draft.
 CHECKPOINTS_DIR = "checkpoints"
@@ -338,6 +338,47 @@ def write_error_reason(e: BaseException) -> Optional[str]:
         if os.strerror(code) in text or f"code: {code}," in text:
             return os.strerror(code)
     return None
+
+
+class WriteFailed(OSError):
+    """A write the user fixes outside the program (space, quota, permissions): the text names the file and
+    the fix, one line."""
+
+
+def write_text_atomic(path: str | Path, chunks: Iterable[str]) -> None:
+    """Write ``path`` whole or not at all: a temp file beside it, flushed, fsynced, renamed into place, so a
+    killed writer never leaves a half-written ``path``. A write that fails removes the temp file and keeps
+    what ``path`` held; a failure the user can fix (`write_error_reason`) is `WriteFailed`."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = write_error_reason(e)
+        if reason is None:
+            raise
+        raise WriteFailed(f"cannot write {p} ({reason}): free space or fix the permissions, then run the same "
+                          "command again; what was written before is kept") from e
+
+
+def write_jsonl_atomic(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
+    """``records`` one JSON object a line, written by `write_text_atomic`; the number of records."""
+    count = [0]
+
+    def lines() -> Iterable[str]:
+        for record in records:
+            count[0] += 1
+            yield json.dumps(record, ensure_ascii=False) + "\n"
+
+    write_text_atomic(path, lines())
+    return count[0]
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:

@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from nemo_dflash.recipes import pipeline
-from nemo_dflash.recipes import regenerate as regen_recipe
+from nemo_dflash.data import regen_run as regen_recipe
 
-real_merge = regen_recipe._merge_ranks
+real_merge = regen_recipe.merge_ranks
 
 
 def slow_merge(*args: Any, **kwargs: Any) -> Any:
@@ -20,5 +20,5 @@ def slow_merge(*args: Any, **kwargs: Any) -> Any:
     return real_merge(*args, **kwargs)
 
 
-regen_recipe._merge_ranks = slow_merge
+regen_recipe.merge_ranks = slow_merge
 pipeline.main(sys.argv[1:])

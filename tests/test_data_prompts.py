@@ -763,6 +763,7 @@ def test_planted_overlap_in_an_extra_evaluation_file_is_dropped(tmp_path, monkey
     dropped (in each layout evaluate reads), a clean one kept; a source left empty is refused by
     name before any model loads."""
     from nemo_dflash.data import decontaminate
+    from nemo_dflash.data import selection
     from nemo_dflash.recipes import regenerate
 
     monkeypatch.setattr(decontaminate, "evaluation_prompts", lambda: ["unrelated built in evaluation text " * 3])
@@ -776,9 +777,9 @@ def test_planted_overlap_in_an_extra_evaluation_file_is_dropped(tmp_path, monkey
     rows = [f"Please {secret}.", "what is the capital of france, and why is it there",
             f"{other.upper()}!", "tell me a joke about compilers and cats"]
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r}]}) + "\n" for r in rows))
-    pool, _, report = regenerate.read_sources([f"t={data}"], 0, decontaminate=True)
+    pool, _, report = selection.read_sources([f"t={data}"], 0, decontaminate=True)
     assert len(pool) == 4 and report[0]["contaminated"] == 0  # the built-in sets alone miss the overlap
-    pool, _, report = regenerate.read_sources([f"t={data}"], 0, decontaminate=True, eval_files=[str(evals)])
+    pool, _, report = selection.read_sources([f"t={data}"], 0, decontaminate=True, eval_files=[str(evals)])
     assert sorted(c.messages[0]["content"] for c in pool) == sorted(rows[1:2] + rows[3:])
     assert report[0]["contaminated"] == 2
     leaky = tmp_path / "leaky.jsonl"

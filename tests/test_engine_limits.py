@@ -82,7 +82,7 @@ def test_export_cli_one_line_exit_2(tmp_path, capsys):
     _draft(layer_ids=(1, 3)).save_pretrained(src)
     capsys.readouterr()  # save_pretrained's progress bar
     with pytest.raises(SystemExit) as e:
-        export_main(["--checkpoint", str(src), "--out", str(tmp_path / "out"), "--engine", "sglang"])
+        export_main(["--checkpoint", str(src), "--out", str(tmp_path / "out"), "--serving-engine", "sglang"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "SGLang cannot capture" in err

@@ -33,6 +33,7 @@ from nemo_dflash.evaluation.protocol import (
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.evaluation import run as eval_run
 from nemo_dflash.recipes import evaluate as evaluate_cmd
+from nemo_dflash.evaluation import processes
 from nemo_dflash.data.regenerate import stop_token_ids
 
 from _spec_fixtures import QWEN3_MASK_ID, make_draft, save_tiny_qwen3_target
@@ -354,10 +355,10 @@ def test_gpus_deal_the_conversations_over_processes_and_merge_one_run(tiny_targe
 
 def test_a_gpus_process_takes_the_nth_gpu_this_one_sees(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert evaluate_cmd.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
-    assert evaluate_cmd.process_env(0, "cpu")["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert processes.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert processes.process_env(0, "cpu")["CUDA_VISIBLE_DEVICES"] == "2,3"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert evaluate_cmd.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"
+    assert processes.process_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 @pytest.mark.parametrize("extra, message", [

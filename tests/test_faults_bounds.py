@@ -344,7 +344,7 @@ def test_evaluate_gpus_parts_die_with_their_parent(tmp_path):
 import sys, time
 from pathlib import Path
 sys.executable = {str(sleeper)!r}
-from nemo_dflash.recipes import evaluate
+from nemo_dflash.evaluation import processes as evaluate
 p = evaluate.start_process([], 0, "cpu", Path({str(tmp_path / 'part0.log')!r}))
 print(p.pid, flush=True)
 time.sleep(120)

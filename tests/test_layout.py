@@ -178,8 +178,6 @@ LONG_MODULES = {
     "nemo_dflash/data/regenerate.py",  # regeneration's journals and rank merging
     "nemo_dflash/engine/batched_static.py",  # the fixed-shape loops and the serving loop
     "nemo_dflash/evaluation/protocol.py",  # prompt sets, conversations, metrics
-    "nemo_dflash/recipes/pipeline.py",  # a CLI to be made thin (issue 74 item 5)
-    "nemo_dflash/recipes/regenerate.py",  # a CLI to be made thin (issue 74 item 5)
     "nemo_dflash/train/trainer.py",  # the loop
 }
 LONG_FUNCTIONS = {
@@ -190,7 +188,6 @@ LONG_FUNCTIONS = {
     "nemo_dflash/engine/spec_decode.py:_generate_eager",
     "nemo_dflash/objective/trainer_module.py:forward",
     "nemo_dflash/recipes/demo.py:main",
-    "nemo_dflash/recipes/regenerate.py:_run",
     "nemo_dflash/train/trainer.py:_build",
 }
 

@@ -444,7 +444,8 @@ COMMANDS = [  # (module, section, the flags the pipeline fills in, the section's
 ]
 # The flags the pipeline sets itself (paths, the target, --overwrite): no recipe key.
 FILLED_BY_THE_PIPELINE = {"target", "out", "overwrite", "summary_json", "checkpoint", "draft",
-                          "part"}  # part: evaluate sets it for its own --gpus processes
+                          "part",  # part: evaluate sets it for its own --gpus processes
+                          "config", "overrides"}  # the stand-alone command's recipe itself (--config RECIPE)
 
 
 @pytest.mark.parametrize("module, section, required, only", COMMANDS, ids=lambda x: getattr(x, "__name__", ""))
@@ -473,7 +474,7 @@ def test_a_section_given_as_flags_parses_back_to_itself(module, section, require
     changed.update({k: v for k, v in {"seed": 7, "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 9,
                                       "user_max_new_tokens": 15,
                                       "turns": {regenerate: "all", prompts: "2-3"}.get(module, 2), "batch_size": 12,
-                                      "engine": "vllm" if module is export else None}.items()
+                                      "serving_engine": "vllm" if module is export else None}.items()
                     if k in {f.name for f in dataclasses.fields(section)} and v is not None})
     if module is evaluate:
         changed["batch_size"] = "12"

@@ -46,7 +46,7 @@ def test_engine_greedy_equals_hf_generate_on_qwen2(qwen2_dir, tmp_path):
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.model.layers[0].self_attn.q_proj.bias is not None
     convs = list(read_conversations(str(write_chat_jsonl(tmp_path / "chats.jsonl", n=5)), max_samples=5))
     records = {r["source"]: r for r in regenerate_conversations(model, tokenizer, convs, max_new_tokens=6,
-                                                               batch_size=3, engine="slots", loops="keep")}
+                                                               batch_size=3, engine="continuous", loops="keep")}
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
     checked = 0
     for conv in convs:

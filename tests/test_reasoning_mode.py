@@ -17,6 +17,7 @@ from nemo_dflash.data.chat_template import (
     ReasoningTokenizer, encode_prompt, has_thinking_switch, tokenize_conversations,
 )
 from nemo_dflash.recipes import regenerate as cli
+from nemo_dflash.recipes import _regen_args as flags
 
 from _data_fixtures import qwen3_tokenizer, smollm2_tokenizer
 from _tiny_target import make_tiny_target_dir, qwen3_tokenizer_dir, write_chat_jsonl
@@ -130,9 +131,9 @@ def test_regenerate_refuses_reasoning_without_a_switch(tmp_path, capsys):
     smol = tmp_path / "smol"
     smollm2_tokenizer().save_pretrained(smol)
     with pytest.raises(SystemExit) as e:
-        cli.reasoning_modes("on", str(smol))
+        flags.reasoning_modes("on", str(smol))
     assert e.value.code == 2 and "no thinking switch" in capsys.readouterr().err
-    assert cli.reasoning_modes("both", str(qwen3_tokenizer_dir())) == ["on", "off"]
+    assert flags.reasoning_modes("both", str(qwen3_tokenizer_dir())) == ["on", "off"]
 
 
 def test_evaluate_prompts_in_the_mode_and_says_which(tmp_path, target_dir, monkeypatch, capsys):

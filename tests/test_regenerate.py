@@ -16,6 +16,8 @@ import nemo_dflash.data.regenerate as regen
 from nemo_dflash.data import read_conversations
 from nemo_dflash.target.loading import load_target
 from nemo_dflash.recipes import regenerate as cli
+from nemo_dflash.data import selection
+from nemo_dflash.recipes import _regen_args as flags
 from nemo_dflash.data.regenerate import RegenStats, generate_batch, regenerate_conversations, split_prompt
 from nemo_dflash.engine.sampling import SamplingParams
 
@@ -121,15 +123,15 @@ def test_greedy_batched_equals_unpadded_hf_generate(target, chat_file):
     prompt_lens = {len(regen.encode_prompt(tokenizer, c.messages[:1])) for c in convs}
     assert len(prompt_lens) > 1  # otherwise batching adds no padding to get wrong
     outputs = {}
-    for engine, bs in (("slots", 1), ("slots", 3), ("generate", 3)):
+    for engine, bs in (("continuous", 1), ("continuous", 3), ("generate", 3)):
         stats = RegenStats()
         records = regenerate_conversations(model, tokenizer, convs, max_new_tokens=6, batch_size=bs, stats=stats,
                                            engine=engine)
         outputs[engine, bs] = sorted(records, key=lambda r: r["source"])
         assert stats.written + sum(stats.skipped.values()) == len(convs)
         assert set(stats.skipped) <= {"empty_answer"}
-    assert outputs["slots", 1] == outputs["slots", 3] == outputs["generate", 3]
-    by_source = {r["source"]: r for r in outputs["slots", 3]}
+    assert outputs["continuous", 1] == outputs["continuous", 3] == outputs["generate", 3]
+    by_source = {r["source"]: r for r in outputs["continuous", 3]}
     for conv in convs:
         expected = _reference(model, tokenizer, conv.messages[:1], max_new_tokens=6)
         if not expected.strip():
@@ -391,16 +393,16 @@ def test_sampling_settings_come_from_the_target(capsys):
 
     args = cli.build_parser().parse_args(["--target", "x", "--data", "y.jsonl", "--out", "o.jsonl"])
     sampling = SimpleNamespace(do_sample=True, temperature=0.6, top_p=0.9)
-    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (
+    assert flags.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (
         SamplingParams(0.6, top_p=0.9), "target generation_config")
     plain = SimpleNamespace(generation_config=SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0))
-    assert cli.resolve_sampling(args, plain) == (SamplingParams(0.7, top_p=0.95), "command line")
+    assert flags.resolve_sampling(args, plain) == (SamplingParams(0.7, top_p=0.95), "command line")
     args.sampling = "greedy"
-    assert cli.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (SamplingParams(), "greedy")
+    assert flags.resolve_sampling(args, SimpleNamespace(generation_config=sampling)) == (SamplingParams(), "greedy")
     args.sampling = "target"
     bad = SimpleNamespace(generation_config=SimpleNamespace(do_sample=True, temperature=0.7, top_p=0.0))
     with pytest.raises(SystemExit) as exc:
-        cli.resolve_sampling(args, bad)
+        flags.resolve_sampling(args, bad)
     assert exc.value.code == 2 and "top_p" in capsys.readouterr().err
 
 
@@ -438,8 +440,8 @@ def test_first_turn_extract_selects_the_same_prompts(tmp_path, target):
     _, tok = target
     picks = []
     for path in (src, cut):
-        pool = cli.read_pool([str(path)], 10)
-        chosen, skipped, examined = cli.select(pool, tok, count=25, seed=3, turns="first", max_prompt_tokens=64)
+        pool = selection.read_pool([str(path)], 10)
+        chosen, skipped, examined = selection.select(pool, tok, count=25, seed=3, turns="first", max_prompt_tokens=64)
         picks.append(([split_prompt(c.messages, "first") for c in chosen], skipped, examined))
     assert picks[0] == picks[1]
     assert picks[0][1].get("prompt_too_long")  # the filter did run on both

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from nemo_dflash.data.sources import Conversation
-from nemo_dflash.recipes.regenerate import select
+from nemo_dflash.data.selection import select
 
 from _tiny_target import make_tiny_target_dir
 

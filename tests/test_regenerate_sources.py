@@ -15,6 +15,7 @@ import nemo_dflash.target.loading
 from _tiny_target import make_tiny_target_dir, write_chat_jsonl
 from _torchrun import run_command, torchrun as _torchrun
 from nemo_dflash.recipes import regenerate as cli
+from nemo_dflash.data import selection
 from nemo_dflash.target.loading import load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -473,7 +474,7 @@ def test_a_second_call_in_one_store_starts_its_queue_at_the_first_item():
 def test_samples_of_a_thinking_mode_copy_keep_its_mode():
     from nemo_dflash.data import Conversation
 
-    copies = cli.with_samples([Conversation([{"role": "user", "content": "hi"}], "f:1#reasoning=on", "on")], 3)
+    copies = selection.with_samples([Conversation([{"role": "user", "content": "hi"}], "f:1#reasoning=on", "on")], 3)
     assert [c.location for c in copies] == ["f:1#reasoning=on", "f:1#reasoning=on#1", "f:1#reasoning=on#2"]
     assert [c.reasoning for c in copies] == ["on", "on", "on"]
 
@@ -482,7 +483,7 @@ def test_decontamination_on_forked_workers_flags_the_one_process_conversations()
     """`contaminated` over 3 blocks of 4,096 on 2 forked workers: the flags of the plain loop, in order
     (planted prompts at the start, across a block boundary and at the end)."""
     from nemo_dflash.data import Conversation, decontaminate
-    from nemo_dflash.recipes.regenerate import contaminated
+    from nemo_dflash.data.selection import contaminated
 
     evals = ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
              "experiences and must-see attractions."]

@@ -1,4 +1,9 @@
-"""Chat-data pipeline: read conversations, tokenise with the target's chat template, batch."""
+"""Chat-data pipeline: read conversations, tokenise with the target's chat template, batch.
+
+The data a draft trains on is made here too: prompt sources (`sources`, `prompts`), regeneration's selection
+(`selection`), answers (`regenerate`, `openai_backend`), journals and rank merging (`journals`), the run's
+steps (`regen_run`) and numbers (`regen_stats`), and the data report (`report`).
+"""
 
 from nemo_dflash.data.chat_template import (
     ChatFormat,

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from nemo_dflash.data.sources import Conversation, DataError
+from nemo_dflash.files import write_jsonl_atomic
 
 if TYPE_CHECKING:
     from nemo_dflash.engine.sampling import SamplingParams
@@ -943,7 +944,7 @@ def magpie_merge(shards: Iterable[Iterable[_MagpieConversation]], total: int) ->
 
 def write_magpie_shard(path: str | Path, convs: Iterable[_MagpieConversation]) -> int:
     """Write a rank's generated conversations as JSONL, atomically (read back by :func:`read_magpie_shard`)."""
-    return _write_jsonl_atomic(path, (c.record() for c in convs))
+    return write_jsonl_atomic(path, (c.record() for c in convs))
 
 
 def read_magpie_shard(path: str | Path) -> list[_MagpieConversation]:
@@ -953,24 +954,7 @@ def read_magpie_shard(path: str | Path) -> list[_MagpieConversation]:
 
 def write_prompts(path: str, conversations: Iterable[Conversation]) -> int:
     """Write ``conversations`` as OpenAI-layout JSONL (``{"messages", "id"}``), atomically; the count."""
-    return _write_jsonl_atomic(path, ({"messages": c.messages, "id": c.location} for c in conversations))
-
-
-def _write_jsonl_atomic(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write ``records`` one JSON object a line to a temp file beside ``path``, fsync, rename: a killed
-    writer never leaves a half-written ``path``. The count."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    return n
+    return write_jsonl_atomic(path, ({"messages": c.messages, "id": c.location} for c in conversations))
 
 
 # ---------------------------------------------------------------------------------------------

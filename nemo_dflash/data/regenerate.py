@@ -43,7 +43,7 @@ ConversationLike = Union[Conversation, Sequence[dict[str, str]]]
 LOOP_POLICIES = ("cut", "drop", "keep")
 CAPPED_POLICIES = ("keep", "drop")
 AFTER_CUT = ("end", "continue")
-ENGINES = ("slots", "generate")
+ENGINES = ("continuous", "generate")
 # The order conversations start in. With every turn answered, a conversation's turns run one after
 # another, so the last conversations started set a tail in which the batch empties; starting those
 # with the most user turns first shortens it (a schedule model, docs/data.md: -16% steps at
@@ -458,7 +458,7 @@ def regenerate_conversations(
     turns: str = "first",
     seed: int = 0,
     max_prompt_tokens: Optional[int] = None,
-    engine: str = "slots",
+    engine: str = "continuous",
     loops: str = "cut",
     capped: str = "keep",
     after_cut: str = "end",
@@ -479,7 +479,7 @@ def regenerate_conversations(
     ``turns="first"`` answers the first user turn only (``[system?, user, assistant]``);
     ``turns="all"`` answers every user turn, with the target's own earlier answers as context.
 
-    ``engine="slots"`` keeps ``batch_size`` answers in flight in the decoding engine's rows and refills rows
+    ``engine="continuous"`` keeps ``batch_size`` answers in flight in the decoding engine's rows and refills rows
     as answers end (:class:`~nemo_dflash.engine.plain.PlainEngine`); ``"generate"`` runs
     ``model.generate`` batch after batch. An answer that loops (``loop_detector``, default
     :class:`LoopDetector`) is cut at the loop's start (``loops="cut"``), dropped (``"drop"``) or kept
@@ -530,7 +530,7 @@ def regenerate_conversations(
     if max_prompt_tokens is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         max_prompt_tokens = max(context - max_new_tokens, 1)
-    if engine == "slots":
+    if engine == "continuous":
         gen: Any = PlainEngine(
             model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
             stop_ids=stop_ids, sampling=sampling, seed=seed, loop_detector=detector,

@@ -10,6 +10,8 @@
 - A command's flags are its recipe section's keys (`--max-new-tokens` is `regenerate.max_new_tokens`) and
   take their defaults from that section's dataclass (`section_defaults`): a flag and a recipe key cannot
   mean two things. `section_argv` turns a section back into the command line (the pipeline's stages).
+- Every stand-alone command takes `--config RECIPE [KEY=VALUE ...]` (`add_recipe_args`, `parse_with_recipe`):
+  the recipe's section becomes the flags the pipeline would pass, and a flag given on the command line wins.
 """
 
 from __future__ import annotations
@@ -103,12 +105,13 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def section_defaults(parser: argparse.ArgumentParser, section: type, pipeline_only: Sequence[str] = ()) -> None:
     """Set ``parser``'s defaults from the recipe section dataclass ``section``: each field (but the
-    ``pipeline_only`` ones) is the dest of the flag of the same name. A field without a flag is a bug."""
+    ``pipeline_only`` ones) is the dest of the flag of the same name, and the field is the one source of its
+    default (a flag declares none, or the same one). A field without a flag is a bug."""
     values = {f.name: getattr(section(), f.name) for f in fields(section) if f.name not in pipeline_only}
     actions = _actions(parser)
     missing = sorted(set(values) - set(actions))
-    drifted = sorted(k for k, v in values.items()
-                     if k in actions and not actions[k].required and actions[k].default != v)
+    drifted = sorted(k for k, v in values.items() if k in actions and not actions[k].required
+                     and actions[k].default is not None and actions[k].default != v)
     if missing or drifted:  # a programming error, caught by any test that builds the parser
         raise AssertionError(f"{section.__name__} in {parser.prog}: fields without a flag {missing}, flags whose "
                              f"written default differs from the field's {drifted}")
@@ -136,6 +139,78 @@ def section_argv(parser: argparse.ArgumentParser, section: Any, pipeline_only: S
     return argv
 
 
+class _DeprecatedFlag(argparse.Action):
+    """An old flag's name: sets the new flag's value and logs one warning naming the new one."""
+
+    def __init__(self, *args: Any, new: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        logging.getLogger("nemo_dflash").warning("%s is deprecated: pass %s", option_string, self.new)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """Accept ``old`` as ``new`` (same ``dest``, type and choices), hidden from --help. Declare it before
+    ``new``, so `section_defaults` and `section_argv` find the flag of ``dest`` under its new name."""
+    parser.add_argument(old, dest=dest, action=_DeprecatedFlag, new=new, help=argparse.SUPPRESS, **kwargs)
+
+
+def add_recipe_args(parser: argparse.ArgumentParser, section: str) -> None:
+    """``--config RECIPE`` and ``KEY=VALUE`` overrides: the recipe's ``section`` (and ``target.path``) give the
+    flags' values, the way the pipeline passes them (`section_argv`); a flag given on the command line wins."""
+    parser.add_argument("--config", metavar="RECIPE", default=None,
+                        help=f"a recipe YAML (the working directory, then the shipped recipes/): its `{section}` "
+                             "section and target.path give this command's flags; a flag given here overrides it")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help=f"with --config, after the flags: recipe keys overridden in Hydra's grammar, e.g. "
+                             f"{section}.seed=1")
+    parser.recipe_section = section  # type: ignore[attr-defined]  # read by parse_with_recipe
+
+
+def _given(argv: Sequence[str], action: argparse.Action) -> bool:
+    """Whether ``argv`` gives ``action``'s flag (``--flag VALUE`` or ``--flag=VALUE``)."""
+    return any(a == o or a.startswith(o + "=") for a in argv for o in action.option_strings)
+
+
+def parse_with_recipe(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse ``argv``; with ``--config RECIPE`` the recipe's section comes first as flags (`section_argv`), so a
+    recipe value is typed and checked as the flag's, and a flag given in ``argv`` replaces it (a repeatable
+    flag given replaces the recipe's list). Required flags may come from the recipe (``--target``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    required = [a for a in parser._actions if a.required and a.option_strings]
+    for a in required:
+        a.required = False
+    try:
+        args = parser.parse_args(argv)
+        if args.config is None and args.overrides:
+            fail(f"{args.overrides[0]}: KEY=VALUE overrides change a recipe: give --config RECIPE, or pass the flag")
+        if args.config is not None:
+            from nemo_dflash.config import ConfigError, load_recipe
+
+            with user_errors(ConfigError):
+                cfg = load_recipe(args.config, args.overrides, data_optional=True)
+            actions = _actions(parser)
+            section = getattr(cfg, parser.recipe_section)  # type: ignore[attr-defined]
+            recipe = section_argv(parser, section, pipeline_only=[
+                f.name for f in fields(section)
+                if f.name not in actions or (isinstance(actions[f.name], argparse._AppendAction)
+                                             and _given(argv, actions[f.name]))])
+            if "target" in actions and not _given(argv, actions["target"]):
+                recipe = ["--target", cfg.target.path, *recipe]
+            args = parser.parse_args(recipe + argv)
+    finally:
+        for a in required:
+            a.required = True
+    missing = [a.option_strings[0] for a in required if getattr(args, a.dest) in (None, [])]
+    if missing:
+        parser.error("the following arguments are required: " + ", ".join(missing)
+                     + (" (the recipe does not set them)" if args.config is not None else ""))
+    return args
+
+
 def set_threads(threads: int | None) -> None:
     """``--threads N``: torch's default (every core) can run many times slower on a machine whose cores are
     shared with another process (docs/performance.md). Recorded as ``OMP_NUM_THREADS`` too, so GPU training
@@ -153,5 +228,18 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-__all__ = ["DEVICES", "DTYPES", "UsageError", "add_device_args", "fail", "one_line", "resolve_device_dtype",
-           "section_argv", "section_defaults", "set_threads", "setup_logging", "user_errors"]
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        fail("RANK, WORLD_SIZE and LOCAL_RANK must be integers; launch several ranks with torchrun")
+    if world < 1 or not 0 <= rank < world:
+        fail(f"RANK {rank} is not in [0, WORLD_SIZE {world}); launch several ranks with torchrun")
+    return rank, world, local
+
+
+__all__ = ["DEVICES", "DTYPES", "UsageError", "add_deprecated_flag", "add_device_args", "add_recipe_args", "dist_env", "fail", "one_line",
+           "parse_with_recipe", "resolve_device_dtype", "section_argv", "section_defaults", "set_threads",
+           "setup_logging", "user_errors"]

@@ -1,6 +1,6 @@
 """`regenerate --backend openai`: the checks and the target stand-in of a regeneration on a server.
 
-Kept apart from `recipes/regenerate.py`, which only dispatches on `--backend`: the endpoint is
+Kept apart from `recipes/regenerate.py`, which only dispatches on `--backend` (`local` or `openai`): the endpoint is
 checked (reachable, the model served, chat completions answered, the API key exported) before
 any data is read or any prompt is sent, each problem one line naming its fix (exit 2).
 """
@@ -17,40 +17,44 @@ from nemo_dflash.recipes._cli import fail
 
 logger = logging.getLogger("nemo_dflash.regenerate")
 
-BACKENDS = ("engine", "openai")
+BACKENDS = ("local", "openai")
+RENAMED_BACKENDS = {"engine": "local"}  # old name -> new: accepted, with one warning
 MAX_CONCURRENCY = 4096
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The flags of the server backend (their defaults come from `RegenerateConfig`, like every flag's)."""
-    p.add_argument("--backend", choices=BACKENDS, default="engine",
-                   help="engine: load --target here and generate with the decoding engine; openai: ask an "
+    p.add_argument("--backend", choices=(*BACKENDS, *RENAMED_BACKENDS), metavar="{" + ",".join(BACKENDS) + "}",
+                   help="local: load --target here and answer with it (--engine picks the decoder); openai: ask an "
                         "OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama-server) serving the target for "
                         "the answers; --target then gives the tokenizer (templates, prompt lengths, tokens)")
-    p.add_argument("--endpoint", default=None, metavar="URL",
+    p.add_argument("--endpoint", metavar="URL",
                    help="--backend openai: the server's OpenAI base URL, e.g. http://HOST:8000/v1")
-    p.add_argument("--model", default=None, metavar="NAME",
+    p.add_argument("--model", metavar="NAME",
                    help="--backend openai: the name the server serves the target under (default: its only model)")
-    p.add_argument("--api-key-env", default=None, metavar="VAR",
+    p.add_argument("--api-key-env", metavar="VAR",
                    help="--backend openai: the environment variable holding the API key (the key is never in "
                         "the recipe); default: no key")
-    p.add_argument("--concurrency", type=int, default=32,
+    p.add_argument("--concurrency", type=int,
                    help="--backend openai: requests in flight (the server batches them)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float,
                    help="--backend openai: seconds one answer may take before it is asked again")
-    p.add_argument("--retries", type=int, default=5,
+    p.add_argument("--retries", type=int,
                    help="--backend openai: attempts after the first for a timeout, a 429/5xx or a dropped "
                         "connection, with exponential back-off; then the run stops, its journal kept")
-    p.add_argument("--retry-backoff", type=float, default=1.0,
+    p.add_argument("--retry-backoff", type=float,
                    help="--backend openai: seconds before the first retry, doubled each retry (at most 30 s, "
                         "jittered; a server's Retry-After is honoured)")
-    p.add_argument("--server-extensions", choices=("on", "off"), default="on",
+    p.add_argument("--server-extensions", choices=("on", "off"),
                    help="--backend openai: on: also send top_k/min_p/repetition_penalty (the server's defaults "
                         "off) and ask for token ids (vLLM, SGLang, llama.cpp take them); off: OpenAI's fields only")
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
     """The server flags' checks that need no network (the API key's variable included)."""
+    if args.backend in RENAMED_BACKENDS:  # a recipe or a command line written before the rename
+        logger.warning("--backend %s is deprecated: pass --backend %s", args.backend, RENAMED_BACKENDS[args.backend])
+        args.backend = RENAMED_BACKENDS[args.backend]
     if args.backend != "openai":
         return
     if not args.endpoint:

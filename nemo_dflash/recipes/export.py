@@ -1,7 +1,8 @@
 """Export a trained draft for vLLM / SGLang.
 
     python -m nemo_dflash.recipes.export --checkpoint RUN/final/draft --out DIR [--overwrite]
-        [--target PATH]
+        [--target PATH] [--serving-engine any|vllm|sglang]
+    python -m nemo_dflash.recipes.export --config RECIPE --checkpoint RUN --out DIR [export.parity_prompts=3]
 
 `--checkpoint` may be a training draft dir, a checkpoint dir containing `draft/`, or a run
 dir (its `final/draft`, else its latest `checkpoints/step_N/draft`). With `--target`, the
@@ -24,9 +25,13 @@ from typing import Optional, Sequence
 
 from nemo_dflash.files import CHECKPOINTS_DIR, FINAL_DIR, DamagedFilesError, Output, guard_outputs, verify_marked_draft
 from nemo_dflash.config import ExportConfig
-from nemo_dflash.recipes._cli import section_defaults, setup_logging, user_errors
+from nemo_dflash.serving.engine_limits import ENGINES
+from nemo_dflash.recipes._cli import (
+    add_deprecated_flag, add_recipe_args, parse_with_recipe, section_defaults, setup_logging, user_errors,
+)
 
 logger = logging.getLogger("nemo_dflash.serving.export")
+SERVING_ENGINES = ("any", *ENGINES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,15 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="training draft dir, checkpoint dir with draft/, or run dir")
     p.add_argument("--out", required=True, help="output directory (config.json + bf16 model.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--target", default=None,
-                   help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
-    p.add_argument("--engine", default="any", choices=("any", "vllm", "sglang"),
+    p.add_argument("--target", help="optional target (local HF dir, .gguf or pkg:smollm2) to check the draft against")
+    add_deprecated_flag(p, "--engine", "--serving-engine", "serving_engine", choices=SERVING_ENGINES)
+    p.add_argument("--serving-engine", choices=SERVING_ENGINES,
                    help="the engine you serve with: its known limits refuse the export (others only warn)")
-    p.add_argument("--parity-prompts", type=int, default=0, metavar="N",
+    p.add_argument("--parity-prompts", type=int, metavar="N",
                    help="with --target: before writing, decode N built-in prompts (at most 3) with our decoder and "
                         "with the DFlash rules applied to the exported config and weights; refuse on disagreement")
     p.add_argument("--any-target", action="store_true",
                    help="export against a --target other than the one the draft records it was trained on")
+    add_recipe_args(p, "export")  # --config RECIPE [KEY=VALUE ...]
     section_defaults(p, ExportConfig)  # the recipe's `export` section is the source of the defaults
     return p
 
@@ -102,8 +108,8 @@ def run_parity_check(draft: object, target: Optional[str], n_prompts: int, engin
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     setup_logging()
+    args = parse_with_recipe(build_parser(), argv)  # --config RECIPE: its `export` section, flags winning
     from nemo_dflash.draft.build import check_draft_fits_target, load_draft, resolve_draft_dir
     from nemo_dflash.serving.export import export_draft
 
@@ -141,8 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_draft_fits_target(draft.config, target_config, tokenizer)
             target_vocab = int(target_config.get_text_config().vocab_size)
         if args.parity_prompts:
-            run_parity_check(draft, args.target, args.parity_prompts, args.engine, target_vocab)
-        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.engine, target_vocab=target_vocab,
+            run_parity_check(draft, args.target, args.parity_prompts, args.serving_engine, target_vocab)
+        out = export_draft(draft, args.out, overwrite=args.overwrite, engine=args.serving_engine, target_vocab=target_vocab,
                            trained_on=recorded)
     logger.info("exported %s -> %s", src, out)
     return 0

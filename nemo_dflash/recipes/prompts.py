@@ -58,33 +58,33 @@ logger = logging.getLogger("nemo_dflash.prompts")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nemo_dflash.recipes.prompts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
-    p.add_argument("--source", default=None,
+    p.add_argument("--target", help="the aligned target: local HF dir, .gguf file or pkg:smollm2")
+    p.add_argument("--source",
                    help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
                         "code_stdlib[+KINDS][:COUNT], code_site[+KINDS][:COUNT], or a folder of Python source; "
                         "no model)")
     p.add_argument("--out", required=True, help="output FILE.jsonl")
-    p.add_argument("--topics", default="chat=1000,code=1000,math=1000",
+    p.add_argument("--topics",
                    help="TOPIC=COUNT,... conversations per topic (topics: chat, code, math, reading, formatting, "
                         "explain_code)")
-    p.add_argument("--turns", default="1",
+    p.add_argument("--turns",
                    help="user turns per conversation: N or MIN-MAX (e.g. 2-6), drawn per conversation (seeded)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=int,
                    help="cap on a turn's tokens: a capped user turn is dropped, a capped answer kept cut (it is "
                         "context only: regenerate answers again)")
-    p.add_argument("--user-max-new-tokens", type=int, default=None,
+    p.add_argument("--user-max-new-tokens", type=int,
                    help="the user turns' own cap (default: --max-new-tokens), e.g. 512 with --max-new-tokens 256: "
                         "long user turns, short answers")
-    p.add_argument("--batch-size", type=count_or_auto, default=64,
+    p.add_argument("--batch-size", type=count_or_auto,
                    help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (on a CPU: 8)")
-    p.add_argument("--oversample", type=float, default=1.5,
+    p.add_argument("--oversample", type=float,
                    help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (Magpie samples at 1)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--temperature", type=float, help="sampling temperature (Magpie samples at 1)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     add_device_args(p)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     # the recipe's `prompts.jobs` items are the source of the defaults
     section_defaults(p, PromptJobConfig, pipeline_only=("name", "weight"))
     return p
@@ -131,7 +131,8 @@ def shard_path(out: Path, rank: int, world: int) -> Path:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     setup_logging()
-    from nemo_dflash.recipes.regenerate import check_sampling, dist_env
+    from nemo_dflash.recipes._cli import dist_env
+    from nemo_dflash.recipes._regen_args import check_sampling
     from nemo_dflash.engine.sampling import SamplingParams
 
     out = Path(args.out)
