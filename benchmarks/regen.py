@@ -151,10 +151,10 @@ def load_conversations(args) -> list:
 
 
 def sampling_of(args) -> Any:
-    """--temperature / --top-p as the one sampling value the library takes."""
+    """--temperature / --top-p / --top-k as the one sampling value the library takes."""
     from nemo_dflash.engine.sampling import SamplingParams
 
-    return SamplingParams(args.temperature, top_p=args.top_p)
+    return SamplingParams(args.temperature, top_p=args.top_p, top_k=getattr(args, "top_k", 0))
 
 
 def run_conversations(model, tokenizer, convs, args, engine: str, reuse: bool = True) -> dict:
@@ -409,6 +409,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0, help="top-k at T > 0 (0: off; the Qwen models' cards give 20)")
     p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
     p.add_argument("--modes", default="slots,generate", help="comma list of slots (the decoding engine, what "
                    "`regenerate --engine continuous` runs), generate, hf_cb")
@@ -507,7 +508,8 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
                  prompts=len(convs) if args.turns == "all" else len(prompts),
                  weights="random" if args.random_shape else "real",
                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
-                 top_p=args.top_p, target=args.target or args.random_shape,
+                 top_p=args.top_p, **({"top_k": args.top_k} if args.top_k else {}),
+                 target=args.target or args.random_shape,
                  threads=None if mode == "openai" else torch.get_num_threads(),
                  engine={"refill_fraction": args.refill_fraction, "decode_window": args.decode_window,
                          "prepare_ahead": args.prepare_ahead, "schedule": args.schedule})
