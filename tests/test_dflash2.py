@@ -524,8 +524,8 @@ def test_candidate_logits_from_the_fused_ce_give_the_gathered_heads_gradients(ou
     """With the fused cross-entropy the selector's unary scores are its logits (their gradient added in its
     backward); without it they are gathered from the head's rows in the selector's own checkpointed chunks. Same
     loss and the same gradient on every draft parameter, the soft-capped scores included."""
-    target = tiny_qwen3()
-    d2 = dflash2_like(make_draft(target), top_k=4)
+    target = train_qwen3()
+    d2 = dflash2_like(train_draft(target), top_k=4)
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     batch = wrapper.generate_batch(ids, attn, lm)

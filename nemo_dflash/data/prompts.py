@@ -835,6 +835,7 @@ def magpie_generate(model: Any, tokenizer: Any, counts: dict[str, int], *, seed:
     from nemo_dflash.data.chat_template import encode_prompt, special_token_strings, stop_token_ids
     from nemo_dflash.data.loops import LoopDetector
     from nemo_dflash.engine.plain import PlainEngine, Request
+    from nemo_dflash.engine.sampling import SamplingParams  # noqa: F811  (at run time; the hint above is for types)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world {world})")
     user_cap = max_new_tokens if user_max_new_tokens is None else user_max_new_tokens
