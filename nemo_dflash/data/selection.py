@@ -223,34 +223,6 @@ def in_modes(conversations: Sequence[Any], modes: Sequence[Optional[str]]) -> li
             for m in modes for c in conversations]
 
 
-def regenerate_in_modes(regenerate: Any, modes: Sequence[Optional[str]], model: Any, tokenizer: Any,
-                        conversations: Union[Sequence[Any], Callable[[Optional[str]], Iterable[Any]]],
-                        **kwargs: Any) -> Any:
-    """``regenerate(model, tokenizer, conversations, **kwargs)`` once per thinking mode, the
-    tokenizer rendering every prompt in that mode; each record gets ``"reasoning"``.
-    ``conversations`` may be a function of the mode giving that mode's conversations (a rank's
-    share of a queue, claimed as the engine admits them)."""
-    def of_mode(mode: Optional[str]) -> Iterable[Any]:
-        if callable(conversations):
-            return conversations(mode)
-        return [c for c in conversations if getattr(c, "reasoning", None) == mode]
-
-    if modes == [None]:
-        return regenerate(model, tokenizer, conversations(None) if callable(conversations) else conversations,
-                          **kwargs)
-    from nemo_dflash.data.chat_template import ReasoningTokenizer
-
-    def run() -> Any:
-        for mode in modes:
-            mine = of_mode(mode)
-            if isinstance(mine, list) and not mine:
-                continue
-            for record in regenerate(model, ReasoningTokenizer(tokenizer, mode), mine, **kwargs):
-                record["reasoning"] = mode
-                yield record
-
-    return run()
-
 
 def check_shares(report: Sequence[dict[str, Any]], batch_size: int, *, capped: bool) -> None:
     """Refuse a time-capped mix one of whose sources cannot fill its share (exit 2, before any answer): a
