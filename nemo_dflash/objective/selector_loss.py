@@ -44,8 +44,12 @@ def topk_rows(hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: in
 def _unary_at(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, multiplier: float,
               softcap: float) -> torch.Tensor:
     """u(ids) = softcap(multiplier * h . W[ids]) for ids [n, K] of each row: [n, K] fp32, W's rows gathered."""
-    u = torch.einsum("nh,nkh->nk", hidden.to(weight.dtype), weight[ids]).float() * multiplier
-    return softcap * torch.tanh(u / softcap) if softcap > 0 else u
+    return _softcapped(torch.einsum("nh,nkh->nk", hidden.to(weight.dtype), weight[ids]).float() * multiplier, softcap)
+
+
+def _softcapped(u: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(u / softcap) when softcap > 0, else u (fp32)."""
+    return softcap * torch.tanh(u.float() / softcap) if softcap > 0 else u.float()
 
 
 def _selector_chunk(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Module, cand: torch.Tensor,
@@ -58,7 +62,7 @@ def _selector_chunk(hidden: torch.Tensor, weight: torch.Tensor, selector: nn.Mod
     if cand_logits is None:
         u = _unary_at(hidden, weight, ids, multiplier, softcap)
     else:
-        u = softcap * torch.tanh(cand_logits.float() / softcap) if softcap > 0 else cand_logits.float()
+        u = _softcapped(cand_logits, softcap)
     scores = selector.pair_scores(hidden, u, ids, prev)
     k = cand.shape[1]
     hit = cand == labels.unsqueeze(1)
