@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import nemo_dflash.train.trainer  # noqa: F401  binds the real load_target before any test patches the loader's
 from nemo_dflash import HFDFlashTargetModel
 
 from _tiny_models import train_draft, train_llama, train_qwen3  # the one set of builders (tests/_tiny_models.py)

@@ -489,8 +489,8 @@ def test_the_train_command_refuses_bad_dflash2_input_before_loading(tmp_path, mo
     def no_load(*a, **k):
         raise AssertionError("the target was loaded")
 
+    monkeypatch.setattr("nemo_dflash.train.trainer.load_target", no_load)  # the trainer first: it binds the name
     monkeypatch.setattr("nemo_dflash.target.loading.load_target", no_load)
-    monkeypatch.setattr("nemo_dflash.train.trainer.load_target", no_load)
     base = ["--config", "qwen3_8b.yaml", f"target.path={target_dir}", f"data.sources=[{{path: {data}}}]",
             f"output_dir={tmp_path / 'run'}", "distributed.strategy=none", "wandb.mode=disabled"]
     d2 = build_draft_for_target(train_qwen3(), None, num_layers=2, block_size=4, mask_token_id=MASK_ID,
