@@ -20,7 +20,7 @@ from nemo_dflash.objective.metrics import LossSums
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.draft.build import DraftError, build_draft_for_target, check_variant_fits
 from nemo_dflash.draft.model import DFlash2Config, DFlash2DraftModel
-from nemo_dflash.draft.model.dflash2 import BlockConv, selector_walk
+from nemo_dflash.draft.model.dflash2 import BlockConv, compose_maps, selector_walk
 from nemo_dflash.objective.selector_loss import dpace_weights
 
 
@@ -134,6 +134,14 @@ def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
                 cand, s = naive_scores(hidden[r, k], logits[r, k], prev)
                 prev = int(cand[s.argmax()])
                 assert int(tokens[r, k]) == prev
+        long_hidden, long_logits = torch.randn(2, 15, 64, generator=g), torch.randn(2, 15, 256, generator=g) * 3
+        tokens, _ = selector_walk(sel, long_hidden, long_logits, anchors[:2])  # every doubling round of the path
+        for r in range(2):
+            prev = int(anchors[r])
+            for k in range(15):
+                cand, s = naive_scores(long_hidden[r, k], long_logits[r, k], prev)
+                prev = int(cand[s.argmax()])
+                assert int(tokens[r, k]) == prev
         picks = []
         tokens, q = selector_walk(sel, hidden, logits, anchors, 1 / 0.7,
                                   lambda k, qk: picks.append(qk) or torch.multinomial(qk, 1, generator=g).squeeze(-1))
@@ -145,6 +153,19 @@ def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
                 torch.testing.assert_close(q[r, k], want, atol=1e-5, rtol=1e-5)
                 assert q[r, k, int(tokens[r, k])] > 0
                 prev = int(tokens[r, k])
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 5, 8, 9, 15])
+def test_compose_maps_is_the_composition_applied_slot_by_slot(slots):
+    g = torch.Generator().manual_seed(slots)
+    maps = torch.randint(0, 6, (3, slots, 6), generator=g)
+    out = compose_maps(maps)
+    for r in range(3):
+        for i in range(6):
+            j = i
+            for s in range(slots):
+                j = int(maps[r, s, j])
+                assert int(out[r, s, i]) == j
 
 
 # ----------------------------------------------------------------------------- training

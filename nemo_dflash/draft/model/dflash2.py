@@ -219,6 +219,17 @@ def unary_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
     return c * torch.tanh(u / c) if c > 0 else u
 
 
+def compose_maps(maps: torch.Tensor) -> torch.Tensor:
+    """Prefix compositions of index maps: maps [R, S, K] (slot s sends candidate i of slot s - 1 to maps[:, s, i])
+    -> out [R, S, K] with out[:, s] = maps[:, s] o ... o maps[:, 0]. Doubling (log2 S gathers), so a greedy walk
+    over a block is a handful of kernels rather than a few a slot."""
+    out, step = maps, 1
+    while step < maps.shape[1]:
+        out = torch.cat([out[:, :step], out[:, step:].gather(2, out[:, :-step])], dim=1)
+        step *= 2
+    return out
+
+
 Draw = Callable[[int, torch.Tensor], torch.Tensor]  # (slot, q over the candidates [R, K]) -> candidate index [R]
 
 
@@ -236,22 +247,25 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torc
     cand_logits, cand_ids = unary.topk(selector.top_k, dim=-1)  # sorted: ties keep the lower token id first
     first = selector.pair_scores(hidden[:, 0], cand_logits[:, 0], cand_ids[:, 0], anchors)  # [R, K]
     lattice = selector.lattice(hidden, cand_ids) if hidden.shape[1] > 1 else None
+    if draw is None:
+        index = first.argmax(dim=-1, keepdim=True)  # [R, 1]
+        if lattice is not None:
+            # every slot's best successor of each candidate before it, at once; the path then follows these maps
+            successor = (cand_logits[:, 1:].float().unsqueeze(2) + lattice).argmax(dim=-1)  # [R, S-1, K]
+            index = torch.cat([index, compose_maps(successor).gather(2, index.unsqueeze(1).expand(
+                -1, successor.shape[1], 1)).squeeze(2)], dim=1)
+        return cand_ids.gather(-1, index.unsqueeze(-1)).squeeze(-1), None
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     picks, qs = [], []
     scores = first
     for k in range(hidden.shape[1]):
         if k > 0:
             scores = cand_logits[:, k].float() + lattice[rows, k - 1, picks[-1]]  # the row of the chosen candidate
-        if draw is None:
-            picks.append(scores.argmax(dim=-1))
-        else:
-            q = torch.softmax(scores * inv_temperature, dim=-1)
-            qs.append(q)
-            picks.append(draw(k, q))
+        q = torch.softmax(scores * inv_temperature, dim=-1)
+        qs.append(q)
+        picks.append(draw(k, q))
     index = torch.stack(picks, dim=1)  # [R, S]
     tokens = cand_ids.gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    if draw is None:
-        return tokens, None
     q_full = torch.zeros(unary.shape, dtype=torch.float32, device=unary.device)
     return tokens, q_full.scatter_(-1, cand_ids, torch.stack(qs, dim=1))
 
@@ -308,5 +322,5 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 __all__ = [
     "BlockConv", "CandidateSelector", "DFLASH2_DEFAULTS", "DFlash2Config", "DFlash2DecoderLayer",
-    "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "selector_walk", "unary_logits",
+    "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "compose_maps", "selector_walk", "unary_logits",
 ]
