@@ -42,6 +42,14 @@ DFLASH2_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _field(name: str, cast: Callable[[Any], Any]) -> property:
+    """A read-only attribute for one `dflash_config` field (the engines' names), its default when absent."""
+    def get(self: "DFlash2Config") -> Any:
+        value = self.dflash_config.get(name, DFLASH2_DEFAULTS[name])
+        return cast(0 if value is None else value)
+    return property(get)
+
+
 class DFlash2Config(DFlashConfig):
     """A DFlash config whose `dflash_config` also holds the conv and selector sizes (the engines' fields)."""
 
@@ -51,38 +59,18 @@ class DFlash2Config(DFlashConfig):
         super().__init__(dflash_config=dflash_config, **kwargs)
         check_dflash2_sizes(self)
 
-    def _field(self, name: str) -> Any:
-        return self.dflash_config.get(name, DFLASH2_DEFAULTS[name])
-
-    @property
-    def conv_kernel_size(self) -> int:
-        return int(self._field("conv_kernel_size"))
-
-    @property
-    def conv_group_size(self) -> int:
-        return int(self._field("conv_group_size"))
-
-    @property
-    def selector_rank(self) -> int:
-        return int(self._field("selector_rank"))
-
-    @property
-    def selector_top_k(self) -> int:
-        return int(self._field("selector_top_k"))
-
-    @property
-    def output_multiplier(self) -> float:
-        return float(self._field("output_multiplier"))
-
-    @property
-    def final_logit_softcapping(self) -> float:
-        return float(self._field("final_logit_softcapping") or 0.0)
+    conv_kernel_size = _field("conv_kernel_size", int)
+    conv_group_size = _field("conv_group_size", int)
+    selector_rank = _field("selector_rank", int)
+    selector_top_k = _field("selector_top_k", int)
+    output_multiplier = _field("output_multiplier", float)
+    final_logit_softcapping = _field("final_logit_softcapping", float)
 
 
 def check_dflash2_sizes(config: Any) -> None:
     """`check_dflash2_fields` of a DFlash2 config."""
     check_dflash2_fields(int(config.hidden_size), int(config.vocab_size), int(config.block_size),
-                         {k: config._field(k) for k in DFLASH2_DEFAULTS})
+                         {k: config.dflash_config.get(k, v) for k, v in DFLASH2_DEFAULTS.items()})
 
 
 def check_dflash2_fields(hidden: int, vocab: int, block: int, fields: dict[str, Any]) -> None:
