@@ -259,6 +259,9 @@ def test_prompts_a_bad_recipe_key_or_job_is_one_line_before_any_model(extra, nee
 
 def test_prompts_a_recipe_of_several_jobs_needs_job_and_one_of_none_is_refused(tmp_path, monkeypatch, capsys):
     _stop_at(monkeypatch, "run_magpie")
+    with pytest.raises(SystemExit) as e:  # --job without a recipe: nothing to pick from
+        prompts.main(["--job", "magpie", "--target", "t", "--out", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2 and "give --config RECIPE" in capsys.readouterr().err
     two = MAGPIE_JOB + "    - name: other\n      topics: math=1\n"
     for body, needle in ((two, "magpie, other: pick one with --job NAME"), ("", "has no prompts.jobs")):
         with pytest.raises(SystemExit) as e:

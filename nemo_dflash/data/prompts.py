@@ -53,7 +53,9 @@ from nemo_dflash.data.magpie import (  # noqa: F401
     magpie_max_prompt, magpie_merge, magpie_plan, magpie_prefix, magpie_prefix_text, magpie_prompts, magpie_select,
     magpie_shares, parse_turns, read_magpie_shard, write_magpie_shard,
 )
-from nemo_dflash.data.prompt_text import MAX_CHARS, MIN_CHARS, _log_dropped, _reasons, keep_prompt, write_prompts  # noqa: F401
+from nemo_dflash.data.prompt_text import (  # noqa: F401
+    MAX_CHARS, MIN_CHARS, _log_dropped, _reasons, keep_prompt, write_prompts,
+)
 from nemo_dflash.data.sources import Conversation, DataError
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from nemo_dflash.evaluation.held_out import HeldOutAcceptance, eager_modules
 from nemo_dflash.evaluation.protocol import PROTOCOLS
 from nemo_dflash.recipes._cli import fail, setup_logging, user_errors
-from nemo_dflash.recipes._demo_plan import (  # noqa: F401  (the sizes, the budget and the report, imported from here too)
+from nemo_dflash.recipes._demo_plan import (  # noqa: F401  (the sizes, budget and report: importable here too)
     EVAL_RESERVE_MIN, SIZES, fitted_train_minutes, held_out_curve, report, resolve_sizes, train_minutes_left,
 )
 from nemo_dflash.train.device import _probe_seconds, pick_cpu_settings, refresh_threads  # noqa: F401  (the CPU probe)

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from nemo_dflash.config import ConfigError, load_recipe, to_yaml
 from nemo_dflash.recipes._cli import UsageError, fail, setup_logging, user_errors
 from nemo_dflash.recipes._pipeline_run import TIME_CAP, Pipeline, redo_capped_draft  # noqa: F401  (the plan and run)
-from nemo_dflash.recipes._pipeline_stages import (  # noqa: F401  (Layout, _section, digest: the names tests import here)
+from nemo_dflash.recipes._pipeline_stages import (  # noqa: F401  (Layout, _section, digest: tests import them here)
     STAGES, Layout, Stage, _section, digest,
 )
 

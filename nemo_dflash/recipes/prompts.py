@@ -5,7 +5,7 @@ r"""Write a prompt file for `regenerate --data NAME=FILE`: prompts the target wr
 
 The target gets its chat template up to the user header, after a system prompt that steers the
 topic (chat, code, math, reading: answer from a passage, formatting: follow formatting
-instructions, explain_code: `nemo_dflash.data.prompts.MAGPIE_TOPICS`), and samples the user turn
+instructions, explain_code: `nemo_dflash.data.magpie.MAGPIE_TOPICS`), and samples the user turn
 (Magpie, arXiv 2406.08464). With --turns MIN-MAX it then answers that turn and writes the next
 user turn (the template up to the next user header), for a seeded number of user turns in the
 range. Empty, duplicate, too short, too long, looping or capped first turns are dropped; a later
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     p.add_argument("--job", metavar="NAME",
                    help="with --config: the prompts.jobs item whose keys give the flags (default: the only one)")
-    add_recipe_args(p, "prompts.jobs", pick=recipe_job, example="prompts.jobs.0.seed=1")  # --config RECIPE [KEY=VALUE ...]
+    add_recipe_args(p, "prompts.jobs", pick=recipe_job, example="prompts.jobs.0.seed=1")  # --config RECIPE
     # the recipe's `prompts.jobs` items are the source of the defaults
     section_defaults(p, PromptJobConfig, pipeline_only=("name", "weight"))
     return p
@@ -141,6 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     from nemo_dflash.recipes._regen_args import check_sampling
     from nemo_dflash.engine.sampling import SamplingParams
 
+    if args.job is not None and args.config is None:
+        fail(f"--job {args.job} picks a recipe's prompts.jobs item: give --config RECIPE, or pass the flags alone")
     out = Path(args.out)
     if not out.name.endswith(".jsonl") or out.is_dir():
         fail(f"--out must be a .jsonl file (got {args.out!r})")
