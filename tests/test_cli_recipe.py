@@ -184,3 +184,87 @@ def test_a_pipeline_marker_written_under_the_old_names_reads_as_the_new_ones():
     assert _projected(old, {"export": ExportConfig, "regenerate": RegenerateConfig}) == new
     other = {"regenerate": {**_section(RegenerateConfig()), "engine": "generate"}}
     assert _projected(other, {"regenerate": RegenerateConfig}) != {"regenerate": _section(RegenerateConfig())}
+
+
+# ---- prompts --config RECIPE: the recipe's prompts.jobs item, as the pipeline's prompts stage runs it
+
+MAGPIE_JOB = ("prompts:\n  jobs:\n    - name: magpie\n      topics: chat=3,code=2\n      turns: 2-3\n      seed: 4\n"
+              "      max_new_tokens: 11\n      oversample: 2.0\n")
+
+
+def _stop_at(monkeypatch, name):
+    """Replace `prompts.<name>` (the Magpie run, or the built-in writer) with a stop that keeps what it was given."""
+    seen = []
+
+    def stop(*args, **kw):
+        seen.append(args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(prompts, name, stop)
+    monkeypatch.setattr("nemo_dflash.target.loading.load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    return seen
+
+
+def test_prompts_takes_its_job_and_target_from_the_recipe(tmp_path, monkeypatch):
+    seen = _stop_at(monkeypatch, "run_magpie")
+    out = str(tmp_path / "o.jsonl")
+    with pytest.raises(SystemExit):
+        prompts.main(["--config", str(_recipe(tmp_path, MAGPIE_JOB)), "--out", out, "--device", "cpu"])
+    args, _, counts, turns = seen[-1][:4]
+    assert (args.target, args.topics, args.seed, args.max_new_tokens, args.oversample) == (
+        "pkg:smollm2", "chat=3,code=2", 4, 11, 2.0)
+    assert counts == {"chat": 3, "code": 2} and turns == (2, 3)
+    assert args.temperature == PromptJobConfig().temperature  # a key the job leaves: the dataclass default
+
+
+def test_prompts_flags_and_overrides_win_over_the_recipe(tmp_path, monkeypatch):
+    seen = _stop_at(monkeypatch, "run_magpie")
+    argv = ["--config", str(_recipe(tmp_path, MAGPIE_JOB)), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu",
+            "--seed", "9", "--topics", "math=1", "--target", "other"]
+    with pytest.raises(SystemExit):
+        prompts.main([*argv, "prompts.jobs.0.max_new_tokens=7"])
+    args, _, counts, turns = seen[-1][:4]
+    assert (args.target, args.seed, args.topics, args.max_new_tokens) == ("other", 9, "math=1", 7)
+    assert counts == {"math": 1} and turns == (2, 3)  # turns: still the recipe's
+
+
+def test_prompts_a_source_job_takes_no_target_and_a_flag_picks_magpie(tmp_path, monkeypatch):
+    body = ("prompts:\n  jobs:\n    - name: magpie\n      topics: chat=3\n    - name: gsm\n"
+            "      source: gsm_symbolic:5\n")
+    recipe, out = str(_recipe(tmp_path, body)), str(tmp_path / "o.jsonl")
+    written = _stop_at(monkeypatch, "write_builtin")
+    with pytest.raises(SystemExit) as e:
+        prompts.main(["--config", recipe, "--out", out, "--job", "gsm"])
+    assert e.value.code == 0 and written[-1] == ("gsm_symbolic:5", Path(out))
+    magpie = _stop_at(monkeypatch, "run_magpie")
+    with pytest.raises(SystemExit):  # --target given: the gsm job's keys, written by Magpie
+        prompts.main(["--config", recipe, "--out", out, "--job", "gsm", "--target", "t", "--device", "cpu",
+                      "--topics", "code=1"])
+    assert (magpie[-1][0].target, magpie[-1][0].source) == ("t", None)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["prompts.bogus=1"], "bogus"),
+    (["prompts.jobs.0.seeed=1"], "seeed"),
+    (["--job", "nope"], "--job nope: the recipe's prompts.jobs are magpie"),
+], ids=["unknown-section-key", "unknown-job-key", "unknown-job"])
+def test_prompts_a_bad_recipe_key_or_job_is_one_line_before_any_model(extra, needle, tmp_path, monkeypatch, capsys):
+    seen = _stop_at(monkeypatch, "run_magpie")
+    with pytest.raises(SystemExit) as e:
+        prompts.main(["--config", str(_recipe(tmp_path, MAGPIE_JOB)), "--out", str(tmp_path / "o.jsonl"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and needle in err, err
+    assert not seen and not (tmp_path / "o.jsonl").exists()
+
+
+def test_prompts_a_recipe_of_several_jobs_needs_job_and_one_of_none_is_refused(tmp_path, monkeypatch, capsys):
+    _stop_at(monkeypatch, "run_magpie")
+    with pytest.raises(SystemExit) as e:  # --job without a recipe: nothing to pick from
+        prompts.main(["--job", "magpie", "--target", "t", "--out", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2 and "give --config RECIPE" in capsys.readouterr().err
+    two = MAGPIE_JOB + "    - name: other\n      topics: math=1\n"
+    for body, needle in ((two, "magpie, other: pick one with --job NAME"), ("", "has no prompts.jobs")):
+        with pytest.raises(SystemExit) as e:
+            prompts.main(["--config", str(_recipe(tmp_path, body)), "--out", str(tmp_path / "o.jsonl")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.count("\n") == 0 and needle in err, err

@@ -20,6 +20,7 @@ from nemo_dflash.engine.sampling import GREEDY
 from nemo_dflash.evaluation.protocol import evaluate_acceptance
 from nemo_dflash.evaluation.replay import ReplayEvaluator
 from nemo_dflash.recipes import demo
+from nemo_dflash.train import device as train_device
 
 from _spec_fixtures import make_draft, qwen_tokenizer_files
 from test_eval_replay import BLOCK, QWEN3_MASK_ID, make_target, prompts, train_draft
@@ -29,7 +30,7 @@ def test_probe_picks_the_fastest_threads_and_dtype(monkeypatch):
     seconds = {(1, "bf16"): 0.015, (1, "fp32"): 0.012, (2, "bf16"): 0.140, (2, "fp32"): 0.139}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    monkeypatch.setattr(demo, "_probe_seconds",
+    monkeypatch.setattr(train_device, "_probe_seconds",
                         lambda threads, dtype: seconds[(threads, "bf16" if "bfloat16" in str(dtype) else "fp32")])
     threads, dtype, table = demo.pick_cpu_settings(None, "auto")
     assert (threads, dtype) == (1, "fp32")
@@ -105,7 +106,7 @@ def test_report_names_existing_outputs_the_curve_and_the_table(tmp_path):
 
 def test_threads_are_probed_again_before_a_phase_unless_given(monkeypatch):
     calls = []
-    monkeypatch.setattr(demo, "pick_cpu_settings", lambda threads, dtype: calls.append((threads, dtype)) or (1, dtype, {}))
+    monkeypatch.setattr(train_device, "pick_cpu_settings", lambda threads, dtype: calls.append((threads, dtype)) or (1, dtype, {}))
     cpu = {"threads": 2, "dtype": "fp32"}
     demo.refresh_threads(cpu, "train", None)
     assert calls == [(None, "fp32")] and cpu["threads_by_phase"] == {"train": 1}  # the dtype is kept

@@ -445,7 +445,8 @@ COMMANDS = [  # (module, section, the flags the pipeline fills in, the section's
 # The flags the pipeline sets itself (paths, the target, --overwrite): no recipe key.
 FILLED_BY_THE_PIPELINE = {"target", "out", "overwrite", "summary_json", "checkpoint", "draft",
                           "part",  # part: evaluate sets it for its own --gpus processes
-                          "config", "overrides"}  # the stand-alone command's recipe itself (--config RECIPE)
+                          "config", "overrides", "job"}  # the stand-alone command's recipe itself (--config RECIPE,
+                                                        # prompts' --job NAME: which prompts.jobs item)
 
 
 @pytest.mark.parametrize("module, section, required, only", COMMANDS, ids=lambda x: getattr(x, "__name__", ""))

@@ -22,7 +22,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any, Iterator, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -158,16 +158,21 @@ def add_deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str, des
     parser.add_argument(old, dest=dest, action=_DeprecatedFlag, new=new, help=argparse.SUPPRESS, **kwargs)
 
 
-def add_recipe_args(parser: argparse.ArgumentParser, section: str) -> None:
+def add_recipe_args(parser: argparse.ArgumentParser, section: str,
+                    pick: Optional[Callable[[Any, argparse.Namespace, Sequence[str]], tuple[Any, bool]]] = None,
+                    example: Optional[str] = None) -> None:
     """``--config RECIPE`` and ``KEY=VALUE`` overrides: the recipe's ``section`` (and ``target.path``) give the
-    flags' values, the way the pipeline passes them (`section_argv`); a flag given on the command line wins."""
+    flags' values, the way the pipeline passes them (`section_argv`); a flag given on the command line wins.
+    ``pick(cfg, args, argv)``: for a section that is a list (``prompts.jobs``), the item these flags mean and
+    whether ``target.path`` gives ``--target`` for it."""
     parser.add_argument("--config", metavar="RECIPE", default=None,
                         help=f"a recipe YAML (the working directory, then the shipped recipes/): its `{section}` "
                              "section and target.path give this command's flags; a flag given here overrides it")
     parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help=f"with --config, after the flags: recipe keys overridden in Hydra's grammar, e.g. "
-                             f"{section}.seed=1")
+                             f"{example or section + '.seed=1'}")
     parser.recipe_section = section  # type: ignore[attr-defined]  # read by parse_with_recipe
+    parser.recipe_pick = pick  # type: ignore[attr-defined]
 
 
 def _given(argv: Sequence[str], action: argparse.Action) -> bool:
@@ -193,12 +198,14 @@ def parse_with_recipe(parser: argparse.ArgumentParser, argv: Optional[Sequence[s
             with user_errors(ConfigError):
                 cfg = load_recipe(args.config, args.overrides, data_optional=True)
             actions = _actions(parser)
-            section = getattr(cfg, parser.recipe_section)  # type: ignore[attr-defined]
+            pick = getattr(parser, "recipe_pick", None)
+            section, with_target = (pick(cfg, args, argv) if pick is not None
+                                    else (getattr(cfg, parser.recipe_section), True))  # type: ignore[attr-defined]
             recipe = section_argv(parser, section, pipeline_only=[
                 f.name for f in fields(section)
                 if f.name not in actions or (isinstance(actions[f.name], argparse._AppendAction)
                                              and _given(argv, actions[f.name]))])
-            if "target" in actions and not _given(argv, actions["target"]):
+            if with_target and "target" in actions and not _given(argv, actions["target"]):
                 recipe = ["--target", cfg.target.path, *recipe]
             args = parser.parse_args(recipe + argv)
     finally:

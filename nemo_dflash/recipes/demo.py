@@ -20,7 +20,6 @@ two-thread matmul many times slower; some CPUs run bf16 slower than fp32).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -28,8 +27,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from nemo_dflash.evaluation.held_out import HeldOutAcceptance, eager_modules
 from nemo_dflash.evaluation.protocol import PROTOCOLS
 from nemo_dflash.recipes._cli import fail, setup_logging, user_errors
+from nemo_dflash.recipes._demo_plan import (  # noqa: F401  (the sizes, budget and report: importable here too)
+    EVAL_RESERVE_MIN, SIZES, fitted_train_minutes, held_out_curve, report, resolve_sizes, train_minutes_left,
+)
+from nemo_dflash.train.device import _probe_seconds, pick_cpu_settings, refresh_threads  # noqa: F401  (the CPU probe)
 
 logger = logging.getLogger("nemo_dflash.demo")
 QUICK = PROTOCOLS["quick"]  # the acceptance figures are evaluate's quick protocol: one turn, T=0
@@ -64,142 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# Sizes per device. CPU: answers as long as the evaluation's (64 new tokens), prompts <= 128 tokens,
-# ShareGPT and HumanEval-style code prompts about half and half (1,413 and 1,383 in the pool).
-# Regeneration stops generating after 2 minutes (it then finishes the answers in flight, and reading
-# the prompt sources takes ~0.4 min: 3.2 minutes on a shared CPU). The evaluations by replay take
-# ~0.5 min (greedy answers 19 s, each replay 11-13 s): training gets ~7 of the 11.5 minutes.
-SIZES = {
-    "cpu": dict(out="outputs/smollm2_demo", num_conversations=512, max_new_tokens=64, max_prompt_tokens=128,
-                batch_size=128, data=("sharegpt@0.08", "code"), regenerate_minutes=2.0, train_minutes=None,
-                budget_minutes=11.5, recipe="smollm2_135m.yaml"),
-    # Training tokens are what moves acceptance (docs/train.md): 4 epochs of 14,200 ShareGPT answers
-    # (11 M tokens) gave tau 1.34 and 0.87x at 64 new tokens, 6 epochs (17 M) 1.45 and 0.94-1.05x.
-    # So the GPU demo takes every ShareGPT prompt up to 384 tokens plus the code prompts, and 8 epochs.
-    "cuda": dict(out="outputs/smollm2_demo_gpu", num_conversations=25000, max_new_tokens=512, max_prompt_tokens=384,
-                 batch_size=1024, data=("sharegpt", "code"), regenerate_minutes=None, train_minutes=9.0,
-                 budget_minutes=None, recipe="smollm2_135m_gpu.yaml", recipe_overrides=("train.epochs=8",)),
-}
-EVAL_RESERVE_MIN = 0.5  # after training: the final held-out eval, the draft's save, curves; and a margin
-
-
-def resolve_sizes(args: argparse.Namespace) -> tuple[str, dict]:
-    """Fill the unset sizes from the device's column of SIZES (CUDA when `auto` finds it)."""
-    import torch
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    sizes = dict(SIZES[device])
-    for key in ("out", "num_conversations", "max_new_tokens", "train_minutes", "budget_minutes"):
-        if getattr(args, key) is not None:
-            sizes[key] = getattr(args, key)
-    return device, sizes
-
-
-def _probe_seconds(threads: int, dtype: "Any", reps: int = 3) -> float:
-    """Best-of-`reps` time of a training-sized matmul plus 16 decode-sized ones (SmolLM2's MLP shape)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        w = torch.randn(1536, 576, dtype=dtype)
-        big, small = torch.randn(512, 576, dtype=dtype), torch.randn(8, 576, dtype=dtype)
-        best = float("inf")
-        for _ in range(reps + 1):  # the first round warms up
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(big, w)
-            for _ in range(16):
-                torch.nn.functional.linear(small, w)
-            best = min(best, time.perf_counter() - t0)
-        return best
-    finally:
-        torch.set_num_threads(before)
-
-
-def pick_cpu_settings(threads: Optional[int], dtype: str) -> tuple[int, str, dict[str, float]]:
-    """Threads and dtype for the CPU run: the given ones, else the fastest in a ~1 s probe.
-
-    Why a probe: with another process on one of two cores, every two-thread op waits for the
-    descheduled thread (a decode step's small matmuls ran ~30x slower than on one thread), and
-    bf16 matmuls are ~4x faster than fp32 on some CPUs (AVX512-BF16 EPYC) and ~2x slower on others.
-    """
-    import torch
-
-    all_cores = torch.get_num_threads()
-    thread_options = [threads] if threads is not None else sorted({1, all_cores})
-    dtype_options = [dtype] if dtype != "auto" else ["bf16", "fp32"]
-    table = {(t, d): _probe_seconds(t, torch.bfloat16 if d == "bf16" else torch.float32)
-             for t in thread_options for d in dtype_options}
-    best_threads, best_dtype = min(table, key=table.get)
-    torch.set_num_threads(best_threads)
-    return best_threads, best_dtype, {f"{t} thread(s) {d}": round(s * 1e3, 2) for (t, d), s in table.items()}
-
-
-def refresh_threads(cpu: dict[str, Any], phase: str, given: Optional[int]) -> None:
-    """Probe the threads again before `phase` (the dtype stays: the model is loaded): other work that
-    started on a core since the last probe would make two threads many times slower."""
-    if not cpu or given is not None:
-        return
-    threads, _, probe = pick_cpu_settings(None, cpu["dtype"])
-    cpu.setdefault("threads_by_phase", {})[phase] = threads
-    if threads != cpu["threads"]:
-        logger.info("%s: %d thread(s) now (probe, ms: %s)", phase, threads, probe)
-
-
-def train_minutes_left(budget_min: float, elapsed_min: float, eval_min: float) -> float:
-    """Training's share of a time budget: what is left after the phases so far, less one more
-    evaluation (the after-training one costs about what the before one did) and a reserve."""
-    return budget_min - elapsed_min - eval_min - EVAL_RESERVE_MIN
-
-
-class HeldOutAcceptance:
-    """The demo's before/after figure: the T=0 acceptance of the draft on held-out prompts, by replay
-    (`evaluation.replay`: the figures of the one-at-a-time speculative decoder, from batched work).
-
-    At T=0 the answers are the target's greedy answers, which the draft does not change: they are
-    generated once, in one batch for every prompt set, and each evaluation only replays the draft
-    along them (one target forward and one draft forward per answer).
-    """
-
-    def __init__(self, prompt_sets: dict[str, list], max_new_tokens: int, eager: bool = False) -> None:
-        from nemo_dflash.evaluation.protocol import EvalSettings
-
-        self.prompt_sets = prompt_sets
-        # under `eager_modules` flex_attention runs uncompiled, which a CUDA graph cannot capture
-        self.cuda_graph = False if eager else None
-        self.settings = EvalSettings(max_new_tokens=max_new_tokens, turns=1, warmup=False)  # T=0: replay
-        self.greedy: Optional[dict[str, list]] = None
-        self.greedy_s = 0.0  # seconds the greedy answers took (the first call only)
-
-    def __call__(self, target, tokenizer, draft) -> dict[str, float]:
-        from nemo_dflash.evaluation.protocol import dataset_result
-        from nemo_dflash.evaluation.replay import ReplayEvaluator
-
-        evaluator = ReplayEvaluator(target, tokenizer, draft, self.settings, cuda_graph=self.cuda_graph)
-        if self.greedy is None:
-            t0 = time.perf_counter()
-            everything = [p for prompts in self.prompt_sets.values() for p in prompts]
-            turns = evaluator.greedy_answers(everything)  # {(prompt index, turn): answer}, one batch
-            self.greedy, first = {}, 0
-            for name, prompts in self.prompt_sets.items():
-                self.greedy[name] = [turns[first + i, 0] for i in range(len(prompts))]
-                first += len(prompts)
-            self.greedy_s = time.perf_counter() - t0
-        was_training = draft.training
-        draft.eval()
-        try:
-            answers = {name: [evaluator.answer(p, 0, g) for p, g in zip(prompts, self.greedy[name])]
-                       for name, prompts in self.prompt_sets.items()}
-        finally:
-            draft.train(was_training)
-        return {name: dataset_result(a, block_size=evaluator.block_size, sampling=self.settings.sampling,
-                                     max_new_tokens=self.settings.max_new_tokens,
-                                     num_prompts=len(a))["mean_acceptance_length"]
-                for name, a in answers.items()}
-
-
 def timed_speedup(out: Path, num_prompts: int, max_new_tokens: int) -> dict[str, dict]:
     """Tau and speedup of the trained draft by `evaluate` (the command a user runs next), on a freshly
     loaded target: the trainer's target attends with flex_attention for packed rows, while timed
@@ -213,27 +81,6 @@ def timed_speedup(out: Path, num_prompts: int, max_new_tokens: int) -> dict[str,
     speedup = json.loads((eval_dir / "results.json").read_text())["speedup"]["0"]
     return {name: {k: r.get(k) for k in ("mean_acceptance_length", "speedup", "per_prompt_speedup")}
             for name, r in speedup.items()}
-
-
-def eager_modules(device: str):
-    """Evaluate with the modules as written, not as compiled for training.
-
-    The GPU recipe compiles the draft and the target's layers for the packed training shape; an
-    evaluation feeds other shapes, and recompiling for each one took minutes (and fell inside the
-    timed plain and speculative decodes, which made their ratio meaningless).
-    """
-    import torch
-
-    return torch.compiler.set_stance("force_eager") if device == "cuda" else contextlib.nullcontext()
-
-
-def held_out_curve(metrics_file: Path) -> str:
-    """The held-out simulated acceptance by step, from metrics.jsonl, as text: `0:1.00 50:1.07 ...`."""
-    if not metrics_file.is_file():
-        return ""
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    points = [(int(r.get("step", 0)), float(r["eval_accept_len"])) for r in rows if "eval_accept_len" in r]
-    return " ".join(f"{s}:{v:.2f}" for s, v in points)
 
 
 def main(argv=None) -> dict:
@@ -251,38 +98,15 @@ def main(argv=None) -> dict:
     out = Path(sizes["out"])
     data_file = out / "data" / "regen.jsonl"
     timings: dict[str, float] = {}
-
-    # 1-2. target responses on real prompts (resumable, atomic; reused on a second run)
-    if not data_file.exists():
-        from nemo_dflash.recipes import regenerate
-
-        data_args = [a for src in sizes["data"] for a in ("--data", src)]
-        cap = ["--max-minutes", str(sizes["regenerate_minutes"])] if sizes["regenerate_minutes"] else []
-        threads_arg = ["--threads", str(cpu["threads"])] if cpu else []
-        regenerate.main([
-            "--target", "pkg:smollm2", *data_args, "--out", str(data_file), "--dtype", dtype, *threads_arg,
-            "--num-samples", str(sizes["num_conversations"]), "--max-prompt-tokens", str(sizes["max_prompt_tokens"]),
-            "--max-new-tokens", str(sizes["max_new_tokens"]), "--batch-size", str(sizes["batch_size"]),
-            "--seed", "0", *cap,
-            # SmolLM2's model card sampling, as the GPU recipe (its generation_config has none)
-            "--sampling", "given", "--temperature", "0.2", "--top-p", "0.9",
-        ])
+    if not data_file.exists():  # 1-2. target responses on real prompts (resumable, atomic; reused on a second run)
+        regenerate_data(data_file, sizes, cpu, dtype)
     timings["regenerate_s"] = time.perf_counter() - t0
 
     # 3. train with the recipe (its config, metrics and checkpoints land in <out>/run)
-    from nemo_dflash.config import load_recipe
     from nemo_dflash.evaluation.protocol import load_humaneval, load_mtbench
-    from nemo_dflash.train.trainer import Trainer
-
     from nemo_dflash.recipes.train import user_error_types
 
-    precision = [f"target.dtype={dtype}", f"train.precision={dtype}"] if cpu else []
-    with user_errors(*user_error_types()):  # a mistyped override, missing data: one line, exit 2, as `train`
-        cfg = load_recipe(sizes["recipe"], [
-            f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]", *precision,
-            "checkpoint.resume=none", *sizes.get("recipe_overrides", ()), *args.overrides,
-        ])
-        trainer = Trainer(cfg, overwrite=True)  # the demo retrains its own run dir each time
+    cfg, trainer = build_trainer(sizes, out, data_file, dtype if cpu else None, args.overrides)
     prompt_sets = {"mt_bench": load_mtbench(args.eval_prompts), "humaneval": load_humaneval(args.eval_prompts)}
     acceptance = HeldOutAcceptance(prompt_sets, args.eval_new_tokens, eager=device == "cuda")
     refresh_threads(cpu, "eval_before", args.threads)
@@ -293,12 +117,8 @@ def main(argv=None) -> dict:
     timings["eval_before_s"] = time.perf_counter() - t1 - acceptance.greedy_s  # the replay alone
     train_minutes = sizes["train_minutes"]
     if train_minutes is None:  # fitted into the budget; the second evaluation replays the same answers
-        elapsed = (time.perf_counter() - t0) / 60
-        train_minutes = train_minutes_left(sizes["budget_minutes"], elapsed, timings["eval_before_s"] / 60)
-        if train_minutes < 1.0:
-            logger.warning("%.1f of the %.1f-minute budget already spent: training 1 minute anyway "
-                           "(raise --budget-minutes on a slower machine)", elapsed, sizes["budget_minutes"])
-            train_minutes = 1.0
+        train_minutes = fitted_train_minutes(sizes["budget_minutes"], (time.perf_counter() - t0) / 60,
+                                             timings["eval_before_s"] / 60)
     sizes["train_minutes"] = round(train_minutes, 2)
     trainer.cfg.train.max_minutes = train_minutes
     logger.info("training for up to %.1f minutes", train_minutes)
@@ -332,57 +152,37 @@ def main(argv=None) -> dict:
     return result
 
 
-def report(result: dict, cfg, out: Path, prompt_sets: dict, eval_new_tokens: int) -> str:
-    """The demo's closing report: what ran, where its outputs are, the curve, the before/after table."""
-    summary, timings, before, after = result["train"], result["timings"], result["acceptance_before"], result[
-        "acceptance_after"]
-    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
-    run = out / "run"
-    evaluate_s = (timings.get("eval_greedy_s", 0.0) + timings["eval_before_s"] + timings["eval_after_s"]
-                  + timings.get("speedup_s", 0.0))
-    device = result["device"]
-    on = f"{device}, {result['cpu']['threads']} thread(s), {result['cpu']['dtype']}" if result.get("cpu") else device
-    lines = [
-        "",
-        "== nemo_dflash demo: SmolLM2-135M-Instruct target, DFlash draft "
-        f"({cfg.draft.num_layers} layers, block {cfg.draft.block_size}) ==",
-        f"data        {summary['data']['train_samples']} regenerated conversations "
-        f"({summary['data']['supervised_tokens']} supervised tokens)",
-        f"training    {summary['steps']} steps, {summary['tokens_seen']} tokens, {timings['train_s'] / 60:.1f} min; "
-        f"held-out simulated acceptance {summary.get('eval_accept_len', float('nan')):.2f}",
-        f"wall time   {timings['total_s'] / 60:.1f} min on {on} (regenerate {timings['regenerate_s'] / 60:.1f}, "
-        f"train {timings['train_s'] / 60:.1f}, evaluate {evaluate_s / 60:.1f})",
-        "outputs",
-    ]
-    outputs = [
-        ("regenerated data", out / "data" / "regen.jsonl"),
-        ("trained draft", Path(summary.get("final_draft") or run / "final")),
-        ("run config", run / "config.yaml"),
-        ("metrics", run / "metrics.jsonl"),
-        ("curves (PNG)", run / "curves.png"),
-        ("this summary", out / "demo_summary.json"),
-    ]
-    lines += [f"  {what:<17} {path}" for what, path in outputs if path.exists()]
-    curve = held_out_curve(run / "metrics.jsonl")
-    if curve:
-        lines.append(f"held-out simulated acceptance by step: {curve}")
-    lines += ["", f"{'benchmark':<11} {'before':>7} {'after':>7} {'gain':>6}"]
-    for name in prompt_sets:
-        gain = after[name] / before[name] if before[name] else float("nan")
-        lines.append(f"{name:<11} {before[name]:>7.2f} {after[name]:>7.2f} {gain:>5.2f}x")
-    for name, r in (result.get("speedup") or {}).items():
-        median = (r.get("per_prompt_speedup") or {}).get("median", float("nan"))
-        lines.append(f"{name:<11} tau {r['mean_acceptance_length']:.2f}, speedup {r['speedup']:.2f}x "
-                     f"(median prompt {median:.2f}x; T=0, 1 turn, up to {eval_new_tokens} new tokens, "
-                     "CUDA graphs on both sides, batch 1)")
-    n_prompts = sorted({len(p) for p in prompt_sets.values()})
-    lines.append(
-        f"Mean acceptance length on held-out prompts (T=0 speculative decoding, by replay; "
-        f"{'/'.join(map(str, n_prompts))} prompts "
-        f"per benchmark, up to {eval_new_tokens} new tokens, 1 turn, T=0, block {cfg.draft.block_size}): "
-        f"before {mean(before):.2f} -> after {mean(after):.2f} ({mean(after) / mean(before):.2f}x)"
-    )
-    return "\n".join(lines)
+def regenerate_data(data_file: Path, sizes: dict, cpu: dict[str, Any], dtype: str) -> None:
+    """The target's answers to the demo's prompts, by `regenerate` (the command a user runs)."""
+    from nemo_dflash.recipes import regenerate
+
+    data_args = [a for src in sizes["data"] for a in ("--data", src)]
+    cap = ["--max-minutes", str(sizes["regenerate_minutes"])] if sizes["regenerate_minutes"] else []
+    threads_arg = ["--threads", str(cpu["threads"])] if cpu else []
+    regenerate.main([
+        "--target", "pkg:smollm2", *data_args, "--out", str(data_file), "--dtype", dtype, *threads_arg,
+        "--num-samples", str(sizes["num_conversations"]), "--max-prompt-tokens", str(sizes["max_prompt_tokens"]),
+        "--max-new-tokens", str(sizes["max_new_tokens"]), "--batch-size", str(sizes["batch_size"]),
+        "--seed", "0", *cap,
+        # SmolLM2's model card sampling, as the GPU recipe (its generation_config has none)
+        "--sampling", "given", "--temperature", "0.2", "--top-p", "0.9",
+    ])
+
+
+def build_trainer(sizes: dict, out: Path, data_file: Path, cpu_dtype: Optional[str], overrides: list[str]) -> tuple:
+    """The recipe (with the demo's data, run dir and, on a CPU, the probed dtype) and its `Trainer`; a mistyped
+    override or missing data is one line, exit 2, as `train`."""
+    from nemo_dflash.config import load_recipe
+    from nemo_dflash.recipes.train import user_error_types
+    from nemo_dflash.train.trainer import Trainer
+
+    precision = [f"target.dtype={cpu_dtype}", f"train.precision={cpu_dtype}"] if cpu_dtype else []
+    with user_errors(*user_error_types()):
+        cfg = load_recipe(sizes["recipe"], [
+            f"output_dir={out / 'run'}", f"data.sources=[{{path: {data_file}}}]", *precision,
+            "checkpoint.resume=none", *sizes.get("recipe_overrides", ()), *overrides,
+        ])
+        return cfg, Trainer(cfg, overwrite=True)  # the demo retrains its own run dir each time
 
 
 if __name__ == "__main__":

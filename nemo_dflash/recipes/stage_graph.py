@@ -213,7 +213,7 @@ def check_counts(cfg: Any, holdout: Path, stages: Iterable[str]) -> None:
                 "max_position_embeddings): give at most that")
     if cfg.evaluate.decode == "graphs" and "evaluate" in checked:
         from nemo_dflash.recipes._cli import resolve_device_dtype
-        from nemo_dflash.recipes.evaluate import check_decode
+        from nemo_dflash.evaluation.preflight import check_decode
 
         try:
             check_decode("graphs", resolve_device_dtype(cfg.evaluate.device, cfg.evaluate.dtype)[0])
