@@ -176,10 +176,6 @@ LONG_MODULES = {
     "nemo_dflash/data/prompts.py",  # prompt sources and Magpie generation
 }
 LONG_FUNCTIONS = {
-    "nemo_dflash/data/dataset.py:build_datasets",
-    "nemo_dflash/data/sources.py:_iter_json_array",
-    "nemo_dflash/engine/spec_decode.py:_generate_eager",
-    "nemo_dflash/objective/trainer_module.py:forward",
     "nemo_dflash/recipes/demo.py:main",
 }
 
