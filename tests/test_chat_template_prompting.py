@@ -15,6 +15,7 @@ except ImportError:  # tests/ is not a package: pytest puts it on sys.path
     from _data_fixtures import qwen3_tok, smol_tok  # noqa: F401
 
 import nemo_dflash.evaluation.protocol as evaluate
+from nemo_dflash.evaluation import prompt_sets
 import nemo_dflash.data.regenerate as regenerate
 from nemo_dflash.data import chat_template
 from nemo_dflash.data.sources import MalformedRecord, normalize_record
@@ -39,8 +40,8 @@ def test_evaluate_and_regenerate_encode_prompts_alike(tok_name, messages, reques
     ref = _hf_prompt_ids(tok, messages)
     assert chat_template.encode_prompt(tok, messages) == ref
     assert tok.decode(ref).endswith("<|im_start|>assistant\n")
-    # Both commands prompt through that one function, not a copy of it.
-    assert evaluate.encode_prompt is regenerate.encode_prompt is chat_template.encode_prompt
+    # Both commands prompt through that one function, not a copy of it (evaluation's prompt sets encode).
+    assert prompt_sets.encode_prompt is regenerate.encode_prompt is chat_template.encode_prompt
     assert evaluate.encode_chat(tok, messages) == ref
     assert regenerate.prompt_problem(tok, messages) == (ref, None)
 

@@ -137,7 +137,7 @@ def test_regenerate_refuses_reasoning_without_a_switch(tmp_path, capsys):
 
 
 def test_evaluate_prompts_in_the_mode_and_says_which(tmp_path, target_dir, monkeypatch, capsys):
-    import nemo_dflash.evaluation.protocol as ev
+    import nemo_dflash.evaluation.prompt_sets as ev  # where evaluation encodes its prompts
     from nemo_dflash.serving.export import export_draft
     from nemo_dflash.recipes import evaluate as evaluate_cmd
     from nemo_dflash.target.loading import load_target

@@ -358,6 +358,60 @@ def _ranks_on_host() -> int:
         return 1
 
 
+def _read_source(si: int, src: Any, cfg: DataConfig, tokenizer: Any, fmt: Any, index: Any, workers: int,
+                 share: Optional[HostShare], bad: BadRecordCounter,
+                 parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n_samples: int
+                 ) -> tuple[list[int], dict[str, Any]]:
+    """Source `si` read and tokenised: its blocks appended to `parts`, its samples numbered from `n_samples`;
+    returns (their ids, the source's counts)."""
+    counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0,
+              "contaminated": 0}
+    ids: list[int] = []
+    convs = list(read_conversations(src.path, bad=bad, max_samples=src.max_samples))
+    for block in _prepare(convs, tokenizer, cfg.max_length, fmt, index, workers, share, tag=f"s{si}_"):
+        counts["contaminated"] += block.contaminated
+        for location, reason in block.errors:
+            bad.report(location, reason)
+        counts["read"] += block.read
+        counts["template_errors"] += len(block.errors)
+        counts["skipped_no_supervision"] += block.no_supervision
+        counts["truncated"] += block.truncated
+        ids.extend(range(n_samples, n_samples + len(block.lengths)))
+        n_samples += len(block.lengths)
+        parts.append((block.ids, block.mask, block.lengths))
+    del convs
+    return ids, counts
+
+
+def _split_datasets(store: _TokenStore, train_ids: list[int], holdout_ids: list[int], totals: dict[str, int],
+                    per_source: list[dict[str, Any]], pad_id: int, cfg: DataConfig
+                    ) -> tuple[ChatDataset, Optional[ChatDataset]]:
+    """The train and holdout datasets over the one token store, with the run's data statistics (logged)."""
+    stats = {
+        **totals,
+        "samples": len(store),
+        "train_samples": len(train_ids),
+        "holdout_samples": len(holdout_ids),
+        "tokens": int(store.offsets[-1]),
+        "supervised_tokens": int(store.mask.sum()),
+        "sources": per_source,
+    }
+    logger.info(
+        "data: %d conversations read, %d skipped (no assistant tokens), %d bad; %d train / %d holdout samples, "
+        "%d tokens (%d supervised)",
+        stats["read"], stats["skipped_no_supervision"], stats["bad"], stats["train_samples"],
+        stats["holdout_samples"], stats["tokens"], stats["supervised_tokens"],
+    )
+    common = dict(pad_token_id=pad_id, max_length=cfg.max_length, pad_to_multiple_of=cfg.pad_to_multiple_of)
+    train = ChatDataset(store, np.asarray(train_ids, dtype=np.int64), stats={**stats, "split": "train"}, **common)
+    holdout = (
+        ChatDataset(store, np.asarray(holdout_ids, dtype=np.int64), stats={**stats, "split": "holdout"}, **common)
+        if holdout_ids
+        else None
+    )
+    return train, holdout
+
+
 def build_datasets(config: DataConfig | Any, tokenizer: Any,
                    share: Optional[HostShare] = None) -> tuple[ChatDataset, Optional[ChatDataset]]:
     """Read, tokenise and mix ``config.sources``; return ``(train, holdout or None)``.
@@ -383,22 +437,8 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any,
     n_samples = 0
     for si, src in enumerate(cfg.sources):
         bad_before = bad.count
-        counts = {"path": src.path, "read": 0, "skipped_no_supervision": 0, "template_errors": 0, "truncated": 0,
-                  "contaminated": 0}
-        ids: list[int] = []
-        convs = list(read_conversations(src.path, bad=bad, max_samples=src.max_samples))
-        for block in _prepare(convs, tokenizer, cfg.max_length, fmt, index, workers, share, tag=f"s{si}_"):
-            counts["contaminated"] += block.contaminated
-            for location, reason in block.errors:
-                bad.report(location, reason)
-            counts["read"] += block.read
-            counts["template_errors"] += len(block.errors)
-            counts["skipped_no_supervision"] += block.no_supervision
-            counts["truncated"] += block.truncated
-            ids.extend(range(n_samples, n_samples + len(block.lengths)))
-            n_samples += len(block.lengths)
-            parts.append((block.ids, block.mask, block.lengths))
-        del convs
+        ids, counts = _read_source(si, src, cfg, tokenizer, fmt, index, workers, share, bad, parts, n_samples)
+        n_samples += len(ids)
         if counts["contaminated"] and not counts["read"]:
             raise DataError(f"data.sources[{si}] ({src.path}): every conversation shares a {index.n}-gram with the "
                             f"{index.name}; remove the source (or set data.decontaminate=false)")
@@ -429,30 +469,7 @@ def build_datasets(config: DataConfig | Any, tokenizer: Any,
         share.barrier()
         if share.rank == 0:
             shutil.rmtree(share.directory, ignore_errors=True)
-    stats = {
-        **totals,
-        "bad": bad.count,
-        "samples": len(store),
-        "train_samples": len(train_ids),
-        "holdout_samples": len(holdout_ids),
-        "tokens": int(store.offsets[-1]),
-        "supervised_tokens": int(store.mask.sum()),
-        "sources": per_source,
-    }
-    logger.info(
-        "data: %d conversations read, %d skipped (no assistant tokens), %d bad; %d train / %d holdout samples, "
-        "%d tokens (%d supervised)",
-        stats["read"], stats["skipped_no_supervision"], stats["bad"], stats["train_samples"],
-        stats["holdout_samples"], stats["tokens"], stats["supervised_tokens"],
-    )
-    common = dict(pad_token_id=pad_id, max_length=cfg.max_length, pad_to_multiple_of=cfg.pad_to_multiple_of)
-    train = ChatDataset(store, np.asarray(train_ids, dtype=np.int64), stats={**stats, "split": "train"}, **common)
-    holdout = (
-        ChatDataset(store, np.asarray(holdout_ids, dtype=np.int64), stats={**stats, "split": "holdout"}, **common)
-        if holdout_ids
-        else None
-    )
-    return train, holdout
+    return _split_datasets(store, train_ids, holdout_ids, {**totals, "bad": bad.count}, per_source, pad_id, cfg)
 
 
 def build_dataloader(

@@ -1,9 +1,57 @@
-"""A regeneration's numbers: each rank's counts and timings, the ranks combined, and the run's summary
-(what `regenerate --summary-json` writes and the pipeline reads)."""
+"""A regeneration's numbers: one call's counters (`RegenStats`), each rank's counts and timings, the ranks
+combined, and the run's summary (what `regenerate --summary-json` writes and the pipeline reads)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+@dataclass
+class RegenStats:
+    """Counters of one regeneration run; ``skipped`` maps a reason to a number of conversations."""
+
+    conversations: int = 0  # conversations given to regenerate_conversations
+    written: int = 0  # conversations yielded (at least one regenerated turn)
+    turns: int = 0  # assistant turns written (a halted run's unfinished conversations are not)
+    prompt_tokens: int = 0  # prompt tokens of the generated turns
+    generated_tokens: int = 0  # new tokens, stop token included, dropped answers and cut loops included
+    answer_tokens: int = 0  # tokens of the answers written (what the draft trains on)
+    answers: int = 0  # answers generated (kept or not)
+    looping_before: int = 0  # answers the loop detector flagged, before the loop policy
+    looping_after: int = 0  # written answers the detector flags (0 unless the policy is "keep")
+    capped_before: int = 0  # answers that hit max_new_tokens without looping
+    capped_after: int = 0  # of those, written
+    finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
+    skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
+    shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
+    prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
+    prefill_tokens: int = 0  # the engine: prompt tokens prefilled (a history found in its row is not)
+    reused_tokens: int = 0  # the engine: prompt tokens whose K/V was already in the row
+    seconds: float = 0.0  # time spent generating
+    phase_seconds: Counter = field(default_factory=Counter)  # the engine: seconds by phase (prefill, decode, ...)
+    halted: bool = False  # should_stop() ended the run early: later conversations were not generated
+
+    def summary(self) -> str:
+        rate = self.generated_tokens / self.seconds if self.seconds else 0.0
+        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        finish = ", ".join(f"{k}={v}" for k, v in sorted(self.finish.items())) or "none"
+        text = (
+            f"written {self.written} conversations ({self.turns} assistant turns, {self.answer_tokens} answer tokens; "
+            f"last turn finish: {finish}); skipped {sum(self.skipped.values())} ({skipped}); "
+            f"looping answers {self.looping_before} -> {self.looping_after}, capped {self.capped_before} -> "
+            f"{self.capped_after} of {self.answers}; generated {self.generated_tokens} tokens in {self.seconds:.1f}s "
+            f"({rate:.1f} tokens/s)"
+        )
+        if self.prefill_tokens or self.reused_tokens:
+            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the row "
+                     f"({self.prefix_mismatch} later turns not a prefix extension)")
+        if self.phase_seconds:
+            text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
+        if self.shortened:
+            text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
+        return text
+
 
 _SUMMED = ("written_this_run", "turns", "answers", "answer_tokens", "looping_before", "looping_after",
            "capped_before", "capped_after", "prompt_tokens", "prefill_tokens", "reused_tokens", "prefix_mismatch",

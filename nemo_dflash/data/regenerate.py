@@ -4,10 +4,8 @@ A DFlash draft learns to predict the *target's* next tokens, so it should train 
 target itself generates: the answers in public chat data (ShareGPT's ChatGPT replies) follow
 another model's distribution and cost acceptance length. :func:`regenerate_conversations`
 keeps the user (and leading system) turns of each conversation and asks the target, through its
-chat template, for every assistant turn.
-
-Batched generation left-pads the prompts (decoder-only models continue from the last position)
-and sorts them by length inside a window to cut padding; results come back in input order.
+chat template, for every assistant turn, on the decoding engine (or `data/hf_generate.py`'s
+`model.generate` fallback); the run's counters are `data/regen_stats.py`'s `RegenStats`.
 """
 
 from __future__ import annotations
@@ -24,13 +22,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import torch
-
 # The template knowledge lives in data/chat_template.py; these names stay importable from here.
 from nemo_dflash.data.chat_template import (  # noqa: F401 (re-exported)
     TURNS, encode_prompt, encode_prompt_text, special_token_strings, split_prompt, stop_token_ids,
 )
+from nemo_dflash.data.hf_generate import (  # noqa: F401 (generate_batch, _generation_kwargs: re-exported)
+    BatchedGenerateEngine, _generation_kwargs, _pad_id, generate_batch,
+)
 from nemo_dflash.data.loops import LoopDetector
+from nemo_dflash.data.regen_stats import RegenStats
 from nemo_dflash.engine.plain import Completion, PlainEngine, Request
 from nemo_dflash.data.sources import Conversation
 from nemo_dflash.engine.sampling import GREEDY, SamplingParams
@@ -50,52 +50,6 @@ ENGINES = ("continuous", "generate")
 # 2,048 slots, -10% at 1,024 on the ShareGPT set; a model, not a timing). Records do not change:
 # an answer is keyed by its conversation, not by when it ran.
 SCHEDULES = ("most_turns_first", "given")
-
-
-@dataclass
-class RegenStats:
-    """Counters of one regeneration run; ``skipped`` maps a reason to a number of conversations."""
-
-    conversations: int = 0  # conversations given to regenerate_conversations
-    written: int = 0  # conversations yielded (at least one regenerated turn)
-    turns: int = 0  # assistant turns written (a halted run's unfinished conversations are not)
-    prompt_tokens: int = 0  # prompt tokens of the generated turns
-    generated_tokens: int = 0  # new tokens, stop token included, dropped answers and cut loops included
-    answer_tokens: int = 0  # tokens of the answers written (what the draft trains on)
-    answers: int = 0  # answers generated (kept or not)
-    looping_before: int = 0  # answers the loop detector flagged, before the loop policy
-    looping_after: int = 0  # written answers the detector flags (0 unless the policy is "keep")
-    capped_before: int = 0  # answers that hit max_new_tokens without looping
-    capped_after: int = 0  # of those, written
-    finish: Counter = field(default_factory=Counter)  # per written conversation: its last turn's finish
-    skipped: Counter = field(default_factory=Counter)  # no conversation written, by reason
-    shortened: Counter = field(default_factory=Counter)  # --turns all: later turns dropped, by reason
-    prefix_mismatch: int = 0  # later turns whose prompt does not start with the previous prompt + answer tokens
-    prefill_tokens: int = 0  # the engine: prompt tokens prefilled (a history found in its row is not)
-    reused_tokens: int = 0  # the engine: prompt tokens whose K/V was already in the row
-    seconds: float = 0.0  # time spent generating
-    phase_seconds: Counter = field(default_factory=Counter)  # the engine: seconds by phase (prefill, decode, ...)
-    halted: bool = False  # should_stop() ended the run early: later conversations were not generated
-
-    def summary(self) -> str:
-        rate = self.generated_tokens / self.seconds if self.seconds else 0.0
-        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
-        finish = ", ".join(f"{k}={v}" for k, v in sorted(self.finish.items())) or "none"
-        text = (
-            f"written {self.written} conversations ({self.turns} assistant turns, {self.answer_tokens} answer tokens; "
-            f"last turn finish: {finish}); skipped {sum(self.skipped.values())} ({skipped}); "
-            f"looping answers {self.looping_before} -> {self.looping_after}, capped {self.capped_before} -> "
-            f"{self.capped_after} of {self.answers}; generated {self.generated_tokens} tokens in {self.seconds:.1f}s "
-            f"({rate:.1f} tokens/s)"
-        )
-        if self.prefill_tokens or self.reused_tokens:
-            text += (f"; prefilled {self.prefill_tokens} prompt tokens, {self.reused_tokens} reused from the row "
-                     f"({self.prefix_mismatch} later turns not a prefix extension)")
-        if self.phase_seconds:
-            text += "; seconds by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.phase_seconds.items()))
-        if self.shortened:
-            text += "; conversations cut short: " + ", ".join(f"{k}={v}" for k, v in sorted(self.shortened.items()))
-        return text
 
 
 @dataclass
@@ -161,76 +115,6 @@ def prompt_problem_text(
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         return [], "", "prompt_too_long"
     return ids, text, None
-
-
-def _pad_id(tokenizer: Any, stop_ids: Sequence[int]) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return pad if pad is not None else stop_ids[0]
-
-
-def _generation_kwargs(
-    *, max_new_tokens: int, sampling: SamplingParams, stop_ids: list[int], pad_id: int
-) -> dict[str, Any]:
-    """Explicit settings, so defaults in the checkpoint's generation_config (top_k=20, a repetition
-    penalty, ...) do not silently reshape the distribution the draft is trained on."""
-    kwargs: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id, num_beams=1,
-        repetition_penalty=1.0, min_new_tokens=0,
-    )
-    kwargs.update(sampling.hf_generate_kwargs())
-    return kwargs
-
-
-@torch.inference_mode()
-def generate_batch(
-    model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, stop_ids: Sequence[int], **gen_kwargs: Any
-) -> list[tuple[list[int], str, int]]:
-    """Generate for left-padded ``prompts``; per prompt (answer ids without the stop token,
-    finish reason ``"stop"``/``"length"``, number of generated tokens including the stop token)."""
-    width = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attention_mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
-    stops = set(stop_ids)
-    results = []
-    for row in out[:, width:].tolist():
-        end = next((k for k, t in enumerate(row) if t in stops), None)
-        if end is None:
-            results.append((row, "length", len(row)))
-        else:  # rows that stopped early are padded after the stop token
-            results.append((row[:end], "stop", end + 1))
-    return results
-
-
-class BatchedGenerateEngine:
-    """``model.generate`` on successive batches of the pending requests: the fallback for models the
-    decoding engine cannot run (recurrent or sliding-window layers). Finished rows idle until the
-    longest answer of their batch ends, and sampling follows torch's global RNG, so samples
-    depend on the batch composition (the engine's do not)."""
-
-    def __init__(self, model: Any, *, batch_size: int, max_new_tokens: int, stop_ids: list[int], pad_id: int,
-                 sampling: SamplingParams, seed: int, loop_detector: Optional[LoopDetector]) -> None:
-        self.model, self.batch_size, self.stop_ids, self.pad_id = model, batch_size, stop_ids, pad_id
-        self.gen_kwargs = _generation_kwargs(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                                             pad_id=pad_id)
-        self.loop_detector = loop_detector
-        self.generated_tokens = 0
-        if not sampling.greedy:
-            torch.manual_seed(seed)
-
-    def generate(self, pending: collections.deque) -> Iterator[Completion]:
-        while pending:
-            batch = [pending.popleft() for _ in range(min(self.batch_size, len(pending)))]
-            results = generate_batch(self.model, [r.prompt_ids for r in batch], pad_id=self.pad_id,
-                                     stop_ids=self.stop_ids, **self.gen_kwargs)
-            for req, (ids, reason, n_new) in zip(batch, results):
-                self.generated_tokens += n_new
-                start = self.loop_detector.find(ids) if self.loop_detector is not None else None
-                yield Completion(req, ids, reason, n_new, loop_start=start)
 
 
 def _as_job(index: int, conv: ConversationLike, turns: str) -> tuple[_Job, Optional[str]]:
@@ -447,6 +331,44 @@ class _FirstTurnProducer:
                            PREPARE_THREAD_NAME, timeout)
 
 
+def _check_arguments(*, turns: str, engine: str, loops: str, capped: str, after_cut: str, batch_size: int,
+                     max_new_tokens: int, sampling: Any, schedule: str, prepare_ahead: int) -> None:
+    """`regenerate_conversations`' arguments, refused at the call (before the generator starts)."""
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
+            or after_cut not in AFTER_CUT):
+        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, "
+                         f"after_cut in {AFTER_CUT}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if not isinstance(sampling, SamplingParams):  # its own checks ran when it was made
+        raise ValueError(f"sampling must be a SamplingParams (got {sampling!r}): build one from the temperature")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if prepare_ahead < 0:
+        raise ValueError(f"prepare_ahead must be >= 0, got {prepare_ahead}")
+
+
+def _answer_engine(model: Any, tokenizer: Any, engine: str, *, batch_size: int, max_prompt_tokens: int,
+                   max_new_tokens: int, sampling: SamplingParams, seed: int, detector: LoopDetector, loops: str,
+                   reuse_slots: bool) -> Any:
+    """The engine the answers are decoded on: the decoding engine's rows (`continuous`), or `model.generate`
+    batch after batch (`generate`)."""
+    stop_ids = stop_token_ids(model, tokenizer)
+    if engine == "continuous":
+        return PlainEngine(
+            model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, sampling=sampling, seed=seed, loop_detector=detector,
+            stop_on_loop=loops != "keep", reuse_rows=reuse_slots,
+        )
+    return BatchedGenerateEngine(
+        model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+        pad_id=_pad_id(tokenizer, stop_ids), sampling=sampling, seed=seed,
+        loop_detector=detector,
+    )
+
+
 def regenerate_conversations(
     model: Any,
     tokenizer: Any,
@@ -510,38 +432,16 @@ def regenerate_conversations(
     supervised tokens, so a run stopped by ``should_stop`` keeps the mix asked for.
 
 """
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
-            or after_cut not in AFTER_CUT):
-        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, "
-                         f"after_cut in {AFTER_CUT}")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be >= 1")
-    if not isinstance(sampling, SamplingParams):  # its own checks ran when it was made
-        raise ValueError(f"sampling must be a SamplingParams (got {sampling!r}): build one from the temperature")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if prepare_ahead < 0:
-        raise ValueError(f"prepare_ahead must be >= 0, got {prepare_ahead}")
+    _check_arguments(turns=turns, engine=engine, loops=loops, capped=capped, after_cut=after_cut,
+                     batch_size=batch_size, max_new_tokens=max_new_tokens, sampling=sampling, schedule=schedule,
+                     prepare_ahead=prepare_ahead)
     stats = stats if stats is not None else RegenStats()
-    detector = loop_detector or LoopDetector()
-    stop_ids = stop_token_ids(model, tokenizer)
     if max_prompt_tokens is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         max_prompt_tokens = max(context - max_new_tokens, 1)
-    if engine == "continuous":
-        gen: Any = PlainEngine(
-            model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, sampling=sampling, seed=seed, loop_detector=detector,
-            stop_on_loop=loops != "keep", reuse_rows=reuse_slots,
-        )
-    else:
-        gen = BatchedGenerateEngine(
-            model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-            pad_id=_pad_id(tokenizer, stop_ids), sampling=sampling, seed=seed,
-            loop_detector=detector,
-        )
+    gen = _answer_engine(model, tokenizer, engine, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                         detector=loop_detector or LoopDetector(), loops=loops, reuse_slots=reuse_slots)
     run = _Regeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,
                         max_prompt_tokens=max_prompt_tokens, loops=loops, drop_capped=capped == "drop",
                         after_cut=after_cut, prepare_ahead=prepare_ahead, stats=stats, progress=progress,

@@ -220,6 +220,33 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{name}:{lineno}", _decoded(line, record)
 
 
+class _JsonText:
+    """The unread text of a JSON file from `pos` on, read `chunk_chars` at a time as the parser needs more."""
+
+    def __init__(self, f: Any, chunk_chars: int) -> None:
+        self.f, self.chunk_chars = f, chunk_chars
+        self.buf = f.read(chunk_chars)
+        self.eof = len(self.buf) < chunk_chars
+        self.pos = 0
+
+    def skip_ws(self) -> None:
+        while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+            self.pos += 1
+
+    def refill(self, min_extra: int) -> bool:
+        """Drop consumed text and append at least ``min_extra`` chars; False at EOF."""
+        if self.eof:
+            return False
+        self.buf = self.buf[self.pos:]
+        self.pos = 0
+        extra = self.f.read(max(min_extra, self.chunk_chars))
+        if not extra:
+            self.eof = True
+            return False
+        self.buf += extra
+        return True
+
+
 def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[str, Any]]:
     """Stream the objects of a top-level JSON array without loading the whole file.
 
@@ -229,49 +256,27 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[st
     name = os.path.basename(path)
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        buf = f.read(chunk_chars)
-        eof = len(buf) < chunk_chars
-        pos = 0
-
-        def skip_ws() -> None:
-            nonlocal pos
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-
-        def refill(min_extra: int) -> bool:
-            """Drop consumed text and append at least ``min_extra`` chars; False at EOF."""
-            nonlocal buf, pos, eof
-            if eof:
-                return False
-            buf = buf[pos:]
-            pos = 0
-            extra = f.read(max(min_extra, chunk_chars))
-            if not extra:
-                eof = True
-                return False
-            buf += extra
-            return True
-
+        t = _JsonText(f, chunk_chars)
         while True:  # find the opening bracket
-            skip_ws()
-            if pos < len(buf) or not refill(chunk_chars):
+            t.skip_ws()
+            if t.pos < len(t.buf) or not t.refill(chunk_chars):
                 break
-        if pos >= len(buf) or buf[pos] != "[":
+        if t.pos >= len(t.buf) or t.buf[t.pos] != "[":
             raise DataError(
                 f"{path}: expected a JSON array of conversations ('[' first); "
                 "for one conversation per line name the file *.jsonl"
             )
-        pos += 1
+        t.pos += 1
         index = 0
         need_comma = False
         while True:
-            skip_ws()
-            if pos >= len(buf):
-                if refill(chunk_chars):
+            t.skip_ws()
+            if t.pos >= len(t.buf):
+                if t.refill(chunk_chars):
                     continue
                 logger.warning("%s: file ends without ']' after %d objects (truncated?); using those", name, index)
                 return
-            ch = buf[pos]
+            ch = t.buf[t.pos]
             if ch == "]":
                 logger.info("%s: read %d objects", name, index)
                 return
@@ -279,20 +284,20 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[st
                 if ch != ",":
                     logger.warning(
                         "%s: object %d: expected ',' or ']' at char %d; ignoring the rest of the file "
-                        "(read %d objects)", name, index, pos, index
+                        "(read %d objects)", name, index, t.pos, index
                     )
                     return
-                pos += 1
+                t.pos += 1
                 need_comma = False
                 continue
             # Decode one value; if it runs past the buffer, read more (doubling) and retry.
             grow = chunk_chars
             while True:
                 try:
-                    obj, end = decoder.raw_decode(buf, pos)
+                    obj, end = decoder.raw_decode(t.buf, t.pos)
                     break
                 except json.JSONDecodeError as e:
-                    if refill(grow):
+                    if t.refill(grow):
                         grow *= 2
                         continue
                     logger.warning(
@@ -300,8 +305,8 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[st
                         "objects (truncated file?)", name, index, e.msg, index
                     )
                     return
-            damage = _damage(buf[pos:end])
-            text, pos = buf[pos:end], end
+            damage = _damage(t.buf[t.pos:end])
+            text, t.pos = t.buf[t.pos:end], end
             yield f"{name}:object {index}", (_decoded(text, obj) if damage is None else damage)
             index += 1
             need_comma = True

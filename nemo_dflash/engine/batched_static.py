@@ -26,16 +26,7 @@ position p of its last verified token):
   (step, view length), captured up front.
 - A row that has finished stays in the batch (the shapes never change) with its position frozen
   (`alive`, a device buffer the host rewrites only when a row stops).
-- **Continuous batching.** With fewer rows than prompts, the prompts enter the rows in order: the rows
-  whose answers end at one step take the next prompts together, once `refill_rows` rows are free (1: at
-  once) or no row decodes. Their prompts are prefilled in one forward into those rows (cache positions
-  from 0; what a row held before stays hidden by its mask until overwritten), each one's first token
-  chosen, and a speculative row's first block drafted eagerly against its whole prompt, while the other
-  rows go on. A prompt's answer is the same whichever row and step it enters at: at T > 0 its draws use
-  its own noise key (`Request.key` with the call's seed).
-- **Requests** (`serve`): prompts are taken from a queue the caller may append to while answers stream
-  out; each has its own cap; a looping answer can be stopped at a loop check; a conversation's next turn
-  can continue in its row, prefilling only what its prompt adds to the row's tokens (the plain runner).
+- **Continuous batching** and **requests** (`serve`): `engine/serve_loop.py`, the one host loop of both runners.
 
 At T=0 each row's answer and acceptance lengths are those of the eager reference decoder
 (`spec_decode`; in exact arithmetic, tested in fp32 on CPU, where the same code runs eagerly). At T > 0
@@ -54,20 +45,20 @@ its kind, rows and mode (`_runner`): a call with other options gets its own runn
 from __future__ import annotations
 
 import collections
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from nemo_dflash.engine.attention import eager_attention_backends
 from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
-from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set, sync, truncate
+from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set
 from nemo_dflash.engine.sampling import DRAFT_STREAM, GREEDY, SamplingParams, keyed_draw
+from nemo_dflash.engine.serve_loop import (  # noqa: F401  (noise_key: its old import path)
+    Completion, OnDone, Request, common_prefix, generate_outputs, noise_key, serve_requests,
+)
 from nemo_dflash.engine.static_cache import (
     FilledBlocks, StaticDraftContextCache, TargetStaticCache, attn_implementation, check_static_target,
     engine_attention, filled_blocks_on, query_groups, visible_to_mask,
@@ -95,64 +86,6 @@ def _rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: Optional[
     return rows
 
 
-# What a caller may do when an answer ends: (prompt index, its output) -> a follow-up prompt (the next turn of
-# its conversation, say), decoded as one more prompt, or None.
-OnDone = Callable[[int, GenerationOutput], Optional[Sequence[int]]]
-
-
-@dataclass
-class Request:
-    """One prompt for `serve`. `key` keys its sampling noise (with the call's seed): an answer depends on its
-    prompt and key only, not on the row it lands in, the prompts beside it, or an interrupted run.
-
-    `hold`: a follow-up may continue this conversation, so its row (and the K/V it holds) waits for it when the
-    answer ends. `after`: the completion this request follows; if its row is still held, the request continues
-    there and only what its prompt adds past the longest common prefix with the row's tokens is prefilled
-    (a prefix's K/V is right whatever follows it). `prompt_ids` is always the whole prompt.
-    `max_new_tokens`: this answer's cap, 1 up to the call's (None: the call's)."""
-
-    key: int
-    prompt_ids: list[int]
-    tag: Any = None  # the caller's handle, returned with the completion
-    hold: bool = False
-    after: Optional["Completion"] = None
-    max_new_tokens: Optional[int] = None
-
-
-@dataclass
-class Completion:
-    """An answer. `token_ids` exclude the stop token and, for an answer stopped at a loop, everything from the
-    loop's start; `output` holds every token kept (the stop token included) and the steps' acceptance lengths."""
-
-    request: Request
-    token_ids: list[int]
-    finish: str  # "stop" | "length" | "loop"
-    generated: int  # tokens generated for it (a stop token and a cut loop included)
-    loop_start: Optional[int] = None
-    row: Optional[int] = None  # the row held for a follow-up (`Request.hold`), else None
-    output: Optional[GenerationOutput] = None
-
-
-def noise_key(seed: int, key: int) -> int:
-    """A request's 62-bit noise key from the call's seed and its own key (splitmix64's finaliser)."""
-    z = (int(seed) * 0x9E3779B97F4A7C15 + int(key) + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 2
-
-
-@dataclass
-class _Live:
-    """A row's answer in progress: its request, tokens kept so far (a stop token included), each step's
-    acceptance length, its cap and the last length its loop check reached."""
-
-    request: Request
-    cap: int
-    tokens: list[int]
-    accepted: list[int]
-    checked: int = 0
-
-
 # Entering prompts are prefilled together, right-padded, up to this many padded tokens a forward (only each
 # prompt's last position reaches the LM head, so a forward's memory is its activations').
 PREFILL_TOKENS = 16384
@@ -171,20 +104,9 @@ def prefill_batches(lengths: Sequence[int]) -> list[list[int]]:
     return batches
 
 
-def common_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
-    """Tokens a follow-up can keep of a held row: the common prefix of the row's tokens and the new prompt,
-    leaving at least the prompt's last token to run (its logits give the answer's first token)."""
-    n = 0
-    for a, b in zip(held, prompt):
-        if a != b:
-            break
-        n += 1
-    return min(n, len(prompt) - 1)
-
-
 class _Rows:
     """What both batched runners share: R rows of one target on a static cache, their positions
-    and live flags on the device, the eager prefill, and the one host loop (`serve`)."""
+    and live flags on the device, the eager prefill, and the one host loop (`serve`: engine/serve_loop.py)."""
 
     reuses_prefix = False  # a follow-up may keep the K/V its row holds (the plain runner)
 
@@ -338,168 +260,8 @@ class _Rows:
         `.min_tokens`) fills each completion's `loop_start`; with `stop_on_loop` each answer is also checked at
         its own lengths k, 2k, ... (k = `loop_check_every`) and a looping one ends there, cut at the loop.
         `reuse_prefix=False`: a follow-up in its row is prefilled whole (for comparison)."""
-        if self.sampled != (sampling is not None and not sampling.greedy):
-            raise ValueError("this runner's captured steps are for " + ("T > 0" if self.sampled else "T=0"))
-        if refill_rows < 1 or loop_check_every < 1:
-            raise ValueError(f"refill_rows and loop_check_every must be >= 1, got {refill_rows}, {loop_check_every}")
-        self.sampling = sampling if self.sampled else None
-        if self.state is not None:
-            self.state.configure(sampling)
-        stop_on_loop = stop_on_loop and loop_detector is not None
-        R, room = self.rows, self._room(max_new_tokens)
-        self._reset()
-        self.row_requests = [None] * R
-        live: list[Optional[_Live]] = [None] * R
-        host_pos = [0] * R
-        free = list(range(R))  # rows waiting for a prompt
-        held: dict[int, tuple[Completion, list[int]]] = {}  # row -> (its completion, the tokens its K/V holds)
-        fresh: dict[int, Any] = {}  # rows whose prompt entered since the last step: what that step needs
-        done: list[Completion] = []
-        alive_set: list[bool] = [True] * R  # the rows `alive` marks stopped (`_reset`: all)
-        clock = time.perf_counter
-
-        def check(req: Request) -> int:
-            if not 0 < len(req.prompt_ids) <= self.max_len - room:
-                raise ValueError(f"request {req.key}: a prompt of {len(req.prompt_ids)} tokens does not fit the "
-                                 f"rows' cache of {self.max_len} positions: pass max_prompt_tokens >= "
-                                 f"{len(req.prompt_ids)}")
-            cap = max_new_tokens if req.max_new_tokens is None else int(req.max_new_tokens)
-            if not 0 < cap <= max_new_tokens:
-                raise ValueError(f"request {req.key}: max_new_tokens {cap}; this call takes 1..{max_new_tokens}")
-            return cap
-
-        def finish(row: int, n: Optional[int] = None, loop_start: Optional[int] = None) -> None:
-            """The answer in `row` ended (at its first `n` tokens, a loop check's cut); the row is held for a
-            follow-up or freed."""
-            a = live[row]
-            live[row] = None
-            fresh.pop(row, None)
-            tokens = a.tokens if n is None else a.tokens[:n]
-            stopped = bool(tokens) and tokens[-1] in stop_ids and n is None
-            answer = tokens[:-1] if stopped else tokens
-            if n is None and loop_detector is not None:
-                loop_start = loop_detector.find(answer)
-            out = GenerationOutput(output_ids=list(tokens), num_target_forwards=len(a.accepted),
-                                   acceptance_lengths=list(a.accepted), stopped=stopped)
-            req = a.request
-            if stop_on_loop and loop_start is not None:
-                c = Completion(req, answer[:loop_start], "loop", len(tokens), loop_start, output=out)
-            else:
-                c = Completion(req, answer, "stop" if stopped else "length", len(tokens), loop_start, output=out)
-            if req.hold:
-                c.row = row
-                held[row] = (c, list(req.prompt_ids) + tokens[:-1])  # the last token's K/V was never written
-            else:
-                free.append(row)
-            done.append(c)
-
-        def claim() -> list[tuple[int, Request, int]]:
-            """The follow-ups of held rows, taken from `pending` into their rows (row, request, tokens kept);
-            a held row nobody follows is freed."""
-            ready, claimed = [], set()
-            if held and any(r.after is not None for r in pending):
-                rest = []
-                for req in pending:
-                    row = None if req.after is None else req.after.row
-                    if row is None or row in claimed or row not in held or held[row][0] is not req.after:
-                        rest.append(req)
-                        continue
-                    reuse = self.reuses_prefix and reuse_prefix
-                    start = self._reusable(held[row][1], req.prompt_ids) if reuse else 0
-                    self.prefix_short += start < len(held[row][1])
-                    ready.append((row, req, start))
-                    claimed.add(row)
-                pending.clear()
-                pending.extend(rest)
-            free.extend(r for r in held if r not in claimed)
-            held.clear()
-            return ready
-
-        def refill() -> None:
-            entering = claim()
-            self.continued += len(entering)
-            stopped = all(a is None for a in live)
-            if pending and free and (len(free) >= min(refill_rows, len(pending)) or stopped):
-                for row in sorted(free[: len(pending)]):
-                    entering.append((row, pending.popleft(), 0))
-                taken = {row for row, _, _ in entering}
-                free[:] = [r for r in free if r not in taken]
-            if not entering:
-                return
-            caps = [check(req) for _, req, _ in entering]
-            rows = [row for row, _, _ in entering]
-            for row, req, _ in entering:
-                self.row_requests[row] = req
-            t = clock()
-            with record_function("engine.enter"):
-                toks, needs = self._enter_rows(rows, [req.prompt_ids for _, req, _ in entering],
-                                               [s for _, _, s in entering],
-                                               [noise_key(seed, req.key) for _, req, _ in entering])
-            self.seconds["prefill"] += clock() - t
-            for (row, req, start), cap, tok, need in zip(entering, caps, toks, needs):
-                self.reused_tokens += start
-                self.generated_tokens += 1
-                host_pos[row] = len(req.prompt_ids)
-                live[row] = _Live(req, cap, [tok], [])
-                if tok in stop_ids or cap <= 1:
-                    finish(row)
-                elif need is not None:
-                    fresh[row] = need
-
-        sync(self.device)
-        t0 = clock()
-        refill()
-        sync(self.device)
-        self.first_prefill_s, self.decode_start = clock() - t0, clock()  # `generate`'s times
-        while True:
-            if done:
-                t = clock()
-                out, done = done, []
-                for c in out:
-                    yield c
-                self.seconds["caller"] += clock() - t
-            t, prefilled = clock(), self.seconds["prefill"]
-            refill()
-            t += self.seconds["prefill"] - prefilled  # host time: the refill's prefill is counted apart
-            if all(a is None for a in live):
-                if not pending and not held and not done:
-                    return
-                self.seconds["host"] += clock() - t
-                continue
-            stopped = [a is None for a in live]
-            if stopped != alive_set:
-                self.set_alive(stopped)
-                alive_set = stopped
-            t1 = clock()
-            with record_function("engine.step"):
-                news = self._decode_step(max(p for p, s in zip(host_pos, stopped) if not s), fresh,
-                                         len(fresh) == stopped.count(False))
-            t2 = clock()
-            fresh.clear()
-            for r, a in enumerate(live):
-                if a is None:
-                    continue
-                new = news[r]
-                host_pos[r] += len(new)
-                kept, hit = truncate(new, stop_ids, a.cap - len(a.tokens))
-                a.tokens.extend(kept)
-                self.generated_tokens += len(kept)
-                a.accepted.extend([1] * len(kept) if self.one_token_steps else [len(new)])
-                if stop_on_loop:  # each answer checked at its own lengths k, 2k, ...: the cut is not the batch's
-                    answer = len(a.tokens) - (1 if hit else 0)
-                    for n in range(a.checked + loop_check_every, answer + 1, loop_check_every):
-                        a.checked = n
-                        start = loop_detector.find(a.tokens[:n]) if n >= loop_detector.min_tokens else None
-                        if start is not None:
-                            self.generated_tokens -= len(a.tokens) - n
-                            finish(r, n, start)
-                            break
-                    if live[r] is None:
-                        continue
-                if hit or len(a.tokens) >= a.cap:
-                    finish(r)
-            self.seconds["decode"] += t2 - t1
-            self.seconds["host"] += (t1 - t) + (clock() - t2)
+        yield from serve_requests(self, pending, max_new_tokens, stop_ids, sampling, seed, loop_detector,
+                                  stop_on_loop, loop_check_every, refill_rows, reuse_prefix)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int],
@@ -508,27 +270,7 @@ class _Rows:
         """Every prompt's answer (then the follow-ups' that `on_done` returned, in the order they came), through
         `serve`; each prompt's noise key (T > 0) drawn from `generator` in that order. `prefill_time_s` is the
         first rows' prefill, `decode_time_s` the rest of the call (later prefills included)."""
-        gen_device = generator.device if generator is not None else torch.device("cpu")
-
-        def request(i: int, prompt: Sequence[int]) -> Request:
-            key = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device)[0]) if self.sampled else 0
-            return Request(key, list(prompt), tag=i)
-
-        pending = collections.deque(request(i, p) for i, p in enumerate(prompts))
-        outputs: list[GenerationOutput] = [None] * len(pending)  # type: ignore[list-item]
-        for c in self.serve(pending, max_new_tokens, stop_ids, sampling, 0, refill_rows=refill_rows):
-            outputs[c.request.tag] = c.output
-            c.output.prefill_time_s = self.first_prefill_s
-            c.output.decode_time_s = time.perf_counter() - self.decode_start
-            follow = on_done(c.request.tag, c.output) if on_done is not None else None
-            if follow is not None:
-                pending.append(request(len(outputs), follow))
-                outputs.append(None)  # type: ignore[arg-type]
-        sync(self.device)
-        decode_s = time.perf_counter() - self.decode_start
-        for out in outputs:
-            out.prefill_time_s, out.decode_time_s = self.first_prefill_s, decode_s
-        return outputs
+        return generate_outputs(self, prompts, max_new_tokens, stop_ids, sampling, generator, on_done, refill_rows)
 
 
 class BatchedStaticPlainRunner(_Rows):

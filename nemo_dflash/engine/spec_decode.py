@@ -282,6 +282,19 @@ class DFlashSpeculativeDecoder:
             position_ids=kept_pos.unsqueeze(0), **self._prefill_kwargs,
         )
 
+    def _eager_proposals(self, last: torch.Tensor, position: int, pending: torch.Tensor,
+                         dcache: DFlashContextCache, sampling: SamplingParams, generator: Optional[torch.Generator],
+                         no_draft: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One eager step's proposals and their draft distributions: a selector draft's walk, the draft's block
+        (its argmax or draws), or none at block size 1."""
+        blk = self.block_size
+        if blk > 1 and self.draft.has_selector:
+            return self.walk_proposals(last, position, pending, dcache, blk, sampling, generator)
+        if blk > 1:
+            d_logits = self.draft_logits(last, position, pending, dcache, blk)
+            return propose_tokens(d_logits, sampling, generator)
+        return no_draft, None
+
     def _generate_eager(
         self,
         ids: torch.Tensor,
@@ -295,7 +308,6 @@ class DFlashSpeculativeDecoder:
     ) -> GenerationOutput:
         device, model = self.device, self.target.model
         blk = self.block_size
-        greedy = sampling.greedy
         cache = past_key_values if past_key_values is not None else _new_cache(model, self._recurrent)
         recurrent = recurrent_cache.has_recurrent_state(cache)
         if self._recurrent and not recurrent:
@@ -327,14 +339,8 @@ class DFlashSpeculativeDecoder:
             accept_lens: list[int] = []
             while not stopped and len(output) < max_new_tokens:
                 position = prompt_len + len(output) - 1  # of the last (not yet verified-into-cache) token
-                if blk > 1 and self.draft.has_selector:
-                    d_tokens, d_probs = self.walk_proposals(last, position, pending, dcache, blk, sampling,
-                                                            generator)
-                elif blk > 1:
-                    d_logits = self.draft_logits(last, position, pending, dcache, blk)
-                    d_tokens, d_probs = propose_tokens(d_logits, sampling, generator)
-                else:
-                    d_tokens, d_probs = no_draft, None
+                d_tokens, d_probs = self._eager_proposals(last, position, pending, dcache, sampling, generator,
+                                                          no_draft)
                 q_pos = torch.arange(position, position + blk, device=device)
                 snap = recurrent_cache.snapshot_states(cache) if recurrent else None
                 block_ids = torch.cat([last, d_tokens])
@@ -343,17 +349,7 @@ class DFlashSpeculativeDecoder:
                     position_ids=q_pos.unsqueeze(0), **self._verify_mask(q_pos, position + blk),
                 )
                 feats = self.target.concat(captured)
-                if greedy:
-                    tgt = out.logits[0].argmax(dim=-1)  # [B]
-                    n_acc_t = greedy_accepted(d_tokens, tgt)
-                    res = torch.cat([n_acc_t.view(1), tgt]).tolist()  # the step's one host sync
-                    n_acc = res[0]
-                    new = res[1: n_acc + 2]  # accepted proposals equal the target's own tokens
-                    last = tgt[n_acc: n_acc + 1]
-                else:
-                    n_acc, nxt = verify_block(d_tokens, out.logits[0], sampling, d_probs, generator)
-                    new = d_tokens[:n_acc].tolist() + [nxt]
-                    last = torch.full((1,), nxt, dtype=torch.long, device=device)
+                n_acc, new, last = _eager_verdict(out.logits[0], d_tokens, d_probs, sampling, generator, device)
                 accept_lens.append(len(new))
                 # Keep the last token and the accepted drafts (positions position..position+n_acc).
                 if snap is not None:
@@ -374,6 +370,22 @@ class DFlashSpeculativeDecoder:
             prefill_time_s=t1 - t0,
             stopped=stopped,
         )
+
+
+def _eager_verdict(logits: torch.Tensor, d_tokens: torch.Tensor, d_probs: Optional[torch.Tensor],
+                   sampling: SamplingParams, generator: Optional[torch.Generator], device: torch.device
+                   ) -> tuple[int, list[int], torch.Tensor]:
+    """The target's verdict on one eager step's block (`logits` [B, V]): (proposals accepted, the tokens kept, the
+    next step's first token [1]). T=0: the target's argmax (accepted proposals equal its own tokens); else
+    speculative sampling."""
+    if sampling.greedy:
+        tgt = logits.argmax(dim=-1)  # [B]
+        n_acc_t = greedy_accepted(d_tokens, tgt)
+        res = torch.cat([n_acc_t.view(1), tgt]).tolist()  # the step's one host sync
+        n_acc = res[0]
+        return n_acc, res[1: n_acc + 2], tgt[n_acc: n_acc + 1]
+    n_acc, nxt = verify_block(d_tokens, logits, sampling, d_probs, generator)
+    return n_acc, d_tokens[:n_acc].tolist() + [nxt], torch.full((1,), nxt, dtype=torch.long, device=device)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ This batched formulation must equal running each block alone, the way inference 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +216,7 @@ class DFlashTrainerModule(nn.Module):
         row_seeds: Optional[Sequence[int]] = None,
         plan: Optional[BlockPlan] = None,
     ) -> DFlashLossOutput:
+        """The draft's blocks over the target batch, their weighted loss sums and the step's metrics."""
         input_ids, attn, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
         bsz, seq = input_ids.shape
         blk = self.block_size
@@ -230,19 +231,7 @@ class DFlashTrainerModule(nn.Module):
             self.mask_token_id, backend=self.attn_backend, ctx_pos=batch.position_ids, anchor_pos=plan.anchor_pos,
             ctx_start=plan.ctx_start,
         )  # [B, A*blk, H]
-
-        decay = loss_decay_weights(blk, self.gamma, input_ids.device)
-        if sel is None:
-            # packed: every block's slots 1.. (fixed shape); invalid ones weigh 0
-            w_sel = (decay[1:] * label_valid[..., 1:]).flatten()
-            h_sel = hidden.view(bsz, n_blk, blk, -1)[:, :, 1:].reshape(bsz * n_blk * (blk - 1), -1)
-            # The target predicts token[a+k] from position a+k-1, k = 1..blk-1.
-            src = (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).clamp(max=seq - 1).flatten(1)
-        else:
-            # sel holds only valid label slots, whose weight is the slot's decay weight
-            w_sel = decay[sel % blk]
-            h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
-            src = None
+        w_sel, h_sel, src = self._loss_rows(hidden, plan, seq, input_ids.device)
         # with the acceptance term on, the CE part is (1 - w) * [(1 - d') hard + d' soft], d' = d / (1 - w)
         w_acc = self.accept_weight
         d_ce = self.distill_weight
@@ -250,49 +239,16 @@ class DFlashTrainerModule(nn.Module):
             d_ce = min(1.0, self.distill_weight / (1.0 - w_acc)) if w_acc < 1 else 0.0
         teacher = teacher_h = teacher_e = None
         if d_ce > 0:
-            if batch.logits is None and batch.final_hidden is None:
-                raise ValueError("distill_weight > 0 needs the target's distribution: call "
-                                 "generate_batch(return_final_hidden=True) (or return_logits=True)")
-            if src is None:
-                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
-            source = batch.final_hidden if batch.final_hidden is not None else batch.logits
-            # through the shared frozen head, the target's distribution at a position enters the loss
-            # only as its expected embedding: formed once per position, then gathered per block slot
-            expected = batch.final_hidden is not None and _fusable(self.lm_head, None, 0.0)
-            if expected:
-                source = teacher_expected_embedding(source, self.lm_head.weight, self.ce_chunk_size)
-            rows = _rows_at(source, src, sel)
-            if expected:
-                teacher_e = rows
-            elif batch.final_hidden is not None:
-                teacher_h = rows
-            else:
-                teacher = rows
+            src = _label_sources(src, anchors, blk, seq)
+            teacher, teacher_h, teacher_e = self._teacher_rows(batch, src, sel)
         # the unary logits are output_multiplier * lm_head(h) (DFlash2's; 1 for DFlash-1): scale the rows
         h_ce = h_sel if self.output_multiplier == 1.0 else h_sel * self.output_multiplier
-        kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
         selector = self.draft.candidate_selector if getattr(self.draft, "has_selector", False) else None
-        # the selector's top-K unary candidates and their logits, from the CE's own logits where it forms them
-        candidates = candidate_logits = None
-        if kernel is not None:
-            tok_loss, pred = fused_lm_loss(
-                kernel, h_ce, self.lm_head.weight, plan.labels, self.ce_chunk_size, teacher_e, d_ce,
-                compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
-            )
-        elif selector is not None:
-            tok_loss, pred, candidates, candidate_logits = chunked_lm_loss(
-                h_ce, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
-                teacher_hidden=teacher_h, teacher_embedding=teacher_e, top_k=selector.top_k,
-            )
-        else:
-            tok_loss, pred = chunked_lm_loss(
-                h_ce, plan.labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
-                teacher_hidden=teacher_h, teacher_embedding=teacher_e,
-            )
+        tok_loss, pred, candidates, candidate_logits = self._token_loss(h_sel, h_ce, plan.labels, teacher, teacher_h,
+                                                                        teacher_e, d_ce, selector)
         accept = None
         if w_acc > 0:
-            if src is None:
-                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
+            src = _label_sources(src, anchors, blk, seq)
             acc_term, accept = self._accept_term(batch, h_sel, src, sel)
             tok_loss = (1.0 - w_acc) * tok_loss + w_acc * acc_term
         weight_sum = w_sel.sum()
@@ -311,14 +267,8 @@ class DFlashTrainerModule(nn.Module):
         sampled = None
         if (self.accept_sampling is not None and not self.accept_sampling.greedy and not torch.is_grad_enabled()
                 and batch.final_hidden is not None):
-            if src is None:
-                src = (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
-            t_rows = _rows_at(batch.final_hidden, src, sel)
-            if term is not None:  # q from the walk given the true predecessor, as decoding proposes
-                sampled = selector_slot_acceptance(term.scores, term.candidates, term.pick, t_rows, self.lm_head,
-                                                   self.accept_sampling, self.ce_chunk_size)
-            else:
-                sampled = slot_acceptance(h_ce, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
+            src = _label_sources(src, anchors, blk, seq)
+            sampled = self._sampled_acceptance(batch, h_ce, src, sel, term)
         # `0 * hidden.sum()` keeps every draft parameter in the graph when no label is valid,
         # so DDP/FSDP gradient collectives still run on this rank (no hang).
         loss_sum = (tok_loss * w_sel).sum() + 0.0 * hidden.sum()
@@ -328,49 +278,140 @@ class DFlashTrainerModule(nn.Module):
             loss_sum = loss_sum + self.selector_weight * sel_sum
             if h_sel.shape[0] == 0:  # no loss rows: the selector's parameters still join the gradient collectives
                 loss_sum = loss_sum + 0.0 * sum(p.sum() for p in self.draft.candidate_selector.parameters())
-
         with torch.no_grad():
-            def by_slot(ok: torch.Tensor) -> torch.Tensor:
-                return F.pad(_to_slots(ok, sel, bsz, n_blk, blk), (1, 0), value=False)
+            return self._loss_output(batch, plan, loss_sum, weight_sum, pred, term, sel_sum, accept, sampled)
 
-            # a selector's walk proposes its pick; DFlash-1 each slot's argmax
-            correct = by_slot((term.pick if term is not None else pred) == plan.labels)
-            block_ok = label_valid.any(-1)
-            acc_len = acceptance_lengths(correct, label_valid)
-            return_out = DFlashLossOutput(
-                loss_sum=loss_sum,
-                weight_sum=weight_sum,
-                correct=(correct & label_valid).sum(),
-                num_labels=label_valid.sum(),
-                accept_sum=(acc_len * block_ok).sum().float(),
-                num_blocks=block_ok.sum(),
-                **_flop_counts(batch, plan, blk),
+    def _loss_rows(self, hidden: torch.Tensor, plan: BlockPlan, seq: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The loss rows of the draft's hidden states: (their decay weights, the rows, and for packed rows the
+        positions the target predicts each label from; None otherwise, formed when a term needs them)."""
+        bsz, blk = hidden.shape[0], self.block_size
+        anchors, label_valid, sel = plan.anchors, plan.label_valid, plan.sel
+        n_blk = anchors.shape[1]
+        decay = loss_decay_weights(blk, self.gamma, device)
+        if sel is None:
+            # packed: every block's slots 1.. (fixed shape); invalid ones weigh 0
+            w_sel = (decay[1:] * label_valid[..., 1:]).flatten()
+            h_sel = hidden.view(bsz, n_blk, blk, -1)[:, :, 1:].reshape(bsz * n_blk * (blk - 1), -1)
+            # The target predicts token[a+k] from position a+k-1, k = 1..blk-1.
+            src = (anchors.unsqueeze(-1) + torch.arange(blk - 1, device=anchors.device)).clamp(max=seq - 1).flatten(1)
+            return w_sel, h_sel, src
+        # sel holds only valid label slots, whose weight is the slot's decay weight
+        w_sel = decay[sel % blk]
+        h_sel = hidden.reshape(bsz * n_blk * blk, -1).index_select(0, sel)
+        return w_sel, h_sel, None
+
+    def _teacher_rows(self, batch: DFlashTargetBatch, src: torch.Tensor, sel: Optional[torch.Tensor]
+                      ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The target's distribution at each loss row, for distillation: (its logits, or its final hidden states,
+        or its expected embedding under the shared frozen head), one of the three set."""
+        teacher = teacher_h = teacher_e = None
+        if batch.logits is None and batch.final_hidden is None:
+            raise ValueError("distill_weight > 0 needs the target's distribution: call "
+                             "generate_batch(return_final_hidden=True) (or return_logits=True)")
+        source = batch.final_hidden if batch.final_hidden is not None else batch.logits
+        # through the shared frozen head, the target's distribution at a position enters the loss
+        # only as its expected embedding: formed once per position, then gathered per block slot
+        expected = batch.final_hidden is not None and _fusable(self.lm_head, None, 0.0)
+        if expected:
+            source = teacher_expected_embedding(source, self.lm_head.weight, self.ce_chunk_size)
+        rows = _rows_at(source, src, sel)
+        if expected:
+            teacher_e = rows
+        elif batch.final_hidden is not None:
+            teacher_h = rows
+        else:
+            teacher = rows
+        return teacher, teacher_h, teacher_e
+
+    def _token_loss(self, h_sel: torch.Tensor, h_ce: torch.Tensor, labels: torch.Tensor,
+                    teacher: Optional[torch.Tensor], teacher_h: Optional[torch.Tensor],
+                    teacher_e: Optional[torch.Tensor], d_ce: float, selector: Any) -> tuple[Any, Any, Any, Any]:
+        """The CE of each loss row over the frozen head: (losses, argmax predictions, and for a selector draft the
+        top-K unary candidates and their logits, from the CE's own logits where it forms them; else None)."""
+        kernel = self._fused_kernel(h_sel.device, teacher is None and teacher_h is None)
+        if kernel is not None:
+            tok_loss, pred = fused_lm_loss(
+                kernel, h_ce, self.lm_head.weight, labels, self.ce_chunk_size, teacher_e, d_ce,
+                compiled_argmax=_compiled_on_cuda(argmax_chunk, h_sel.device),
             )
-            if term is not None:
-                return_out.selector_loss_sum = sel_sum.detach()
-                return_out.unary_accept_sum = (acceptance_lengths(by_slot(pred == plan.labels), label_valid)
-                                               * block_ok).sum().float()
-                inside = by_slot(term.inside)
-                return_out.topk_hits = (inside & label_valid).sum()
-                return_out.oracle_accept_sum = (acceptance_lengths(inside, label_valid) * block_ok).sum().float()
-            if accept is not None:
-                on = label_valid[..., 1:].flatten() if sel is None else None
-                return_out.accept_prob_sum = (accept * on).sum() if on is not None else accept.sum()
-                return_out.accept_prob_slots = label_valid.sum()
-            if sampled is not None:
-                lengths = []
-                for alpha in sampled:
-                    per_slot = _to_slots(alpha, sel, bsz, n_blk, blk) * label_valid[..., 1:]
-                    lengths.append((expected_block_length(per_slot) * block_ok).sum())
-                return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
-                return_out.sampled_blocks = block_ok.sum()
-                on = label_valid[..., 1:]
-                hit = (correct[..., 1:] & on).double()
-                alpha = _to_slots(sampled[0], sel, bsz, n_blk, blk).double() * on
-                return_out.slot1_greedy_sum, return_out.later_greedy_sum = hit[..., 0].sum(), hit[..., 1:].sum()
-                return_out.slot1_sampled_sum, return_out.later_sampled_sum = alpha[..., 0].sum(), alpha[..., 1:].sum()
-                return_out.slot1_slots, return_out.later_slots = on[..., 0].sum(), on[..., 1:].sum()
+            return tok_loss, pred, None, None
+        if selector is not None:
+            return chunked_lm_loss(
+                h_ce, labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
+                teacher_hidden=teacher_h, teacher_embedding=teacher_e, top_k=selector.top_k,
+            )
+        tok_loss, pred = chunked_lm_loss(
+            h_ce, labels, self.lm_head, self.ce_chunk_size, teacher, d_ce, fused=self.fused_ce,
+            teacher_hidden=teacher_h, teacher_embedding=teacher_e,
+        )
+        return tok_loss, pred, None, None
+
+    def _sampled_acceptance(self, batch: DFlashTargetBatch, h_ce: torch.Tensor, src: torch.Tensor,
+                            sel: Optional[torch.Tensor], term: Any) -> Any:
+        """Held-out evaluation's per-slot accept probabilities under `accept_sampling` (the draft's sampled and
+        greedy proposals)."""
+        t_rows = _rows_at(batch.final_hidden, src, sel)
+        if term is not None:  # q from the walk given the true predecessor, as decoding proposes
+            return selector_slot_acceptance(term.scores, term.candidates, term.pick, t_rows, self.lm_head,
+                                            self.accept_sampling, self.ce_chunk_size)
+        return slot_acceptance(h_ce, t_rows, self.lm_head, self.accept_sampling, self.ce_chunk_size)
+
+    def _loss_output(self, batch: DFlashTargetBatch, plan: BlockPlan, loss_sum: torch.Tensor,
+                     weight_sum: torch.Tensor, pred: torch.Tensor, term: Any, sel_sum: Optional[torch.Tensor],
+                     accept: Optional[torch.Tensor], sampled: Any) -> DFlashLossOutput:
+        """The step's loss sums and metrics (simulated acceptance, the selector's and the accept term's figures)."""
+        anchors, label_valid, sel, blk = plan.anchors, plan.label_valid, plan.sel, self.block_size
+        bsz, n_blk = anchors.shape
+
+        def by_slot(ok: torch.Tensor) -> torch.Tensor:
+            return F.pad(_to_slots(ok, sel, bsz, n_blk, blk), (1, 0), value=False)
+
+        # a selector's walk proposes its pick; DFlash-1 each slot's argmax
+        correct = by_slot((term.pick if term is not None else pred) == plan.labels)
+        block_ok = label_valid.any(-1)
+        acc_len = acceptance_lengths(correct, label_valid)
+        return_out = DFlashLossOutput(
+            loss_sum=loss_sum,
+            weight_sum=weight_sum,
+            correct=(correct & label_valid).sum(),
+            num_labels=label_valid.sum(),
+            accept_sum=(acc_len * block_ok).sum().float(),
+            num_blocks=block_ok.sum(),
+            **_flop_counts(batch, plan, blk),
+        )
+        if term is not None:
+            return_out.selector_loss_sum = sel_sum.detach()
+            return_out.unary_accept_sum = (acceptance_lengths(by_slot(pred == plan.labels), label_valid)
+                                           * block_ok).sum().float()
+            inside = by_slot(term.inside)
+            return_out.topk_hits = (inside & label_valid).sum()
+            return_out.oracle_accept_sum = (acceptance_lengths(inside, label_valid) * block_ok).sum().float()
+        if accept is not None:
+            on = label_valid[..., 1:].flatten() if sel is None else None
+            return_out.accept_prob_sum = (accept * on).sum() if on is not None else accept.sum()
+            return_out.accept_prob_slots = label_valid.sum()
+        if sampled is not None:
+            lengths = []
+            for alpha in sampled:
+                per_slot = _to_slots(alpha, sel, bsz, n_blk, blk) * label_valid[..., 1:]
+                lengths.append((expected_block_length(per_slot) * block_ok).sum())
+            return_out.sampled_accept_sum, return_out.greedy_draft_accept_sum = lengths
+            return_out.sampled_blocks = block_ok.sum()
+            on = label_valid[..., 1:]
+            hit = (correct[..., 1:] & on).double()
+            alpha = _to_slots(sampled[0], sel, bsz, n_blk, blk).double() * on
+            return_out.slot1_greedy_sum, return_out.later_greedy_sum = hit[..., 0].sum(), hit[..., 1:].sum()
+            return_out.slot1_sampled_sum, return_out.later_sampled_sum = alpha[..., 0].sum(), alpha[..., 1:].sum()
+            return_out.slot1_slots, return_out.later_slots = on[..., 0].sum(), on[..., 1:].sum()
         return return_out
+
+
+def _label_sources(src: Optional[torch.Tensor], anchors: torch.Tensor, blk: int, seq: int) -> torch.Tensor:
+    """The positions the target predicts each label slot from (a+k-1 for slot k), once: `src` if already formed."""
+    if src is not None:
+        return src
+    return (block_positions(anchors, blk) - 1).clamp(0, seq - 1).flatten(1)
 
 
 def _to_slots(rows: torch.Tensor, sel: Optional[torch.Tensor], bsz: int, n_blk: int, blk: int) -> torch.Tensor:
