@@ -67,7 +67,7 @@ data/regen_summary.json, run/summary.json (training), eval/results.json. Run dir
         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
-Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
+Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (nemo_dflash/evaluation/rows.py);
 this script appends to it, so its last row is the current figure. The drafter rows are keyed by the draft's
 weights hash and the protocol (`drafter_key`): a second summary of a draft already there (e.g. one more evaluate
 run merged in) updates that row instead of adding a duplicate. Regeneration rows: the regenerated
@@ -283,7 +283,8 @@ Each row (`nemo_dflash.evaluation.run_rows.arm_row`): "draft": "sampling lever A
 loss and data temperature (the resolved recipe.yaml, the regeneration summaries beside its data sources), training
 tokens, steps and every held-out evaluation, tau and speedup per set at T=0, the recommended sampling and T=1, the
 weights hash, and evaluate's `protocol`. Prints the table; --drafter-json replaces the rows of the same arm and
---series there (another series' rows stay) and appends the others.
+--series there (another series' rows stay), appends the others, and keeps one row per weights hash and protocol
+(`drafter_key`, as `summaries` does).
 """
 
 
@@ -338,7 +339,7 @@ def main_report(argv: Optional[Sequence[str]] = None) -> int:
     if args.drafter_json is not None:
         names = {(r["draft"], args.series) for r in rows}
         kept = [r for r in read_rows(args.drafter_json) if (r.get("draft"), r.get("series")) not in names]
-        write_rows(args.drafter_json, kept + rows)
+        write_rows(args.drafter_json, fold_rows(kept + rows, drafter_key))  # one row per weights and protocol
         print(f"{len(rows)} rows -> {args.drafter_json}")
     return 0
 
