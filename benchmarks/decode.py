@@ -72,6 +72,7 @@ from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregress
 from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions  # noqa: E402
 from nemo_dflash.engine.sampling import GREEDY  # noqa: E402
+from nemo_dflash.evaluation.loop_figures import no_loop_figures  # noqa: E402
 from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
 
@@ -739,31 +740,6 @@ def _timed(fn, prompts: list[list[int]], bsz: int) -> tuple[float, list[Any], li
     return sum(batch_seconds), outs, batch_seconds
 
 
-def _loops(o: Any, stops: Sequence[int]) -> bool:
-    """Whether an answer falls into a repetition loop (`data.loops`, as `evaluate` counts them)."""
-    from nemo_dflash.data.loops import find_loop_start
-
-    body = o.output_ids[:-1] if o.output_ids and o.output_ids[-1] in set(stops) else o.output_ids
-    return find_loop_start(body) is not None
-
-
-def _no_loop(o_plain: list[Any], o_spec: list[Any], per_call: int, b_plain: list[float], b_spec: list[float],
-             n_plain: list[int], n_spec: list[int], stops: Sequence[int]) -> dict[str, Any]:
-    """The figures on answers that do not loop: the speculative answers' loop share and tau without them, and
-    the speedup over the batches (calls) where no answer loops on either side (None when every one does)."""
-    spec_loops = [_loops(o, stops) for o in o_spec]
-    either = [_loops(p, stops) or s for p, s in zip(o_plain, spec_loops)]
-    clean = [not any(either[i : i + per_call]) for i in range(0, len(o_spec), per_call)]
-    steps = [a for o, lp in zip(o_spec, spec_loops) if not lp for a in o.acceptance_lengths]
-    keep = [k for k, c in enumerate(clean) if c]
-    speedup = None
-    if keep and sum(b_plain[k] for k in keep) > 0 and sum(b_spec[k] for k in keep) > 0:
-        speedup = ((sum(n_spec[k] for k in keep) / sum(b_spec[k] for k in keep))
-                   / (sum(n_plain[k] for k in keep) / sum(b_plain[k] for k in keep)))
-    return {"loop_share": sum(spec_loops) / len(o_spec), "tau_no_loop": statistics.mean(steps) if steps else None,
-            "speedup_no_loop": speedup, "batches_no_loop": len(keep)}
-
-
 def _batch_tokens(outs: list[Any], bsz: int, rows: Optional[int] = None) -> list[int]:
     """New tokens of each batch of `bsz` answers (the first token comes from the untimed prefill). One batch
     through fewer `rows` (continuous batching): the first tokens of the prompts that entered mid-run were made
@@ -837,7 +813,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         tok_plain, tok_spec = sum(n_plain), sum(n_spec)
         steps = [a for o in o_spec for a in o.acceptance_lengths]
         same = sum(a.output_ids == b.output_ids for a, b in zip(o_plain, o_spec))
-        no_loop = _no_loop(o_plain, o_spec, per_call, b_plain, b_spec, n_plain, n_spec, stops)
+        no_loop = no_loop_figures(o_plain, o_spec, per_call, b_plain, b_spec, n_plain, n_spec, stops)
         rows.append({
             **provenance(dev_name), "draft_sha256": draft_sha256, "dataset": name, "prompts": len(prompts),
             "concurrency": bsz, "loop": loop,

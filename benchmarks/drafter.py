@@ -1,8 +1,8 @@
-"""Drafter runs: a SmolLM2 run's summary rows, the T > 0 levers, the T > 0 acceptance ceiling, the FSDP2
-scaling run of a large-target recipe, and tau against training tokens over the drafter runs.
+"""Drafter runs: a SmolLM2 run's summary rows, the rows of arms run side by side, the T > 0 acceptance ceiling, the
+FSDP2 scaling run of a large-target recipe, and tau against training tokens over the drafter runs.
 
     python benchmarks/drafter.py summaries OUT_DIR --device "NVIDIA H200" [--regen-json ...] [--drafter-json ...]
-    python benchmarks/drafter.py levers {regen,train,eval,speed,chain,report} OUT [flags]
+    python benchmarks/drafter.py report RUNS/a RUNS/b ... --device "NVIDIA H200" [--drafter-json ...]
     python benchmarks/drafter.py ceiling --target pkg:smollm2 --answers EVAL_DIR/answers.jsonl --dataset humaneval
     python benchmarks/drafter.py scaling --nproc 2 --steps 200 --tokenizer TOKENIZER_DIR --out OUT_DIR
     python benchmarks/drafter.py curve docs/bench/smollm2_drafter_*_run --png docs/bench/smollm2_scaling.png
@@ -10,7 +10,8 @@ scaling run of a large-target recipe, and tau against training tokens over the d
     python benchmarks/drafter.py dedupe docs/bench/drafter_summary.json
 
 Every training here is the trainer's own (`nemo_dflash.recipes.train` or the pipeline), timed or read from
-the files it wrote. Each subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
+the files it wrote; the arms are pipeline runs (`+arm=NAME`, configs/arm/), which `report` only reads. Each
+subcommand has its own flags (`drafter.py SUBCOMMAND --help`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,13 @@ import argparse
 import ast
 import copy
 import gzip
-import hashlib
 import json
 import logging
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, besid
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from _common import append_rows, fold_rows, provenance, read_rows, upsert_rows, write_qwen3_8b_config  # noqa: E402
+from _common import append_rows, fold_rows, provenance, read_rows, upsert_rows, write_qwen3_8b_config, write_rows  # noqa: E402
 from nemo_dflash.evaluation.protocol import encode_chat, load_prompt_set  # noqa: E402
 from nemo_dflash.evaluation.ceiling import (  # noqa: E402
     CEILINGS, DRAFT_FIGURES, PER_SLOT, anchor_figures, decoder_acceptance, draft_block_logits,
@@ -51,7 +49,9 @@ from nemo_dflash.recipes._cli import resolve_device_dtype  # noqa: E402
 from nemo_dflash.engine.sampling import SamplingParams  # noqa: E402
 from nemo_dflash.target import HFDFlashTargetModel  # noqa: E402
 from nemo_dflash.target.loading import load_target  # noqa: E402
-from nemo_dflash.train.metrics import epoch_gaps as heldout_gaps, read_metrics  # noqa: E402
+from nemo_dflash.evaluation.run_rows import (  # noqa: E402
+    arm_row, drafter_key, drafter_row, load_json, run_metrics, train_summary,
+)
 
 
 # ====================================================================================================
@@ -67,7 +67,7 @@ data/regen_summary.json, run/summary.json (training), eval/results.json. Run dir
         [--eval RESULTS.json ...] [--data OUT_DIR/data/regen.jsonl[.gz]] [--throughput regen_throughput.json ...] \
         [--regen-json docs/bench/regen_summary.json] [--drafter-json docs/bench/drafter_summary.json]
 
-Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (benchmarks/_common.py);
+Each JSON is a list of rows {"date", "commit", "device", "command", ...figures} (nemo_dflash/evaluation/rows.py);
 this script appends to it, so its last row is the current figure. The drafter rows are keyed by the draft's
 weights hash and the protocol (`drafter_key`): a second summary of a draft already there (e.g. one more evaluate
 run merged in) updates that row instead of adding a duplicate. Regeneration rows: the regenerated
@@ -79,17 +79,8 @@ value the run did not produce is null. Without a JSON path the rows are printed.
 """
 
 
-def _load(path: Path) -> Optional[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
-def _train_summary(out: Path) -> Optional[dict[str, Any]]:
-    """The training run's summary.json: RUN/run/ (the pipeline's output_dir), else the older runs/main/."""
-    return _load(out / "run" / "summary.json") or _load(out / "runs" / "main" / "summary.json")
 
 
 def _regen_summary_row(path: Path, head: dict[str, Any]) -> dict[str, Any]:
@@ -144,144 +135,15 @@ def _regen_rest(out: Path, res: dict[str, Any], data: Optional[Path], throughput
                     conversations += 1
                     turns += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
         res.update(conversations=conversations, turns=turns)
-    train = _train_summary(out)
+    train = train_summary(out)
     if train:
         res.update(tokens=train["data"]["tokens"], supervised_tokens=train["data"]["supervised_tokens"])
     rows = []
     for path in throughput:
-        found = _load(path) or {}
+        found = load_json(path) or {}
         for row in found if isinstance(found, list) else found.get("rows", []):
             rows.append({**head, "what": f"regen.py throughput {row.get('mode')}", **row, "file": str(path)})
     return rows + [res]
-
-
-def merge_evals(paths: list[Path]) -> dict[str, Any]:
-    """One evaluate result from several runs of the same draft (e.g. eval_speed.py's replay, sequential and
-    batched phases): figures per temperature and set, the first run that has one winning. The protocol is the
-    first run's, with the temperatures of all; `complete` holds when every run whose acceptance figures were
-    taken covered the whole protocol (a speedup-only run on K prompts does not count); `sources` says which
-    run gave what."""
-    merged: dict[str, Any] = {"results": {}, "speedup": {}, "sources": []}
-    complete = []
-    for path in paths:
-        ev = _load(path)
-        if ev is None:
-            raise SystemExit(f"error: no evaluate results at {path}; give a results.json that `evaluate` wrote")
-        proto = ev.get("protocol") or {}
-        merged.setdefault("protocol", dict(proto))
-        taken = []
-        for key in ("results", "speedup"):
-            for t, sets in (ev.get(key) or {}).items():
-                for ds, figures in sets.items():
-                    if ds not in merged[key].setdefault(t, {}):
-                        merged[key][t][ds] = figures
-                        taken.append(f"{key} T={t} {ds}")
-                        if key == "results":
-                            complete.append(bool(ev.get("complete")))
-                        else:
-                            merged["protocol"]["speedup_decode"] = proto.get("decode")
-        merged["sources"].append({"file": str(path), "method": proto.get("method"), "decode": proto.get("decode"),
-                                  "complete": ev.get("complete"), "taken": taken})
-    merged["complete"] = bool(complete) and all(complete)
-    keys = {t for key in ("results", "speedup") for t in merged[key]}  # "0", "1", "0.2,p0.9" (evaluate's keys)
-    temps = [float(k) if "," not in k else k
-             for k in sorted(keys, key=lambda k: (float(k.split(",")[0]), k))]
-    if "protocol" in merged:
-        merged["protocol"]["temperatures"] = temps
-    return merged
-
-
-def _metrics(out: Path) -> Optional[list[dict[str, Any]]]:
-    """The training run's RUN/run/metrics.jsonl rows (a torn last line dropped, as a resume drops it)."""
-    path = out / "run" / "metrics.jsonl"
-    return read_metrics(path)[0] if path.is_file() else None
-
-
-def epoch_gaps(out: Path, tail: float = 0.1) -> Optional[dict[str, Any]]:
-    """`train.metrics.epoch_gaps` of the run in `out` (RUN/run/metrics.jsonl and its summary)."""
-    rows = _metrics(out)
-    return None if rows is None else heldout_gaps(rows, _train_summary(out) or {}, tail)
-
-
-def _loss_and_data(out: Path) -> dict[str, Any]:
-    """The loss and the data temperature the run trained with, from its resolved recipe and regeneration summary."""
-    recipe = out / "recipe.yaml"
-    loss: dict[str, Any] = {}
-    if recipe.is_file():
-        loss = (yaml.safe_load(recipe.read_text()) or {}).get("loss") or {}
-    regen = _load(out / "data" / "regen_summary.json") or {}
-    samp = regen.get("sampling") or {}
-    distill, accept = loss.get("distill_weight"), loss.get("accept_weight")
-    name = None if not loss else ("accept %g (%s, T=%g)" % (accept, loss.get("accept_form"), loss.get("accept_temperature"))
-                                  if accept else "distill %g" % distill if distill else "hard CE")
-    temp = samp.get("temperature")
-    return {"loss": name, "distill_weight": distill, "accept_weight": accept,
-            "data_temperature": None if temp is None else
-            ("%g (top-p %g)" % (temp, samp["top_p"]) if samp.get("top_p", 1.0) < 1.0 else "%g" % temp),
-            "samples_per_prompt": regen.get("samples_per_prompt")}
-
-
-def draft_hashes(export: Path, recorded: set[Optional[str]]) -> dict[str, Any]:
-    """The export's weights hash (the one evaluate records: names and bytes of the weights) where its weights are
-    here, else the one every evaluation file recorded (when they agree); whether `recorded` (the evaluation files'
-    hashes) all name it; and the weights file's own sha256 (or the one written beside it)."""
-    computed = None
-    if (export / "model.safetensors").exists():
-        from nemo_dflash.draft.build import draft_weights_sha256
-
-        computed = draft_weights_sha256(export)
-    return {"draft_sha256": computed or (next(iter(recorded)) if len(recorded) == 1 else None),
-            "eval_draft_sha256_match": (recorded == {computed}) if computed else len(recorded) == 1,
-            "model_safetensors_sha256": _sha256(export / "model.safetensors")}
-
-
-def drafter_row(out: Path, head: dict[str, Any], evals: Optional[list[Path]] = None) -> dict[str, Any]:
-    ev = merge_evals(evals) if evals else \
-        _load(out / "eval" / "results.json") or _load(out / "eval" / "main" / "results.json") or {}
-    train = _train_summary(out) or {}
-    protocol = dict(ev.get("protocol") or {})
-    if "turns" in protocol:  # the issue's name for it
-        protocol["mtbench_turns"] = protocol["turns"]
-    res: dict[str, Any] = {**head, "target": "SmolLM2-135M-Instruct", "protocol": protocol or None,
-                           "complete": ev.get("complete"), "train_tokens": train.get("tokens_seen"),
-                           "train_steps": train.get("steps"), "train_seconds": train.get("train_seconds"),
-                           "sim_tau_heldout": train.get("eval_accept_len"),
-                           "sampled_tau_heldout": train.get("eval_sampled_accept_len"),
-                           "heldout_gap_per_epoch": epoch_gaps(out)}
-    measured = {ds for key in ("results", "speedup") for by_t in ev.get(key, {}).values() for ds in by_t}
-    for t in ("0", "1"):  # the math sets' keys only where they were evaluated (evaluate --datasets math500,aime)
-        for ds in ("humaneval", "mtbench", *(m for m in ("math500", "aime") if m in measured)):
-            r = ev.get("results", {}).get(t, {}).get(ds, {})
-            s = ev.get("speedup", {}).get(t, {}).get(ds, {})
-            res[f"{ds}_t{t}_answers"] = r.get("answers", s.get("answers"))
-            res[f"{ds}_t{t}_tau"] = r.get("mean_acceptance_length", s.get("mean_acceptance_length"))
-            res[f"{ds}_t{t}_tau_first256"] = r.get("mean_acceptance_length_first256")
-            res[f"{ds}_t{t}_tau_no_loop"] = r.get("mean_acceptance_length_no_loop")
-            res[f"{ds}_t{t}_answers_no_loop"] = r.get("answers_no_loop")
-            res[f"{ds}_t{t}_loop_share"] = r.get("loop_share")
-            res[f"{ds}_t{t}_speedup"] = s.get("speedup")
-            res[f"{ds}_t{t}_speedup_no_loop"] = s.get("speedup_no_loop")
-            spread = s.get("per_prompt_speedup") or {}
-            res[f"{ds}_t{t}_speedup_per_prompt"] = ({k: spread.get(k) for k in ("prompts", "min", "median", "max")}
-                                                   if spread else None)
-            res[f"{ds}_t{t}_plain_ms_per_token"] = s.get("ar", {}).get("time_per_token_ms")
-            res[f"{ds}_t{t}_spec_ms_per_token"] = s.get("spec", {}).get("time_per_token_ms")
-    # the target's recommended sampling: evaluate's key of it ("0.2,p0.9"), timed on the speedup prompts
-    rkey = next((k for k in ev.get("speedup", {}) if k not in ("0", "1")), None)
-    res["recommended_sampling"] = rkey
-    for ds in ("humaneval", "mtbench"):
-        s = ev.get("speedup", {}).get(rkey, {}).get(ds, {}) if rkey else {}
-        for key, src in (("speedup", "speedup"), ("speedup_no_loop", "speedup_no_loop"),
-                         ("tau", "mean_acceptance_length"), ("speedup_prompts", "num_prompts")):
-            res[f"{ds}_recommended_{key}"] = s.get(src)
-    speedups = [res[f"{ds}_t0_speedup"] for ds in ("humaneval", "mtbench") if res[f"{ds}_t0_speedup"] is not None]
-    res["speedup_t0"] = min(speedups) if speedups else None
-    res.update(_loss_and_data(out))
-    files = [Path(x) for x in evals] if evals else [out / "eval" / "results.json"]
-    res.update(draft_hashes(out / "export", {ev.get("draft_sha256") for ev in map(_load, files) if ev}))
-    if ev.get("sources"):
-        res["eval_sources"] = ev["sources"]
-    return res
 
 
 def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200) -> Optional[dict[str, Any]]:
@@ -289,8 +151,8 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
     after `after_step` (windows holding an evaluation or a checkpoint are slower; the median leaves them out),
     per GPU as every row of train_throughput.json. The world size is the run's summary's, or, for runs whose
     summary predates that key, the token slots of a step over one rank's (micro-batch x packed row)."""
-    summary = _train_summary(out) or {}
-    rows = _metrics(out)
+    summary = train_summary(out) or {}
+    rows = run_metrics(out)
     config = out / "run" / "config.yaml"
     if rows is None or not config.is_file() or not summary.get("steps"):
         return None
@@ -354,7 +216,11 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
     if args.regen_json is not None and not has_regen:
         raise SystemExit(f"error: --regen-json: no regeneration files under {args.out} (data/regen_summary.json or "
                          "logs/regenerate.log): give the pipeline's run directory")
-    drafter = [] if args.no_drafter_row else [drafter_row(args.out, head, args.eval)]
+    try:
+        drafter = [] if args.no_drafter_row else [drafter_row(args.out, head, args.eval)]
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     trained = train_throughput_row(args.out, head)
     if args.train_json is not None and trained is None:
         raise SystemExit(f"error: --train-json: no training metrics under {args.out}/run (metrics.jsonl, config.yaml, "
@@ -369,16 +235,6 @@ def main_summaries(argv: Optional[Sequence[str]] = None) -> None:
             upsert_rows(path, rows, drafter_key)
         else:
             append_rows(path, rows)
-
-
-def drafter_key(row: dict[str, Any]) -> Optional[tuple[Any, ...]]:
-    """What makes two drafter rows one measurement: the same weights (their hash) at the same protocol (name, answer
-    cap, block, prompts; its temperatures may grow). A row without a weights hash is never merged."""
-    if not row.get("draft_sha256"):
-        return None
-    protocol = row.get("protocol") or {}
-    return (row["draft_sha256"], row.get("draft"), *(protocol.get(k) for k in ("name", "max_new_tokens", "block_size",
-                                                                              "num_prompts")))
 
 
 DOC_DEDUPE = """Rewrite a drafter_summary.json with one row per draft and protocol (`drafter_key`), the way
@@ -403,476 +259,89 @@ def main_dedupe(argv: Optional[Sequence[str]] = None) -> None:
 
 
 # ====================================================================================================
-# levers  (was sampling_levers.py)
+# report  (the arms' rows: configs/arm/*.yaml, one pipeline run directory an arm)
 
-DOC_LEVERS = r"""The T > 0 levers side by side: drafts trained at equal tokens on the same prompts, one GPU each, then
-measured at T=0, at the target's recommended sampling and at T=1.
+DOC_REPORT = r"""The arms of a comparison at equal tokens side by side, every figure read from their run directories.
 
-    python benchmarks/drafter.py levers regen  OUT --target pkg:smollm2 --data sharegpt --data code=P/code.jsonl
-    python benchmarks/drafter.py levers train  OUT [--levers a,b,c,d] [--tokens 30e6] [--max-minutes M]
-    python benchmarks/drafter.py levers eval   OUT [--levers ...]          # export + acceptance (no timing)
-    python benchmarks/drafter.py levers speed  OUT [--levers ...] [--speedup-prompts 20] [--speed-max-new-tokens 512]
-    python benchmarks/drafter.py levers chain  OUT --levers a,b,c,d --gpu-list 0,1,2,3 [the phases' flags]
-    python benchmarks/drafter.py levers report OUT [--json docs/bench/drafter_summary.json] [--device NAME]
+    python benchmarks/drafter.py report RUNS/a RUNS/b ... [--drafter-json docs/bench/drafter_summary.json] \
+        --device "NVIDIA H200" [--command "..."] [--commit C] [--date D] [--series NAME]
 
-Levers (`LEVERS`): the data's sampling temperature, `loss.distill_weight` and `loss.accept_weight`:
-  a: hard CE on answers sampled at T=0.2 / top-p 0.9 (today's recipe)   b: a + distillation (weight 1)
-  b05: a + distillation (weight 0.5)   c: hard CE on answers sampled at T=1 (two answers a prompt)   d: c + b
-  e: a with distillation 0.5 and the acceptance term 0.5 (`loss.accept_weight`: -log sum_x min(p_T=1, q))
-  f: distillation (weight 1) on both answer sets at once (T=0.2 and T=1: three answers a prompt)
-  v2i / v2s: b as a DFlash2 draft (`draft.kind=dflash2`), a true token outside the top-K injected / skipped
-  v2i_dpace / v2s_dpace: the same with D-PACE position weights (`loss.position_weights=dpace`)
-and, at decode time, for every draft: T=1 with the draft proposing its argmax (`--draft-proposals greedy`).
+An arm is a pipeline run of one base recipe and one option of the `arm` config group (configs/arm/*.yaml: the data's
+sampling temperature, loss.distill_weight and loss.accept_weight, DFlash2's selector convention, D-PACE), in a run
+directory named for the arm:
 
-`regen` answers the prompts twice, at T=0.2 / top-p 0.9 and at T=1 (two samples a prompt), on half the GPUs
-each (torchrun), with the same seed and the same time cap. `train` trains every lever on its own GPU from the
-same recipe with the same step count (`--tokens` / 32,768-token steps), resuming each where it stopped (run the
-same command again after `--max-minutes`). `eval` exports each draft and runs, side by side on its GPU, replay
-(T=0), batched T=1 and batched T=1 with argmax proposals, at the paper's lengths (2048 new tokens, MT-Bench both
-turns, HumanEval). `speed` times batch-1 speedup with CUDA graphs at T=0, the recommended settings and T=1, alone
-on each GPU (tau at the recommended settings is read from those timed answers). `report` prints the table and appends one row per
-lever to the drafter summary, every figure read from the files those phases wrote.
-`chain` runs each lever's train, eval and speed phases one after another on its own GPU, the levers side by side,
-so a GPU moves on as soon as its lever's phase ends. Every phase skips what is complete, so a phase can be re-run
-(or continued on a fresh machine).
+    python -m nemo_dflash.recipes.pipeline --config smollm2_135m_gpu.yaml +arm=a run.dir=RUNS/a
+    python -m nemo_dflash.recipes.pipeline --config smollm2_135m_gpu.yaml +arm=v2i run.dir=RUNS/v2i \
+        stages=train,export,evaluate          # the T=0.2 arms train on arm a's answers (arm c's: c's T=1 answers)
+
+and, for T=1 with the draft proposing its argmax, one more evaluation of its export beside it:
+
+    python -m nemo_dflash.recipes.evaluate --draft RUNS/b/export --target pkg:smollm2 --out RUNS/b/eval_greedy_draft \
+        --protocol paper --method batched --temperatures 1 --draft-proposals greedy --no-speedup
+
+Each row (`nemo_dflash.evaluation.run_rows.arm_row`): "draft": "sampling lever ARM", the `variant` (draft.kind), the
+loss and data temperature (the resolved recipe.yaml, the regeneration summaries beside its data sources), training
+tokens, steps and every held-out evaluation, tau and speedup per set at T=0, the recommended sampling and T=1, the
+weights hash, and evaluate's `protocol`. Prints the table; --drafter-json replaces the rows of the same arm and
+--series there (another series' rows stay), appends the others, and keeps one row per weights hash and protocol
+(`drafter_key`, as `summaries` does).
 """
 
 
-LEVERS: dict[str, dict[str, Any]] = {
-    "a": {"data": "t02", "distill": 0.0, "loss": "hard CE"},
-    "b": {"data": "t02", "distill": 1.0, "loss": "distill 1.0"},
-    "b05": {"data": "t02", "distill": 0.5, "loss": "distill 0.5"},
-    "c": {"data": "t1", "distill": 0.0, "loss": "hard CE"},
-    "d": {"data": "t1", "distill": 1.0, "loss": "distill 1.0"},
-    # the LK loss (Samarin et al., arXiv 2602.23881): -log of the accept probability at T=1, mixed with distillation
-    "e": {"data": "t02", "distill": 0.5, "accept": 0.5, "loss": "distill 0.5 + accept (-log a, T=1) 0.5"},
-    # both answer sets at once: the T=0.2 answers for greedy decoding, the T=1 ones for the contexts of sampling
-    "f": {"data": "t02+t1", "distill": 1.0, "loss": "distill 1.0"},
-    # DFlash2 against DFlash-1 (b, the GPU recipes' default) at equal tokens: the selector's two conventions for a
-    # true token outside the top-K, then D-PACE position weights instead of the fixed decay
-    "v2i": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (inject)", "variant": "dflash2",
-            "overrides": ["draft.kind=dflash2", "loss.selector_outside=inject"]},
-    "v2s": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (skip)", "variant": "dflash2",
-            "overrides": ["draft.kind=dflash2", "loss.selector_outside=skip"]},
-    "v2i_dpace": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (inject), D-PACE",
-                  "variant": "dflash2", "overrides": ["draft.kind=dflash2", "loss.selector_outside=inject",
-                                                      "loss.position_weights=dpace"]},
-    "v2s_dpace": {"data": "t02", "distill": 1.0, "loss": "distill 1.0 + selector (skip), D-PACE",
-                  "variant": "dflash2", "overrides": ["draft.kind=dflash2", "loss.selector_outside=skip",
-                                                      "loss.position_weights=dpace"]},
-}
-DATA = {  # name -> (regenerate sampling flags, samples per prompt, data temperature label)
-    "t02": (["--temperature", "0.2", "--top-p", "0.9"], 1, "0.2 (top-p 0.9)"),
-    "t1": (["--temperature", "1", "--top-p", "1"], 2, "1"),
-}
-STEP_TOKENS = 4 * 8192  # the GPU recipe's packed step on one GPU: 4 rows of 8192 tokens
-# evaluate runs per draft: (directory, arguments); acceptance side by side on one GPU, speed alone
-ACCEPTANCE = {
-    "t0": ["--method", "replay", "--temperatures", "0"],
-    "t1": ["--method", "batched", "--temperatures", "1"],
-    "t1_greedy_draft": ["--method", "batched", "--temperatures", "1", "--draft-proposals", "greedy"],
-}
-
-
-def run_all(jobs: list[tuple[str, list[str], dict[str, str]]], logs: Path, per_gpu: Optional[int] = None
-            ) -> dict[str, int]:
-    """Run every (name, argv, extra env), at most `per_gpu` (default `PER_GPU`) at a time on each GPU (`CUDA_VISIBLE_DEVICES` of its
-    env; jobs without one all at once), in order; exit codes by name, logs under `logs`. Two DFlash2 trainings of
-    the GPU recipe do not fit one H200 together: on one GPU the levers queue rather than run out of memory."""
-    logs.mkdir(parents=True, exist_ok=True)
-    pending = list(jobs)
-    running: dict[str, tuple[subprocess.Popen, Any, Optional[str]]] = {}
-    codes: dict[str, int] = {}
-
-    def busy(gpu: Optional[str]) -> bool:
-        return gpu is not None and sum(g == gpu for _, _, g in running.values()) >= max(per_gpu or PER_GPU, 1)
-
-    while pending or running:
-        for job in list(pending):
-            name, argv, env = job
-            gpu = env.get("CUDA_VISIBLE_DEVICES")
-            if busy(gpu):
-                continue
-            pending.remove(job)
-            log = open(logs / f"{name}.log", "a")
-            running[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}),
-                             log, gpu)
-            print(f"[{time.strftime('%H:%M:%S')}] started {name}: {' '.join(argv)}", flush=True)
-        for name, (proc, log, _) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            codes[name] = proc.returncode
-            log.close()
-            del running[name]
-            print(f"[{time.strftime('%H:%M:%S')}] {name} exited {codes[name]}", flush=True)
-            if codes[name]:
-                print("".join((logs / f"{name}.log").read_text().splitlines(True)[-15:]), flush=True)
-        if running:
-            time.sleep(0.5)
-    return codes
-
-
-PER_GPU = 1  # --per-gpu: jobs at once on one GPU (speed's timing jobs always run alone)
-
-
-CPU_ONLY = False  # --cpu: no GPU pinning (a dry run of every phase on a tiny target)
-
-
-GPU_LIST: list[str] = []  # --gpu-list: the GPU of the i-th lever (default: GPU i)
-
-
-def gpu_env(i: int) -> dict[str, str]:
-    if CPU_ONLY:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": GPU_LIST[i % len(GPU_LIST)] if GPU_LIST else str(i)}
-
-
-def python() -> list[str]:
-    return [sys.executable]
-
-
-def regen(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    n = max(args.gpus // 2, 1)
-    jobs = []
-    for k, (name, (flags, spp, _)) in enumerate(DATA.items()):
-        path = out / "data" / f"{name}.jsonl"
-        if path.exists():
-            continue
-        launcher = (python() + ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                                "--master-port", str(29500 + k)] if n > 1 else python())
-        gpus = ",".join(str(k * n + i) for i in range(n))
-        argv = launcher + ["-m", "nemo_dflash.recipes.regenerate", "--target", args.target,
-                           *[x for d in args.data for x in ("--data", d)], "--out", str(path), "--turns", "all",
-                           "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-tokens", "1536",
-                           "--sampling", "given", *flags, "--samples-per-prompt", str(spp), "--loops", "cut",
-                           "--batch-size", args.batch_size, "--seed", "0", "--summary-json",
-                           str(out / "data" / f"{name}.summary.json"), *args.extra]
-        if args.max_minutes:
-            argv += ["--max-minutes", str(args.max_minutes)]
-        if args.dtype:
-            argv += ["--dtype", args.dtype]
-        jobs.append((f"regen_{name}", argv, {} if CPU_ONLY else {"CUDA_VISIBLE_DEVICES": gpus}))
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    codes = run_all(jobs, out / "logs")
-    if any(codes.values()):
-        sys.exit(1)
-
-
-def levers_of(args: argparse.Namespace) -> list[str]:
-    names = [x.strip() for x in (args.levers or "a,b,c,d").split(",") if x.strip()]
-    unknown = [x for x in names if x not in LEVERS]
-    if unknown:
-        sys.exit(f"unknown lever(s) {unknown}: choose from {', '.join(LEVERS)}")
-    return names
-
-
-def train(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    steps = max(1, round(float(args.tokens) / args.step_tokens))
-    jobs = []
-    for i, name in enumerate(levers_of(args)):
-        lever = LEVERS[name]
-        run = out / "runs" / name
-        if finished(run):
-            continue
-        argv = python() + ["-m", "nemo_dflash.recipes.train", "--config", args.recipe, f"target.path={args.target}",
-                           "data.sources=[" + ", ".join(f"{{path: {out / 'data' / (d + '.jsonl')}}}"
-                                                        for d in lever["data"].split("+")) + "]",
-                           f"output_dir={run}", f"train.max_steps={steps}", f"loss.distill_weight={lever['distill']}",
-                           f"loss.accept_weight={lever.get('accept', 0.0)}",
-                           f"train.eval_every={args.eval_every}", "wandb.mode=disabled",
-                           *lever.get("overrides", []), *args.overrides]
-        if args.max_minutes:
-            argv.append(f"train.max_minutes={args.max_minutes}")
-        jobs.append((f"train_{name}", argv, gpu_env(i)))
-    codes = run_all(jobs, out / "logs")
-    if any(codes.values()):
-        sys.exit(1)
-
-
-def finished(run: Path) -> bool:
-    """The run reached its step count (a run stopped by train.max_minutes also writes final/, and resumes)."""
-    summary = _read(run / "summary.json")
-    return bool(summary) and not summary.get("stopped_early") and summary["steps"] >= summary["total_steps"]
-
-
-def export_dir(out: Path, name: str) -> Path:
-    return out / "export" / name
-
-
-def evaluate_argv(args: argparse.Namespace, draft: Path, dest: Path, extra: list[str], own_last: bool = False) -> list[str]:
-    """An evaluate command: the phase's flags, then --eval-extra (the later flag wins), or with `own_last` the
-    other way round, so the timing phase keeps its own prompt count and time cap."""
-    flags = [*args.eval_extra, *extra] if own_last else [*extra, *args.eval_extra]
-    return python() + ["-m", "nemo_dflash.recipes.evaluate", "--draft", str(draft), "--target", args.target,
-                       "--out", str(dest), "--protocol", args.protocol, *flags]
-
-
-def evaluate(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    names = levers_of(args)
-    exports = []
-    for i, name in enumerate(names):
-        exp = export_dir(out, name)
-        if not finished(out / "runs" / name):
-            print(f"lever {name}: its training has not reached its step count: run `train` again first")
-        if not (exp / "config.json").exists():
-            exports.append((f"export_{name}", python() + ["-m", "nemo_dflash.recipes.export", "--checkpoint",
-                                                          str(out / "runs" / name), "--out", str(exp), "--target",
-                                                          args.target], gpu_env(i)))
-    run_all(exports, out / "logs")
-    jobs = []
-    tags = [t.strip() for t in args.acceptance.split(",") if t.strip()]
-    unknown = [t for t in tags if t not in ACCEPTANCE]
-    if unknown:
-        sys.exit(f"unknown --acceptance run(s) {unknown}: choose from {', '.join(ACCEPTANCE)}")
-    for i, name in enumerate(names):
-        for tag in tags:
-            extra = ACCEPTANCE[tag]
-            dest = out / "eval" / name / tag
-            if (dest / "results.json").exists() and json.loads((dest / "results.json").read_text()).get("complete"):
-                continue
-            argv = evaluate_argv(args, export_dir(out, name), dest, extra + ["--no-speedup"])
-            if argv:
-                jobs.append((f"eval_{name}_{tag}", argv, gpu_env(i)))
-    run_all(jobs, out / "logs")
-
-
-def speed(args: argparse.Namespace) -> None:
-    """Batch-1 speedup, graphs on both sides, alone on each GPU; the acceptance phase after the timing is cut
-    off by --max-minutes (its figures come from `eval`)."""
-    out = Path(args.out)
-    jobs = []
-    for i, name in enumerate(levers_of(args)):
-        dest = out / "eval" / name / "speed"
-        argv = evaluate_argv(args, export_dir(out, name), dest, [
-            "--temperatures", args.speed_temperatures, "--sampling", "target", "--method", "batched",
-            "--decode", "graphs", "--num-prompts", str(args.speedup_prompts), "--speedup-prompts",
-            str(args.speedup_prompts), "--speedup-only", "--max-minutes", str(args.max_minutes or 8)]
-            + (["--max-new-tokens", str(args.speed_max_new_tokens)] if args.speed_max_new_tokens else []), own_last=True)
-        jobs.append((f"speed_{name}", argv, gpu_env(i)))
-    run_all(jobs, out / "logs", per_gpu=1)  # timed alone: another job on its GPU would slow both sides
-
-
-def chain(args: argparse.Namespace) -> None:
-    """Each lever's train -> export + acceptance -> speed on its own GPU, the levers side by side: a GPU
-    moves on as soon as its lever's phase ends (the phases' flags as given; --max-minutes caps each phase)."""
-    names = levers_of(args)
-    gpus = GPU_LIST or [str(i) for i in range(len(names))]
-    jobs = []
-    for i, name in enumerate(names):
-        argv = [sys.executable, os.path.abspath(__file__), "levers", "_chain_one", *args.argv_rest, "--levers", name,
-                "--gpu-list", gpus[i % len(gpus)]]
-        jobs.append((f"chain_{name}", argv, {}))
-    codes = run_all(jobs, Path(args.out) / "logs")
-    if any(codes.values()):
-        sys.exit(1)
-
-
-def _chain_one(args: argparse.Namespace) -> None:
-    train(args)
-    evaluate(args)
-    speed(args)
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _read(path: Path) -> Optional[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _sets(res: Optional[dict[str, Any]], tkey: Optional[str] = None) -> dict[str, dict[str, Any]]:
-    """{dataset: figures} of one sampling key of an evaluate results.json (the only key when tkey is None)."""
-    if not res or not res.get("results"):
-        return {}
-    block = res["results"]
-    key = tkey if tkey is not None else next(iter(block))
-    return block.get(key, {})
-
-
-def _speed(res: Optional[dict[str, Any]], tkey: str, dataset: str) -> Optional[dict[str, Any]]:
-    return ((res or {}).get("speedup") or {}).get(tkey, {}).get(dataset)
-
-
-def _sha256(path: Path) -> Optional[str]:
-    """The file's sha256, or the one written beside it (`NAME.sha256`) when the file stayed on its machine."""
-    if not path.exists():
-        side = path.with_name(path.name + ".sha256")
-        return side.read_text().split()[0] if side.exists() else None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def lever_row(out: Path, name: str, target: str) -> dict[str, Any]:
-    """Every figure of one lever, read from its run and evaluation files."""
-    lever = LEVERS[name]
-    run = out / "runs" / name
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (run / "metrics.jsonl").exists() else []
-    ev = [r for r in rows if "eval_accept_len" in r]
-    last = ev[-1] if ev else {}
-    tokens = max((r.get("tokens", 0) for r in rows), default=0)
-    summary = _read(run / "summary.json") or {}
-    ev_dir = out / "eval" / name
-    res = {tag: _read(ev_dir / tag / "results.json") for tag in (*ACCEPTANCE, "speed")}
-    row: dict[str, Any] = {
-        "draft": f"sampling lever {name}", "variant": lever.get("variant", "dflash"), "loss": lever["loss"],
-        "distill_weight": lever["distill"], "accept_weight": lever.get("accept", 0.0),
-        "data_temperature": " + ".join(DATA[d][2] for d in lever["data"].split("+")),
-        "samples_per_prompt": sum(DATA[d][1] for d in lever["data"].split("+")),
-        "train_tokens": tokens, "train_steps": summary.get("steps"), "planned_steps": summary.get("total_steps"),
-        "train_seconds": summary.get("train_seconds"), "stopped_early": summary.get("stopped_early"),
-        "sim_tau_heldout": last.get("eval_accept_len"),
-        "sampled_tau_heldout": last.get("eval_sampled_accept_len"),
-        "sampled_tau_heldout_greedy_draft": last.get("eval_sampled_accept_len_greedy_draft"),
-        "loss_heldout": last.get("eval_loss"), "target": target,
-        # a selector draft's own held-out figures: the unary argmax's simulated tau beside the walk's, top-K recall,
-        # and the oracle walk that picks the true token whenever it is a candidate
-        **{k: last.get(f"eval_{k}") for k in ("unary_accept_len", "topk_recall", "oracle_accept_len", "selector_loss")
-           if f"eval_{k}" in last},
-        # the median logged step time (compile and the first steps' warm-up fall outside the median)
-        "step_s_median": statistics.median(steps) if (steps := [r["step_s"] for r in rows if "step_s" in r]) else None,
-        # every held-out evaluation: levers that stopped at their time cap compare at a step both reached
-        "heldout_evals": [{k: r.get(k) for k in ("step", "tokens", "eval_loss", "eval_accept_len",
-                                                  "eval_sampled_accept_len")} for r in ev],
-    }
-    row.update(draft_hashes(export_dir(out, name), {r.get("draft_sha256") for r in res.values() if r}))
-    for ds, short in (("humaneval", "humaneval"), ("mtbench", "mtbench")):
-        t0 = _sets(res["t0"]).get(ds, {})
-        t1 = _sets(res["t1"]).get(ds, {})
-        t1g = _sets(res["t1_greedy_draft"]).get(ds, {})
-        row[f"{short}_t0_answers"] = t0.get("answers")
-        row[f"{short}_t1_answers"] = t1.get("answers")
-        row[f"{short}_t0_loop_share"] = t0.get("loop_share")
-        row[f"{short}_t0_tau"] = t0.get("mean_acceptance_length")
-        row[f"{short}_t0_tau_no_loop"] = t0.get("mean_acceptance_length_no_loop")
-        row[f"{short}_t1_tau"] = t1.get("mean_acceptance_length")
-        row[f"{short}_t1_tau_no_loop"] = t1.get("mean_acceptance_length_no_loop")
-        row[f"{short}_t1_tau_greedy_draft"] = t1g.get("mean_acceptance_length")
-        sp = res["speed"]
-        for tag, key in (("t0", "0"), ("t1", "1")):
-            s = _speed(sp, key, ds)
-            row[f"{short}_{tag}_speedup"] = s.get("speedup") if s else None
-            row[f"{short}_{tag}_speedup_prompts"] = s.get("num_prompts") if s else None
-            row[f"{short}_{tag}_speedup_no_loop"] = s.get("speedup_no_loop") if s else None
-            row[f"{short}_{tag}_speedup_per_prompt"] = s.get("per_prompt_speedup") if s else None
-        rkey = next((k for k in ((sp or {}).get("speedup") or {}) if k not in ("0", "1")), None)
-        s = _speed(sp, rkey, ds) if rkey else None
-        row[f"{short}_recommended_speedup"] = s.get("speedup") if s else None
-        row[f"{short}_recommended_tau"] = s.get("mean_acceptance_length") if s else None  # the timed prompts
-        row[f"{short}_recommended_speedup_prompts"] = s.get("num_prompts") if s else None
-    protocols = {tag: r["protocol"] for tag, r in res.items() if r}
-    row["protocol"] = {tag: {k: p.get(k) for k in ("max_new_tokens", "turns", "temperatures", "sampling", "method",
-                                                    "decode", "block_size", "speedup_prompts", "num_prompts")}
-                       for tag, p in protocols.items()}
-    return row
-
-
-def report(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    names = levers_of(args) if args.levers else list(LEVERS)  # by default every lever OUT has a run of
-    rows = [lever_row(out, name, args.target) for name in names if (out / "runs" / name).exists()]
-    cols = [("lever", lambda r: r["draft"].split()[-1]), ("loss", lambda r: r["loss"]),
-            ("data T", lambda r: r["data_temperature"]), ("M tok", lambda r: r["train_tokens"] / 1e6),
-            ("sim tau", lambda r: r["sim_tau_heldout"]), ("T1 exp", lambda r: r["sampled_tau_heldout"]),
-            ("T1 exp argmax", lambda r: r["sampled_tau_heldout_greedy_draft"])]
+def _report_table(rows: list[dict[str, Any]]) -> None:
+    cols = [("arm", "arm"), ("variant", "variant"), ("loss", "loss"), ("data T", "data_temperature"),
+            ("M tok", "train_tokens"), ("sim tau", "sim_tau_heldout"), ("T1 exp", "sampled_tau_heldout")]
     for ds in ("humaneval", "mtbench"):
-        cols += [(f"{ds[:2]} T0", lambda r, d=ds: r[f"{d}_t0_tau"]),
-                 (f"{ds[:2]} T0 noloop", lambda r, d=ds: r[f"{d}_t0_tau_no_loop"]),
-                 (f"{ds[:2]} rec", lambda r, d=ds: r[f"{d}_recommended_tau"]),
-                 (f"{ds[:2]} T1", lambda r, d=ds: r[f"{d}_t1_tau"]),
-                 (f"{ds[:2]} T1 argmax", lambda r, d=ds: r[f"{d}_t1_tau_greedy_draft"]),
-                 (f"{ds[:2]} x T0", lambda r, d=ds: r[f"{d}_t0_speedup"]),
-                 (f"{ds[:2]} x rec", lambda r, d=ds: r[f"{d}_recommended_speedup"]),
-                 (f"{ds[:2]} x T1", lambda r, d=ds: r[f"{d}_t1_speedup"])]
+        cols += [(f"{ds[:2]} {label}", f"{ds}_{key}") for label, key in (
+            ("T0", "t0_tau"), ("T0 noloop", "t0_tau_no_loop"), ("rec", "recommended_tau"), ("T1", "t1_tau"),
+            ("T1 argmax", "t1_tau_greedy_draft"), ("x T0", "t0_speedup"), ("x rec", "recommended_speedup"),
+            ("x T1", "t1_speedup"))]
 
-    def cell(v: Any) -> str:
-        return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+    def cell(key: str, v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v / 1e6:.1f}" if key == "train_tokens" else f"{v:.2f}" if isinstance(v, float) else str(v)
 
     print(" | ".join(c for c, _ in cols))
     for r in rows:
-        print(" | ".join(cell(f(r)) for _, f in cols))
-    if args.json:
-        path = Path(args.json)
-        table = json.loads(path.read_text()) if path.exists() else []
-        stamp = {"date": args.date or time.strftime("%Y-%m-%d"), "device": args.device, "commit": args.commit,
-                 "command": f"python benchmarks/drafter.py levers {{regen,train,eval,speed}} OUT {args.note}".strip()}
-        if args.series:  # a later run of the same levers keeps the earlier run's rows
-            stamp["series"] = args.series
-        names = {(r["draft"], args.series) for r in rows}
-        table = [r for r in table if (r.get("draft"), r.get("series")) not in names] + [{**stamp, **r} for r in rows]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1) + "\n")
-        os.replace(tmp, path)
-        print(f"{len(rows)} rows -> {path}")
+        print(" | ".join(cell(k, r.get(k)) for _, k in cols))
 
 
-def main_levers(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="drafter.py levers", description=DOC_LEVERS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("regen", "train", "eval", "speed", "chain", "report", "_chain_one"))
-    p.add_argument("out")
-    p.add_argument("--target", default="pkg:smollm2")
-    p.add_argument("--data", action="append", default=[], help="regenerate --data specs (regen)")
-    p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--levers", default=None, help="a comma list (default a,b,c,d; for `report`, every lever with a run)")
-    p.add_argument("--tokens", type=float, default=30e6, help="training tokens per lever (train)")
-    p.add_argument("--step-tokens", type=int, default=STEP_TOKENS)
-    p.add_argument("--recipe", default="smollm2_135m_gpu.yaml")
-    p.add_argument("--eval-every", type=int, default=300)
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="regenerated answer cap (regen)")
-    p.add_argument("--batch-size", default="auto", help="regenerate --batch-size")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--extra", default="", help="more regenerate flags, one string")
-    p.add_argument("--overrides", nargs="*", default=[], help="more training overrides (key=value)")
-    p.add_argument("--protocol", default="paper")
-    p.add_argument("--eval-extra", default="", help="more evaluate flags (every evaluate run; the speed phase's own --num-prompts and "
-                   "--max-minutes win over them), one string")
-    p.add_argument("--speedup-prompts", type=int, default=20)
-    p.add_argument("--speed-temperatures", default="0,1")
-    p.add_argument("--speed-max-new-tokens", type=int, default=None,
-                   help="answer cap of the timed prompts (default: the protocol's)")
-    p.add_argument("--acceptance", default=",".join(ACCEPTANCE), help="acceptance runs of `eval`, comma list")
-    p.add_argument("--gpu-list", default="", help="GPU of each lever in order, comma list (default: 0, 1, ...)")
-    p.add_argument("--per-gpu", type=int, default=1,
-                   help="train / eval jobs at once on one GPU (default 1: two DFlash2 trainings of the GPU recipe do "
-                        "not fit one H200; evaluations fit several); `speed` always times one at a time")
-    p.add_argument("--json", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--note", default="", help="the phases' flags, recorded in the rows' command")
+def main_report(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="drafter.py report", description=DOC_REPORT,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="pipeline run directories, one an arm, named for it")
+    p.add_argument("--drafter-json", type=Path, default=None, help="write the rows here (e.g. "
+                   "docs/bench/drafter_summary.json)")
+    p.add_argument("--device", default=None, help="the GPU the arms ran on (needed with --drafter-json)")
+    p.add_argument("--command", default=None, help="the commands that ran the arms (default: this one)")
+    p.add_argument("--commit", default=None, help="the commit the arms ran, when it is not this checkout's")
     p.add_argument("--date", default=None, help="the runs' date (default today)")
     p.add_argument("--series", default=None,
-                   help="a name for this run of the levers, kept in its rows: rows of another series are not replaced")
-    p.add_argument("--cpu", action="store_true", help="pin no GPU (a dry run on a tiny target)")
-    argv = list(sys.argv[1:] if argv is None else argv)
+                   help="a name for this run of the arms, kept in its rows: rows of another series are not replaced")
     args = p.parse_args(argv)
-    args.argv_rest = _without(argv[1:], ("--levers", "--gpu-list"))  # what `chain` passes on to each lever
-    args.extra, args.eval_extra = shlex.split(args.extra), shlex.split(args.eval_extra)
-    global CPU_ONLY, GPU_LIST, PER_GPU
-    CPU_ONLY = args.cpu
-    GPU_LIST = [g.strip() for g in args.gpu_list.split(",") if g.strip()]
-    PER_GPU = max(1, args.per_gpu)
-    {"regen": regen, "train": train, "eval": evaluate, "speed": speed, "report": report, "chain": chain,
-     "_chain_one": _chain_one}[args.phase](args)
-
-
-def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``argv`` less each of ``flags`` and its value (``--flag v`` or ``--flag=v``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        elif not any(a.startswith(f + "=") for f in flags):
-            out.append(a)
-    return out
+    missing = [str(r) for r in args.runs if not (r / "recipe.yaml").is_file() and not (r / "run").is_dir()]
+    if missing:
+        print(f"error: {', '.join(missing)}: not a pipeline run directory (no recipe.yaml, no run/): give "
+              "RUNS/<arm> of `pipeline ... +arm=<arm> run.dir=RUNS/<arm>`", file=sys.stderr)
+        return 2
+    if args.drafter_json is not None and not args.device:
+        print("error: --drafter-json needs --device (the GPU the arms ran on, e.g. 'NVIDIA H200')", file=sys.stderr)
+        return 2
+    head = provenance(args.device or "unknown", args.command)
+    head.update({k: v for k, v in (("commit", args.commit), ("date", args.date), ("series", args.series)) if v})
+    try:
+        rows = [arm_row(run, head) for run in args.runs]
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report_table(rows)
+    if args.drafter_json is not None:
+        names = {(r["draft"], args.series) for r in rows}
+        kept = [r for r in read_rows(args.drafter_json) if (r.get("draft"), r.get("series")) not in names]
+        write_rows(args.drafter_json, fold_rows(kept + rows, drafter_key))  # one row per weights and protocol
+        print(f"{len(rows)} rows -> {args.drafter_json}")
+    return 0
 
 
 # ====================================================================================================
@@ -1200,7 +669,7 @@ def curve_points(runs: list[Path], rows: list[dict[str, Any]]) -> list[dict[str,
                  and not r.get("draft")}  # the levers' rows ("sampling lever a") are other drafts
     points = []
     for run in runs:
-        summary = _load(run / "summary.json")
+        summary = load_json(run / "summary.json")
         if not summary or not summary.get("tokens_seen"):
             continue
         data = summary.get("data") or {}
@@ -1275,7 +744,7 @@ def main_curve(argv: Optional[Sequence[str]] = None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
-    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "levers": (main_levers, DOC_LEVERS), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE), "accept": (main_accept, DOC_ACCEPT),
+    return run_subcommands("drafter.py", __doc__, {"summaries": (main_summaries, DOC_SUMMARIES), "report": (main_report, DOC_REPORT), "ceiling": (main_ceiling, DOC_CEILING), "scaling": (main_scaling, DOC_SCALING), "curve": (main_curve, DOC_CURVE), "accept": (main_accept, DOC_ACCEPT),
                                                "dedupe": (main_dedupe, DOC_DEDUPE)}, argv)
 
 

@@ -42,8 +42,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import append_rows, provenance  # noqa: E402  (benchmarks/, the script's own folder)
+from _common import append_rows  # noqa: E402  (benchmarks/, the script's own folder)
 
+from nemo_dflash.data.synthetic import make_packed_batches  # noqa: E402
+from nemo_dflash.evaluation.rows import throughput_row as bench_row  # noqa: E402
 from nemo_dflash.train.device import limit_host_threads  # noqa: E402
 from nemo_dflash.draft.registry import DRAFT_VARIANTS  # noqa: E402
 from nemo_dflash.draft.registry import build_target_layer_ids  # noqa: E402
@@ -172,31 +174,6 @@ def make_real_packed_batches(n: int, rows: int, pack_length: int, data: str, tok
     return [collate([ds[int(i)] for i in step]) for step in steps]
 
 
-def make_packed_batches(n: int, rows: int, pack_length: int, seq: int, jitter: float, prompt_frac: float,
-                        vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """`n` packed loader batches (`data.pack_length`): documents of lengths uniform in
-    [(1-jitter)*seq, seq], the first `prompt_frac` of each unsupervised, planned by the loader's own
-    packer (look-ahead first fit) and laid out by its collator."""
-    import numpy as np
-
-    from nemo_dflash.data.packing import PackedCollator, plan_packed_steps
-
-    g = torch.Generator().manual_seed(seed)
-    collate = PackedCollator(pad_token_id=0, rows=rows, pack_length=pack_length)
-    lo = max(2, int(round((1 - jitter) * seq)))
-    per_step = rows * pack_length // lo + 1
-    lengths = np.asarray(torch.randint(lo, seq + 1, ((n + 2) * per_step + 256,), generator=g).tolist())  # a stream
-    steps = plan_packed_steps(np.arange(len(lengths)), lengths, rows, pack_length)[:n]
-    out = []
-    for step in steps:
-        docs = []
-        for length in lengths[step].tolist():
-            lm = [0] * int(length * prompt_frac) + [1] * (length - int(length * prompt_frac))
-            docs.append({"input_ids": torch.randint(0, vocab - 1, (length,), generator=g).tolist(), "loss_mask": lm})
-        out.append(collate(docs))
-    return out
-
-
 def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int,
                        seeds: list[int]) -> float:
     """Model FLOPs of one packed batch, counted as `batch_flops` counts them: per document, with
@@ -219,25 +196,6 @@ def packed_batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tenso
             total += step_flops(shape, draft.config.num_hidden_layers, block, at.numel(),
                                 (a[mine] - s0).tolist(), int(n_lab[mine].sum()), max(wrapper.target_layer_ids))["total"]
     return total
-
-
-def bench_row(args, device_name: str, r: dict, *, world: int, packed: bool, compiled: bool, case: str) -> dict:
-    """One row of docs/bench/train_throughput.json (schema: benchmarks/_common.py)."""
-    row = provenance(device_name)
-    if args.commit:
-        row["commit"] = args.commit
-    row.update({"shape": args.shape, "case": case, "world": world, "variant": getattr(args, "draft_kind", "dflash"),
-                "data": "real" if getattr(args, "data", None) else "synthetic", "packed": packed,
-                "compiled": compiled, "anchors": r["anchors"], "seq": r["seq"], "step_ms": round(r["step_ms"], 2),
-                "tokens_per_s": round(r["tokens_s"] / world, 1), "tokens_per_s_note": "per GPU",
-                "mfu": round(r["mfu"], 4), "peak_gb": round(r["peak_gb"], 2), "tflops": round(r["tflops"], 1)})
-    if getattr(args, "variant_options", ""):
-        row["variant_options"] = args.variant_options
-    for k in ("backend", "fused_ce", "loss_impl", "packed_attention", "mbs", "accum", "overlap", "fsdp2",
-              "cpu_threads"):
-        if r.get(k) is not None:
-            row[k] = round(r[k], 2) if isinstance(r[k], float) else r[k]
-    return row
 
 
 def batch_flops(shape: dict, draft, wrapper, batch: dict[str, torch.Tensor], anchors: int, seeds: list[int]) -> float:

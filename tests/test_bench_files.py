@@ -133,15 +133,11 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     batches. The step updates the wrapped draft (a gradient norm above zero: an optimizer over the parameters
     FSDP2 replaced sees none). In fp32, one draft layer, 8 anchors: a CPU without bf16 matmuls (AMX, AVX512-BF16)
     takes minutes a bf16 step of this shape (318 s for the run in bf16 with oneDNN held to AVX2, 10 s in fp32)."""
-    import importlib.util
+    from nemo_dflash.data.synthetic import make_packed_batches
+    from nemo_dflash.evaluation.rows import throughput_row
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports _common from its own folder
-    spec = importlib.util.spec_from_file_location("train_throughput", SCRIPTS / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "train_throughput", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
     # 2 batches a rank (4 in all), warm-up step 0 then steps 1 and 2: each batch stepped once, on its rank
-    batches = bench.make_packed_batches(4, 1, 256, 104, 0.15, 0.25, 49152)
+    batches = make_packed_batches(4, 1, 256, 104, 0.15, 0.25, 49152)
     expected = sum(float(b["attention_mask"].sum()) for b in batches) / 2
     out = tmp_path / "rows.json"
     res = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -158,27 +154,25 @@ def test_the_trainer_step_under_torchrun_counts_the_worlds_tokens(tmp_path, monk
     assert row["precision"] == "fp32" and row["anchors"] == 8, row
     # the appended row is per GPU: the world's tokens a step over the step time, over the world
     bench_args = types.SimpleNamespace(commit="abc1234", shape="smollm2_135m", data=None)
-    made = bench.bench_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")
+    made = throughput_row(bench_args, "cpu", {**row, "mfu": 0.5}, world=2, packed=True, compiled=False, case="c")
     assert made["tokens_per_s"] == pytest.approx(row["tokens_s"] / 2, abs=0.1) and made["world"] == 2
     assert made["tokens_per_s_note"] == "per GPU" and made["fsdp2"] is fsdp2 and made["backend"] == "sdpa"
 
 
 def test_a_row_names_torchrun_when_it_ran_under_it(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    import _common
+    from nemo_dflash.evaluation import rows
 
     monkeypatch.setattr(sys, "argv", ["benchmarks/train_throughput.py", "--shape", "smollm2_135m"])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert _common.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
+    assert rows.this_command() == "python benchmarks/train_throughput.py --shape smollm2_135m"
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _common.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"
+    assert rows.this_command() == "torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape smollm2_135m"
 
 
 def test_a_row_names_the_commit_of_the_tree_that_ran(tmp_path, monkeypatch):
     """A checkout gives its HEAD (+dirty when a tracked file changed); a copied tree's `.commit` file wins over
     the copy's own git state, which does not know the commit the tree holds."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    from _common import git_commit
+    from nemo_dflash.evaluation.rows import git_commit
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)

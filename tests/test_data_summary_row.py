@@ -1,13 +1,25 @@
-"""benchmarks/regen.py: the summary row's per-GPU rates and the data report's per-source figures; throughput's rows."""
+"""Regeneration's rows (`evaluation.regen_rows`, written by benchmarks/regen.py): the summary row's per-GPU rates
+and the data report's per-source figures; `regen.py throughput`'s rows, the script run as a command."""
 
 from __future__ import annotations
 
-import os
+import json
+import subprocess
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from nemo_dflash.evaluation.regen_rows import regen_summary_row as row
 
-from regen import row  # noqa: E402
+REGEN = Path(__file__).resolve().parent.parent / "benchmarks" / "regen.py"
+
+
+def _throughput(argv: list[str]) -> None:
+    """`python benchmarks/regen.py throughput ARGV`, in a process of its own (one torch thread)."""
+    import os
+
+    res = subprocess.run([sys.executable, str(REGEN), "throughput", *argv], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def test_row_per_gpu_rates_and_report_figures():
@@ -33,11 +45,8 @@ def test_throughput_engine_and_generate_rows(tmp_path):
     """regen.py throughput on random SmolLM2-shaped weights, CPU, T=0: the decoding engine (what `regenerate --engine
     slots` runs) and batched model.generate answer the same prompts (the same new tokens), and each row says where
     it was measured."""
-    import json
-
-    import regen
     out = tmp_path / "t.json"
-    regen.main_throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
+    _throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "24", "--temperature", "0",
                            "--modes", "slots,generate", "--fold-gqa", "1", "--filled-blocks", "0",
                            "--decode-window", "2", "--refill-fraction", "2", "--profile-engine", "--json", str(out)])
@@ -59,9 +68,6 @@ def test_throughput_openai_mode_times_the_servers_answers(tmp_path):
     """regen.py throughput --modes openai: whole conversations answered by a real HTTP server on 127.0.0.1
     (tests/_openai_server.py); the warm-up asks conversations the timed run never asks, and the row's tokens are
     the server's usage.completion_tokens of the timed answers (each recomputed from its request)."""
-    import json
-
-    import regen
     from _openai_server import OpenAIServer, echo_responder
     from _tiny_target import make_tiny_target_dir
 
@@ -77,7 +83,7 @@ def test_throughput_openai_mode_times_the_servers_answers(tmp_path):
     respond = echo_responder(load_tokenizer(str(target)))
     out = tmp_path / "t.json"
     with OpenAIServer(respond) as server:
-        regen.main_throughput(["--target", str(target), "--prompts", str(chats), "--turns", "all", "--num-prompts",
+        _throughput(["--target", str(target), "--prompts", str(chats), "--turns", "all", "--num-prompts",
                                "3", "--batch-size", "2", "--max-new-tokens", "12", "--max-prompt-tokens", "64",
                                "--temperature", "0", "--threads", "1", "--endpoint", server.url, "--modes", "openai",
                                "--json", str(out)])

@@ -414,30 +414,33 @@ def test_speedup_without_looping_answers():
     assert speedup_metrics(answers[2:], GREEDY)["speedup_no_loop"] is None
 
 
-def _benchmark(name: str):
-    """A script of benchmarks/ loaded as a module."""
-    import importlib.util
+def _bench(name: str, argv: list) -> "subprocess.CompletedProcess":
+    """`python benchmarks/NAME.py ARGV` in a process of its own (one torch thread): exit status, stdout, stderr."""
+    import os
+    import subprocess
+    import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    return subprocess.run([sys.executable, str(script), *map(str, argv)], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
+def _ok(res) -> str:
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def test_eval_speed_benchmark_on_cpu(saved, tmp_path):
     """benchmarks/eval_speed.py end to end on the tiny target: the row and its figures."""
-    bench = _benchmark("eval_speed")
     target_dir, draft_dir = saved
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--protocol", "quick", "--num-prompts", "3",
             "--max-new-tokens", str(MAX_NEW), "--turns", "2", "--sequential-prompts", "2", "--device", "cpu",
             "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(rows)]
     # under a time limit nothing is started and no row is written; the same command continues
-    assert bench.main(argv + ["--max-minutes", "1e-6"]) == 0
-    assert "partial" in capsys.readouterr().out and not rows.exists()
-    assert bench.main(argv) == 0
-    printed = capsys.readouterr().out
+    assert "partial" in _ok(_bench("eval_speed", argv + ["--max-minutes", "1e-6"])) and not rows.exists()
+    printed = _ok(_bench("eval_speed", argv))
     row = json.loads(rows.read_text())[-1]
     assert {"date", "commit", "device", "command", "protocol", "answers", "t0_seconds", "t1_seconds",
             "speedup_seconds", "max_abs_tau_diff_vs_sequential", "checked_answers"} <= set(row)
@@ -450,19 +453,18 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
         assert s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
     assert "replay vs sequential: 6/6 answers identical" in printed
     # a bad flag: one line, exit 2, no row
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
-    assert e.value.code == 2 and len(json.loads(rows.read_text())) == 1
+    res = _bench("eval_speed", argv[:-2] + ["--json", str(rows), "--num-prompts", "0"])
+    assert res.returncode == 2 and len(json.loads(rows.read_text())) == 1
     # T=1 by the batched decoder: its time and tau per set in the row
-    assert bench.main(argv + ["--t1", "--t1-method", "batched", "--batch-size", "2"]) == 0
+    printed = _ok(_bench("eval_speed", argv + ["--t1", "--t1-method", "batched", "--batch-size", "2"]))
     row = json.loads(rows.read_text())[-1]
     assert row["t1_method"] == "batched" and row["t1_seconds"] > 0 and set(row["t1_tau"]) == {"mtbench", "humaneval"}
     assert row["t1_decode"] == "eager" and row["t1_side_by_side"] is False
-    assert "T=1 (batched)" in capsys.readouterr().out
+    assert "T=1 (batched)" in printed
     # the T=1 phase in a child process beside the T=0 phases (on a CPU the child runs on the CPU): the same draws
     side = tmp_path / "side"
     argv_side = [a if a != str(tmp_path / "runs") else str(side) for a in argv]
-    assert bench.main(argv_side + ["--t1", "--t1-method", "batched", "--batch-size", "2", "--t1-gpu", "1"]) == 0
+    _ok(_bench("eval_speed", argv_side + ["--t1", "--t1-method", "batched", "--batch-size", "2", "--t1-gpu", "1"]))
     side_row = json.loads(rows.read_text())[-1]
     assert side_row["t1_side_by_side"] is True and side_row["t1_seconds"] > 0
     assert side_row["t1_tau"] == row["t1_tau"]
@@ -470,25 +472,22 @@ def test_eval_speed_benchmark_on_cpu(saved, tmp_path, capsys):
         for key in ("answers", "replay_tau", "replay_tau_checked", "sequential_tau_checked", "checked_answers"):
             assert side_row["sets"][name][key] == s[key], (name, key)
     assert (side / "t1_child.log").is_file()
-    with pytest.raises(SystemExit) as e:  # without --t1 there is no T=1 phase to place
-        bench.main(argv_side + ["--t1-gpu", "1"])
-    assert e.value.code == 2 and "--t1" in capsys.readouterr().err.strip().splitlines()[-1]
+    res = _bench("eval_speed", argv_side + ["--t1-gpu", "1"])  # without --t1 there is no T=1 phase to place
+    assert res.returncode == 2 and "--t1" in res.stderr.strip().splitlines()[-1]
     if not torch.cuda.is_available():  # the CUDA-graph batched decoder: refused on a CPU in one line, no row
         n = len(json.loads(rows.read_text()))
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv + ["--t1", "--t1-method", "batched", "--t1-decode", "graphs"])
-        assert e.value.code == 2 and len(json.loads(rows.read_text())) == n
-        assert "graphs" in capsys.readouterr().err.strip().splitlines()[-1]
+        res = _bench("eval_speed", argv + ["--t1", "--t1-method", "batched", "--t1-decode", "graphs"])
+        assert res.returncode == 2 and len(json.loads(rows.read_text())) == n
+        assert "graphs" in res.stderr.strip().splitlines()[-1]
 
 
-def test_rows_benchmark_on_cpu(tmp_path, capsys):
+def test_rows_benchmark_on_cpu(tmp_path):
     """benchmarks/decode.py rows on the tiny shape, eagerly: a row a (row count, fold setting), the folded
     attention's logits those of HF's SDPA in fp32, tokens/s = rows / step time; bad flags: exit 2, nothing written."""
-    bench = _benchmark("decode")
     out = tmp_path / "rows.json"
     argv = ["rows", "--shape", "tiny", "--rows", "1,3", "--view", "256", "--reps", "1", "--device", "cpu",
             "--profile-rows", "3", "--json", str(out)]
-    assert bench.main(argv) == 0
+    printed = _ok(_bench("decode", argv))
     got = json.loads(out.read_text())
     assert [(r["rows"], r["fold_gqa"]) for r in got] == [(1, False), (1, True), (3, False), (3, True)]
     for r in got:
@@ -496,24 +495,21 @@ def test_rows_benchmark_on_cpu(tmp_path, capsys):
         assert r["plain_tokens_per_s"] == pytest.approx(r["rows"] / r["plain_step_ms"] * 1e3)
         assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["decode"] == "eager" and r["commit"]
         assert r["filled_blocks"] is False  # a CPU keeps SDPA over the bucketed view
-    printed = capsys.readouterr().out
     assert "tiny, view 256, block 16" in printed
     assert "rows 3, fold 0: one eager plain step" in printed and "rows 3, fold 1: one eager plain step" in printed
     for bad in (["--view", "300"], ["--fold-gqa", "2"], ["--rows", "0"]):
-        with pytest.raises(SystemExit) as e:
-            bench.main([*argv[:-2], "--json", str(tmp_path / "bad.json"), *bad])
-        assert e.value.code == 2 and not (tmp_path / "bad.json").exists()
+        res = _bench("decode", [*argv[:-2], "--json", str(tmp_path / "bad.json"), *bad])
+        assert res.returncode == 2 and not (tmp_path / "bad.json").exists(), bad
 
 
-def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
+def test_concurrency_benchmark_on_cpu(saved, tmp_path):
     """benchmarks/decode.py concurrency on the tiny target: a row per concurrency, plain and speculative
     answers identical at T=0 in fp32; a bad flag is one line, exit 2, before any model."""
-    bench = _benchmark("decode")
     target_dir, draft_dir = saved
     rows = tmp_path / "rows.json"
     argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", "3", "--batches", "1,3",
             "--max-new-tokens", "10", "--device", "cpu", "--dtype", "fp32", "--threads", "1", "--json", str(rows)]
-    assert bench.main(["concurrency", *argv, "--one-prompt-loop"]) == 0
+    printed = _ok(_bench("decode", ["concurrency", *argv, "--one-prompt-loop"]))
     got = json.loads(rows.read_text())
     assert [(r["concurrency"], r["loop"]) for r in got] == [(1, "batched"), (3, "batched"), (1, "one-prompt")]
     assert all(r["identical_answers"] == 3 for r in got)
@@ -529,9 +525,9 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
         assert len(d["plain_seconds"]) == len(d["spec_tokens"]) == -(-3 // r["concurrency"])
         assert r["speedup"] == pytest.approx((sum(d["spec_tokens"]) / sum(d["spec_seconds"]))
                                              / (sum(d["plain_tokens"]) / sum(d["plain_seconds"])))
-    assert "eager on both sides" in capsys.readouterr().out
+    assert "eager on both sides" in printed
     cont = tmp_path / "continuous.json"  # 3 prompts through 2 rows: the third enters mid-run
-    assert bench.main(["concurrency", *argv[:-1], str(cont), "--batches", "2", "--schedule", "continuous"]) == 0
+    _ok(_bench("decode", ["concurrency", *argv[:-1], str(cont), "--batches", "2", "--schedule", "continuous"]))
     (c,) = json.loads(cont.read_text())
     assert (c["schedule"], c["identical_answers"], c["tau"]) == ("continuous", 3, got[0]["tau"])
     assert (c["fold_gqa"], c["filled_blocks"]) == (True, False)  # the defaults on a CPU
@@ -539,21 +535,18 @@ def test_concurrency_benchmark_on_cpu(saved, tmp_path, capsys):
     assert len(d["spec_seconds"]) == 1 and d["plain_tokens"][0] == sum(got[0]["batches_detail"]["plain_tokens"]) + 1
     # T=1 (on graphs the two loops at B=1 draw the same keyed samples; eager, the reference draws its own)
     sampled = tmp_path / "t1.json"
-    assert bench.main(["concurrency", *argv[:-1], str(sampled), "--batches", "1", "--one-prompt-loop",
-                       "--temperature", "1", "--seed", "3"]) == 0
+    printed = _ok(_bench("decode", ["concurrency", *argv[:-1], str(sampled), "--batches", "1", "--one-prompt-loop",
+                                    "--temperature", "1", "--seed", "3"]))
     t1 = json.loads(sampled.read_text())
     assert [(r["temperature"], r["loop"]) for r in t1] == [(1.0, "batched"), (1.0, "one-prompt")]
     assert all(r["tau"] >= 1 and r["spec_tokens_per_s"] > 0 for r in t1)
-    assert "T=1," in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:
-        bench.main(["concurrency", *argv, "--temperature", "-1"])
-    assert e.value.code == 2 and "--temperature" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        bench.main(["concurrency", *argv[:4], "--batches", "0"])
-    assert e.value.code == 2 and "--batches" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:  # CUDA graphs on a CPU: refused in one line
-        bench.main(["concurrency", *argv, "--decode", "graphs"])
-    assert e.value.code == 2 and "decode='eager'" in capsys.readouterr().err
+    assert "T=1," in printed
+    res = _bench("decode", ["concurrency", *argv, "--temperature", "-1"])
+    assert res.returncode == 2 and "--temperature" in res.stderr
+    res = _bench("decode", ["concurrency", *argv[:4], "--batches", "0"])
+    assert res.returncode == 2 and "--batches" in res.stderr
+    res = _bench("decode", ["concurrency", *argv, "--decode", "graphs"])  # CUDA graphs on a CPU: refused in one line
+    assert res.returncode == 2 and "decode='eager'" in res.stderr
 
 
 def test_flex_attention_replay_equals_sequential(case, tokenizer, monkeypatch):
@@ -591,17 +584,18 @@ def test_replay_refuses_a_target_the_engine_cannot_run(tokenizer):
 
 
 def test_concurrency_no_loop_figures_by_hand():
-    """`decode.py`'s no-loop figures on three one-prompt batches, the second speculative answer a loop: tau
+    """`evaluation.loop_figures` (decode.py concurrency's no-loop figures) on three one-prompt batches, the second speculative answer a loop: tau
     over answers 1 and 3, the speedup over batches 1 and 3 only (tokens over seconds, each side)."""
     from types import SimpleNamespace as A
 
-    bench = _benchmark("decode")
+    from nemo_dflash.evaluation.loop_figures import no_loop_figures
+
     loop = [5, 6, 7, 8, 9, 10, 11] * 20
     plain = [A(output_ids=list(range(20)), acceptance_lengths=[1] * 19)] * 3
     spec = [A(output_ids=list(range(20)) + [2], acceptance_lengths=[4, 4]),
             A(output_ids=loop, acceptance_lengths=[8] * 10),
             A(output_ids=list(range(30, 50)), acceptance_lengths=[2, 3, 3])]
-    got = bench._no_loop(plain, spec, 1, [1.0, 1.0, 3.0], [0.5, 0.1, 1.0], [19, 19, 19], [20, 139, 19], [2])
+    got = no_loop_figures(plain, spec, 1, [1.0, 1.0, 3.0], [0.5, 0.1, 1.0], [19, 19, 19], [20, 139, 19], [2])
     assert got["loop_share"] == pytest.approx(1 / 3) and got["batches_no_loop"] == 2
     assert got["tau_no_loop"] == pytest.approx((4 + 4 + 2 + 3 + 3) / 5)
     assert got["speedup_no_loop"] == pytest.approx(((20 + 19) / 1.5) / ((19 + 19) / 4.0))

@@ -406,14 +406,7 @@ _LOADERS = {"spec_from_file_location", "run_path", "SourceFileLoader", "import_m
 
 # Test files that still import a benchmark module (issue 74 step 6), their code to be moved into the library.
 # An entry that no longer imports one fails the test, so the list only shrinks.
-BENCHMARK_IMPORTERS = {
-    "test_bench_files.py",  # benchmarks/_common.py's rows, train_throughput.py's batches
-    "test_data_summary_row.py",  # regen.py's summary row and throughput modes
-    "test_eval_replay.py",  # eval_speed.py and decode.py end to end
-    "test_regenerate_sources.py",  # regen.py's scaling rows
-    "test_sampling_levers.py",  # drafter.py levers
-
-}
+BENCHMARK_IMPORTERS: set[str] = set()  # none left: the benchmarks' shared code lives in the library now
 
 
 def benchmark_imports(path: Path, benchmarks: Path = BENCHMARKS) -> list[str]:

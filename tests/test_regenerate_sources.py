@@ -275,36 +275,32 @@ def test_ranks_share_an_unbalanced_workload_and_the_scaling_dry_run_rows_it(tmp_
 
 def test_scaling_launches_one_gpu_as_asked():
     """--launcher torchrun starts the one-GPU run as the others start (torchrun, one process); python as a user types it."""
-    import importlib.util
+    from nemo_dflash.evaluation.regen_rows import regenerate_command as command
 
-    spec = importlib.util.spec_from_file_location("regen", REPO / "benchmarks" / "regen.py")
-    regen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(regen)
     args = ("t", ["sharegpt"], 8, Path("o.jsonl"), Path("s.json"), ["--turns", "all"], False)
-    plain = regen.command(1, *args)
+    plain = command(1, *args)
     assert plain[:3] == [sys.executable, "-m", "nemo_dflash.recipes.regenerate"] and plain[-2:] == ["--turns", "all"]
-    same = regen.command(1, *args, "torchrun")
+    same = command(1, *args, "torchrun")
     assert same[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "1"] and same[-2:] == ["--turns", "all"]
-    assert regen.command(2, *args)[4] == "2" == regen.command(2, *args, "torchrun")[4]
-    assert regen.parse(["--cpu", "--data", "x", "--num-samples", "4", "--launcher", "torchrun"])[0].launcher == "torchrun"
+    assert command(2, *args)[4] == "2" == command(2, *args, "torchrun")[4]
+    helped = run_command([sys.executable, str(REPO / "benchmarks" / "regen.py"), "scaling", "--help"], 240,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert helped.returncode == 0 and "--launcher {python,torchrun}" in helped.stdout  # the flag that picks it
 
 
 def test_scaling_leaves_each_runs_compile_and_capture_out_of_generation():
     """Hand-made runs: one GPU spent 48 of its 90 s compiling (a cold cache), two GPUs 10 of 60 s. The
     generation ratio is over the seconds after capture, (2 x 84,000 / 50) / (84,000 / 42) = 1.68; end to end
     keeps the start-up: 2 x 84,000 / 70 over 84,000 / 100 = 2.857."""
-    import importlib.util
+    from nemo_dflash.evaluation.regen_rows import scaling
 
-    spec = importlib.util.spec_from_file_location("regen", REPO / "benchmarks" / "regen.py")
-    regen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(regen)
     runs = [{"gpus": 1, "tokens_per_s": 84_000 / 90, "tokens_per_s_after_capture": 84_000 / 42,
              "end_to_end_tokens_per_s": 84_000 / 100},
             {"gpus": 2, "tokens_per_s": 168_000 / 60, "tokens_per_s_after_capture": 168_000 / 50,
              "end_to_end_tokens_per_s": 168_000 / 70}]
-    assert regen.scaling(runs) == {"generation": {"1": 1.0, "2": 1.68}, "end_to_end": {"1": 1.0, "2": 2.857}}
+    assert scaling(runs) == {"generation": {"1": 1.0, "2": 1.68}, "end_to_end": {"1": 1.0, "2": 2.857}}
     old = [{k: v for k, v in r.items() if k != "tokens_per_s_after_capture"} for r in runs]  # rows made before
-    assert regen.scaling(old)["generation"]["2"] == round((168_000 / 60) / (84_000 / 90), 3)
+    assert scaling(old)["generation"]["2"] == round((168_000 / 60) / (84_000 / 90), 3)
 
 
 def test_a_resume_on_another_number_of_ranks_is_refused(tmp_path, no_model, monkeypatch, capsys):

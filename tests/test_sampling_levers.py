@@ -1,27 +1,58 @@
-"""benchmarks/drafter.py levers: every figure of a lever's row is read from its run's and evaluations' files,
-and a run stopped by its time limit is continued, not taken as finished."""
+"""The sampling levers as pipeline arms: each arm is the GPU recipe plus one option of the `arm` config group
+(configs/arm/), run in a run directory of its own; `evaluation.run_rows.arm_row` reads every figure of an arm's
+row from that directory's files, and `benchmarks/drafter.py report` (run as a command) writes the rows."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
+
+from nemo_dflash.config import REPO_CONFIGS, load_recipe
+from nemo_dflash.evaluation.run_rows import arm_row
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The levers as `drafter.py levers` defined them before they became arms (its LEVERS table): data, distillation and
+# acceptance weights, draft kind, the selector's convention and the position weights.
+LEVERS = {
+    "a": ("t02", 0.0, 0.0, "dflash", None, "decay"), "b": ("t02", 1.0, 0.0, "dflash", None, "decay"),
+    "b05": ("t02", 0.5, 0.0, "dflash", None, "decay"), "c": ("t1", 0.0, 0.0, "dflash", None, "decay"),
+    "d": ("t1", 1.0, 0.0, "dflash", None, "decay"), "e": ("t02", 0.5, 0.5, "dflash", None, "decay"),
+    "f": ("t02+t1", 1.0, 0.0, "dflash", None, "decay"), "v2i": ("t02", 1.0, 0.0, "dflash2", "inject", "decay"),
+    "v2s": ("t02", 1.0, 0.0, "dflash2", "skip", "decay"),
+    "v2i_dpace": ("t02", 1.0, 0.0, "dflash2", "inject", "dpace"),
+    "v2s_dpace": ("t02", 1.0, 0.0, "dflash2", "skip", "dpace"),
+}
+ANSWERS = {"t02": "a", "t1": "c"}  # the arm whose regenerate stage writes each answer set
 
-def _script():
-    spec = importlib.util.spec_from_file_location("drafter", REPO / "benchmarks" / "drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+def test_every_lever_is_an_arm_of_the_gpu_recipe(tmp_path):
+    runs = tmp_path / "RUNS"
+    assert sorted(p.stem for p in (REPO_CONFIGS / "arm").glob("*.yaml")) == sorted(LEVERS)
+    for arm, (data, distill, accept, kind, outside, weights) in LEVERS.items():
+        cfg = load_recipe("smollm2_135m_gpu.yaml", [f"+arm={arm}", f"run.dir={runs / arm}"])
+        assert (cfg.loss.distill_weight, cfg.loss.accept_weight, cfg.draft.kind) == (distill, accept, kind), arm
+        assert outside is None or cfg.loss.selector_outside == outside, arm
+        assert cfg.loss.position_weights == weights, arm
+        assert cfg.output_dir == f"{runs / arm}/run" and cfg.train.max_steps == 916, arm  # 30 M tokens, 32,768 a step
+        sources = [Path(s.path).resolve() for s in cfg.data.sources]
+        assert sources == [(runs / ANSWERS[d] / "data" / "regen.jsonl").resolve() for d in data.split("+")], arm
+        if arm in ANSWERS.values():  # the arm that writes an answer set samples it as the lever did
+            temp, top_p, spp = (0.2, 0.9, 1) if arm == "a" else (1.0, 1.0, 2)
+            assert (cfg.regenerate.temperature, cfg.regenerate.top_p, cfg.regenerate.samples_per_prompt) == \
+                (temp, top_p, spp), arm
 
 
-def _results(path: Path, key: str, sets: dict, speedup: dict | None = None, sha: str = "w" * 64) -> None:
+def _results(path: Path, results: dict, speedup: dict | None = None, sha: str = "w" * 64) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "results.json").write_text(json.dumps({
-        "draft_sha256": sha, "complete": True, "protocol": {"max_new_tokens": 2048, "temperatures": [key]},
-        "results": {key: sets} if sets else {}, "speedup": speedup or {}}))
+        "draft_sha256": sha, "complete": True,
+        "protocol": {"name": "paper", "max_new_tokens": 2048, "temperatures": sorted(results), "method": "batched"},
+        "results": results, "speedup": speedup or {}}))
 
 
 def _set(tau: float, no_loop: float) -> dict:
@@ -29,12 +60,27 @@ def _set(tau: float, no_loop: float) -> dict:
             "loop_share": 0.1}
 
 
-def test_lever_row_reads_every_figure_from_the_files(tmp_path):
-    levers = _script()
-    out = tmp_path / "out"
-    run = out / "runs" / "b"
-    run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+def _answers(runs: Path, arm: str, temperature: float, top_p: float, spp: int) -> Path:
+    data = runs / arm / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "regen_summary.json").write_text(json.dumps({"sampling": {"temperature": temperature, "top_p": top_p},
+                                                         "samples_per_prompt": spp}) + "\n")
+    return data / "regen.jsonl"
+
+
+def _arm_run(runs: Path, arm: str, sources: list[Path], recipe: dict | None = None) -> Path:
+    run = runs / arm
+    (run / "run").mkdir(parents=True, exist_ok=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe or {
+        "loss": {"distill_weight": 1.0, "accept_weight": 0.0}, "draft": {"kind": "dflash"},
+        "data": {"sources": [{"path": str(s)} for s in sources]}}))
+    return run
+
+
+def test_arm_row_reads_every_figure_from_the_files(tmp_path):
+    runs = tmp_path / "RUNS"
+    run = _arm_run(runs, "b", [_answers(runs, "a", 0.2, 0.9, 1)])
+    (run / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"step": 5, "loss": 6.0, "tokens": 500.0, "step_s": 9.0},
         {"step": 10, "loss": 5.0, "tokens": 1000.0, "step_s": 0.25},
         {"step": 15, "loss": 5.0, "tokens": 1500.0, "step_s": 0.5},
@@ -42,21 +88,22 @@ def test_lever_row_reads_every_figure_from_the_files(tmp_path):
          "eval_sampled_accept_len_greedy_draft": 1.7, "tokens": 1000.0},
         {"step": 20, "eval_loss": 3.5, "eval_accept_len": 2.75, "eval_sampled_accept_len": 2.0,
          "eval_sampled_accept_len_greedy_draft": 1.8, "tokens": 2000.0}]) + "\n")
-    (run / "summary.json").write_text(json.dumps({"steps": 20, "total_steps": 40, "train_seconds": 9.0,
-                                                  "stopped_early": "train.max_minutes reached"}))
-    ev = out / "eval" / "b"
-    _results(ev / "t0", "0", {"humaneval": _set(3.0, 2.5), "mtbench": _set(2.0, 1.9)})
-    _results(ev / "t1", "1", {"humaneval": _set(2.2, 2.1), "mtbench": _set(1.6, 1.6)})
-    _results(ev / "t1_greedy_draft", "1,greedy", {"humaneval": _set(1.5, 1.5), "mtbench": _set(1.4, 1.4)})
+    (run / "run" / "summary.json").write_text(json.dumps({"steps": 20, "total_steps": 40, "train_seconds": 9.0,
+                                                          "stopped_early": "train.max_minutes reached"}))
     sp = {"speedup": 1.2, "num_prompts": 20, "mean_acceptance_length": 2.9, "speedup_no_loop": 1.1,
           "per_prompt_speedup": {"median": 1.15}}
     rec = {"speedup": 0.9, "num_prompts": 7, "mean_acceptance_length": 1.8}
-    _results(ev / "speed", "0", {}, {"0": {"humaneval": sp}, "0.2,p0.9": {"mtbench": rec}})
-    (out / "export" / "b").mkdir(parents=True)
-    (out / "export" / "b" / "model.safetensors.sha256").write_text("f" * 64 + "\n")
+    _results(run / "eval", {"0": {"humaneval": _set(3.0, 2.5), "mtbench": _set(2.0, 1.9)},
+                            "1": {"humaneval": _set(2.2, 2.1), "mtbench": _set(1.6, 1.6)}},
+             {"0": {"humaneval": sp}, "0.2,p0.9": {"mtbench": rec}})
+    _results(run / "eval_greedy_draft", {"1,greedy": {"humaneval": _set(1.5, 1.5), "mtbench": _set(1.4, 1.4)}})
+    (run / "export").mkdir()
+    (run / "export" / "model.safetensors.sha256").write_text("f" * 64 + "\n")
 
-    row = levers.lever_row(out, "b", "pkg:smollm2")
-    assert (row["loss"], row["distill_weight"], row["data_temperature"]) == ("distill 1.0", 1.0, "0.2 (top-p 0.9)")
+    row = arm_row(run, {"date": "2026-01-02"})
+    assert (row["draft"], row["arm"], row["variant"], row["date"]) == ("sampling lever b", "b", "dflash", "2026-01-02")
+    assert (row["loss"], row["distill_weight"], row["data_temperature"]) == ("distill 1", 1.0, "0.2 (top-p 0.9)")
+    assert row["samples_per_prompt"] == 1  # read beside arm a's answers, which this arm trained on
     assert (row["train_tokens"], row["train_steps"], row["planned_steps"]) == (2000.0, 20, 40)
     assert row["stopped_early"] == "train.max_minutes reached"
     assert (row["sim_tau_heldout"], row["sampled_tau_heldout"], row["sampled_tau_heldout_greedy_draft"]) == \
@@ -67,136 +114,60 @@ def test_lever_row_reads_every_figure_from_the_files(tmp_path):
     assert (row["humaneval_t0_tau"], row["humaneval_t0_tau_no_loop"], row["humaneval_t1_tau"]) == (3.0, 2.5, 2.2)
     assert (row["mtbench_t1_tau"], row["mtbench_t1_tau_greedy_draft"]) == (1.6, 1.4)
     assert (row["humaneval_t0_speedup"], row["humaneval_t0_speedup_no_loop"]) == (1.2, 1.1)
+    assert row["humaneval_t0_speedup_prompts"] == 20
     assert row["humaneval_t1_speedup"] is None  # not timed
+    assert row["recommended_sampling"] == "0.2,p0.9"  # not the argmax-proposal evaluation's key
     assert (row["mtbench_recommended_speedup"], row["mtbench_recommended_tau"]) == (0.9, 1.8)
     assert row["mtbench_recommended_speedup_prompts"] == 7
+    assert (row["protocol"]["name"], row["protocol"]["max_new_tokens"], row["protocol"]["method"]) == \
+        ("paper", 2048, "batched")
     # the weights hash: the one every evaluation file recorded (the weights stayed on their machine)
     assert row["draft_sha256"] == "w" * 64 and row["eval_draft_sha256_match"] is True
     assert row["model_safetensors_sha256"] == "f" * 64
-    _results(ev / "t1", "1", {"humaneval": _set(2.2, 2.1)}, sha="x" * 64)  # another draft's answers
-    assert levers.lever_row(out, "b", "pkg:smollm2")["eval_draft_sha256_match"] is False
-
-    # a run its time limit stopped is continued by `train`; one that ran its steps is finished
-    assert not levers.finished(run)
-    (run / "summary.json").write_text(json.dumps({"steps": 40, "total_steps": 40}))
-    assert levers.finished(run)
+    _results(run / "eval_greedy_draft", {"1,greedy": {"humaneval": _set(1.5, 1.5)}}, sha="x" * 64)  # another draft's
+    assert arm_row(run, {})["eval_draft_sha256_match"] is False
 
 
-def test_chain_gives_each_lever_its_gpu_and_every_other_flag(tmp_path, monkeypatch):
-    """`chain` starts one `_chain_one` per lever with the same flags, its own --levers and --gpu-list; each
-    runs train, eval (only the --acceptance runs asked for) and speed (--speedup-only) on that GPU."""
-    levers = _script()
-    seen = []
-
-    def fake_run_all(jobs, logs, per_gpu=None):
-        seen.append(jobs)
-        return {name: 0 for name, _, _ in jobs}
-
-    monkeypatch.setattr(levers, "run_all", fake_run_all)
-    out = str(tmp_path / "out")
-    levers.main(["levers", "chain", out, "--levers", "a,c", "--gpu-list", "2,3", "--acceptance", "t0,t1",
-                 "--speed-max-new-tokens", "1024", "--max-minutes", "6.5",
-                 "--eval-extra", "--num-prompts 40 --max-minutes 4"])
-    (jobs,) = seen
-    assert [j[0] for j in jobs] == ["chain_a", "chain_c"]
-    for (_, argv, _), lever, gpu in zip(jobs, "ac", "23"):
-        assert argv[2:5] == ["levers", "_chain_one", out]
-        assert argv[-4:] == ["--levers", lever, "--gpu-list", gpu]
-        assert "a,c" not in argv and "2,3" not in argv and argv.count("--acceptance") == 1
-
-    seen.clear()
-    levers.main(jobs[1][1][2:])  # lever c's chain, in this process
-    train_jobs, export_jobs, eval_jobs, speed_jobs = seen
-    assert [j[0] for j in train_jobs] == ["train_c"] and train_jobs[0][2] == {"CUDA_VISIBLE_DEVICES": "3"}
-    assert [j[0] for j in eval_jobs] == ["eval_c_t0", "eval_c_t1"]
-    assert all(env == {"CUDA_VISIBLE_DEVICES": "3"} for _, _, env in export_jobs + eval_jobs + speed_jobs)
-    (_, speed_argv, _), = speed_jobs
-    assert "--speedup-only" in speed_argv and speed_argv[speed_argv.index("--max-new-tokens") + 1] == "1024"
-
-    def last(argv, flag):  # what evaluate's argparse takes: the last occurrence
-        return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
-    # --eval-extra reaches every evaluate run; the acceptance runs take its prompt count and cap, the timing
-    # phase keeps its own (its cap was cut to the acceptance runs' 4 minutes before, and HumanEval T=1 went untimed)
-    assert all(last(a, "--max-minutes") == "4" and last(a, "--num-prompts") == "40" for _, a, _ in eval_jobs)
-    assert last(speed_argv, "--max-minutes") == "6.5" and last(speed_argv, "--num-prompts") == "20"
-
-
-def test_lever_f_trains_on_both_answer_sets_and_its_row_names_both(tmp_path, monkeypatch):
-    """Lever f: one training on the T=0.2 and the T=1 answers together (two data sources), and its row says so."""
-    levers = _script()
-    seen = []
-    monkeypatch.setattr(levers, "run_all", lambda jobs, logs, per_gpu=None: seen.append(jobs) or {n: 0 for n, _, _ in jobs})
-    out = tmp_path / "out"
-    levers.main(["levers", "train", str(out), "--levers", "f", "--tokens", "1e6"])
-    ((name, argv, _),) = seen[0]
-    sources = next(a for a in argv if a.startswith("data.sources="))
-    assert name == "train_f" and sources == (f"data.sources=[{{path: {out / 'data' / 't02.jsonl'}}}, "
-                                             f"{{path: {out / 'data' / 't1.jsonl'}}}]")
-    assert "loss.distill_weight=1.0" in argv
-    (out / "runs" / "f").mkdir(parents=True)
-    row = levers.lever_row(out, "f", "pkg:smollm2")
+def test_arm_f_names_both_answer_sets_and_a_dflash2_arm_its_selector(tmp_path):
+    """Arm f trains on arm a's T=0.2 and arm c's T=1 answers (one and two samples a prompt); a DFlash2 arm's row has
+    its variant and its loss names the selector's convention and D-PACE."""
+    runs = tmp_path / "RUNS"
+    f = _arm_run(runs, "f", [_answers(runs, "a", 0.2, 0.9, 1), _answers(runs, "c", 1.0, 1.0, 2)])
+    row = arm_row(f, {})
     assert (row["data_temperature"], row["samples_per_prompt"]) == ("0.2 (top-p 0.9) + 1", 3)
+    v2 = _arm_run(runs, "v2s_dpace", [runs / "a" / "data" / "regen.jsonl"], {
+        "loss": {"distill_weight": 1.0, "accept_weight": 0.0, "selector_outside": "skip", "position_weights": "dpace"},
+        "draft": {"kind": "dflash2"}, "data": {"sources": [{"path": str(runs / "a" / "data" / "regen.jsonl")}]}})
+    row = arm_row(v2, {})
+    assert (row["variant"], row["loss"]) == ("dflash2", "distill 1 + selector (skip), D-PACE")
+    assert row["train_tokens"] == 0 and row["humaneval_t0_tau"] is None  # nothing trained or measured yet
 
 
-def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path, capsys):
-    """`report --json`: a second run of a lever (`--series`) is appended beside the first run's row; running the
-    same series again replaces its own row, never the other's."""
-    import argparse
-
-    levers = _script()
-    out = tmp_path / "out"
-    run = out / "runs" / "b"
-    run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accept_len": 2.0, "tokens": 50.0}) + "\n")
+def test_report_keeps_another_series_rows_and_replaces_its_own(tmp_path):
+    """`drafter.py report --drafter-json`: a second run of an arm (`--series`) is appended beside the first run's row;
+    running the same series again replaces its own row, never the other's; a folder that is no run is one line, exit 2."""
+    runs = tmp_path / "RUNS"
+    run = _arm_run(runs, "b", [_answers(runs, "a", 0.2, 0.9, 1)])
+    (run / "run" / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accept_len": 2.0, "tokens": 50.0}) + "\n")
     table = tmp_path / "rows.json"
-    table.write_text(json.dumps([{"draft": "sampling lever b", "commit": "old", "train_tokens": 1.0}]))
+    table.write_text(json.dumps([{"date": "2026-01-01", "commit": "old", "device": "cpu", "command": "c",
+                                  "draft": "sampling lever b", "train_tokens": 1.0}]))
 
-    def report(series):
-        ns = argparse.Namespace(out=str(out), target="pkg:smollm2", levers="b", json=str(table), date="2026-01-02",
-                                device="cpu", commit="new", note="", series=series)
-        levers.report(ns)
-        return json.loads(table.read_text())
+    def report(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "benchmarks" / "drafter.py"), "report", *extra],
+                              capture_output=True, text=True, cwd=REPO, timeout=240,
+                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
 
-    rows = report("second")
+    flags = ["--drafter-json", str(table), "--device", "cpu", "--commit", "new", "--date", "2026-01-02"]
+    res = report(str(run), *flags, "--series", "second")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(table.read_text())
     assert [(r["draft"], r.get("series"), r["commit"]) for r in rows] == \
         [("sampling lever b", None, "old"), ("sampling lever b", "second", "new")]
-    assert rows[1]["train_tokens"] == 50.0
-    assert len(report("second")) == 2  # its own row replaced, the first run's kept
-    rows = report(None)  # no series: the first run's row is the one replaced
-    assert [(r.get("series"), r["commit"]) for r in rows] == [("second", "new"), (None, "new")]
-
-    # without --levers, `report` takes every lever OUT holds a run of (not only a, b, c, d)
-    (out / "runs" / "f").mkdir()
-    (out / "runs" / "f" / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_accept_len": 1.5}) + "\n")
-    ns = argparse.Namespace(out=str(out), target="pkg:smollm2", levers=None, json=None, date=None, device="cpu",
-                            commit=None, note="", series=None)
-    capsys.readouterr()
-    levers.report(ns)
-    printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[1:]]
-    assert printed == ["b", "f"]
-
-
-def test_run_all_queues_the_jobs_of_one_gpu_and_runs_other_gpus_beside_them(tmp_path):
-    """At most --per-gpu jobs at once on one GPU (two DFlash2 trainings of the GPU recipe do not fit one H200): each
-    job writes its start and end time; the two jobs of GPU 0 never overlap, GPU 1's job overlaps one of them, and
-    with per_gpu=2 GPU 0's two overlap."""
-    import sys
-
-    levers = _script()
-    job = ("import sys, time; t = time.time(); time.sleep(0.4); "
-           "open(sys.argv[1], 'w').write(f'{t} {time.time()}')")
-
-    def spans(per_gpu):
-        jobs = [(f"j{i}", [sys.executable, "-c", job, str(tmp_path / f"{per_gpu}_{i}")], {"CUDA_VISIBLE_DEVICES": g})
-                for i, g in enumerate("001")]
-        codes = levers.run_all(jobs, tmp_path / "logs", per_gpu=per_gpu)
-        assert codes == {"j0": 0, "j1": 0, "j2": 0}
-        return [tuple(map(float, (tmp_path / f"{per_gpu}_{i}").read_text().split())) for i in range(3)]
-
-    def overlap(a, b):
-        return a[0] < b[1] and b[0] < a[1]
-
-    (a, b, c) = spans(1)
-    assert not overlap(a, b) and (overlap(a, c) or overlap(b, c))
-    (a, b, _) = spans(2)
-    assert overlap(a, b)
+    assert rows[1]["train_tokens"] == 50.0 and rows[1]["sim_tau_heldout"] == 2.0
+    assert res.stdout.splitlines()[1].split(" | ")[:2] == ["b", "dflash"]  # the table: the arm, its variant
+    res = report(str(run), *flags)  # no series: the first run's row is the one replaced
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [(r.get("series"), r["commit"]) for r in json.loads(table.read_text())] == [("second", "new"), (None, "new")]
+    res = report(str(tmp_path), *flags)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not a pipeline run directory" in res.stderr
