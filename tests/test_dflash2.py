@@ -126,22 +126,17 @@ def test_walk_matches_a_naive_loop_and_q_lives_on_the_candidates():
                                   for c in cand])
 
     with torch.no_grad():
-        tokens, q = selector_walk(sel, hidden, logits, anchors)
-        assert q is None
-        for r in range(3):
-            prev = int(anchors[r])
-            for k in range(4):
-                cand, s = naive_scores(hidden[r, k], logits[r, k], prev)
-                prev = int(cand[s.argmax()])
-                assert int(tokens[r, k]) == prev
         long_hidden, long_logits = torch.randn(2, 15, 64, generator=g), torch.randn(2, 15, 256, generator=g) * 3
-        tokens, _ = selector_walk(sel, long_hidden, long_logits, anchors[:2])  # every doubling round of the path
-        for r in range(2):
-            prev = int(anchors[r])
-            for k in range(15):
-                cand, s = naive_scores(long_hidden[r, k], long_logits[r, k], prev)
-                prev = int(cand[s.argmax()])
-                assert int(tokens[r, k]) == prev
+        # 4 slots, and 15 (every doubling round of the greedy path)
+        for h, u, a in ((hidden, logits, anchors), (long_hidden, long_logits, anchors[:2])):
+            tokens, q = selector_walk(sel, h, u, a)
+            assert q is None
+            for r in range(h.shape[0]):
+                prev = int(a[r])
+                for k in range(h.shape[1]):
+                    cand, s = naive_scores(h[r, k], u[r, k], prev)
+                    prev = int(cand[s.argmax()])
+                    assert int(tokens[r, k]) == prev
         picks = []
         tokens, q = selector_walk(sel, hidden, logits, anchors, 1 / 0.7,
                                   lambda k, qk: picks.append(qk) or torch.multinomial(qk, 1, generator=g).squeeze(-1))
