@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from nemo_dflash.config import REPO_CONFIGS, load_recipe
@@ -77,6 +78,22 @@ def _arm_run(runs: Path, arm: str, sources: list[Path], recipe: dict | None = No
     return run
 
 
+def test_an_arm_finds_the_answers_of_arm_a_before_its_own_run_directory_exists(tmp_path, capsys):
+    """`${run.dir}/../a/data/regen.jsonl` names arm a's answers through RUNS/b, which the run creates: the path is
+    normalised, so the pre-load check finds the file (the OS would not follow `..` through a missing folder)."""
+    from nemo_dflash.recipes.train import check_paths
+
+    runs = tmp_path / "RUNS"
+    answers = _answers(runs, "a", 0.2, 0.9, 1)
+    answers.write_text("")
+    cfg = load_recipe("smollm2_135m_gpu.yaml", ["+arm=b", f"run.dir={runs / 'b'}", "target.path=/nonexistent.gguf"])
+    assert not (runs / "b").exists() and cfg.data.sources[0].path == str(answers)
+    with pytest.raises(SystemExit) as e:
+        check_paths(cfg)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "target.path" in err and "data.sources" not in err  # data found, target refused
+
+
 def test_arm_row_reads_every_figure_from_the_files(tmp_path):
     runs = tmp_path / "RUNS"
     run = _arm_run(runs, "b", [_answers(runs, "a", 0.2, 0.9, 1)])
@@ -126,6 +143,26 @@ def test_arm_row_reads_every_figure_from_the_files(tmp_path):
     assert row["model_safetensors_sha256"] == "f" * 64
     _results(run / "eval_greedy_draft", {"1,greedy": {"humaneval": _set(1.5, 1.5)}}, sha="x" * 64)  # another draft's
     assert arm_row(run, {})["eval_draft_sha256_match"] is False
+
+
+def test_arm_row_takes_the_figures_of_further_evaluate_runs_after_eval(tmp_path):
+    """T=0 by replay in RUN/eval, T=1 by the batched decoder and the timed speedups in RUN/eval_* runs of their own:
+    each figure comes from the first run that has it (RUN/eval, then RUN/eval_* by name)."""
+    run = _arm_run(tmp_path / "RUNS", "v2s", [])
+    _results(run / "eval", {"0": {"humaneval": _set(3.0, 2.5), "mtbench": _set(2.0, 1.9)}})
+    _results(run / "eval_a_t1", {"1": {"humaneval": _set(2.2, 2.1), "mtbench": _set(1.6, 1.6)},
+                                 "0": {"humaneval": _set(9.0, 9.0)}})  # a later run's T=0 does not replace eval's
+    _results(run / "eval_b_speed", {"1": {"humaneval": _set(7.0, 7.0)}},
+             {"0": {"humaneval": {"speedup": 0.8, "num_prompts": 10}},
+              "0.2,p0.9": {"humaneval": {"speedup": 0.9, "num_prompts": 10, "mean_acceptance_length": 1.7}},
+              "1": {"mtbench": {"speedup": 0.7, "num_prompts": 10}}})
+    (run / "eval_c_empty").mkdir()  # a directory without results.json is not a run
+    row = arm_row(run, {})
+    assert (row["humaneval_t0_tau"], row["humaneval_t0_tau_no_loop"]) == (3.0, 2.5)
+    assert (row["humaneval_t1_tau"], row["mtbench_t1_tau"]) == (2.2, 1.6)  # eval_a_t1 before eval_b_speed
+    assert (row["humaneval_t0_speedup"], row["mtbench_t1_speedup"], row["humaneval_t1_speedup"]) == (0.8, 0.7, None)
+    assert (row["recommended_sampling"], row["humaneval_recommended_speedup"]) == ("0.2,p0.9", 0.9)
+    assert row["protocol"]["temperatures"] == [0.0, "0.2,p0.9", 1.0]  # every run's, in order
 
 
 def test_arm_f_names_both_answer_sets_and_a_dflash2_arm_its_selector(tmp_path):

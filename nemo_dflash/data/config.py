@@ -105,6 +105,12 @@ class DataSourceConfig:
     weight: float = what(1.0)  # mixing weight: 2.0 = every sample twice, 0.5 = a seeded half
     max_samples: Optional[int] = what(None)  # read at most this many valid conversations
 
+    def __post_init__(self) -> None:
+        # `${run.dir}/../a/data/regen.jsonl` (an arm training on another arm's answers) passes through a run directory
+        # that does not exist before the run: the OS follows `..` only through existing folders, so normalise lexically
+        if isinstance(self.path, str) and self.path:
+            self.path = os.path.normpath(self.path)
+
 
 @dataclass
 class DataConfig:

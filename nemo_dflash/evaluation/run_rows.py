@@ -5,8 +5,10 @@ A drafter row (`drafter_row`): the training (RUN/run/summary.json, metrics.jsonl
 trained with (its resolved recipe.yaml and the regeneration summaries beside its data sources), and the draft's
 weights hash. An arm row (`arm_row`): one arm of a comparison at equal tokens (`configs/arm/*.yaml`, one run
 directory an arm), the drafter row plus every held-out evaluation, the median step time and the T=1 acceptance with
-argmax proposals (RUN/eval_greedy_draft/results.json, where that evaluation ran). A value the run did not produce
-is null. `benchmarks/drafter.py summaries` and `report` write these rows to docs/bench/drafter_summary.json.
+argmax proposals (RUN/eval_greedy_draft/results.json, where that evaluation ran), and any further evaluate run of
+the same export in RUN/eval_*/ (e.g. T=1 by the batched decoder beside T=0 by replay, or the speedup timed in its own
+run): a figure comes from the first of RUN/eval, RUN/eval_greedy_draft, then RUN/eval_* in name order that has it.
+A value the run did not produce is null. `benchmarks/drafter.py summaries` and `report` write these rows to docs/bench/drafter_summary.json.
 """
 
 from __future__ import annotations
@@ -219,8 +221,10 @@ def drafter_key(row: dict[str, Any]) -> Optional[tuple[Any, ...]]:
 
 def arm_row(run: Path, head: dict[str, Any]) -> dict[str, Any]:
     """One arm's row (RUN is its pipeline run directory, named for the arm): `drafter_row` over RUN/eval and, where
-    it ran, RUN/eval_greedy_draft, plus every held-out evaluation, the planned steps and the median step time."""
-    evals = [p / "results.json" for p in (run / "eval", run / GREEDY_DRAFT_EVAL) if (p / "results.json").is_file()]
+    it ran, RUN/eval_greedy_draft and RUN/eval_* (first one with a figure wins), plus every held-out evaluation, the
+    planned steps and the median step time."""
+    extra = sorted(p for p in run.glob("eval_*") if p.name != GREEDY_DRAFT_EVAL)
+    evals = [p / "results.json" for p in (run / "eval", run / GREEDY_DRAFT_EVAL, *extra) if (p / "results.json").is_file()]
     row = drafter_row(run, head, evals or None)
     rows = run_metrics(run) or []
     ev = [r for r in rows if "eval_accept_len" in r]
