@@ -15,6 +15,7 @@ Bottom layer: imports torch only, so every decoder takes its noise and acceptanc
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -184,17 +185,22 @@ def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
 
 def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
                   top_k: Union[int, torch.Tensor] = 0, k_cap: int = 0) -> torch.Tensor:
-    """``scores`` with the tokens outside the top-k, then outside the smallest set of probability >= top-p
-    of what remains (renormalised), set to -inf: the order vLLM and HF apply them in.
+    """``scores`` with the tokens outside the top-k, then outside the nucleus of top-p of what remains
+    (renormalised), set to -inf: the order vLLM and HF apply them in. The nucleus keeps token i when the
+    tokens more probable than i hold less than top-p (the most probable token always stays).
 
     ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
-    Ties at the top-k boundary keep the first in sort order. ``k_cap`` > 0 promises top_k in [1, k_cap] (a step
-    captured for one setting): only the k_cap largest scores are ranked then, not the whole vocabulary (a sort of
-    151k scores a row is a large share of a sampled step), with the same result. A python top_k > 0 is its own cap.
+    Without a top-k (a python 0) nothing is sorted: `nucleus_keep` finds each row's threshold (a sort of 151k
+    scores a row was most of a sampled step). With one, ties at the top-k boundary keep the first in sort order;
+    ``k_cap`` > 0 promises top_k in [1, k_cap] (a step captured for one setting): only the k_cap largest scores
+    are ranked then, with the same result. A python top_k > 0 is its own cap; a tensor top_k without a cap
+    ranks the whole vocabulary (a sort: the engine's steps pass k_cap, or a python 0).
     """
     if not isinstance(top_p, torch.Tensor) and not isinstance(top_k, torch.Tensor) and top_p >= 1.0 and top_k <= 0:
         return scores
-    cap = top_k if not isinstance(top_k, torch.Tensor) and top_k > 0 else k_cap
+    if not isinstance(top_k, torch.Tensor) and top_k <= 0:
+        return scores.masked_fill(~nucleus_keep(scores, top_p), float("-inf"))
+    cap = top_k if not isinstance(top_k, torch.Tensor) else k_cap
     if 0 < cap < scores.shape[-1]:
         flat = scores.reshape(-1, scores.shape[-1])
         order = topk_ids(flat, cap).view(*scores.shape[:-1], cap)  # largest first
@@ -210,6 +216,62 @@ def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
     drop_sorted = drop_sorted | (before >= top_p)  # the first token always stays (before == 0)
     keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, order, ~drop_sorted)
     return scores.masked_fill(~keep, float("-inf"))
+
+
+_ONE_BITS = 0x3F800000  # the int32 bit pattern of 1.0f: no probability lies above it
+_FIXED = 2.0**61  # the nucleus' masses in int64 units of 2^-61: a row's total (<= ~1) stays far below 2^63
+SORT_BELOW = 16384  # rows shorter than this find their nucleus through a sort: cheaper there than 31 passes
+
+
+def nucleus_keep(scores: torch.Tensor, top_p: Union[float, torch.Tensor]) -> torch.Tensor:
+    """The top-p nucleus of softmax(scores) [..., V] as a mask: {i : mass(p > p_i) < top_p}, which is
+    {i : p_i >= theta} for a per-row threshold theta. Rows of a vocabulary (V >= `SORT_BELOW`) are not sorted:
+    the mass above a threshold falls as it rises, and the int32 bit patterns of non-negative floats are ordered
+    as the floats, so theta is found exactly by bisection on those patterns, 31 steps (the patterns of [0, 1]
+    span 2^30), each a masked sum over the row. Fixed shapes, no host sync, no branch on values: a captured,
+    compiled step runs it. Shorter rows take a sort to the same set.
+
+    The masses are sums of int64 fixed-point probabilities (floor(p * 2^61)): integer sums do not depend on
+    their order, so a compiled step and an eager one (or either path) keep the same set for the same
+    probabilities. Ties at the boundary: every token tied with the last one kept stays (the set is a pure
+    function of the probabilities; an unstable sort kept an arbitrary subset of them). Otherwise the set is
+    the one a sort and a cumulative sum give. Tokens at -inf stay out; a top_p of 1 keeps every token."""
+    return nucleus_of_probs(scores.float().softmax(dim=-1), top_p)
+
+
+def nucleus_of_probs(probs: torch.Tensor, top_p: Union[float, torch.Tensor]) -> torch.Tensor:
+    """`nucleus_keep` of the probabilities [..., V] themselves (non-negative, summing to ~1)."""
+    if isinstance(top_p, torch.Tensor):  # a buffer: compared as its float32 value, in fixed point, on the device
+        want, everything = (top_p.float() * _FIXED).to(torch.int64), top_p >= 1.0
+    else:  # rounded to float32 as a buffer would hold it, so that a python top_p keeps the same set
+        want, everything = int(struct.unpack("f", struct.pack("f", top_p))[0] * _FIXED), top_p >= 1.0
+    fixed = (probs * _FIXED).to(torch.int64)
+    by = _nucleus_by_sort if probs.shape[-1] < SORT_BELOW else _nucleus_by_bisection
+    return by(probs, fixed, want) | everything
+
+
+def _nucleus_by_bisection(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
+    lo = torch.full(probs.shape[:-1], -1, dtype=torch.int32, device=probs.device)  # mass above lo >= top_p
+    hi = torch.full_like(lo, _ONE_BITS)  # mass above hi (none) < top_p
+    for _ in range(31):
+        mid = (lo + hi) >> 1  # floor: once hi == lo + 1 it stays there
+        # p > float(mid) is bits(p) > mid for mid >= 0; mid -1 is a NaN (nothing above): hi becomes -1, all kept
+        above = torch.where(probs > mid.view(torch.float32).unsqueeze(-1), fixed, 0).sum(dim=-1)
+        inside = above < want
+        hi = torch.where(inside, mid, hi)
+        lo = torch.where(inside, lo, mid)
+    return probs >= hi.clamp(min=0).view(torch.float32).unsqueeze(-1)
+
+
+def _nucleus_by_sort(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
+    """The same set through a sort: each token's mass above is the exact prefix sum at the start of its ties."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_fixed = fixed.gather(-1, order)
+    before = eager_cumsum(sorted_fixed) - sorted_fixed  # mass ranked above, exact in integers
+    first = torch.searchsorted(-sorted_probs, -sorted_probs)  # where each token's ties start
+    keep_sorted = before.gather(-1, first) < want
+    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, order, keep_sorted)
+
 
 _MASK32 = 0xFFFFFFFF
 
@@ -318,8 +380,10 @@ def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys
 
 def _scaled(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
             filtered: bool, k_cap: int = 0) -> torch.Tensor:
+    """logits / T, filtered when `filtered`. A step made without a cap (k_cap 0) has no top-k (the runners are made
+    per top-k, `SampledStepState.configure`): its filter is the sort-free nucleus alone."""
     scores = logits.float() * inv_temp
-    return filter_scores(scores, top_p, top_k, k_cap) if filtered else scores
+    return filter_scores(scores, top_p, top_k if k_cap else 0, k_cap) if filtered else scores
 
 
 # The sampled steps of the fixed-shape decoders, each a pure function of tensors (T, top-p and top-k read from
