@@ -190,8 +190,8 @@ def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
     tokens more probable than i hold less than top-p (the most probable token always stays).
 
     ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
-    Without a top-k (a python 0) nothing is sorted: `nucleus_keep` finds each row's threshold (a sort of 151k
-    scores a row was most of a sampled step). With one, ties at the top-k boundary keep the first in sort order;
+    Without a top-k (a python 0) the nucleus is `nucleus_keep`'s: a vocabulary's rows are not sorted (a sort of
+    151k scores a row was most of a sampled step), and ties with the boundary token all stay. With a top-k, ties at the top-k boundary keep the first in sort order;
     ``k_cap`` > 0 promises top_k in [1, k_cap] (a step captured for one setting): only the k_cap largest scores
     are ranked then, with the same result. A python top_k > 0 is its own cap; a tensor top_k without a cap
     ranks the whole vocabulary (a sort: the engine's steps pass k_cap, or a python 0).
