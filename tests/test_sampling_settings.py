@@ -403,24 +403,24 @@ def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
 
 def naive_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
     """The top-p nucleus of one row of scores, token by token in float64: walk the tokens from the most probable,
-    a group of equal scores at a time; a group is kept while the mass before it is below top_p."""
+    equal scores in token-id order (a stable sort's), each kept while the mass before it is below top_p."""
     finite = [(float(s), i) for i, s in enumerate(row.tolist()) if s != float("-inf")]
     top = max(s for s, _ in finite)
     z = sum(math.exp(s - top) for s, _ in finite)
-    ranked = sorted(finite, key=lambda t: -t[0])
-    kept, mass, k = set(), 0.0, 0
-    while k < len(ranked) and mass < top_p:
-        group = [i for s, i in ranked if s == ranked[k][0]]
-        kept |= set(group)
-        mass += sum(math.exp(ranked[k][0] - top) / z for _ in group)
-        k += len(group)
+    kept, mass = set(), 0.0
+    for s, i in sorted(finite, key=lambda t: (-t[0], t[1])):
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += math.exp(s - top) / z
     return kept
 
 
 def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """What `filter_scores` ran without a top-k before its threshold: a sort and a cumulative sum (here of the
-    same softmax, in float64: the softmax of a sorted row rounds its last bits otherwise)."""
-    probs, order = scores.softmax(dim=-1).sort(dim=-1, descending=True)
+    """What `filter_scores` ran without a top-k before its threshold: a sort (stable here: ties in token order)
+    and a cumulative sum (here of the same softmax, in float64: the softmax of a sorted row rounds its last bits
+    otherwise)."""
+    probs, order = scores.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
     probs = probs.double()
     top_p = float(torch.tensor(top_p, dtype=torch.float32))  # as a buffer holds it
     keep = torch.zeros(scores.shape, dtype=torch.bool).scatter(-1, order, ~(probs.cumsum(-1) - probs >= top_p))
@@ -428,20 +428,22 @@ def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def nucleus_rows() -> torch.Tensor:
-    """[8, 400] scores: random, random with ties (rounded), masked tokens at -inf, one finite token, a flat row."""
+    """[8, 400] scores: random, random with ties (rounded), masked tokens at -inf, one finite token, a flat row
+    (399 tokens)."""
     g = torch.Generator().manual_seed(4)
     rows = torch.randn(8, 400, generator=g) * 2.5
     rows[2:4] = (rows[2:4] * 2).round() / 2  # a few dozen distinct values: ties wherever the boundary falls
     rows[4, torch.rand(400, generator=g) < 0.6] = float("-inf")
     rows[5, 1:] = float("-inf")
     rows[6] = 0.0
+    rows[6, 0] = float("-inf")  # flat over 399 tokens: over 400, top-p k/400 is exactly a boundary (floats decide)
     return rows
 
 
 @pytest.mark.parametrize("path", ["bisection", "sort"])
-def test_nucleus_filter_against_a_naive_nucleus_that_keeps_ties(path, monkeypatch):
+def test_nucleus_filter_against_a_naive_nucleus_that_breaks_ties_by_token_id(path, monkeypatch):
     """`filter_scores` without a top-k (the sort-free bisection on a vocabulary, a sort on short rows) keeps
-    exactly the naive nucleus, ties with the boundary token included, on rows with ties, masked tokens and a
+    exactly the naive nucleus, ties at the boundary broken by token id, on rows with ties, masked tokens and a
     flat row, for top-p from tiny to 1, python or 0-d tensor, and on [..., V] scores."""
     from nemo_dflash.engine import sampling
 
@@ -455,10 +457,13 @@ def test_nucleus_filter_against_a_naive_nucleus_that_keeps_ties(path, monkeypatc
         for given in (top_p, torch.tensor(top_p)):
             assert torch.equal(filter_scores(rows, given), want), (top_p, given)
         assert torch.equal(filter_scores(rows.view(2, 4, 400), torch.tensor(top_p)), want.view(2, 4, 400))
-    # a boundary inside a tie: p = (0.4, 0.2, 0.2, 0.1, 0.1) at top-p 0.5 keeps both 0.2s (a sort keeps one)
-    tie = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]]).log()
-    assert torch.isinf(filter_scores(tie, torch.tensor(0.5))).tolist() == [[False, False, False, True, True]]
-    assert (~torch.isinf(sorted_nucleus(tie, 0.5))).sum() == 2
+    # a boundary inside a tie: p = (0.2, 0.4, 0.2, 0.1, 0.1) at top-p 0.5 keeps the 0.4 and the first 0.2;
+    # (0.3, 0.175 x 4) at top-p 0.6 keeps two of the four tied tokens, the first two in token order
+    tie = torch.tensor([[0.2, 0.4, 0.2, 0.1, 0.1], [0.175, 0.3, 0.175, 0.175, 0.175]]).log()
+    for row, top_p, want in ((0, 0.5, [True, True, False, False, False]), (1, 0.6, [True, True, True, False, False])):
+        for given in (top_p, torch.tensor(top_p)):
+            assert (~torch.isinf(filter_scores(tie[row:row + 1], given))).tolist() == [want], (row, given)
+        assert (~torch.isinf(sorted_nucleus(tie[row:row + 1], top_p))).tolist() == [want]
 
 
 def test_nucleus_filter_equals_the_sort_it_replaced_without_ties():
@@ -469,22 +474,23 @@ def test_nucleus_filter_equals_the_sort_it_replaced_without_ties():
         assert torch.equal(filter_scores(scores, torch.tensor(top_p)), sorted_nucleus(scores, top_p)), top_p
 
 
-def test_the_plain_step_draws_the_nucleus_law_ties_included(monkeypatch):
+def test_the_plain_step_draws_the_nucleus_law_ties_by_token_id(monkeypatch):
     """The engine's plain sampled step (`sampled_next_tokens`, top-p from a buffer, no top-k) over 20,000 keys,
-    through the bisection: frequencies match the nucleus law written out by hand, the boundary's ties kept
-    (a sort keeping one of the two 0.2s would draw 2/3, 1/3)."""
+    through the bisection: frequencies match the nucleus law written out by hand, of the boundary's tied tokens
+    the first in token order kept (keeping both 0.2s would draw 0.5, 0.25, 0.25)."""
     from nemo_dflash.engine import sampling
 
     monkeypatch.setattr(sampling, "SORT_BELOW", 0)
     n = 20000
-    cases = [([0.4, 0.2, 0.2, 0.1, 0.1], 0.5, [0.5, 0.25, 0.25, 0, 0]),
+    cases = [([0.4, 0.2, 0.2, 0.1, 0.1], 0.5, [2 / 3, 1 / 3, 0, 0, 0]),
              ([0.5, 0.25, 0.15, 0.06, 0.04], 0.8, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0, 0])]
     for p, top_p, law in cases:
         logits = torch.tensor(p).log().expand(n, 5)
         draws = sampling.sampled_next_tokens(logits, torch.tensor(1.0), torch.tensor(top_p), torch.tensor(0),
                                              torch.arange(n) * 7919 + 11, torch.full((n,), 3), True)
         freq = torch.bincount(draws, minlength=5).float() / n
-        assert freq[3:].sum() == 0 and (freq - torch.tensor(law)).abs().max() < 0.015, (p, freq)
+        law = torch.tensor(law)
+        assert freq[law == 0].sum() == 0 and (freq - law).abs().max() < 0.015, (p, freq)
 
 
 def test_filter_with_a_top_k_cap_equals_the_full_sort():

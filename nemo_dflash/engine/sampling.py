@@ -156,12 +156,12 @@ def as_sampling(x: Union[float, int, SamplingParams]) -> SamplingParams:
 
 
 @torch.compiler.disable
-def eager_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``x.cumsum(-1)``, always run eagerly, also inside a compiled sampling step (a graph break around it).
+def eager_cumsum(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x.cumsum(-1, dtype=dtype)``, always run eagerly, also inside a compiled sampling step (a graph break).
     Inductor's split scan (long rows, few of them) failed to generate code for the T=1 verify step at 244 x
     49,152 on an H200 (torch 2.11), which then ran unfused; eager cumsum also sums in the unfused order, so
     fused and unfused draws stay the same tokens."""
-    return x.cumsum(dim=-1)
+    return x.cumsum(dim=-1, dtype=dtype)
 
 
 def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
@@ -191,7 +191,8 @@ def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
 
     ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
     Without a top-k (a python 0) the nucleus is `nucleus_keep`'s: a vocabulary's rows are not sorted (a sort of
-    151k scores a row was most of a sampled step), and ties with the boundary token all stay. With a top-k, ties at the top-k boundary keep the first in sort order;
+    151k scores a row was most of a sampled step), and ties at the boundary keep the first in token order. With a
+    top-k, ties at the top-k boundary keep the first in sort order;
     ``k_cap`` > 0 promises top_k in [1, k_cap] (a step captured for one setting): only the k_cap largest scores
     are ranked then, with the same result. A python top_k > 0 is its own cap; a tensor top_k without a cap
     ranks the whole vocabulary (a sort: the engine's steps pass k_cap, or a python 0).
@@ -224,18 +225,21 @@ SORT_BELOW = 16384  # rows shorter than this find their nucleus through a sort: 
 
 
 def nucleus_keep(scores: torch.Tensor, top_p: Union[float, torch.Tensor]) -> torch.Tensor:
-    """The top-p nucleus of softmax(scores) [..., V] as a mask: {i : mass(p > p_i) < top_p}, which is
-    {i : p_i >= theta} for a per-row threshold theta. Rows of a vocabulary (V >= `SORT_BELOW`) are not sorted:
-    the mass above a threshold falls as it rises, and the int32 bit patterns of non-negative floats are ordered
-    as the floats, so theta is found exactly by bisection on those patterns, 31 steps (the patterns of [0, 1]
-    span 2^30), each a masked sum over the row. Fixed shapes, no host sync, no branch on values: a captured,
-    compiled step runs it. Shorter rows take a sort to the same set.
+    """The top-p nucleus of softmax(scores) [..., V] as a mask: what a stable sort (ties in token-id order) and an
+    exact cumulative sum keep, {i : mass ranked above i < top_p}. Rows of a vocabulary (V >= `SORT_BELOW`) are not
+    sorted: the mass above a threshold falls as it rises, and the int32 bit patterns of non-negative floats are
+    ordered as the floats, so the boundary probability theta is found exactly by bisection on those patterns, 31
+    steps (the patterns of [0, 1] span 2^30), each a masked sum over the row; every token above theta stays, and
+    of the tokens equal to theta the first ones in token order while the mass before each is below top_p (a
+    count, then one integer scan over the row). Fixed shapes, no host sync, no branch on values: a captured,
+    compiled step runs it. Shorter rows take the stable sort itself.
 
     The masses are sums of int64 fixed-point probabilities (floor(p * 2^61)): integer sums do not depend on
     their order, so a compiled step and an eager one (or either path) keep the same set for the same
-    probabilities. Ties at the boundary: every token tied with the last one kept stays (the set is a pure
-    function of the probabilities; an unstable sort kept an arbitrary subset of them). Otherwise the set is
-    the one a sort and a cumulative sum give. Tokens at -inf stay out; a top_p of 1 keeps every token."""
+    probabilities, and each row's set is a function of that row alone. Ties at the boundary are broken by token
+    id, not all kept: keeping every token tied with the boundary made the set's size jump when a one-ulp change
+    of the scores (a row batched with other rows) made or broke a tie there. Tokens at -inf stay out while the
+    mass allows (a top_p of 1 keeps every token)."""
     return nucleus_of_probs(scores.float().softmax(dim=-1), top_p)
 
 
@@ -253,6 +257,7 @@ def nucleus_of_probs(probs: torch.Tensor, top_p: Union[float, torch.Tensor]) -> 
 def _nucleus_by_bisection(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
     lo = torch.full(probs.shape[:-1], -1, dtype=torch.int32, device=probs.device)  # mass above lo >= top_p
     hi = torch.full_like(lo, _ONE_BITS)  # mass above hi (none) < top_p
+    mass_hi = torch.zeros(probs.shape[:-1], dtype=torch.int64, device=probs.device)  # the mass above hi
     for _ in range(31):
         mid = (lo + hi) >> 1  # floor: once hi == lo + 1 it stays there
         # p > float(mid) is bits(p) > mid for mid >= 0; mid -1 is a NaN (nothing above): hi becomes -1, all kept
@@ -260,17 +265,24 @@ def _nucleus_by_bisection(probs: torch.Tensor, fixed: torch.Tensor, want: Union[
         inside = above < want
         hi = torch.where(inside, mid, hi)
         lo = torch.where(inside, lo, mid)
-    return probs >= hi.clamp(min=0).view(torch.float32).unsqueeze(-1)
+        mass_hi = torch.where(inside, above, mass_hi)
+    # theta: the boundary probability (mass above it < top_p <= mass at or above it); of its ties, the first
+    # `take` in token order: the r-th (from 0) has mass_hi + r * theta before it, kept while below top_p
+    theta = hi.clamp(min=0).view(torch.float32).unsqueeze(-1)
+    tied = probs == theta
+    theta_fixed = (theta * _FIXED).to(torch.int64)
+    room = (want - mass_hi).unsqueeze(-1)  # >= 1 wherever theta_fixed > 0
+    take = torch.where(theta_fixed > 0, (room - 1) // theta_fixed.clamp(min=1) + 1, probs.shape[-1])
+    rank = eager_cumsum(tied, dtype=torch.int32)  # 1 for the first tie in token order
+    return (probs > theta) | (tied & (rank <= take))
 
 
 def _nucleus_by_sort(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
-    """The same set through a sort: each token's mass above is the exact prefix sum at the start of its ties."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    """The same set through a stable sort (ties in token order) and the exact prefix sums of the masses."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     sorted_fixed = fixed.gather(-1, order)
     before = eager_cumsum(sorted_fixed) - sorted_fixed  # mass ranked above, exact in integers
-    first = torch.searchsorted(-sorted_probs, -sorted_probs)  # where each token's ties start
-    keep_sorted = before.gather(-1, first) < want
-    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, order, keep_sorted)
+    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, order, before < want)
 
 
 _MASK32 = 0xFFFFFFFF
