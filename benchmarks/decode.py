@@ -8,7 +8,8 @@
 speedup at a given tau), with T=0 exactness checks; rows to docs/bench/decode_speed.json.
 `concurrency`: speedup of speculative over plain decoding against the number of prompts decoded together;
 rows to docs/bench/concurrency.json. `rows`: what one engine step costs against its row count (plain step,
-verify, draft block), with and without the grouped-query fold; rows to docs/bench/decode_rows.json. Each subcommand has its own flags (`decode.py SUBCOMMAND --help`).
+verify, draft block), with and without the grouped-query fold; rows to docs/bench/decode_rows.json. `filter`: the
+sampled steps' top-p filter, sort-free against a sort (a table; rows only with --json). Each subcommand has its own flags (`decode.py SUBCOMMAND --help`).
 """
 
 from __future__ import annotations
@@ -999,11 +1000,127 @@ def main_rows(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+# ====================================================================================================
+# filter
+
+DOC_FILTER = """The sampled steps' top-p filter without a top-k: the sort-free threshold against the sort it replaced.
+
+    python benchmarks/decode.py filter                        # [64, 151936] and [512, 49152] rows, on a CPU
+    python benchmarks/decode.py filter --shapes 512x151936 --device cuda --compile --json OUT.json
+
+For each --shapes ROWSxVOCAB (fp32 scores randn * --scale, top-p --top-p as a 0-d buffer, as a captured step
+reads it): `sampling.filter_scores` (the bisection of `sampling.nucleus_keep`) against a sort of the whole
+vocabulary and a cumulative sum (what filter_scores ran before, kept here as the baseline), the median of --reps
+calls (after one warm-up), eagerly, and with --compile also compiled (torch.compile, dynamic=False: each
+bisection step one fused reduction; the sort stays a library call). `differ`: tokens only one of them keeps (no
+ties in random scores: the float32 cumulative sum's rounding at the boundary, on flat rows). Prints a table; with
+--json appends a row a shape: {"date", "commit", "device", "command", "rows", "vocab", "top_p", "sort_ms",
+"threshold_ms", "sort_compiled_ms", "threshold_compiled_ms", "differ"}.
+"""
+
+
+def build_filter_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="decode.py filter", description=DOC_FILTER,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="64x151936,512x49152", help="comma list of ROWSxVOCAB")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--scale", type=float, default=2.0, help="the scores' spread (randn * scale)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="also time both compiled")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, help="append the rows to this file (none by default)")
+    return p
+
+
+def sorted_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The sort-based nucleus filter `sampling.filter_scores` ran without a top-k before its threshold."""
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    probs = sorted_scores.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, order, ~drop)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _median_ms(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_filter(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row a shape; see DOC_FILTER."""
+    from _common import provenance
+    from nemo_dflash.engine.sampling import filter_scores
+
+    device = torch.device(args.device)
+    top_p = torch.tensor(args.top_p, device=device)
+    rows = []
+    for shape in args.shapes.split(","):
+        n, v = (int(x) for x in shape.split("x"))
+        scores = torch.randn(n, v, generator=torch.Generator().manual_seed(0)).mul(args.scale).to(device)
+        row = {**provenance(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+               "rows": n, "vocab": v, "top_p": args.top_p}
+        differ = int((torch.isinf(filter_scores(scores, top_p)) != torch.isinf(sorted_top_p(scores, top_p))).sum())
+        row["sort_ms"] = _median_ms(lambda: sorted_top_p(scores, top_p), args.reps, device)
+        row["threshold_ms"] = _median_ms(lambda: filter_scores(scores, top_p), args.reps, device)
+        row["sort_compiled_ms"] = row["threshold_compiled_ms"] = None
+        if args.compile:
+            torch._dynamo.reset()
+            old, new = torch.compile(sorted_top_p, dynamic=False), torch.compile(filter_scores, dynamic=False)
+            row["sort_compiled_ms"] = _median_ms(lambda: old(scores, top_p), args.reps, device)
+            row["threshold_compiled_ms"] = _median_ms(lambda: new(scores, top_p), args.reps, device)
+        rows.append({**row, "differ": differ})
+        del scores
+        gc.collect()
+    return rows
+
+
+def filter_table(rows: list[dict[str, Any]]) -> str:
+    def ms(x: Optional[float]) -> str:
+        return f"{x:.1f}" if x is not None else "-"
+
+    lines = [f"{'rows x vocab':>14} {'top-p':>6} {'sort ms':>9} {'threshold ms':>12} {'sort (compiled)':>15} "
+             f"{'threshold (compiled)':>20} {'differ':>6}"]
+    for r in rows:
+        lines.append(f"{r['rows']:>6} x {r['vocab']:<6} {r['top_p']:>6g} {ms(r['sort_ms']):>9} "
+                     f"{ms(r['threshold_ms']):>12} {ms(r['sort_compiled_ms']):>15} "
+                     f"{ms(r['threshold_compiled_ms']):>20} {r['differ']:>6}")
+    return "\n".join(lines)
+
+
+def main_filter(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_filter_parser().parse_args(argv)
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        if any(len(s) != 2 or min(s) < 1 for s in shapes) or not 0 < args.top_p <= 1 or args.reps < 1:
+            raise ValueError
+    except ValueError:
+        print("error: give --shapes as ROWSxVOCAB,..., --top-p in (0, 1] and --reps >= 1", file=sys.stderr)
+        raise SystemExit(2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = measure_filter(args)
+    print(filter_table(rows))
+    if args.json:
+        append_rows(Path(args.json), rows)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from _common import run_subcommands
 
     return run_subcommands("decode.py", __doc__, {"speed": (main_speed, DOC_SPEED), "concurrency": (main_concurrency, DOC_CONCURRENCY),
-                                           "rows": (main_rows, DOC_ROWS)}, argv)
+                                           "rows": (main_rows, DOC_ROWS),
+                                           "filter": (main_filter, DOC_FILTER)}, argv)
 
 
 if __name__ == "__main__":

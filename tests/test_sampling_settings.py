@@ -171,7 +171,7 @@ def test_static_step_with_filters_keeps_the_filtered_distribution():
     q = torch.tensor([[0.05, 0.05, 0.10, 0.10, 0.70], [0.70, 0.10, 0.10, 0.05, 0.05]])
     r = sampled_runner(3, 5, filtered=True)
     r.state.top_p.fill_(0.8)
-    want = SamplingParams(1.0, top_p=0.8).probs(p.log()[:1])[0]  # tokens 0, 1, 2 (0.5 + 0.25 < 0.8)
+    want = torch.tensor([0.50, 0.25, 0.15, 0, 0]) / 0.9  # tokens 0, 1, 2 (0.5 + 0.25 < 0.8)
     n, first = 6000, torch.zeros(5)
     for key in range(n):
         r.state.key.fill_(key * 7919 + 11)
@@ -352,6 +352,30 @@ def test_compiled_sampling_steps_leave_every_scan_to_eager_cumsum():
     torch._dynamo.reset()
 
 
+def test_compiled_nucleus_bisection_has_no_sort_and_keeps_what_eager_keeps(monkeypatch):
+    """The sort-free nucleus (forced here on a short vocabulary) under torch.compile on a CPU: no graph sorts or
+    scans, and the compiled plain step draws what the eager one draws, with the filter keeping the same tokens."""
+    import torch._dynamo
+
+    from nemo_dflash.engine import sampling
+
+    monkeypatch.setattr(sampling, "SORT_BELOW", 0)
+    g = torch.Generator().manual_seed(3)
+    R, V = 4, 300
+    logits, keys, pos = torch.randn(R, V, generator=g) * 3, torch.arange(R) * 5 + 2, torch.arange(R) + 7
+    args = (logits, torch.tensor(1.0), torch.tensor(0.8), torch.tensor(0), keys, pos, True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(sampling.sampled_next_tokens)(*args)
+    code = "\n".join(gr.code for gr in explained.graphs)
+    assert "sort" not in code and "cumsum" not in code and code.count(".sum(") >= 31
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(sampling.sampled_next_tokens, dynamic=False)(*args),
+                       sampling.sampled_next_tokens(*args))
+    keep = torch.compile(sampling.nucleus_keep, dynamic=False)(logits, torch.tensor(0.8))
+    assert torch.equal(keep, sampling.nucleus_keep(logits, torch.tensor(0.8))) and 1 < keep.sum() < R * V
+    torch._dynamo.reset()
+
+
 def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
     """A T=1 run on an H200 hit dynamo's recompile limit on `keyed_draw`: the part after its eager cumsum became a
     frame of its own, compiled again for each row count and grad mode. It runs eagerly: compiling the sampled
@@ -375,6 +399,98 @@ def test_keyed_draw_is_never_a_compiled_frame_of_its_own():
     code = getattr(sampling.keyed_draw, "__wrapped__", sampling.keyed_draw).__code__
     assert _debug_get_cache_entry_list(code) == []
     torch._dynamo.reset()
+
+
+def naive_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
+    """The top-p nucleus of one row of scores, token by token in float64: walk the tokens from the most probable,
+    equal scores in token-id order (a stable sort's), each kept while the mass before it is below top_p."""
+    finite = [(float(s), i) for i, s in enumerate(row.tolist()) if s != float("-inf")]
+    top = max(s for s, _ in finite)
+    z = sum(math.exp(s - top) for s, _ in finite)
+    kept, mass = set(), 0.0
+    for s, i in sorted(finite, key=lambda t: (-t[0], t[1])):
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += math.exp(s - top) / z
+    return kept
+
+
+def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """What `filter_scores` ran without a top-k before its threshold: a sort (stable here: ties in token order)
+    and a cumulative sum (here of the same softmax, in float64: the softmax of a sorted row rounds its last bits
+    otherwise)."""
+    probs, order = scores.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    probs = probs.double()
+    top_p = float(torch.tensor(top_p, dtype=torch.float32))  # as a buffer holds it
+    keep = torch.zeros(scores.shape, dtype=torch.bool).scatter(-1, order, ~(probs.cumsum(-1) - probs >= top_p))
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def nucleus_rows() -> torch.Tensor:
+    """[8, 400] scores: random, random with ties (rounded), masked tokens at -inf, one finite token, a flat row
+    (399 tokens)."""
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(8, 400, generator=g) * 2.5
+    rows[2:4] = (rows[2:4] * 2).round() / 2  # a few dozen distinct values: ties wherever the boundary falls
+    rows[4, torch.rand(400, generator=g) < 0.6] = float("-inf")
+    rows[5, 1:] = float("-inf")
+    rows[6] = 0.0
+    rows[6, 0] = float("-inf")  # flat over 399 tokens: over 400, top-p k/400 is exactly a boundary (floats decide)
+    return rows
+
+
+@pytest.mark.parametrize("path", ["bisection", "sort"])
+def test_nucleus_filter_against_a_naive_nucleus_that_breaks_ties_by_token_id(path, monkeypatch):
+    """`filter_scores` without a top-k (the sort-free bisection on a vocabulary, a sort on short rows) keeps
+    exactly the naive nucleus, ties at the boundary broken by token id, on rows with ties, masked tokens and a
+    flat row, for top-p from tiny to 1, python or 0-d tensor, and on [..., V] scores."""
+    from nemo_dflash.engine import sampling
+
+    monkeypatch.setattr(sampling, "SORT_BELOW", 10**9 if path == "sort" else 0)
+    rows = nucleus_rows()
+    for top_p in (1e-6, 0.05, 0.3, 0.62, 0.9, 0.995, 1.0):
+        want = torch.full(rows.shape, float("-inf"))
+        for r in range(rows.shape[0]):
+            ids = sorted(naive_nucleus(rows[r], top_p))
+            want[r, ids] = rows[r, ids]
+        for given in (top_p, torch.tensor(top_p)):
+            assert torch.equal(filter_scores(rows, given), want), (top_p, given)
+        assert torch.equal(filter_scores(rows.view(2, 4, 400), torch.tensor(top_p)), want.view(2, 4, 400))
+    # a boundary inside a tie: p = (0.2, 0.4, 0.2, 0.1, 0.1) at top-p 0.5 keeps the 0.4 and the first 0.2;
+    # (0.3, 0.175 x 4) at top-p 0.6 keeps two of the four tied tokens, the first two in token order
+    tie = torch.tensor([[0.2, 0.4, 0.2, 0.1, 0.1], [0.175, 0.3, 0.175, 0.175, 0.175]]).log()
+    for row, top_p, want in ((0, 0.5, [True, True, False, False, False]), (1, 0.6, [True, True, True, False, False])):
+        for given in (top_p, torch.tensor(top_p)):
+            assert (~torch.isinf(filter_scores(tie[row:row + 1], given))).tolist() == [want], (row, given)
+        assert (~torch.isinf(sorted_nucleus(tie[row:row + 1], top_p))).tolist() == [want]
+
+
+def test_nucleus_filter_equals_the_sort_it_replaced_without_ties():
+    """Rows without ties, a vocabulary's length (the bisection): the same tokens as a sort and a cumulative sum."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(4, 20000, generator=g) * 4
+    for top_p in (0.01, 0.5, 0.8, 0.95):
+        assert torch.equal(filter_scores(scores, torch.tensor(top_p)), sorted_nucleus(scores, top_p)), top_p
+
+
+def test_the_plain_step_draws_the_nucleus_law_ties_by_token_id(monkeypatch):
+    """The engine's plain sampled step (`sampled_next_tokens`, top-p from a buffer, no top-k) over 20,000 keys,
+    through the bisection: frequencies match the nucleus law written out by hand, of the boundary's tied tokens
+    the first in token order kept (keeping both 0.2s would draw 0.5, 0.25, 0.25)."""
+    from nemo_dflash.engine import sampling
+
+    monkeypatch.setattr(sampling, "SORT_BELOW", 0)
+    n = 20000
+    cases = [([0.4, 0.2, 0.2, 0.1, 0.1], 0.5, [2 / 3, 1 / 3, 0, 0, 0]),
+             ([0.5, 0.25, 0.15, 0.06, 0.04], 0.8, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0, 0])]
+    for p, top_p, law in cases:
+        logits = torch.tensor(p).log().expand(n, 5)
+        draws = sampling.sampled_next_tokens(logits, torch.tensor(1.0), torch.tensor(top_p), torch.tensor(0),
+                                             torch.arange(n) * 7919 + 11, torch.full((n,), 3), True)
+        freq = torch.bincount(draws, minlength=5).float() / n
+        law = torch.tensor(law)
+        assert freq[law == 0].sum() == 0 and (freq - law).abs().max() < 0.015, (p, freq)
 
 
 def test_filter_with_a_top_k_cap_equals_the_full_sort():
@@ -403,3 +519,5 @@ def test_filter_with_a_top_k_cap_equals_the_full_sort():
     state.configure(SamplingParams(0.7, top_p=0.8, top_k=20))
     with pytest.raises(ValueError, match="top-k <= 20"):
         state.configure(SamplingParams(0.7, top_k=50))
+    with pytest.raises(ValueError, match="without top-k"):  # its steps filter by top-p alone
+        SampledStepState(2, torch.device("cpu")).configure(SamplingParams(0.7, top_k=5))

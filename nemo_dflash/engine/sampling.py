@@ -15,6 +15,7 @@ Bottom layer: imports torch only, so every decoder takes its noise and acceptanc
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -155,12 +156,12 @@ def as_sampling(x: Union[float, int, SamplingParams]) -> SamplingParams:
 
 
 @torch.compiler.disable
-def eager_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``x.cumsum(-1)``, always run eagerly, also inside a compiled sampling step (a graph break around it).
+def eager_cumsum(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x.cumsum(-1, dtype=dtype)``, always run eagerly, also inside a compiled sampling step (a graph break).
     Inductor's split scan (long rows, few of them) failed to generate code for the T=1 verify step at 244 x
     49,152 on an H200 (torch 2.11), which then ran unfused; eager cumsum also sums in the unfused order, so
     fused and unfused draws stay the same tokens."""
-    return x.cumsum(dim=-1)
+    return x.cumsum(dim=-1, dtype=dtype)
 
 
 def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
@@ -184,17 +185,23 @@ def topk_ids(logits: torch.Tensor, k: int, block: int = 256) -> torch.Tensor:
 
 def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
                   top_k: Union[int, torch.Tensor] = 0, k_cap: int = 0) -> torch.Tensor:
-    """``scores`` with the tokens outside the top-k, then outside the smallest set of probability >= top-p
-    of what remains (renormalised), set to -inf: the order vLLM and HF apply them in.
+    """``scores`` with the tokens outside the top-k, then outside the nucleus of top-p of what remains
+    (renormalised), set to -inf: the order vLLM and HF apply them in. The nucleus keeps token i when the
+    tokens more probable than i hold less than top-p (the most probable token always stays).
 
     ``top_p`` / ``top_k`` may be 0-d tensors (a captured graph reads them from buffers); top_k 0 is off.
-    Ties at the top-k boundary keep the first in sort order. ``k_cap`` > 0 promises top_k in [1, k_cap] (a step
-    captured for one setting): only the k_cap largest scores are ranked then, not the whole vocabulary (a sort of
-    151k scores a row is a large share of a sampled step), with the same result. A python top_k > 0 is its own cap.
+    Without a top-k (a python 0) the nucleus is `nucleus_keep`'s: a vocabulary's rows are not sorted (a sort of
+    151k scores a row was most of a sampled step), and ties at the boundary keep the first in token order. With a
+    top-k, ties at the top-k boundary keep the first in sort order;
+    ``k_cap`` > 0 promises top_k in [1, k_cap] (a step captured for one setting): only the k_cap largest scores
+    are ranked then, with the same result. A python top_k > 0 is its own cap; a tensor top_k without a cap
+    ranks the whole vocabulary (a sort: the engine's steps pass k_cap, or a python 0).
     """
     if not isinstance(top_p, torch.Tensor) and not isinstance(top_k, torch.Tensor) and top_p >= 1.0 and top_k <= 0:
         return scores
-    cap = top_k if not isinstance(top_k, torch.Tensor) and top_k > 0 else k_cap
+    if not isinstance(top_k, torch.Tensor) and top_k <= 0:
+        return scores.masked_fill(~nucleus_keep(scores, top_p), float("-inf"))
+    cap = top_k if not isinstance(top_k, torch.Tensor) else k_cap
     if 0 < cap < scores.shape[-1]:
         flat = scores.reshape(-1, scores.shape[-1])
         order = topk_ids(flat, cap).view(*scores.shape[:-1], cap)  # largest first
@@ -210,6 +217,73 @@ def filter_scores(scores: torch.Tensor, top_p: Union[float, torch.Tensor] = 1.0,
     drop_sorted = drop_sorted | (before >= top_p)  # the first token always stays (before == 0)
     keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, order, ~drop_sorted)
     return scores.masked_fill(~keep, float("-inf"))
+
+
+_ONE_BITS = 0x3F800000  # the int32 bit pattern of 1.0f: no probability lies above it
+_FIXED = 2.0**61  # the nucleus' masses in int64 units of 2^-61: a row's total (<= ~1) stays far below 2^63
+SORT_BELOW = 16384  # rows shorter than this find their nucleus through a sort: cheaper there than 31 passes
+
+
+def nucleus_keep(scores: torch.Tensor, top_p: Union[float, torch.Tensor]) -> torch.Tensor:
+    """The top-p nucleus of softmax(scores) [..., V] as a mask: what a stable sort (ties in token-id order) and an
+    exact cumulative sum keep, {i : mass ranked above i < top_p}. Rows of a vocabulary (V >= `SORT_BELOW`) are not
+    sorted: the mass above a threshold falls as it rises, and the int32 bit patterns of non-negative floats are
+    ordered as the floats, so the boundary probability theta is found exactly by bisection on those patterns, 31
+    steps (the patterns of [0, 1] span 2^30), each a masked sum over the row; every token above theta stays, and
+    of the tokens equal to theta the first ones in token order while the mass before each is below top_p (a
+    count, then one integer scan over the row). Fixed shapes, no host sync, no branch on values: a captured,
+    compiled step runs it. Shorter rows take the stable sort itself.
+
+    The masses are sums of int64 fixed-point probabilities (floor(p * 2^61)): integer sums do not depend on
+    their order, so a compiled step and an eager one (or either path) keep the same set for the same
+    probabilities, and each row's set is a function of that row alone. Ties at the boundary are broken by token
+    id, not all kept: keeping every token tied with the boundary made the set's size jump when a one-ulp change
+    of the scores (a row batched with other rows) made or broke a tie there. Tokens at -inf stay out while the
+    mass allows (a top_p of 1 keeps every token)."""
+    return nucleus_of_probs(scores.float().softmax(dim=-1), top_p)
+
+
+def nucleus_of_probs(probs: torch.Tensor, top_p: Union[float, torch.Tensor]) -> torch.Tensor:
+    """`nucleus_keep` of the probabilities [..., V] themselves (non-negative, summing to ~1)."""
+    if isinstance(top_p, torch.Tensor):  # a buffer: compared as its float32 value, in fixed point, on the device
+        want, everything = (top_p.float() * _FIXED).to(torch.int64), top_p >= 1.0
+    else:  # rounded to float32 as a buffer would hold it, so that a python top_p keeps the same set
+        want, everything = int(struct.unpack("f", struct.pack("f", top_p))[0] * _FIXED), top_p >= 1.0
+    fixed = (probs * _FIXED).to(torch.int64)
+    by = _nucleus_by_sort if probs.shape[-1] < SORT_BELOW else _nucleus_by_bisection
+    return by(probs, fixed, want) | everything
+
+
+def _nucleus_by_bisection(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
+    lo = torch.full(probs.shape[:-1], -1, dtype=torch.int32, device=probs.device)  # mass above lo >= top_p
+    hi = torch.full_like(lo, _ONE_BITS)  # mass above hi (none) < top_p
+    mass_hi = torch.zeros(probs.shape[:-1], dtype=torch.int64, device=probs.device)  # the mass above hi
+    for _ in range(31):
+        mid = (lo + hi) >> 1  # floor: once hi == lo + 1 it stays there
+        # p > float(mid) is bits(p) > mid for mid >= 0; mid -1 is a NaN (nothing above): hi becomes -1, all kept
+        above = torch.where(probs > mid.view(torch.float32).unsqueeze(-1), fixed, 0).sum(dim=-1)
+        inside = above < want
+        hi = torch.where(inside, mid, hi)
+        lo = torch.where(inside, lo, mid)
+        mass_hi = torch.where(inside, above, mass_hi)
+    # theta: the boundary probability (mass above it < top_p <= mass at or above it); of its ties, the first
+    # `take` in token order: the r-th (from 0) has mass_hi + r * theta before it, kept while below top_p
+    theta = hi.clamp(min=0).view(torch.float32).unsqueeze(-1)
+    tied = probs == theta
+    theta_fixed = (theta * _FIXED).to(torch.int64)
+    room = (want - mass_hi).unsqueeze(-1)  # >= 1 wherever theta_fixed > 0
+    take = torch.where(theta_fixed > 0, (room - 1) // theta_fixed.clamp(min=1) + 1, probs.shape[-1])
+    rank = eager_cumsum(tied, dtype=torch.int32)  # 1 for the first tie in token order
+    return (probs > theta) | (tied & (rank <= take))
+
+
+def _nucleus_by_sort(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
+    """The same set through a stable sort (ties in token order) and the exact prefix sums of the masses."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    sorted_fixed = fixed.gather(-1, order)
+    before = eager_cumsum(sorted_fixed) - sorted_fixed  # mass ranked above, exact in integers
+    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, order, before < want)
+
 
 _MASK32 = 0xFFFFFFFF
 
@@ -318,8 +392,10 @@ def keyed_verify(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, keys
 
 def _scaled(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
             filtered: bool, k_cap: int = 0) -> torch.Tensor:
+    """logits / T, filtered when `filtered`. A step made without a cap (k_cap 0) has no top-k (the runners are made
+    per top-k, `SampledStepState.configure`): its filter is the sort-free nucleus alone."""
     scores = logits.float() * inv_temp
-    return filter_scores(scores, top_p, top_k, k_cap) if filtered else scores
+    return filter_scores(scores, top_p, top_k if k_cap else 0, k_cap) if filtered else scores
 
 
 # The sampled steps of the fixed-shape decoders, each a pure function of tensors (T, top-p and top-k read from

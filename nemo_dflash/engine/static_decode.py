@@ -113,7 +113,7 @@ class SampledStepState:
     the caller's generator), 1/T, top-p and top-k; and the step's sampling math, compiled on a GPU (`fused`; by
     default while `options.fuse_sampling` and `options.fuse_elementwise` hold).
     ``k_cap`` > 0: the steps rank only that many scores for the filters (`sampling.filter_scores`), so every call's
-    top-k must be in [1, k_cap] (the runners are made per top-k)."""
+    top-k must be in [1, k_cap] (the runners are made per top-k); k_cap 0: no top-k, top-p alone, without a sort."""
 
     def __init__(self, rows: int, device: torch.device, fused: Optional[bool] = None, k_cap: int = 0,
                  options: EngineOptions = DEFAULT_OPTIONS) -> None:
@@ -128,6 +128,8 @@ class SampledStepState:
         """A call's setting into the buffers (each row's key is set as its prompt enters)."""
         if self.k_cap and not 0 < sampling.top_k <= self.k_cap:
             raise ValueError(f"a step made for top-k <= {self.k_cap} was given top_k={sampling.top_k}")
+        if not self.k_cap and sampling.top_k:
+            raise ValueError(f"a step made without top-k was given top_k={sampling.top_k}; make it with k_cap")
         self.inv_temp.fill_(1.0 / sampling.temperature)
         self.top_p.fill_(sampling.top_p)
         self.top_k.fill_(sampling.top_k)
