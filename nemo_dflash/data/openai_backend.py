@@ -36,9 +36,7 @@ from http.client import HTTPException
 from typing import Any, Callable, Iterable, Iterator, NoReturn, Optional, Sequence
 
 from nemo_dflash.data.loops import LoopDetector
-from nemo_dflash.data.regenerate import (
-    AFTER_CUT, CAPPED_POLICIES, LOOP_POLICIES, SCHEDULES, TURNS, RegenStats, SourceMix, _Regeneration,
-)
+from nemo_dflash.data.regenerate import RegenSettings, _Regeneration
 from nemo_dflash.engine.plain import Completion, Request
 from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 
@@ -422,45 +420,20 @@ def regenerate_on_server(
     tokenizer: Any,
     conversations: Iterable[Any],
     *,
-    max_new_tokens: int = 512,
-    sampling: SamplingParams = GREEDY,
-    batch_size: int = 8,
-    turns: str = "first",
-    seed: int = 0,
-    max_prompt_tokens: Optional[int] = None,
-    loops: str = "cut",
-    capped: str = "keep",
-    after_cut: str = "end",
-    loop_detector: Optional[LoopDetector] = None,
-    stats: Optional[RegenStats] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
-    prepare_ahead: int = 0,
-    schedule: str = "most_turns_first",
-    mix: Optional[SourceMix] = None,
-    **_engine_only: Any,
+    engine: Any = None,
+    reuse_slots: Any = None,
+    **settings: Any,
 ) -> Iterator[dict[str, Any]]:
     """:func:`~nemo_dflash.data.regenerate.regenerate_conversations` with the answers from ``server``:
-    the same arguments mean the same (``batch_size`` is the requests in flight), the same records.
-    The engine's own arguments (``engine``, ``reuse_slots``) are accepted and unused."""
-    if turns not in TURNS or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES or after_cut not in AFTER_CUT \
-            or schedule not in SCHEDULES:
-        raise ValueError(f"need turns in {TURNS}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, after_cut in "
-                         f"{AFTER_CUT}, schedule in {SCHEDULES}")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be >= 1")
-    stats = stats if stats is not None else RegenStats()
-    detector = loop_detector or LoopDetector()
-    gen = ServerEngine(server.endpoint, tokenizer, concurrency=batch_size, max_new_tokens=max_new_tokens,
-                       sampling=sampling, seed=seed, stop_ids=server.stop_ids,
-                       loop_detector=detector, stop_on_loop=loops != "keep", fidelity=server.fidelity,
+    the same settings (:class:`~nemo_dflash.data.regenerate.RegenSettings`) mean the same (``batch_size`` is the
+    requests in flight), the same records. The engine's own arguments (``engine``, ``reuse_slots``) are accepted and
+    unused."""
+    s = RegenSettings(**settings)
+    gen = ServerEngine(server.endpoint, tokenizer, concurrency=s.batch_size, max_new_tokens=s.max_new_tokens,
+                       sampling=s.sampling, seed=s.seed, stop_ids=server.stop_ids,
+                       loop_detector=s.loop_detector, stop_on_loop=s.loops != "keep", fidelity=server.fidelity,
                        reasoning=getattr(tokenizer, "reasoning", None))
-    if max_prompt_tokens is None:
-        max_prompt_tokens = max((server.context or 4096) - max_new_tokens, 1)
-    run = _ServerRegeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,
-                              max_prompt_tokens=max_prompt_tokens, loops=loops, drop_capped=capped == "drop",
-                              after_cut=after_cut, prepare_ahead=prepare_ahead, stats=stats, progress=progress,
-                              should_stop=should_stop, mix=mix)
+    run = _ServerRegeneration(gen, tokenizer, conversations, s, s.prompt_budget(server.context))
     return run.records()
 
 

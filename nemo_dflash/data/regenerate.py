@@ -331,41 +331,67 @@ class _FirstTurnProducer:
                            PREPARE_THREAD_NAME, timeout)
 
 
-def _check_arguments(*, turns: str, engine: str, loops: str, capped: str, after_cut: str, batch_size: int,
-                     max_new_tokens: int, sampling: Any, schedule: str, prepare_ahead: int) -> None:
-    """`regenerate_conversations`' arguments, refused at the call (before the generator starts)."""
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    if (engine not in ENGINES or loops not in LOOP_POLICIES or capped not in CAPPED_POLICIES
-            or after_cut not in AFTER_CUT):
-        raise ValueError(f"need engine in {ENGINES}, loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, "
-                         f"after_cut in {AFTER_CUT}")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be >= 1")
-    if not isinstance(sampling, SamplingParams):  # its own checks ran when it was made
-        raise ValueError(f"sampling must be a SamplingParams (got {sampling!r}): build one from the temperature")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if prepare_ahead < 0:
-        raise ValueError(f"prepare_ahead must be >= 0, got {prepare_ahead}")
+@dataclass
+class RegenSettings:
+    """The keyword arguments `regenerate_conversations` and `openai_backend.regenerate_on_server` share: what each
+    answer is asked for, what happens to it, and the run's hooks. One list and one set of defaults for both; the
+    fields are checked when it is made, at the call, before any conversation is read."""
+
+    max_new_tokens: int = 512
+    sampling: SamplingParams = GREEDY
+    batch_size: int = 8  # answers in flight (the engine's rows, a server's requests)
+    turns: str = "first"
+    seed: int = 0
+    max_prompt_tokens: Optional[int] = None  # None: the target's context less max_new_tokens
+    loops: str = "cut"
+    capped: str = "keep"
+    after_cut: str = "end"
+    loop_detector: Optional[LoopDetector] = None
+    stats: Optional[RegenStats] = None
+    progress: Optional[Callable[[int, int], None]] = None
+    should_stop: Optional[Callable[[], bool]] = None
+    prepare_ahead: int = 0
+    schedule: str = "most_turns_first"
+    mix: Optional[SourceMix] = None
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURNS:
+            raise ValueError(f"turns must be one of {TURNS}, got {self.turns!r}")
+        if self.loops not in LOOP_POLICIES or self.capped not in CAPPED_POLICIES or self.after_cut not in AFTER_CUT:
+            raise ValueError(f"need loops in {LOOP_POLICIES}, capped in {CAPPED_POLICIES}, after_cut in {AFTER_CUT}")
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("batch_size and max_new_tokens must be >= 1")
+        if not isinstance(self.sampling, SamplingParams):  # its own checks ran when it was made
+            raise ValueError(f"sampling must be a SamplingParams (got {self.sampling!r}): build one from the temperature")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.prepare_ahead < 0:
+            raise ValueError(f"prepare_ahead must be >= 0, got {self.prepare_ahead}")
+        self.stats = self.stats if self.stats is not None else RegenStats()
+        self.loop_detector = self.loop_detector or LoopDetector()
+
+    def prompt_budget(self, context: Optional[int]) -> int:
+        """max_prompt_tokens, else what the target's context (4096 when unknown) leaves beside an answer."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        return max((context or 4096) - self.max_new_tokens, 1)
 
 
-def _answer_engine(model: Any, tokenizer: Any, engine: str, *, batch_size: int, max_prompt_tokens: int,
-                   max_new_tokens: int, sampling: SamplingParams, seed: int, detector: LoopDetector, loops: str,
+def _answer_engine(model: Any, tokenizer: Any, engine: str, s: RegenSettings, max_prompt_tokens: int,
                    reuse_slots: bool) -> Any:
     """The engine the answers are decoded on: the decoding engine's rows (`continuous`), or `model.generate`
     batch after batch (`generate`)."""
     stop_ids = stop_token_ids(model, tokenizer)
     if engine == "continuous":
         return PlainEngine(
-            model, rows=batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, sampling=sampling, seed=seed, loop_detector=detector,
-            stop_on_loop=loops != "keep", reuse_rows=reuse_slots,
+            model, rows=s.batch_size, max_prompt_tokens=max_prompt_tokens, max_new_tokens=s.max_new_tokens,
+            stop_ids=stop_ids, sampling=s.sampling, seed=s.seed, loop_detector=s.loop_detector,
+            stop_on_loop=s.loops != "keep", reuse_rows=reuse_slots,
         )
     return BatchedGenerateEngine(
-        model, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-        pad_id=_pad_id(tokenizer, stop_ids), sampling=sampling, seed=seed,
-        loop_detector=detector,
+        model, batch_size=s.batch_size, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
+        pad_id=_pad_id(tokenizer, stop_ids), sampling=s.sampling, seed=s.seed,
+        loop_detector=s.loop_detector,
     )
 
 
@@ -374,24 +400,9 @@ def regenerate_conversations(
     tokenizer: Any,
     conversations: Iterable[ConversationLike],
     *,
-    max_new_tokens: int = 512,
-    sampling: SamplingParams = GREEDY,
-    batch_size: int = 8,
-    turns: str = "first",
-    seed: int = 0,
-    max_prompt_tokens: Optional[int] = None,
     engine: str = "continuous",
-    loops: str = "cut",
-    capped: str = "keep",
-    after_cut: str = "end",
-    loop_detector: Optional[LoopDetector] = None,
     reuse_slots: bool = True,
-    stats: Optional[RegenStats] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
-    prepare_ahead: int = 0,
-    schedule: str = "most_turns_first",
-    mix: Optional[SourceMix] = None,
+    **settings: Any,
 ) -> Iterator[dict[str, Any]]:
     """Yield ``{"messages", "finish_reason"[, "source"]}`` per conversation, as conversations end.
 
@@ -432,20 +443,12 @@ def regenerate_conversations(
     supervised tokens, so a run stopped by ``should_stop`` keeps the mix asked for.
 
 """
-    _check_arguments(turns=turns, engine=engine, loops=loops, capped=capped, after_cut=after_cut,
-                     batch_size=batch_size, max_new_tokens=max_new_tokens, sampling=sampling, schedule=schedule,
-                     prepare_ahead=prepare_ahead)
-    stats = stats if stats is not None else RegenStats()
-    if max_prompt_tokens is None:
-        context = getattr(model.config, "max_position_embeddings", None) or 4096
-        max_prompt_tokens = max(context - max_new_tokens, 1)
-    gen = _answer_engine(model, tokenizer, engine, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                         detector=loop_detector or LoopDetector(), loops=loops, reuse_slots=reuse_slots)
-    run = _Regeneration(gen, tokenizer, conversations, turns=turns, schedule=schedule, batch_size=batch_size,
-                        max_prompt_tokens=max_prompt_tokens, loops=loops, drop_capped=capped == "drop",
-                        after_cut=after_cut, prepare_ahead=prepare_ahead, stats=stats, progress=progress,
-                        should_stop=should_stop, mix=mix)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    run_settings = RegenSettings(**settings)
+    max_prompt = run_settings.prompt_budget(getattr(model.config, "max_position_embeddings", None))
+    gen = _answer_engine(model, tokenizer, engine, run_settings, max_prompt, reuse_slots)
+    run = _Regeneration(gen, tokenizer, conversations, run_settings, max_prompt)
     return run.records()
 
 
@@ -453,16 +456,13 @@ class _Regeneration:
     """One `regenerate_conversations` call: the conversations waiting for a slot, and what happens to
     each answer as it ends (kept, cut or dropped; the next turn asked, or the conversation's record)."""
 
-    def __init__(self, gen: Any, tokenizer: Any, conversations: Iterable[ConversationLike], *, turns: str,
-                 schedule: str, batch_size: int, max_prompt_tokens: int, loops: str, drop_capped: bool,
-                 after_cut: str, prepare_ahead: int, stats: RegenStats,
-                 progress: Optional[Callable[[int, int], None]], should_stop: Optional[Callable[[], bool]],
-                 mix: Optional[SourceMix] = None) -> None:
+    def __init__(self, gen: Any, tokenizer: Any, conversations: Iterable[ConversationLike], s: RegenSettings,
+                 max_prompt_tokens: int) -> None:
         self.gen, self.tokenizer, self.conversations = gen, tokenizer, conversations
-        self.turns, self.schedule, self.batch_size = turns, schedule, batch_size
-        self.max_prompt_tokens, self.prepare_ahead = max_prompt_tokens, prepare_ahead
-        self.loops, self.drop_capped, self.after_cut = loops, drop_capped, after_cut
-        self.stats, self.progress, self.should_stop, self.mix = stats, progress, should_stop, mix
+        self.turns, self.schedule, self.batch_size = s.turns, s.schedule, s.batch_size
+        self.max_prompt_tokens, self.prepare_ahead = max_prompt_tokens, s.prepare_ahead
+        self.loops, self.drop_capped, self.after_cut = s.loops, s.capped == "drop", s.after_cut
+        self.stats, self.progress, self.should_stop, self.mix = s.stats, s.progress, s.should_stop, s.mix
         self.specials = special_token_strings(tokenizer)
         self.pending: collections.deque[Request] = collections.deque()
         self.producer: Optional[_FirstTurnProducer] = None
