@@ -177,19 +177,19 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
 
     target, data = tiny_assets
     full, part = tmp_path / "full", tmp_path / "part"
-    main(_args(target, data, full, "train.max_steps=8"))
-    main(_args(target, data, part, "train.max_steps=8", "train.max_minutes=0.0", "checkpoint.every_steps=100"))
+    main(_args(target, data, full, "train.max_steps=4"))
+    main(_args(target, data, part, "train.max_steps=4", "train.max_minutes=0.0", "checkpoint.every_steps=100"))
     # max_minutes=0 stops after the first step with a checkpoint; resume finishes the run.
     assert [s for s, _ in _losses(part)] == [1]
     with open(part / "metrics.jsonl", "a") as f:  # a row logged after the checkpoint, then killed
-        f.write(json.dumps({"step": 5, "loss": 123.0, "tokens": 1.0}) + "\n")
-    main(_args(target, data, part, "train.max_steps=8"))
+        f.write(json.dumps({"step": 3, "loss": 123.0, "tokens": 1.0}) + "\n")
+    main(_args(target, data, part, "train.max_steps=4"))
     assert _losses(part) == _losses(full)  # bit-identical losses after resume on CPU, no row twice
     # A different block size or mask token is refused: one line, exit 2, the run's config.yaml untouched.
     config = (part / "config.yaml").read_text()
     for bad in ("draft.block_size=5", "draft.mask_token_id=151670"):
         with pytest.raises(SystemExit) as exc:
-            main(_args(target, data, part, "train.max_steps=9", bad))
+            main(_args(target, data, part, "train.max_steps=5", bad))
         assert exc.value.code == 2
         assert "Refusing to resume" in capsys.readouterr().err
         assert (part / "config.yaml").read_text() == config
