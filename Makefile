@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml requirements/assets.txt $(CONSTRAINTS)
 
 # Two pytest processes (pytest-xdist), each test file in one of them, one torch thread each: the suite's
 # multi-process tests (torchrun, gloo) leave a core idle most of their time. TEST_WORKERS=0 runs in one process.
+# Files go out in tests/conftest.py's order (the minutes-long ones first), not xdist's (most tests first).
 TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PYTEST) tests

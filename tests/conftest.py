@@ -25,8 +25,22 @@ _SLOW = frozenset(line.strip() for line in Path(__file__).with_name("slow.txt").
                   if line.strip() and not line.startswith("#"))
 
 
+# The files that run for minutes (multi-process trainings, benchmarks end to end), longest first: `make test` hands
+# whole files to its two workers in collection order, and one of these started last would leave the other worker
+# idle while it runs. A file missing from here only starts later; a stale entry costs nothing.
+LONGEST_FIRST = ("tests/test_distributed.py", "tests/test_eval_replay.py", "tests/test_train.py",
+                 "tests/test_pipeline.py", "tests/test_regenerate_sources.py", "tests/test_evaluate.py",
+                 "tests/test_dflash2.py", "tests/test_sampling_settings.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests tests/slow.txt lists `slow`: `make test-fast` (-m "not slow") leaves them to `make test`."""
+    """Mark the tests tests/slow.txt lists `slow`: `make test-fast` (-m "not slow") leaves them to `make test`.
+    Then the files of LONGEST_FIRST first, the others by their number of tests, most first (the order xdist's
+    --dist loadfile would pick; the Makefile turns its own reordering off so that this one holds)."""
     for item in items:
         if item.nodeid in _SLOW:
             item.add_marker(pytest.mark.slow)
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    rank = {f: (LONGEST_FIRST.index(f) if f in LONGEST_FIRST else len(LONGEST_FIRST), -count[f]) for f in count}
+    items[:] = [item for _, item in sorted(zip(files, items), key=lambda p: rank[p[0]])]

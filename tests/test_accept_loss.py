@@ -299,19 +299,19 @@ def test_training_on_the_term_raises_the_accept_probability():
 
 def test_train_command_with_the_term_on_logs_its_accept_probability(tmp_path):
     """The `train` command end to end on the tiny target with `loss.accept_weight` on: every logged step and
-    held-out evaluation carries `accept_prob` / `eval_accept_prob`."""
+    held-out evaluation carries `accept_prob` / `eval_accept_prob` (two steps, one held-out batch an evaluation)."""
     from _tiny_target import make_tiny_target_dir, tiny_train_args, write_chat_jsonl
     from nemo_dflash.recipes.train import main
 
     target, data = make_tiny_target_dir(tmp_path / "assets"), write_chat_jsonl(tmp_path / "chat.jsonl", n=24)
     out = tmp_path / "run"
-    main(tiny_train_args(target, data, out, "train.max_steps=3", "train.eval_every=3", "loss.accept_weight=0.5",
-                         "loss.distill_weight=0.25", "loss.accept_temperature=0.7"))
+    main(tiny_train_args(target, data, out, "train.max_steps=2", "train.eval_every=2", "train.eval_batches=1",
+                         "loss.accept_weight=0.5", "loss.distill_weight=0.25", "loss.accept_temperature=0.7"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    assert len(steps) == 3 and all(0 < r["accept_prob"] <= 1 and math.isfinite(r["loss"]) for r in steps)
-    assert [r["step"] for r in evals] == [0, 3] and all(0 < r["eval_accept_prob"] <= 1 for r in evals)
+    assert len(steps) == 2 and all(0 < r["accept_prob"] <= 1 and math.isfinite(r["loss"]) for r in steps)
+    assert [r["step"] for r in evals] == [0, 2] and all(0 < r["eval_accept_prob"] <= 1 for r in evals)
 
 
 # ----------------------------------------------------------------------------- the recipe keys

@@ -67,8 +67,10 @@ def _trainings(nproc: int, root: Path, target, data, runs: dict[str, tuple]) -> 
     return {name: root / name for name in runs}
 
 
-COMMON = ("train.max_steps=4",)
-FUSED = ("train.max_steps=4", "optim.fused=true")
+# three steps: the losses of steps 2 and 3 follow one and two synchronised updates (the second uses the optimizer
+# state the first left on each rank or shard)
+COMMON = ("train.max_steps=3",)
+FUSED = ("train.max_steps=3", "optim.fused=true")
 # a DFlash2 draft (block convolution and candidate selector) on the tiny target (hidden 32)
 DFLASH2 = ("draft.kind=dflash2", "draft.dflash2.selector_rank=16", "draft.dflash2.selector_top_k=8")
 
@@ -79,7 +81,6 @@ def one_process(assets, tmp_path_factory) -> dict[str, Path]:
     return _trainings(1, tmp_path_factory.mktemp("one_process"), *assets, {
         "single": (*COMMON, "train.micro_batch_size=4", "distributed.strategy=none"),
         "accum": (*COMMON, "train.micro_batch_size=2", "train.grad_accum=2"),
-        "single_fused": (*FUSED, "train.micro_batch_size=4", "distributed.strategy=none"),
         "single_v2": (*COMMON, *DFLASH2, "train.micro_batch_size=4", "distributed.strategy=none"),
     })
 
@@ -117,7 +118,7 @@ def test_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
     single = _losses(one_process["single"])
     for name in ("ddp", "fsdp2", "fsdp2_shard"):
         got = _losses(two_ranks[name])
-        assert sorted(got) == [1, 2, 3, 4]
+        assert sorted(got) == [1, 2, 3]
         for step, loss in single.items():
             assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (name, step)
     # the global batch split over micro-steps instead of ranks gives the same losses too
@@ -137,7 +138,7 @@ def test_dflash2_ddp_and_fsdp2_match_single_process(one_process, two_ranks):
     assert single != _losses(one_process["single"])  # the variant is on: other losses than DFlash-1's
     for name in ("ddp_v2", "fsdp2_v2"):
         got = _losses(two_ranks[name])
-        assert sorted(got) == [1, 2, 3, 4]
+        assert sorted(got) == [1, 2, 3]
         for step, loss in single.items():
             assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (name, step)
 
@@ -152,7 +153,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
-KILL_ARGS = ("train.max_steps=10", "train.micro_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
+KILL_ARGS = ("train.max_steps=8", "train.micro_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +189,11 @@ def test_sigkill_then_resume_matches_uninterrupted(assets, uninterrupted, tmp_pa
 
 
 def test_ddp_lagged_loop_matches_single_process_and_stops_together(one_process, two_ranks):
-    """With a fused AdamW each rank launches step n+1 before reading step n. Two ranks give the
-    single process's losses, and a stop voted in step 1 (the time limit) ends both ranks after step
+    """With a fused AdamW each rank launches step n+1 before reading step n. Two ranks give the losses of the
+    single process that reads every step (the unfused AdamW's: the same figures on CPU), and a stop voted in step 1 (the time limit) ends both ranks after step
     2: no rank waits in a collective the other never joins."""
-    single, got = _losses(one_process["single_fused"]), _losses(two_ranks["ddp_fused"])
-    assert sorted(got) == [1, 2, 3, 4]
+    single, got = _losses(one_process["single"]), _losses(two_ranks["ddp_fused"])
+    assert sorted(got) == [1, 2, 3]
     for step, loss in single.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
     out = two_ranks["ddp_fused_stopped"]

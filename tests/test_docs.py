@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,19 +68,40 @@ def test_readme_commands_are_read_from_its_bash_blocks():
                                                [sys.executable, "benchmarks/b.py", "sub", "--help"], None]
 
 
-def test_every_readme_command_runs_with_help():
-    """Each command the README shows starts: its `--help` exits 0 and prints a usage (all at once, one process
-    each); each `make` target it shows is one the Makefile defines."""
+def _help_in_process(argv: tuple[str, ...], monkeypatch, capsys) -> tuple[object, str]:
+    """`python -m M --help` in this process (runpy runs M as `__main__`, as `-m` does): its exit code and stdout."""
+    module = argv[argv.index("-m") + 1]
+    capsys.readouterr()
+    with monkeypatch.context() as m, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules": this process imported M before
+        m.setattr(sys, "argv", [module, *argv[argv.index("-m") + 2:]])
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code or 0, capsys.readouterr().out
+
+
+def test_every_readme_command_runs_with_help(monkeypatch, capsys):
+    """Each command the README shows starts: its `--help` exits 0 and prints a usage; each `make` target it shows is
+    one the Makefile defines. The `python -m` commands run in this process (no interpreter start-up and torch import
+    each), the pipeline's also in a process of its own (a fresh interpreter, as a user starts it), and the
+    scripts in processes of their own, all at once."""
     commands = readme_commands(README.read_text())
     targets = set(re.findall(r"(?m)^([\w-]+):", (REPO / "Makefile").read_text()))
     assert {c[1] for c in commands if c[0] == "make"} <= targets
-    runs = {tuple(a) for a in map(help_argv, commands) if a}
+    runs = sorted({tuple(a) for a in map(help_argv, commands) if a})
     assert any("nemo_dflash.recipes.pipeline" in a for a in runs) and len(runs) >= 5, runs
+    modules = [a for a in runs if "-m" in a]
+    fresh = [a for a in modules if "nemo_dflash.recipes.pipeline" in a]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = {a: subprocess.Popen(list(a), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a in sorted(runs)}
-    failed = {" ".join(argv[1:]): (rc, err[-1500:]) for argv, (rc, out, err) in communicate_all(procs, 300).items()
-              if rc != 0 or "usage:" not in out}
+             for a in [*fresh, *(a for a in runs if "-m" not in a)]}
+    failed = {" ".join(argv[1:]): (code, out[-1500:]) for argv in modules
+              for code, out in [_help_in_process(argv, monkeypatch, capsys)] if code != 0 or "usage:" not in out}
+    failed.update({" ".join(argv[1:]) + " (a process)": (rc, err[-1500:])
+                   for argv, (rc, out, err) in communicate_all(procs, 300).items() if rc != 0 or "usage:" not in out})
     assert not failed, failed
 
 

@@ -137,6 +137,14 @@ def sequential(target, tokenizer, draft, settings, items):
     return [dec.run(p) for p in items]
 
 
+@pytest.fixture(scope="module")
+def reference(case, tokenizer):
+    """The sequential decoder's answers to prompts() on the case (read only): decoded once for the tests that
+    compare a replay of the same prompts with them."""
+    target, draft, settings = case
+    return sequential(target, tokenizer, draft, settings, prompts())
+
+
 def replayed(target, tokenizer, draft, settings, items):
     return [answers for _, answers in ReplayEvaluator(target, tokenizer, draft, settings).run(items)]
 
@@ -145,10 +153,9 @@ def _fields(a):
     return (a.id, a.turn, a.output_ids, a.acceptance_lengths, a.stopped, a.loop_start, a.prompt_ids)
 
 
-def test_replay_equals_sequential(case, tokenizer):
+def test_replay_equals_sequential(case, tokenizer, reference):
     target, draft, settings = case
-    items = prompts()
-    ref = sequential(target, tokenizer, draft, settings, items)
+    items, ref = prompts(), reference
     got = replayed(target, tokenizer, draft, settings, items)
     assert [[_fields(a) for a in conv] for conv in got] == [[_fields(a) for a in conv] for conv in ref]
     answers = [a for conv in ref for a in conv]
@@ -174,11 +181,10 @@ def test_smaller_block_than_trained(case, tokenizer):
 
 
 @pytest.mark.parametrize("how", ["anchor_shift", "kept_length", "no_continuation", "context_leak"])
-def test_a_perturbed_replay_is_caught(case, tokenizer, monkeypatch, how):
+def test_a_perturbed_replay_is_caught(case, tokenizer, reference, monkeypatch, how):
     """Each perturbation of the walk or the draft forward changes some answer's figures (or fails)."""
     target, draft, settings = case
-    items = prompts()
-    ref = sequential(target, tokenizer, draft, settings, items)
+    items, ref = prompts(), reference
     if how == "anchor_shift":  # the block drafted from the next anchor
         real = ReplayEvaluator.draft_tokens
         monkeypatch.setattr(ReplayEvaluator, "draft_tokens", lambda self, t: real(self, t)[1:] + [[]])

@@ -177,19 +177,19 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
 
     target, data = tiny_assets
     full, part = tmp_path / "full", tmp_path / "part"
-    main(_args(target, data, full, "train.max_steps=8"))
-    main(_args(target, data, part, "train.max_steps=8", "train.max_minutes=0.0", "checkpoint.every_steps=100"))
+    main(_args(target, data, full, "train.max_steps=4"))
+    main(_args(target, data, part, "train.max_steps=4", "train.max_minutes=0.0", "checkpoint.every_steps=100"))
     # max_minutes=0 stops after the first step with a checkpoint; resume finishes the run.
     assert [s for s, _ in _losses(part)] == [1]
     with open(part / "metrics.jsonl", "a") as f:  # a row logged after the checkpoint, then killed
-        f.write(json.dumps({"step": 5, "loss": 123.0, "tokens": 1.0}) + "\n")
-    main(_args(target, data, part, "train.max_steps=8"))
+        f.write(json.dumps({"step": 3, "loss": 123.0, "tokens": 1.0}) + "\n")
+    main(_args(target, data, part, "train.max_steps=4"))
     assert _losses(part) == _losses(full)  # bit-identical losses after resume on CPU, no row twice
     # A different block size or mask token is refused: one line, exit 2, the run's config.yaml untouched.
     config = (part / "config.yaml").read_text()
     for bad in ("draft.block_size=5", "draft.mask_token_id=151670"):
         with pytest.raises(SystemExit) as exc:
-            main(_args(target, data, part, "train.max_steps=9", bad))
+            main(_args(target, data, part, "train.max_steps=5", bad))
         assert exc.value.code == 2
         assert "Refusing to resume" in capsys.readouterr().err
         assert (part / "config.yaml").read_text() == config
@@ -197,12 +197,13 @@ def test_resume_is_exact_and_refuses_mismatch(tiny_assets, tmp_path, capsys):
 
 def test_distillation_recipe_default_trains_and_resumes_exactly_with_the_sampled_metric(tiny_assets, tmp_path):
     """The GPU recipes' loss (distillation, weight 1) with the held-out sampled acceptance on: a run cut after
-    one step and resumed logs the uninterrupted run's losses and held-out figures, bit for bit on CPU."""
+    one step and resumed logs the uninterrupted run's losses and held-out figures, bit for bit on CPU (four steps,
+    one held-out batch an evaluation: the resumed run evaluates at steps 2 and 4)."""
     from nemo_dflash.recipes.train import main
 
     target, data = tiny_assets
     full, part = tmp_path / "full", tmp_path / "part"
-    extra = ("train.max_steps=6", "loss.distill_weight=1.0", "train.eval_every=3")
+    extra = ("train.max_steps=4", "loss.distill_weight=1.0", "train.eval_every=2", "train.eval_batches=1")
     main(_args(target, data, full, *extra))
     main(_args(target, data, part, *extra, "train.max_minutes=0.0", "checkpoint.every_steps=100"))
     main(_args(target, data, part, *extra))
@@ -213,7 +214,7 @@ def test_distillation_recipe_default_trains_and_resumes_exactly_with_the_sampled
         return [(r["step"], r["eval_sampled_accept_len"], r["eval_sampled_accept_len_greedy_draft"])
                 for r in rows if "eval_sampled_accept_len" in r]
 
-    assert [s for s, *_ in evals(full)] == [0, 3, 6]
+    assert [s for s, *_ in evals(full)] == [0, 2, 4]
     assert evals(part)[-1] == evals(full)[-1]
     assert all(1.0 <= x <= 4.0 for _, a, b in evals(full) for x in (a, b))  # block 4: 1..4 tokens a step
 
@@ -221,14 +222,15 @@ def test_distillation_recipe_default_trains_and_resumes_exactly_with_the_sampled
 def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
     """With a fused AdamW the loop launches step n+1 before reading step n (GPUs: no idle gap
     between steps). Same losses and weights as reading every step at once; a stop voted in step
-    n ends the run after step n+1, and resuming from there is exact."""
+    n ends the run after step n+1, and resuming from there is exact (one held-out batch an evaluation)."""
     import nemo_dflash.train.trainer as trainer_mod
     from nemo_dflash.recipes.train import main
     from safetensors.torch import load_file
 
     target, data = tiny_assets
     lag, sync, part = tmp_path / "lag", tmp_path / "sync", tmp_path / "part"
-    common = ("train.max_steps=8", "optim.fused=true", "train.eval_every=4", "checkpoint.every_steps=3")
+    common = ("train.max_steps=6", "optim.fused=true", "train.eval_every=3", "checkpoint.every_steps=4",
+              "train.eval_batches=1")
     main(_args(target, data, lag, *common))
 
     class ReadEveryStep(trainer_mod.TrainStep):
@@ -238,9 +240,9 @@ def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets,
     with monkeypatch.context() as m:
         m.setattr(trainer_mod, "TrainStep", ReadEveryStep)
         main(_args(target, data, sync, *common))
-    assert len(_losses(lag)) == 8 and _losses(lag) == _losses(sync)
+    assert len(_losses(lag)) == 6 and _losses(lag) == _losses(sync)
     evals = lambda out: [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
-    assert [r["step"] for r in evals(lag)] == [0, 4, 8] and evals(lag) == evals(sync)  # one row a step
+    assert [r["step"] for r in evals(lag)] == [0, 3, 6] and evals(lag) == evals(sync)  # one row a step
     assert sorted(p.name for p in (lag / "checkpoints").iterdir()) == sorted(p.name for p in (sync / "checkpoints").iterdir())
     a, b = (load_file(out / "final" / "draft" / "model.safetensors") for out in (lag, sync))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -248,7 +250,7 @@ def test_lagged_loop_equals_the_synchronous_one_and_resumes_exactly(tiny_assets,
     main(_args(target, data, part, *common[:2], "train.max_minutes=0.0", "checkpoint.every_steps=100"))
     assert [s for s, _ in _losses(part)] == [1, 2]  # step 1's stop vote is read once step 2 is launched
     main(_args(target, data, part, *common[:2]))
-    assert _losses(part) == _losses(lag)[:8]
+    assert _losses(part) == _losses(lag)
 
 
 def test_refused_loader_state_is_refused_before_resumed_is_logged(tiny_assets, tmp_path, capsys, caplog,
