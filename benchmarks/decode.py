@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder, autoregressive_generate, check_decode_mode  # noqa: E402
 from nemo_dflash.engine import batched_static, graphs, static_decode  # noqa: E402
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions  # noqa: E402
-from nemo_dflash.engine.sampling import GREEDY  # noqa: E402
+from nemo_dflash.engine.sampling import GREEDY, SamplingParams, check_sampling  # noqa: E402
 from nemo_dflash.evaluation.loop_figures import no_loop_figures  # noqa: E402
 from nemo_dflash.engine.spec_decode import crop_dynamic_cache  # noqa: E402
 from nemo_dflash.draft.model import DFlashContextCache  # noqa: E402
@@ -191,12 +191,14 @@ def eager_parts(dec: DFlashSpeculativeDecoder, ids: torch.Tensor, reps: int) -> 
 
 
 def graph_parts(dec: DFlashSpeculativeDecoder, target: torch.nn.Module, plen: int, reps: int,
-                positions: tuple[int, ...] = (), options: EngineOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
+                positions: tuple[int, ...] = (), options: EngineOptions = DEFAULT_OPTIONS,
+                sampling: SamplingParams = GREEDY) -> dict[str, Any]:
     """The captured verify and draft graphs (and the plain 1-token graph), each replayed alone at
-    the prompt's position, and at each of `positions` that the caches hold (`by_position`)."""
+    the prompt's position, and at each of `positions` that the caches hold (`by_position`); at T > 0 the sampled
+    steps (the draft's proposals or selector walk, the keyed accept test)."""
     device = dec.device
-    runner = batched_static.spec_runner(dec, GREEDY, 1, 0, True, options)  # the runners the generations made (one row)
-    plain = batched_static.plain_runner(target, GREEDY, 1, 0, True, options)
+    runner = batched_static.spec_runner(dec, sampling, 1, 0, True, options)  # the runners the generations made (one row)
+    plain = batched_static.plain_runner(target, sampling, 1, 0, True, options)
 
     def at(pos: int) -> dict[str, Any]:
         view = runner.verify_steps.view(pos + runner.B)
@@ -308,8 +310,9 @@ class Variant:
     """One way of decoding, timed on the same models: a mode plus the engine options it runs with."""
 
     def __init__(self, label: str, mode: str, dec, target, baseline=None, cudnn: bool = False,
-                 unfused: bool = False, buckets: Optional[bool] = None) -> None:
+                 unfused: bool = False, buckets: Optional[bool] = None, sampling: SamplingParams = GREEDY) -> None:
         self.label, self.mode, self.baseline, self.cudnn, self.unfused = label, mode, baseline, cudnn, unfused
+        self.sampling = GREEDY if baseline else sampling  # the baseline module's rows stay greedy
         self.buckets = DEFAULT_OPTIONS.use_buckets if buckets is None else buckets
         # the runners these options make are their own (cached by options): the other variants' are not reused
         self.options = DEFAULT_OPTIONS.but(avoid_cudnn_attention=not cudnn, fuse_elementwise=not unfused,
@@ -338,8 +341,8 @@ class Variant:
         torch.cuda.empty_cache() if on_cuda else None
         reserved = torch.cuda.memory_reserved(self.dec.device) if on_cuda else 0
         t0 = time.perf_counter()
-        batched_static.spec_runner(self.dec, GREEDY, 1, cache_len, True, self.options)
-        batched_static.plain_runner(self.target, GREEDY, 1, cache_len, True, self.options)
+        batched_static.spec_runner(self.dec, self.sampling, 1, cache_len, True, self.options)
+        batched_static.plain_runner(self.target, self.sampling, 1, cache_len, True, self.options)
         sync(self.dec.device)
         took = time.perf_counter() - t0
         return took, ((torch.cuda.memory_reserved(self.dec.device) - reserved) / 2**30 if on_cuda else 0.0)
@@ -351,18 +354,25 @@ class Variant:
     def plain(self, ids, n: int):
         if self.baseline:
             return self.baseline.autoregressive_generate(self.target, ids, max_new_tokens=n)
-        return autoregressive_generate(self.target, ids, max_new_tokens=n, decode=self.mode, options=self.options)
+        return autoregressive_generate(self.target, ids, max_new_tokens=n, decode=self.mode, options=self.options,
+                                       **self._sampled())
 
     def spec(self, ids, n: int):
         if self.baseline:
             return self.dec.generate(ids, max_new_tokens=n)
-        return self.dec.generate(ids, max_new_tokens=n, decode=self.mode, options=self.options)
+        return self.dec.generate(ids, max_new_tokens=n, decode=self.mode, options=self.options, **self._sampled())
+
+    def _sampled(self) -> dict[str, Any]:
+        """The sampling arguments of a timed call: the setting, and a generator seeded alike for every call."""
+        if self.sampling.greedy:
+            return {}
+        return {"sampling": self.sampling, "generator": torch.Generator(device=self.dec.device).manual_seed(0)}
 
     def parts(self, ids, reps: int, positions: tuple[int, ...] = ()) -> dict[str, Any]:
         if self.baseline:
             return {}
         if self.mode == "graphs":
-            return graph_parts(self.dec, self.target, ids.shape[1], reps, positions, self.options)
+            return graph_parts(self.dec, self.target, ids.shape[1], reps, positions, self.options, self.sampling)
         with graphs.eager_attention_backends(self.dec.device, self.options.avoid_cudnn_attention):
             return eager_parts(self.dec, ids, reps)
 
@@ -379,16 +389,17 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                         generator=torch.Generator(device=device).manual_seed(0))
     n = args.new_tokens
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    variants = [Variant(m, m, dec, target) for m in modes]
+    sampling = args.sampling
+    variants = [Variant(m, m, dec, target, sampling=sampling) for m in modes]
     if args.unfused and "graphs" in modes:
-        variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True))
+        variants.append(Variant("graphs (unfused)", "graphs", dec, target, unfused=True, sampling=sampling))
     if args.buckets and "graphs" in modes:  # the other view setting beside the default
         other = not DEFAULT_OPTIONS.use_buckets
         variants.append(Variant("graphs (buckets)" if other else "graphs (whole cache)", "graphs", dec, target,
-                                buckets=other))
+                                buckets=other, sampling=sampling))
     positions = tuple(int(p) for p in args.positions.split(",") if p)
     if args.cudnn and "eager" in modes:
-        variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True))
+        variants.append(Variant("eager (cuDNN attention)", "eager", dec, target, cudnn=True, sampling=sampling))
     if args.baseline:
         variants.append(Variant("eager (baseline module)", "eager", dec, target, baseline=load_baseline(args.baseline)))
     for v in variants:
@@ -419,6 +430,8 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                                        "measured with a random draft (tau ~1); not a measured speedup",
                     "setup_s": setup_s,
                 }
+                if not v.sampling.greedy:  # a T=0 row keeps the shape the file's rows have
+                    row["sampling"] = v.sampling.record()
                 if v.mode == "graphs" and not v.baseline:
                     row.update({"buckets": v.buckets, "length_bucket": static_decode.LENGTH_BUCKET,
                                 "cache_len": parts.get("cache_len"), "plain_cache_len": parts.get("plain_cache_len"),
@@ -596,8 +609,19 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--append", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / "decode_speed.json"),
                    help="append the rows (GPU runs only) to this JSON list of rows ('': do not)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the timed decodes' temperature (0: greedy); at T > 0 both loops sample with keyed noise and "
+                        "the speculative step's cost includes the draft's sampled proposals (a DFlash2 draft: its "
+                        "walk) and the accept test. The exactness checks stay at T=0")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at --temperature > 0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    try:
+        check_sampling(args.temperature, args.top_p, names=("--temperature", "--top-p", "top-k"))
+    except ValueError as e:
+        print(f"decode.py speed: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    args.sampling = SamplingParams(args.temperature, top_p=args.top_p)
     device = torch.device(args.device)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:

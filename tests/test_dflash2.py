@@ -20,7 +20,7 @@ from nemo_dflash.objective.metrics import LossSums
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.draft.build import DraftError, build_draft_for_target, check_variant_fits
 from nemo_dflash.draft.model import DFlash2Config, DFlash2DraftModel
-from nemo_dflash.draft.model.dflash2 import BlockConv, compose_maps, selector_walk
+from nemo_dflash.draft.model.dflash2 import BlockConv, CandidateSelector, compose_maps, selector_walk
 from nemo_dflash.objective.selector_loss import dpace_weights
 
 
@@ -161,6 +161,92 @@ def test_compose_maps_is_the_composition_applied_slot_by_slot(slots):
             for s in range(slots):
                 j = int(maps[r, s, j])
                 assert int(out[r, s, i]) == j
+
+
+
+def _loop_walk(selector, hidden, unary, anchors, inv_temperature, draw):
+    """The sampled walk as it was before `slot_distributions` (the reference): slot by slot, each q formed from
+    the candidate drawn before, then drawn."""
+    cand_logits, cand_ids = unary.topk(selector.top_k, dim=-1)
+    scores = selector.pair_scores(hidden[:, 0], cand_logits[:, 0], cand_ids[:, 0], anchors)
+    lattice = selector.lattice(hidden, cand_ids) if hidden.shape[1] > 1 else None
+    rows, picks, qs = torch.arange(hidden.shape[0], device=hidden.device), [], []
+    for k in range(hidden.shape[1]):
+        if k > 0:
+            scores = cand_logits[:, k].float() + lattice[rows, k - 1, picks[-1]]
+        q = torch.softmax(scores * inv_temperature, dim=-1)
+        qs.append(q)
+        picks.append(draw(k, q))
+    tokens = cand_ids.gather(-1, torch.stack(picks, 1).unsqueeze(-1)).squeeze(-1)
+    return tokens, torch.zeros(unary.shape, device=unary.device).scatter_(-1, cand_ids, torch.stack(qs, 1))
+
+
+def _random_selector(hidden_size, vocab, rank, top_k, g):
+    sel = CandidateSelector(hidden_size, vocab, rank, top_k)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+    return sel
+
+
+@pytest.mark.parametrize("rows,slots,top_k", [(1, 15, 16), (2, 1, 4), (3, 2, 16), (5, 7, 1), (4, 15, 5)])
+def test_sampled_walk_draws_the_slot_by_slot_loops_tokens_and_q(rows, slots, top_k):
+    """The keyed walk (every slot's uniform hashed at once, each slot drawn given every candidate before it, the
+    path through the composed maps) against the slot-by-slot loop with `keyed_draw` at each slot's position, as
+    the engine drew before: the same tokens and the same q, bit for bit, over random inputs, keys, block
+    positions and temperatures (1/T a buffer, as the engine's, or a float); a generator's draws (the eager
+    decoder's multinomial) also take the same tokens from the same stream. And the draws are not vacuous: over
+    the cases the sampled path leaves the greedy one."""
+    from nemo_dflash.engine.sampling import DRAFT_STREAM, keyed_draw, keyed_slot_draws
+
+    g = torch.Generator().manual_seed(100 * rows + slots)
+    sel = _random_selector(24, 64, 6, top_k, g)
+    off_greedy = 0
+    with torch.no_grad():
+        for trial, t in enumerate((0.2, 0.7, 1.0, 1.6)):
+            hidden = torch.randn(rows, slots, 24, generator=g)
+            unary = torch.randn(rows, slots, 64, generator=g) * 2
+            anchors = torch.randint(0, 64, (rows,), generator=g)
+            keys = torch.randint(0, 2**31, (rows,), generator=g)
+            first = torch.randint(0, 5000, (rows,), generator=g)
+            inv_t = torch.tensor(1.0 / t) if trial % 2 else 1.0 / t
+            want = _loop_walk(sel, hidden, unary, anchors, inv_t,
+                              lambda k, q: keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q))
+            got = selector_walk(sel, hidden, unary, anchors, inv_t, keyed_slot_draws(DRAFT_STREAM, keys, first, slots))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            off_greedy += int((got[0] != selector_walk(sel, hidden, unary, anchors)[0]).any())
+            draws = []
+            for walk in (_loop_walk, selector_walk):
+                gen = torch.Generator().manual_seed(trial)
+                draws.append(walk(sel, hidden, unary, anchors, inv_t,
+                                  lambda k, q: torch.multinomial(q, 1, generator=gen).squeeze(-1)))
+            assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
+    assert top_k == 1 or off_greedy > 0
+
+
+def test_keyed_walk_is_a_few_ops_a_block_with_no_host_sync():
+    """The engine's sampled walk, on the profiler: no op reads a value back to the host (a captured step could not
+    hold it), and a 15-slot block runs only a few more ops than a 3-slot one (compose_maps' extra rounds), where the
+    slot-by-slot loop ran ~60 more a slot."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nemo_dflash.engine.sampling import DRAFT_STREAM, keyed_slot_draws
+
+    g = torch.Generator().manual_seed(0)
+    sel = _random_selector(24, 64, 6, 16, g)
+
+    def ops(slots):
+        hidden, unary = torch.randn(1, slots, 24, generator=g), torch.randn(1, slots, 64, generator=g)
+        args = (torch.tensor([3]), torch.tensor(1.0), torch.tensor([11]), torch.tensor([40]))
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            selector_walk(sel, hidden, unary, args[0], args[1], keyed_slot_draws(DRAFT_STREAM, args[2], args[3], slots))
+        return [e.name for e in prof.events()
+                if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))]
+
+    short, long = ops(3), ops(15)
+    for names in (short, long):
+        assert not {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero"} & set(names)
+    assert 0 <= len(long) - len(short) <= 12, (len(short), len(long))
 
 
 # ----------------------------------------------------------------------------- training
@@ -380,6 +466,41 @@ def test_dflash2_t1_keeps_the_targets_three_token_law_and_a_misreported_q_is_cau
     assert bad > 0.12 and bad > 2 * good, (good, bad)
 
 
+
+def test_dflash2_engine_rows_at_t1_sample_what_the_slot_by_slot_walk_sampled(monkeypatch):
+    """The engine's rows at T=1 and at T=0.7 with top-p 0.9 (rows entering mid-run, their first blocks drafted
+    eagerly, later ones in the step): the same answers and acceptance lengths as with the runner's walk as it was,
+    `keyed_draw` at each slot's position inside the slot-by-slot loop."""
+    from nemo_dflash.engine import batched_static
+    from nemo_dflash.engine.batched_static import batched_static_speculative_generate
+    from nemo_dflash.engine.sampling import DRAFT_STREAM, keyed_draw
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case()
+    prompts = [ids[0].tolist(), [3, 1, 4, 1, 5, 2], [7, 6], [2, 5, 5]]
+
+    def old_walk(self, logits, rows, hidden):
+        keys, first = self.state.key[rows], self.pos[rows]
+        tok, q = _loop_walk(self.dec.draft.candidate_selector, hidden, self.dec.draft.unary_logits(logits),
+                            self.blk[rows, 0], self.state.inv_temp,
+                            lambda k, q: keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q))
+        self.q[rows].copy_(q)
+        self.blk[rows, 1:].copy_(tok)
+
+    def run(sampling):
+        dec = DFlashSpeculativeDecoder(target, d2)
+        outs = batched_static_speculative_generate(dec, prompts, max_new_tokens=24, sampling=sampling, rows=2,
+                                                   use_graphs=False, generator=torch.Generator().manual_seed(4))
+        return [(o.output_ids, o.acceptance_lengths) for o in outs]
+
+    for sampling in (SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)):
+        new = run(sampling)
+        with monkeypatch.context() as m:
+            m.setattr(batched_static.BatchedStaticSpecRunner, "_walk", old_walk)
+            assert run(sampling) == new
+        assert any(max(lens) > 1 for _, lens in new)
+
+
 @pytest.mark.parametrize("proposals", ["sample", "greedy"])
 def test_dflash2_eager_t1_second_token_marginal(proposals):
     """The eager decoder at T=1 with the walk's q (or, `--draft-proposals greedy`, its argmax path with a one-hot
@@ -473,6 +594,38 @@ def test_gpu_captured_walk_equals_eager_and_keeps_the_law():
     codes = torch.tensor([o.output_ids[0] * 64 + o.output_ids[1] * 8 + o.output_ids[2] for o in outs])
     freq = (torch.bincount(codes, minlength=512).float() / n).view(8, 8, 8)
     assert float(0.5 * (freq.sum(0) - joint.cpu().sum(0)).abs().sum()) < 0.07
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_keyed_walk_draws_the_slot_by_slot_loops_tokens():
+    """On a GPU, the keyed walk against the slot-by-slot loop with `keyed_draw` (15 slots, 16 candidates): with
+    several rows the same tokens and q bit for bit (each slot's CDF is the same row scan); with one row the loop's
+    per-slot CDF was a one-row scan (another kernel, maybe another summation order), so a draw may differ where
+    its uniform falls within rounding of a CDF step: at most 1 block in 300 differs."""
+    from nemo_dflash.engine.sampling import DRAFT_STREAM, keyed_draw, keyed_slot_draws
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    sel = _random_selector(24, 512, 6, 16, torch.Generator().manual_seed(1)).to(dev)
+    differ = 0
+    with torch.no_grad():
+        for rows, trials in ((1, 300), (3, 20), (8, 20)):
+            for trial in range(trials):
+                hidden = torch.randn(rows, 15, 24, generator=g, device=dev)
+                unary = torch.randn(rows, 15, 512, generator=g, device=dev) * 2
+                anchors = torch.randint(0, 512, (rows,), generator=g, device=dev)
+                keys = torch.randint(0, 2**31, (rows,), generator=g, device=dev)
+                first = torch.randint(0, 5000, (rows,), generator=g, device=dev)
+                inv_t = torch.tensor(1.0 / (0.3 + trial % 4 * 0.4), device=dev)
+                want = _loop_walk(sel, hidden, unary, anchors, inv_t,
+                                  lambda k, q: keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q))
+                got = selector_walk(sel, hidden, unary, anchors, inv_t, keyed_slot_draws(DRAFT_STREAM, keys, first, 15))
+                same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                assert same or rows == 1, (rows, trial)
+                differ += not same
+    assert differ <= 1, differ
 
 
 @pytest.mark.gpu

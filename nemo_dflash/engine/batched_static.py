@@ -55,7 +55,7 @@ from nemo_dflash.engine.attention import eager_attention_backends
 from nemo_dflash.engine.acceptance import greedy_accepted
 from nemo_dflash.engine.options import DEFAULT_OPTIONS, EngineOptions
 from nemo_dflash.engine.output import DEFAULT_MAX_NEW_TOKENS, GenerationOutput, stop_set
-from nemo_dflash.engine.sampling import DRAFT_STREAM, GREEDY, SamplingParams, keyed_draw
+from nemo_dflash.engine.sampling import DRAFT_STREAM, GREEDY, SamplingParams, keyed_slot_draws
 from nemo_dflash.engine.serve_loop import (  # noqa: F401  (noise_key: its old import path)
     Completion, OnDone, Request, common_prefix, generate_outputs, noise_key, serve_requests,
 )
@@ -437,12 +437,10 @@ class BatchedStaticSpecRunner(_Rows):
                 self.q[rows].zero_().scatter_(-1, tok.unsqueeze(-1), 1.0)
             self.blk[rows, 1:].copy_(tok)
             return
-        keys, first = self.state.key[rows], self.pos[rows]
-
-        def draw(k: int, q: torch.Tensor) -> torch.Tensor:
-            return keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q)
-
-        tok, q = self.dec.draft.propose_block(hidden, logits, anchors, self.state.inv_temp, draw)
+        # slot k's keyed uniform (row key, position of slot k), all hashed at once: the walk then draws every slot
+        # given each candidate before it together (`selector_walk`), the tokens `keyed_draw` slot by slot gave
+        draws = keyed_slot_draws(DRAFT_STREAM, self.state.key[rows], self.pos[rows], logits.shape[1])
+        tok, q = self.dec.draft.propose_block(hidden, logits, anchors, self.state.inv_temp, draws)
         self.q[rows].copy_(q)
         self.blk[rows, 1:].copy_(tok)
 

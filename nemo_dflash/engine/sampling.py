@@ -340,9 +340,35 @@ def keyed_draw(seed: int, keys: torch.Tensor, positions: torch.Tensor, weights: 
     Eager inside the compiled sampling steps, scan included (a graph break there, as at `eager_cumsum`): compiled,
     what followed its scan was a frame of its own, recompiled for every row count and grad mode until dynamo's
     limit (8) on a GPU's T=1 run. Under CUDA graphs its few small kernels cost no launches."""
+    return inverse_cdf(weights, keyed_uniform(seed, keys, positions, torch.zeros_like(keys).view(-1, 1)).squeeze(-1))
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The keyed draws' rule: the first index [...] at which a row of ``weights`` [..., V] (non-negative, any scale)
+    has its cumulative sum reach ``u`` [...] (uniforms in (0, 1)) times the row's total; the last index at most."""
     cdf = weights.float().cumsum(dim=-1)
-    u = keyed_uniform(seed, keys, positions, torch.zeros_like(keys).view(-1, 1))  # [N, 1]
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
+    return torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[..., -1:]).squeeze(-1).clamp(max=weights.shape[-1] - 1)
+
+
+class SlotUniforms:
+    """A walk's draws (`dflash2.selector_walk`'s ``draw(k, q)``) by `inverse_cdf`, with the uniform of every slot
+    fixed before the walk: ``uniforms`` [R, S]. The keyed engine's are (`keyed_slot_draws`): a slot's uniform hashes
+    the row's key and the slot's position, whatever was drawn before it, so a walk that sees them may draw each
+    slot given every candidate before it at once instead of slot by slot; the same tokens either way."""
+
+    def __init__(self, uniforms: torch.Tensor) -> None:
+        self.uniforms = uniforms
+
+    def __call__(self, k: int, q: torch.Tensor) -> torch.Tensor:
+        return inverse_cdf(q, self.uniforms[:, k])
+
+
+def keyed_slot_draws(seed: int, keys: torch.Tensor, first_pos: torch.Tensor, slots: int) -> SlotUniforms:
+    """The draws of block slots 1..`slots` of each row (its block at `first_pos` [R]), keyed as `keyed_draw` keys
+    them: slot k's uniform is the one ``keyed_draw(seed, keys, first_pos + 1 + k, q)`` picks with; all in one hash."""
+    pos = (first_pos.view(-1, 1) + 1 + torch.arange(slots, device=first_pos.device)).reshape(-1)
+    flat = keys.view(-1, 1).expand(-1, slots).reshape(-1)
+    return SlotUniforms(keyed_uniform(seed, flat, pos, torch.zeros_like(flat).view(-1, 1)).view(-1, slots))
 
 
 # Noise streams of the keyed speculative step (`keyed_proposals`, `keyed_verify`).

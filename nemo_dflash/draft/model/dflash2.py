@@ -29,6 +29,7 @@ from torch import nn
 
 from nemo_dflash.draft.model.configuration import DFlashConfig
 from nemo_dflash.draft.model.modeling import DFlashDecoderLayer, DFlashDraftModel
+from nemo_dflash.engine.sampling import SlotUniforms, inverse_cdf
 
 # dflash_config fields of a DFlash2 draft beyond DFlash's, with the defaults of the published fixture's sizes
 # (output multiplier and soft-capping off: the values our drafts train with).
@@ -230,7 +231,9 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torc
     candidates are the top-K of its unary logits; its token is chosen given the token chosen before it (greedy
     left to right, not Viterbi): the argmax of the pair scores (lowest candidate index on ties) when `draw` is
     None, else ``draw(slot, q)`` with ``q = softmax(s * inv_temperature)`` over the candidates, q returned
-    scattered over the vocabulary (0 outside C_k) for the accept test.
+    scattered over the vocabulary (0 outside C_k) for the accept test. Draws whose uniforms are known up front
+    (`SlotUniforms`, the keyed engine's) are taken for every predecessor at once and the path followed through
+    the composed maps, as the greedy walk's: a few kernels a block instead of a dozen a slot.
     """
     cand_logits, cand_ids = unary.topk(selector.top_k, dim=-1)  # sorted: ties keep the lower token id first
     first = selector.pair_scores(hidden[:, 0], cand_logits[:, 0], cand_ids[:, 0], anchors)  # [R, K]
@@ -243,19 +246,37 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torc
             index = torch.cat([index, compose_maps(successor).gather(2, index.unsqueeze(1).expand(
                 -1, successor.shape[1], 1)).squeeze(2)], dim=1)
         return cand_ids.gather(-1, index.unsqueeze(-1)).squeeze(-1), None
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    picks, qs = [], []
-    scores = first
-    for k in range(hidden.shape[1]):
-        if k > 0:
-            scores = cand_logits[:, k].float() + lattice[rows, k - 1, picks[-1]]  # the row of the chosen candidate
-        q = torch.softmax(scores * inv_temperature, dim=-1)
-        qs.append(q)
-        picks.append(draw(k, q))
-    index = torch.stack(picks, dim=1)  # [R, S]
+    q = slot_distributions(first, cand_logits, lattice, inv_temperature)  # [R, S, K, K]
+    if isinstance(draw, SlotUniforms):  # slot k's pick given each candidate i before it: a map, as at T=0
+        index = compose_maps(inverse_cdf(q, draw.uniforms.unsqueeze(-1).expand(q.shape[:-1])))[..., 0]
+    else:  # a draw that must see each q in turn (a generator's)
+        index = walk_slot_by_slot(q, draw)
+    before = torch.cat([torch.zeros_like(index[:, :1]), index[:, :-1]], dim=1)  # the row of q each slot drew from
+    qs = q.gather(2, before.view(*before.shape, 1, 1).expand(-1, -1, 1, q.shape[-1])).squeeze(2)  # [R, S, K]
     tokens = cand_ids.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     q_full = torch.zeros(unary.shape, dtype=torch.float32, device=unary.device)
-    return tokens, q_full.scatter_(-1, cand_ids, torch.stack(qs, dim=1))
+    return tokens, q_full.scatter_(-1, cand_ids, qs)
+
+
+def slot_distributions(first: torch.Tensor, cand_logits: torch.Tensor, lattice: Optional[torch.Tensor],
+                       inv_temperature: torch.Tensor | float) -> torch.Tensor:
+    """Every q the walk can draw from, [R, S, K, K]: row i of slot k > 0 is softmax(s_k(. | candidate i of slot
+    k - 1) * inv_temperature) over slot k's candidates; slot 0 has one predecessor (the anchor), its K rows alike.
+    One softmax for the block: each row is the very q a slot-by-slot walk forms once it has drawn candidate i."""
+    scores = first.view(first.shape[0], 1, 1, -1).expand(-1, 1, first.shape[-1], -1)  # [R, 1, K, K]
+    if lattice is not None:
+        scores = torch.cat([scores, cand_logits[:, 1:].float().unsqueeze(2) + lattice], dim=1)
+    return torch.softmax(scores * inv_temperature, dim=-1)
+
+
+def walk_slot_by_slot(q: torch.Tensor, draw: Draw) -> torch.Tensor:
+    """Candidate indices [R, S] of a walk whose draws are made in slot order (`draw(k, q_k)`, e.g. from a
+    generator): q_k is the row of slot k's distributions (`slot_distributions`) of the candidate drawn before."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    picks = [draw(0, q[:, 0, 0].contiguous())]
+    for k in range(1, q.shape[1]):
+        picks.append(draw(k, q[rows, k, picks[-1]]))
+    return torch.stack(picks, dim=1)
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -310,5 +331,6 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 __all__ = [
     "BlockConv", "CandidateSelector", "DFLASH2_DEFAULTS", "DFlash2Config", "DFlash2DecoderLayer",
-    "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "compose_maps", "selector_walk", "unary_logits",
+    "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "compose_maps", "selector_walk",
+    "slot_distributions", "unary_logits", "walk_slot_by_slot",
 ]
