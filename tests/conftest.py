@@ -3,6 +3,7 @@ drafts built on them; the slow tests' marks."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,6 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in _SLOW:
             item.add_marker(pytest.mark.slow)
     files = [item.nodeid.split("::", 1)[0] for item in items]
-    count = {f: files.count(f) for f in set(files)}
+    count = collections.Counter(files)
     rank = {f: (LONGEST_FIRST.index(f) if f in LONGEST_FIRST else len(LONGEST_FIRST), -count[f]) for f in count}
     items[:] = [item for _, item in sorted(zip(files, items), key=lambda p: rank[p[0]])]
