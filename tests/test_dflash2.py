@@ -25,8 +25,9 @@ from nemo_dflash.objective.selector_loss import dpace_weights
 
 
 def dflash2_like(draft, *, rank: int = 8, top_k: int = 4, conv: int = 2, group: int = 16, seed: int = 5,
-                 random_modules: bool = True) -> DFlash2DraftModel:
-    """A DFlash2 draft with `draft`'s backbone weights; its conv and selector random (or as initialised)."""
+                 random_modules: bool = True, **fields) -> DFlash2DraftModel:
+    """A DFlash2 draft with `draft`'s backbone weights; its conv and selector random (or as initialised).
+    `fields`: further `dflash_config` entries (e.g. output_multiplier, final_logit_softcapping)."""
     c = draft.config
     cfg = DFlash2Config(
         **{k: v for k, v in c.to_dict().items() if k in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -36,7 +37,7 @@ def dflash2_like(draft, *, rank: int = 8, top_k: int = 4, conv: int = 2, group: 
         block_size=c.block_size, num_target_layers=c.num_target_layers,
         dflash_config={"mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
                        "conv_kernel_size": conv, "conv_group_size": group, "selector_rank": rank,
-                       "selector_top_k": top_k},
+                       "selector_top_k": top_k, **fields},
     )
     d2 = DFlash2DraftModel(cfg).float().eval()
     missing, unexpected = d2.load_state_dict(draft.state_dict(), strict=False)
@@ -252,14 +253,16 @@ def test_keyed_walk_is_a_few_ops_a_block_with_no_host_sync():
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("grad", [True, False], ids=["train-step", "held-out"])
-@pytest.mark.parametrize("outside", ["inject", "skip"])
-def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
+@pytest.mark.parametrize("grad,outside,multiplier", [(True, "inject", 1.0), (True, "skip", 1.0),
+                                                     (False, "inject", 1.0), (False, "skip", 1.0),
+                                                     (True, "inject", 0.5), (False, "skip", 0.5)])
+def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad, multiplier):
     """The trainer's selector term and the walk's simulated acceptance against each block run alone (as decoding
     runs it), the pair scores written out, the predecessor the true token (the anchor for slot 1). Under grad the
-    candidates come from the fused cross-entropy's logits, without it from a pass of their own: both checked."""
+    candidates come from the fused cross-entropy's logits, without it from a pass of their own: both checked. An
+    output multiplier scales the unary logits once (as the decoders' `slot_logits`)."""
     target = train_qwen3()
-    d2 = dflash2_like(train_draft(target), top_k=4)
+    d2 = dflash2_like(train_draft(target), top_k=4, output_multiplier=multiplier)
     wrapper = HFDFlashTargetModel(target, d2.config.target_layer_ids)
     ids, attn, lm = random_batch(bsz=2, seq=40)
     batch = wrapper.generate_batch(ids, attn, lm)
@@ -278,7 +281,7 @@ def test_selector_loss_and_walk_metrics_match_a_per_block_loop(outside, grad):
                 block_ids = torch.tensor([[int(ids[b, a])] + [MASK_ID] * 3])
                 pos = torch.cat([torch.arange(a), a + torch.arange(4)]).unsqueeze(0)
                 h = d2(embed(block_ids), batch.hidden_states[b : b + 1, :a], pos, None)[0]
-                logits = head(h)
+                logits = head(h) * multiplier
                 walk_ok, unary_ok, labelled = True, True, False
                 acc, unary_acc = 1, 1
                 for k in range(1, 4):
@@ -420,8 +423,8 @@ def test_dflash2_replay_equals_sequential_decoding():
         hidden = draft_block_hidden(d2, wrapper.get_input_embeddings(), seq, feats, torch.ones_like(seq), anchors,
                                     torch.ones_like(anchors, dtype=torch.bool), 4, MASK_ID_8, backend="sdpa")
         hidden = hidden.view(anchors.shape[1], 4, -1)[:, 1:]
-        logits = wrapper.get_output_embeddings()(hidden)
-        drafts = d2.propose_block(hidden, logits, seq[0, anchors[0]])[0].tolist()
+        drafts = d2.propose_block(hidden, d2.slot_logits(hidden, wrapper.get_output_embeddings()),
+                                  seq[0, anchors[0]])[0].tolist()
     lens = walk(out.output_ids, [], drafts, set(), 24)
     assert lens == out.acceptance_lengths
 
@@ -481,7 +484,7 @@ def test_dflash2_engine_rows_at_t1_sample_what_the_slot_by_slot_walk_sampled(mon
 
     def old_walk(self, logits, rows, hidden):
         keys, first = self.state.key[rows], self.pos[rows]
-        tok, q = _loop_walk(self.dec.draft.candidate_selector, hidden, self.dec.draft.unary_logits(logits),
+        tok, q = _loop_walk(self.dec.draft.candidate_selector, hidden, logits,
                             self.blk[rows, 0], self.state.inv_temp,
                             lambda k, q: keyed_draw(DRAFT_STREAM, keys, first + 1 + k, q))
         self.q[rows].copy_(q)

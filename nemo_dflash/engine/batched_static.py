@@ -400,7 +400,7 @@ class BatchedStaticSpecRunner(_Rows):
                                 block_size=self.B)
         # a selector draft (DFlash2) proposes from its hidden states too: kept for `_propose`
         self.draft_hidden = hidden[:, 1:] if self.selector else None
-        return self.dec.draft.unary_logits(self.dec.lm_head(hidden[:, 1:].to(self.dec.lm_head.weight.dtype)))
+        return self.dec.draft.slot_logits(hidden[:, 1:], self.dec.lm_head)
 
     def _draft(self, view_len: int) -> torch.Tensor:
         """The captured draft step: every row's block from its last verify's features, its proposals

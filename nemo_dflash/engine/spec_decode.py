@@ -197,7 +197,7 @@ class DFlashSpeculativeDecoder:
         pos = torch.arange(position - c_len, position + block_size, device=device).unsqueeze(0)
         hidden = self.draft(noise_embedding=noise, target_hidden=context_features, position_ids=pos, cache=draft_cache,
                             block_size=block_size)[0, 1:]
-        return hidden, self.draft.unary_logits(self.lm_head(hidden.to(self.lm_head.weight.dtype)))
+        return hidden, self.draft.slot_logits(hidden, self.lm_head)
 
     def walk_proposals(
         self, last_token: torch.Tensor, position: int, context_features: torch.Tensor,

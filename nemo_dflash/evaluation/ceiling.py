@@ -37,7 +37,7 @@ def repeated(cache: Any, n: int) -> Any:
 
 def draft_block_logits(target: HFDFlashTargetModel, draft: Any, seq: torch.Tensor, feats: torch.Tensor,
                        anchors: list[int], block: int) -> torch.Tensor:
-    """[A, block - 1, V] fp32: the draft's logits at slots 1.. of its block at each anchor position of `seq` [1, S],
+    """[A, block - 1, V] fp32: the draft's unary logits (`slot_logits`) at slots 1.. of its block at each anchor position of `seq` [1, S],
     from one forward as training and replay run it (`feats` [1, S, n*H]: the target's features, seen strictly
     before each anchor)."""
     end = max(anchors) + 1
@@ -45,8 +45,7 @@ def draft_block_logits(target: HFDFlashTargetModel, draft: Any, seq: torch.Tenso
     hidden = draft_block_hidden(draft, target.get_input_embeddings(), ids, feats[:, :end], torch.ones_like(ids), a,
                                 torch.ones_like(a, dtype=torch.bool), block, int(draft.mask_token_id),
                                 backend=DRAFT_ATTENTION.get(seq.device.type, "sdpa"))
-    head = target.get_output_embeddings()
-    return head(hidden.view(len(anchors), block, -1)[:, 1:].to(head.weight.dtype)).float()
+    return draft.slot_logits(hidden.view(len(anchors), block, -1)[:, 1:], target.get_output_embeddings()).float()
 
 
 @torch.inference_mode()

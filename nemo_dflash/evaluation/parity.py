@@ -170,11 +170,12 @@ def reference_acceptance(target: nn.Module, weights: Mapping[str, torch.Tensor],
         block = torch.tensor([out[-1]] + [mask_id] * (blk - 1), device=feats.device)
         emb, pos = embed(block), torch.arange(a + blk, device=feats.device)
         hid = reference_draft_hidden(weights, cfg, emb, feats[:a], pos)
+        # the argmax of the plain logits: a unary transform (DFlash2's multiplier and soft-cap) is increasing
         drafted = head(hid[1:].to(head.weight.dtype)).float().argmax(-1).tolist()
         if our_draft is not None:
             mine = our_draft(noise_embedding=emb[None].to(our_draft.fc.weight.dtype), target_hidden=feats[None, :a],
                              position_ids=pos[None])
-            ours = head(mine[0, 1:].to(head.weight.dtype)).float().argmax(-1).tolist()
+            ours = our_draft.slot_logits(mine[0, 1:], head).float().argmax(-1).tolist()
             run.proposals += len(ours)
             run.proposals_agree += sum(x == y for x, y in zip(ours, drafted))
         n_acc = greedy_accepted_list(drafted[: blk - 1], nxt[k0: k0 + blk - 1])

@@ -236,7 +236,7 @@ class ReplayEvaluator:
                                         torch.ones_like(anchors, dtype=torch.bool), blk, int(self.draft.mask_token_id),
                                         backend=backend)
             hidden = hidden.view(anchors.shape[1], blk, -1)[:, 1:]
-            logits = head(hidden.to(head.weight.dtype))
+            logits = self.draft.slot_logits(hidden, head)  # the unary logits, as the decoders form them
             if self.draft.has_selector:  # DFlash2: the walk's argmax path, deterministic given the context
                 out.extend(self.draft.propose_block(hidden, logits, ids[0, anchors[0]])[0].tolist())
             else:

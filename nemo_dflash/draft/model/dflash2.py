@@ -306,19 +306,19 @@ class DFlash2DraftModel(DFlashDraftModel):
         return self.candidate_selector is not None
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """softcap(output_multiplier * logits), in fp32 when either is set."""
+        """softcap(output_multiplier * logits), in fp32 when either is set (applied by `slot_logits` only)."""
         c = self.config
         if c.output_multiplier == 1.0 and c.final_logit_softcapping == 0:
             return logits
         return unary_logits(c, logits)
 
-    def propose_block(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+    def propose_block(self, hidden: torch.Tensor, unary: torch.Tensor, anchors: torch.Tensor,
                       inv_temperature: Optional[torch.Tensor | float] = None, draw: Optional[Draw] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The selector's walk over drafted slots (`selector_walk`): hidden [R, S, H] and the lm_head's logits
-        [R, S, V] of slots 1..S, anchors [R] the token before them. Every decoder proposes through here."""
-        return selector_walk(self.candidate_selector, hidden, self.unary_logits(logits), anchors, inv_temperature,
-                             draw)
+        """The selector's walk over drafted slots (`selector_walk`): hidden [R, S, H] and the unary logits [R, S, V]
+        of slots 1..S as `slot_logits` formed them (transformed already: not again here), anchors [R] the token
+        before them. Every decoder proposes through here."""
+        return selector_walk(self.candidate_selector, hidden, unary, anchors, inv_temperature, draw)
 
     def layer_args(self, q_len: int, block_size: Optional[int]) -> tuple:
         """The blocks' length for the convolutions: `block_size`, else the trained block size when the queries are

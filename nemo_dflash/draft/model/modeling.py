@@ -312,8 +312,16 @@ class DFlashDraftModel(PreTrainedModel):
         return False
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The slots' own logits from the lm_head's (a variant may scale or soft-cap them)."""
+        """The slots' own logits from the lm_head's (a variant may scale or soft-cap them). Callers go through
+        `slot_logits`, so the transform is applied once."""
         return logits
+
+    def slot_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The slots' unary logits from the draft's final states `hidden` [..., H] through the target's lm_head:
+        the one place `unary_logits` is applied. Every decoder, replay and the benchmarks form the slots' logits
+        here; `propose_block` and the slot-wise proposals take them as they are (applied twice, a DFlash2 draft
+        with a multiplier or a soft-cap would decode other tokens and q than it trained and replays with)."""
+        return self.unary_logits(lm_head(hidden.to(lm_head.weight.dtype)))
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config, "initializer_range", 0.02)
