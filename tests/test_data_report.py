@@ -149,3 +149,52 @@ def test_distinct_count_against_a_set():
     for n, high in ((0, 5), (1, 5), (1000, 7), (5000, 10**18)):
         values = rng.integers(-high, high, size=n, dtype=np.int64)
         assert distinct_count(values) == len(set(values.tolist()))
+
+
+def _recipe_run(tmp_path, monkeypatch, sources):
+    """A recipe naming `sources` and target `recipe-target`; the tokenizer loader records the names it is asked
+    for and counts characters (`_Tok`); the picture is not drawn (the numbers are the report)."""
+    from nemo_dflash.data import report as report_module
+    from nemo_dflash.target import loading
+
+    loaded = []
+    monkeypatch.setattr(loading, "load_tokenizer", lambda name: loaded.append(name) or _Tok())
+    monkeypatch.setattr(report_module, "plot_report", lambda *a: None)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("target:\n  path: recipe-target\ndata:\n  sources:\n"
+                      + "".join(f"    - path: {s}\n" for s in sources))
+    return recipe, loaded
+
+
+def test_data_report_takes_its_file_and_tokenizer_from_the_recipe(tmp_path, monkeypatch):
+    from nemo_dflash.recipes import data_report as cli
+
+    data = _tiny(tmp_path / "regen.jsonl")
+    recipe, loaded = _recipe_run(tmp_path, monkeypatch, [data])
+    written = cli.main(["--config", str(recipe), "--out", str(tmp_path / "rep")])
+    report = json.loads(open(written["json"]).read())
+    assert loaded == ["recipe-target"]
+    assert report["all"]["supervised_tokens"] == 37 + 20 and report["all"]["turns"] == 4  # the hand counts above
+
+
+def test_data_report_flags_and_overrides_win_over_the_recipe(tmp_path, monkeypatch, capsys):
+    from nemo_dflash.recipes import data_report as cli
+
+    data = _tiny(tmp_path / "regen.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(_rec("solo", ["abc"])) + "\n")
+    recipe, loaded = _recipe_run(tmp_path, monkeypatch, [data])
+    written = cli.main(["--config", str(recipe), "--out", str(tmp_path / "a"), "--data", str(other),
+                        "--tokenizer", "flag-target"])
+    report = json.loads(open(written["json"]).read())
+    assert [s["name"] for s in report["sources"]] == ["solo"] and report["all"]["supervised_tokens"] == 3 + 1
+    cli.main(["--config", str(recipe), "--out", str(tmp_path / "b"), "target.path=override-target"])
+    assert loaded == ["flag-target", "override-target"]
+    several, _ = _recipe_run(tmp_path, monkeypatch, [data, other])
+    with pytest.raises(SystemExit) as e:  # two files: the report needs to be told which
+        cli.main(["--config", str(several), "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "--data FILE" in err
+    with pytest.raises(SystemExit) as e:  # the file twice, without a recipe
+        cli.main([str(data), "--data", str(other), "--out", str(tmp_path / "d")])
+    assert e.value.code == 2

@@ -102,21 +102,10 @@ class PackedBatchSampler(EpochSampler):
     ) -> None:
         if rows <= 0 or pack_length <= 0:
             raise ValueError(f"rows and pack_length must be positive (got {rows}, {pack_length})")
-        if world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size (got rank={rank}, world_size={world_size})")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        if len(self.lengths) == 0:
-            raise ValueError("cannot sample batches from an empty dataset")
+        super().__init__(lengths, rank=rank, world_size=world_size, seed=seed)
         self.rows = rows
         self.pack_length = pack_length
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.epoch = 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def global_steps(self, epoch: int) -> list[np.ndarray]:
         """All ranks' steps of `epoch`, padded by repetition to a multiple of world_size."""
@@ -135,15 +124,8 @@ class PackedBatchSampler(EpochSampler):
     def __len__(self) -> int:
         return len(self.batches(self.epoch))
 
-    def _signature(self) -> dict[str, Any]:
-        return {
-            "num_samples": len(self.lengths),
-            "batch_size": self.rows,
-            "pack_length": self.pack_length,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seed": self.seed,
-        }
+    def _batch_keys(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"batch_size": self.rows, "pack_length": self.pack_length}, {}
 
 
 @dataclass

@@ -26,13 +26,38 @@ logger = logging.getLogger(__name__)
 
 
 class EpochSampler(Sampler[list[int]]):
-    """What the padded and the packed samplers share: an epoch counter as their whole state, and an
-    iterator over ``batches(epoch)`` that resumes mid-epoch (`EpochBatchIterator`)."""
+    """What the padded and the packed samplers share: the rank and lengths they are built from, an epoch counter
+    as their whole state, and an iterator over ``batches(epoch)`` that resumes mid-epoch (`EpochBatchIterator`)."""
 
-    epoch: int
+    def __init__(self, lengths: Sequence[int], *, rank: int, world_size: int, seed: int) -> None:
+        """The checks and fields both samplers take: this rank among ``world_size``, the samples' lengths (at
+        least one), the seed of every epoch's order, and epoch 0."""
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size (got rank={rank}, world_size={world_size})")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if len(self.lengths) == 0:
+            raise ValueError("cannot sample batches from an empty dataset")
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
         return EpochBatchIterator(self, self.epoch)
+
+    def _batch_keys(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The sampler's own keys of `_signature`: its batch shape, and how it orders the samples."""
+        raise NotImplementedError
+
+    def _signature(self) -> dict[str, Any]:
+        """What a saved position must match to resume here (`EpochBatchIterator.load_state_dict`): the data, the
+        batch shape, the ranks and the order."""
+        shape, order = self._batch_keys()
+        return {"num_samples": len(self.lengths), **shape, "world_size": self.world_size, "rank": self.rank,
+                **order, "seed": self.seed}
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch}
@@ -67,13 +92,9 @@ class ChatBatchSampler(EpochSampler):
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive (got {batch_size})")
-        if world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size (got rank={rank}, world_size={world_size})")
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES} (got {batching!r})")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        if len(self.lengths) == 0:
-            raise ValueError("cannot sample batches from an empty dataset")
+        super().__init__(lengths, rank=rank, world_size=world_size, seed=seed)
         if drop_last and len(self.lengths) < batch_size * world_size:
             raise ValueError(
                 f"drop_last with {len(self.lengths)} samples < batch_size*world_size="
@@ -81,15 +102,8 @@ class ChatBatchSampler(EpochSampler):
             )
         self.batch_size = batch_size
         self.batching = batching
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
         self.drop_last = drop_last
         self.group_batches = group_batches
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def _num_samples(self) -> int:
         step = self.batch_size * self.world_size
@@ -119,15 +133,8 @@ class ChatBatchSampler(EpochSampler):
         """This rank's batches for ``epoch``: ``[steps, batch_size]``."""
         return self.global_batches(epoch)[:, self.rank, :]
 
-    def _signature(self) -> dict[str, Any]:
-        return {
-            "num_samples": len(self.lengths),
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "batching": self.batching,
-            "seed": self.seed,
-        }
+    def _batch_keys(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"batch_size": self.batch_size}, {"batching": self.batching}
 
 
 class EpochBatchIterator(Iterator[list[int]]):

@@ -32,14 +32,10 @@ def sample_anchors(
     """
     bsz, seq = loss_mask.shape
     device = loss_mask.device
-    lengths = attention_mask.long().sum(dim=1, keepdim=True)
-    pos = torch.arange(seq, device=device).unsqueeze(0)
-    cand = loss_mask.bool() & attention_mask.bool() & (pos + block_size <= lengths)
+    cand = _candidates(loss_mask, attention_mask, block_size, attention_mask.long().sum(dim=1, keepdim=True))
     n_anchors = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if cand.numel() else 0))
     if row_seeds is not None:
-        scores = torch.stack([
-            torch.rand(seq, generator=torch.Generator().manual_seed(int(rs))) for rs in row_seeds
-        ]).to(device)
+        scores = torch.stack([_seeded_draw(rs, seq, device) for rs in row_seeds])
     else:
         scores = torch.rand(bsz, seq, device=device, generator=generator)
     scores = scores.masked_fill(~cand, -1.0)
@@ -55,6 +51,19 @@ def sample_anchors(
         anchors = F.pad(anchors, (0, pad))
         valid = F.pad(valid, (0, pad), value=False)
     return anchors, valid
+
+
+def _candidates(loss_mask: torch.Tensor, attention_mask: torch.Tensor, block_size: int,
+                end: torch.Tensor) -> torch.Tensor:
+    """[B, S] where an anchor may stand: a supervised real token whose block fits before ``end`` (the row's
+    length [B, 1], or each token's document end [B, S])."""
+    pos = torch.arange(loss_mask.shape[1], device=loss_mask.device).unsqueeze(0)
+    return loss_mask.bool() & attention_mask.bool() & (pos + block_size <= end)
+
+
+def _seeded_draw(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    """``n`` uniform draws of a row's own stream ``seed`` (on the CPU, so any device draws the same), on ``device``."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(int(seed))).to(device)
 
 
 def document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +120,13 @@ def sample_packed_anchors(
     """
     bsz, seq = loss_mask.shape
     _, end = document_bounds(doc_ids)
-    pos = torch.arange(seq, device=loss_mask.device).unsqueeze(0)
-    cand = loss_mask.bool() & attention_mask.bool() & (doc_ids >= 0) & (pos + block_size <= end)
+    cand = _candidates(loss_mask, attention_mask, block_size, end) & (doc_ids >= 0)
     n_anchors = max(1, int(num_anchors))
     anchors = torch.zeros(bsz, n_anchors, dtype=torch.long, device=loss_mask.device)
     valid = torch.zeros(bsz, n_anchors, dtype=torch.bool, device=loss_mask.device)
     for r in range(bsz):
         if row_seeds is not None:
-            draw = torch.rand(seq + 1, generator=torch.Generator().manual_seed(int(row_seeds[r]))).to(loss_mask.device)
+            draw = _seeded_draw(row_seeds[r], seq + 1, loss_mask.device)
         else:
             draw = torch.rand(seq + 1, device=loss_mask.device, generator=generator)
         scores = draw[:seq]
