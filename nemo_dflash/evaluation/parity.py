@@ -8,7 +8,12 @@ cache and nothing shared with `spec_decode` or the draft module:
   build a Qwen3-style DFlash draft: fc + hidden_norm on the concatenated target layers, per layer
   RMSNorm -> q/k/v (k/v over [context ; block]) -> q_norm/k_norm -> neox RoPE over
   int(head_dim * partial_rotary_factor) dims at theta/scaling from the config -> non-causal
-  attention -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual, final norm;
+  attention -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual, final norm; a DFlash2 draft (docs/serve.md,
+  "DFlash2 drafts") with its grouped causal convolutions around each sublayer, `h += conv_out(attn(conv_in(norm(h))))`
+  and the same around the MLP, their per-token kernels `base_kernel + kernel_projection(norm(h))`, over the block;
+- each slot's token is its argmax, or for a DFlash2 draft with a selector the T=0 walk: the unary logits
+  `softcap(output_multiplier * lm_head(h))` (applied once), each slot's top-K candidates, left to right the
+  candidate of the highest pair score given the token chosen before it (the anchor before the first);
 - each step drafts `[last, MASK x (B-1)]` against the target features (HF `output_hidden_states`,
   layer i = hidden_states[i + 1]) of every verified token before `last`, at positions
   0..p-1 for the context and p..p+B-1 for the block; accepted = longest prefix where draft[k] == the
@@ -17,8 +22,9 @@ cache and nothing shared with `spec_decode` or the draft module:
   forward's argmax) instead of running a forward each.
 
 `check_serving_parity` runs both on a few prompts at T=0 and compares (1) the drafted tokens of our
-draft module and of the rebuilt one on the same context, and (2) our decoder's output and
-per-step acceptance with the reference's. A mismatch raises `ServingParityError` (one line).
+draft module (its walk, for a selector) and of the rebuilt one on the same context, and (2) our decoder's output and
+per-step acceptance with the reference's. A mismatch raises `ServingParityError` (one line). The reference reads the
+serving config dict and weights only (plain torch, fp32), nothing of `nemo_dflash.draft`.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,12 +97,15 @@ def reference_draft_hidden(weights: Mapping[str, torch.Tensor], cfg: Mapping[str
     hd = int(cfg["head_dim"])
     rd = int(hd * float(cfg.get("partial_rotary_factor", 1.0)))
     inv, scale = _inv_freq(cfg, rd)
+    kc = int(dict(cfg.get("dflash_config") or {}).get("conv_kernel_size") or 0)  # absent: 0, no convolution
     ctx = _rms(context.float() @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
     h = block_emb.float()
     n_blk = h.shape[0]
     for i in range(int(cfg["num_hidden_layers"])):
         p = f"layers.{i}."
         x = _rms(h, w[p + "input_layernorm.weight"], eps)
+        conv_in, conv_out = _conv_pair(w, p + "attention_conv.", x, kc, cfg)
+        x = conv_in(x)
         kv_in = torch.cat([ctx, x], dim=0)
         q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(n_blk, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
         k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd), w[p + "self_attn.k_norm.weight"], eps)
@@ -106,11 +115,83 @@ def reference_draft_hidden(weights: Mapping[str, torch.Tensor], cfg: Mapping[str
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(n_blk, nh * hd)
-        h = h + o @ w[p + "self_attn.o_proj.weight"].T
+        h = h + conv_out(o @ w[p + "self_attn.o_proj.weight"].T)
         x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        conv_in, conv_out = _conv_pair(w, p + "mlp_conv.", x, kc, cfg)
+        x = conv_in(x)
         gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
-        h = h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        h = h + conv_out((F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T)
     return _rms(h, w["norm.weight"], eps)
+
+
+# ----------------------------------------------------------------------------- DFlash2: conv and selector
+
+
+def _causal_block_conv(z: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor:
+    """y[i, c] = sum_{t < K, t <= i} (base[t, c] + offsets[i, t, g(c)]) * z[i - t, c] over one block's rows z
+    [B, H] (taps before the block's first row are zero); base [K, H], offsets [B, K, G]."""
+    y = torch.zeros_like(z)
+    for i in range(z.shape[0]):
+        for t in range(min(base.shape[0], i + 1)):
+            # g(c) = c // group: contiguous channel groups (the page names g(c) only; as our BlockConv groups)
+            y[i] += (base[t] + offsets[i, t].repeat_interleave(group)) * z[i - t]
+    return y
+
+
+_Conv = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _conv_pair(w: Mapping[str, torch.Tensor], prefix: str, z: torch.Tensor, kc: int,
+               cfg: Mapping[str, Any]) -> tuple[_Conv, _Conv]:
+    """(conv_in, conv_out) of one sublayer of a DFlash2 layer, their per-token kernels from the sublayer's
+    normalized input z [B, H]: kernel_projection(z) gives [2 sides, K taps, G groups] offsets per token, added to
+    base_kernel [2, K, H]. Both the identity when the config has no convolution (DFlash-1)."""
+    if kc == 0:
+        return (lambda x: x), (lambda x: x)
+    group = int(cfg["dflash_config"].get("conv_group_size") or 0)
+    # the page gives the map's width (2 K G) but not its order; (side, tap, group), side major, as our BlockConv
+    offsets = (z @ w[prefix + "kernel_projection.weight"].T).view(z.shape[0], 2, kc, -1)
+    base = w[prefix + "base_kernel"]
+    return ((lambda x: _causal_block_conv(x, base[0], offsets[:, 0], group)),
+            (lambda x: _causal_block_conv(x, base[1], offsets[:, 1], group)))
+
+
+def reference_unary(cfg: Mapping[str, Any], logits: torch.Tensor) -> torch.Tensor:
+    """u = softcap(output_multiplier * logits), softcap(x) = c tanh(x / c) when final_logit_softcapping c > 0;
+    the plain logits for a DFlash-1 draft (fields absent: multiplier 1, no cap)."""
+    dflash = dict(cfg.get("dflash_config") or {})
+    u = logits.float() * float(dflash.get("output_multiplier") or 1.0)
+    c = float(dflash.get("final_logit_softcapping") or 0.0)
+    return c * torch.tanh(u / c) if c > 0 else u
+
+
+def reference_walk(weights: Mapping[str, torch.Tensor], top_k: int, hidden: torch.Tensor, unary: torch.Tensor,
+                   anchor: int) -> list[int]:
+    """The selector's T=0 path over drafted slots (hidden [S, H], unary logits [S, V]), left to right: slot k's
+    candidates C_k are the top-K of u_k, its token the candidate b of the highest pair score
+    u_k(b) + <A[a] * (P h_k), B[b]> given the token a chosen at slot k - 1 (``anchor`` before slot 0); greedy, not
+    Viterbi, the lowest candidate index (higher u, then lower token id) on ties."""
+    a_book = weights["candidate_selector.predecessor_codebook"].float()
+    b_book = weights["candidate_selector.successor_codebook"].float()
+    proj = weights["candidate_selector.hidden_projection.weight"].float()
+    chosen, prev = [], int(anchor)
+    for k in range(hidden.shape[0]):
+        cand = torch.sort(unary[k].float(), descending=True, stable=True).indices[:top_k]
+        scores = unary[k, cand].float() + b_book[cand] @ (a_book[prev] * (proj @ hidden[k].float()))
+        prev = int(cand[int(torch.argmax(scores))])  # argmax: the first of equal maxima
+        chosen.append(prev)
+    return chosen
+
+
+def reference_proposals(weights: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], hidden: torch.Tensor,
+                        head: nn.Module, anchor: int) -> list[int]:
+    """The drafted tokens of slots 1..B-1 from the rebuilt draft's states ``hidden`` [B - 1, H]: the selector's
+    walk over the unary logits when the config has a selector (DFlash2), else each slot's argmax."""
+    unary = reference_unary(cfg, head(hidden.to(head.weight.dtype)).float())
+    top_k = int(dict(cfg.get("dflash_config") or {}).get("selector_top_k") or 0)
+    if top_k and int(cfg["dflash_config"].get("selector_rank") or 0):
+        return reference_walk(weights, top_k, hidden, unary, anchor)
+    return unary.argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------- the reference decoder
@@ -170,12 +251,13 @@ def reference_acceptance(target: nn.Module, weights: Mapping[str, torch.Tensor],
         block = torch.tensor([out[-1]] + [mask_id] * (blk - 1), device=feats.device)
         emb, pos = embed(block), torch.arange(a + blk, device=feats.device)
         hid = reference_draft_hidden(weights, cfg, emb, feats[:a], pos)
-        # the argmax of the plain logits: a unary transform (DFlash2's multiplier and soft-cap) is increasing
-        drafted = head(hid[1:].to(head.weight.dtype)).float().argmax(-1).tolist()
+        drafted = reference_proposals(weights, cfg, hid[1:], head, out[-1])
         if our_draft is not None:
             mine = our_draft(noise_embedding=emb[None].to(our_draft.fc.weight.dtype), target_hidden=feats[None, :a],
-                             position_ids=pos[None])
-            ours = our_draft.slot_logits(mine[0, 1:], head).float().argmax(-1).tolist()
+                             position_ids=pos[None], block_size=blk)[0, 1:]
+            unary = our_draft.slot_logits(mine, head)
+            ours = (our_draft.propose_block(mine[None], unary[None], block[:1])[0][0].tolist()
+                    if getattr(our_draft, "has_selector", False) else unary.float().argmax(-1).tolist())
             run.proposals += len(ours)
             run.proposals_agree += sum(x == y for x, y in zip(ours, drafted))
         n_acc = greedy_accepted_list(drafted[: blk - 1], nxt[k0: k0 + blk - 1])
@@ -218,9 +300,11 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
     """Compare our decoder (and draft module) with the reference rules on ``prompts`` (token ids).
 
     ``cfg``: the serving config.json dict (`nemo_dflash.serving.export.serving_config_dict`, or an exported
-    file); ``weights``: the serving weights (default: ``draft``'s, in bf16 as export writes them). Our draft runs with the serving weights (bf16-rounded, in fp32) so only
-    arithmetic order differs. Raises `ServingParityError` when drafted tokens agree less than
-    ``min_agreement`` or any prompt's output or per-step acceptance differs.
+    file); ``weights``: the serving weights (default: ``draft``'s, in bf16 as export writes them), which the
+    reference runs. Our draft runs (in fp32) with its own weights rounded to the served ones' dtypes, so only
+    arithmetic order differs when the served weights are the draft's, and a served weight that is not shows.
+    Raises `ServingParityError` when the served weights lack one of the draft's, when drafted tokens agree less
+    than ``min_agreement`` or any prompt's output or per-step acceptance differs.
     """
     import copy
 
@@ -229,8 +313,12 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
 
     cfg = dict(cfg)
     weights = dict(weights if weights is not None else serving_weights(draft))
+    own = draft.state_dict()
+    if missing := sorted(set(own) - set(weights)):
+        raise ServingParityError(f"the served weights lack {len(missing)} of the draft's ({', '.join(missing[:3])}): "
+                                 "export the draft's whole state dict; see docs/serve.md, 'Serving parity'")
     ours_draft = copy.deepcopy(draft).float()
-    ours_draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    ours_draft.load_state_dict({k: v.detach().to(weights[k].dtype).float() for k, v in own.items()})
     ours_draft = ours_draft.to(next(target.parameters()).device).eval()
     decoder = DFlashSpeculativeDecoder(target, ours_draft, block_size)
     stops = list(stop_ids)
@@ -241,8 +329,12 @@ def check_serving_parity(target: nn.Module, draft: nn.Module, prompts: Sequence[
         ours = decoder.generate(list(ids), max_new_tokens=max_new_tokens, sampling=GREEDY, stop_token_ids=stops)
         greedy = decoder.generate(list(ids), max_new_tokens=len(ours.output_ids) + decoder.block_size,
                                   sampling=GREEDY, stop_token_ids=[]).output_ids  # stops ignored: the last steps' tokens
-        ref = reference_acceptance(target, weights, cfg, ids, greedy, max_new_tokens, decoder.block_size, stops,
-                                   ours_draft)
+        try:
+            ref = reference_acceptance(target, weights, cfg, ids, greedy, max_new_tokens, decoder.block_size, stops,
+                                       ours_draft)
+        except KeyError as e:  # the served config names a module (a conv, the selector) the weights do not hold
+            raise ServingParityError(f"the served config needs weight {e} and the served weights lack it: export "
+                                     "config and weights of one draft; see docs/serve.md, 'Serving parity'") from None
         if ref.not_greedy_at is not None:
             mismatches.append(f"prompt {n}: our decoder's token {ref.not_greedy_at} is not the target's argmax")
             continue
