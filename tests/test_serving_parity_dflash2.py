@@ -139,3 +139,18 @@ def test_reference_unary_applies_multiplier_then_cap_once():
     x = torch.tensor([-8.0, 0.0, 1.0, 8.0])
     torch.testing.assert_close(reference_unary(cfg, x), 2.0 * torch.tanh(x * 0.5 / 2.0))
     torch.testing.assert_close(reference_unary({"dflash_config": {}}, x), x)  # DFlash-1: the plain logits
+
+
+def test_a_unary_transform_applied_twice_fails(trained, monkeypatch):
+    """Our walk fed logits transformed again (output_multiplier twice, the bug `slot_logits` fixed): caught."""
+    from nemo_dflash.draft.model import DFlash2DraftModel
+
+    target, draft = trained
+    real = DFlash2DraftModel.propose_block
+
+    def twice(self, hidden, unary, anchors, *a, **k):
+        return real(self, hidden, self.unary_logits(unary), anchors, *a, **k)
+
+    monkeypatch.setattr(DFlash2DraftModel, "propose_block", twice)
+    with pytest.raises(ServingParityError, match="drafted tokens agree"):
+        check_serving_parity(target, draft, PROMPTS, cfg=serving_config_dict(draft.config), max_new_tokens=16)
