@@ -235,7 +235,8 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torc
     (`SlotUniforms`, the keyed engine's) are taken for every predecessor at once and the path followed through
     the composed maps, as the greedy walk's: a few kernels a block instead of a dozen a slot.
     """
-    cand_logits, cand_ids = unary.topk(selector.top_k, dim=-1)  # sorted: ties keep the lower token id first
+    # sorted, largest first; exact ties come in torch.topk's order, which is not always the lower token id first
+    cand_logits, cand_ids = unary.topk(selector.top_k, dim=-1)
     first = selector.pair_scores(hidden[:, 0], cand_logits[:, 0], cand_ids[:, 0], anchors)  # [R, K]
     lattice = selector.lattice(hidden, cand_ids) if hidden.shape[1] > 1 else None
     if draw is None:
