@@ -171,7 +171,7 @@ def reference_walk(weights: Mapping[str, torch.Tensor], top_k: int, hidden: torc
     candidates C_k are the top-K of u_k, its token the candidate b of the highest pair score
     u_k(b) + <A[a] * (P h_k), B[b]> given the token a chosen at slot k - 1 (``anchor`` before slot 0); greedy, not
     Viterbi, the lowest candidate index on ties. The page leaves the order of equal unary logits open; here the
-    lower token id comes first (what our walk's comment says; torch.topk does not promise it)."""
+    lower token id comes first (torch.topk, which our walk uses, does not promise that order)."""
     a_book = weights["candidate_selector.predecessor_codebook"].float()
     b_book = weights["candidate_selector.successor_codebook"].float()
     proj = weights["candidate_selector.hidden_projection.weight"].float()
