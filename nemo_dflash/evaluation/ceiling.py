@@ -37,9 +37,9 @@ def repeated(cache: Any, n: int) -> Any:
 
 def draft_block_logits(target: HFDFlashTargetModel, draft: Any, seq: torch.Tensor, feats: torch.Tensor,
                        anchors: list[int], block: int) -> torch.Tensor:
-    """[A, block - 1, V] fp32: the draft's unary logits (`slot_logits`) at slots 1.. of its block at each anchor position of `seq` [1, S],
-    from one forward as training and replay run it (`feats` [1, S, n*H]: the target's features, seen strictly
-    before each anchor)."""
+    """[A, block - 1, V] fp32: the draft's unary logits (`slot_logits`) at slots 1.. of its block at each anchor
+    position of `seq` [1, S], from one forward as training and replay run it (`feats` [1, S, n*H]: the target's
+    features, seen strictly before each anchor)."""
     end = max(anchors) + 1
     ids, a = seq[:, :end], torch.tensor([anchors], device=seq.device)
     hidden = draft_block_hidden(draft, target.get_input_embeddings(), ids, feats[:, :end], torch.ones_like(ids), a,
