@@ -150,6 +150,18 @@ def test_nth_true_index_equals_a_loop_over_the_row(v):
     assert torch.equal(sampling.nth_true_index(mask, n), torch.tensor(want))
 
 
+def test_nth_true_index_is_exact_under_bf16_autocast():
+    """The block sums are products; under bf16 autocast (the trainer's held-out metrics) a bf16 product would round
+    running sums above 256. Dense rows, counts in the hundreds: the same indices as a count by cumsum."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(12, 1536, generator=g) < torch.linspace(0.3, 0.9, 12).view(-1, 1)
+    n = torch.randint(200, 1200, (12, 1), generator=g)
+    upto = mask.long().cumsum(dim=-1)
+    want = torch.where((upto >= n).any(dim=-1, keepdim=True), (upto < n).sum(dim=-1, keepdim=True), 1536)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(sampling.nth_true_index(mask, n), want)
+
+
 def test_the_bisection_nucleus_compiles_to_one_graph(monkeypatch):
     """The bisection's tie break ranks the boundary's ties without a scan over the row: the nucleus is one graph
     under dynamo. A scan there (an eager kernel, a graph break) left the 31 sums unfused from the softmax, and the

@@ -302,10 +302,13 @@ def nth_true_index(mask: torch.Tensor, n: torch.Tensor, block: int = 256) -> tor
 
 
 def _running_sum(x: torch.Tensor) -> torch.Tensor:
-    """Running sums [N, C] of the small non-negative integer counts x [N, C] (float), as int64, by a product."""
+    """Running sums [N, C] of the small non-negative integer counts x [N, C] (float), as int64, by a product: in
+    float32 whatever autocast is on (a bf16 product rounds sums above 256; the trainer's held-out metrics run under
+    bf16 autocast)."""
     c = x.shape[-1]
     ones = torch.ones(c, c, device=x.device).tril().T  # [i, j] = 1 where i <= j
-    return (x @ ones).round().to(torch.int64)
+    with torch.autocast(x.device.type, enabled=False):
+        return (x.float() @ ones).round().to(torch.int64)
 
 
 def _nucleus_by_sort(probs: torch.Tensor, fixed: torch.Tensor, want: Union[int, torch.Tensor]) -> torch.Tensor:
