@@ -18,6 +18,7 @@ from _torchrun import communicate_all
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = REPO / "docs"
+REPORTS = REPO / "benchmarks" / "reports"  # the dated reports: history, never edited
 MB = 1_000_000
 # Files that name docs pages as the reference to read (the dated reports are history and name pages of their day).
 NAMING = ("README.md", "CHANGELOG.md", "Makefile", "nemo_dflash", "benchmarks", "recipes", "configs", "tests")
@@ -119,7 +120,7 @@ def test_docs_stay_under_their_sizes():
 
 
 def _pages() -> list[Path]:
-    return [README, REPO / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]
+    return [README, REPO / "CHANGELOG.md", *sorted(DOCS.rglob("*.md")), *sorted(REPORTS.glob("*.md"))]
 
 
 def broken_links(page: Path, text: str) -> list[str]:
@@ -151,7 +152,8 @@ def test_every_docs_page_a_file_names_exists():
     for top in NAMING:
         root = REPO / top
         files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file() and p.suffix in
-                                                (".py", ".md", ".yaml", ".yml", ".txt") and "__pycache__" not in p.parts]
+                                                (".py", ".md", ".yaml", ".yml", ".txt") and "__pycache__" not in p.parts
+                                                and REPORTS not in p.parents]  # reports name the pages of their day
         for f in files:
             for ref in re.findall(r"docs/[\w/.-]*?\.md\b", f.read_text(errors="ignore")):
                 if not (REPO / ref).is_file() and f != Path(__file__):
