@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from _tiny_models import VOCAB, train_draft, train_llama, train_qwen3
-from nemo_dflash.objective.anchors import anchor_quotas, document_bounds, plan_blocks, sample_packed_anchors
+from nemo_dflash.objective.anchors import anchor_quotas, document_bounds, plan_blocks, sample_anchors
 from nemo_dflash.objective.cross_entropy import chunked_lm_loss
 from nemo_dflash.objective.trainer_module import DFlashTrainerModule
 from nemo_dflash.data.packing import PackedBatchSampler, PackedCollator, first_fit
@@ -256,8 +256,8 @@ def test_packed_anchors_stay_inside_documents_and_cover_each_document_alike():
     for d in range(len(lengths)):
         cands[d] = cand[0][doc[0] == d].sum()
     for seed in range(40):
-        anchors, valid = sample_packed_anchors(packed["loss_mask"], packed["attention_mask"], doc, BLOCK, n_anchors,
-                                               row_seeds=[seed])
+        anchors, valid = sample_anchors(packed["loss_mask"], packed["attention_mask"], BLOCK, n_anchors,
+                                        row_seeds=[seed], doc_ids=doc)
         a = anchors[0][valid[0]]
         assert a.numel() == n_anchors
         assert bool((a + BLOCK <= end[0, a]).all()), "a block crosses its document's end"

@@ -18,8 +18,12 @@ def sample_anchors(
     num_anchors: int,
     generator: Optional[torch.Generator] = None,
     row_seeds: Optional[Sequence[int]] = None,
+    doc_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to `num_anchors` anchors per row, uniformly without replacement.
+
+    With `doc_ids` ([B, S] document index per token, -1 on padding: packed rows) the anchors are
+    shared out over each row's documents instead (`_packed_anchors`).
 
     Candidates are supervised, real tokens that leave room for a whole block
     (a + block_size <= sequence length). Returns (anchors [B, A], valid [B, A]) sorted by
@@ -30,6 +34,8 @@ def sample_anchors(
     anchors whatever batch, padding or rank it lands in (distributed runs then reproduce
     single-process losses, and resume needs no generator state).
     """
+    if doc_ids is not None:
+        return _packed_anchors(loss_mask, attention_mask, doc_ids, block_size, num_anchors, generator, row_seeds)
     bsz, seq = loss_mask.shape
     device = loss_mask.device
     cand = _candidates(loss_mask, attention_mask, block_size, attention_mask.long().sum(dim=1, keepdim=True))
@@ -100,15 +106,9 @@ def anchor_quotas(counts: torch.Tensor, total: int, offset: int = 0) -> torch.Te
     return edges[1:] - edges[:-1]
 
 
-def sample_packed_anchors(
-    loss_mask: torch.Tensor,
-    attention_mask: torch.Tensor,
-    doc_ids: torch.Tensor,
-    block_size: int,
-    num_anchors: int,
-    generator: Optional[torch.Generator] = None,
-    row_seeds: Optional[Sequence[int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int,
+                    num_anchors: int, generator: Optional[torch.Generator],
+                    row_seeds: Optional[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors of packed rows: exactly `num_anchors` slots per row (a fixed shape), shared out
     over the row's documents in proportion to their candidates (`anchor_quotas`).
 
@@ -244,21 +244,17 @@ def plan_blocks(
     """Anchors (sampled unless given) and the valid label slots, on the inputs' device.
 
     With `doc_ids` ([B, S] document index per token, -1 on padding: packed rows), anchors are
-    drawn per document (`sample_packed_anchors`), each block sees only its own document's
+    drawn per document (`sample_anchors` with `doc_ids`), each block sees only its own document's
     context, and its positions come from `position_ids` (restarting per document).
     """
+    if anchors is None:
+        anchors, valid = sample_anchors(loss_mask, attention_mask, block_size, num_anchors, generator, row_seeds,
+                                        doc_ids=doc_ids)
+    assert valid is not None
     if doc_ids is None:
-        if anchors is None:
-            anchors, valid = sample_anchors(loss_mask, attention_mask, block_size, num_anchors, generator, row_seeds)
-        assert valid is not None
         labels, label_valid = build_labels(input_ids, loss_mask, attention_mask, anchors, valid, block_size)
         sel = label_valid.flatten().nonzero().squeeze(-1)
         return BlockPlan(anchors, valid, label_valid, sel, labels.flatten().index_select(0, sel))
-    if anchors is None:
-        anchors, valid = sample_packed_anchors(
-            loss_mask, attention_mask, doc_ids, block_size, num_anchors, generator, row_seeds
-        )
-    assert valid is not None
     start, end = document_bounds(doc_ids)
     labels, label_valid = build_labels(input_ids, loss_mask, attention_mask, anchors, valid, block_size)
     # a block slot past its document's end is another document's token: never a label
