@@ -3,11 +3,56 @@
 Data flows through the folders: `data/` (chat files, regeneration, on `engine/`) -> `target/` (load,
 hook) -> `DFlashTargetBatch` -> `draft/` (registry, build, model) and `objective/` (anchors, block mask,
 losses, the trainer module) -> `train/` (loop, checkpoints) -> `serving/` (export) / `evaluation/`.
+
+The names below load on first use (PEP 562): the draft model pulls in transformers (seconds), and a command
+that only parses its config, prints `--help` or refuses a flag should not pay for it.
 """
 
-from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
-from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec, resolve_dflash_draft_spec
-from nemo_dflash.target import DFlashTargetBatch, HFDFlashTargetModel, build_target_layer_ids
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
+    from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec, resolve_dflash_draft_spec
+    from nemo_dflash.target import DFlashTargetBatch, HFDFlashTargetModel, build_target_layer_ids
+
+
+def lazy_exports(namespace: dict[str, Any],
+                 exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's `__getattr__` and `__dir__` (PEP 562; `namespace` is its `globals()`): `exports[name]`'s module
+    is imported on first use of `name`, a submodule on first use of its name (as an eager `__init__` had it
+    loaded). A facade then costs nothing until a name is used."""
+    package = namespace["__name__"]
+
+    def __getattr__(name: str) -> Any:
+        if name in exports:
+            value = getattr(importlib.import_module(exports[name]), name)
+        elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value  # the next lookup is an ordinary attribute
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__
+
+
+_EXPORTS = {
+    "DFlashConfig": "nemo_dflash.draft.model",
+    "DFlashDraftModel": "nemo_dflash.draft.model",
+    "DFLASH_DRAFT_REGISTRY": "nemo_dflash.draft.registry",
+    "DraftSpec": "nemo_dflash.draft.registry",
+    "resolve_dflash_draft_spec": "nemo_dflash.draft.registry",
+    "DFlashTargetBatch": "nemo_dflash.target",
+    "HFDFlashTargetModel": "nemo_dflash.target",
+    "build_target_layer_ids": "nemo_dflash.target",
+}
 
 __all__ = [
     "DFLASH_DRAFT_REGISTRY",
@@ -20,3 +65,4 @@ __all__ = [
     "resolve_dflash_draft_spec",
 ]
 __version__ = "0.1.0"
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -29,9 +29,13 @@ _SLOW = frozenset(line.strip() for line in Path(__file__).with_name("slow.txt").
 # The files that run for minutes (multi-process trainings, benchmarks end to end), longest first: `make test` hands
 # whole files to its two workers in collection order, and one of these started last would leave the other worker
 # idle while it runs. A file missing from here only starts later; a stale entry costs nothing.
-LONGEST_FIRST = ("tests/test_distributed.py", "tests/test_eval_replay.py", "tests/test_train.py",
-                 "tests/test_pipeline.py", "tests/test_regenerate_sources.py", "tests/test_evaluate.py",
-                 "tests/test_dflash2.py", "tests/test_sampling_settings.py")
+LONGEST_FIRST = ("tests/test_distributed.py", "tests/test_eval_replay.py", "tests/test_pipeline.py",
+                 "tests/test_batched_static.py", "tests/test_sampling_settings.py", "tests/test_regenerate_sources.py",
+                 "tests/test_train.py", "tests/test_pipeline_stale.py", "tests/test_evaluate.py",
+                 "tests/test_regenerate_openai.py", "tests/test_data_prompts.py", "tests/test_regenerate.py",
+                 "tests/test_smollm2_summaries.py", "tests/test_bench_files.py", "tests/test_decode_graphs.py",
+                 "tests/test_faults.py", "tests/test_dflash2.py", "tests/test_spec_decode.py", "tests/test_config.py",
+                 "tests/test_faults_writes.py", "tests/test_data_summary_row.py", "tests/test_faults_runs.py")
 
 
 def pytest_collection_modifyitems(config, items):

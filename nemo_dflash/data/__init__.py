@@ -3,37 +3,75 @@
 The data a draft trains on is made here too: prompt sources (`sources`, `prompts`), regeneration's selection
 (`selection`), answers (`regenerate`, `openai_backend`), journals and rank merging (`journals`), the run's
 steps (`regen_run`) and numbers (`regen_stats`), and the data report (`report`).
+
+The names load on first use (PEP 562, `nemo_dflash.lazy_exports`): reading a config section does not import torch or the tokenizer code.
 """
 
-from nemo_dflash.data.chat_template import (
-    ChatFormat,
-    ChatTemplateError,
-    TokenizedConversation,
-    detect_chat_format,
-    render_with_spans,
-    tokenize_conversation,
-    tokenize_conversations,
-)
-from nemo_dflash.data.config import DataConfig, DataSourceConfig, as_data_config, validate_data_config
-from nemo_dflash.data.dataset import (
-    ChatCollator,
-    ChatDataset,
-    build_dataloader,
-    build_datasets,
-    collate,
-    pad_token_id_of,
-    split_holdout,
-)
-from nemo_dflash.data.sampler import ChatBatchSampler
-from nemo_dflash.data.sources import (
-    SHAREGPT_FILE,
-    BadRecordCounter,
-    Conversation,
-    DataError,
-    apply_weight,
-    normalize_record,
-    read_conversations,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nemo_dflash import lazy_exports
+
+if TYPE_CHECKING:
+    from nemo_dflash.data.chat_template import (
+        ChatFormat,
+        ChatTemplateError,
+        TokenizedConversation,
+        detect_chat_format,
+        render_with_spans,
+        tokenize_conversation,
+        tokenize_conversations,
+    )
+    from nemo_dflash.data.config import DataConfig, DataSourceConfig, as_data_config, validate_data_config
+    from nemo_dflash.data.dataset import (
+        ChatCollator,
+        ChatDataset,
+        build_dataloader,
+        build_datasets,
+        collate,
+        pad_token_id_of,
+        split_holdout,
+    )
+    from nemo_dflash.data.sampler import ChatBatchSampler
+    from nemo_dflash.data.sources import (
+        SHAREGPT_FILE,
+        BadRecordCounter,
+        Conversation,
+        DataError,
+        apply_weight,
+        normalize_record,
+        read_conversations,
+    )
+
+_EXPORTS = {
+    "ChatFormat": "nemo_dflash.data.chat_template",
+    "ChatTemplateError": "nemo_dflash.data.chat_template",
+    "TokenizedConversation": "nemo_dflash.data.chat_template",
+    "detect_chat_format": "nemo_dflash.data.chat_template",
+    "render_with_spans": "nemo_dflash.data.chat_template",
+    "tokenize_conversation": "nemo_dflash.data.chat_template",
+    "tokenize_conversations": "nemo_dflash.data.chat_template",
+    "DataConfig": "nemo_dflash.data.config",
+    "DataSourceConfig": "nemo_dflash.data.config",
+    "as_data_config": "nemo_dflash.data.config",
+    "validate_data_config": "nemo_dflash.data.config",
+    "ChatCollator": "nemo_dflash.data.dataset",
+    "ChatDataset": "nemo_dflash.data.dataset",
+    "build_dataloader": "nemo_dflash.data.dataset",
+    "build_datasets": "nemo_dflash.data.dataset",
+    "collate": "nemo_dflash.data.dataset",
+    "pad_token_id_of": "nemo_dflash.data.dataset",
+    "split_holdout": "nemo_dflash.data.dataset",
+    "ChatBatchSampler": "nemo_dflash.data.sampler",
+    "SHAREGPT_FILE": "nemo_dflash.data.sources",
+    "BadRecordCounter": "nemo_dflash.data.sources",
+    "Conversation": "nemo_dflash.data.sources",
+    "DataError": "nemo_dflash.data.sources",
+    "apply_weight": "nemo_dflash.data.sources",
+    "normalize_record": "nemo_dflash.data.sources",
+    "read_conversations": "nemo_dflash.data.sources",
+}
 
 __all__ = [
     "BadRecordCounter",
@@ -62,3 +100,4 @@ __all__ = [
     "tokenize_conversations",
     "validate_data_config",
 ]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

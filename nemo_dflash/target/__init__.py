@@ -3,17 +3,38 @@
 `loading.load_target` reads a local HF directory or a GGUF file (nothing is downloaded);
 `hooks.HFDFlashTargetModel` captures the layers the draft fuses (`build_target_layer_ids`,
 checked by `check_target_layer_ids`) and stops the forward after the last one.
+
+The names load on first use (PEP 562, `nemo_dflash.lazy_exports`): a target check need not import torch.
 """
 
-from nemo_dflash.target.hooks import (
-    DFlashTargetBatch,
-    HFDFlashTargetModel,
-    LayerIdsError,
-    build_target_layer_ids,
-    check_target_layer_ids,
-    find_decoder_layers,
-)
-from nemo_dflash.target.loading import load_target, load_tokenizer, resolve_target_path
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nemo_dflash import lazy_exports
+
+if TYPE_CHECKING:
+    from nemo_dflash.target.hooks import (
+        DFlashTargetBatch,
+        HFDFlashTargetModel,
+        LayerIdsError,
+        build_target_layer_ids,
+        check_target_layer_ids,
+        find_decoder_layers,
+    )
+    from nemo_dflash.target.loading import load_target, load_tokenizer, resolve_target_path
+
+_EXPORTS = {
+    "DFlashTargetBatch": "nemo_dflash.target.hooks",
+    "HFDFlashTargetModel": "nemo_dflash.target.hooks",
+    "LayerIdsError": "nemo_dflash.target.hooks",
+    "build_target_layer_ids": "nemo_dflash.target.hooks",
+    "check_target_layer_ids": "nemo_dflash.target.hooks",
+    "find_decoder_layers": "nemo_dflash.target.hooks",
+    "load_target": "nemo_dflash.target.loading",
+    "load_tokenizer": "nemo_dflash.target.loading",
+    "resolve_target_path": "nemo_dflash.target.loading",
+}
 
 __all__ = [
     "DFlashTargetBatch",
@@ -26,3 +47,4 @@ __all__ = [
     "load_tokenizer",
     "resolve_target_path",
 ]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
