@@ -564,3 +564,55 @@ def test_fused_elementwise_same_output_then_removed():
     assert got_draft.shape == ref_draft.shape
     assert (hf_qwen3.apply_rotary_pos_emb, draft_modeling.apply_rope) == originals
     assert not any("forward" in m.__dict__ for m in list(target.modules()) + list(draft.modules()))
+
+
+def test_capture_runs_with_the_garbage_collector_off(monkeypatch):
+    """A cyclic collection that starts mid-capture can free a dropped runner's graphs inside the capture, which
+    CUDA refuses (the capture fails). `CapturedStep` must keep the collector off for the capture, not for the
+    warm-up runs, and turn it back on afterwards, also when the step raises. Fake CUDA objects: CPU only."""
+    import gc
+    from contextlib import contextmanager
+
+    from nemo_dflash.engine import graphs
+
+    class _Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    state = {"capturing": False}
+
+    @contextmanager
+    def _capture(graph):
+        state["capturing"] = True
+        try:
+            yield
+        finally:
+            state["capturing"] = False
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextmanager(lambda: (yield))())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+    assert gc.isenabled()
+    calls: list[tuple[bool, bool]] = []
+
+    def step():
+        calls.append((state["capturing"], gc.isenabled()))
+        return "out"
+
+    captured = graphs.CapturedStep(step, torch.device("cpu"), warmup=2)
+    assert captured.outputs == "out"
+    assert calls == [(False, True), (False, True), (True, False)]
+    assert gc.isenabled()
+
+    def failing():
+        if state["capturing"]:
+            raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.CapturedStep(failing, torch.device("cpu"), warmup=1)
+    assert gc.isenabled()

@@ -9,6 +9,7 @@ an 8B model whose weights read in ~3.4 ms), so its speedups differ from a servin
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from contextlib import contextmanager
@@ -61,8 +62,19 @@ class CapturedStep:
                 fn()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn()
+        # torch no longer collects garbage before a capture (torch.compiler.config.force_cudagraph_gc). A runner
+        # that was dropped holds its graphs in a reference cycle (its steps' closures point back at it), so a
+        # cyclic collection that starts mid-capture would destroy those graphs inside this capture, which CUDA
+        # refuses ("operation not permitted when stream is capturing (function reset)"): the capture fails.
+        # The collector stays off until the capture ends; what it would have freed is freed after.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn()
+        finally:
+            if collecting:
+                gc.enable()
 
     def replay(self) -> Any:
         self.graph.replay()
