@@ -170,8 +170,9 @@ def train_throughput_row(out: Path, head: dict[str, Any], after_step: int = 200)
         return vals[len(vals) // 2] if vals else None
 
     total, step_s = median("tok_s"), median("step_s")
-    return {**head, "shape": "smollm2_135m",
-            "case": (f"the recipe's training run: {world} GPU(s) x mbs {mbs} x {pack} packed, "
+    variant = (cfg.get("draft") or {}).get("kind", "dflash")
+    return {**head, "shape": "smollm2_135m", "variant": variant,
+            "case": (f"the recipe's training run: {variant} draft, {world} GPU(s) x mbs {mbs} x {pack} packed, "
                      f"{cfg['loss']['num_anchors']} anchors, distill {cfg['loss'].get('distill_weight', 0)}, "
                      f"loss.impl {cfg['loss'].get('impl')}, {summary.get('data', {}).get('train_samples')} "
                      f"conversations; median of the {len(windows)} logged windows after step {after_step}"),
