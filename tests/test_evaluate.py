@@ -435,3 +435,22 @@ def test_speedup_only_times_the_speedup_prompts_and_decodes_nothing_else(tiny_ta
     with pytest.raises(SystemExit) as e:
         _cli(tiny_target_dir, exported_draft, tmp_path / "e2", *args[:-3], "--no-speedup", "--speedup-only")
     assert e.value.code == 2
+
+
+def test_interleave_is_round_robin():
+    assert eval_run.interleave([[1, 2, 3], ["a"], [], [10, 20]]) == [1, "a", 10, 2, 20, 3]
+    assert eval_run.interleave([]) == [] and eval_run.interleave([[], []]) == []
+
+
+def test_timed_prompts_go_in_turns_over_sets_and_temperatures(tiny_target_dir, exported_draft, tmp_path):
+    """The speedup phase times prompt j of every (temperature, set) before prompt j + 1 of any, so a run that its
+    --max-minutes stops has timed every set at every temperature (before: the first set's prompts, all of them,
+    came first, and a capped run could time no HumanEval prompt at all)."""
+    out = tmp_path / "eval"
+    args = ["--protocol", "quick", "--datasets", "mtbench,humaneval", "--num-prompts", "2", "--max-new-tokens", "3",
+            "--turns", "1", "--temperatures", "0,1", "--speedup-prompts", "2", "--speedup-only"]
+    assert _cli(tiny_target_dir, exported_draft, out, *args) == 0
+    rows = [json.loads(x) for x in (out / "speedup.jsonl").read_text().splitlines()[1:]]
+    ids = {"mtbench": ["mtbench/81", "mtbench/82"], "humaneval": ["HumanEval/0", "HumanEval/1"]}
+    want = [(t, d, ids[d][j]) for j in (0, 1) for t in ("0", "1") for d in ("mtbench", "humaneval")]
+    assert [(r["temperature"], r["dataset"], r["id"]) for r in rows] == want

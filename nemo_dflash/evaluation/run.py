@@ -186,6 +186,12 @@ def _worker_job(job: tuple[EvalSettings, EvalPrompt]) -> dict[str, Any]:
     return _decode(_WORKER["models"], _WORKER["decoders"], *job)
 
 
+def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
+    """Item j of every group, in the groups' order, before item j + 1 of any (round robin; a group that runs out
+    is passed over)."""
+    return [g[j] for j in range(max((len(g) for g in groups), default=0)) for g in groups if j < len(g)]
+
+
 Key = tuple[str, str, str]  # (temperature, dataset, prompt id)
 _HEADER_NAMES = {"draft_sha256": "the draft's weights (draft_sha256)",
                  "target_weights": "the target's weights (target_weights)",
@@ -331,9 +337,12 @@ class EvalRun:
         return [((t.key, name, p.id), p) for j, p in enumerate(prompts) if self._mine(j)]
 
     def _items(self, journal: Journal, timed: bool) -> list[tuple[Key, EvalSettings, EvalPrompt]]:
+        """The conversations `journal` lacks. Timed ones go in turns over every (temperature, set): prompt j of
+        each before prompt j + 1 of any, so a run stopped by --max-minutes has timed every set and temperature."""
         k = self.protocol.speedup_prompts if timed else None
-        return [(key, self.settings(t, timed), p) for t in self.protocol.samplings
-                for name, prompts in self.sets for key, p in self._keys(t, name, prompts[:k]) if key not in journal.rows]
+        groups = [[(key, self.settings(t, timed), p) for key, p in self._keys(t, name, prompts[:k])
+                   if key not in journal.rows] for t in self.protocol.samplings for name, prompts in self.sets]
+        return interleave(groups) if timed else [item for group in groups for item in group]
 
     def _expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
