@@ -82,6 +82,12 @@ def add_batch_size_arg(p: argparse.ArgumentParser, in_flight: str, cpu: str = "o
                    help=f"{in_flight}; auto: as many as the GPU's free memory holds, at most 2,048 ({cpu}: 8)")
 
 
+def add_jsonl_out_arg(p: argparse.ArgumentParser) -> None:
+    """`--out FILE.jsonl` of a command that writes records for `regenerate --data` or training (regenerate,
+    prompts): one name and help for the file the next stage reads."""
+    p.add_argument("--out", required=True, help="output FILE.jsonl")
+
+
 def add_device_args(p: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto") -> None:
     p.add_argument("--device", default=device, choices=DEVICES, help=f"default {device}: cuda if visible, else cpu")
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"default {dtype}: bf16 on cuda, fp32 on cpu")
@@ -256,5 +262,5 @@ def dist_env() -> tuple[int, int, int]:
 
 
 __all__ = ["DEVICES", "DTYPES", "UsageError", "add_batch_size_arg", "add_deprecated_flag", "add_device_args",
-           "add_recipe_args", "dist_env", "fail", "one_line", "parse_with_recipe", "resolve_device_dtype",
-           "section_argv", "section_defaults", "set_threads", "setup_logging", "user_errors"]
+           "add_jsonl_out_arg", "add_recipe_args", "dist_env", "fail", "one_line", "parse_with_recipe",
+           "resolve_device_dtype", "section_argv", "section_defaults", "set_threads", "setup_logging", "user_errors"]

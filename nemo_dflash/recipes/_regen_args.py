@@ -21,7 +21,7 @@ from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.engine.sampling import check_sampling as check_sampling_values
 from nemo_dflash.files import Output
 from nemo_dflash.recipes._cli import (
-    add_batch_size_arg, add_device_args, add_recipe_args, fail, section_defaults, user_errors,
+    add_batch_size_arg, add_device_args, add_jsonl_out_arg, add_recipe_args, fail, section_defaults, user_errors,
 )
 from nemo_dflash.recipes._regen_server import add_server_args, validate_server_args
 
@@ -47,7 +47,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "repeatable")
     p.add_argument("--summary-json",
                    help="also write the run's summary (per-source counts, decontamination, speed) to this JSON file")
-    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    add_jsonl_out_arg(p)
     p.add_argument("--num-samples", type=int,
                    help="regenerate the first N usable conversations after the seeded shuffle (default: all)")
     p.add_argument("--seed", type=int, help="shuffle (and sampling) seed")

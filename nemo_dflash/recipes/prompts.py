@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from nemo_dflash.config import PromptJobConfig
 from nemo_dflash.files import Output, OutputError, guard_outputs
 from nemo_dflash.recipes._cli import (
-    add_batch_size_arg, add_device_args, add_recipe_args, fail, parse_with_recipe, resolve_device_dtype,
-    section_defaults, set_threads, setup_logging, user_errors,
+    add_batch_size_arg, add_device_args, add_jsonl_out_arg, add_recipe_args, fail, parse_with_recipe,
+    resolve_device_dtype, section_defaults, set_threads, setup_logging, user_errors,
 )
 from nemo_dflash.recipes._prompts_run import run_magpie, shard_path, write_builtin  # noqa: F401  (shard_path: here too)
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
                         "code_stdlib[+KINDS][:COUNT], code_site[+KINDS][:COUNT], or a folder of Python source; "
                         "no model)")
-    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    add_jsonl_out_arg(p)
     p.add_argument("--topics",
                    help="TOPIC=COUNT,... conversations per topic (topics: chat, code, math, reading, formatting, "
                         "explain_code)")
