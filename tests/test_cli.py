@@ -8,7 +8,9 @@ import argparse
 import pytest
 import torch
 
-from nemo_dflash.recipes._cli import UsageError, add_device_args, fail, one_line, resolve_device_dtype, user_errors
+from nemo_dflash.recipes._cli import (
+    UsageError, add_batch_size_arg, add_device_args, fail, one_line, resolve_device_dtype, user_errors,
+)
 
 
 def test_device_and_dtype_are_decided_in_one_place(monkeypatch):
@@ -31,6 +33,18 @@ def test_device_flags_are_declared_alike():
     assert vars(p.parse_args([])) == {"device": "auto", "dtype": "auto"}
     with pytest.raises(SystemExit):
         p.parse_args(["--device", "tpu"])
+
+
+def test_batch_size_auto_is_said_with_the_engines_numbers():
+    from nemo_dflash.engine.plain import AUTO_ROWS_CAP, CPU_AUTO_ROWS
+
+    p = argparse.ArgumentParser()
+    add_batch_size_arg(p, "rows in flight")
+    (action,) = [a for a in p._actions if a.dest == "batch_size"]
+    assert action.help == (f"rows in flight; auto: as many as the GPU's free memory holds, at most {AUTO_ROWS_CAP:,} "
+                           f"(on a CPU: {CPU_AUTO_ROWS})")
+    assert p.parse_args(["--batch-size", "auto"]).batch_size == "auto"
+    assert p.parse_args(["--batch-size", "16"]).batch_size == 16
 
 
 def test_user_errors_are_one_line_and_exit_2(capsys):

@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -81,6 +81,16 @@ def check_mask_token_id(mask_id: Optional[int], vocab: Optional[int] = None, sou
     return int(mask_id)
 
 
+def _refusal(check: Callable[[], Any], error: type[Exception]) -> list[str]:
+    """`check`'s refusal as a one-line list (empty when it passes): the fit check lists every problem at once
+    rather than stopping at the first."""
+    try:
+        check()
+    except error as e:
+        return [str(e)]
+    return []
+
+
 def check_draft_fits_target(draft_config: DFlashConfig, target_config: Any, tokenizer: Any = None) -> None:
     """Fail early, before any model runs, when a draft cannot serve a target.
 
@@ -96,20 +106,15 @@ def check_draft_fits_target(draft_config: DFlashConfig, target_config: Any, toke
             f"draft hidden_size {draft_config.hidden_size} != target hidden_size {tc.hidden_size} (the draft uses "
             "the target's embeddings and lm_head): build the draft with DFlashConfig.from_target_config(target_config)"
         )
-    try:
-        check_target_layer_ids(draft_config.target_layer_ids, depth)
-    except LayerIdsError as e:
-        problems.append(str(e))
+    problems += _refusal(lambda: check_target_layer_ids(draft_config.target_layer_ids, depth), LayerIdsError)
     if int(draft_config.num_target_layers) != depth:
         problems.append(
             f"num_target_layers {draft_config.num_target_layers} != the target's num_hidden_layers {depth}: "
             "this draft was trained for a different target"
         )
     mask_id = draft_config.mask_token_id
-    try:
-        check_mask_token_id(mask_id, vocab, source="the draft's dflash_config")
-    except MaskTokenError as e:
-        problems.append(str(e))
+    problems += _refusal(lambda: check_mask_token_id(mask_id, vocab, source="the draft's dflash_config"),
+                         MaskTokenError)
     if int(draft_config.vocab_size) != vocab:
         problems.append(
             f"draft vocab_size {draft_config.vocab_size} != target vocab_size {vocab} (the draft was trained on "

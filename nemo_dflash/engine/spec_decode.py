@@ -131,6 +131,18 @@ def _refuse_static_for_recurrent(decode: str, model: nn.Module, recurrent: Optio
         )
 
 
+def _decode_inputs(input_ids: TokenIds, stop_token_ids: Optional[Iterable[int]], max_new_tokens: int, decode: str,
+                   model: nn.Module, recurrent: bool, device: torch.device) -> tuple[torch.Tensor, set[int]]:
+    """What the speculative and the plain decoder refuse before any forward (no token budget, a decode mode this
+    model or device cannot run, a malformed prompt), so both refuse alike; then the prompt [1, S] on `device` and
+    the stop ids as a set."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _refuse_static_for_recurrent(decode, model, recurrent)
+    check_decode_mode(decode, device)
+    return _as_input_ids(input_ids, device), stop_set(stop_token_ids)
+
+
 # ----------------------------------------------------------------------------- decoders
 
 
@@ -244,13 +256,9 @@ class DFlashSpeculativeDecoder:
         top-p, top-k and how the draft proposes. `options`: the engine's speed
         settings (answers unchanged; the eager loop reads `avoid_cudnn_attention` only).
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         device = self.device
-        _refuse_static_for_recurrent(decode, self.target.model, self._recurrent)
-        check_decode_mode(decode, device)
-        ids = _as_input_ids(input_ids, device)
-        stop_ids = stop_set(stop_token_ids)
+        ids, stop_ids = _decode_inputs(input_ids, stop_token_ids, max_new_tokens, decode, self.target.model,
+                                       self._recurrent, device)
         if decode == "graphs":
             if past_key_values is not None or draft_cache is not None:
                 raise ValueError("past_key_values / draft_cache are for decode='eager'; decode='graphs' owns its caches.")
@@ -404,14 +412,9 @@ def autoregressive_generate(
     """Plain one-token-per-forward decoding with the same target: the speedup baseline (timed
     the same way, prefill excluded). `decode` and `options` as in `DFlashSpeculativeDecoder.generate`, so that
     both sides of a speedup run in the same mode."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = _device_of(target_model)
     recurrent = recurrent_cache.model_has_recurrent_layers(target_model)
-    _refuse_static_for_recurrent(decode, target_model, recurrent)
-    check_decode_mode(decode, device)
-    ids = _as_input_ids(input_ids, device)
-    stop_ids = stop_set(stop_token_ids)
+    ids, stop_ids = _decode_inputs(input_ids, stop_token_ids, max_new_tokens, decode, target_model, recurrent, device)
     if decode == "graphs":
         if past_key_values is not None:
             raise ValueError("past_key_values is for decode='eager'; decode='graphs' owns its cache.")

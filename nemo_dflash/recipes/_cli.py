@@ -74,6 +74,20 @@ def count_or_auto(text: str) -> "int | str":
         raise argparse.ArgumentTypeError(f"give a number or auto, got {text!r}") from None
 
 
+def add_batch_size_arg(p: argparse.ArgumentParser, in_flight: str, cpu: str = "on a CPU") -> None:
+    """`--batch-size N | auto` of a command whose rows `engine.plain.auto_rows` fits to the GPU: what auto means is
+    said once, in the same words for each (its numbers are that module's AUTO_ROWS_CAP and CPU_AUTO_ROWS, held
+    to them by tests/test_cli.py; importing it here would load torch for `--help`)."""
+    p.add_argument("--batch-size", type=count_or_auto,
+                   help=f"{in_flight}; auto: as many as the GPU's free memory holds, at most 2,048 ({cpu}: 8)")
+
+
+def add_jsonl_out_arg(p: argparse.ArgumentParser) -> None:
+    """`--out FILE.jsonl` of a command that writes records for `regenerate --data` or training (regenerate,
+    prompts): one name and help for the file the next stage reads."""
+    p.add_argument("--out", required=True, help="output FILE.jsonl")
+
+
 def add_device_args(p: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto") -> None:
     p.add_argument("--device", default=device, choices=DEVICES, help=f"default {device}: cuda if visible, else cpu")
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"default {dtype}: bf16 on cuda, fp32 on cpu")
@@ -247,6 +261,6 @@ def dist_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-__all__ = ["DEVICES", "DTYPES", "UsageError", "add_deprecated_flag", "add_device_args", "add_recipe_args", "dist_env", "fail", "one_line",
-           "parse_with_recipe", "resolve_device_dtype", "section_argv", "section_defaults", "set_threads",
-           "setup_logging", "user_errors"]
+__all__ = ["DEVICES", "DTYPES", "UsageError", "add_batch_size_arg", "add_deprecated_flag", "add_device_args",
+           "add_jsonl_out_arg", "add_recipe_args", "dist_env", "fail", "one_line", "parse_with_recipe",
+           "resolve_device_dtype", "section_argv", "section_defaults", "set_threads", "setup_logging", "user_errors"]

@@ -21,7 +21,7 @@ from nemo_dflash.engine.sampling import GREEDY, SamplingParams
 from nemo_dflash.engine.sampling import check_sampling as check_sampling_values
 from nemo_dflash.files import Output
 from nemo_dflash.recipes._cli import (
-    add_device_args, add_recipe_args, count_or_auto, fail, section_defaults, user_errors,
+    add_batch_size_arg, add_device_args, add_jsonl_out_arg, add_recipe_args, fail, section_defaults, user_errors,
 )
 from nemo_dflash.recipes._regen_server import add_server_args, validate_server_args
 
@@ -47,7 +47,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "repeatable")
     p.add_argument("--summary-json",
                    help="also write the run's summary (per-source counts, decontamination, speed) to this JSON file")
-    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    add_jsonl_out_arg(p)
     p.add_argument("--num-samples", type=int,
                    help="regenerate the first N usable conversations after the seeded shuffle (default: all)")
     p.add_argument("--seed", type=int, help="shuffle (and sampling) seed")
@@ -66,10 +66,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=(*ENGINES, "slots"), metavar="{" + ",".join(ENGINES) + "}",
                    help="continuous: the decoding engine, continuous batching, a finished answer's row refilled as "
                         "it ends (full-attention models); generate: model.generate batch after batch (any model)")
-    p.add_argument("--batch-size", type=count_or_auto,
-                   help="answers in flight (continuous: rows of the KV cache; generate: prompts per call); auto: as "
-                        "many as the GPU's free memory holds, at most 2,048 (on a CPU or with "
-                        "--engine generate: 8)")
+    add_batch_size_arg(p, "answers in flight (continuous: rows of the KV cache; generate: prompts per call)",
+                       cpu="on a CPU or with --engine generate")
     p.add_argument("--prepare-ahead", type=int,
                    help="conversations whose first prompt is templated and tokenised ahead on a background "
                         "thread, overlapping the GPU (0: inline); the output does not depend on it")

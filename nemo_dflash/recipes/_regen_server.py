@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from functools import partial
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -28,26 +29,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="local: load --target here and answer with it (--engine picks the decoder); openai: ask an "
                         "OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama-server) serving the target for "
                         "the answers; --target then gives the tokenizer (templates, prompt lengths, tokens)")
-    p.add_argument("--endpoint", metavar="URL",
-                   help="--backend openai: the server's OpenAI base URL, e.g. http://HOST:8000/v1")
-    p.add_argument("--model", metavar="NAME",
-                   help="--backend openai: the name the server serves the target under (default: its only model)")
-    p.add_argument("--api-key-env", metavar="VAR",
-                   help="--backend openai: the environment variable holding the API key (the key is never in "
-                        "the recipe); default: no key")
-    p.add_argument("--concurrency", type=int,
-                   help="--backend openai: requests in flight (the server batches them)")
-    p.add_argument("--request-timeout", type=float,
-                   help="--backend openai: seconds one answer may take before it is asked again")
-    p.add_argument("--retries", type=int,
-                   help="--backend openai: attempts after the first for a timeout, a 429/5xx or a dropped "
-                        "connection, with exponential back-off; then the run stops, its journal kept")
-    p.add_argument("--retry-backoff", type=float,
-                   help="--backend openai: seconds before the first retry, doubled each retry (at most 30 s, "
-                        "jittered; a server's Retry-After is honoured)")
-    p.add_argument("--server-extensions", choices=("on", "off"),
-                   help="--backend openai: on: also send top_k/min_p/repetition_penalty (the server's defaults "
-                        "off) and ask for token ids (vLLM, SGLang, llama.cpp take them); off: OpenAI's fields only")
+    server_flag = partial(_add_server_flag, p)
+    server_flag("--endpoint", "the server's OpenAI base URL, e.g. http://HOST:8000/v1", metavar="URL")
+    server_flag("--model", "the name the server serves the target under (default: its only model)", metavar="NAME")
+    server_flag("--api-key-env", "the environment variable holding the API key (the key is never in the recipe); "
+                "default: no key", metavar="VAR")
+    server_flag("--concurrency", "requests in flight (the server batches them)", type=int)
+    server_flag("--request-timeout", "seconds one answer may take before it is asked again", type=float)
+    server_flag("--retries", "attempts after the first for a timeout, a 429/5xx or a dropped connection, with "
+                "exponential back-off; then the run stops, its journal kept", type=int)
+    server_flag("--retry-backoff", "seconds before the first retry, doubled each retry (at most 30 s, jittered; a "
+                "server's Retry-After is honoured)", type=float)
+    server_flag("--server-extensions", "on: also send top_k/min_p/repetition_penalty (the server's defaults off) "
+                "and ask for token ids (vLLM, SGLang, llama.cpp take them); off: OpenAI's fields only",
+                choices=("on", "off"))
+
+
+def _add_server_flag(p: argparse.ArgumentParser, flag: str, text: str, **kwargs: Any) -> None:
+    """A flag that acts with --backend openai alone: its help says so first, in the same words for each."""
+    p.add_argument(flag, help=f"--backend openai: {text}", **kwargs)
 
 
 def validate_server_args(args: argparse.Namespace) -> None:

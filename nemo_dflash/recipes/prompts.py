@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from nemo_dflash.config import PromptJobConfig
 from nemo_dflash.files import Output, OutputError, guard_outputs
 from nemo_dflash.recipes._cli import (
-    add_device_args, add_recipe_args, count_or_auto, fail, parse_with_recipe, resolve_device_dtype,
-    section_defaults, set_threads, setup_logging, user_errors,
+    add_batch_size_arg, add_device_args, add_jsonl_out_arg, add_recipe_args, fail, parse_with_recipe,
+    resolve_device_dtype, section_defaults, set_threads, setup_logging, user_errors,
 )
 from nemo_dflash.recipes._prompts_run import run_magpie, shard_path, write_builtin  # noqa: F401  (shard_path: here too)
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write this built-in source's prompts instead (chitchat, gsm_symbolic[:COUNT], code[:COUNT], "
                         "code_stdlib[+KINDS][:COUNT], code_site[+KINDS][:COUNT], or a folder of Python source; "
                         "no model)")
-    p.add_argument("--out", required=True, help="output FILE.jsonl")
+    add_jsonl_out_arg(p)
     p.add_argument("--topics",
                    help="TOPIC=COUNT,... conversations per topic (topics: chat, code, math, reading, formatting, "
                         "explain_code)")
@@ -82,8 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-max-new-tokens", type=int,
                    help="the user turns' own cap (default: --max-new-tokens), e.g. 512 with --max-new-tokens 256: "
                         "long user turns, short answers")
-    p.add_argument("--batch-size", type=count_or_auto,
-                   help="prompts in flight; auto: as many as the GPU's free memory holds, at most 2,048 (on a CPU: 8)")
+    add_batch_size_arg(p, "prompts in flight")
     p.add_argument("--oversample", type=float,
                    help="prompts sampled per prompt wanted, so the filters still leave --topics' counts")
     p.add_argument("--temperature", type=float, help="sampling temperature (Magpie samples at 1)")
