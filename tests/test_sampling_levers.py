@@ -27,6 +27,7 @@ LEVERS = {
     "v2s": ("t02", 1.0, 0.0, "dflash2", "skip", "decay"),
     "v2i_dpace": ("t02", 1.0, 0.0, "dflash2", "inject", "dpace"),
     "v2s_dpace": ("t02", 1.0, 0.0, "dflash2", "skip", "dpace"),
+    "v2f_dpace": ("t02+t1", 1.0, 0.0, "dflash2", "skip", "dpace"),
 }
 ANSWERS = {"t02": "a", "t1": "c"}  # the arm whose regenerate stage writes each answer set
 
