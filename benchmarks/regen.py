@@ -52,21 +52,21 @@ DOC_THROUGHPUT = """Regeneration throughput: the pipeline's decoding engine agai
 
     python benchmarks/regen.py throughput --target SmolLM2.gguf --prompts sharegpt_all.jsonl --turns all \
         --num-prompts 4096 --max-new-tokens 1024 --max-prompt-tokens 1536 --batch-size 1024 --stop-loops \
-        --temperature 0.2 --top-p 0.9 --modes slots,slots_full,generate
+        --temperature 0.2 --top-p 0.9 --modes continuous,continuous_full,generate
 
 Both sides answer the same prompts (ShareGPT first user turns through the target's chat
 template, or random ids with --random-shape) with the same settings and stopping on; tokens/s
 counts generated tokens (stop tokens included) over wall time, the model load excluded. Modes:
-``slots`` (the decoding engine's plain rows, nemo_dflash.engine.plain.PlainEngine, what `regenerate --engine
-continuous` runs, with --batch-size rows), ``generate``
+``continuous`` (the decoding engine's plain rows, nemo_dflash.engine.plain.PlainEngine, what `regenerate --engine
+continuous` runs, with --batch-size rows; ``slots``, its name before, is read as it), ``generate``
 (model.generate on left-padded batches of --batch-size, prompts sorted by length, what
 `--engine generate` runs), ``hf_cb`` (transformers' continuous batching, ``generate_batch``).
 
 ``--turns all`` (needs --target) runs whole conversations: the first --num-prompts conversations
 of --prompts, every user turn answered with the target's own earlier answers in the history,
 through ``regenerate_conversations`` itself (templating and tokenising included, as the pipeline
-runs). ``slots`` keeps a conversation in its row between turns and prefills only each turn's new
-tokens; ``slots_full`` is the same engine prefilling every turn's whole history; ``generate`` is
+runs). ``continuous`` keeps a conversation in its row between turns and prefills only each turn's new
+tokens; ``continuous_full`` (before: ``slots_full``) is the same engine prefilling every turn's whole history; ``generate`` is
 ``--engine generate``. The ``prefill/gen`` column is the prompt tokens run through a prefill per
 generated token (``reused``: prompt tokens found in the row instead).
 
@@ -78,11 +78,15 @@ tokens/s counts the server's ``usage.completion_tokens`` over wall time. Side by
 
     python benchmarks/regen.py throughput --target pkg:smollm2 --turns all --num-prompts 16 \
         --max-new-tokens 48 --max-prompt-tokens 512 --batch-size 4 --temperature 0 --stop-loops \
-        --threads 1 --llama-server llama-build/bin/llama-server --server-threads 1 --modes openai,slots
+        --threads 1 --llama-server llama-build/bin/llama-server --server-threads 1 --modes openai,continuous
 
 Prints a table; --json writes the rows.
 """
 
+
+# The decoding engine's modes were named for the slot engine it replaced: the old names still run (recorded rows
+# and docs cite them), under the new ones.
+OLD_MODE_NAMES = {"slots": "continuous", "slots_full": "continuous_full"}
 
 def qwen3_0_6b_shape(device: str, dtype: torch.dtype):
     """Random weights of Qwen3-0.6B's shape: a 151,936-token vocabulary (the large-vocabulary case) on 28 layers."""
@@ -284,7 +288,7 @@ def run_server(tokenizer, convs, spare, args, stop_ids) -> dict:
                        "skipped": dict(stats.skipped)}}
 
 
-def run_slots(model, prompts, args, stop_ids) -> dict:
+def run_continuous(model, prompts, args, stop_ids) -> dict:
     """The decoding engine on the prompts as `regenerate --engine continuous` runs it (`engine.plain.PlainEngine`):
     --batch-size rows, a prompt entering a row as an answer ends, each step a captured CUDA graph on a GPU."""
     from nemo_dflash.data.loops import LoopDetector
@@ -402,7 +406,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--prompts", default="sharegpt", help="sharegpt or a chat file (with --target)")
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="first: first user turns as independent prompts; all: whole conversations, every turn "
-                        "(--num-prompts conversations; modes slots, slots_full, generate)")
+                        "(--num-prompts conversations; modes continuous, continuous_full, generate)")
     p.add_argument("--after-cut", choices=("end", "continue"), default="end",
                    help="--turns all: a cut or capped answer ends its conversation, or the next turn follows it")
     p.add_argument("--num-prompts", type=int, default=2048, help="0: every conversation (--turns all)")
@@ -412,16 +416,16 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0, help="top-k at T > 0 (0: off; the Qwen models' cards give 20)")
-    p.add_argument("--stop-loops", action="store_true", help="slots: stop looping answers early (regenerate's default)")
-    p.add_argument("--modes", default="slots,generate", help="comma list of slots (the decoding engine, what "
-                   "`regenerate --engine continuous` runs), generate, hf_cb")
+    p.add_argument("--stop-loops", action="store_true", help="continuous: stop looping answers early (regenerate's default)")
+    p.add_argument("--modes", default="continuous,generate", help="comma list of continuous (the decoding engine, "
+                   "what `regenerate --engine continuous` runs; old name: slots), generate, hf_cb")
     g = p.add_argument_group("engine settings (nemo_dflash.engine.plain; default: the device's)")
     g.add_argument("--refill-fraction", type=int, default=None,
                    help="refill once 1/N of the rows are free, their prompts prefilled together")
     g.add_argument("--decode-window", type=int, default=None, help="plain steps a host read-back")
-    add_engine_attention_flags(p, "--modes slots: ")
+    add_engine_attention_flags(p, "--modes continuous: ")
     p.add_argument("--profile-engine", action="store_true",
-                   help="--modes slots: the timed run under torch.profiler; prints and records (row 'phases') the "
+                   help="--modes continuous: the timed run under torch.profiler; prints and records (row 'phases') the "
                         "count, host and device time of prompts entering rows and of steps, and the top kernels")
     p.add_argument("--schedule", choices=("most_turns_first", "given"), default="most_turns_first",
                    help="--turns all: the order conversations start in (regenerate_conversations(schedule=))")
@@ -443,7 +447,7 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
         torch.set_num_threads(args.threads)
     if args.server_threads is None:
         args.server_threads = torch.get_num_threads()
-    modes = args.modes.split(",")
+    modes = [OLD_MODE_NAMES.get(m, m) for m in args.modes.split(",")]
     if "openai" in modes:
         if args.turns != "all":
             p.error("--modes openai runs --turns all (whole conversations through regenerate's loop)")
@@ -490,12 +494,12 @@ def main_throughput(argv: Optional[Sequence[str]] = None) -> None:
             if args.turns == "all" and mode == "openai":
                 r = run_server(tokenizer, convs, spare, args, stop_ids)
             elif args.turns == "all":
-                if mode not in ("slots", "slots_full", "generate"):
+                if mode not in ("continuous", "continuous_full", "generate"):
                     raise ValueError(f"mode {mode} does not run --turns all")
                 r = run_conversations(model, tokenizer, convs, args, "generate" if mode == "generate" else "continuous",
-                                      reuse=mode != "slots_full")
-            elif mode == "slots":
-                r = run_slots(model, prompts, args, stop_ids)
+                                      reuse=mode != "continuous_full")
+            elif mode == "continuous":
+                r = run_continuous(model, prompts, args, stop_ids)
             elif mode == "generate":
                 r = run_generate(model, prompts, args, stop_ids, pad_id)
             elif mode == "hf_cb":

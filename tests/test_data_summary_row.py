@@ -43,15 +43,16 @@ def test_row_per_gpu_rates_and_report_figures():
 
 def test_throughput_engine_and_generate_rows(tmp_path):
     """regen.py throughput on random SmolLM2-shaped weights, CPU, T=0: the decoding engine (what `regenerate --engine
-    slots` runs) and batched model.generate answer the same prompts (the same new tokens), and each row says where
-    it was measured."""
+    continuous` runs) and batched model.generate answer the same prompts (the same new tokens), and each row says where
+    it was measured. The engine's mode is asked for by its old name, `slots`, which the recorded commands use: it
+    runs as `continuous`."""
     out = tmp_path / "t.json"
     _throughput(["--random-shape", "smollm2", "--num-prompts", "5", "--batch-size", "2",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "24", "--temperature", "0",
                            "--modes", "slots,generate", "--fold-gqa", "1", "--filled-blocks", "0",
                            "--decode-window", "2", "--refill-fraction", "2", "--profile-engine", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["slots", "generate"]
+    assert [r["mode"] for r in rows] == ["continuous", "generate"]
     assert rows[0]["tokens"] == rows[1]["tokens"] and rows[0]["fold_gqa"] is True and rows[0]["filled_blocks"] is False
     # --profile-engine: the first 2 prompts entering together, the other 3 entering freed rows (once 1 of the 2 rows
     # is free, those freed at one step together), one window of 2 steps a prompt after its prefill's token
