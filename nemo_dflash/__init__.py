@@ -54,15 +54,6 @@ _EXPORTS = {
     "build_target_layer_ids": "nemo_dflash.target",
 }
 
-__all__ = [
-    "DFLASH_DRAFT_REGISTRY",
-    "DFlashConfig",
-    "DFlashDraftModel",
-    "DFlashTargetBatch",
-    "DraftSpec",
-    "HFDFlashTargetModel",
-    "build_target_layer_ids",
-    "resolve_dflash_draft_spec",
-]
+__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

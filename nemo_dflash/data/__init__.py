@@ -73,31 +73,5 @@ _EXPORTS = {
     "read_conversations": "nemo_dflash.data.sources",
 }
 
-__all__ = [
-    "BadRecordCounter",
-    "ChatBatchSampler",
-    "ChatCollator",
-    "ChatDataset",
-    "ChatFormat",
-    "ChatTemplateError",
-    "Conversation",
-    "DataConfig",
-    "DataError",
-    "DataSourceConfig",
-    "TokenizedConversation",
-    "apply_weight",
-    "as_data_config",
-    "build_dataloader",
-    "build_datasets",
-    "collate",
-    "detect_chat_format",
-    "normalize_record",
-    "pad_token_id_of",
-    "read_conversations",
-    "render_with_spans",
-    "split_holdout",
-    "tokenize_conversation",
-    "tokenize_conversations",
-    "validate_data_config",
-]
+__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

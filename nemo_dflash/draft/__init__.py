@@ -23,6 +23,5 @@ _EXPORTS = {
     "resolve_dflash_draft_spec": "nemo_dflash.draft.registry",
 }
 
-__all__ = ["DFLASH_DRAFT_REGISTRY", "DFlashConfig", "DFlashContextCache", "DFlashDraftModel", "DraftSpec",
-           "resolve_dflash_draft_spec"]
+__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -36,15 +36,5 @@ _EXPORTS = {
     "resolve_target_path": "nemo_dflash.target.loading",
 }
 
-__all__ = [
-    "DFlashTargetBatch",
-    "HFDFlashTargetModel",
-    "LayerIdsError",
-    "build_target_layer_ids",
-    "check_target_layer_ids",
-    "find_decoder_layers",
-    "load_target",
-    "load_tokenizer",
-    "resolve_target_path",
-]
+__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

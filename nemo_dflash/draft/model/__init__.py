@@ -22,5 +22,5 @@ _EXPORTS = {
     "DFlashContextCache": "nemo_dflash.draft.model.modeling",
 }
 
-__all__ = ["DFlash2Config", "DFlash2DraftModel", "DFlashConfig", "DFlashDraftModel", "DFlashContextCache"]
+__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
