@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from nemo_dflash.draft.model import DFlashConfig, DFlashDraftModel
@@ -20,16 +20,17 @@ if TYPE_CHECKING:
     from nemo_dflash.target import DFlashTargetBatch, HFDFlashTargetModel, build_target_layer_ids
 
 
-def lazy_exports(namespace: dict[str, Any],
-                 exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's `__getattr__` and `__dir__` (PEP 562; `namespace` is its `globals()`): `exports[name]`'s module
-    is imported on first use of `name`, a submodule on first use of its name (as an eager `__init__` had it
-    loaded). A facade then costs nothing until a name is used."""
+def lazy_exports(namespace: dict[str, Any], exports: Mapping[str, Sequence[str]]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """A package's `__getattr__`, `__dir__` and `__all__` (PEP 562; `namespace` is its `globals()`, `exports` maps a
+    module to the names it gives the package): a name's module is imported on first use of the name, a submodule on
+    first use of its name (as an eager `__init__` had it loaded). A facade then costs nothing until a name is used."""
     package = namespace["__name__"]
+    module_of = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str) -> Any:
-        if name in exports:
-            value = getattr(importlib.import_module(exports[name]), name)
+        if name in module_of:
+            value = getattr(importlib.import_module(module_of[name]), name)
         elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
             value = importlib.import_module(f"{package}.{name}")
         else:
@@ -38,22 +39,16 @@ def lazy_exports(namespace: dict[str, Any],
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(exports))
+        return sorted(set(namespace) | set(module_of))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(module_of)
 
 
-_EXPORTS = {
-    "DFlashConfig": "nemo_dflash.draft.model",
-    "DFlashDraftModel": "nemo_dflash.draft.model",
-    "DFLASH_DRAFT_REGISTRY": "nemo_dflash.draft.registry",
-    "DraftSpec": "nemo_dflash.draft.registry",
-    "resolve_dflash_draft_spec": "nemo_dflash.draft.registry",
-    "DFlashTargetBatch": "nemo_dflash.target",
-    "HFDFlashTargetModel": "nemo_dflash.target",
-    "build_target_layer_ids": "nemo_dflash.target",
+_EXPORTS = {  # module -> the names it gives this package
+    "nemo_dflash.draft.model": ("DFlashConfig", "DFlashDraftModel"),
+    "nemo_dflash.draft.registry": ("DFLASH_DRAFT_REGISTRY", "DraftSpec", "resolve_dflash_draft_spec"),
+    "nemo_dflash.target": ("DFlashTargetBatch", "HFDFlashTargetModel", "build_target_layer_ids"),
 }
 
-__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
 __version__ = "0.1.0"
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(globals(), _EXPORTS)  # every lazily loaded name is public

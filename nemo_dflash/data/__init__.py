@@ -44,34 +44,21 @@ if TYPE_CHECKING:
         read_conversations,
     )
 
-_EXPORTS = {
-    "ChatFormat": "nemo_dflash.data.chat_template",
-    "ChatTemplateError": "nemo_dflash.data.chat_template",
-    "TokenizedConversation": "nemo_dflash.data.chat_template",
-    "detect_chat_format": "nemo_dflash.data.chat_template",
-    "render_with_spans": "nemo_dflash.data.chat_template",
-    "tokenize_conversation": "nemo_dflash.data.chat_template",
-    "tokenize_conversations": "nemo_dflash.data.chat_template",
-    "DataConfig": "nemo_dflash.data.config",
-    "DataSourceConfig": "nemo_dflash.data.config",
-    "as_data_config": "nemo_dflash.data.config",
-    "validate_data_config": "nemo_dflash.data.config",
-    "ChatCollator": "nemo_dflash.data.dataset",
-    "ChatDataset": "nemo_dflash.data.dataset",
-    "build_dataloader": "nemo_dflash.data.dataset",
-    "build_datasets": "nemo_dflash.data.dataset",
-    "collate": "nemo_dflash.data.dataset",
-    "pad_token_id_of": "nemo_dflash.data.dataset",
-    "split_holdout": "nemo_dflash.data.dataset",
-    "ChatBatchSampler": "nemo_dflash.data.sampler",
-    "SHAREGPT_FILE": "nemo_dflash.data.sources",
-    "BadRecordCounter": "nemo_dflash.data.sources",
-    "Conversation": "nemo_dflash.data.sources",
-    "DataError": "nemo_dflash.data.sources",
-    "apply_weight": "nemo_dflash.data.sources",
-    "normalize_record": "nemo_dflash.data.sources",
-    "read_conversations": "nemo_dflash.data.sources",
+_EXPORTS = {  # module -> the names it gives this package
+    "nemo_dflash.data.chat_template": (
+        "ChatFormat", "ChatTemplateError", "TokenizedConversation", "detect_chat_format", "render_with_spans",
+        "tokenize_conversation", "tokenize_conversations",
+    ),
+    "nemo_dflash.data.config": ("DataConfig", "DataSourceConfig", "as_data_config", "validate_data_config"),
+    "nemo_dflash.data.dataset": (
+        "ChatCollator", "ChatDataset", "build_dataloader", "build_datasets", "collate", "pad_token_id_of",
+        "split_holdout",
+    ),
+    "nemo_dflash.data.sampler": ("ChatBatchSampler",),
+    "nemo_dflash.data.sources": (
+        "SHAREGPT_FILE", "BadRecordCounter", "Conversation", "DataError", "apply_weight", "normalize_record",
+        "read_conversations",
+    ),
 }
 
-__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(globals(), _EXPORTS)  # every lazily loaded name is public

@@ -14,14 +14,9 @@ if TYPE_CHECKING:
     from nemo_dflash.draft.model import DFlashConfig, DFlashContextCache, DFlashDraftModel
     from nemo_dflash.draft.registry import DFLASH_DRAFT_REGISTRY, DraftSpec, resolve_dflash_draft_spec
 
-_EXPORTS = {
-    "DFlashConfig": "nemo_dflash.draft.model",
-    "DFlashContextCache": "nemo_dflash.draft.model",
-    "DFlashDraftModel": "nemo_dflash.draft.model",
-    "DFLASH_DRAFT_REGISTRY": "nemo_dflash.draft.registry",
-    "DraftSpec": "nemo_dflash.draft.registry",
-    "resolve_dflash_draft_spec": "nemo_dflash.draft.registry",
+_EXPORTS = {  # module -> the names it gives this package
+    "nemo_dflash.draft.model": ("DFlashConfig", "DFlashContextCache", "DFlashDraftModel"),
+    "nemo_dflash.draft.registry": ("DFLASH_DRAFT_REGISTRY", "DraftSpec", "resolve_dflash_draft_spec"),
 }
 
-__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(globals(), _EXPORTS)  # every lazily loaded name is public

@@ -24,17 +24,12 @@ if TYPE_CHECKING:
     )
     from nemo_dflash.target.loading import load_target, load_tokenizer, resolve_target_path
 
-_EXPORTS = {
-    "DFlashTargetBatch": "nemo_dflash.target.hooks",
-    "HFDFlashTargetModel": "nemo_dflash.target.hooks",
-    "LayerIdsError": "nemo_dflash.target.hooks",
-    "build_target_layer_ids": "nemo_dflash.target.hooks",
-    "check_target_layer_ids": "nemo_dflash.target.hooks",
-    "find_decoder_layers": "nemo_dflash.target.hooks",
-    "load_target": "nemo_dflash.target.loading",
-    "load_tokenizer": "nemo_dflash.target.loading",
-    "resolve_target_path": "nemo_dflash.target.loading",
+_EXPORTS = {  # module -> the names it gives this package
+    "nemo_dflash.target.hooks": (
+        "DFlashTargetBatch", "HFDFlashTargetModel", "LayerIdsError", "build_target_layer_ids",
+        "check_target_layer_ids", "find_decoder_layers",
+    ),
+    "nemo_dflash.target.loading": ("load_target", "load_tokenizer", "resolve_target_path"),
 }
 
-__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(globals(), _EXPORTS)  # every lazily loaded name is public

@@ -14,13 +14,10 @@ if TYPE_CHECKING:
     from nemo_dflash.draft.model.dflash2 import DFlash2Config, DFlash2DraftModel
     from nemo_dflash.draft.model.modeling import DFlashDraftModel, DFlashContextCache
 
-_EXPORTS = {
-    "DFlashConfig": "nemo_dflash.draft.model.configuration",
-    "DFlash2Config": "nemo_dflash.draft.model.dflash2",
-    "DFlash2DraftModel": "nemo_dflash.draft.model.dflash2",
-    "DFlashDraftModel": "nemo_dflash.draft.model.modeling",
-    "DFlashContextCache": "nemo_dflash.draft.model.modeling",
+_EXPORTS = {  # module -> the names it gives this package
+    "nemo_dflash.draft.model.configuration": ("DFlashConfig",),
+    "nemo_dflash.draft.model.dflash2": ("DFlash2Config", "DFlash2DraftModel"),
+    "nemo_dflash.draft.model.modeling": ("DFlashDraftModel", "DFlashContextCache"),
 }
 
-__all__ = sorted(_EXPORTS)  # every lazily loaded name is public
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(globals(), _EXPORTS)  # every lazily loaded name is public
