@@ -602,8 +602,9 @@ def validate(cfg: RecipeConfig, data_optional: bool = False) -> None:
     parsers (`recipes.pipeline`), before anything loads."""
     regen = cfg.regenerate
     regen.decontaminate = _ON_OFF.get(regen.decontaminate, regen.decontaminate)
+    node = OmegaConf.structured(cfg)  # built once: each build walks every section's dataclass
     for key, choices in _CHOICES.items():
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(node, key)
         if value not in choices:
             raise ConfigError(f"'{key}' must be one of {list(choices)}, got {value!r}")
     for ok, msg in _ranges(cfg):
