@@ -34,15 +34,29 @@ def _tracked(under: str) -> list[Path]:
     return [REPO / p for p in out.stdout.split("\0") if p and (REPO / p).is_file()]
 
 
-def readme_commands(text: str) -> list[list[str]]:
-    """The commands of the README's bash blocks: continuation lines joined, comments dropped."""
+def bash_commands(text: str) -> list[tuple[int, list[str]]]:
+    """The commands of a markdown page's bash blocks, each with the page line it starts on: continuation lines
+    joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+    for block in re.finditer(r"```bash\n(.*?)```", text, flags=re.S):
+        first = text.count("\n", 0, block.start(1)) + 1
+        lines = block.group(1).split("\n")
+        i = 0
+        while i < len(lines):
+            start, line = i, lines[i]
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1] + " " + lines[i].lstrip()
+            i += 1
             words = shlex.split(line, comments=True)
             if words:
-                commands.append(words)
+                commands.append((first + start, words))
     return commands
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """The commands of the README's bash blocks: continuation lines joined, comments dropped."""
+    return [words for _, words in bash_commands(text)]
 
 
 def help_argv(words: list[str]) -> list[str] | None:
@@ -67,6 +81,7 @@ def test_readme_commands_are_read_from_its_bash_blocks():
                         ["python", "benchmarks/b.py", "sub", "--flag"], ["vllm", "serve", "M"]]
     assert [help_argv(c) for c in commands] == [None, [sys.executable, "-m", "pkg.mod", "--help"],
                                                [sys.executable, "benchmarks/b.py", "sub", "--help"], None]
+    assert [line for line, _ in bash_commands(text)] == [2, 3, 10, 11]  # the page line each command starts on
 
 
 def _help_in_process(argv: tuple[str, ...], monkeypatch, capsys) -> tuple[object, str]:
