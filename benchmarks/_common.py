@@ -101,6 +101,16 @@ def engine_attention_options(args: argparse.Namespace, device: Any, base: Any = 
                      "filled_blocks": filled_blocks_on(torch.device(device), setting=options.filled_blocks)}
 
 
+def variant_options(text: str) -> dict:
+    """"k=v,k=v" -> {k: number}: a draft variant's options (`draft.dflash2.*`), e.g. "selector_rank=0,selector_top_k=0"
+    (a part off, to time the rest)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = float(value) if "." in value else int(value)
+    return out
+
+
 def write_qwen3_8b_config(out: Path) -> Path:
     """Write `QWEN3_8B_CONFIG` as ``out``/config.json; returns ``out``."""
     out = Path(out)

@@ -109,7 +109,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.dtype, draft_dir: Optional[str],
-                kind: str = "dflash"):
+                kind: str = "dflash", options: Optional[dict] = None):
     """A random draft of `kind` (dflash | dflash2: what a decoding step costs with each), or the export at
     `draft_dir`."""
     from nemo_dflash.draft.build import build_draft_for_target
@@ -124,7 +124,7 @@ def build_draft(target: torch.nn.Module, layers: int, block: int, dtype: torch.d
     mask_id = target.config.vocab_size - 1
     with torch.device(device):  # initialised where it runs (a 1B-parameter draft for the 8B shape)
         draft = build_draft_for_target(target, None, num_layers=layers, block_size=block, mask_token_id=mask_id,
-                                       kind=kind)
+                                       kind=kind, variant_options=options)
     return draft.to(dtype=dtype).eval()
 
 
@@ -381,7 +381,8 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     target = build_target(shape, device, dtype)
-    draft = build_draft(target, args.draft_layers, args.block_size, dtype, args.draft, args.draft_kind)
+    options = variant_options(args.variant_options)
+    draft = build_draft(target, args.draft_layers, args.block_size, dtype, args.draft, args.draft_kind, options)
     dec = DFlashSpeculativeDecoder(target, draft, args.block_size)
     print(f"[{shape}] built in {time.perf_counter() - t0:.1f}s; draft {len(draft.layers)} layers, "
           f"block {dec.block_size}", flush=True)
@@ -419,6 +420,7 @@ def measure_shape(shape: str, modes: list[str], device: torch.device, args, rows
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "prompt_tokens": ids.shape[1], "new_tokens": n, "block_size": dec.block_size,
                     "draft_layers": len(draft.layers), "draft": args.draft or "random", "draft_kind": getattr(draft.config, "architectures", ["?"])[0],
+                    **({"variant_options": options} if options else {}),
                     "plain_ms_per_token": plain_ms, "spec_ms_per_step": spec_ms,
                     "verify_ms": parts.get("verify_ms"), "draft_ms": parts.get("draft_ms"),
                     "plain_step_alone_ms": parts.get("plain_step_ms"),
@@ -585,6 +587,9 @@ def main_speed(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--draft-kind", default="dflash", choices=("dflash", "dflash2"),
                    help="the random draft's variant (dflash2: the convolutions and the selector's walk in each step)")
+    p.add_argument("--variant-options", default="",
+                   help='the random draft variant\'s sizes, e.g. "conv_kernel_size=0" or "selector_rank=0,'
+                        'selector_top_k=0" (a part off, to time the rest)')
     p.add_argument("--draft", default=None, help="an exported draft (its architecture on the random shapes; "
                                                  "with --target, real tau and speedup)")
     p.add_argument("--target", default=None, help="a real target for --draft (HF dir or pkg:smollm2)")
@@ -693,7 +698,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import add_engine_attention_flags, append_rows, engine_attention_options, provenance  # noqa: E402
+from _common import (  # noqa: E402
+    add_engine_attention_flags, append_rows, engine_attention_options, provenance, variant_options)
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "bench" / "concurrency.json"
 

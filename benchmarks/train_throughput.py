@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import append_rows  # noqa: E402  (benchmarks/, the script's own folder)
+from _common import append_rows, variant_options  # noqa: E402  (benchmarks/, the script's own folder)
 
 from nemo_dflash.data.synthetic import make_packed_batches  # noqa: E402
 from nemo_dflash.evaluation.rows import throughput_row as bench_row  # noqa: E402
@@ -636,15 +636,6 @@ def probe_flex_tiles(args, device) -> None:
                   flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-
-
-def variant_options(text: str) -> dict:
-    """"k=v,k=v" -> {k: number}: the draft variant's options (`draft.dflash2.*`)."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        out[key.strip()] = float(value) if "." in value else int(value)
-    return out
 
 
 def main_trainer_step(args, device, peak: float, state=None) -> None:

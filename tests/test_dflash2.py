@@ -404,6 +404,28 @@ def test_dflash2_greedy_decoding_is_the_targets_greedy_output(block_size):
     assert [r.acceptance_lengths for r in rows] == [e.acceptance_lengths for e in eager]
 
 
+def test_capture_fusion_of_the_block_conv_computes_the_same_and_is_undone():
+    """While a step is captured each `BlockConv` runs `block_convolve` compiled: the draft's block logits are the
+    eager ones, every conv (two a layer) is counted, and nothing of the swap is left afterwards."""
+    from nemo_dflash.draft.model import DFlashContextCache
+    from nemo_dflash.engine.graphs import fused_elementwise
+    from nemo_dflash.engine.spec_decode import DFlashSpeculativeDecoder
+
+    target, d2, ids, _ = _dflash2_second_token_case()
+    dec = DFlashSpeculativeDecoder(target, d2)
+    g = torch.Generator().manual_seed(3)
+    context = torch.randn(1, 9, target.config.hidden_size * len(d2.config.target_layer_ids), generator=g)
+    with torch.no_grad():
+        want = dec.draft_logits(ids[0, -1:], 9, context, DFlashContextCache(len(d2.layers)), 8)
+        with fused_elementwise(d2) as counts:
+            assert all("convolve" in c.__dict__ for layer in d2.layers for c in (layer.attention_conv, layer.mlp_conv))
+            got = dec.draft_logits(ids[0, -1:], 9, context, DFlashContextCache(len(d2.layers)), 8)
+    assert counts["BlockConv"] == 2 * len(d2.layers)
+    assert not any("convolve" in m.__dict__ for m in d2.modules())
+    assert not torch.equal(want, torch.zeros_like(want))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_dflash2_replay_equals_sequential_decoding():
     """Replay's walk at every answer position gives the eager decoder's acceptance lengths (T=0)."""
     from nemo_dflash.evaluation.replay import walk

@@ -136,11 +136,17 @@ def fused_elementwise(*models: nn.Module) -> Iterator[dict[str, int]]:
     instance attributes (norms, MLPs) and module globals (the RoPE functions) set only for the
     duration: the recorded graph keeps the fused kernels, eager code (the prefill) runs the
     models' own code. A RoPE function is replaced only after a numeric check that it is the
-    rotate-half formula. Same arithmetic in fp32; a fused kernel may round the last bit
-    differently from the eager chain of ops.
+    rotate-half formula. A module with a `fuse_for_capture(compile)` method (DFlash2's block
+    convolution, ~35 tiny kernels a draft layer) swaps in its own compiled pieces the same way
+    and returns their undo; `counts` then has its class name. Same arithmetic in fp32; a fused
+    kernel may round the last bit differently from the eager chain of ops.
     """
     rms = compiled(_rms_norm, dynamic=False, fullgraph=True)
     silu_mul = compiled(_silu_mul, dynamic=False, fullgraph=True)
+
+    def fuse_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return compiled(fn, dynamic=False, fullgraph=True)
+
     undo: list[Callable[[], None]] = []
     counts = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
     # One compile per (shape, dtype): a target and its draft have more norm shapes than dynamo's
@@ -165,6 +171,10 @@ def fused_elementwise(*models: nn.Module) -> Iterator[dict[str, int]]:
                     m.forward = (lambda mm: (lambda x: mm.down_proj(silu_mul(mm.gate_proj(x), mm.up_proj(x)))))(m)  # type: ignore[method-assign]
                     undo.append(lambda m=m: delattr(m, "forward"))
                     counts["silu_mul"] += 1
+                fuse = getattr(m, "fuse_for_capture", None)
+                if callable(fuse):  # a module that offers compiled pieces of its own (DFlash2's block convolution)
+                    undo.append(fuse(fuse_piece))
+                    counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
                 module_name = type(m).__module__
                 if module_name in seen_modules:
                     continue

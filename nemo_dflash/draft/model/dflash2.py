@@ -98,12 +98,32 @@ def check_dflash2_fields(hidden: int, vocab: int, block: int, fields: dict[str, 
         raise ValueError("draft.dflash2.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0: off)")
 
 
+def block_convolve(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, side: int, block: int,
+                   groups: int) -> torch.Tensor:
+    """One side of `BlockConv`: x [B, Q, H] in blocks of `block`, delta [B, Q, 2 * K * G] (`kernel_projection`'s),
+    base [K, H] that side's base kernel. A plain function of tensors, so a captured step can run it compiled."""
+    b, q, h = x.shape
+    kernel_size = base.shape[0]
+    xb = x.view(b, q // block, block, h)
+    d = delta.view(b, q // block, block, 2, kernel_size, groups)[..., side, :, :]
+    out = None
+    for t in range(kernel_size):
+        shifted = xb if t == 0 else F.pad(xb[:, :, : block - t], (0, 0, t, 0))  # z[i - t], 0 before the block
+        # (base + d per group) * z, the group offsets broadcast over their channels (no [.., H] kernel formed)
+        grouped = d[..., t, :].unsqueeze(-1) * shifted.view(*shifted.shape[:-1], groups, h // groups)
+        term = base[t].to(x.dtype) * shifted + grouped.view_as(shifted)
+        out = term if out is None else out + term
+    return out.view(b, q, h)
+
+
 class BlockConv(nn.Module):
     """Grouped dynamic causal convolution over each block's positions, one side before a sublayer and one after.
 
     ``y[i, c] = sum_{t < K} (base[s, t, c] + d_s[i, t, c // group]) * z[i - t, c]``, taps before the block's first
     position zero; ``d = kernel_projection(norm(h))`` per token, [2 sides, K taps, G groups].
     """
+
+    convolve = staticmethod(block_convolve)  # `fuse_for_capture` sets a compiled one on the instance
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()
@@ -122,17 +142,13 @@ class BlockConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block: int) -> torch.Tensor:
-        b, q, h = x.shape
-        xb = x.view(b, q // block, block, h)
-        d = delta.view(b, q // block, block, 2, self.kernel_size, self.groups)[..., side, :, :]
-        out = None
-        for t in range(self.kernel_size):
-            shifted = xb if t == 0 else F.pad(xb[:, :, : block - t], (0, 0, t, 0))  # z[i - t], 0 before the block
-            # (base + d per group) * z, the group offsets broadcast over their channels (no [.., H] kernel formed)
-            grouped = (d[..., t, :].unsqueeze(-1) * shifted.view(*shifted.shape[:-1], self.groups, self.group_size))
-            term = self.base_kernel[side, t].to(x.dtype) * shifted + grouped.view_as(shifted)
-            out = term if out is None else out + term
-        return out.view(b, q, h)
+        return self.convolve(x, delta, self.base_kernel[side], side, block, self.groups)
+
+    def fuse_for_capture(self, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+        """Run `block_convolve` compiled (`compile_fn(block_convolve)`) until the returned undo: a captured decode
+        step then replays one fused kernel a side instead of ~8 tiny ones a tap (`engine.graphs.fused_elementwise`)."""
+        self.convolve = compile_fn(block_convolve)
+        return lambda: self.__dict__.pop("convolve", None)
 
     def prepare(self, z: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv_in(z), the per-token kernel offsets for `finish`) of a sublayer's normalized input z [B, Q, H]."""
@@ -331,7 +347,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 
 __all__ = [
-    "BlockConv", "CandidateSelector", "DFLASH2_DEFAULTS", "DFlash2Config", "DFlash2DecoderLayer",
+    "BlockConv", "CandidateSelector", "block_convolve", "DFLASH2_DEFAULTS", "DFlash2Config", "DFlash2DecoderLayer",
     "DFlash2DraftModel", "check_dflash2_fields", "check_dflash2_sizes", "compose_maps", "selector_walk",
     "slot_distributions", "unary_logits", "walk_slot_by_slot",
 ]
